@@ -1,0 +1,30 @@
+"""gram_haiku: per-example gradient Gram matrices for Haiku, in one backward pass.
+
+Public API (everything else lives in ``gram_haiku._src`` and is private):
+
+* :class:`track`: context manager that routes tracked Haiku layers to
+  Gram-emitting primitives.
+* :func:`value_grad_and_gram`: loss, parameter gradients and :class:`Grams`.
+* :func:`resize_probes`: size the probes for the raw ``jax.grad`` path.
+* :func:`gram_linear`: the linear-layer primitive itself.
+"""
+
+from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops.linear import gram_linear
+from gram_haiku._src.result import Grams
+from gram_haiku._src.tracking import PROBE_NAME
+from gram_haiku._src.tracking import track
+from gram_haiku._src.value_grad_and_gram import resize_probes
+from gram_haiku._src.value_grad_and_gram import value_grad_and_gram
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "ExampleAxis",
+    "Grams",
+    "PROBE_NAME",
+    "gram_linear",
+    "resize_probes",
+    "track",
+    "value_grad_and_gram",
+)

@@ -1,0 +1,90 @@
+"""Error messages, kept as constants so that tests can match them.
+
+Each says what went wrong, where (module name, shapes) and what to do.
+"""
+
+PROBE_SHAPE_MISMATCH = (
+    "gram_haiku: the Gram probe of module '{module}' has shape {got}, but "
+    "the example axis calls for {expected}. "
+    "Layer input shape: {x_shape}; example axis rule: {rule}.\n"
+    "What to do: let gram_haiku.value_grad_and_gram size the probes, or call "
+    "gram_haiku.resize_probes(state, batch_size) before taking the gradient "
+    "with respect to the probes. If the wrong axis was picked as the example "
+    "axis (e.g. an inner hk.vmap over heads or set elements in an explicitly "
+    "batched model), choose it with gram_haiku.track(example_axis=0) or "
+    "track(example_axis='<vmap axis_name>').")
+
+NAMED_AXIS_NOT_FOUND = (
+    "gram_haiku: module '{module}' was asked for the Gram over the vmap axis "
+    "named {axis!r} (track(example_axis={axis!r})), but no vmap with that "
+    "axis_name encloses the layer inside the differentiated function.\n"
+    "What to do: map the examples with hk.vmap(..., axis_name={axis!r}) "
+    "(or jax.vmap) inside the function you differentiate, or use "
+    "track(example_axis=0) for an explicitly batched input.")
+
+NO_EXAMPLE_AXIS = (
+    "gram_haiku: module '{module}' received an input of shape {shape}, which "
+    "has no leading axis to use as the example axis ({rule}).\n"
+    "What to do: pass a batch with a leading example axis, or vmap the "
+    "per-example code inside the differentiated function.")
+
+PROBE_BATCHED = (
+    "gram_haiku: the Gram probe of module '{module}' (shape {shape}) is "
+    "batched by vmap (mapped axis {dim}). The probe is one (B, B) matrix for "
+    "the whole batch and must not be mapped.\n"
+    "What to do: pass the Haiku state with in_axes=None to jax.vmap, or use "
+    "hk.vmap, which never maps state.")
+
+PARAMS_BATCHED = (
+    "gram_haiku: the parameters of module '{module}' are mapped by vmap (for "
+    "example an ensemble built with hk.lift and jax.vmap). Per-example Grams "
+    "of vmapped parameters are not supported.\n"
+    "What to do: run this module outside gram_haiku.track(), or vmap only "
+    "the inputs and keep the parameters shared.")
+
+SHARED_LAYER = (
+    "gram_haiku: module '{module}' was called more than once inside one "
+    "gram_haiku.track() context. Its per-example gradient is the sum over "
+    "the calls, so its Gram needs cross terms between calls, which this "
+    "version does not compute; returning the sum of per-call Grams would be "
+    "silently wrong.\n"
+    "What to do: call each tracked module once per forward pass (create one "
+    "module per use), or run the shared module outside track().")
+
+LOOP_BODY = (
+    "gram_haiku: module '{module}' is applied inside a loop body (lax.scan, "
+    "hk.scan, hk.dynamic_unroll, fori_loop or while_loop) with parameters "
+    "shared across iterations. Its per-example gradient is the sum over "
+    "iterations, so summing per-iteration Grams would be silently wrong.\n"
+    "What to do: run the recurrent module outside track() (hk.static_unroll "
+    "shares the parameters in the same way). hk.layer_stack, whose "
+    "parameters differ per step, is supported.")
+
+NOT_SCALAR = (
+    "gram_haiku.value_grad_and_gram: apply_fn must return a scalar loss, got "
+    "an output of shape {shape} and dtype {dtype}.\n"
+    "What to do: reduce the per-example losses with .sum() (the Gram then "
+    "equals the reference) or .mean() (the Gram is the reference / B**2).")
+
+NO_PROBES = (
+    "gram_haiku.value_grad_and_gram: the Haiku state holds no Gram probe "
+    "('gram_probe' entries), so no layer was tracked.\n"
+    "What to do: call the model inside `with gram_haiku.track():` in the "
+    "function given to hk.transform_with_state, and pass the state returned "
+    "by its init.")
+
+NEEDS_STATE = (
+    "gram_haiku.track() keeps its probes in Haiku state, which this "
+    "transform does not have ({cause}).\n"
+    "What to do: use hk.transform_with_state instead of hk.transform.")
+
+BAD_BATCH_SIZE = (
+    "gram_haiku.resize_probes: batch_size must be a positive int, got "
+    "{value!r}.")
+
+MIXED_EXAMPLE_SIZES = (
+    "gram_haiku.value_grad_and_gram: the tracked layers see example axes of "
+    "different sizes {sizes} (module: size). One Gram needs one set of "
+    "examples.\n"
+    "What to do: check which axis each layer takes as the example axis; "
+    "choose it with gram_haiku.track(example_axis=...).")

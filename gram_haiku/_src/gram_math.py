@@ -1,0 +1,184 @@
+"""Gram matrices of per-example weight gradients for linear-type layers.
+
+For a linear map ``y_t = x_t @ W`` applied at ``T`` within-example positions
+``t`` (sequence steps, spatial positions, inner vmap axes), the per-example
+gradient of ``W`` for example ``i`` is ``g_i = sum_t x_it^T d_it`` where
+``d_it = dL/dy_it`` is the output cotangent. Its Gram matrix is
+
+    G[i, j] = <g_i, g_j>_F = sum_{t,s} (x_it . x_js) (d_it . d_js)        (1)
+
+Two ways to evaluate (1):
+
+* **ghost** (Goodfellow 2015, "Efficient per-example gradient computations";
+  Li et al. 2022, "Large language models can be strong differentially private
+  learners", ghost clipping): contract the two kernel matrices
+  ``K_x = X X^T`` and ``K_d = D D^T`` over positions. Cost ``~B^2 T^2 (N+M)``
+  multiply-adds, memory ``B T B T`` per block of rows.
+* **materialise**: form ``g_i`` (``B x N x M``), then ``F F^T``.
+  Cost ``~B T N M + B^2 N M``, memory ``B N M``.
+
+The bias gradient is ``sum_t d_it``, so its Gram is ``D_b D_b^T`` with
+``D_b[i] = sum_t d_it``.
+
+Everything here accumulates in at least float32 (float64 for float64 inputs),
+whatever the input dtype, with ``Precision.HIGHEST`` so that float32 matmuls
+are not silently done in TF32/bf16 passes on accelerators.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+#: Largest per-block intermediate, in bytes, that a Gram kernel may build:
+#: the ``(rows, T, B, T)`` kernel blocks of the ghost method and the
+#: ``(B, N, M)`` per-example gradients of the materialised one.
+MEMORY_BUDGET_BYTES = 256 * 2**20
+
+STRATEGIES = ("auto", "ghost", "materialize")
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+  """float32, or float64 when any input is float64 (under ``jax_enable_x64``)."""
+  out = jnp.dtype(jnp.float32)
+  for dt in dtypes:
+    if jnp.dtype(dt) == jnp.float64:
+      out = jnp.dtype(jnp.float64)
+  return out
+
+
+def to_example_major(a: jax.Array, example_dim: int) -> jax.Array:
+  """``(..., F)`` with the example axis at ``example_dim`` -> ``(B, T, F)``.
+
+  ``T`` is the product of every other leading axis (the within-example axes).
+  """
+  a = jnp.moveaxis(a, example_dim, 0)
+  return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+def ghost_flops(b: int, t: int, n: int, m: int) -> int:
+  """Multiply-adds of the ghost method for one linear-layer weight."""
+  if t == 1:
+    return b * b * (n + m) + b * b
+  return b * b * t * t * (n + m + 1)
+
+
+def materialize_flops(b: int, t: int, n: int, m: int) -> int:
+  """Multiply-adds of the materialised method for one linear-layer weight."""
+  return b * t * n * m + b * b * n * m
+
+
+def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
+                    strategy: str = "auto") -> str:
+  """Picks ``"ghost"`` or ``"materialize"`` for a ``(B, T, N) -> M`` layer.
+
+  ``"auto"`` takes whichever needs fewer multiply-adds, except that the
+  materialised method is never chosen when its ``B x N x M`` per-example
+  gradients would exceed :data:`MEMORY_BUDGET_BYTES` (the ghost method is
+  blocked and always fits).
+
+  Raises:
+    ValueError: for an unknown ``strategy``.
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(
+        f"Unknown Gram strategy {strategy!r}; expected one of {STRATEGIES}.")
+  if strategy != "auto":
+    return strategy
+  fits = b * n * m * acc_bytes <= MEMORY_BUDGET_BYTES
+  if fits and materialize_flops(b, t, n, m) < ghost_flops(b, t, n, m):
+    return "materialize"
+  return "ghost"
+
+
+def _ghost_rows(xi, di, x, d):
+  """Rows ``i`` of (1): ``xi: (R, T, N)``, ``x: (B, T, N)`` -> ``(R, B)``."""
+  acc = x.dtype
+  kx = jnp.einsum("itn,jsn->itjs", xi, x, precision=_HIGHEST,
+                  preferred_element_type=acc)
+  kd = jnp.einsum("itm,jsm->itjs", di, d, precision=_HIGHEST,
+                  preferred_element_type=acc)
+  return jnp.einsum("itjs,itjs->ij", kx, kd, precision=_HIGHEST)
+
+
+def ghost_gram(x: jax.Array, d: jax.Array) -> jax.Array:
+  """Weight Gram (1) by the ghost method.
+
+  Args:
+    x: ``(B, T, N)`` layer inputs, example axis first, in the accumulation
+      dtype.
+    d: ``(B, T, M)`` output cotangents, same dtype.
+
+  Returns:
+    ``(B, B)`` Gram in the dtype of ``x``. Never builds more than
+    :data:`MEMORY_BUDGET_BYTES` of ``(rows, T, B, T)`` kernel blocks at once:
+    rows are processed in blocks with ``lax.map``.
+  """
+  b, t, _ = x.shape
+  if t == 1:
+    kx = jnp.matmul(x[:, 0], x[:, 0].T, precision=_HIGHEST)
+    kd = jnp.matmul(d[:, 0], d[:, 0].T, precision=_HIGHEST)
+    return kx * kd
+  itemsize = jnp.dtype(x.dtype).itemsize
+  per_row = 2 * t * b * t * itemsize  # kx and kd blocks for one row i
+  rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
+  if rows >= b:
+    return _ghost_rows(x, d, x, d)
+  n_blocks = math.ceil(b / rows)
+  pad = n_blocks * rows - b
+  xp = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
+  dp = jnp.pad(d, ((0, pad), (0, 0), (0, 0)))
+  xb = xp.reshape(n_blocks, rows, t, x.shape[-1])
+  db = dp.reshape(n_blocks, rows, t, d.shape[-1])
+  out = lax.map(lambda blk: _ghost_rows(blk[0], blk[1], x, d), (xb, db))
+  return out.reshape(n_blocks * rows, b)[:b]
+
+
+def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
+  """Weight Gram (1) from materialised per-example gradients ``x_i^T d_i``.
+
+  Args and returns as :func:`ghost_gram`. Builds ``(B, N, M)`` per-example
+  gradients; :func:`choose_strategy` only picks this when they fit
+  :data:`MEMORY_BUDGET_BYTES`.
+  """
+  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  g = g.reshape(g.shape[0], -1)
+  return jnp.matmul(g, g.T, precision=_HIGHEST)
+
+
+def bias_gram(d: jax.Array) -> jax.Array:
+  """Gram of per-example bias gradients ``sum_t d_it``: ``(B, T, M) -> (B, B)``."""
+  s = d.sum(axis=1)
+  return jnp.matmul(s, s.T, precision=_HIGHEST)
+
+
+def linear_gram(x: jax.Array, d: jax.Array, *, example_dim: int,
+                with_bias: bool, strategy: str = "auto") -> jax.Array:
+  """Per-example gradient Gram of ``y = x @ w (+ b)``.
+
+  Args:
+    x: ``(..., N)`` layer input, any float dtype. The leading axes are the
+      example axis (at ``example_dim``) and within-example axes.
+    d: ``(..., M)`` cotangent of the output, same leading axes as ``x``.
+    example_dim: position of the example axis among the leading axes.
+    with_bias: add the bias term.
+    strategy: ``"auto"``, ``"ghost"`` or ``"materialize"``.
+
+  Returns:
+    ``(B, B)`` Gram, float32 (float64 when an input is float64).
+  """
+  acc = accumulation_dtype(x.dtype, d.dtype)
+  xm = to_example_major(x, example_dim).astype(acc)
+  dm = to_example_major(d, example_dim).astype(acc)
+  b, t, n = xm.shape
+  m = dm.shape[-1]
+  method = choose_strategy(b, t, n, m, jnp.dtype(acc).itemsize, strategy)
+  gram = ghost_gram(xm, dm) if method == "ghost" else materialized_gram(xm, dm)
+  if with_bias:
+    gram = gram + bias_gram(dm)
+  return gram

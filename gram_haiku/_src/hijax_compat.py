@@ -1,0 +1,131 @@
+"""The one place that touches JAX's experimental hijax API and its internals.
+
+``jax.experimental.hijax`` is experimental: its names move between releases.
+Everything gram_haiku needs from it, and from the JAX internals that its
+backward rules receive (gradient accumulators, symbolic zeros, vmap axis
+data), is imported here and nowhere else, so that supporting a new JAX
+release means editing this module only.
+
+Supported range: see ``setup.cfg`` (``jax>=0.10.0,<0.11``). The oldest
+release with every name below is 0.10.0; :data:`MIN_JAX_VERSION` is checked at
+import time so that an unsupported JAX fails with a clear message instead of
+an ``AttributeError`` deep inside a trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+MIN_JAX_VERSION = (0, 10, 0)
+MAX_JAX_VERSION_EXCLUSIVE = (0, 11, 0)
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+  parts = []
+  for piece in text.split(".")[:3]:
+    digits = "".join(ch for ch in piece if ch.isdigit())
+    parts.append(int(digits) if digits else 0)
+  return tuple(parts)
+
+
+JAX_VERSION = _parse_version(jax.__version__)
+
+if not MIN_JAX_VERSION <= JAX_VERSION < MAX_JAX_VERSION_EXCLUSIVE:
+  raise ImportError(
+      f"gram_haiku supports jax>={'.'.join(map(str, MIN_JAX_VERSION))},"
+      f"<{'.'.join(map(str, MAX_JAX_VERSION_EXCLUSIVE))} (the releases whose "
+      "jax.experimental.hijax.VJPHiPrimitive API it is written against), but "
+      f"jax {jax.__version__} is installed. Install a supported release, e.g. "
+      "`pip install 'jax>=0.10.0,<0.11'`.")
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+from jax.experimental.hijax import VJPHiPrimitive  # noqa: E402
+from jax.experimental.hijax import Zero  # noqa: E402
+from jax.experimental.hijax import instantiate_zeros  # noqa: E402
+from jax._src import hijax as _hijax  # noqa: E402
+from jax._src.interpreters import ad as _ad  # noqa: E402
+# pylint: enable=g-import-not-at-top,g-bad-import-order
+
+__all__ = [
+    "VJPHiPrimitive",
+    "Zero",
+    "StaticFlags",
+    "is_zero",
+    "wants_cotangent",
+    "accumulate",
+    "axis_name",
+    "axis_size",
+    "jvp_by_vjp",
+]
+
+
+def is_zero(x: Any) -> bool:
+  """True for JAX's symbolic zero cotangent/tangent (``ad_util.Zero``)."""
+  return isinstance(x, Zero)
+
+
+def wants_cotangent(accum: Any) -> bool:
+  """True when a backward rule's accumulator will use what it is given.
+
+  In ``VJPHiPrimitive.vjp_bwd`` every input gets an accumulator; inputs that
+  are not differentiated get a null one. Skipping their work is what keeps a
+  tracked layer as cheap as a plain one when its Gram is not requested.
+  """
+  return isinstance(accum, _ad.GradAccum) and not isinstance(
+      accum, _ad.NullAccum)
+
+
+def accumulate(accum: Any, value: Any) -> None:
+  """Adds ``value`` into a backward rule accumulator when it wants one."""
+  if wants_cotangent(accum):
+    accum.accum(value)
+
+
+def jvp_by_vjp(prim: Any, primals: tuple, tangents: tuple):
+  """A JVP whose tangent output, when transposed, runs ``prim.vjp_bwd``.
+
+  JAX differentiates some regions (``jax.checkpoint``'s default
+  implementation, for one) by JVP + partial evaluation + transposition
+  instead of by ``vjp_fwd``/``vjp_bwd``. An ordinary JVP rule would then lose
+  everything the backward rule adds on top of the plain derivative: here, the
+  Gram written into the probe's cotangent. This emits JAX's opaque linear op
+  for VJP primitives instead (what ``custom_vjp`` does), so transposition
+  calls ``vjp_bwd``. Forward-mode evaluation of that op raises JAX's
+  "can't apply forward-mode autodiff (jvp) to a custom_vjp function" error,
+  as ``custom_vjp`` does: never a wrong number.
+  """
+  flat_tangents = [instantiate_zeros(t) for t in
+                   jax.tree_util.tree_leaves(tangents, is_leaf=is_zero)]
+  nzs = jax.tree_util.tree_map(lambda _: True, primals)
+  out, residuals = prim.vjp_fwd(nzs, *primals)[:2]
+  nz_flat = [True] * len(flat_tangents)
+  out_tangents = _hijax.fake_linear_op(prim, nz_flat, residuals,
+                                       *flat_tangents)
+  return out, jax.tree_util.tree_unflatten(prim.out_tree, out_tangents)
+
+
+def axis_name(axis_data: Any) -> Any:
+  """The ``axis_name`` of the vmap whose batching rule is running, or None."""
+  return getattr(axis_data, "name", None)
+
+
+def axis_size(axis_data: Any) -> int:
+  """The size of the vmap axis whose batching rule is running."""
+  return axis_data.size
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class StaticFlags:
+  """Python-level facts carried from ``vjp_fwd`` to ``vjp_bwd`` in residuals.
+
+  Registered as a static pytree node: it has no array leaves, so JAX carries
+  it in the residuals' tree structure.
+  """
+  values: tuple[tuple[str, Any], ...]
+
+  def __getitem__(self, key):
+    return dict(self.values)[key]

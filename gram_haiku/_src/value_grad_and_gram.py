@@ -1,0 +1,126 @@
+"""``value_grad_and_gram``: loss, parameter gradients and Grams in one pass."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src import errors
+from gram_haiku._src import probe_sizes
+from gram_haiku._src.result import Grams
+from gram_haiku._src.tracking import PROBE_NAME
+
+State = Mapping[str, Mapping[str, Any]]
+
+
+def split_probes(state: State) -> tuple[dict, dict]:
+  """Splits Haiku state into ``(other state, {module: probe})``."""
+  rest, probes = {}, {}
+  for module, entries in state.items():
+    other = {k: v for k, v in entries.items() if k != PROBE_NAME}
+    if PROBE_NAME in entries:
+      probes[module] = entries[PROBE_NAME]
+    if other:
+      rest[module] = other
+  return rest, probes
+
+
+def merge_probes(rest: State, probes: Mapping[str, Any]) -> dict:
+  """Inverse of :func:`split_probes`."""
+  out = {m: dict(v) for m, v in rest.items()}
+  for module, probe in probes.items():
+    out.setdefault(module, {})[PROBE_NAME] = probe
+  return out
+
+
+def _resized(probe, size: int):
+  """Zeros of shape ``(..., size, size)`` keeping leading (layer-stack) axes."""
+  return jnp.zeros(tuple(probe.shape[:-2]) + (size, size), probe.dtype)
+
+
+def resize_probes(state: State, batch_size: int) -> dict:
+  """Returns ``state`` with every Gram probe replaced by ``zeros(B, B)``.
+
+  For the raw path: ``jax.grad`` of a tracked loss with respect to the probes
+  in ``state`` gives each module's Gram, and the probes must then be sized to
+  the example axis (per-example code under ``hk.vmap`` cannot see ``B`` at
+  init, so its probes start with a placeholder size).
+
+  Args:
+    state: Haiku state from ``init`` of a ``hk.transform_with_state``.
+    batch_size: ``B``, the size of the example axis.
+
+  Returns:
+    A new state dict; other entries are untouched. Probes keep their dtype
+    and any leading axes (``hk.layer_stack`` stacks one probe per layer).
+
+  Raises:
+    ValueError: if ``batch_size`` is not a positive int.
+  """
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
+      batch_size < 1):
+    raise ValueError(errors.BAD_BATCH_SIZE.format(value=batch_size))
+  rest, probes = split_probes(state)
+  probes = {m: _resized(p, batch_size) for m, p in probes.items()}
+  return merge_probes(rest, probes)
+
+
+def _sum_leading(gram):
+  """Sums stacked per-layer Grams (``hk.layer_stack``) to one ``[B, B]``."""
+  return gram.reshape((-1,) + gram.shape[-2:]).sum(0) if gram.ndim > 2 else gram
+
+
+def value_grad_and_gram(apply_fn: Callable[..., Any], *,
+                        return_state: bool = False) -> Callable[..., Any]:
+  """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
+
+  Args:
+    apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` calls
+      its model inside ``gram_haiku.track()`` and returns a scalar loss.
+    return_state: also return the updated Haiku state (e.g. BatchNorm
+      statistics), as ``(value, new_state)`` in place of ``value``.
+
+  Returns:
+    ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams)``:
+    ``value`` is the loss, ``grads`` its gradient with respect to ``params``
+    (identical to untracked ``jax.grad`` up to float rounding), and ``grams``
+    a :class:`Grams` with ``total: f32[B, B]``, ``by_layer`` and
+    ``norms: f32[B]``. ``B`` is the size of the example axis at apply time,
+    which may differ from init: the probes are sized by one abstract trace
+    of the model (no FLOPs) before the real pass.
+
+  Raises:
+    ValueError: if ``state`` holds no probe, if the loss is not a scalar, or
+      from the tracked layers (see :class:`gram_haiku.track`).
+  """
+
+  def fn(params, state, rng, *args, **kwargs):
+    rest, probes = split_probes(state)
+    if not probes:
+      raise ValueError(errors.NO_PROBES)
+
+    def loss(params, probes):
+      out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
+                                *args, **kwargs)
+      if jnp.shape(out) != ():
+        raise ValueError(errors.NOT_SCALAR.format(
+            shape=jnp.shape(out), dtype=jnp.result_type(out)))
+      return out, new_state
+
+    with probe_sizes.recording() as sizes:
+      jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
+                     params, probes)
+    if not sizes:
+      raise ValueError(errors.NO_PROBES)
+    if len(set(sizes.values())) > 1:
+      raise ValueError(errors.MIXED_EXAMPLE_SIZES.format(sizes=sizes))
+    size = next(iter(sizes.values()))
+    probes = {m: _resized(p, size) for m, p in probes.items()}
+    (value, new_state), (grads, probe_grads) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)(params, probes)
+    grams = Grams({m: _sum_leading(g) for m, g in probe_grads.items()})
+    return ((value, new_state) if return_state else value), grads, grams
+
+  return fn

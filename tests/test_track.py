@@ -1,0 +1,349 @@
+"""gram_haiku.track() + value_grad_and_gram on Haiku models, vs the reference."""
+
+import functools
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from tests.reference import assert_gram_close
+from tests.reference import reference_gram
+from tests.reference import RTOL_BF16
+
+
+def _data(seed, shape, out_dim):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(k1, shape),
+          jax.random.normal(k2, shape[:-1] + (out_dim,)))
+
+
+def _mlp(x):
+  return hk.nets.MLP([7, 3], activation=jnp.tanh)(x)
+
+
+def _sq(out, y):
+  return 0.5 * jnp.sum((out - y) ** 2)
+
+
+def _setup(model_apply, x, y, **track_kw):
+  """Tracked transform, its params/state, and the untracked twin."""
+  def tracked(x, y):
+    with gram_haiku.track(**track_kw):
+      return _sq(model_apply(x), y)
+  def plain(x, y):
+    return _sq(model_apply(x), y)
+  f = hk.transform_with_state(tracked)
+  g = hk.without_apply_rng(hk.transform(plain))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  return f, g, params, state
+
+
+def _check(model_apply, x, y, jit=False, **track_kw):
+  f, g, params, state = _setup(model_apply, x, y, **track_kw)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  if jit:
+    fn = jax.jit(fn)
+  value, grads, grams = fn(params, state, None, x, y)
+  ref = reference_gram(g.apply, params, x, y)
+  assert_gram_close(grams.total, ref)
+  np.testing.assert_allclose(value, g.apply(params, x, y), rtol=1e-6)
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-4)
+  return grams
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_mlp_explicit_batch(jit):
+  x, y = _data(0, (8, 5), 3)
+  grams = _check(_mlp, x, y, jit=jit)
+  assert set(grams.by_layer) == {"mlp/~/linear_0", "mlp/~/linear_1"}
+  chex.assert_shape(grams.total, (8, 8))
+  chex.assert_shape(grams.norms, (8,))
+  assert grams.total.dtype == jnp.float32
+
+
+def test_sequence_explicit():
+  x, y = _data(1, (6, 4, 5), 3)
+  _check(_mlp, x, y)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sequence_hk_vmap_depth_1(jit):
+  x, y = _data(2, (6, 4, 5), 3)
+  _check(hk.vmap(_mlp, split_rng=False), x, y, jit=jit)
+
+
+@pytest.mark.parametrize("jit_inside", [False, True])
+def test_sequence_hk_vmap_depth_2(jit_inside):
+  x, y = _data(3, (6, 4, 5), 3)
+  inner = hk.jit(_mlp) if jit_inside and hasattr(hk, "jit") else _mlp
+  model = hk.vmap(hk.vmap(inner, split_rng=False), split_rng=False)
+  _check(model, x, y)
+
+
+def test_sequence_vmap_nonzero_axes():
+  x, y = _data(4, (6, 4, 5), 3)
+  def model(x):
+    xt = jnp.transpose(x, (1, 2, 0))  # (T, N, B)
+    inner = hk.vmap(_mlp, in_axes=0, out_axes=1, split_rng=False)  # over T
+    out = hk.vmap(inner, in_axes=2, out_axes=2, split_rng=False)(xt)
+    return jnp.transpose(out, (2, 1, 0))  # (M, T, B) -> (B, T, M)
+  _check(model, x, y)
+
+
+def test_batch_size_at_apply_differs_from_init():
+  x, y = _data(5, (6, 4, 5), 3)
+  model = hk.vmap(_mlp, split_rng=False)
+  f, g, params, state = _setup(model, x[:2], y[:2])
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                         x, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
+def test_raw_path_grad_of_state_entry():
+  x, y = _data(6, (6, 5), 3)
+  f, g, params, state = _setup(_mlp, x, y)
+  state = gram_haiku.resize_probes(state, 6)
+  def loss_of_state(state):
+    return f.apply(params, state, None, x, y)[0]
+  dstate = jax.grad(loss_of_state)(state)
+  total = sum(d[gram_haiku.PROBE_NAME] for d in dstate.values())
+  assert_gram_close(total, reference_gram(g.apply, params, x, y))
+
+
+def test_bf16_params_parity_and_f32_gram():
+  x, y = _data(7, (8, 5), 3)
+  def model(x):
+    return hk.nets.MLP([7, 3], activation=jnp.tanh)(x.astype(jnp.bfloat16))
+  def tracked(x, y):
+    with gram_haiku.track():
+      return _sq(model(x).astype(jnp.float32), y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  assert all(l.dtype == jnp.bfloat16 for l in jax.tree.leaves(params))
+  _, grads, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state,
+                                                           None, x, y)
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  assert grams.total.dtype == jnp.float32
+  def plain32(p, x, y):
+    return _sq(hk.without_apply_rng(hk.transform(
+        lambda x: hk.nets.MLP([7, 3], activation=jnp.tanh)(x))).apply(p, x), y)
+  p32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  x32 = x.astype(jnp.bfloat16).astype(jnp.float32)
+  assert_gram_close(grams.total, reference_gram(plain32, p32, x32, y),
+                    rtol=RTOL_BF16)
+
+
+def test_inference_unchanged_bitwise():
+  x, y = _data(8, (8, 5), 3)
+  def tracked_out(x):
+    with gram_haiku.track():
+      return _mlp(x)
+  f = hk.transform_with_state(tracked_out)
+  g = hk.transform(_mlp)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), x))
+  out, _ = f.apply(params, state, None, x)
+  np.testing.assert_array_equal(out, g.apply(params, None, x))
+  out_jit, _ = jax.jit(f.apply)(params, state, None, x)
+  np.testing.assert_array_equal(out_jit, jax.jit(g.apply)(params, None, x))
+  # Parameter gradients without the probes: same as plain Haiku.
+  def loss_t(p):
+    return _sq(f.apply(p, state, None, x)[0], 0.0)
+  def loss_p(p):
+    return _sq(g.apply(p, None, x), 0.0)
+  chex.assert_trees_all_close(jax.grad(loss_t)(params), jax.grad(loss_p)(params),
+                              rtol=1e-6)
+
+
+def test_outside_track_no_probes():
+  x, _ = _data(9, (4, 5), 3)
+  f = hk.transform_with_state(_mlp)
+  _, state = f.init(jax.random.PRNGKey(0), x)
+  assert state == {}
+
+
+def test_wrong_probe_error_names_module():
+  x, y = _data(10, (6, 5), 3)
+  f, _, params, state = _setup(_mlp, x, y)
+  state = gram_haiku.resize_probes(state, 4)
+  with pytest.raises(ValueError) as e:
+    jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(state)
+  assert "mlp/~/linear_0" in str(e.value)
+  assert "(4, 4)" in str(e.value) and "(6, 6)" in str(e.value)
+
+
+def test_resize_probes_validation():
+  with pytest.raises(ValueError, match="positive int"):
+    gram_haiku.resize_probes({}, 0)
+
+
+def test_no_probes_error():
+  f = hk.transform_with_state(lambda x: _mlp(x).sum())
+  x, _ = _data(11, (4, 5), 3)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="no Gram probe"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
+
+
+def test_non_scalar_loss_error():
+  def fn(x):
+    with gram_haiku.track():
+      return _mlp(x)
+  f = hk.transform_with_state(fn)
+  x, _ = _data(12, (4, 5), 3)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="scalar loss"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
+
+
+def test_plain_transform_error():
+  def fn(x):
+    with gram_haiku.track():
+      return _mlp(x).sum()
+  with pytest.raises(ValueError, match="transform_with_state"):
+    hk.transform(fn).init(jax.random.PRNGKey(0), jnp.ones((2, 5)))
+
+
+def test_module_called_twice_is_an_error():
+  # C09 (a): one hk.Linear applied to x and to x**2/5. Cross terms between
+  # the calls are not computed in this version, so this must not return a
+  # number.
+  x, y = _data(13, (8, 6), 4)
+  def model(x):
+    lin = hk.Linear(4)
+    return lin(x) + lin(x ** 2 / 5)
+  def tracked(x, y):
+    with gram_haiku.track():
+      return _sq(model(x), y)
+  f = hk.transform_with_state(tracked)
+  with pytest.raises(ValueError, match="'linear' was called more than once"):
+    f.init(jax.random.PRNGKey(0), x, y)
+
+
+@pytest.mark.parametrize("unroll", ["dynamic", "static"])
+def test_rnn_weight_reuse_is_an_error(unroll):
+  # C04 (Haiku variant): a VanillaRNN whose matrices are reused per step.
+  x, _ = _data(14, (6, 4, 3), 5)
+  def tracked(x):
+    with gram_haiku.track():
+      core = hk.VanillaRNN(5)
+      xs = jnp.swapaxes(x, 0, 1)
+      state0 = core.initial_state(x.shape[0])
+      if unroll == "dynamic":
+        out, _ = hk.dynamic_unroll(core, xs, state0)
+      else:
+        out, _ = hk.static_unroll(core, xs, state0)
+      return out.sum()
+  f = hk.transform_with_state(tracked)
+  with pytest.raises(ValueError, match="loop body|more than once"):
+    f.init(jax.random.PRNGKey(0), x)
+
+
+def test_layer_stack_is_not_sharing():
+  x, y = _data(15, (6, 5), 5)
+  def model(x):
+    stack = hk.layer_stack(3)(lambda h: jnp.tanh(hk.Linear(5)(h)))
+    return stack(x)
+  grams = _check(model, x, y)
+  (stacked,) = grams.by_layer.values()
+  chex.assert_shape(stacked, (6, 6))
+
+
+def test_remat_inside_model():
+  x, y = _data(16, (6, 4, 5), 3)
+  _check(lambda x: hk.remat(hk.vmap(_mlp, split_rng=False))(x), x, y)
+
+
+def test_named_axis_with_inner_heads_vmap():
+  # C16: hk.vmap over an inner K=5 set axis with shared params, examples
+  # mapped by a named vmap. Only B is the example axis: G is 6x6.
+  b, k, d = 6, 5, 13
+  x, y = _data(17, (b, k, d), 11)
+  def mlp(x):
+    return hk.nets.MLP([10, 11])(x)
+  def per_example(xe):
+    return hk.vmap(mlp, split_rng=False)(xe)  # over K
+  model = hk.vmap(per_example, split_rng=False, axis_name="batch")
+  grams = _check(model, x, y, example_axis="batch")
+  chex.assert_shape(grams.total, (b, b))
+
+
+def test_explicit_batch_with_inner_vmap_needs_override():
+  # An explicitly batched model that vmaps over heads internally: the default
+  # rule would take the heads axis; example_axis=0 gives the right Gram, and
+  # the default is an error, never a silent number.
+  b, k, d = 6, 5, 4
+  x, y = _data(18, (b, k, d), 3)
+  def model(x):
+    xt = jnp.swapaxes(x, 0, 1)  # (K, B, D)
+    out = hk.vmap(_mlp, split_rng=False)(xt)
+    return jnp.swapaxes(out, 0, 1)
+  _check(model, x, y, example_axis=0)
+  f, _, params, state = _setup(model, x, y)
+  with pytest.raises(ValueError, match="example_axis=0"):
+    state = gram_haiku.resize_probes(state, b)
+    jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(state)
+
+
+@pytest.mark.parametrize("b", [1, 2, 10, 20])
+def test_mean_loss_scales_by_one_over_b_squared(b):
+  # C10: sum loss gives the reference, mean loss gives reference / B**2.
+  x, y = _data(19, (b, 10), 4)
+  def model(x):
+    return hk.Linear(4)(jnp.tanh(hk.Linear(16)(x)))
+  def tracked(x, y, reduce):
+    with gram_haiku.track():
+      out = model(x)
+    per_ex = 0.5 * jnp.sum((out - y) ** 2, axis=-1)
+    return reduce(per_ex)
+  f_sum = hk.transform_with_state(functools.partial(tracked, reduce=jnp.sum))
+  f_mean = hk.transform_with_state(functools.partial(tracked, reduce=jnp.mean))
+  params, state = f_sum.init(jax.random.PRNGKey(0), x, y)
+  g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
+  ref = reference_gram(g.apply, params, x, y)
+  _, _, gs = gram_haiku.value_grad_and_gram(f_sum.apply)(params, state, None,
+                                                         x, y)
+  _, _, gm = gram_haiku.value_grad_and_gram(f_mean.apply)(params, state,
+                                                          None, x, y)
+  assert_gram_close(gs.total, ref)
+  assert_gram_close(gm.total, ref / b ** 2)
+  if b == 1:
+    flat = np.concatenate([np.ravel(l) for l in jax.tree.leaves(
+        jax.grad(g.apply)(params, x, y))])
+    np.testing.assert_allclose(gs.total[0, 0], flat @ flat, rtol=1e-5)
+
+
+def test_grams_pytree_under_jit_and_vmap():
+  x, y = _data(20, (3, 6, 5), 3)  # 3 independent batches of 6
+  f, g, params, state = _setup(_mlp, x[0], y[0])
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, grams = jax.jit(jax.vmap(fn, in_axes=(None, None, None, 0, 0)))(
+      params, state, None, x, y)
+  chex.assert_shape(grams.total, (3, 6, 6))
+  chex.assert_shape(grams.norms, (3, 6))
+  for i in range(3):
+    assert_gram_close(grams.total[i],
+                      reference_gram(g.apply, params, x[i], y[i]))
+
+
+def test_attention_projections_tracked():
+  x, y = _data(21, (4, 6, 8), 8)
+  def model(x):
+    mha = hk.MultiHeadAttention(num_heads=2, key_size=4,
+                                w_init=hk.initializers.VarianceScaling(1.0))
+    return mha(x, x, x)
+  grams = _check(model, x, y)
+  assert len(grams.by_layer) == 4  # query, key, value, linear
+
+
+def test_c12_explicit_operands_match_unswapped_linear():
+  # C12 variant C: parameters threaded as primitive operands.
+  x, y = _data(22, (8, 6), 4)
+  grams = _check(lambda x: hk.Linear(4)(x), x, y)
+  assert list(grams.by_layer) == ["linear"]
