@@ -72,13 +72,15 @@ def _sum_leading(gram):
   return gram.reshape((-1,) + gram.shape[-2:]).sum(0) if gram.ndim > 2 else gram
 
 
-def value_grad_and_gram(apply_fn: Callable[..., Any], *,
+def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                         return_state: bool = False) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
 
   Args:
     apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` calls
       its model inside ``gram_haiku.track()`` and returns a scalar loss.
+    has_aux: ``f`` returns ``(loss, aux)``; ``value`` is then that pair, as
+      with ``jax.value_and_grad(..., has_aux=True)``.
     return_state: also return the updated Haiku state (e.g. BatchNorm
       statistics), as ``(value, new_state)`` in place of ``value``.
 
@@ -104,10 +106,11 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *,
     def loss(params, probes):
       out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
                                 *args, **kwargs)
-      if jnp.shape(out) != ():
+      value, aux = out if has_aux else (out, None)
+      if jnp.shape(value) != ():
         raise ValueError(errors.NOT_SCALAR.format(
-            shape=jnp.shape(out), dtype=jnp.result_type(out)))
-      return out, new_state
+            shape=jnp.shape(value), dtype=jnp.result_type(value)))
+      return value, (aux, new_state)
 
     with probe_sizes.recording() as sizes:
       jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
@@ -118,8 +121,10 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *,
       raise ValueError(errors.MIXED_EXAMPLE_SIZES.format(sizes=sizes))
     size = next(iter(sizes.values()))
     probes = {m: _resized(p, size) for m, p in probes.items()}
-    (value, new_state), (grads, probe_grads) = jax.value_and_grad(
+    (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
         loss, argnums=(0, 1), has_aux=True)(params, probes)
+    if has_aux:
+      value = (value, aux)
     grams = Grams({m: _sum_leading(g) for m, g in probe_grads.items()})
     return ((value, new_state) if return_state else value), grads, grams
 

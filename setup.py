@@ -1,0 +1,4 @@
+"""Shim for tools that still call setup.py; all metadata is in setup.cfg."""
+import setuptools
+
+setuptools.setup()
