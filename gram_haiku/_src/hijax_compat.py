@@ -6,8 +6,9 @@ backward rules receive (gradient accumulators, symbolic zeros, vmap axis
 data), is imported here and nowhere else, so that supporting a new JAX
 release means editing this module only.
 
-Supported range: see ``setup.cfg`` (``jax>=0.10.0,<0.11``). The oldest
-release with every name below is 0.10.0; :data:`MIN_JAX_VERSION` is checked at
+Supported range: see ``setup.cfg`` (``jax>=0.9.0,<0.11``). The oldest
+release with every name below is 0.9.0 (0.8.x lacks
+``hijax.instantiate_zeros`` and its ``vjp_fwd`` takes no ``nzs_in``); :data:`MIN_JAX_VERSION` is checked at
 import time so that an unsupported JAX fails with a clear message instead of
 an ``AttributeError`` deep inside a trace.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 import jax
 
-MIN_JAX_VERSION = (0, 10, 0)
+MIN_JAX_VERSION = (0, 9, 0)
 MAX_JAX_VERSION_EXCLUSIVE = (0, 11, 0)
 
 
@@ -39,7 +40,7 @@ if not MIN_JAX_VERSION <= JAX_VERSION < MAX_JAX_VERSION_EXCLUSIVE:
       f"<{'.'.join(map(str, MAX_JAX_VERSION_EXCLUSIVE))} (the releases whose "
       "jax.experimental.hijax.VJPHiPrimitive API it is written against), but "
       f"jax {jax.__version__} is installed. Install a supported release, e.g. "
-      "`pip install 'jax>=0.10.0,<0.11'`.")
+      "`pip install 'jax>=0.9.0,<0.11'`.")
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 from jax.experimental.hijax import VJPHiPrimitive  # noqa: E402
@@ -55,9 +56,7 @@ __all__ = [
     "StaticFlags",
     "is_zero",
     "wants_cotangent",
-    "accumulate",
     "axis_name",
-    "axis_size",
     "jvp_by_vjp",
 ]
 
@@ -76,12 +75,6 @@ def wants_cotangent(accum: Any) -> bool:
   """
   return isinstance(accum, _ad.GradAccum) and not isinstance(
       accum, _ad.NullAccum)
-
-
-def accumulate(accum: Any, value: Any) -> None:
-  """Adds ``value`` into a backward rule accumulator when it wants one."""
-  if wants_cotangent(accum):
-    accum.accum(value)
 
 
 def jvp_by_vjp(prim: Any, primals: tuple, tangents: tuple):
@@ -110,11 +103,6 @@ def jvp_by_vjp(prim: Any, primals: tuple, tangents: tuple):
 def axis_name(axis_data: Any) -> Any:
   """The ``axis_name`` of the vmap whose batching rule is running, or None."""
   return getattr(axis_data, "name", None)
-
-
-def axis_size(axis_data: Any) -> int:
-  """The size of the vmap axis whose batching rule is running."""
-  return axis_data.size
 
 
 @jax.tree_util.register_static
