@@ -19,13 +19,16 @@ def _spec(apply):
 
 
 def test_wrong_gram_fails_invariance():
-  # A rule that sums per-position Grams instead of per-example gradients:
-  # emulated by calling the op under an inner example_axis it cannot see.
-  def apply(p, probe, x):
-    out = gram_linear(x, p["w"], p["b"], probe)
-    return out * 1.1  # wrong forward -> wrong cotangents -> wrong Gram
+  # The classic per-example-gradient bug: one Gram per position, summed
+  # (sum_t G_t) instead of the Gram of the summed per-example gradient. The
+  # forward values and parameter gradients are right; only the Gram is wrong.
+  def apply(p, probe, x):  # x: (B, T, N), explicitly batched
+    outs = [gram_linear(x[:, t], p["w"], p["b"], probe)
+            for t in range(x.shape[1])]
+    return jnp.stack(outs, axis=1)
+  spec = _spec(apply)
   with pytest.raises(AssertionError):
-    checks.check_vmap_depth_invariance(_spec(apply), (0,), "none")
+    checks.check_vmap_depth_invariance(spec, (), "none")
 
 
 def test_wrong_cotangent_dtype_fails_parity():

@@ -73,11 +73,6 @@ NO_PROBES = (
     "function given to hk.transform_with_state, and pass the state returned "
     "by its init.")
 
-NEEDS_STATE = (
-    "gram_haiku.track() keeps its probes in Haiku state, which this "
-    "transform does not have ({cause}).\n"
-    "What to do: use hk.transform_with_state instead of hk.transform.")
-
 BAD_BATCH_SIZE = (
     "gram_haiku.resize_probes: batch_size must be a positive int, got "
     "{value!r}.")

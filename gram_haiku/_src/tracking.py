@@ -145,13 +145,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     # At init, per-example code under vmap cannot see B: the size here is a
     # placeholder that value_grad_and_gram / resize_probes corrects.
     size = x.shape[0] if x.ndim >= 2 else 1
-    try:
-      return hk.get_state(PROBE_NAME, (size, size), probe_dtype(x.dtype),
-                          init=jnp.zeros)
-    except ValueError as e:
-      if "transform_with_state" in str(e) or "state" in str(e).lower():
-        raise ValueError(errors.NEEDS_STATE.format(cause=e)) from e
-      raise
+    # Under hk.transform (no state) Haiku itself raises NonEmptyStateError
+    # after the function returns, telling the user to use
+    # hk.transform_with_state.
+    return hk.get_state(PROBE_NAME, (size, size), probe_dtype(x.dtype),
+                        init=jnp.zeros)
 
   def _linear(self, module: hk.Linear, inputs, *, precision=None):
     """``hk.Linear.__call__`` with the Gram primitive (same parameters)."""
