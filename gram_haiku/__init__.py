@@ -13,6 +13,7 @@ from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
+from gram_haiku._src.tracking import register_layer
 from gram_haiku._src.tracking import track
 from gram_haiku._src.value_grad_and_gram import resize_probes
 from gram_haiku._src.value_grad_and_gram import value_grad_and_gram

@@ -324,12 +324,24 @@ def test_named_example_axis_with_inner_heads_vmap():
 
 
 def test_named_axis_missing_error():
+  # Under a vmap with another name, a missing named axis is an error...
   p, x, y = _problem(19)
   axis = ExampleAxis.from_spec("batch")
   def loss(p, probe, x, y):
-    return _head(_tracked(p, probe, x, example_axis=axis, name="l"), y)
+    out = jax.vmap(lambda xi: _tracked(p, probe, xi, example_axis=axis,
+                                       name="l"), axis_name="other")(x)
+    return _head(out, y)
   with pytest.raises(ValueError, match="named 'batch'"):
     _gram(loss, p, x, y, 5)
+
+
+def test_named_axis_outside_every_vmap_uses_axis_0():
+  # ...while a layer outside every vmap is explicitly batched: axis 0.
+  p, x, y = _problem(20)
+  axis = ExampleAxis.from_spec("batch")
+  def loss(p, probe, x, y):
+    return _head(_tracked(p, probe, x, example_axis=axis, name="l"), y)
+  assert_gram_close(_gram(loss, p, x, y, 5), _ref(p, x, y))
 
 
 def test_example_axis_spec_validation():

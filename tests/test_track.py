@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
 from tests.reference import assert_gram_close
 from tests.reference import reference_gram
 from tests.reference import RTOL_BF16
@@ -210,39 +211,73 @@ def test_plain_transform_error():
     hk.transform(fn).init(jax.random.PRNGKey(0), jnp.ones((2, 5)))
 
 
-def test_module_called_twice_is_an_error():
-  # C09 (a): one hk.Linear applied to x and to x**2/5. Cross terms between
-  # the calls are not computed in this version, so this must not return a
-  # number.
+def _raw_probe_grad(f, params, state, *args):
+  """The raw path: jax.grad with respect to resized probes, no discovery."""
+  rest, probes = gram_haiku_vgg.split_probes(state)
+  b = args[0].shape[0]
+  probes = gram_haiku_vgg.split_probes(
+      gram_haiku.resize_probes(state, b))[1]
+  def loss(probes):
+    return f.apply(params, gram_haiku_vgg.merge_probes(rest, probes), None,
+                   *args)[0]
+  return jax.grad(loss)(probes)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_module_called_twice_has_cross_terms(jit):
+  # C09 (a): one hk.Linear applied to x and to x**2/5. Its per-example
+  # gradient is the sum over both calls: the Gram needs the cross terms.
   x, y = _data(13, (8, 6), 4)
   def model(x):
     lin = hk.Linear(4)
-    return lin(x) + lin(x ** 2 / 5)
+    return jnp.tanh(lin(x)) + lin(x ** 2 / 5)
+  grams = _check(model, x, y, jit=jit)
+  assert list(grams.by_layer) == ["linear"]
+
+
+def test_module_called_twice_raw_path_is_an_error():
+  # Without value_grad_and_gram's discovery pass nothing can accumulate the
+  # per-example gradients: an error, never the sum of per-call Grams.
+  x, y = _data(13, (8, 6), 4)
   def tracked(x, y):
     with gram_haiku.track():
-      return _sq(model(x), y)
+      lin = hk.Linear(4)
+      return _sq(lin(x) + lin(x ** 2 / 5), y)
   f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="'linear' was called more than once"):
-    f.init(jax.random.PRNGKey(0), x, y)
+    _raw_probe_grad(f, params, state, x, y)
+
+
+def _rnn(unroll):
+  def model(x):  # x: (B, T, F) -> (B, T, H)
+    core = hk.VanillaRNN(5)
+    xs = jnp.swapaxes(x, 0, 1)
+    state0 = core.initial_state(x.shape[0])
+    run = hk.dynamic_unroll if unroll == "dynamic" else hk.static_unroll
+    out, _ = run(core, xs, state0)
+    return jnp.swapaxes(out, 0, 1)
+  return model
 
 
 @pytest.mark.parametrize("unroll", ["dynamic", "static"])
-def test_rnn_weight_reuse_is_an_error(unroll):
+def test_rnn_weight_reuse_has_cross_terms(unroll):
   # C04 (Haiku variant): a VanillaRNN whose matrices are reused per step.
-  x, _ = _data(14, (6, 4, 3), 5)
-  def tracked(x):
+  x, y = _data(14, (6, 4, 3), 5)
+  grams = _check(_rnn(unroll), x, y)
+  assert len(grams.by_layer) == 2  # input_to_hidden, hidden_to_hidden
+
+
+@pytest.mark.parametrize("unroll", ["dynamic", "static"])
+def test_rnn_weight_reuse_raw_path_is_an_error(unroll):
+  x, y = _data(14, (6, 4, 3), 5)
+  def tracked(x, y):
     with gram_haiku.track():
-      core = hk.VanillaRNN(5)
-      xs = jnp.swapaxes(x, 0, 1)
-      state0 = core.initial_state(x.shape[0])
-      if unroll == "dynamic":
-        out, _ = hk.dynamic_unroll(core, xs, state0)
-      else:
-        out, _ = hk.static_unroll(core, xs, state0)
-      return out.sum()
+      return _sq(_rnn(unroll)(x), y)
   f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="loop body|more than once"):
-    f.init(jax.random.PRNGKey(0), x)
+    _raw_probe_grad(f, params, state, x, y)
 
 
 def test_layer_stack_is_not_sharing():

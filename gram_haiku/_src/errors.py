@@ -5,7 +5,7 @@ Each says what went wrong, where (module name, shapes) and what to do.
 
 PROBE_SHAPE_MISMATCH = (
     "gram_haiku: the Gram probe of module '{module}' has shape {got}, but "
-    "the example axis calls for {expected}. "
+    "the example axis calls for {expected} (mode {mode!r}). "
     "Layer input shape: {x_shape}; example axis rule: {rule}.\n"
     "What to do: let gram_haiku.value_grad_and_gram size the probes, or call "
     "gram_haiku.resize_probes(state, batch_size) before taking the gradient "
@@ -36,8 +36,8 @@ PROBE_BATCHED = (
     "hk.vmap, which never maps state.")
 
 PARAMS_BATCHED = (
-    "gram_haiku: the parameters of module '{module}' are mapped by vmap (for "
-    "example an ensemble built with hk.lift and jax.vmap). Per-example Grams "
+    "gram_haiku: the parameters {params} of module '{module}' are mapped by "
+    "vmap (for example an ensemble built with hk.lift and jax.vmap). Per-example Grams "
     "of vmapped parameters are not supported.\n"
     "What to do: run this module outside gram_haiku.track(), or vmap only "
     "the inputs and keep the parameters shared.")
@@ -83,3 +83,22 @@ MIXED_EXAMPLE_SIZES = (
     "examples.\n"
     "What to do: check which axis each layer takes as the example axis; "
     "choose it with gram_haiku.track(example_axis=...).")
+
+PROBE_REF_TYPE = (
+    "gram_haiku: the reference given to jax.vjp(...).with_refs(...) for the "
+    "Gram probe of module '{module}' has type {got}, but the probe's "
+    "cotangent has type {expected}.\n"
+    "What to do: accumulate into jax.new_ref(jnp.zeros_like(probe)), a ref "
+    "with the probe's own shape and dtype.")
+
+AMBIGUOUS_EXAMPLE_AXIS = (
+    "gram_haiku.value_grad_and_gram: under the default example-axis rule, "
+    "some tracked layers take a vmap axis as the example axis ({vmapped}) "
+    "and others their input's axis 0 ({explicit}). In an explicitly batched "
+    "model with an inner hk.vmap (over heads, ensemble members or set "
+    "elements) the default picks the inner vmap, which is not the example "
+    "axis, so the Gram would be wrong.\n"
+    "What to do: say which axis holds the examples: "
+    "gram_haiku.track(example_axis=0) for the explicit batch axis (every "
+    "vmap is then within-example), or track(example_axis='<axis_name>') for "
+    "a named hk.vmap over examples.")

@@ -12,7 +12,13 @@ at each step:
 * ``ExampleAxis.leading()`` (``track(example_axis=0)``): the input's own axis
   0; every vmap is a within-example axis, so each one pushes it back by one.
 * ``ExampleAxis.named("batch")``: the vmap with that ``axis_name``; unknown
-  (``None``) until its batching rule fires, pushed back by outer vmaps.
+  (``None``) until its batching rule fires, pushed back by outer vmaps. A
+  layer outside every vmap (an explicitly batched part of the model) uses its
+  input's axis 0; a layer under other vmaps but not that one is an error.
+
+``vmapped`` records whether any vmap batching rule has fired, which is how
+:func:`gram_haiku.value_grad_and_gram` notices a model whose layers resolve
+the default rule in two different ways (see ``AMBIGUOUS_EXAMPLE_AXIS``).
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ class ExampleAxis:
     name: the vmap ``axis_name`` for ``"named"``.
     position: index of the example axis in the op's current input, or
       ``None`` while a named axis has not been met yet.
+    vmapped: whether the op has been batched by at least one vmap.
   """
   kind: str
   name: Optional[Hashable] = None
   position: Optional[int] = 0
+  vmapped: bool = False
 
   @classmethod
   def from_spec(cls, spec: ExampleAxisSpec) -> "ExampleAxis":
@@ -62,12 +70,18 @@ class ExampleAxis:
   def after_vmap(self, vmap_axis_name: Hashable) -> "ExampleAxis":
     """The example axis after a vmap's axis is moved to the input's front."""
     if self.kind == "default":
-      return self
+      return dataclasses.replace(self, vmapped=True)
     if self.kind == "named" and vmap_axis_name == self.name:
-      return dataclasses.replace(self, position=0)
+      return dataclasses.replace(self, position=0, vmapped=True)
     if self.position is None:
-      return self
-    return dataclasses.replace(self, position=self.position + 1)
+      return dataclasses.replace(self, vmapped=True)
+    return dataclasses.replace(self, position=self.position + 1, vmapped=True)
+
+  def resolved_position(self) -> Optional[int]:
+    """Where the example axis is now; None for a named axis not found."""
+    if self.position is None and not self.vmapped:
+      return 0  # A named axis, but the layer is outside every vmap.
+    return self.position
 
   def describe(self) -> str:
     if self.kind == "default":

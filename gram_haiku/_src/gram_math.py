@@ -182,3 +182,62 @@ def linear_gram(x: jax.Array, d: jax.Array, *, example_dim: int,
   if with_bias:
     gram = gram + bias_gram(dm)
   return gram
+
+
+def ghost_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
+  """Diagonal of (1) by the ghost method: ``(B, T, N), (B, T, M) -> (B,)``.
+
+  ``|g_i|^2 = sum_{t,s} (x_it . x_is)(d_it . d_is)``: cost ``~B T^2 (N+M)``.
+  Examples are processed in blocks so that the ``(rows, T, T)`` kernels stay
+  under :data:`MEMORY_BUDGET_BYTES`.
+  """
+  b, t, _ = x.shape
+  if t == 1:
+    return jnp.sum(x[:, 0] ** 2, -1) * jnp.sum(d[:, 0] ** 2, -1)
+
+  def rows(xd):
+    xi, di = xd
+    kx = jnp.einsum("itn,isn->its", xi, xi, precision=_HIGHEST)
+    kd = jnp.einsum("itm,ism->its", di, di, precision=_HIGHEST)
+    return jnp.sum(kx * kd, axis=(1, 2))
+  per_row = 2 * t * t * jnp.dtype(x.dtype).itemsize
+  n_rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
+  if n_rows >= b:
+    return rows((x, d))
+  n_blocks = math.ceil(b / n_rows)
+  pad = n_blocks * n_rows - b
+  xb = jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(
+      n_blocks, n_rows, t, x.shape[-1])
+  db = jnp.pad(d, ((0, pad), (0, 0), (0, 0))).reshape(
+      n_blocks, n_rows, t, d.shape[-1])
+  return lax.map(rows, (xb, db)).reshape(-1)[:b]
+
+
+def materialized_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
+  """Diagonal of (1) from per-example gradients: cost ``~B T N M``."""
+  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  return jnp.sum(g * g, axis=(1, 2))
+
+
+def linear_sq_norms(x: jax.Array, d: jax.Array, *, example_dim: int,
+                    with_bias: bool, strategy: str = "auto") -> jax.Array:
+  """Squared per-example gradient norms of ``y = x @ w (+ b)`` (diag of Gram).
+
+  Same arguments as :func:`linear_gram`; returns ``(B,)``. This is the
+  "ghost norm" of Goodfellow (2015) and Li et al. (2022): no ``B x B``
+  term, so its cost is linear in ``B``.
+  """
+  acc = accumulation_dtype(x.dtype, d.dtype)
+  xm = to_example_major(x, example_dim).astype(acc)
+  dm = to_example_major(d, example_dim).astype(acc)
+  b, t, n = xm.shape
+  m = dm.shape[-1]
+  if strategy == "auto":
+    fits = b * n * m * jnp.dtype(acc).itemsize <= MEMORY_BUDGET_BYTES
+    strategy = ("materialize" if fits and t * n * m < t * t * (n + m)
+                else "ghost")
+  out = (ghost_sq_norms(xm, dm) if strategy == "ghost"
+         else materialized_sq_norms(xm, dm))
+  if with_bias:
+    out = out + jnp.sum(dm.sum(axis=1) ** 2, axis=-1)
+  return out

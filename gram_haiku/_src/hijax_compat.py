@@ -56,6 +56,7 @@ __all__ = [
     "StaticFlags",
     "is_zero",
     "wants_cotangent",
+    "accumulator_ref_type",
     "axis_name",
     "jvp_by_vjp",
 ]
@@ -98,6 +99,23 @@ def jvp_by_vjp(prim: Any, primals: tuple, tangents: tuple):
   out_tangents = _hijax.fake_linear_op(prim, nz_flat, residuals,
                                        *flat_tangents)
   return out, jax.tree_util.tree_unflatten(prim.out_tree, out_tangents)
+
+
+def accumulator_ref_type(accum: Any):
+  """``(shape, dtype)`` of the user's ref behind a ``with_refs`` accumulator.
+
+  ``jax.vjp(f, ...).with_refs(*refs)`` accumulates cotangents into
+  ``jax.new_ref`` arrays; inside a backward rule such an input has a ref
+  accumulator. Returns None for every other accumulator.
+  """
+  if not isinstance(accum, _ad.RefAccum):
+    return None
+  ref = getattr(accum, "ref", None)
+  if ref is None:
+    return None
+  aval = jax.typeof(ref)
+  inner = getattr(aval, "inner_aval", aval)
+  return tuple(inner.shape), inner.dtype
 
 
 def axis_name(axis_data: Any) -> Any:

@@ -20,6 +20,8 @@ class Grams:
     by_layer: ``{module name: f32[B, B]}``, the Gram of each tracked module's
       parameters. ``G[i, j] = <g_i, g_j>`` where ``g_i`` is the gradient of
       example ``i``'s contribution to the differentiated scalar.
+    sq_norms_by_layer: ``{module name: f32[B]}`` for modules tracked with
+      ``track(mode="norms")``: only the diagonal ``|g_i|^2``.
 
   Units: squared units of the loss per squared parameter unit. Loss scale: for
   ``loss = sum_i l_i`` the Gram is the reference ``F @ F.T``; for
@@ -27,17 +29,33 @@ class Grams:
   ``1/B``).
   """
 
-  def __init__(self, by_layer: Mapping[str, jax.Array]):
+  def __init__(self, by_layer: Mapping[str, jax.Array],
+               sq_norms_by_layer: Mapping[str, jax.Array] | None = None):
     self.by_layer = dict(by_layer)
+    self.sq_norms_by_layer = dict(sq_norms_by_layer or {})
 
   @property
   def total(self) -> jax.Array:
-    """``f32[B, B]``: the whole model's Gram, the sum over tracked layers."""
-    grams = list(self.by_layer.values())
-    total = grams[0]
-    for g in grams[1:]:
-      total = total + g
-    return total
+    """``f32[B, B]``: the whole model's Gram, the sum over tracked layers.
+
+    Raises:
+      ValueError: when some layer was tracked with ``mode="norms"`` (only
+        its diagonal exists); use :attr:`norms` or :attr:`sq_norms`.
+    """
+    if self.sq_norms_by_layer:
+      raise ValueError(
+          "Grams.total: layers " + ", ".join(sorted(self.sq_norms_by_layer))
+          + " were tracked with track(mode='norms'), so only the diagonal of "
+          "their Gram exists. Use grams.norms / grams.sq_norms, or track them "
+          "with mode='gram' for the full matrix.")
+    return _sum(list(self.by_layer.values()))
+
+  @property
+  def sq_norms(self) -> jax.Array:
+    """``f32[B]``: squared per-example gradient norms, ``diag(total)``."""
+    parts = [jnp.diagonal(g, axis1=-2, axis2=-1)
+             for g in self.by_layer.values()]
+    return _sum(parts + list(self.sq_norms_by_layer.values()))
 
   @property
   def norms(self) -> jax.Array:
@@ -45,19 +63,33 @@ class Grams:
 
     Negative diagonal entries from float rounding are clamped to 0.
     """
-    diag = jnp.diagonal(self.total, axis1=-2, axis2=-1)
-    return jnp.sqrt(jnp.maximum(diag, 0))
+    return jnp.sqrt(jnp.maximum(self.sq_norms, 0))
 
   def tree_flatten(self):
-    keys = tuple(sorted(self.by_layer))
-    return tuple(self.by_layer[k] for k in keys), keys
+    full = tuple(sorted(self.by_layer))
+    diag = tuple(sorted(self.sq_norms_by_layer))
+    leaves = tuple(self.by_layer[k] for k in full) + tuple(
+        self.sq_norms_by_layer[k] for k in diag)
+    return leaves, (full, diag)
 
   @classmethod
   def tree_unflatten(cls, keys, leaves):
-    return cls(dict(zip(keys, leaves)))
+    full, diag = keys
+    return cls(dict(zip(full, leaves[:len(full)])),
+               dict(zip(diag, leaves[len(full):])))
 
   def __repr__(self):
-    layers = ", ".join(
-        f"{k!r}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}"
-        for k, v in sorted(self.by_layer.items()))
-    return f"Grams(by_layer={{{layers}}})"
+    def fmt(d):
+      return ", ".join(
+          f"{k!r}: {getattr(v, 'dtype', '?')}{list(getattr(v, 'shape', ()))}"
+          for k, v in sorted(d.items()))
+    extra = (f", sq_norms_by_layer={{{fmt(self.sq_norms_by_layer)}}}"
+             if self.sq_norms_by_layer else "")
+    return f"Grams(by_layer={{{fmt(self.by_layer)}}}{extra})"
+
+
+def _sum(arrays):
+  total = arrays[0]
+  for a in arrays[1:]:
+    total = total + a
+  return total

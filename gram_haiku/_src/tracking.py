@@ -1,29 +1,34 @@
 """``gram_haiku.track()``: route Haiku layers to Gram-emitting primitives.
 
-Inside the context, calls to ``hk.Linear.__call__`` are intercepted with
-``hk.intercept_methods`` and computed by :func:`gram_linear` with the same
-parameters (same names, shapes, dtypes and initialisers as ``hk.Linear``), plus
-a zero probe ``gram_probe: f32[B, B]`` kept in the module's ``hk.State``. The
+Inside the context, calls to supported modules' ``__call__`` are intercepted
+with ``hk.intercept_methods`` and computed by a Gram op with the same
+parameters (same names, shapes, dtypes and initialisers as the Haiku module),
+plus a zero probe ``gram_probe`` kept in the module's ``hk.State``. The
 gradient with respect to that state entry is the module's Gram.
+
+Each supported module class has a *layer handler* registered with
+:func:`register_layer` (see :mod:`gram_haiku._src.layers`): it re-creates the
+module's parameters and calls :meth:`track.apply` with its Gram op.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
-import numpy as np
 from haiku._src import base as hk_base  # current_frame: one per transform call
 
+from gram_haiku._src import discovery
 from gram_haiku._src import errors
 from gram_haiku._src import gram_math
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
-from gram_haiku._src.ops.linear import gram_linear
+from gram_haiku._src.ops import base
 
 #: Name of the probe entry in each tracked module's ``hk.State``.
 PROBE_NAME = "gram_probe"
@@ -32,9 +37,9 @@ _JAX_LOOPS = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
 _HK_LAYER_STACK = os.path.join("haiku", "_src", "layer_stack.py")
 
 
-def probe_dtype(x_dtype) -> jnp.dtype:
+def probe_dtype(*dtypes) -> jnp.dtype:
   """float32, or float64 for float64 inputs (under ``jax_enable_x64``)."""
-  return gram_math.accumulation_dtype(x_dtype)
+  return gram_math.accumulation_dtype(*dtypes)
 
 
 def _inside_shared_loop_body() -> bool:
@@ -55,6 +60,21 @@ def _inside_shared_loop_body() -> bool:
   return False
 
 
+#: module class -> handler(tracker, module, *args, **kwargs).
+_HANDLERS: dict[type, Callable[..., Any]] = {}
+
+TRACK_MODES = ("gram", "norms")
+
+
+def register_layer(module_cls: type):
+  """Decorator: ``handler(tracker, module, *args, **kwargs)`` replaces
+  ``module_cls.__call__`` inside ``track()`` (exact class match)."""
+  def decorate(handler):
+    _HANDLERS[module_cls] = handler
+    return handler
+  return decorate
+
+
 class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   """Context manager: tracked layers emit per-example gradient Grams.
 
@@ -73,44 +93,66 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   >>> grams.total.shape
   (4, 4)
 
-  Tracked modules: ``hk.Linear`` (so also ``hk.nets.MLP`` and the projections
-  of ``hk.MultiHeadAttention``). Each gets a probe ``gram_probe`` in its
-  ``hk.State``: ``f32[B, B]`` zeros (``f64`` for ``f64`` inputs) whose gradient
-  is that module's Gram ``G[i, j] = <g_i, g_j>`` over its ``w`` and ``b``.
-  Forward values are exactly those of the untracked module; without
-  differentiation of the probes nothing extra is computed.
+  Tracked modules: those with a registered layer handler (``hk.Linear``, so
+  also ``hk.nets.MLP`` and the projections of ``hk.MultiHeadAttention``; see
+  the API docs for the full list). Each gets a probe ``gram_probe`` in its
+  ``hk.State``: ``f32[B, B]`` zeros (``f64`` for ``f64`` inputs) whose
+  gradient is that module's Gram ``G[i, j] = <g_i, g_j>`` over its
+  parameters. Forward values are exactly those of the untracked module;
+  without differentiation of the probes nothing extra is computed.
+
+  A module applied more than once (called twice, or inside
+  ``hk.dynamic_unroll``/``hk.scan``) has per-example gradient = sum over its
+  applications. :func:`value_grad_and_gram` detects it and accumulates that
+  module's per-example gradients (probe ``f32[B, P]``), so its Gram has
+  every cross term. On the raw ``jax.grad`` path such a module is an error.
 
   Args:
     example_axis: which axis is the example axis (DESIGN.md §2). ``None``
       (default): the outermost ``vmap`` inside the differentiated function,
       else axis 0 of the layer input. ``0``: the layer input's own leading
       axis; every ``vmap`` is then a within-example axis. A string: the
-      ``vmap``/``hk.vmap`` with that ``axis_name``.
+      ``vmap``/``hk.vmap`` with that ``axis_name`` (layers outside every
+      vmap use their input's axis 0).
     strategy: ``"auto"`` (cheaper of ghost and materialised by a FLOP count),
       ``"ghost"`` or ``"materialize"``.
+    mode: ``"gram"`` (default): the full ``[B, B]`` Gram. ``"norms"``: only
+      its diagonal, the squared per-example gradient norms (probe ``f32[B]``,
+      cost linear in ``B``: what DP-SGD clipping needs).
 
   Raises:
-    ValueError: for a bad ``example_axis`` or ``strategy``; when a tracked
-      module is called twice in one context or inside a ``lax.scan``-style
-      loop body (its Gram would need cross terms); from the backward pass,
-      when a probe does not match the example axis.
+    ValueError: for a bad ``example_axis``, ``strategy`` or ``mode``; on the
+      raw path, when a tracked module is applied more than once; from the
+      backward pass, when a probe does not match the example axis.
   """
 
   def __init__(self, *, example_axis: ExampleAxisSpec = None,
-               strategy: str = "auto"):
+               strategy: str = "auto", mode: str = "gram"):
     self._example_axis = ExampleAxis.from_spec(example_axis)
     gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates
+    if mode not in TRACK_MODES:
+      raise ValueError(f"track(mode={mode!r}): expected one of {TRACK_MODES}.")
     self._strategy = strategy
+    self._mode = mode
     # (id(Haiku frame), id(parameter)) -> (frame, parameter), for parameters
     # already used by a tracked layer in this context (holding the objects
     # keeps their ids unique).
     self._used: dict[tuple[int, int], tuple[object, jax.Array]] = {}
     self._stack: Optional[contextlib.ExitStack] = None
 
+  @property
+  def example_axis(self) -> ExampleAxis:
+    return self._example_axis
+
+  @property
+  def strategy(self) -> str:
+    return self._strategy
+
   def __enter__(self):
     if self._stack is not None:
       raise RuntimeError("gram_haiku.track() is not re-entrant; create a new "
                          "track() for each use.")
+    _register_builtin_layers()
     self._used = {}
     self._stack = contextlib.ExitStack()
     self._stack.enter_context(hk.intercept_methods(self._intercept))
@@ -121,12 +163,14 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     return stack.__exit__(*exc)
 
   def _intercept(self, next_f, args, kwargs, context):
-    if context.method_name == "__call__" and context.orig_class is hk.Linear:
-      return self._linear(context.module, *args, **kwargs)
+    if context.method_name == "__call__":
+      handler = _HANDLERS.get(context.orig_class)
+      if handler is not None:
+        return handler(self, context.module, *args, **kwargs)
     return next_f(*args, **kwargs)
 
-  def _claim(self, name: str, param: jax.Array) -> None:
-    """Refuses a parameter that a tracked layer already used (sharing).
+  def _is_shared_use(self, name: str, params) -> bool:
+    """Whether this application reuses parameters (sharing), else claims them.
 
     Keyed by the parameter value, not the module: Haiku re-creates modules
     by name (``hk.static_unroll``), while ``hk.layer_stack`` traces one
@@ -134,42 +178,55 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     and runs nested init and apply transforms (one Haiku frame each).
     """
     frame = hk_base.current_frame()
-    key = (id(frame), id(param))
-    if key in self._used:
-      raise ValueError(errors.SHARED_LAYER.format(module=name))
-    if _inside_shared_loop_body():
-      raise ValueError(errors.LOOP_BODY.format(module=name))
-    self._used[key] = (frame, param)
+    shared = _inside_shared_loop_body()
+    for p in params:
+      key = (id(frame), id(p))
+      if key in self._used:
+        shared = True
+      self._used[key] = (frame, p)
+    return shared
 
-  def _probe(self, x: jax.Array) -> jax.Array:
+  def apply(self, op: Callable[..., jax.Array], module: hk.Module,
+            x: jax.Array, params) -> jax.Array:
+    """Runs ``op(x, *params, probe, ...)`` for ``module`` with its probe.
+
+    Called by layer handlers. ``params`` are the module's tracked parameters
+    in the op's order (None for absent ones). Detects parameter sharing,
+    picks the probe mode and fetches the probe from ``hk.State``.
+    """
+    name = module.module_name
+    present = [p for p in params if p is not None]
+    mode = self._mode
+    if discovery.is_planned_shared(name):
+      mode = "per_example"
+    elif self._is_shared_use(name, present) and not hk.running_init():
+      found = discovery.active()
+      if found is not None:
+        found.shared.add(name)
+        mode = "per_example"
+      elif _inside_shared_loop_body():
+        raise ValueError(errors.LOOP_BODY.format(module=name))
+      else:
+        raise ValueError(errors.SHARED_LAYER.format(module=name))
+    if discovery.active() is not None:
+      discovery.active().modes[name] = self._mode
+    probe = self._probe(x, mode, sum(math.prod(p.shape) for p in present),
+                        [p.dtype for p in present])
+    return op(x, *params, probe, name=name, example_axis=self._example_axis,
+              strategy=self._strategy, mode=mode)
+
+  def _probe(self, x: jax.Array, mode: str, num_params: int, dtypes):
     # At init, per-example code under vmap cannot see B: the size here is a
     # placeholder that value_grad_and_gram / resize_probes corrects.
     size = x.shape[0] if x.ndim >= 2 else 1
+    shape = base.probe_shape(mode, size, num_params)
+    dtypes = [x.dtype, *dtypes] if base.is_float(x.dtype) else list(dtypes)
     # Under hk.transform (no state) Haiku itself raises NonEmptyStateError
     # after the function returns, telling the user to use
     # hk.transform_with_state.
-    return hk.get_state(PROBE_NAME, (size, size), probe_dtype(x.dtype),
+    return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
                         init=jnp.zeros)
 
-  def _linear(self, module: hk.Linear, inputs, *, precision=None):
-    """``hk.Linear.__call__`` with the Gram primitive (same parameters)."""
-    if not inputs.shape:
-      raise ValueError("Input must not be scalar.")
-    name = module.module_name
-    inputs = jnp.asarray(inputs)
-    input_size = module.input_size = inputs.shape[-1]
-    dtype = inputs.dtype
-    w_init = module.w_init
-    if w_init is None:
-      w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(input_size))
-    w = hk.get_parameter("w", [input_size, module.output_size], dtype,
-                         init=w_init)
-    b = None
-    if module.with_bias:
-      b = hk.get_parameter("b", [module.output_size], dtype,
-                           init=module.b_init)
-    self._claim(name, w)
-    probe = self._probe(inputs)
-    return gram_linear(inputs, w, b, probe, name=name,
-                       example_axis=self._example_axis, precision=precision,
-                       strategy=self._strategy)
+
+def _register_builtin_layers():
+  from gram_haiku._src import layers  # pylint: disable=g-import-not-at-top,unused-import

@@ -7,8 +7,9 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src import discovery
 from gram_haiku._src import errors
-from gram_haiku._src import probe_sizes
+from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
 
@@ -35,12 +36,18 @@ def merge_probes(rest: State, probes: Mapping[str, Any]) -> dict:
   return out
 
 
-def _resized(probe, size: int):
-  """Zeros of shape ``(..., size, size)`` keeping leading (layer-stack) axes."""
-  return jnp.zeros(tuple(probe.shape[:-2]) + (size, size), probe.dtype)
+def _probe_ndim(probe, found: discovery.Discovery, module: str) -> int:
+  """Trailing axes of an init-time ``probe`` that are its own.
+
+  The rest are stacked by ``hk.layer_stack``. ``init`` creates ``[n, n]``
+  probes in ``"gram"`` mode and ``[n]`` in ``"norms"`` mode.
+  """
+  own = 2 if found.modes.get(module, "gram") == "gram" else 1
+  return min(own, probe.ndim)
 
 
-def resize_probes(state: State, batch_size: int) -> dict:
+def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
+                  ) -> dict:
   """Returns ``state`` with every Gram probe replaced by ``zeros(B, B)``.
 
   For the raw path: ``jax.grad`` of a tracked loss with respect to the probes
@@ -51,6 +58,8 @@ def resize_probes(state: State, batch_size: int) -> dict:
   Args:
     state: Haiku state from ``init`` of a ``hk.transform_with_state``.
     batch_size: ``B``, the size of the example axis.
+    mode: the ``track(mode=...)`` the probes were created under: ``"gram"``
+      probes become ``[B, B]``, ``"norms"`` probes ``[B]``.
 
   Returns:
     A new state dict; other entries are untouched. Probes keep their dtype
@@ -62,14 +71,42 @@ def resize_probes(state: State, batch_size: int) -> dict:
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
       batch_size < 1):
     raise ValueError(errors.BAD_BATCH_SIZE.format(value=batch_size))
+  base.check_mode(mode)
+  own = 2 if mode == "gram" else 1
   rest, probes = split_probes(state)
-  probes = {m: _resized(p, batch_size) for m, p in probes.items()}
+  probes = {m: jnp.zeros(tuple(p.shape[:p.ndim - own]) +
+                         base.probe_shape(mode, batch_size, 0), p.dtype)
+            for m, p in probes.items()}
   return merge_probes(rest, probes)
 
 
-def _sum_leading(gram):
-  """Sums stacked per-layer Grams (``hk.layer_stack``) to one ``[B, B]``."""
-  return gram.reshape((-1,) + gram.shape[-2:]).sum(0) if gram.ndim > 2 else gram
+def _sum_leading(a, ndim: int):
+  """Sums stacked per-layer results (``hk.layer_stack``) to ``ndim`` axes."""
+  if a.ndim > ndim:
+    return a.reshape((-1,) + a.shape[a.ndim - ndim:]).sum(0)
+  return a
+
+
+def _check_example_axes(found: discovery.Discovery) -> int:
+  """The one example-axis size of the model, or a teaching error."""
+  if not found.sizes:
+    raise ValueError(errors.NO_PROBES)
+  vmapped = sorted(m for m, v in found.vmapped.items() if v)
+  explicit = sorted(m for m, v in found.vmapped.items() if not v)
+  if vmapped and explicit:
+    raise ValueError(errors.AMBIGUOUS_EXAMPLE_AXIS.format(
+        vmapped=", ".join(vmapped), explicit=", ".join(explicit)))
+  if len(set(found.sizes.values())) > 1:
+    raise ValueError(errors.MIXED_EXAMPLE_SIZES.format(sizes=found.sizes))
+  return next(iter(found.sizes.values()))
+
+
+def _from_per_example(f, mode: str):
+  """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``."""
+  f = _sum_leading(f, 2)
+  if mode == "norms":
+    return jnp.sum(f * f, axis=-1)
+  return jnp.matmul(f, f.T, precision=jax.lax.Precision.HIGHEST)
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -112,20 +149,30 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
             shape=jnp.shape(value), dtype=jnp.result_type(value)))
       return value, (aux, new_state)
 
-    with probe_sizes.recording() as sizes:
+    with discovery.recording() as found:
       jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
                      params, probes)
-    if not sizes:
-      raise ValueError(errors.NO_PROBES)
-    if len(set(sizes.values())) > 1:
-      raise ValueError(errors.MIXED_EXAMPLE_SIZES.format(sizes=sizes))
-    size = next(iter(sizes.values()))
-    probes = {m: _resized(p, size) for m, p in probes.items()}
-    (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True)(params, probes)
+    size = _check_example_axes(found)
+    shapes = {}
+    for m, p in probes.items():
+      mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
+      shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + (
+          base.probe_shape(mode, size, found.param_counts.get(m, 0)))
+    probes = {m: jnp.zeros(shapes[m], p.dtype) for m, p in probes.items()}
+    with discovery.planned(frozenset(found.shared)):
+      (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
+          loss, argnums=(0, 1), has_aux=True)(params, probes)
     if has_aux:
       value = (value, aux)
-    grams = Grams({m: _sum_leading(g) for m, g in probe_grads.items()})
+    full, diag = {}, {}
+    for m, g in probe_grads.items():
+      mode = found.modes.get(m, "gram")
+      if m in found.shared:
+        g = _from_per_example(g, mode)
+      else:
+        g = _sum_leading(g, 2 if mode == "gram" else 1)
+      (full if mode == "gram" else diag)[m] = g
+    grams = Grams(full, diag)
     return ((value, new_state) if return_state else value), grads, grams
 
   return fn

@@ -1,0 +1,8 @@
+"""Layer handlers: one module per Haiku layer kind, registered on import.
+
+Each handler re-creates the Haiku module's parameters exactly as the module
+does (names, shapes, dtypes, initialisers) and runs the matching Gram op
+through :meth:`gram_haiku._src.tracking.track.apply`.
+"""
+
+from gram_haiku._src.layers import linear  # noqa: F401

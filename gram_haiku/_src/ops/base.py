@@ -1,0 +1,340 @@
+"""``GramOp``: the shared machinery of every Gram-emitting primitive.
+
+A Gram op computes ``y = forward(x, *params)`` for one layer and takes one
+more input, the zero *probe*, which the forward pass ignores. In the backward
+pass the op gives ``x`` and the parameters their ordinary cotangents and gives
+the probe, depending on ``mode``:
+
+* ``"gram"``: probe ``[B, B]``, cotangent ``G[i, j] = <g_i, g_j>``, the Gram
+  of the per-example gradients ``g_i`` of the op's parameters;
+* ``"norms"``: probe ``[B]``, cotangent ``|g_i|^2`` (the diagonal only);
+* ``"per_example"``: probe ``[B, P]`` (``P`` = number of parameter entries),
+  cotangent the flattened per-example gradients themselves. Used for a
+  module applied more than once: JAX's AD sums the cotangents of every
+  application into the one probe, which gives the per-example gradient of
+  the shared parameters, cross terms included; the Gram is formed after the
+  backward pass.
+
+Under ``vmap`` the batching rule rebuilds the op with the mapped axis at the
+front of ``x``, so the backward rule sees every example at once (a
+``custom_vjp`` would see one). :mod:`gram_haiku._src.example_axis` says which
+leading axis of ``x`` is the example axis.
+
+A subclass sets ``param_names`` and ``feature_ndim`` (the trailing axes of
+``x`` that one application consumes; the axes before them are the example
+axis and within-example axes) and implements ``forward``, which must accept
+any number of leading axes. The default Gram forms the per-example gradients
+by ``vmap`` over the example axis of the parameters' VJP: exact for any
+layer, at ``B x P`` memory; subclasses override :meth:`GramOp.gram` and
+:meth:`GramOp.sq_norms` with cheaper formulas where they have one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src import discovery
+from gram_haiku._src import errors
+from gram_haiku._src import gram_math
+from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src.example_axis import ExampleAxis
+
+MODES = ("gram", "norms", "per_example")
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def aval_of(x) -> Any:
+  """``jax.typeof(x)``, or None for an absent (None) input."""
+  return None if x is None else jax.typeof(x)
+
+
+def struct(aval) -> Optional[jax.ShapeDtypeStruct]:
+  if aval is None:
+    return None
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def probe_shape(mode: str, size: int, num_params: int) -> tuple[int, ...]:
+  """The probe shape that ``mode`` needs for ``size`` examples."""
+  if mode == "gram":
+    return (size, size)
+  if mode == "norms":
+    return (size,)
+  return (size, num_params)
+
+
+def check_mode(mode: str) -> None:
+  if mode not in MODES:
+    raise ValueError(f"Unknown Gram mode {mode!r}; expected one of {MODES}.")
+
+
+class GramOp(hx.VJPHiPrimitive):
+  """Base class of Gram-emitting primitives; see the module docstring.
+
+  Inputs: ``x``, then one input per name in ``param_names`` (None for an
+  absent one, e.g. no bias), then the probe. Output: ``forward(x, *params)``.
+  """
+
+  #: Names of the parameter inputs, in order (used in error messages).
+  param_names: tuple[str, ...] = ()
+  #: Trailing axes of ``x`` consumed by one application of the layer.
+  feature_ndim: int = 1
+
+  def __init__(self, x_aval, param_avals: Sequence[Any], probe_aval, *,
+               example_axis: ExampleAxis, name: str, strategy: str = "auto",
+               mode: str = "gram", **op_params):
+    if len(param_avals) != len(self.param_names):
+      raise TypeError(f"{type(self).__name__} takes parameters "
+                      f"{self.param_names}, got {len(param_avals)}.")
+    self.in_avals = (x_aval, *param_avals, probe_aval)
+    self.params = dict(example_axis=example_axis, name=name,
+                       strategy=strategy, mode=mode, **op_params)
+    self.__dict__.update(self.params)  # forward() reads its op params
+    out = jax.eval_shape(self.forward, struct(x_aval),
+                         *[struct(a) for a in param_avals])
+    self.out_aval = x_aval.update(shape=out.shape, dtype=out.dtype,
+                                  weak_type=out.weak_type)
+    super().__init__()
+
+  # -- what a subclass provides ----------------------------------------------
+
+  def forward(self, x, *params):
+    """The plain layer: the same ops as the Haiku module, any leading axes."""
+    raise NotImplementedError
+
+  def gram(self, x, g, params, example_dim: int) -> jax.Array:
+    """``(B, B)`` Gram of the per-example parameter gradients.
+
+    Args:
+      x: the op's input, example axis at ``example_dim``.
+      g: the output cotangent, same leading axes.
+      params: the parameter inputs (None for absent ones).
+      example_dim: position of the example axis.
+
+    Returns:
+      The Gram in the accumulation dtype (float32, float64 for float64).
+    """
+    f = self._flat_per_example(x, g, params, example_dim)
+    return jnp.matmul(f, f.T, precision=_HIGHEST)
+
+  def sq_norms(self, x, g, params, example_dim: int) -> jax.Array:
+    """``(B,)`` squared norms of the per-example gradients (diag of Gram)."""
+    f = self._flat_per_example(x, g, params, example_dim)
+    return jnp.sum(f * f, axis=1)
+
+  def per_example_grads(self, x, g, params, example_dim: int):
+    """Per-example gradients ``(B, *p.shape)`` for each present parameter.
+
+    Exact for any layer: ``vmap`` over the example axis of the VJP of
+    ``forward`` with respect to the parameters, at one example's input
+    (within-example axes included, so they are summed over). Computed in the
+    accumulation dtype.
+    """
+    acc = self.accumulation_dtype()
+    present = [p.astype(acc) for p in params if p is not None]
+    xm = jnp.moveaxis(x, example_dim, 0)
+    if is_float(xm.dtype):
+      xm = xm.astype(acc)
+    gm = jnp.moveaxis(g, example_dim, 0).astype(acc)
+
+    def one(xi, gi):
+      def fwd(*ps):
+        it = iter(ps)
+        full = [None if p is None else next(it) for p in params]
+        return self.forward(xi, *full).astype(acc)
+      _, vjp = jax.vjp(fwd, *present)
+      return vjp(gi)
+    return jax.vmap(one)(xm, gm)
+
+  # -- helpers ---------------------------------------------------------------
+
+  @property
+  def x_aval(self):
+    return self.in_avals[0]
+
+  @property
+  def param_avals(self):
+    return self.in_avals[1:-1]
+
+  @property
+  def probe_aval(self):
+    return self.in_avals[-1]
+
+  def accumulation_dtype(self) -> jnp.dtype:
+    dts = [a.dtype for a in self.in_avals[:-1]
+           if a is not None and is_float(a.dtype)]
+    return gram_math.accumulation_dtype(*dts)
+
+  def num_params(self) -> int:
+    return sum(math.prod(a.shape) for a in self.param_avals if a is not None)
+
+  def lead_shape(self, x_shape) -> tuple[int, ...]:
+    return tuple(x_shape[:len(x_shape) - self.feature_ndim])
+
+  def rebuild(self, x_aval, example_axis: ExampleAxis) -> "GramOp":
+    """The same op for a new ``x`` type and example axis (batching rule)."""
+    kwargs = dict(self.params)
+    kwargs["example_axis"] = example_axis
+    return type(self)(x_aval, self.param_avals, self.probe_aval, **kwargs)
+
+  def _flat_per_example(self, x, g, params, example_dim):
+    grads = self.per_example_grads(x, g, params, example_dim)
+    b = grads[0].shape[0]
+    return jnp.concatenate([a.reshape(b, -1) for a in grads], axis=1)
+
+  def _example_size(self, x_shape) -> int:
+    """Size of the example axis in ``x``, or raises a teaching error."""
+    position = self.example_axis.resolved_position()
+    if position is None:
+      raise ValueError(errors.NAMED_AXIS_NOT_FOUND.format(
+          module=self.name, axis=self.example_axis.name))
+    lead = self.lead_shape(x_shape)
+    if position >= len(lead):
+      raise ValueError(errors.NO_EXAMPLE_AXIS.format(
+          module=self.name, shape=tuple(x_shape),
+          rule=self.example_axis.describe()))
+    return lead[position]
+
+  # -- forward ---------------------------------------------------------------
+
+  def expand(self, x, *rest):
+    return self.forward(x, *rest[:-1])  # The probe only has a cotangent.
+
+  def jvp(self, primals, tangents):
+    if not hx.is_zero(tangents[-1]):
+      # The probe is being differentiated: this JVP will be transposed (e.g.
+      # by jax.checkpoint), and the Gram only exists in the backward rule.
+      return hx.jvp_by_vjp(self, primals, tangents)
+    args, dots = list(primals[:-1]), tangents[:-1]
+    live = [i for i, (a, t) in enumerate(zip(args, dots))
+            if a is not None and not hx.is_zero(t)]
+    if not live:
+      out = self.forward(*args)
+      return out, hx.Zero(self.out_aval.to_tangent_aval())
+
+    def f(*live_args):
+      full = list(args)
+      for i, a in zip(live, live_args):
+        full[i] = a
+      return self.forward(*full)
+    return jax.jvp(f, [args[i] for i in live], [dots[i] for i in live])
+
+  # -- reverse mode ----------------------------------------------------------
+
+  def vjp_fwd(self, nzs_in, x, *rest):
+    params, probe = rest[:-1], rest[-1]
+    out = self.forward(x, *params)
+    probe_wanted = bool(nzs_in[-1])
+    probe_ok = True
+    if probe_wanted:
+      size = self._example_size(x.shape)
+      expected = probe_shape(self.mode, size, self.num_params())
+      probe_ok = tuple(probe.shape) == expected
+      found = discovery.active()
+      if found is not None:
+        found.sizes[self.name] = size
+        found.param_counts[self.name] = self.num_params()
+        if self.example_axis.kind == "default":
+          found.vmapped.setdefault(self.name, self.example_axis.vmapped)
+      elif not probe_ok:
+        raise ValueError(errors.PROBE_SHAPE_MISMATCH.format(
+            module=self.name, expected=expected, got=tuple(probe.shape),
+            x_shape=tuple(x.shape), rule=self.example_axis.describe(),
+            mode=self.mode))
+    flags = hx.StaticFlags((("probe", probe_wanted and probe_ok),
+                            ("probe_shape", tuple(probe.shape)),
+                            ("probe_dtype", jnp.dtype(probe.dtype).name)))
+    return out, (x, tuple(params), flags)
+
+  def vjp_bwd(self, res, g, x_acc, *rest_accs):
+    if hx.is_zero(g):
+      return
+    x, params, flags = res
+    param_accs, probe_acc = rest_accs[:-1], rest_accs[-1]
+    wanted = [i for i, (p, acc) in enumerate(zip(params, param_accs))
+              if p is not None and hx.wants_cotangent(acc)]
+    want_x = is_float(x.dtype) and hx.wants_cotangent(x_acc)
+    if wanted or want_x:
+      self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
+                                  param_accs)
+    if hx.wants_cotangent(probe_acc):
+      dtype = jnp.dtype(flags["probe_dtype"])
+      shape = flags["probe_shape"]
+      self._check_probe_ref(probe_acc, shape, dtype)
+      if flags["probe"]:
+        value = self._probe_cotangent(x, g, params)
+        probe_acc.accum(value.astype(dtype))
+      else:  # Discovery pass: the probe's shape is wrong on purpose.
+        probe_acc.accum(jnp.zeros(shape, dtype))
+
+  def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
+                             param_accs):
+    """Ordinary cotangents, by JAX's own VJP of ``forward``.
+
+    So shapes, dtypes and weak types are exactly those an untracked layer
+    gets; under ``jit`` the recomputed primal output is dead code.
+    """
+    idx = ([0] if want_x else []) + [i + 1 for i in wanted]
+    args = [x, *params]
+
+    def f(*live):
+      full = list(args)
+      for i, a in zip(idx, live):
+        full[i] = a
+      return self.forward(*full)
+    _, vjp = jax.vjp(f, *[args[i] for i in idx])
+    cts = vjp(g.astype(self.out_aval.dtype))
+    accs = [x_acc, *param_accs]
+    for i, ct in zip(idx, cts):
+      accs[i].accum(ct)
+
+  def _probe_cotangent(self, x, g, params):
+    e = self.example_axis.resolved_position()
+    if self.mode == "gram":
+      return self.gram(x, g, params, e)
+    if self.mode == "norms":
+      return self.sq_norms(x, g, params, e)
+    return self._flat_per_example(x, g, params, e)
+
+  def _check_probe_ref(self, acc, shape, dtype):
+    ref_type = hx.accumulator_ref_type(acc)
+    if ref_type is None:
+      return
+    ref_shape, ref_dtype = ref_type
+    if tuple(ref_shape) != tuple(shape) or jnp.dtype(ref_dtype) != dtype:
+      raise ValueError(errors.PROBE_REF_TYPE.format(
+          module=self.name, expected=f"{dtype.name}{list(shape)}",
+          got=f"{jnp.dtype(ref_dtype).name}{list(ref_shape)}"))
+
+  # -- vmap ------------------------------------------------------------------
+
+  def batch(self, axis_data, args, dims):
+    x, *params, probe = args
+    x_dim, *param_dims, probe_dim = dims
+    if probe_dim is not None:
+      raise ValueError(errors.PROBE_BATCHED.format(
+          module=self.name, shape=tuple(probe.shape), dim=probe_dim))
+    batched_params = [n for n, d in zip(self.param_names, param_dims)
+                      if d is not None]
+    if batched_params:
+      raise NotImplementedError(errors.PARAMS_BATCHED.format(
+          module=self.name, params=batched_params))
+    x = jnp.moveaxis(x, x_dim, 0)
+    op = self.rebuild(jax.typeof(x),
+                      self.example_axis.after_vmap(hx.axis_name(axis_data)))
+    return op(x, *params, probe), 0
+
+  # -- checkpointing -----------------------------------------------------------
+
+  def remat(self, policy, *args):
+    del policy  # Gram layers are cheap to recompute; always rematerialise.
+    return self(*args), self
