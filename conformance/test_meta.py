@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from conformance import checks
-from conformance.builtin_ops import _linear_params
-from conformance.builtin_ops import _linear_plain
+from conformance.ops.linear import _linear_params
+from conformance.ops.linear import _linear_plain
 from conformance.registry import normal
 from conformance.registry import OpSpec
 from gram_haiku import gram_linear

@@ -1,4 +1,4 @@
-"""gram_haiku's own ops, registered with the suite."""
+"""``gram_linear`` (``hk.Linear``), with and without bias."""
 
 import jax
 import jax.numpy as jnp
@@ -33,5 +33,6 @@ for _bias in (True, False):
       name="linear" if _bias else "linear_nobias",
       make_params=_linear_params(_bias),
       make_example=lambda key, lead, dtype: normal(key, lead + (_N,), dtype),
-      apply=lambda p, probe, x: gram_linear(x, p["w"], p.get("b"), probe),
+      apply=lambda p, probe, x, **kw: gram_linear(x, p["w"], p.get("b"),
+                                                  probe, **kw),
       plain=_linear_plain))
