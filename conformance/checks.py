@@ -1,9 +1,27 @@
-"""Check families, each a function ``check_*(spec, ...)`` raising on failure.
+"""Check families: each ``check_*(spec, ...)`` raises ``AssertionError`` (or
+the op's own error) on failure and returns None on success.
 
-Tolerances are written once, in :data:`TOLERANCES`.
+Families (DESIGN.md §2, issue 3):
+
+* **parity**: :func:`check_backward_parity`: cotangent shape, dtype and
+  weak type equal the primal's, by value and by ``jax.eval_shape``.
+* **vmap**: :func:`check_vmap_depth_invariance` (depth 0 to 3, permuted
+  ``in_axes``/``out_axes``, ``jit`` inside or outside) and
+  :func:`check_example_axis_selection`; both compare with the reference.
+* **transforms**: checkpoint policies, ``lax.scan`` over stacked and over
+  shared parameters, ``jax.vjp(...).with_refs``, ``has_aux``, grad of a
+  jitted function, ``vmap(grad)``, norms-only mode.
+* **sharded**: :mod:`conformance.sharded` (its own process).
+
+Every Gram is compared with the reference ``F @ F.T`` of the plain op
+(:func:`reference_gram`) within :data:`TOLERANCES`, written once here.
 """
 
 from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
 
 import chex
 import jax
@@ -11,99 +29,503 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.registry import OpSpec
+from gram_haiku import ExampleAxis
 
-#: dtype name -> (rtol, atol as a fraction of the reference's max |entry|).
+#: dtype case -> (rtol, atol as a fraction of the reference's max |entry|).
+#: f32: reordered float32 reductions; bf16/f16: the op computes in the low
+#: precision dtype while the reference runs in float32.
 TOLERANCES = {
     "float32": (1e-4, 3e-5),
     "float64": (1e-10, 1e-12),
     "bfloat16": (2e-2, 2e-2),
     "float16": (1e-2, 1e-2),
+    "mixed": (2e-2, 2e-2),  # bfloat16 parameters, float32 activations
 }
+
+#: Parity dtype cases: name -> (parameter dtype, activation dtype).
+DTYPE_CASES = {
+    "float32": ("float32", "float32"),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "float16": ("float16", "float16"),
+    "float64": ("float64", "float64"),
+    "mixed": ("bfloat16", "float32"),
+    "int": ("float32", "int32"),
+}
+
+#: Example-axis size and within-example axes used by the checks.
+B = 4
+WITHIN = (3, 2)
+
+
+class NotApplicable(Exception):
+  """The check does not apply to this op (e.g. integer inputs for a layer
+  that takes floats); the test is skipped with this message."""
+
+
+@contextlib.contextmanager
+def x64_if(flag: bool):
+  """Turns on ``jax_enable_x64`` inside the block when ``flag``."""
+  if not flag:
+    yield
+    return
+  with jax.enable_x64(True):
+    yield
 
 
 def _loss(out):
   return 0.5 * jnp.sum(jnp.tanh(out.astype(jnp.float32)) ** 2)
 
 
-def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
-  """``F @ F.T`` from ``vmap(grad)`` of the plain op, one example at a time."""
+def _probe(shape, x64=False):
+  return jnp.zeros(shape, jnp.float64 if x64 else jnp.float32)
+
+
+def make_problem(spec: OpSpec, lead, param_dtype="float32",
+                 x_dtype="float32", seed=0):
+  """Random parameters and input ``x: lead + feature shape``."""
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  params = spec.make_params(k1, jnp.dtype(param_dtype))
+  x = spec.make_example(k2, tuple(lead), jnp.dtype(x_dtype))
+  return params, x
+
+
+def _upcast(tree):
+  def up(a):
+    if jnp.issubdtype(a.dtype, jnp.inexact):
+      return a.astype(jnp.promote_types(a.dtype, jnp.float32))
+    return a
+  return jax.tree.map(up, tree)
+
+
+def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
+  """``F``: ``[B, P]`` from ``vmap(grad)`` of the plain op, in float64.
+
+  Each example is evaluated alone, as a batch of one, at float32 or wider.
+  """
   def one(p, xi):
     return _loss(spec.plain(p, xi[None]))
-  up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
-  g = jax.vmap(jax.grad(one), in_axes=(None, 0))(up(params), up(x))
-  f = np.concatenate([np.asarray(l, np.float64).reshape(x.shape[0], -1)
-                      for l in jax.tree.leaves(g)], axis=1)
+  g = jax.vmap(jax.grad(one), in_axes=(None, 0))(_upcast(params), _upcast(x))
+  return np.concatenate([np.asarray(l, np.float64).reshape(x.shape[0], -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+
+
+def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
+  """The truth: ``F @ F.T`` with ``F`` from :func:`per_example_grads`."""
+  f = per_example_grads(spec, params, x)
   return f @ f.T
 
 
-def assert_close(gram, ref, dtype_name):
-  rtol, atol = TOLERANCES[dtype_name]
+def assert_close(got, ref, case="float32", what="Gram"):
+  """``got`` equals ``ref`` within the tolerance of dtype ``case``."""
+  rtol, atol = TOLERANCES[case]
   ref = np.asarray(ref, np.float64)
-  np.testing.assert_allclose(np.asarray(gram, np.float64), ref, rtol=rtol,
-                             atol=atol * max(np.abs(ref).max(), 1e-30))
+  got = np.asarray(got, np.float64)
+  chex.assert_shape(got, ref.shape)
+  np.testing.assert_allclose(
+      got, ref, rtol=rtol, atol=atol * max(np.abs(ref).max(), 1e-30),
+      err_msg=f"{what} differs from the reference F @ F.T ({case})")
 
 
-def check_backward_parity(spec: OpSpec, dtype, b=4, t=3, seed=0):
-  """Every cotangent matches its primal's shape, dtype and weak type."""
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  params = spec.make_params(k1, dtype)
-  x = spec.make_example(k2, (b, t), dtype)
-  probe = jnp.zeros((b, b), jnp.promote_types(jnp.float32, dtype))
-  def loss(params, probe, x):
-    return _loss(jax.vmap(lambda xi: spec.apply(params, probe, xi))(x))
-  grad = jax.grad(loss, argnums=(0, 1, 2))
-  for cts in (grad(params, probe, x), jax.eval_shape(grad, params, probe, x)):
-    for ct, primal in zip(jax.tree.leaves(cts),
-                          jax.tree.leaves((params, probe, x))):
-      chex.assert_equal_shape([ct, primal])
-      assert ct.dtype == primal.dtype, (ct.dtype, primal.dtype)
-      assert getattr(ct, "weak_type", False) == getattr(primal, "weak_type",
-                                                         False)
+# -- parity ------------------------------------------------------------------
 
 
-#: vmap layouts checked: depth -> list of in_axes per level, outermost first.
-#: Level ``l`` maps the example axis (outermost) or a within-example axis.
-VMAP_LAYOUTS = {
-    0: [()],
-    1: [(0,), (1,), (2,)],
-    2: [(0, 0), (2, 0), (0, 1), (1, 1)],
-}
+def _assert_parity(cts, primals, label):
+  for ct, primal in zip(jax.tree.leaves(cts), jax.tree.leaves(primals)):
+    chex.assert_equal_shape([ct, primal])
+    primal_dtype = jnp.result_type(primal)
+    if jnp.issubdtype(primal_dtype, jnp.inexact):
+      want = primal_dtype
+    else:
+      want = jax.dtypes.float0
+    assert ct.dtype == want, (
+        f"{label}: cotangent dtype {ct.dtype} for a primal of dtype "
+        f"{primal_dtype} (expected {want})")
+    primal_weak = getattr(jax.typeof(primal), "weak_type", False)
+    ct_weak = getattr(ct, "weak_type", False)
+    assert bool(ct_weak) == bool(primal_weak), (
+        f"{label}: cotangent weak_type {ct_weak} for a primal with "
+        f"weak_type {primal_weak}")
 
 
-def _layout(x, axes):
-  """Moves ``x: (B, T, N)`` so that nested vmaps with ``axes`` map B then T."""
-  if len(axes) == 2 and axes[1] == 1:
-    x = jnp.swapaxes(x, 1, 2)  # per example (N, T): T mapped at axis 1
-  if axes:
-    x = jnp.moveaxis(x, 0, axes[0])
-  return x
+def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
+  """Every cotangent has its primal's shape, dtype and weak type.
 
-
-def check_vmap_depth_invariance(spec: OpSpec, axes: tuple[int, ...], jit: str,
-                                dtype=jnp.float32, b=4, t=3, seed=0):
-  """Explicit batching and nested vmaps (``axes``) all equal ``F @ F.T``.
-
-  Args:
-    spec: the op.
-    axes: ``in_axes`` (and ``out_axes``) of each vmap level, outermost first;
-      ``()`` is the explicitly batched ``(B, T, N)`` call.
-    jit: ``"none"``, ``"inside"`` (around the op, inside the vmaps) or
-      ``"outside"`` (around the gradient).
+  ``case`` is a key of :data:`DTYPE_CASES`. Checked twice: on values, and
+  abstractly with ``jax.eval_shape`` (no FLOPs). The probe's cotangent has
+  the probe's dtype; an integer input's cotangent is ``float0``. The
+  forward output equals the plain op's.
   """
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  params = spec.make_params(k1, dtype)
-  x = spec.make_example(k2, (b, t), dtype)  # explicit: (B, T, N)
+  param_dtype, x_dtype = DTYPE_CASES[case]
+  if case == "int" and not spec.integer_input:
+    raise NotApplicable(f"op {spec.name!r} takes float inputs")
+  if spec.integer_input and case == "mixed":
+    raise NotApplicable(f"op {spec.name!r} takes integer inputs")
+  x64 = case == "float64"
+  with x64_if(x64):
+    params, x = make_problem(spec, (B,) + WITHIN[:1], param_dtype, x_dtype,
+                             seed)
+    probe = _probe((B, B), x64)
+
+    def loss(params, probe, x):
+      return _loss(spec.apply(params, probe, x))
+    grad = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)
+    primals = (params, probe, x)
+    _assert_parity(grad(params, probe, x), primals, f"{spec.name}/{case}")
+    _assert_parity(jax.eval_shape(grad, params, probe, x), primals,
+                   f"{spec.name}/{case} (eval_shape)")
+    out = spec.apply(params, probe, x)
+    plain = spec.plain(params, x)
+    assert out.dtype == plain.dtype and out.shape == plain.shape, (
+        f"{spec.name}/{case}: output {out.dtype}{out.shape} but the plain op "
+        f"gives {plain.dtype}{plain.shape}")
+    np.testing.assert_allclose(np.asarray(out, np.float64),
+                               np.asarray(plain, np.float64), rtol=1e-6,
+                               atol=1e-6 * float(np.abs(plain).max() + 1e-30))
+
+
+# -- vmap depth --------------------------------------------------------------
+
+
+def layout_order(in_axes, nlead):
+  """Axis order putting lead axes ``0..d-1`` where nested vmaps map them.
+
+  ``in_axes[k]`` is the ``in_axes`` of vmap level ``k`` (outermost first);
+  level ``k`` maps lead axis ``k`` of the canonical ``(B, T1, T2, ...)``
+  layout. Feature axes stay last.
+  """
+  d = len(in_axes)
+  order = list(range(d, nlead))
+  for k in reversed(range(d)):
+    order.insert(in_axes[k], k)
+  return order
+
+
+def vmap_layouts(max_depth=3):
+  """``{depth: [(in_axes, out_axes), ...]}``: a fixed, varied selection.
+
+  Every valid ``in_axes`` permutation is listed for depth 1 and 2; depth 3
+  takes four, spread over the space. ``out_axes`` vary with them.
+  """
+  nlead = 1 + len(WITHIN)
+  out = {0: [((), ())]}
+  for depth in range(1, max_depth + 1):
+    choices = [range(0, nlead - k) for k in range(depth)]
+    all_in = list(itertools.product(*choices))
+    if depth == 3:
+      all_in = all_in[::max(1, len(all_in) // 4)][:4]
+    layouts = []
+    for i, ins in enumerate(all_in):
+      outs = tuple((a + i) % 2 for a in ins)
+      layouts.append((tuple(ins), outs))
+    out[depth] = layouts
+  return out
+
+
+VMAP_LAYOUTS = vmap_layouts()
+
+
+def _nest(f, in_axes, out_axes, axis_names=None):
+  for k in reversed(range(len(in_axes))):
+    name = axis_names[k] if axis_names else None
+    f = jax.vmap(f, in_axes=in_axes[k], out_axes=out_axes[k],
+                 axis_name=name)
+  return f
+
+
+def check_vmap_depth_invariance(spec: OpSpec, in_axes=(), out_axes=(),
+                                jit: str = "none", seed=0):
+  """Explicit batching and nested vmaps all give the reference Gram.
+
+  The canonical input is ``x: (B, T1, T2, *features)``. ``len(in_axes)``
+  vmap levels map ``B``, then ``T1``, then ``T2``; level ``k`` takes its
+  axis at ``in_axes[k]`` and puts it at ``out_axes[k]``. The outermost vmap
+  is the example axis (the default rule). ``jit``: ``"none"``,
+  ``"inside"`` (around the op, inside the vmaps) or ``"outside"`` (around
+  the gradient).
+  """
+  params, x = make_problem(spec, (B,) + WITHIN, seed=seed)
   ref = reference_gram(spec, params, x)
+  nlead = 1 + len(WITHIN)
+  order = layout_order(in_axes, nlead) + list(range(nlead, x.ndim))
+  xs = jnp.transpose(x, order)
+
   def loss(params, probe, xs):
     f = lambda xi: spec.apply(params, probe, xi)
     if jit == "inside":
       f = jax.jit(f)
-    for ax in reversed(axes):
-      f = jax.vmap(f, in_axes=ax, out_axes=min(ax, 1))
-    return _loss(f(xs))
+    return _loss(_nest(f, in_axes, out_axes)(xs))
   g = jax.grad(loss, argnums=1)
   if jit == "outside":
     g = jax.jit(g)
-  gram = g(params, jnp.zeros((b, b), jnp.float32), _layout(x, axes))
-  chex.assert_shape(gram, (b, b))
-  assert_close(gram, ref, jnp.dtype(dtype).name)
+  gram = g(params, _probe((B, B)), xs)
+  assert_close(gram, ref, what=f"Gram (vmap in_axes={in_axes}, "
+               f"out_axes={out_axes}, jit={jit})")
+
+
+EXAMPLE_AXIS_CASES = ("named_outer", "named_inner", "leading",
+                      "default_heads_raises")
+
+
+def check_example_axis_selection(spec: OpSpec, case: str, seed=0):
+  """The example axis chosen by name or by ``example_axis=0``.
+
+  * ``named_outer``: ``vmap(axis_name="batch")`` over examples, an inner
+    vmap over ``T1``; ``example_axis="batch"``.
+  * ``named_inner``: the outer vmap maps ``T1``, the inner one (named
+    ``"batch"``) the examples: the default rule would pick ``T1``.
+  * ``leading``: an explicitly batched op under an inner vmap over "heads"
+    (``T1``); ``example_axis=0`` makes the vmap within-example.
+  * ``default_heads_raises``: the same without the override, with
+    ``T1 != B``: the default picks the heads axis and must raise, never
+    return a number.
+  """
+  if case not in EXAMPLE_AXIS_CASES:
+    raise ValueError(f"unknown case {case!r}")
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  ref = reference_gram(spec, params, x)
+  axis = {"named_outer": ExampleAxis.from_spec("batch"),
+          "named_inner": ExampleAxis.from_spec("batch"),
+          "leading": ExampleAxis.from_spec(0),
+          "default_heads_raises": None}[case]
+  xs = jnp.swapaxes(x, 0, 1) if case == "named_inner" else x
+
+  def loss(probe, xs):
+    f = lambda xi: spec.apply(params, probe, xi, example_axis=axis)
+    if case == "named_outer":
+      y = _nest(f, (0, 0), (0, 0), ("batch", "t"))(xs)
+    elif case == "named_inner":
+      y = _nest(f, (0, 0), (0, 0), ("t", "batch"))(xs)
+    else:
+      y = jax.vmap(f, in_axes=1, out_axes=1, axis_name="heads")(xs)
+    return _loss(y)
+  probe = _probe((B, B))
+  if case == "default_heads_raises":
+    assert WITHIN[0] != B
+    try:
+      jax.grad(loss)(probe, xs)
+    except ValueError as e:
+      assert "example_axis" in str(e), str(e)
+      return
+    raise AssertionError(
+        f"{spec.name}: the default example axis under an inner vmap over "
+        "heads returned a Gram instead of raising")
+  assert_close(jax.grad(loss)(probe, xs), ref, what=f"Gram ({case})")
+
+
+# -- transforms --------------------------------------------------------------
+
+CHECKPOINT_POLICIES = {
+    "default": None,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+def _explicit_problem(spec, seed):
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  return params, x, reference_gram(spec, params, x)
+
+
+def check_checkpoint(spec: OpSpec, policy: str, vmapped: bool, seed=0):
+  """``jax.checkpoint`` with ``policy``, around the op (explicit or vmapped)."""
+  params, x, ref = _explicit_problem(spec, seed)
+
+  def loss(probe, x):
+    f = lambda xi: spec.apply(params, probe, xi)
+    if vmapped:
+      f = jax.vmap(f)
+    f = jax.checkpoint(f, policy=CHECKPOINT_POLICIES[policy])
+    return _loss(f(x))
+  assert_close(jax.grad(loss)(_probe((B, B)), x), ref,
+               what=f"Gram under jax.checkpoint(policy={policy})")
+
+
+def check_scan_stacked(spec: OpSpec, seed=0):
+  """``lax.scan`` over a stack of ``L`` parameter sets (as ``hk.layer_stack``):
+
+  one probe per step, stacked ``(L, B, B)``; their sum is the Gram of all
+  the stacked parameters.
+  """
+  L = 3
+  keys = jax.random.split(jax.random.PRNGKey(seed), L + 1)
+  stack = [spec.make_params(k, jnp.float32) for k in keys[:L]]
+  params = jax.tree.map(lambda *a: jnp.stack(a), *stack)
+  x = spec.make_example(keys[L], (B,) + WITHIN[:1], jnp.float32)
+
+  def plain_all(p, xi):
+    return jax.lax.scan(lambda c, pl: (c + _loss(spec.plain(pl, xi)), None),
+                        0.0, p)[0]
+  f = jax.vmap(jax.grad(lambda p, xi: plain_all(p, xi[None])),
+               in_axes=(None, 0))(params, x)
+  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                      for l in jax.tree.leaves(f)], axis=1)
+
+  def loss(probes, x):
+    def body(c, pl_probe):
+      pl, probe = pl_probe
+      return c + _loss(spec.apply(pl, probe, x)), None
+    return jax.lax.scan(body, 0.0, (params, probes))[0]
+  grams = jax.grad(loss)(_probe((L, B, B)), x)
+  assert_close(grams.sum(0), f @ f.T, what="Gram of lax.scan over layers")
+
+
+def _num_params(params):
+  return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+
+
+def check_scan_shared(spec: OpSpec, seed=0):
+  """Shared parameters inside ``lax.scan`` (an RNN-style reuse).
+
+  With ``mode="per_example"`` every step adds its per-example gradients to
+  the one ``(B, P)`` probe; ``F F^T`` of the sum must be the reference Gram
+  over the whole sequence, cross terms between steps included.
+  """
+  params, x, ref = _explicit_problem(spec, seed)
+  P = _num_params(params)
+
+  def loss(probe, x):
+    xs = jnp.swapaxes(x, 0, 1)  # scan over the within-example axis
+    def body(c, xt):
+      return c + _loss(spec.apply(params, probe, xt, mode="per_example")), None
+    return jax.lax.scan(body, 0.0, xs)[0]
+  f = jax.grad(loss)(_probe((B, P)), x)
+  chex.assert_shape(f, (B, P))
+  f = np.asarray(f, np.float64)
+  assert_close(f @ f.T, ref, what="Gram of per-example gradients "
+               "accumulated over lax.scan steps")
+
+
+def check_shared_twice(spec: OpSpec, seed=0):
+  """The op applied twice with the same parameters (a module called twice).
+
+  Both applications write per-example gradients into one ``(B, P)`` probe;
+  the Gram of the sum has the cross terms a sum of per-call Grams lacks.
+  """
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  x2 = spec.make_example(jax.random.PRNGKey(seed + 99), (B,) + WITHIN[:1],
+                         jnp.float32)
+  P = _num_params(params)
+
+  def plain(p, xi, x2i):
+    return _loss(spec.plain(p, xi)) + _loss(spec.plain(p, x2i))
+  f = jax.vmap(jax.grad(lambda p, a, c: plain(p, a[None], c[None])),
+               in_axes=(None, 0, 0))(_upcast(params), x, x2)
+  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                      for l in jax.tree.leaves(f)], axis=1)
+
+  def loss(probe):
+    return (_loss(spec.apply(params, probe, x, mode="per_example")) +
+            _loss(spec.apply(params, probe, x2, mode="per_example")))
+  g = np.asarray(jax.grad(loss)(_probe((B, P))), np.float64)
+  assert_close(g @ g.T, f @ f.T, what="Gram of a twice-applied op")
+
+
+def check_norms_mode(spec: OpSpec, seed=0):
+  """``mode="norms"``: the probe ``(B,)`` gets ``diag`` of the reference."""
+  params, x, ref = _explicit_problem(spec, seed)
+
+  def loss(probe, x):
+    return _loss(jax.vmap(lambda xi: spec.apply(params, probe, xi,
+                                                mode="norms"))(x))
+  sq = jax.grad(loss)(_probe((B,)), x)
+  assert_close(sq, np.diag(ref), what="squared norms (mode='norms')")
+
+
+def check_with_refs(spec: OpSpec, seed=0):
+  """``jax.vjp(...).with_refs`` accumulates the Gram into a ``jax.new_ref``.
+
+  The ref starts at a random matrix ``R``; afterwards it holds ``R + G``.
+  """
+  params, x, ref = _explicit_problem(spec, seed)
+
+  def f(params, probe):
+    return _loss(spec.apply(params, probe, x))
+  probe = _probe((B, B))
+  _, vjp = jax.vjp(f, params, probe)
+  start = jax.random.normal(jax.random.PRNGKey(seed + 7), (B, B))
+  probe_ref = jax.new_ref(start)
+  param_refs = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
+  vjp.with_refs(param_refs, probe_ref)(jnp.ones((), jnp.float32))
+  assert_close(probe_ref[...] - start, ref,
+               what="Gram accumulated with with_refs")
+  plain_grads = jax.grad(lambda p: _loss(spec.plain(p, x)))(params)
+  for got, want in zip(jax.tree.leaves(param_refs),
+                       jax.tree.leaves(plain_grads)):
+    np.testing.assert_allclose(got[...], want, rtol=1e-4, atol=1e-5)
+
+
+def check_with_refs_wrong_type(spec: OpSpec, seed=0):
+  """A wrongly typed ref for the probe: a clear error naming both types."""
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  def f(probe):
+    return _loss(spec.apply(params, probe, x))
+  _, vjp = jax.vjp(f, _probe((B, B)))
+  for bad in (jnp.zeros((B, B), jnp.bfloat16), jnp.zeros((B + 1, B))):
+    try:
+      vjp.with_refs(jax.new_ref(bad))(jnp.ones((), jnp.float32))
+    except ValueError as e:
+      msg = str(e)
+      want = f"{jnp.dtype(bad.dtype).name}{list(bad.shape)}"
+      assert "probe" in msg and want in msg and "float32" in msg, msg
+      continue
+    raise AssertionError(f"{spec.name}: a {bad.dtype}{bad.shape} ref for a "
+                         "float32 probe was accepted")
+
+
+def check_has_aux(spec: OpSpec, seed=0):
+  """``jax.value_and_grad(..., has_aux=True)`` and grad of a jitted loss."""
+  params, x, ref = _explicit_problem(spec, seed)
+
+  def loss(probe, x):
+    y = spec.apply(params, probe, x)
+    return _loss(y), y
+  (value, aux), gram = jax.value_and_grad(loss, has_aux=True)(
+      _probe((B, B)), x)
+  assert_close(gram, ref, what="Gram with has_aux")
+  np.testing.assert_allclose(value, _loss(spec.plain(params, x)), rtol=1e-5)
+  chex.assert_trees_all_close(aux, spec.plain(params, x), rtol=1e-5,
+                              atol=1e-6)
+  jitted = jax.jit(lambda probe, x: loss(probe, x)[0])
+  assert_close(jax.grad(jitted)(_probe((B, B)), x), ref,
+               what="Gram of grad(jit(loss))")
+
+
+def check_vmap_of_grad(spec: OpSpec, seed=0):
+  """``vmap(grad(...))`` over examples: stacked 1x1 Grams = ``diag(G)``."""
+  params, x, ref = _explicit_problem(spec, seed)
+
+  def loss(probe, xi):  # one example, as a batch of one
+    return _loss(spec.apply(params, probe, xi[None]))
+  diag = jax.vmap(jax.grad(loss), in_axes=(None, 0))(_probe((1, 1)), x)
+  chex.assert_shape(diag, (B, 1, 1))
+  assert_close(diag[:, 0, 0], np.diag(ref), what="vmap(grad) 1x1 Grams")
+
+
+TRANSFORM_CHECKS = {
+    "scan_stacked": check_scan_stacked,
+    "scan_shared": check_scan_shared,
+    "shared_twice": check_shared_twice,
+    "norms_mode": check_norms_mode,
+    "with_refs": check_with_refs,
+    "with_refs_wrong_type": check_with_refs_wrong_type,
+    "has_aux_and_grad_of_jit": check_has_aux,
+    "vmap_of_grad": check_vmap_of_grad,
+}
+
+
+def platforms_present() -> list[str]:
+  """Platforms of ``jax.devices()`` (default backend first), deduplicated."""
+  seen = []
+  for backend in ("cpu", "gpu", "tpu"):
+    try:
+      if jax.devices(backend):
+        seen.append(backend)
+    except RuntimeError:
+      pass
+  return seen
+
+
+def on_platform(platform: str) -> Any:
+  """Context placing computations on ``platform``'s first device."""
+  return jax.default_device(jax.devices(platform)[0])

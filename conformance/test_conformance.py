@@ -1,25 +1,86 @@
-"""The conformance families over every registered op (pytest conformance)."""
+"""The conformance families over every registered op (``pytest conformance``).
 
-import jax.numpy as jnp
+Each test takes the ``conformance_op`` and ``conformance_platform`` fixtures
+from :mod:`conformance.plugin`: ops are the registered :class:`OpSpec` s,
+platforms those ``jax.devices()`` reports (an absent one is skipped, and the
+skip says so).
+"""
+
+import os
+
 import pytest
 
 from conformance import checks
 
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+pytestmark = pytest.mark.conformance
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
-def test_backward_parity(conformance_op, dtype):
-  checks.check_backward_parity(conformance_op, dtype)
+def _run(check, *args, **kwargs):
+  try:
+    check(*args, **kwargs)
+  except checks.NotApplicable as e:
+    pytest.skip(f"not applicable: {e}")
 
 
-LAYOUTS = [(d, axes) for d, layouts in checks.VMAP_LAYOUTS.items()
-           for axes in layouts]
+@pytest.mark.conformance_family("parity")
+@pytest.mark.parametrize("case", list(checks.DTYPE_CASES))
+def test_backward_parity(conformance_op, conformance_platform, case):
+  with checks.on_platform(conformance_platform):
+    _run(checks.check_backward_parity, conformance_op, case)
 
 
-@pytest.mark.parametrize("jit", ["none", "inside", "outside"])
-@pytest.mark.parametrize("depth,axes", LAYOUTS,
-                         ids=[f"depth{d}-axes{a}" for d, a in LAYOUTS])
-def test_vmap_depth_invariance(conformance_op, depth, axes, jit):
-  del depth
-  checks.check_vmap_depth_invariance(conformance_op, axes, jit)
+LAYOUTS = [(d, ins, outs) for d, layouts in checks.VMAP_LAYOUTS.items()
+           for ins, outs in layouts]
+
+
+def _thorough():
+  return os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
+
+
+def _vmap_cases():
+  """Every layout without jit; jit inside/outside on the first layout of
+  each depth (every layout with ``--conformance-thorough``)."""
+  cases = []
+  firsts = {}
+  for d, ins, outs in LAYOUTS:
+    firsts.setdefault(d, (ins, outs))
+    for jit in ("none", "inside", "outside"):
+      if jit == "inside" and d == 0:
+        continue  # depth 0 has no vmap to jit inside of
+      if jit != "none" and not _thorough() and firsts[d] != (ins, outs):
+        continue
+      cases.append(pytest.param(
+          ins, outs, jit,
+          id=f"depth{d}-in{''.join(map(str, ins))}-"
+             f"out{''.join(map(str, outs))}-jit_{jit}"))
+  return cases
+
+
+@pytest.mark.conformance_family("vmap")
+@pytest.mark.parametrize("in_axes,out_axes,jit", _vmap_cases())
+def test_vmap_depth_invariance(conformance_op, conformance_platform, in_axes,
+                               out_axes, jit):
+  with checks.on_platform(conformance_platform):
+    checks.check_vmap_depth_invariance(conformance_op, in_axes, out_axes, jit)
+
+
+@pytest.mark.conformance_family("vmap")
+@pytest.mark.parametrize("case", checks.EXAMPLE_AXIS_CASES)
+def test_example_axis_selection(conformance_op, conformance_platform, case):
+  with checks.on_platform(conformance_platform):
+    checks.check_example_axis_selection(conformance_op, case)
+
+
+@pytest.mark.conformance_family("transforms")
+@pytest.mark.parametrize("vmapped", [False, True], ids=["explicit", "vmap"])
+@pytest.mark.parametrize("policy", list(checks.CHECKPOINT_POLICIES))
+def test_checkpoint(conformance_op, conformance_platform, policy, vmapped):
+  with checks.on_platform(conformance_platform):
+    checks.check_checkpoint(conformance_op, policy, vmapped)
+
+
+@pytest.mark.conformance_family("transforms")
+@pytest.mark.parametrize("name", list(checks.TRANSFORM_CHECKS))
+def test_transforms(conformance_op, conformance_platform, name):
+  with checks.on_platform(conformance_platform):
+    checks.TRANSFORM_CHECKS[name](conformance_op)

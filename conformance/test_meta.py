@@ -1,4 +1,9 @@
-"""The suite must catch deliberately broken ops, in the right family."""
+"""Meta-tests: the suite catches deliberately broken ops, in the right family.
+
+Each broken op is ``GramLinear`` with one defect. The test asserts that the
+family meant to catch that defect fails, and that a family the defect does
+not touch still passes (so the failure is specific, not noise).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -10,47 +15,139 @@ from conformance.ops.linear import _linear_plain
 from conformance.registry import normal
 from conformance.registry import OpSpec
 from gram_haiku import gram_linear
+from gram_haiku._src import gram_math
+from gram_haiku._src.ops import base
+from gram_haiku._src.ops.linear import GramLinear
 
 
-def _spec(apply):
-  return OpSpec(name="broken", make_params=_linear_params(True),
+def _spec(op_cls, with_bias=True, apply=None):
+  def default_apply(p, probe, x, example_axis=None, mode="gram"):
+    if example_axis is None:
+      example_axis = gram_haiku_default_axis()
+    prim = op_cls(base.aval_of(x), (base.aval_of(p["w"]),
+                                    base.aval_of(p.get("b"))),
+                  base.aval_of(probe), example_axis=example_axis,
+                  precision=None, name="broken", strategy="auto", mode=mode)
+    return prim(x, p["w"], p.get("b"), probe)
+  return OpSpec(name="broken", make_params=_linear_params(with_bias),
                 make_example=lambda k, lead, dt: normal(k, lead + (5,), dt),
-                apply=apply, plain=_linear_plain)
+                apply=apply or default_apply, plain=_linear_plain)
 
 
-def test_wrong_gram_fails_invariance():
-  # The classic per-example-gradient bug: one Gram per position, summed
-  # (sum_t G_t) instead of the Gram of the summed per-example gradient. The
-  # forward values and parameter gradients are right; only the Gram is wrong.
-  def apply(p, probe, x):  # x: (B, T, N), explicitly batched
-    outs = [gram_linear(x[:, t], p["w"], p["b"], probe)
-            for t in range(x.shape[1])]
-    return jnp.stack(outs, axis=1)
-  spec = _spec(apply)
-  with pytest.raises(AssertionError):
-    checks.check_vmap_depth_invariance(spec, (), "none")
+def gram_haiku_default_axis():
+  from gram_haiku import ExampleAxis  # pylint: disable=g-import-not-at-top
+  return ExampleAxis.from_spec(None)
+
+
+class WrongDtypeLinear(GramLinear):
+  """Returns the weight cotangent in float32 whatever the weight's dtype."""
+
+  def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
+                             param_accs):
+    class Upcast:
+      def __init__(self, acc):
+        self.acc = acc
+
+      def accum(self, ct):
+        self.acc.accum(ct.astype(jnp.float32))
+    param_accs = [Upcast(a) if i == 0 else a for i, a in enumerate(param_accs)]
+    super()._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
+                                   param_accs)
+
+
+class OverBatchedLinear(GramLinear):
+  """Its batching rule returns the output with the mapped axis twice."""
+
+  def batch(self, axis_data, args, dims):
+    out, dim = super().batch(axis_data, args, dims)
+    return jnp.broadcast_to(out[None], (out.shape[0],) + out.shape), dim
+
+
+class NoCrossTermsLinear(GramLinear):
+  """Sums per-position Grams: drops the cross terms of a sequence."""
+
+  def gram(self, x, g, params, example_dim):
+    xm = gram_math.to_example_major(x, example_dim)
+    gm = gram_math.to_example_major(g, example_dim)
+    total = 0.
+    for t in range(xm.shape[1]):
+      total = total + gram_math.linear_gram(
+          xm[:, t], gm[:, t], example_dim=0, with_bias=params[1] is not None)
+    return total
+
+
+class PhantomBiasLinear(GramLinear):
+  """Adds a bias term to the Gram of a layer that has no bias."""
+
+  def gram(self, x, g, params, example_dim):
+    return gram_math.linear_gram(x, g, example_dim=example_dim,
+                                 with_bias=True)
 
 
 def test_wrong_cotangent_dtype_fails_parity():
-  @jax.custom_vjp
-  def bad_linear(x, w, b):
-    return x @ w + b
-  def fwd(x, w, b):
-    return x @ w + b, (x, w)
-  def bwd(res, g):
-    x, w = res
-    g32 = g.astype(jnp.float32)
-    return (g32 @ w.T.astype(jnp.float32)), x.T.astype(jnp.float32) @ g32, \
-        g32.sum(0)
-  bad_linear.defvjp(fwd, bwd)
-  def apply(p, probe, x):
-    del probe
-    return bad_linear(x, p["w"], p["b"])
-  with pytest.raises((AssertionError, TypeError, ValueError)):
-    checks.check_backward_parity(_spec(apply), jnp.bfloat16)
+  spec = _spec(WrongDtypeLinear)
+  with pytest.raises(AssertionError, match="cotangent dtype float32"):
+    checks.check_backward_parity(spec, "bfloat16")
+  checks.check_vmap_depth_invariance(spec, (0, 0), (0, 0), "none")
 
 
-def test_good_op_passes():
-  spec = _spec(lambda p, probe, x: gram_linear(x, p["w"], p["b"], probe))
-  checks.check_backward_parity(spec, jnp.float32)
-  checks.check_vmap_depth_invariance(spec, (0, 0), "outside")
+def test_over_batched_output_fails_vmap():
+  spec = _spec(OverBatchedLinear)
+  with pytest.raises((AssertionError, ValueError, TypeError)):
+    checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
+  checks.check_backward_parity(spec, "float32")  # no vmap: not affected
+
+
+def test_missing_cross_terms_fails_vmap():
+  spec = _spec(NoCrossTermsLinear)
+  with pytest.raises(AssertionError, match="reference"):
+    checks.check_vmap_depth_invariance(spec, (), (), "none")
+  with pytest.raises(AssertionError, match="reference"):
+    checks.check_vmap_depth_invariance(spec, (0,), (0,), "outside")
+  checks.check_backward_parity(spec, "float32")
+
+
+def test_phantom_bias_fails_reference():
+  spec = _spec(PhantomBiasLinear, with_bias=False)
+  with pytest.raises(AssertionError, match="reference"):
+    checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
+  checks.check_backward_parity(spec, "float32")
+
+
+def test_summing_per_application_grams_fails_sharing():
+  # A rule that ignores the per-example protocol for shared weights and
+  # writes each application's Gram: the sum of per-application Grams.
+  def apply(p, probe, x, example_axis=None, mode="gram"):
+    del mode  # The defect: always a Gram.
+    return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis)
+  spec = _spec(GramLinear, apply=apply)
+  with pytest.raises((AssertionError, ValueError)):
+    checks.check_shared_twice(spec)
+  with pytest.raises((AssertionError, ValueError)):
+    checks.check_scan_shared(spec)
+  checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
+
+
+def test_good_op_passes_every_family():
+  spec = _spec(GramLinear)
+  for case in ("float32", "bfloat16", "mixed"):
+    checks.check_backward_parity(spec, case)
+  for ins, outs in checks.VMAP_LAYOUTS[2]:
+    checks.check_vmap_depth_invariance(spec, ins, outs, "outside")
+  for case in checks.EXAMPLE_AXIS_CASES:
+    checks.check_example_axis_selection(spec, case)
+  for check in checks.TRANSFORM_CHECKS.values():
+    check(spec)
+  assert jax.devices()
+
+
+def test_property_search_catches_missing_cross_terms():
+  from conformance import properties  # pylint: disable=g-import-not-at-top
+  broken = _spec(NoCrossTermsLinear)
+  model = properties.RandomModel(ops=(broken,), batch=3, within=3,
+                                 in_axes=(), seed=1)
+  with pytest.raises(AssertionError, match="reference"):
+    properties.check_random_model(model)
+  good = properties.RandomModel(ops=(_spec(GramLinear),) * 2, batch=3,
+                                within=3, in_axes=(0, 0), seed=1)
+  properties.check_random_model(good)

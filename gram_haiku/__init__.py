@@ -7,9 +7,12 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`value_grad_and_gram`: loss, parameter gradients and :class:`Grams`.
 * :func:`resize_probes`: size the probes for the raw ``jax.grad`` path.
 * :func:`gram_linear`: the linear-layer primitive itself.
+* :class:`GramOp`: base class for writing a Gram rule for your own layer,
+  and :func:`register_layer` to route a Haiku module to it in ``track()``.
 """
 
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops.base import GramOp
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
@@ -22,9 +25,11 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ExampleAxis",
+    "GramOp",
     "Grams",
     "PROBE_NAME",
     "gram_linear",
+    "register_layer",
     "resize_probes",
     "track",
     "value_grad_and_gram",

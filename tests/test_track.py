@@ -326,6 +326,64 @@ def test_explicit_batch_with_inner_vmap_needs_override():
     jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(state)
 
 
+def test_explicit_layer_then_inner_heads_vmap_same_size_is_an_error():
+  # The dangerous case: heads H == B, so no size check can tell them apart.
+  # An explicit first layer (axis 0) and an inner hk.vmap over heads (the
+  # default takes it) resolve the default rule two ways: an error naming
+  # the override, never a silent number.
+  b = h = 4
+  x, y = _data(21, (b, h, 5), 3)
+  def model(x):
+    z = jnp.tanh(hk.Linear(6, name="stem")(x))       # (B, H, 6), explicit
+    zt = jnp.swapaxes(z, 0, 1)                        # (H, B, 6)
+    out = hk.vmap(lambda zh: hk.Linear(3, name="head")(zh),
+                  split_rng=False)(zt)
+    return jnp.swapaxes(out, 0, 1)
+  f, _, params, state = _setup(model, x, y)
+  with pytest.raises(ValueError, match="example_axis=0"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  _check(model, x, y, example_axis=0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_norms_mode(jit):
+  x, y = _data(22, (6, 3, 5), 3)
+  def model(x):
+    return _mlp(x)
+  f, g, params, state = _setup(model, x, y, mode="norms")
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  if jit:
+    fn = jax.jit(fn)
+  value, grads, grams = fn(params, state, None, x, y)
+  ref = reference_gram(g.apply, params, x, y)
+  np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
+  np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-4)
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  assert not grams.by_layer and len(grams.sq_norms_by_layer) == 2
+  with pytest.raises(ValueError, match="mode='norms'"):
+    grams.total  # pylint: disable=pointless-statement
+  del value
+
+
+def test_norms_mode_with_shared_module():
+  # Norms of a module called twice: from accumulated per-example gradients.
+  x, y = _data(23, (5, 6), 4)
+  def model(x):
+    lin = hk.Linear(4)
+    return jnp.tanh(lin(x)) + lin(x ** 2 / 5)
+  f, g, params, state = _setup(model, x, y, mode="norms")
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                         x, y)
+  ref = reference_gram(g.apply, params, x, y)
+  np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
+
+
+def test_bad_mode():
+  with pytest.raises(ValueError, match="mode"):
+    gram_haiku.track(mode="full")
+
+
 @pytest.mark.parametrize("b", [1, 2, 10, 20])
 def test_mean_loss_scales_by_one_over_b_squared(b):
   # C10: sum loss gives the reference, mean loss gives reference / B**2.

@@ -155,6 +155,35 @@ class GramOp(hx.VJPHiPrimitive):
       return vjp(gi)
     return jax.vmap(one)(xm, gm)
 
+  @classmethod
+  def apply(cls, x, params: Sequence[Any], probe, *, name: str,
+            example_axis: Optional[ExampleAxis] = None, mode: str = "gram",
+            strategy: str = "auto", **op_params):
+    """Builds the op for these inputs and applies it: ``y = forward(x, *params)``.
+
+    Args:
+      x: the layer input (example axis and within-example axes first).
+      params: one array (or None) per name in ``param_names``.
+      probe: zeros, ``[B, B]`` (``"gram"``), ``[B]`` (``"norms"``) or
+        ``[B, P]`` (``"per_example"``), float32 (float64 under x64).
+      name: the layer's name, used in error messages.
+      example_axis: default: outermost vmap, else axis 0 of ``x``.
+      mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+      strategy: passed to the op (``"auto"``, ``"ghost"``, ``"materialize"``).
+      **op_params: the subclass's own static parameters (hashable).
+
+    Raises:
+      ValueError: for an unknown ``mode``; at differentiation time for a
+        probe of the wrong shape (see the module docstring).
+    """
+    check_mode(mode)
+    if example_axis is None:
+      example_axis = ExampleAxis.from_spec(None)
+    op = cls(aval_of(x), tuple(aval_of(p) for p in params), aval_of(probe),
+             example_axis=example_axis, name=name, strategy=strategy,
+             mode=mode, **op_params)
+    return op(x, *params, probe)
+
   # -- helpers ---------------------------------------------------------------
 
   @property

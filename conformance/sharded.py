@@ -1,0 +1,115 @@
+"""Sharded vs single device: the Gram with the example axis split over a mesh.
+
+Runs in its own process, because the CPU device count must be set before any
+JAX backend starts: ``python -m conformance.sharded --json OUT`` sets
+``jax_num_cpu_devices=8``, then for every registered op, every layout and
+every platform present computes the Gram sharded and on one device, and
+writes one record per case to ``OUT``. ``conformance/test_sharded.py``
+starts it once per pytest session and turns each record into a test.
+
+Layouts (DESIGN.md §2, Sharding):
+
+* ``jit_auto``: ``jit`` with the input ``NamedSharding(mesh, P("data"))``,
+  mesh axis type Auto.
+* ``jit_explicit``: the same with mesh axis type Explicit.
+* ``shard_map``: ``shard_map`` with the example axis split over ``"data"``;
+  each device returns its rows of the global Gram, ``f32[B_local, B]``,
+  assembled with ``out_specs=P("data", None)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+LAYOUTS = ("jit_auto", "jit_explicit", "shard_map")
+NUM_CPU_DEVICES = 8
+
+
+def _configure():
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", NUM_CPU_DEVICES)
+  return jax
+
+
+def _mesh_context(jax, mesh):
+  """``jax.set_mesh`` (newer JAX) or ``jax.sharding.use_mesh`` (older)."""
+  set_mesh = getattr(jax, "set_mesh", None)
+  if set_mesh is not None:
+    return set_mesh(mesh)
+  return jax.sharding.use_mesh(mesh)
+
+
+def run_case(spec, layout: str, devices) -> dict:
+  """Sharded and single-device Grams of ``spec``; raises on mismatch."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from conformance import checks  # pylint: disable=g-import-not-at-top
+
+  n = len(devices)
+  b = 2 * n
+  params, x = checks.make_problem(spec, (b, 3))
+
+  def loss(probe, x):
+    return checks._loss(spec.apply(params, probe, x))  # pylint: disable=protected-access
+  with jax.default_device(devices[0]):
+    single = jax.jit(jax.grad(loss))(jnp.zeros((b, b)), x)
+  axis_type = (jax.sharding.AxisType.Explicit if layout == "jit_explicit"
+               else jax.sharding.AxisType.Auto)
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(axis_type,),
+                       devices=devices)
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  probe = jnp.zeros((b, b))
+  if layout in ("jit_auto", "jit_explicit"):
+    with _mesh_context(jax, mesh):
+      sharded = jax.jit(jax.grad(loss))(probe, xs)
+  else:
+    def local(probe_rows, x_local):
+      def local_loss(probe_rows):
+        return checks._loss(spec.apply(params, probe_rows, x_local))  # pylint: disable=protected-access
+      return jax.grad(local_loss)(probe_rows)
+    sharded = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(P("data", None), P("data")),
+        out_specs=P("data", None)))(
+            jax.device_put(probe, NamedSharding(mesh, P("data", None))), xs)
+  checks.assert_close(sharded, single, what=f"sharded Gram ({layout}) vs "
+                      "single device")
+  return {"sharding": str(getattr(sharded, "sharding", ""))}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", required=True, help="output file")
+  parser.add_argument("--ops", default="", help="comma-separated op names")
+  args = parser.parse_args(argv)
+  jax = _configure()
+  from conformance import checks  # pylint: disable=g-import-not-at-top
+  from conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
+  names = [n for n in args.ops.split(",") if n]
+  records = []
+  for platform in checks.platforms_present():
+    devices = jax.devices(platform)
+    for spec in registered_ops():
+      if names and spec.name not in names:
+        continue
+      for layout in LAYOUTS:
+        rec = {"op": spec.name, "layout": layout, "platform": platform,
+               "devices": len(devices)}
+        try:
+          rec.update(run_case(spec, layout, devices))
+          rec["status"] = "pass"
+        except Exception as e:  # pylint: disable=broad-except
+          rec["status"] = "fail"
+          rec["error"] = f"{type(e).__name__}: {e}"[:2000]
+          rec["traceback"] = traceback.format_exc()[-4000:]
+        records.append(rec)
+  with open(args.json, "w") as f:
+    json.dump(records, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,32 @@
+"""The documented third-party example, checked with the absltest mixin."""
+
+from absl.testing import absltest
+import pytest
+
+from conformance import checks
+from conformance import testing
+from conformance.examples import scaled_linear
+
+pytestmark = pytest.mark.conformance
+
+
+class ScaledLinearTest(testing.GramOpTestMixin, absltest.TestCase):
+  op_spec = scaled_linear.SPEC
+
+
+class MissingSpecTest(absltest.TestCase):
+
+  def test_mixin_without_spec_says_what_to_do(self):
+    class Incomplete(testing.GramOpTestMixin, absltest.TestCase):
+      pass
+    with self.assertRaisesRegex(NotImplementedError, "set `op_spec`"):
+      Incomplete("test_backward_parity").test_backward_parity()
+
+
+def test_example_is_exact():
+  checks.check_vmap_depth_invariance(scaled_linear.SPEC, (0, 1), (0, 0),
+                                     "outside")
+
+
+if __name__ == "__main__":
+  absltest.main()

@@ -1,0 +1,59 @@
+"""``GramOpTestMixin``: the check families as an ``absltest`` test case.
+
+In the spirit of ``dm_env``'s ``EnvironmentTestMixin``: mix it into a
+``absltest.TestCase`` (or ``unittest.TestCase``) and set ``op_spec``::
+
+  class ScaledLinearTest(conformance.testing.GramOpTestMixin,
+                         absltest.TestCase):
+    op_spec = scaled_linear.SPEC
+
+Every family runs on the default platform; each case is a ``subTest``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from conformance import checks
+from conformance.registry import OpSpec
+
+
+class GramOpTestMixin:
+  """Test methods for one Gram op; subclasses set :attr:`op_spec`."""
+
+  op_spec: Optional[OpSpec] = None
+
+  def _spec(self) -> OpSpec:
+    if self.op_spec is None:
+      raise NotImplementedError(
+          f"{type(self).__name__}: set `op_spec` to the OpSpec under test.")
+    return self.op_spec
+
+  def _each(self, label, cases, run):
+    for case in cases:
+      with self.subTest(**{label: case}):  # pytype: disable=attribute-error
+        try:
+          run(case)
+        except checks.NotApplicable:
+          pass
+
+  def test_backward_parity(self):
+    self._each("dtype", list(checks.DTYPE_CASES),
+               lambda c: checks.check_backward_parity(self._spec(), c))
+
+  def test_vmap_depth_invariance(self):
+    layouts = [(i, o) for ls in checks.VMAP_LAYOUTS.values() for i, o in ls]
+    self._each("layout", layouts, lambda l: checks.check_vmap_depth_invariance(
+        self._spec(), l[0], l[1], "outside"))
+
+  def test_example_axis_selection(self):
+    self._each("case", checks.EXAMPLE_AXIS_CASES,
+               lambda c: checks.check_example_axis_selection(self._spec(), c))
+
+  def test_checkpoint(self):
+    self._each("policy", list(checks.CHECKPOINT_POLICIES),
+               lambda p: checks.check_checkpoint(self._spec(), p, True))
+
+  def test_transforms(self):
+    self._each("check", list(checks.TRANSFORM_CHECKS),
+               lambda c: checks.TRANSFORM_CHECKS[c](self._spec()))
