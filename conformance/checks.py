@@ -183,6 +183,38 @@ def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
                                atol=1e-6 * float(np.abs(plain).max() + 1e-30))
 
 
+# -- reference equality ------------------------------------------------------
+
+REFERENCE_CASES = ("float32", "bfloat16", "float16", "float64", "mixed")
+
+
+def check_reference_equality(spec: OpSpec, case: str, vmapped: bool,
+                             seed=0):
+  """The Gram equals ``F @ F.T`` within the tolerance of ``case``.
+
+  ``case`` is a float key of :data:`DTYPE_CASES`; the reference runs in
+  float32 (float64 under x64) on the same low-precision inputs. The op is
+  called explicitly batched, or under one ``vmap`` over examples.
+  """
+  param_dtype, x_dtype = DTYPE_CASES[case]
+  if spec.integer_input:
+    x_dtype = "int32"
+  x64 = case == "float64"
+  with x64_if(x64):
+    params, x = make_problem(spec, (B,) + WITHIN[:1], param_dtype, x_dtype,
+                             seed)
+    ref = reference_gram(spec, params, x)
+
+    def loss(probe, x):
+      f = lambda xi: spec.apply(params, probe, xi)
+      return _loss(jax.vmap(f)(x) if vmapped else f(x))
+    probe = _probe((B, B), x64)
+    gram = jax.grad(loss)(probe, x)
+    assert gram.dtype == probe.dtype, (gram.dtype, probe.dtype)
+    assert_close(gram, ref, case, what=f"Gram ({case}, "
+                 f"{'vmap' if vmapped else 'explicit'})")
+
+
 # -- vmap depth --------------------------------------------------------------
 
 

@@ -29,6 +29,15 @@ def test_backward_parity(conformance_op, conformance_platform, case):
     _run(checks.check_backward_parity, conformance_op, case)
 
 
+@pytest.mark.conformance_family("reference")
+@pytest.mark.parametrize("vmapped", [False, True], ids=["explicit", "vmap"])
+@pytest.mark.parametrize("case", checks.REFERENCE_CASES)
+def test_reference_equality(conformance_op, conformance_platform, case,
+                            vmapped):
+  with checks.on_platform(conformance_platform):
+    checks.check_reference_equality(conformance_op, case, vmapped)
+
+
 LAYOUTS = [(d, ins, outs) for d, layouts in checks.VMAP_LAYOUTS.items()
            for ins, outs in layouts]
 

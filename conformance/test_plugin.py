@@ -1,0 +1,33 @@
+"""The plugin's xdist device pinning."""
+
+import pytest
+
+from conformance import plugin
+
+pytestmark = pytest.mark.conformance
+
+
+def test_pinning_is_opt_in():
+  env = {"PYTEST_XDIST_WORKER": "gw3"}
+  assert plugin.pin_worker_device(env) == {}
+  assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_pinning_sets_one_device_per_worker():
+  env = {"PYTEST_XDIST_WORKER": "gw3", "CONFORMANCE_PIN_DEVICES": "1"}
+  plugin.pin_worker_device(env)
+  assert env["CUDA_VISIBLE_DEVICES"] == "3"
+  assert env["TPU_VISIBLE_CHIPS"] == "3"
+  assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+
+def test_pinning_wraps_around_the_device_count():
+  env = {"PYTEST_XDIST_WORKER": "gw5", "CONFORMANCE_PIN_DEVICES": "1",
+         "CONFORMANCE_NUM_DEVICES": "4"}
+  plugin.pin_worker_device(env)
+  assert env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_no_pinning_outside_xdist():
+  env = {"CONFORMANCE_PIN_DEVICES": "1"}
+  assert plugin.pin_worker_device(env) == {}
