@@ -17,7 +17,10 @@ from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
 from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.tied import unembed
+from gram_haiku._src.tracking import ParamCoverage
 from gram_haiku._src.tracking import track
+from gram_haiku._src.tracking import UntrackedParameterWarning
 from gram_haiku._src.value_grad_and_gram import resize_probes
 from gram_haiku._src.value_grad_and_gram import value_grad_and_gram
 
@@ -28,9 +31,12 @@ __all__ = (
     "GramOp",
     "Grams",
     "PROBE_NAME",
+    "ParamCoverage",
+    "UntrackedParameterWarning",
     "gram_linear",
     "register_layer",
     "resize_probes",
     "track",
+    "unembed",
     "value_grad_and_gram",
 )

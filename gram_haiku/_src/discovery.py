@@ -34,12 +34,14 @@ class Discovery:
     vmapped: module name -> whether its example axis came from a vmap (True)
       or from the layer input's own axis 0 (False), under the default rule.
     modes: module name -> the ``track(mode=...)`` it ran under.
+    coverage: parameter full name -> ``ParamCoverage`` (tracked or not).
   """
   sizes: dict = dataclasses.field(default_factory=dict)
   param_counts: dict = dataclasses.field(default_factory=dict)
   shared: set = dataclasses.field(default_factory=set)
   vmapped: dict = dataclasses.field(default_factory=dict)
   modes: dict = dataclasses.field(default_factory=dict)
+  coverage: dict = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager

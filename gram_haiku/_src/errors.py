@@ -102,3 +102,21 @@ AMBIGUOUS_EXAMPLE_AXIS = (
     "gram_haiku.track(example_axis=0) for the explicit batch axis (every "
     "vmap is then within-example), or track(example_axis='<axis_name>') for "
     "a named hk.vmap over examples.")
+
+MIXED_USE = (
+    "gram_haiku: parameter '{param}' (module type {module_type}) is used both "
+    "inside a tracked layer and outside it (for example an embedding tied to "
+    "the output layer, `h @ embed.embeddings.T`). The Gram would miss the "
+    "untracked use and its cross terms with the tracked one.\n"
+    "What to do: for a tied output layer write "
+    "`gram_haiku.unembed(embed, h)` (the same `h @ embed.embeddings.T`, "
+    "tracked); otherwise read the parameter only through its module's "
+    "__call__, or run the model outside gram_haiku.track().")
+
+UNTRACKED_PARAM = (
+    "gram_haiku: parameter '{param}' (module type {module_type}) is read "
+    "inside gram_haiku.track() but no Gram rule covers it, so the Gram leaves "
+    "it out (grams.complete is False; grams.coverage lists it).\n"
+    "What to do: use a supported layer, write a rule for this module "
+    "(gram_haiku.GramOp + gram_haiku.register_layer), or choose "
+    "track(untracked='ignore' | 'error').")

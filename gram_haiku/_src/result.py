@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,10 @@ class Grams:
       example ``i``'s contribution to the differentiated scalar.
     sq_norms_by_layer: ``{module name: f32[B]}`` for modules tracked with
       ``track(mode="norms")``: only the diagonal ``|g_i|^2``.
+    coverage: ``{parameter full name: ParamCoverage}`` for every parameter
+      given to :func:`gram_haiku.value_grad_and_gram`: tracked (with the rule
+      used), untracked (with the module type that read it), or unused (never
+      read, so its gradient is zero: rule ``"unused"``, counted as covered).
 
   Units: squared units of the loss per squared parameter unit. Loss scale: for
   ``loss = sum_i l_i`` the Gram is the reference ``F @ F.T``; for
@@ -30,9 +34,26 @@ class Grams:
   """
 
   def __init__(self, by_layer: Mapping[str, jax.Array],
-               sq_norms_by_layer: Mapping[str, jax.Array] | None = None):
+               sq_norms_by_layer: Mapping[str, jax.Array] | None = None,
+               coverage: Mapping[str, Any] | None = None):
     self.by_layer = dict(by_layer)
     self.sq_norms_by_layer = dict(sq_norms_by_layer or {})
+    self.coverage = dict(coverage or {})
+
+  @property
+  def complete(self) -> bool:
+    """True when every trainable parameter is covered by the Gram.
+
+    That is, every parameter read in the pass was read by a tracked layer
+    (unused parameters have zero gradient and count as covered). When False,
+    :attr:`coverage` says which parameters are left out and why.
+    """
+    return all(c.tracked for c in self.coverage.values())
+
+  @property
+  def untracked(self) -> list[str]:
+    """Names of the parameters the Gram leaves out (sorted)."""
+    return sorted(k for k, c in self.coverage.items() if not c.tracked)
 
   @property
   def total(self) -> jax.Array:
@@ -70,13 +91,14 @@ class Grams:
     diag = tuple(sorted(self.sq_norms_by_layer))
     leaves = tuple(self.by_layer[k] for k in full) + tuple(
         self.sq_norms_by_layer[k] for k in diag)
-    return leaves, (full, diag)
+    coverage = tuple(sorted(self.coverage.items()))
+    return leaves, (full, diag, coverage)
 
   @classmethod
   def tree_unflatten(cls, keys, leaves):
-    full, diag = keys
+    full, diag, coverage = keys
     return cls(dict(zip(full, leaves[:len(full)])),
-               dict(zip(diag, leaves[len(full):])))
+               dict(zip(diag, leaves[len(full):])), dict(coverage))
 
   def __repr__(self):
     def fmt(d):
@@ -85,6 +107,8 @@ class Grams:
           for k, v in sorted(d.items()))
     extra = (f", sq_norms_by_layer={{{fmt(self.sq_norms_by_layer)}}}"
              if self.sq_norms_by_layer else "")
+    if self.coverage and not self.complete:
+      extra += f", untracked={self.untracked}"
     return f"Grams(by_layer={{{fmt(self.by_layer)}}}{extra})"
 
 

@@ -14,9 +14,12 @@ module's parameters and calls :meth:`track.apply` with its Gram op.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
+import threading
+import warnings
 from typing import Any, Callable, Optional
 
 import haiku as hk
@@ -64,6 +67,32 @@ def _inside_shared_loop_body() -> bool:
 _HANDLERS: dict[type, Callable[..., Any]] = {}
 
 TRACK_MODES = ("gram", "norms")
+UNTRACKED_POLICIES = ("warn", "error", "ignore")
+
+#: Parameters already warned about (``untracked="warn"`` warns once each).
+_WARNED: set[str] = set()
+_LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCoverage:
+  """How one parameter is covered by the Gram.
+
+  Attributes:
+    tracked: whether every use of the parameter is inside a Gram op.
+    rule: the layer handler that tracks it (e.g. ``"linear"``), or None.
+    module_type: the Haiku module class that reads it (``"(none)"`` for a
+      bare ``hk.get_parameter`` outside any module).
+  """
+  tracked: bool
+  rule: Optional[str]
+  module_type: str
+
+
+def current_tracker() -> Optional["track"]:
+  """The innermost active :class:`track` context of this thread, or None."""
+  stack = getattr(_LOCAL, "stack", None)
+  return stack[-1] if stack else None
 
 
 def register_layer(module_cls: type):
@@ -120,20 +149,37 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       its diagonal, the squared per-example gradient norms (probe ``f32[B]``,
       cost linear in ``B``: what DP-SGD clipping needs).
 
+    untracked: what to do when a parameter is read inside the context but
+      outside every tracked layer (its module has no Gram rule, or a bare
+      ``hk.get_parameter``): ``"warn"`` (default, once per parameter),
+      ``"error"`` or ``"ignore"``. Either way it is listed as untracked in
+      :attr:`Grams.coverage` and :attr:`Grams.complete` is False.
+
   Raises:
-    ValueError: for a bad ``example_axis``, ``strategy`` or ``mode``; on the
-      raw path, when a tracked module is applied more than once; from the
-      backward pass, when a probe does not match the example axis.
+    ValueError: for a bad ``example_axis``, ``strategy``, ``mode`` or
+      ``untracked``; when a tracked parameter is also used outside its
+      tracked layer (e.g. ``h @ embed.embeddings.T``: use
+      :func:`gram_haiku.unembed`); with ``untracked="error"``, at the first
+      untracked parameter; on the raw path, when a tracked module is applied
+      more than once; from the backward pass, when a probe does not match the
+      example axis.
   """
 
   def __init__(self, *, example_axis: ExampleAxisSpec = None,
-               strategy: str = "auto", mode: str = "gram"):
+               strategy: str = "auto", mode: str = "gram",
+               untracked: str = "warn"):
     self._example_axis = ExampleAxis.from_spec(example_axis)
     gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates
     if mode not in TRACK_MODES:
       raise ValueError(f"track(mode={mode!r}): expected one of {TRACK_MODES}.")
+    if untracked not in UNTRACKED_POLICIES:
+      raise ValueError(f"track(untracked={untracked!r}): expected one of "
+                       f"{UNTRACKED_POLICIES}.")
     self._strategy = strategy
     self._mode = mode
+    self._untracked = untracked
+    self._coverage: dict[str, ParamCoverage] = {}
+    self._active_rule: Optional[str] = None
     # (id(Haiku frame), id(parameter)) -> (frame, parameter), for parameters
     # already used by a tracked layer in this context (holding the objects
     # keeps their ids unique).
@@ -154,20 +200,69 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                          "track() for each use.")
     _register_builtin_layers()
     self._used = {}
+    self._coverage = {}
     self._stack = contextlib.ExitStack()
     self._stack.enter_context(hk.intercept_methods(self._intercept))
+    self._stack.enter_context(hk.custom_getter(self._getter))
+    _LOCAL.stack = getattr(_LOCAL, "stack", []) + [self]
     return self
 
   def __exit__(self, *exc):
+    _LOCAL.stack = _LOCAL.stack[:-1]
     stack, self._stack = self._stack, None
+    found = discovery.active()
+    if found is not None:
+      found.coverage.update(self._coverage)
     return stack.__exit__(*exc)
 
   def _intercept(self, next_f, args, kwargs, context):
     if context.method_name == "__call__":
       handler = _HANDLERS.get(context.orig_class)
       if handler is not None:
-        return handler(self, context.module, *args, **kwargs)
+        with self.tracking_rule(handler.__name__):
+          return handler(self, context.module, *args, **kwargs)
     return next_f(*args, **kwargs)
+
+  @contextlib.contextmanager
+  def tracking_rule(self, rule: str):
+    """Parameters read inside this block are tracked by ``rule``."""
+    previous, self._active_rule = self._active_rule, rule
+    try:
+      yield
+    finally:
+      self._active_rule = previous
+
+  def _getter(self, next_getter, value, context):
+    """Sees every parameter read: tracked (inside a handler) or not."""
+    name = context.full_name
+    module_type = (type(context.module).__name__ if context.module is not None
+                   else "(none)")
+    seen = self._coverage.get(name)
+    if self._active_rule is not None:
+      if seen is not None and not seen.tracked:
+        raise ValueError(errors.MIXED_USE.format(
+            param=name, module_type=module_type))
+      self._coverage[name] = ParamCoverage(True, self._active_rule,
+                                           module_type)
+    else:
+      if seen is not None and seen.tracked:
+        raise ValueError(errors.MIXED_USE.format(
+            param=name, module_type=module_type))
+      self._coverage[name] = ParamCoverage(False, None, module_type)
+      self._report_untracked(name, module_type)
+    return next_getter(value)
+
+  def _report_untracked(self, name: str, module_type: str) -> None:
+    if self._untracked == "ignore":
+      return
+    if self._untracked == "error":
+      raise ValueError(errors.UNTRACKED_PARAM.format(
+          param=name, module_type=module_type))
+    if name not in _WARNED:
+      _WARNED.add(name)
+      warnings.warn(errors.UNTRACKED_PARAM.format(
+          param=name, module_type=module_type), UntrackedParameterWarning,
+                    stacklevel=4)
 
   def _is_shared_use(self, name: str, params) -> bool:
     """Whether this application reuses parameters (sharing), else claims them.
@@ -210,8 +305,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         raise ValueError(errors.SHARED_LAYER.format(module=name))
     if discovery.active() is not None:
       discovery.active().modes[name] = self._mode
-    probe = self._probe(x, mode, sum(math.prod(p.shape) for p in present),
-                        [p.dtype for p in present])
+    # The probe lives in the module's own state, also when the op runs from
+    # outside the module's methods (gram_haiku.unembed).
+    with _module_scope(module):
+      probe = self._probe(x, mode, sum(math.prod(p.shape) for p in present),
+                          [p.dtype for p in present])
     return op(x, *params, probe, name=name, example_axis=self._example_axis,
               strategy=self._strategy, mode=mode)
 
@@ -226,6 +324,20 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     # hk.transform_with_state.
     return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
                         init=jnp.zeros)
+
+
+def _module_scope(module: hk.Module):
+  """Haiku's scope of ``module`` (state names resolve to its name)."""
+  frame = hk_base.current_frame()
+  stack = list(frame.module_stack)
+  if stack and stack[-1].module is module:
+    return contextlib.nullcontext()
+  return frame.module(hk_base.ModuleState(module=module,
+                                          method_name="__call__"))
+
+
+class UntrackedParameterWarning(UserWarning):
+  """A parameter read inside ``track()`` is not covered by any Gram op."""
 
 
 def _register_builtin_layers():

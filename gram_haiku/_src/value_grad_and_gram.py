@@ -11,6 +11,7 @@ from gram_haiku._src import discovery
 from gram_haiku._src import errors
 from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
+from gram_haiku._src.tracking import ParamCoverage
 from gram_haiku._src.tracking import PROBE_NAME
 
 State = Mapping[str, Mapping[str, Any]]
@@ -109,6 +110,17 @@ def _from_per_example(f, mode: str):
   return jnp.matmul(f, f.T, precision=jax.lax.Precision.HIGHEST)
 
 
+def _coverage(params, found: discovery.Discovery) -> dict:
+  """Coverage of every trainable parameter (see :attr:`Grams.coverage`)."""
+  out = {}
+  for module, entries in params.items():
+    for name in entries:
+      full = f"{module}/{name}"
+      out[full] = found.coverage.get(full, ParamCoverage(True, "unused",
+                                                         "(unused)"))
+  return out
+
+
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                         return_state: bool = False) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
@@ -172,7 +184,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g
-    grams = Grams(full, diag)
+    grams = Grams(full, diag, _coverage(params, found))
     return ((value, new_state) if return_state else value), grads, grams
 
   return fn

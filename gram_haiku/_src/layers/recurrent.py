@@ -1,0 +1,58 @@
+"""``hk.GRU`` inside ``track()``: one exact Gram op per step.
+
+``hk.GRU`` reads its weights with bare ``hk.get_parameter`` and slices
+``w_h`` and ``b`` into two matmuls each, so it has no ``hk.Linear`` for
+``track()`` to intercept. The handler re-creates its parameters exactly and
+runs the whole cell as a :class:`GramFunction` (exact per-example gradients
+of ``w_i``, ``w_h`` and ``b``; the cell is usually inside
+``hk.dynamic_unroll``, where the per-example gradients are accumulated over
+steps anyway). ``hk.LSTM`` and ``hk.VanillaRNN`` need no handler: they are
+made of ``hk.Linear``.
+"""
+
+import functools
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src.ops.function import GramFunction
+from gram_haiku._src.tracking import register_layer
+
+
+def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int):
+  """The GRU update of ``hk.GRU`` on ``xh = concat([inputs, state], -1)``."""
+  x, h = xh[..., :input_size], xh[..., input_size:]
+  n2 = 2 * hidden_size
+  gx = jnp.matmul(x, w_i)
+  zr = gx[..., :n2] + jnp.matmul(h, w_h[:, :n2])
+  zr = zr + jnp.broadcast_to(b[:n2], zr.shape)
+  z, r = jnp.split(jax.nn.sigmoid(zr), 2, axis=-1)
+  ah = jnp.matmul(r * h, w_h[:, n2:])
+  a = jnp.tanh(gx[..., n2:] + ah + jnp.broadcast_to(b[n2:], ah.shape))
+  return (1 - z) * h + z * a
+
+
+@register_layer(hk.GRU)
+def gru(tracker, module: hk.GRU, inputs, state):
+  """``hk.GRU.__call__`` as one Gram op (same parameters, same update)."""
+  inputs = jnp.asarray(inputs)
+  state = jnp.asarray(state)
+  if inputs.ndim not in (1, 2):
+    raise ValueError("GRU input must be rank-1 or rank-2.")
+  input_size = inputs.shape[-1]
+  hidden = module.hidden_size
+  w_i = hk.get_parameter("w_i", [input_size, 3 * hidden], inputs.dtype,
+                         init=module.w_i_init)
+  w_h = hk.get_parameter("w_h", [hidden, 3 * hidden], inputs.dtype,
+                         init=module.w_h_init)
+  b = hk.get_parameter("b", [3 * hidden], inputs.dtype, init=module.b_init)
+  xh = jnp.concatenate([inputs, state.astype(inputs.dtype)], axis=-1)
+  fn = functools.partial(gru_cell, input_size=input_size, hidden_size=hidden)
+
+  def op(x, *args, **kwargs):
+    return GramFunction.apply(x, args[:-1], args[-1], fn=fn,
+                              param_names=("w_i", "w_h", "b"),
+                              feature_ndim=1, **kwargs)
+  out = tracker.apply(op, module, xh, (w_i, w_h, b))
+  return out, out

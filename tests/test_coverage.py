@@ -1,0 +1,180 @@
+"""Coverage: which parameters the Gram covers, and what happens to the rest."""
+
+import warnings
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from tests.reference import assert_gram_close
+from tests.reference import reference_gram
+
+
+def _data(seed, b=5, t=3, d=4, out=3):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(k1, (b, t, d)),
+          jax.random.normal(k2, (b, t, out)))
+
+
+class Scale(hk.Module):
+  """A module with no Gram rule: y = x * s."""
+
+  def __call__(self, x):
+    s = hk.get_parameter("s", [x.shape[-1]], x.dtype, init=jnp.ones)
+    return x * s
+
+
+def _model(x):
+  h = jnp.tanh(hk.Linear(6)(x))
+  h = Scale()(h)
+  t = hk.get_parameter("temperature", [], jnp.float32, init=jnp.ones)
+  return hk.Linear(3)(h) * t
+
+
+def _run(untracked, seed=0):
+  x, y = _data(seed)
+  def loss(x, y):
+    with gram_haiku.track(untracked=untracked):
+      return 0.5 * jnp.sum((_model(x) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  out = gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  return out, params, x, y
+
+
+def test_coverage_lists_every_parameter():
+  (_, _, grams), params, x, y = _run("ignore")
+  cov = grams.coverage
+  assert set(cov) == {"linear/w", "linear/b", "linear_1/w", "linear_1/b",
+                      "scale/s", "~/temperature"}
+  assert cov["linear/w"].tracked and cov["linear/w"].rule == "linear"
+  assert not cov["scale/s"].tracked and cov["scale/s"].module_type == "Scale"
+  assert not cov["~/temperature"].tracked
+  assert cov["~/temperature"].module_type == "(none)"
+  assert not grams.complete
+  assert grams.untracked == ["scale/s", "~/temperature"]
+  # The Gram covers exactly the tracked parameters.
+  def plain(p, x, y):
+    return 0.5 * jnp.sum((hk.without_apply_rng(hk.transform(_model)).apply(
+        p, x) - y) ** 2)
+  tracked_only = {k: v for k, v in params.items() if k.startswith("linear")}
+  frozen = {k: v for k, v in params.items() if not k.startswith("linear")}
+  ref = reference_gram(lambda p, x, y: plain({**p, **frozen}, x, y),
+                       tracked_only, x, y)
+  assert_gram_close(grams.total, ref)
+
+
+def test_complete_model():
+  x, y = _data(1)
+  def loss(x, y):
+    with gram_haiku.track():
+      return jnp.sum(hk.nets.MLP([4, 3])(x) * y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                         x, y)
+  assert grams.complete and not grams.untracked
+
+
+def test_untracked_warns_once_per_parameter():
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _run("warn", seed=2)
+    _run("warn", seed=3)
+  msgs = [str(w.message) for w in caught
+          if issubclass(w.category, gram_haiku.UntrackedParameterWarning)]
+  for name in ("scale/s", "~/temperature"):
+    # The module-level registry may already hold it from another test in
+    # this process: then zero, never more than one.
+    assert sum(f"'{name}'" in m for m in msgs) <= 1
+  assert all("no Gram rule covers it" in m for m in msgs)
+
+
+def test_untracked_error():
+  x, y = _data(4)
+  def loss(x, y):
+    with gram_haiku.track(untracked="error"):
+      return 0.5 * jnp.sum((_model(x) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
+    f.init(jax.random.PRNGKey(0), x, y)
+
+
+def test_bad_untracked_policy():
+  with pytest.raises(ValueError, match="untracked"):
+    gram_haiku.track(untracked="loud")
+
+
+def _tied_lm(use_unembed):
+  def model(ids):
+    embed = hk.Embed(11, 6)
+    h = jnp.tanh(hk.Linear(6)(embed(ids)))
+    if use_unembed:
+      return gram_haiku.unembed(embed, h)
+    return h @ embed.embeddings.T
+  return model
+
+
+def test_tied_embedding_raw_matmul_is_an_error():
+  # The embedding read by its tracked lookup and again by a raw matmul: the
+  # Gram would miss the second use, so it must refuse, naming the parameter.
+  ids = jax.random.randint(jax.random.PRNGKey(5), (4, 3), 0, 11)
+  def loss(ids):
+    with gram_haiku.track():
+      return jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)
+  f = hk.transform_with_state(loss)
+  with pytest.raises(ValueError, match="'embed/embeddings' .*used both"):
+    f.init(jax.random.PRNGKey(0), ids)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_tied_embedding_with_unembed(jit):
+  ids = jax.random.randint(jax.random.PRNGKey(6), (4, 5), 0, 11)
+  ids = ids.at[0, 1].set(ids[0, 0])  # a repeated id within an example
+  targets = jax.random.normal(jax.random.PRNGKey(7), (4, 5, 11))
+  def loss(ids, y):
+    with gram_haiku.track(untracked="error"):
+      return 0.5 * jnp.sum((_tied_lm(True)(ids) - y) ** 2)
+  def plain(p, ids, y):
+    out = hk.without_apply_rng(hk.transform(_tied_lm(True))).apply(p, ids)
+    return 0.5 * jnp.sum((out - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), ids, targets)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  if jit:
+    fn = jax.jit(fn)
+  value, grads, grams = fn(params, state, None, ids, targets)
+  assert grams.complete
+  assert_gram_close(grams.total, reference_gram(plain, params, ids, targets))
+  np.testing.assert_allclose(value, plain(params, ids, targets), rtol=1e-5)
+  np.testing.assert_allclose(grads["embed"]["embeddings"],
+                             jax.grad(plain)(params, ids, targets)["embed"][
+                                 "embeddings"], rtol=1e-4, atol=1e-5)
+
+
+def test_gru_dynamic_and_static_unroll():
+  x, y = _data(6, b=4, t=5, d=3, out=6)
+  for run in (hk.dynamic_unroll, hk.static_unroll):
+    def model(x, run=run):
+      core = hk.GRU(6)
+      out, _ = run(core, jnp.swapaxes(x, 0, 1), core.initial_state(x.shape[0]))
+      return jnp.swapaxes(out, 0, 1)
+    def tracked(x, y, model=model):
+      with gram_haiku.track(untracked="error"):
+        return 0.5 * jnp.sum((model(x) - y) ** 2)
+    def plain(p, x, y, model=model):
+      return 0.5 * jnp.sum((hk.without_apply_rng(hk.transform(model)).apply(
+          p, x) - y) ** 2)
+    f = hk.transform_with_state(tracked)
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    value, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, x, y)
+    assert grams.complete
+    assert_gram_close(grams.total, reference_gram(plain, params, x, y))
+    np.testing.assert_allclose(value, plain(params, x, y), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                         atol=1e-5),
+                 grads, jax.grad(plain)(params, x, y))
