@@ -440,3 +440,17 @@ def test_c12_explicit_operands_match_unswapped_linear():
   x, y = _data(22, (8, 6), 4)
   grams = _check(lambda x: hk.Linear(4)(x), x, y)
   assert list(grams.by_layer) == ["linear"]
+
+
+def test_layer_input_without_example_axis_under_vmap_is_an_error():
+  # Position "ids" from jnp.arange do not depend on the example: under
+  # hk.vmap over examples that layer has no example axis. An error, never
+  # a Gram over the wrong axis (even with T == B).
+  b = t = 4
+  x, y = _data(24, (b, t, 3), 5)
+  def per_example(xe):  # (T, 3)
+    pos = hk.Linear(5, name="pos")(jax.nn.one_hot(jnp.arange(t), t))
+    return hk.Linear(5)(xe) + pos
+  f, _, params, state = _setup(hk.vmap(per_example, split_rng=False), x, y)
+  with pytest.raises(ValueError, match="does not depend on the example"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)

@@ -97,11 +97,14 @@ AMBIGUOUS_EXAMPLE_AXIS = (
     "and others their input's axis 0 ({explicit}). In an explicitly batched "
     "model with an inner hk.vmap (over heads, ensemble members or set "
     "elements) the default picks the inner vmap, which is not the example "
-    "axis, so the Gram would be wrong.\n"
+    "axis, so the Gram would be wrong. Or a tracked layer's input does not "
+    "depend on the example (positions from jnp.arange, a constant): it has "
+    "no example axis.\n"
     "What to do: say which axis holds the examples: "
     "gram_haiku.track(example_axis=0) for the explicit batch axis (every "
     "vmap is then within-example), or track(example_axis='<axis_name>') for "
-    "a named hk.vmap over examples.")
+    "a named hk.vmap over examples; give every tracked layer an input that "
+    "carries the example axis (e.g. positions = ids * 0 + jnp.arange(T)).")
 
 MIXED_USE = (
     "gram_haiku: parameter '{param}' (module type {module_type}) is used both "
@@ -120,3 +123,13 @@ UNTRACKED_PARAM = (
     "What to do: use a supported layer, write a rule for this module "
     "(gram_haiku.GramOp + gram_haiku.register_layer), or choose "
     "track(untracked='ignore' | 'error').")
+
+BATCHNORM_TRAINING = (
+    "gram_haiku: module '{module}' (hk.BatchNorm) runs with "
+    "is_training={is_training}, test_local_stats={test_local_stats}: it "
+    "normalises every example with statistics of the whole batch, so each "
+    "example's loss depends on the other examples and per-example gradients "
+    "(hence their Gram) are undefined.\n"
+    "What to do: call it with is_training=False (moving averages; then it is "
+    "an affine layer and is tracked), replace it with hk.GroupNorm or "
+    "hk.LayerNorm, or run it outside gram_haiku.track().")

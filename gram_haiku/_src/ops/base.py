@@ -357,6 +357,12 @@ class GramOp(hx.VJPHiPrimitive):
     if batched_params:
       raise NotImplementedError(errors.PARAMS_BATCHED.format(
           module=self.name, params=batched_params))
+    if x_dim is None:
+      # The input does not vary along this vmap's axis: the output does not
+      # either. Fine for a within-example vmap (its cotangent then sums over
+      # that axis); for the examples' own vmap the layer has no example axis,
+      # which value_grad_and_gram reports (AMBIGUOUS_EXAMPLE_AXIS).
+      return self(x, *params, probe), None
     x = jnp.moveaxis(x, x_dim, 0)
     op = self.rebuild(jax.typeof(x),
                       self.example_axis.after_vmap(hx.axis_name(axis_data)))

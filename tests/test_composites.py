@@ -1,0 +1,45 @@
+"""Every tracked layer and composite model (tests/layer_zoo.py), in every
+batching style, against the reference; plus the coupled-example errors."""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from tests import layer_zoo
+from tests.reference import assert_gram_close
+from tests.reference import RTOL_BF16
+
+CASES = [pytest.param(e.name, s, id=f"{e.name}-{s}")
+         for e in layer_zoo.ENTRIES for s in e.styles]
+
+
+@pytest.mark.parametrize("name,style", CASES)
+def test_layer_matches_reference(name, style):
+  entry = layer_zoo.BY_NAME[name]
+  grams, ref, value, plain_value, grads, plain_grads = layer_zoo.run(
+      entry, style, seed=hash(name) % 1000)
+  assert grams.complete, grams.untracked
+  if layer_zoo.is_low_precision(entry):
+    assert_gram_close(grams.total, ref, rtol=RTOL_BF16)
+    return
+  assert_gram_close(grams.total, ref)
+  np.testing.assert_allclose(value, plain_value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, plain_grads, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("test_local_stats", [False, True])
+def test_batch_norm_training_is_an_error(test_local_stats):
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+  def loss(x):
+    with gram_haiku.track():
+      bn = hk.BatchNorm(True, True, 0.9)
+      return jnp.sum(bn(x, is_training=not test_local_stats,
+                        test_local_stats=test_local_stats))
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x)  # init runs plain
+  with pytest.raises(ValueError, match="per-example gradients .*undefined"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
