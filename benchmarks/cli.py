@@ -1,0 +1,257 @@
+"""``python -m benchmarks``: command line of the benchmark runner.
+
+Examples::
+
+  python -m benchmarks                                  # models suite
+  python -m benchmarks --model mlp --method plain,gram,norms
+  python -m benchmarks --model lm --batch_size 4 --seq_len 64
+  python -m benchmarks --suite scaling --out docs/perf  # curves for the docs
+  python -m benchmarks --suite all --out docs/perf      # everything
+
+Outputs in ``--out``: ``<suite>.json`` (every figure, the environment and
+the command), ``<suite>*.png`` and ``<suite>*_table.inc`` (reStructuredText
+tables included by ``docs/performance.rst``); the tables are also printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from typing import Optional, Sequence
+
+from benchmarks import jax_methods
+from benchmarks import models
+from benchmarks import report
+from benchmarks import runner
+from benchmarks import scaling
+from benchmarks import torch_peers
+
+ALL_METHODS = jax_methods.JAX_METHODS + torch_peers.TORCH_METHODS
+
+
+def _csv(kind, choices=None):
+  def parse(text):
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if choices is not None:
+      bad = [s for s in items if s not in choices]
+      if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown {kind} {bad}; choose from {', '.join(choices)}")
+    return items
+  return parse
+
+
+def _ints(text):
+  return [int(s) for s in text.split(",") if s.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m benchmarks",
+      description="Step time, memory and FLOPs of gram_haiku against plain "
+      "value_and_grad, naive vmap(grad) and (with the bench-torch extra) "
+      "Opacus and BackPACK.")
+  p.add_argument("--suite", choices=("models", "scaling", "all"),
+                 default="models")
+  p.add_argument("--model", type=_csv("model", models.MODEL_NAMES),
+                 default=list(models.MODEL_NAMES),
+                 help="comma-separated: mlp,cnn,lm,lstm (default: all)")
+  p.add_argument("--method", type=_csv("method", ALL_METHODS),
+                 default=list(ALL_METHODS),
+                 help="comma-separated, default all: " + ",".join(ALL_METHODS))
+  p.add_argument("--batch_size", type=int, default=None,
+                 help="B for every model (default: mlp 128, cnn 64, lm 8, "
+                 "lstm 64)")
+  p.add_argument("--seq_len", type=int, default=None,
+                 help="T for lm (128) and lstm (32)")
+  p.add_argument("--hidden", type=_ints, default=None,
+                 help="MLP hidden sizes (default 512,512)")
+  p.add_argument("--strategy", choices=("auto", "ghost", "materialize"),
+                 default="auto", help="track(strategy=...)")
+  p.add_argument("--tied", choices=models.TIED_FORMS, default="auto",
+                 help="lm output layer: gram_haiku.unembed(embed, h) "
+                 "(auto: when available) or raw h @ embed.embeddings.T")
+  p.add_argument("--repeats", type=int, default=4,
+                 help="timed steps per method per round")
+  p.add_argument("--rounds", type=int, default=8,
+                 help="rounds; methods interleaved, order rotated")
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--min_block_s", type=float, default=0.25,
+                 help="fast steps repeat (up to 50 per block) until a block "
+                 "lasts this long; 0: exactly --repeats")
+  p.add_argument("--no_check", action="store_true",
+                 help="skip the coverage and vmap(grad) check")
+  p.add_argument("--allow_partial", action="store_true",
+                 help="time tracked methods with untracked parameters too")
+  p.add_argument("--no_torch", action="store_true",
+                 help="leave out the torch peers")
+  p.add_argument("--sweep", type=_csv("sweep", ("batch", "seq")),
+                 default=["batch", "seq"], help="scaling sweeps to run")
+  p.add_argument("--batch_sizes", type=_ints, default=None,
+                 help="scaling: B values (default 16,...,4096)")
+  p.add_argument("--seq_lens", type=_ints, default=None,
+                 help="scaling: T values (default 1,...,1024)")
+  p.add_argument("--scaling_repeats", type=int, default=3)
+  p.add_argument("--scaling_rounds", type=int, default=5)
+  p.add_argument("--out", default="bench_out",
+                 help="output directory (default ./bench_out)")
+  p.add_argument("--no_progress", action="store_true")
+  p.add_argument("--replot", action="store_true",
+                 help="only rebuild tables and plots from the JSON in --out")
+  return p
+
+
+def replot(out: str) -> int:
+  """Rebuilds the ``.inc`` tables and PNGs from ``<out>/*.json``."""
+  import json  # pylint: disable=g-import-not-at-top
+  found = False
+  path = os.path.join(out, "models.json")
+  if os.path.exists(path):
+    found = True
+    with open(path) as f:
+      data = json.load(f)
+    header, rows = report.model_rows(data["records"])
+    print(report.text_table(header, rows))
+    with open(os.path.join(out, "models_table.inc"), "w") as f:
+      f.write(report.rst_table(header, rows))
+    report.plot_models(data["records"], os.path.join(out, "models.png"),
+                       "Step-time ratio to own plain backward: " +
+                       _title(data["environment"]))
+  path = os.path.join(out, "scaling.json")
+  if os.path.exists(path):
+    found = True
+    with open(path) as f:
+      data = json.load(f)
+    recs = data["records"]
+    _scaling_outputs(recs, sorted({r["sweep"] for r in recs}), out,
+                     data["environment"])
+  if not found:
+    print(f"no models.json or scaling.json in {out}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _scaling_outputs(records, sweeps, out, env) -> None:
+  for sweep in sweeps:
+    recs = [r for r in records if r["sweep"] == sweep]
+    with open(os.path.join(out, f"scaling_{sweep}_table.inc"), "w") as f:
+      f.write(report.rst_table(*report.scaling_rows(recs)))
+  if "batch" in sweeps:
+    report.plot_batch_sweep(records, os.path.join(out, "scaling_batch.png"),
+                            "MLP 784-512-512-10: " + _title(env))
+  if "seq" in sweeps:
+    report.plot_seq_sweep(
+        records, os.path.join(out, "scaling_seq.png"),
+        f"hk.Linear(256) on f32[B=32, T, 256]: {_title(env)}")
+
+
+def environment() -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  env = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+         "command": " ".join(["python -m benchmarks", *sys.argv[1:]]),
+         "python": platform.python_version(),
+         "platform": platform.platform(),
+         "cpu_count": os.cpu_count(),
+         "jax": jax.__version__, "backend": jax.default_backend(),
+         "devices": [str(d) for d in jax.devices()],
+         "device_kind": jax.devices()[0].device_kind,
+         "gram_haiku": gram_haiku.__version__}
+  if torch_peers.available():
+    env.update(torch_peers.versions())
+  env["git"] = _git_state()
+  return env
+
+
+def _git_state() -> Optional[str]:
+  """``<commit>`` or ``<commit>+dirty`` of the checkout, None outside git."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                          capture_output=True, text=True, timeout=10,
+                          check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--",
+                            "gram_haiku"], cwd=root, capture_output=True,
+                           text=True, timeout=10, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return head + ("+dirty" if dirty else "")
+
+
+def _title(env) -> str:
+  return (f"{env['device_kind']} ({env['backend']}, {env['cpu_count']} CPU "
+          f"cores), jax {env['jax']}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  args = parser().parse_args(argv)
+  if args.replot:
+    return replot(args.out)
+  os.makedirs(args.out, exist_ok=True)
+  env = environment()
+  if argv is not None:
+    env["command"] = " ".join(["python -m benchmarks", *argv])
+  log = lambda s: print(s, flush=True)
+  log(f"# {_title(env)}; {env['command']}")
+  model_records, scaling_records = [], []
+
+  if args.suite in ("models", "all"):
+    methods = [m for m in args.method
+               if not (args.no_torch and m in torch_peers.TORCH_METHODS)]
+    opts = runner.Options(
+        models=args.model, methods=methods, batch_size=args.batch_size,
+        seq_len=args.seq_len, hidden=args.hidden, strategy=args.strategy,
+        tied=args.tied,
+        repeats=args.repeats, rounds=args.rounds, warmup=args.warmup,
+        min_block_s=args.min_block_s, check=not args.no_check, allow_partial=args.allow_partial,
+        progress=not args.no_progress)
+    if args.repeats * args.rounds < 20:
+      log(f"note: {args.repeats * args.rounds} timed steps per method "
+          "(fewer than 20)")
+    model_records = runner.run(opts, log)
+    header, rows = report.model_rows(model_records)
+    log("\n" + report.text_table(header, rows))
+    log("ratio: step time / the same framework's plain step, median over "
+        "rounds (IQR); mem: XLA compiled temp bytes (jax) or profiler peak "
+        "allocation (torch); * = program has loops: cost_analysis counts a "
+        "loop body once, and the min FLOP ratio is against the analytic "
+        "plain count")
+    rows_t = report.targets(model_records)
+    log("\n" + report.targets_text(rows_t[:-1]))
+    report.write_json(os.path.join(args.out, "models.json"),
+                      {"environment": env, "options": vars(args),
+                       "records": model_records,
+                       "targets": rows_t[:-1]})
+    with open(os.path.join(args.out, "models_table.inc"), "w") as f:
+      f.write(report.rst_table(header, rows))
+    report.plot_models(model_records, os.path.join(args.out, "models.png"),
+                       "Step-time ratio to own plain backward: " + _title(env))
+
+  if args.suite in ("scaling", "all"):
+    sopts = scaling.ScalingOptions(
+        repeats=args.scaling_repeats, rounds=args.scaling_rounds,
+        min_block_s=args.min_block_s,
+        progress=not args.no_progress)
+    if args.batch_sizes:
+      sopts.batch_sizes = tuple(args.batch_sizes)
+    if args.seq_lens:
+      sopts.seq_lens = tuple(args.seq_lens)
+    scaling_records = scaling.run(sopts, args.sweep, log)
+    header, rows = report.scaling_rows(scaling_records)
+    log("\n" + report.text_table(header, rows))
+    rows_t = report.targets([], scaling_records)[-1:]
+    log("\n" + report.targets_text(rows_t))
+    switches = {m: report.switch_points(scaling_records, m)
+                for m in ("gram", "norms")}
+    log(f"cost-model switch (ghost -> materialize) at T = {switches}")
+    report.write_json(os.path.join(args.out, "scaling.json"),
+                      {"environment": env, "options": vars(args),
+                       "records": scaling_records, "switch_points": switches,
+                       "targets": rows_t})
+    _scaling_outputs(scaling_records, args.sweep, args.out, env)
+  log(f"wrote {os.path.abspath(args.out)}")
+  return 0

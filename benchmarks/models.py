@@ -1,0 +1,229 @@
+"""The benchmark models, in Haiku, with their per-example losses and data.
+
+Each model is a Haiku function ``net(*batch) -> f32[B]`` (one loss per
+example; the step differentiates their sum) plus synthetic data with the
+example axis first, and the shapes of its parameterised layers for the
+analytic FLOP count (:mod:`benchmarks.analytic`).
+
+* ``mlp``: ``hk.nets.MLP`` 784-512-512-10 on ``f32[B, 784]`` (B=128).
+* ``cnn``: three 3x3 ``hk.Conv2D`` (32, 64/2, 128/2 channels, SAME padding),
+  each followed by ``hk.GroupNorm(8)`` and ReLU, global mean pool,
+  ``hk.Linear(10)``, on ``f32[B, 32, 32, 3]`` (B=64).
+* ``lm``: pre-LayerNorm transformer language model, 4 layers, d=256, 4 heads
+  of 64, MLP 1024 with GELU, causal mask, sinusoidal positions, vocabulary
+  512, ``T=128``, logits ``h @ embed.embeddings.T`` (tied embedding), next
+  token cross-entropy summed over positions (B=8). The tied product is
+  written ``gram_haiku.unembed(embed, h)`` (the same ``h @ E.T``, tracked as
+  a second use of ``E``) when gram_haiku has it, else raw (``tied="raw"``
+  forces the raw form, which ``track()`` rejects).
+* ``lstm``: ``hk.LSTM(128)`` under ``hk.dynamic_unroll`` over ``T=32`` steps
+  of ``f32[B, T, 32]`` inputs (batch major), ``hk.Linear(10)`` on the last
+  output (B=64). The LSTM's gate ``hk.Linear`` is applied at every step with
+  the same parameters (a shared module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gram_haiku
+from benchmarks import analytic
+
+MODEL_NAMES = ("mlp", "cnn", "lm", "lstm")
+
+
+@dataclasses.dataclass
+class Bench:
+  """One model instance at one size.
+
+  Attributes:
+    name: model name (``mlp``, ...).
+    net: Haiku function ``net(*batch) -> f32[B]``, per-example losses.
+    batch: arrays, example axis first.
+    layers: parameterised layers for :mod:`benchmarks.analytic`.
+    batch_size: ``B``.
+    seq_len: ``T`` for sequence models, else None.
+    description: one line for the table.
+  """
+  name: str
+  net: Callable[..., jax.Array]
+  batch: tuple
+  layers: list[analytic.Layer]
+  batch_size: int
+  seq_len: Optional[int]
+  description: str
+
+
+def xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Cross-entropy per row: ``f32[..., C], i32[...] -> f32[...]``."""
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+
+
+# -- MLP ---------------------------------------------------------------------
+
+def make_mlp(batch_size: int = 128, hidden: Sequence[int] = (512, 512),
+             input_dim: int = 784, classes: int = 10, seed: int = 0) -> Bench:
+  sizes = [input_dim, *hidden, classes]
+
+  def net(x, y):
+    return xent(hk.nets.MLP([*hidden, classes])(x), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, input_dim), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  layers = [analytic.Layer("linear", 1, n, m, bias=True, input_grad=i > 0)
+            for i, (n, m) in enumerate(zip(sizes[:-1], sizes[1:]))]
+  return Bench("mlp", net, (jnp.asarray(x), jnp.asarray(y)), layers,
+               batch_size, None, "MLP " + "-".join(map(str, sizes)))
+
+
+# -- CNN ---------------------------------------------------------------------
+
+#: (channels, stride) of the three conv blocks.
+CNN_BLOCKS = ((32, 1), (64, 2), (128, 2))
+CNN_GROUPS = 8
+
+
+def make_cnn(batch_size: int = 64, image: int = 32, classes: int = 10,
+             seed: int = 0) -> Bench:
+  def net(x, y):
+    h = x
+    for channels, stride in CNN_BLOCKS:
+      h = hk.Conv2D(channels, 3, stride=stride)(h)
+      h = hk.GroupNorm(CNN_GROUPS)(h)
+      h = jax.nn.relu(h)
+    h = h.mean(axis=(1, 2))
+    return xent(hk.Linear(classes)(h), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, image, image, 3), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  layers, side, cin = [], image, 3
+  for i, (channels, stride) in enumerate(CNN_BLOCKS):
+    side = -(-side // stride)
+    layers.append(analytic.Layer("linear", side * side, 9 * cin, channels,
+                                 bias=True, input_grad=i > 0))
+    layers.append(analytic.Layer("norm", side * side, channels, channels))
+    cin = channels
+  layers.append(analytic.Layer("linear", 1, cin, classes, bias=True))
+  return Bench("cnn", net, (jnp.asarray(x), jnp.asarray(y)), layers,
+               batch_size, None,
+               "CNN 32x32x3, 3x(conv3x3+GroupNorm+ReLU) 32/64/128, pool, 10")
+
+
+# -- transformer LM ----------------------------------------------------------
+
+def sinusoid(t: int, d: int) -> np.ndarray:
+  pos = np.arange(t)[:, None]
+  freq = np.exp(-np.log(10000.0) * np.arange(0, d, 2) / d)[None]
+  out = np.zeros((t, d), np.float32)
+  out[:, 0::2] = np.sin(pos * freq)
+  out[:, 1::2] = np.cos(pos * freq)
+  return out
+
+
+TIED_FORMS = ("auto", "unembed", "raw")
+
+
+def make_lm(batch_size: int = 8, seq_len: int = 128, layers: int = 4,
+            d_model: int = 256, heads: int = 4, vocab: int = 512,
+            seed: int = 0, tied: str = "auto") -> Bench:
+  key_size = d_model // heads
+  unembed = getattr(gram_haiku, "unembed", None)
+  if tied not in TIED_FORMS:
+    raise ValueError(f"tied={tied!r}: expected one of {TIED_FORMS}.")
+  if tied == "unembed" and unembed is None:
+    raise ValueError("tied='unembed': this gram_haiku has no unembed().")
+  if tied == "raw":
+    unembed = None
+  init = hk.initializers.VarianceScaling(2.0 / layers)
+
+  def net(tokens, targets):
+    t = tokens.shape[-1]
+    embed = hk.Embed(vocab, d_model, name="embed")
+    h = embed(tokens) + sinusoid(t, d_model)
+    mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+    for i in range(layers):
+      a = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
+      h = h + hk.MultiHeadAttention(heads, key_size, w_init=init,
+                                    name=f"attn_{i}")(a, a, a, mask=mask)
+      a = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
+      a = jax.nn.gelu(hk.Linear(4 * d_model, w_init=init,
+                                name=f"mlp_in_{i}")(a))
+      h = h + hk.Linear(d_model, w_init=init, name=f"mlp_out_{i}")(a)
+    h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
+    if unembed is not None:
+      logits = unembed(embed, h)  # h @ embed.embeddings.T, tracked
+    else:
+      logits = h @ embed.embeddings.T  # tied embedding
+    return xent(logits, targets).sum(axis=-1)
+
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch_size, seq_len + 1)).astype(np.int32)
+  t, d = seq_len, d_model
+  spec = []
+  for _ in range(layers):
+    spec += [analytic.Layer("norm", t, d, d)]
+    spec += [analytic.Layer("linear", t, d, d, bias=True)] * 4
+    spec += [analytic.Layer("attention", t, d, heads)]
+    spec += [analytic.Layer("norm", t, d, d),
+             analytic.Layer("linear", t, d, 4 * d, bias=True),
+             analytic.Layer("linear", t, 4 * d, d, bias=True)]
+  spec += [analytic.Layer("norm", t, d, d),
+           analytic.Layer("tied_embed", t, d, vocab)]
+  return Bench("lm", net, (jnp.asarray(tokens[:, :-1]),
+                           jnp.asarray(tokens[:, 1:])), spec, batch_size,
+               seq_len, f"Transformer LM {layers}x d={d_model}, T={seq_len}, "
+               f"vocab {vocab}, tied embedding "
+               f"({'gram_haiku.unembed' if unembed else 'raw h @ E.T'})")
+
+
+# -- LSTM --------------------------------------------------------------------
+
+def make_lstm(batch_size: int = 64, seq_len: int = 32, features: int = 32,
+              hidden: int = 128, classes: int = 10, seed: int = 0) -> Bench:
+  def net(x, y):
+    core = hk.LSTM(hidden)
+    state = core.initial_state(x.shape[0])
+    outs, _ = hk.dynamic_unroll(core, x, state, time_major=False)
+    return xent(hk.Linear(classes)(outs[:, -1]), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, seq_len, features), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  spec = [analytic.Layer("linear", seq_len, features + hidden, 4 * hidden,
+                         bias=True),
+          analytic.Layer("linear", 1, hidden, classes, bias=True)]
+  return Bench("lstm", net, (jnp.asarray(x), jnp.asarray(y)), spec,
+               batch_size, seq_len,
+               f"LSTM {hidden} under hk.dynamic_unroll, T={seq_len}, "
+               f"{features} features")
+
+
+def make(name: str, batch_size: Optional[int] = None,
+         seq_len: Optional[int] = None,
+         hidden: Optional[Sequence[int]] = None, tied: str = "auto") -> Bench:
+  """Builds model ``name``; None keeps each model's default size."""
+  kwargs = {}
+  if batch_size is not None:
+    kwargs["batch_size"] = batch_size
+  if name == "mlp":
+    if hidden is not None:
+      kwargs["hidden"] = tuple(hidden)
+    return make_mlp(**kwargs)
+  if name == "cnn":
+    return make_cnn(**kwargs)
+  if seq_len is not None:
+    kwargs["seq_len"] = seq_len
+  if name == "lm":
+    return make_lm(tied=tied, **kwargs)
+  if name == "lstm":
+    return make_lstm(**kwargs)
+  raise ValueError(f"Unknown model {name!r}; expected one of {MODEL_NAMES}.")
