@@ -69,8 +69,15 @@ def ghost_flops(b: int, t: int, n: int, m: int) -> int:
 
 
 def materialize_flops(b: int, t: int, n: int, m: int) -> int:
-  """Multiply-adds of the materialised method for one linear-layer weight."""
-  return b * t * n * m + b * b * n * m
+  """Extra multiply-adds of the materialised method for one linear weight.
+
+  Forming the per-example gradients costs ``B T N M``, but their sum is the
+  weight gradient, which the op then does not compute again (it would cost
+  the same ``B T N M``); what is extra is ``B N M`` for the sum and
+  ``B^2 N M`` for ``F F^T``.
+  """
+  del t
+  return b * n * m + b * b * n * m
 
 
 def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
@@ -149,6 +156,15 @@ def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
   g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
   g = g.reshape(g.shape[0], -1)
   return jnp.matmul(g, g.T, precision=_HIGHEST)
+
+
+def per_example_linear_grads(x: jax.Array, d: jax.Array):
+  """Per-example gradients ``(B, N, M)`` of ``w`` and ``(B, M)`` of ``b``.
+
+  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype.
+  """
+  gw = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  return gw, d.sum(axis=1)
 
 
 def bias_gram(d: jax.Array) -> jax.Array:

@@ -292,18 +292,39 @@ class GramOp(hx.VJPHiPrimitive):
     wanted = [i for i, (p, acc) in enumerate(zip(params, param_accs))
               if p is not None and hx.wants_cotangent(acc)]
     want_x = is_float(x.dtype) and hx.wants_cotangent(x_acc)
-    if wanted or want_x:
-      self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
-                                  param_accs)
     if hx.wants_cotangent(probe_acc):
       dtype = jnp.dtype(flags["probe_dtype"])
       shape = flags["probe_shape"]
       self._check_probe_ref(probe_acc, shape, dtype)
       if flags["probe"]:
-        value = self._probe_cotangent(x, g, params)
+        value, provided = self.probe_cotangent_and_grads(x, g, params, wanted)
         probe_acc.accum(value.astype(dtype))
+        for i, ct in provided.items():
+          param_accs[i].accum(ct)
+        wanted = [i for i in wanted if i not in provided]
       else:  # Discovery pass: the probe's shape is wrong on purpose.
         probe_acc.accum(jnp.zeros(shape, dtype))
+    if wanted or want_x:
+      self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
+                                  param_accs)
+
+  def probe_cotangent_and_grads(self, x, g, params, wanted):
+    """The probe's cotangent, and parameter cotangents found on the way.
+
+    Args:
+      x, g, params: as in :meth:`gram`.
+      wanted: indices (into ``params``) of the parameters whose ordinary
+        cotangent is needed.
+
+    Returns:
+      ``(value, provided)``: the probe's cotangent (Gram, squared norms or
+      per-example gradients, by ``mode``) and ``{index: cotangent}`` for
+      parameters whose ordinary gradient the subclass computed anyway (the
+      sum of materialised per-example gradients), in the parameter's dtype,
+      so that it is not computed twice. The default provides none.
+    """
+    del wanted
+    return self._probe_cotangent(x, g, params), {}
 
   def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
                              param_accs):

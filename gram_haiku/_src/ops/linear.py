@@ -9,6 +9,7 @@ whichever a FLOP count says is cheaper.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import jax
@@ -53,6 +54,46 @@ class GramLinear(base.GramOp):
     return gram_math.linear_sq_norms(x, g, example_dim=example_dim,
                                      with_bias=params[1] is not None,
                                      strategy=self.strategy)
+
+  def per_example_grads(self, x, g, params, example_dim):
+    acc = self.accumulation_dtype()
+    xm = gram_math.to_example_major(x, example_dim).astype(acc)
+    dm = gram_math.to_example_major(g, example_dim).astype(acc)
+    gw, gb = gram_math.per_example_linear_grads(xm, dm)
+    return (gw,) if params[1] is None else (gw, gb)
+
+  def probe_cotangent_and_grads(self, x, g, params, wanted):
+    """Materialised per-example gradients also give ``dw`` and ``db``.
+
+    When the Gram is formed from per-example gradients (``"per_example"``
+    mode, or ``"gram"`` mode where the cost model picks materialising), their
+    sum over examples is the ordinary weight (and bias) gradient: it is
+    returned as such instead of running the weight's VJP as well.
+    """
+    e = self.example_axis.resolved_position()
+    acc = self.accumulation_dtype()
+    w, b = params
+    if self.mode == "norms":
+      return self.sq_norms(x, g, params, e), {}
+    if self.mode == "gram":
+      lead = self.lead_shape(x.shape)
+      size = lead[e]
+      positions = max(1, math.prod(lead) // max(size, 1))
+      method = gram_math.choose_strategy(
+          size, positions, w.shape[0], w.shape[1], jnp.dtype(acc).itemsize,
+          self.strategy)
+      if method == "ghost":
+        return self.gram(x, g, params, e), {}
+    grads = self.per_example_grads(x, g, params, e)
+    bsz = grads[0].shape[0]
+    f = jnp.concatenate([a.reshape(bsz, -1) for a in grads], axis=1)
+    value = (f if self.mode == "per_example"
+             else jnp.matmul(f, f.T, precision=lax.Precision.HIGHEST))
+    provided = {}
+    for i, (p, pe) in enumerate(zip(params, grads)):
+      if i in wanted and p is not None:
+        provided[i] = pe.sum(axis=0).astype(p.dtype)
+    return value, provided
 
 
 def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
