@@ -1,0 +1,134 @@
+"""``hk.Conv{1,2,3}D`` and ``hk.Conv{1,2,3}DTranspose`` inside ``track()``.
+
+``hk.Conv1D/2D/3D`` inherit ``__call__`` from ``hk.ConvND`` and the
+transposed ones from ``hk.ConvNDTranspose``; ``hk.intercept_methods`` reports
+the class that *defines* the method (``context.orig_class``), so the handlers
+are registered on the two base classes (and, harmlessly, on the subclasses,
+in case a Haiku release defines ``__call__`` there). Each handler re-creates
+the parameters exactly as the module's ``__call__`` does (names ``w``/``b``,
+shapes, dtypes, initialisers, creation order) and runs the Gram op.
+
+A weight ``mask`` is not supported: the gradient of the unmasked parameter is
+``mask * dL/d(w * mask)``, which the op does not model; such a module raises
+instead of returning a wrong Gram.
+"""
+
+import haiku as hk
+from haiku._src.conv import compute_adjusted_padding  # Haiku's own rule.
+import jax.numpy as jnp
+import numpy as np
+
+from gram_haiku._src.ops.conv import gram_conv
+from gram_haiku._src.ops.conv import gram_conv_transpose
+from gram_haiku._src.tracking import register_layer
+
+MASK_UNSUPPORTED = (
+    "gram_haiku.track(): module {module!r} ({cls}) has a weight `mask`, "
+    "which is not supported: the per-example gradients of a masked kernel "
+    "are not those of the convolution the Gram op computes. Build the module "
+    "without `mask` (e.g. mask the input, or zero the weights you do not "
+    "want), or call it outside gram_haiku.track().")
+
+
+def _check_rank(module, inputs, what):
+  unbatched_rank = module.num_spatial_dims + 1
+  allowed_ranks = [unbatched_rank, unbatched_rank + 1]
+  if inputs.ndim not in allowed_ranks:
+    raise ValueError(f"Input to {what} needs to have rank in {allowed_ranks},"
+                     f" but input has shape {inputs.shape}.")
+
+
+def _channel_axis(module, inputs) -> int:
+  """The channel axis of ``inputs``, batched or not (Haiku's rule)."""
+  if module.channel_index == -1:
+    return inputs.ndim - 1
+  return inputs.ndim - module.num_spatial_dims - 1
+
+
+def _bias(module, dtype):
+  if not module.with_bias:
+    return None
+  if module.channel_index == -1:
+    bias_shape = (module.output_channels,)
+  else:
+    bias_shape = (module.output_channels,) + (1,) * module.num_spatial_dims
+  return hk.get_parameter("b", bias_shape, dtype, init=module.b_init)
+
+
+def _no_mask(module):
+  if module.mask is not None:
+    raise NotImplementedError(MASK_UNSUPPORTED.format(
+        module=module.module_name, cls=type(module).__name__))
+
+
+@register_layer(hk.ConvND)
+def conv_nd(tracker, module: hk.ConvND, inputs, *, precision=None):
+  """``hk.ConvND.__call__`` with :func:`gram_conv` (same parameters)."""
+  inputs = jnp.asarray(inputs)
+  _check_rank(module, inputs, "ConvND")
+  channels = inputs.shape[_channel_axis(module, inputs)]
+  groups = module.feature_group_count
+  if channels % groups != 0:
+    raise ValueError(f"Inputs channels {channels} should be a multiple of "
+                     f"feature_group_count {groups}")
+  _no_mask(module)
+  w_shape = tuple(module.kernel_shape) + (channels // groups,
+                                          module.output_channels)
+  w_init = module.w_init
+  if w_init is None:
+    fan_in_shape = np.prod(w_shape[:-1])
+    w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(fan_in_shape))
+  w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
+  b = _bias(module, inputs.dtype)
+
+  def op(x, w, b, probe, **kwargs):
+    return gram_conv(x, w, b, probe, stride=module.stride,
+                     padding=module.padding, rate=module.kernel_dilation,
+                     feature_group_count=groups,
+                     data_format=module.data_format, precision=precision,
+                     **kwargs)
+  return tracker.apply(op, module, inputs, (w, b))
+
+
+@register_layer(hk.ConvNDTranspose)
+def conv_nd_transpose(tracker, module: hk.ConvNDTranspose, inputs, *,
+                      precision=None):
+  """``hk.ConvNDTranspose.__call__`` with :func:`gram_conv_transpose`."""
+  inputs = jnp.asarray(inputs)
+  _check_rank(module, inputs, "ConvNDTranspose")
+  channel_axis = _channel_axis(module, inputs)
+  input_channels = inputs.shape[channel_axis]
+  w_shape = tuple(module.kernel_shape) + (module.output_channels,
+                                          input_channels)
+  _no_mask(module)
+  w_init = module.w_init
+  if w_init is None:
+    fan_in_shape = tuple(module.kernel_shape) + (input_channels,)
+    stddev = 1. / np.sqrt(np.prod(fan_in_shape))
+    w_init = hk.initializers.TruncatedNormal(stddev=stddev)
+  w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
+
+  padding = module.padding
+  if module.output_shape is not None:
+    n = module.num_spatial_dims
+    if module.channel_index == -1:
+      input_shape = inputs.shape[inputs.ndim - n - 1:-1]
+    else:
+      input_shape = inputs.shape[inputs.ndim - n:]
+    padding = tuple(map(
+        lambda i, o, k, s: compute_adjusted_padding(i, o, k, s, module.padding),
+        input_shape, module.output_shape, module.kernel_shape, module.stride))
+  b = _bias(module, inputs.dtype)
+
+  def op(x, w, b, probe, **kwargs):
+    return gram_conv_transpose(x, w, b, probe, stride=module.stride,
+                               padding=padding,
+                               data_format=module.data_format,
+                               precision=precision, **kwargs)
+  return tracker.apply(op, module, inputs, (w, b))
+
+
+for _cls in (hk.Conv1D, hk.Conv2D, hk.Conv3D):
+  register_layer(_cls)(conv_nd)
+for _cls in (hk.Conv1DTranspose, hk.Conv2DTranspose, hk.Conv3DTranspose):
+  register_layer(_cls)(conv_nd_transpose)

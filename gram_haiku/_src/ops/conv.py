@@ -1,0 +1,393 @@
+"""N-d convolutions (``hk.ConvND``, ``hk.ConvNDTranspose``) as Gram primitives.
+
+The forward pass is exactly the Haiku module's: ``lax.conv_general_dilated``
+with Haiku's dimension numbers (for a transposed conv, the very call that
+``lax.conv_transpose`` makes), then the bias.
+The probe's cotangent is the per-example gradient Gram of ``w`` and ``b`` (or
+its diagonal, or the per-example gradients; see
+:mod:`gram_haiku._src.ops.base`).
+
+Math
+----
+A convolution is a linear layer applied to *im2col patches*. With kernel
+spatial shape ``K`` (``|K| = prod(K)`` taps), ``C`` input and ``O`` output
+channels, stride ``s``, kernel dilation (rate) ``r``, input (lhs) dilation
+``l`` and padding, the patch of output position ``p`` is
+
+    X~[i, p, (c, k)] = pad(dilate_l(x_i))[s * p + r * k, c]
+
+(``jax.lax.conv_general_dilated_patches`` computes it, features ordered
+channel-major ``(c, k)``), and the output is ``y[i, p, o] = sum_{c,k}
+X~[i, p, (c, k)] W[k, c, o] + b[o]``. With ``F`` feature groups
+(``C = F Cg``, ``O = F Og``) output channel ``o`` of group ``f`` only reads
+input channels of group ``f``; with the channel-major order these are the
+contiguous patch features ``[f Cg |K|, (f+1) Cg |K|)``. So group ``f``'s
+weight ``W_f: [Cg |K|, Og]`` is a linear layer on ``X~_f`` with output
+cotangent ``D_f = dL/dy[..., f Og:(f+1) Og]``, applied at every output
+position and every within-example axis ``t``. The per-example gradients are
+``g_if = sum_{t,p} X~_f[i,t,p]^T D_f[i,t,p]`` and ``g_ib = sum_{t,p}
+D[i,t,p]``, and
+
+    G[i, j] = sum_f sum_{(t,p),(t',p')} (X~_f[i,t,p] . X~_f[j,t',p'])
+                                         (D_f[i,t,p] . D_f[j,t',p'])
+              + D_b[i] . D_b[j],       D_b[i] = sum_{t,p} D[i,t,p]
+
+which is :func:`gram_math.linear_gram` per group (ghost or materialised),
+summed over groups, plus the bias term. The Gram is invariant to any
+permutation of the kernel's entries, so only the grouping of patch features
+matters, not their order relative to the kernel layout.
+
+**Transposed convolution.** ``lax.conv_transpose`` (``transpose_kernel=False``,
+as Haiku calls it) *is* ``conv_general_dilated`` with unit window strides,
+input dilation ``l = stride`` and explicit padding (for ``"SAME"``/``"VALID"``
+the padding of ``lax``'s ``_conv_transpose_padding``; explicit pairs are the
+padding of the dilated input). Its weight ``[K..., O, C]`` is read with
+Haiku's transposed dimension numbers (out-feature axis ``O``), so the same
+patch formula applies with those arguments, one feature group. The op's
+forward pass makes that ``conv_general_dilated`` call itself, so the patches
+are built from exactly the arguments the output was computed with.
+
+Cost (``B`` examples, ``T`` within-example positions including output
+positions, ``Cg |K|`` patch features and ``Og`` outputs per group): the
+patches take ``B T C |K|`` memory (im2col); ghost ~``F B^2 T^2 (Cg |K| + Og)``
+multiply-adds in row blocks bounded by ``gram_math.MEMORY_BUDGET_BYTES``;
+materialised ~``B T C |K| Og + B^2 C |K| Og`` with ``B x P`` memory. ``"auto"``
+picks the cheaper by :func:`gram_math.choose_strategy`. The diagonal
+(``mode="norms"``) costs ~``B T^2 (C |K| + O)`` (ghost) or ``B T C |K| Og``.
+
+Sources: Goodfellow (2015), "Efficient per-example gradient computations";
+Rochette, Manoel & Tramel (2019), "Efficient per-example gradient computations
+in convolutional neural networks" (per-example conv gradients from patches);
+Bu et al. (2022), "Scalable and efficient training of large convolutional
+neural networks with differential privacy" (ghost norms of convolutions via
+unfolded inputs, and the ghost/materialise choice per layer).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src import gram_math
+from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops import base
+
+Padding = Union[str, Sequence[tuple[int, int]]]
+
+_CHANNELS_FIRST = re.compile(r"^NC[^C]*$")
+_CHANNELS_LAST = re.compile(r"^N[^C]*C$")
+
+
+def channels_last_of(data_format: str) -> bool:
+  """Haiku's data-format rule: ``channels_last``/``N...C`` or
+  ``channels_first``/``NC...``."""
+  if data_format == "channels_last" or _CHANNELS_LAST.match(data_format):
+    return True
+  if data_format == "channels_first" or _CHANNELS_FIRST.match(data_format):
+    return False
+  raise ValueError(
+      f"Unrecognised data_format={data_format!r}: expected 'channels_last', "
+      "'channels_first', 'N...C' or 'NC...'.")
+
+
+def dimension_numbers(n: int, channels_last: bool,
+                      transpose: bool) -> lax.ConvDimensionNumbers:
+  """Haiku's dimension numbers (``haiku._src.conv.to_dimension_numbers``)."""
+  nd = n + 2
+  if channels_last:
+    image = (0, nd - 1) + tuple(range(1, nd - 1))
+  else:
+    image = (0, 1) + tuple(range(2, nd))
+  if transpose:
+    kernel = (nd - 2, nd - 1) + tuple(range(nd - 2))
+  else:
+    kernel = (nd - 1, nd - 2) + tuple(range(nd - 2))
+  return lax.ConvDimensionNumbers(lhs_spec=image, rhs_spec=kernel,
+                                  out_spec=image)
+
+
+def _tuple(v, n: int, what: str) -> tuple[int, ...]:
+  try:
+    v = tuple(int(a) for a in v)
+  except TypeError:  # a scalar
+    return (int(v),) * n
+  if len(v) == 1:
+    return v * n
+  if len(v) != n:
+    raise ValueError(f"{what} must be an int or a sequence of length {n}, "
+                     f"got {v}.")
+  return v
+
+
+def _padding(padding, n: int):
+  """A hashable padding: the string as given, or ``n`` ``(lo, hi)`` pairs."""
+  if isinstance(padding, str):
+    return padding
+  pads = tuple(tuple(int(a) for a in p) for p in padding)
+  if len(pads) != n or any(len(p) != 2 for p in pads):
+    raise ValueError(f"padding must be 'SAME', 'VALID' or {n} (low, high) "
+                     f"pairs, got {padding!r}.")
+  return pads
+
+
+def _transpose_pads(kernel: Sequence[int], strides: Sequence[int], padding):
+  """The explicit padding ``lax.conv_transpose`` hands to the forward conv.
+
+  Mirrors ``jax._src.lax.convolution.conv_transpose`` with
+  ``use_consistent_padding=False`` and no kernel dilation (what Haiku calls):
+  ``"SAME"``/``"VALID"`` are converted, anything else is passed through.
+  """
+  if not (isinstance(padding, str) and padding in ("SAME", "VALID")):
+    return padding
+  pads = []
+  for k, s in zip(kernel, strides):
+    if padding == "SAME":
+      pad_len = k + s - 2
+      pad_a = k - 1 if s > k - 1 else int(math.ceil(pad_len / 2))
+    else:
+      pad_len = k + s - 2 + max(k - s, 0)
+      pad_a = k - 1
+    pads.append((pad_a, pad_len - pad_a))
+  return tuple(pads)
+
+
+def _acc_itemsize(dtype) -> int:
+  return jnp.dtype(dtype).itemsize
+
+
+class GramConv(base.GramOp):
+  """Primitive for ``hk.ConvND`` (``transpose=False``) or
+  ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
+  Gram of ``(w, b)``.
+
+  Inputs: ``x: [..., *spatial, C]`` (channels last) or ``[..., C, *spatial]``
+  (channels first) with any leading axes, ``w`` with Haiku's layout
+  (``[*K, C / groups, O]``, transposed ``[*K, O, C]``), ``b`` (``[O]``, or
+  ``[O, 1, ...]`` channels first) or None, and the probe. Op parameters:
+  ``num_spatial_dims``, ``channels_last``, ``transpose``, ``stride``,
+  ``padding``, ``rate``, ``feature_group_count``, ``precision``.
+  """
+
+  param_names = ("w", "b")
+
+  def __init__(self, x_aval, param_avals, probe_aval, **kwargs):
+    self.feature_ndim = kwargs["num_spatial_dims"] + 1
+    super().__init__(x_aval, param_avals, probe_aval, **kwargs)
+
+  # -- the convolution ---------------------------------------------------------
+
+  @property
+  def dn(self) -> lax.ConvDimensionNumbers:
+    return dimension_numbers(self.num_spatial_dims, self.channels_last,
+                             self.transpose)
+
+  def _conv_args(self, kernel_spatial):
+    """``conv_general_dilated`` arguments of the op as one plain conv."""
+    n = self.num_spatial_dims
+    ones = (1,) * n
+    if self.transpose:
+      return dict(window_strides=ones,
+                  padding=_transpose_pads(kernel_spatial, self.stride,
+                                          self.padding),
+                  lhs_dilation=self.stride, rhs_dilation=ones)
+    return dict(window_strides=self.stride, padding=self.padding,
+                lhs_dilation=ones, rhs_dilation=self.rate)
+
+  def _flatten_lead(self, a):
+    lead = self.lead_shape(a.shape)
+    feat = a.shape[len(lead):]
+    return a.reshape((math.prod(lead),) + feat), lead
+
+  def forward(self, x, w, b):
+    # For a transposed conv this is the conv_general_dilated call that
+    # lax.conv_transpose makes (Haiku calls conv_transpose with
+    # transpose_kernel=False); the Gram's patches use the same arguments.
+    xb, lead = self._flatten_lead(x)
+    n = self.num_spatial_dims
+    if xb.dtype != w.dtype:
+      # Haiku creates ``w`` in the input's dtype, so this never fires for a
+      # Haiku module; called directly with mixed dtypes (e.g. bfloat16
+      # parameters, float32 activations) the op promotes like ``jnp.dot``
+      # where lax.conv_general_dilated would refuse.
+      dtype = jnp.promote_types(xb.dtype, w.dtype)
+      xb, w = xb.astype(dtype), w.astype(dtype)
+    out = lax.conv_general_dilated(
+        xb, w, dimension_numbers=self.dn,
+        feature_group_count=1 if self.transpose else self.feature_group_count,
+        precision=self.precision, **self._conv_args(tuple(w.shape[:n])))
+    if b is not None:
+      out = out + jnp.broadcast_to(b, out.shape)
+    return out.reshape(lead + out.shape[1:])
+
+  # -- the Gram ----------------------------------------------------------------
+
+  def _patches_and_cotangents(self, x, g, w):
+    """Patches ``(lead.., T, F, Cg|K|)`` and cotangents ``(lead.., T, F, Og)``.
+
+    ``T`` is the number of output positions, ``F`` the feature groups; both
+    in the accumulation dtype, channels last.
+    """
+    n = self.num_spatial_dims
+    acc = self.accumulation_dtype()
+    xb, lead = self._flatten_lead(x.astype(acc))
+    gb, _ = self._flatten_lead(g.astype(acc))
+    if not self.channels_last:
+      xb = jnp.moveaxis(xb, 1, -1)
+      gb = jnp.moveaxis(gb, 1, -1)
+    kernel = tuple(w.shape[:n])
+    spec = (0, n + 1) + tuple(range(1, n + 1))  # N, C, spatial...
+    dn = lax.ConvDimensionNumbers(spec, (n + 1, n) + tuple(range(n)), spec)
+    patches = lax.conv_general_dilated_patches(
+        xb, kernel, dimension_numbers=dn, precision=lax.Precision.HIGHEST,
+        **self._conv_args(kernel))
+    if patches.shape[:-1] != gb.shape[:-1]:
+      raise AssertionError(  # A bug here, never a silent Gram.
+          f"{self.name}: patches {patches.shape} do not match the output "
+          f"cotangent {gb.shape}.")
+    groups = 1 if self.transpose else self.feature_group_count
+    t = math.prod(patches.shape[1:-1])
+    patches = patches.reshape(lead + (t, groups, patches.shape[-1] // groups))
+    gb = gb.reshape(lead + (t, groups, gb.shape[-1] // groups))
+    return patches, gb
+
+  def _grouped(self, x, g, params, example_dim, norms: bool):
+    p, d = self._patches_and_cotangents(x, g, params[0])
+    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+    bsz = p.shape[example_dim]
+    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
+    itemsize = _acc_itemsize(p.dtype)
+    method = gram_math.choose_strategy(bsz, t, n, m, itemsize, self.strategy)
+    if norms and self.strategy == "auto":
+      fits = bsz * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES
+      method = ("materialize" if fits and t * n * m < t * t * (n + m)
+                else "ghost")
+    budget = gram_math.MEMORY_BUDGET_BYTES
+    if method == "materialize" and bsz * groups * n * m * itemsize <= budget:
+      # Every group at once: (B, F, Cg|K|, Og) per-example gradients.
+      pm = jnp.moveaxis(p, example_dim, 0)
+      dm = jnp.moveaxis(d, example_dim, 0)
+      pm = pm.reshape((bsz, -1, groups, n))
+      dm = dm.reshape((bsz, -1, groups, m))
+      per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
+                       precision=lax.Precision.HIGHEST).reshape(bsz, -1)
+      out = (jnp.sum(per * per, axis=1) if norms else
+             jnp.matmul(per, per.T, precision=lax.Precision.HIGHEST))
+    else:
+      fn = gram_math.linear_sq_norms if norms else gram_math.linear_gram
+      def one(pd):
+        return fn(pd[0], pd[1], example_dim=example_dim, with_bias=False,
+                  strategy=method)
+      if groups == 1:
+        out = one((p[..., 0, :], d[..., 0, :]))
+      else:
+        out = lax.map(one, (jnp.moveaxis(p, -2, 0),
+                            jnp.moveaxis(d, -2, 0))).sum(axis=0)
+    if params[1] is not None:
+      db = gram_math.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
+                                      example_dim).sum(axis=1)
+      out = out + (jnp.sum(db * db, axis=1) if norms else
+                   jnp.matmul(db, db.T, precision=lax.Precision.HIGHEST))
+    return out
+
+  def gram(self, x, g, params, example_dim):
+    return self._grouped(x, g, params, example_dim, norms=False)
+
+  def sq_norms(self, x, g, params, example_dim):
+    return self._grouped(x, g, params, example_dim, norms=True)
+
+
+def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,
+             feature_group_count, data_format, precision, name, example_axis,
+             strategy, mode):
+  n = w.ndim - 2
+  if n < 1:
+    raise ValueError(f"{name}: the kernel must have rank >= 3 "
+                     f"([*kernel, in, out]), got shape {w.shape}.")
+  if example_axis is None:
+    example_axis = ExampleAxis.from_spec(None)
+  gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates `strategy`
+  base.check_mode(mode)
+  if not isinstance(feature_group_count, int) or feature_group_count < 1:
+    raise ValueError(f"{name}: feature_group_count must be a positive int, "
+                     f"got {feature_group_count!r}.")
+  prim = GramConv(
+      base.aval_of(x), (base.aval_of(w), base.aval_of(b)),
+      base.aval_of(probe), example_axis=example_axis, name=name,
+      strategy=strategy, mode=mode, num_spatial_dims=n,
+      channels_last=channels_last_of(data_format), transpose=transpose,
+      stride=_tuple(stride, n, "stride"), padding=_padding(padding, n),
+      rate=_tuple(rate, n, "rate"), feature_group_count=feature_group_count,
+      precision=precision)
+  return prim(x, w, b, probe)
+
+
+def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
+              probe: jax.Array, *, stride: Union[int, Sequence[int]] = 1,
+              padding: Padding = "SAME", rate: Union[int, Sequence[int]] = 1,
+              feature_group_count: int = 1,
+              data_format: str = "channels_last",
+              precision: Optional[lax.Precision] = None, name: str = "conv",
+              example_axis: ExampleAxis | None = None,
+              strategy: str = "auto", mode: str = "gram") -> jax.Array:
+  """``hk.ConvND``'s convolution; its backward pass puts the Gram in ``probe``.
+
+  Args:
+    x: ``[..., *spatial, C]`` (channels last) or ``[..., C, *spatial]``
+      input; its leading axes are the example axis and within-example axes.
+      Any float dtype; if it differs from ``w``'s, both are promoted (as
+      ``jnp.dot`` does; Haiku always creates ``w`` in the input's dtype).
+    w: ``[*kernel, C // feature_group_count, O]`` kernel (Haiku's layout).
+    b: ``[O]`` bias (``[O, 1, ..., 1]`` channels first, as Haiku), or None.
+    probe: zeros, ``[B, B]`` (``"gram"``), ``[B]`` (``"norms"``) or ``[B, P]``
+      (``"per_example"``); float32, float64 under x64.
+    stride, padding, rate, feature_group_count, data_format: as
+      ``hk.ConvND`` (``padding`` ``"SAME"``, ``"VALID"`` or ``N`` pairs).
+    precision: passed to ``lax.conv_general_dilated`` as Haiku does.
+    name, example_axis, strategy, mode: as :func:`gram_linear`.
+
+  Returns:
+    Exactly ``hk.ConvND``'s output. The probe's cotangent is the Gram of the
+    per-example gradients of ``w`` and ``b`` (or its diagonal, or them).
+  """
+  return _conv_op(x, w, b, probe, transpose=False, stride=stride,
+                  padding=padding, rate=rate,
+                  feature_group_count=feature_group_count,
+                  data_format=data_format, precision=precision, name=name,
+                  example_axis=example_axis, strategy=strategy, mode=mode)
+
+
+def gram_conv_transpose(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
+                        probe: jax.Array, *,
+                        stride: Union[int, Sequence[int]] = 1,
+                        padding: Padding = "SAME",
+                        data_format: str = "channels_last",
+                        precision: Optional[lax.Precision] = None,
+                        name: str = "conv_transpose",
+                        example_axis: ExampleAxis | None = None,
+                        strategy: str = "auto",
+                        mode: str = "gram") -> jax.Array:
+  """``hk.ConvNDTranspose``'s ``lax.conv_transpose`` with the Gram in ``probe``.
+
+  Args:
+    x: ``[..., *spatial, C]`` or ``[..., C, *spatial]`` input.
+    w: ``[*kernel, O, C]`` kernel (Haiku's transposed layout).
+    b: ``[O]`` (``[O, 1, ..., 1]`` channels first) or None.
+    padding: ``"SAME"``, ``"VALID"`` (the forward conv's padding, as
+      ``lax.conv_transpose``) or ``N`` explicit pairs (padding of the
+      stride-dilated input, as ``lax.conv_transpose``; Haiku's
+      ``output_shape`` produces such pairs).
+    Others: as :func:`gram_conv`.
+
+  Returns:
+    Exactly ``hk.ConvNDTranspose``'s output; the probe's cotangent as
+    :func:`gram_conv`.
+  """
+  return _conv_op(x, w, b, probe, transpose=True, stride=stride,
+                  padding=padding, rate=1, feature_group_count=1,
+                  data_format=data_format, precision=precision, name=name,
+                  example_axis=example_axis, strategy=strategy, mode=mode)
