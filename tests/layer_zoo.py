@@ -149,6 +149,7 @@ ENTRIES = [
     Entry("BatchNorm-eval", _batch_norm_eval, (3, 5),
           styles=("explicit", "jit")),  # init updates state: no hk.vmap
     Entry("GRU-dynamic", _rnn(lambda: hk.GRU(4), hk.dynamic_unroll), (4, 3)),
+    Entry("GRU-static", _rnn(lambda: hk.GRU(4), hk.static_unroll), (4, 3)),
     Entry("LSTM-dynamic", _rnn(lambda: hk.LSTM(4), hk.dynamic_unroll),
           (4, 3)),
     Entry("LSTM-static", _rnn(lambda: hk.LSTM(4), hk.static_unroll), (4, 3)),

@@ -1,0 +1,59 @@
+"""``GramFunction`` ops: the GRU cell (``hk.GRU``) and the tied output layer
+(``gram_haiku.unembed``)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from conformance.registry import normal
+from conformance.registry import OpSpec
+from conformance.registry import register
+from gram_haiku._src.layers.recurrent import gru_cell
+from gram_haiku._src.ops.function import GramFunction
+from gram_haiku._src.tied import _unembed
+
+_IN, _HID, _V = 3, 4, 6
+
+
+def _gru_params(key, dtype):
+  k = jax.random.split(key, 3)
+  return {"w_i": normal(k[0], (_IN, 3 * _HID), dtype),
+          "w_h": normal(k[1], (_HID, 3 * _HID), dtype),
+          "b": normal(k[2], (3 * _HID,), dtype)}
+
+
+_GRU = functools.partial(gru_cell, input_size=_IN, hidden_size=_HID)
+
+
+def _gru_apply(p, probe, x, **kw):
+  return GramFunction.apply(x, (p["w_i"], p["w_h"], p["b"]), probe,
+                            name="gru", fn=_GRU,
+                            param_names=("w_i", "w_h", "b"), feature_ndim=1,
+                            **kw)
+
+
+register(OpSpec(
+    name="gru_cell",
+    make_params=_gru_params,
+    make_example=lambda key, lead, dtype: normal(key, lead + (_IN + _HID,),
+                                                 dtype),
+    apply=_gru_apply,
+    plain=lambda p, x: _GRU(x, p["w_i"], p["w_h"], p["b"])))
+
+_UNEMBED = functools.partial(_unembed, precision=None)
+
+
+def _unembed_apply(p, probe, x, **kw):
+  return GramFunction.apply(x, (p["embeddings"],), probe, name="unembed",
+                            fn=_UNEMBED, param_names=("embeddings",),
+                            feature_ndim=1, **kw)
+
+
+register(OpSpec(
+    name="unembed",
+    make_params=lambda key, dtype: {"embeddings": normal(key, (_V, _HID),
+                                                         dtype)},
+    make_example=lambda key, lead, dtype: normal(key, lead + (_HID,), dtype),
+    apply=_unembed_apply,
+    plain=lambda p, x: jnp.dot(x, p["embeddings"].T)))
