@@ -7,12 +7,10 @@ The probe's cotangent is the per-example gradient Gram of ``w`` and ``b`` (or
 its diagonal, or the per-example gradients; see
 :mod:`gram_haiku._src.ops.base`).
 
-Math
-----
-A convolution is a linear layer applied to *im2col patches*. With kernel
-spatial shape ``K`` (``|K| = prod(K)`` taps), ``C`` input and ``O`` output
+**Math.** A convolution is a linear layer applied to *im2col patches*. With kernel
+spatial shape ``K`` (``nK = prod(K)`` taps), ``C`` input and ``O`` output
 channels, stride ``s``, kernel dilation (rate) ``r``, input (lhs) dilation
-``l`` and padding, the patch of output position ``p`` is
+``l`` and padding, the patch of output position ``p`` is::
 
     X~[i, p, (c, k)] = pad(dilate_l(x_i))[s * p + r * k, c]
 
@@ -21,12 +19,12 @@ channel-major ``(c, k)``), and the output is ``y[i, p, o] = sum_{c,k}
 X~[i, p, (c, k)] W[k, c, o] + b[o]``. With ``F`` feature groups
 (``C = F Cg``, ``O = F Og``) output channel ``o`` of group ``f`` only reads
 input channels of group ``f``; with the channel-major order these are the
-contiguous patch features ``[f Cg |K|, (f+1) Cg |K|)``. So group ``f``'s
-weight ``W_f: [Cg |K|, Og]`` is a linear layer on ``X~_f`` with output
+contiguous patch features ``[f Cg nK, (f+1) Cg nK)``. So group ``f``'s
+weight ``W_f: [Cg nK, Og]`` is a linear layer on ``X~_f`` with output
 cotangent ``D_f = dL/dy[..., f Og:(f+1) Og]``, applied at every output
 position and every within-example axis ``t``. The per-example gradients are
 ``g_if = sum_{t,p} X~_f[i,t,p]^T D_f[i,t,p]`` and ``g_ib = sum_{t,p}
-D[i,t,p]``, and
+D[i,t,p]``, and::
 
     G[i, j] = sum_f sum_{(t,p),(t',p')} (X~_f[i,t,p] . X~_f[j,t',p'])
                                          (D_f[i,t,p] . D_f[j,t',p'])
@@ -48,12 +46,12 @@ forward pass makes that ``conv_general_dilated`` call itself, so the patches
 are built from exactly the arguments the output was computed with.
 
 Cost (``B`` examples, ``T`` within-example positions including output
-positions, ``Cg |K|`` patch features and ``Og`` outputs per group): the
-patches take ``B T C |K|`` memory (im2col); ghost ~``F B^2 T^2 (Cg |K| + Og)``
+positions, ``Cg nK`` patch features and ``Og`` outputs per group): the
+patches take ``B T C nK`` memory (im2col); ghost ~``F B^2 T^2 (Cg nK + Og)``
 multiply-adds in row blocks bounded by ``gram_math.MEMORY_BUDGET_BYTES``;
-materialised ~``B T C |K| Og + B^2 C |K| Og`` with ``B x P`` memory. ``"auto"``
+materialised ~``B T C nK Og + B^2 C nK Og`` with ``B x P`` memory. ``"auto"``
 picks the cheaper by :func:`gram_math.choose_strategy`. The diagonal
-(``mode="norms"``) costs ~``B T^2 (C |K| + O)`` (ghost) or ``B T C |K| Og``.
+(``mode="norms"``) costs ~``B T^2 (C nK + O)`` (ghost) or ``B T C nK Og``.
 
 Sources: Goodfellow (2015), "Efficient per-example gradient computations";
 Rochette, Manoel & Tramel (2019), "Efficient per-example gradient computations
