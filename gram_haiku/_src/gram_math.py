@@ -61,6 +61,43 @@ def to_example_major(a: jax.Array, example_dim: int) -> jax.Array:
   return a.reshape(a.shape[0], -1, a.shape[-1])
 
 
+def rows_sharding(a: jax.Array, out_ndim: int):
+  """``out_sharding`` for a contraction whose output rows are ``a``'s axis 0.
+
+  Under a mesh with Explicit axes, a contraction between two operands that
+  are both sharded along the example axis has no implied output sharding
+  and must be given one: the output keeps ``a``'s example-axis sharding on
+  its first axis (rows) and is replicated along the others. None otherwise.
+  """
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  spec = getattr(sharding, "spec", None)
+  if mesh is None or not spec or spec[0] is None:
+    return None
+  explicit = jax.sharding.AxisType.Explicit
+  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  return jax.sharding.PartitionSpec(spec[0], *([None] * (out_ndim - 1)))
+
+
+def explicit_spec(a: jax.Array):
+  """``a``'s PartitionSpec under a mesh with Explicit axes, else None."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = jax.sharding.AxisType.Explicit
+  if mesh is None or not any(t == explicit
+                             for t in getattr(mesh, "axis_types", ())):
+    return None
+  return sharding.spec
+
+
+def reshard_like(value: jax.Array, spec) -> jax.Array:
+  """``value`` resharded to ``spec`` (from :func:`explicit_spec`), if any."""
+  if spec is None or explicit_spec(value) == spec:
+    return value
+  return jax.sharding.reshard(value, spec)
+
+
 def ghost_flops(b: int, t: int, n: int, m: int) -> int:
   """Multiply-adds of the ghost method for one linear-layer weight."""
   if t == 1:
@@ -107,9 +144,11 @@ def _ghost_rows(xi, di, x, d):
   """Rows ``i`` of (1): ``xi: (R, T, N)``, ``x: (B, T, N)`` -> ``(R, B)``."""
   acc = x.dtype
   kx = jnp.einsum("itn,jsn->itjs", xi, x, precision=_HIGHEST,
-                  preferred_element_type=acc)
+                  preferred_element_type=acc,
+                  out_sharding=rows_sharding(xi, 4))
   kd = jnp.einsum("itm,jsm->itjs", di, d, precision=_HIGHEST,
-                  preferred_element_type=acc)
+                  preferred_element_type=acc,
+                  out_sharding=rows_sharding(di, 4))
   return jnp.einsum("itjs,itjs->ij", kx, kd, precision=_HIGHEST)
 
 
@@ -128,8 +167,8 @@ def ghost_gram(x: jax.Array, d: jax.Array) -> jax.Array:
   """
   b, t, _ = x.shape
   if t == 1:
-    kx = jnp.matmul(x[:, 0], x[:, 0].T, precision=_HIGHEST)
-    kd = jnp.matmul(d[:, 0], d[:, 0].T, precision=_HIGHEST)
+    kx = gram_matmul(x[:, 0], x[:, 0])
+    kd = gram_matmul(d[:, 0], d[:, 0])
     return kx * kd
   itemsize = jnp.dtype(x.dtype).itemsize
   per_row = 2 * t * b * t * itemsize  # kx and kd blocks for one row i
@@ -155,7 +194,13 @@ def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
   """
   g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
   g = g.reshape(g.shape[0], -1)
-  return jnp.matmul(g, g.T, precision=_HIGHEST)
+  return gram_matmul(g, g)
+
+
+def gram_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+  """``a @ b.T`` for ``(B, P)`` factors at ``HIGHEST``, rows sharded like ``a``."""
+  return jnp.matmul(a, b.T, precision=_HIGHEST,
+                    out_sharding=rows_sharding(a, 2))
 
 
 def per_example_linear_grads(x: jax.Array, d: jax.Array):
@@ -170,7 +215,7 @@ def per_example_linear_grads(x: jax.Array, d: jax.Array):
 def bias_gram(d: jax.Array) -> jax.Array:
   """Gram of per-example bias gradients ``sum_t d_it``: ``(B, T, M) -> (B, B)``."""
   s = d.sum(axis=1)
-  return jnp.matmul(s, s.T, precision=_HIGHEST)
+  return gram_matmul(s, s)
 
 
 def linear_gram(x: jax.Array, d: jax.Array, *, example_dim: int,

@@ -124,7 +124,7 @@ class GramOp(hx.VJPHiPrimitive):
       The Gram in the accumulation dtype (float32, float64 for float64).
     """
     f = self._flat_per_example(x, g, params, example_dim)
-    return jnp.matmul(f, f.T, precision=_HIGHEST)
+    return gram_math.gram_matmul(f, f)
 
   def sq_norms(self, x, g, params, example_dim: int) -> jax.Array:
     """``(B,)`` squared norms of the per-example gradients (diag of Gram)."""
@@ -281,7 +281,8 @@ class GramOp(hx.VJPHiPrimitive):
             mode=self.mode))
     flags = hx.StaticFlags((("probe", probe_wanted and probe_ok),
                             ("probe_shape", tuple(probe.shape)),
-                            ("probe_dtype", jnp.dtype(probe.dtype).name)))
+                            ("probe_dtype", jnp.dtype(probe.dtype).name),
+                            ("probe_spec", gram_math.explicit_spec(probe))))
     return out, (x, tuple(params), flags)
 
   def vjp_bwd(self, res, g, x_acc, *rest_accs):
@@ -298,7 +299,9 @@ class GramOp(hx.VJPHiPrimitive):
       self._check_probe_ref(probe_acc, shape, dtype)
       if flags["probe"]:
         value, provided = self.probe_cotangent_and_grads(x, g, params, wanted)
-        probe_acc.accum(value.astype(dtype))
+        value = gram_math.reshard_like(value.astype(dtype),
+                                       flags["probe_spec"])
+        probe_acc.accum(value)
         for i, ct in provided.items():
           param_accs[i].accum(ct)
         wanted = [i for i in wanted if i not in provided]

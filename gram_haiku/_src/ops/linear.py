@@ -88,7 +88,7 @@ class GramLinear(base.GramOp):
     bsz = grads[0].shape[0]
     f = jnp.concatenate([a.reshape(bsz, -1) for a in grads], axis=1)
     value = (f if self.mode == "per_example"
-             else jnp.matmul(f, f.T, precision=lax.Precision.HIGHEST))
+             else gram_math.gram_matmul(f, f))
     provided = {}
     for i, (p, pe) in enumerate(zip(params, grads)):
       if i in wanted and p is not None:
