@@ -98,6 +98,48 @@ def reshard_like(value: jax.Array, spec) -> jax.Array:
   return jax.sharding.reshard(value, spec)
 
 
+def merge_leading(a: jax.Array, n: int) -> jax.Array:
+  """Merges ``a``'s first ``n`` axes into one (a new axis of 1 for ``n=0``).
+
+  Under an Explicit mesh the merged axis keeps the first axis's sharding
+  (row-major merging keeps each shard contiguous when only the first axis is
+  sharded), given as the reshape's ``out_sharding``.
+  """
+  shape = (math.prod(a.shape[:n]),) + tuple(a.shape[n:])
+  spec = explicit_spec(a)
+  if spec is None or n == 0:
+    return a.reshape(shape)
+  spec = tuple(spec) + (None,) * (a.ndim - len(spec))
+  out = jax.sharding.PartitionSpec(spec[0], *spec[n:])
+  return jnp.reshape(a, shape, out_sharding=out)
+
+
+def reshape_rows(a: jax.Array, shape) -> jax.Array:
+  """``a.reshape(shape)`` keeping axis 0 (and its sharding) as it is.
+
+  Under an Explicit mesh a reshape needs its output sharding spelt out;
+  this one keeps axis 0's and replicates the rest.
+  """
+  spec = explicit_spec(a)
+  if spec is None:
+    return a.reshape(shape)
+  lead = spec[0] if len(spec) else None
+  out = jax.sharding.PartitionSpec(lead, *([None] * (len(shape) - 1)))
+  return jnp.reshape(a, shape, out_sharding=out)
+
+
+def split_leading(a: jax.Array, lead: tuple[int, ...]) -> jax.Array:
+  """Inverse of :func:`merge_leading`: axis 0 becomes ``lead``."""
+  shape = tuple(lead) + tuple(a.shape[1:])
+  spec = explicit_spec(a)
+  if spec is None or not lead:
+    return a.reshape(shape)
+  spec = tuple(spec) + (None,) * (a.ndim - len(spec))
+  out = jax.sharding.PartitionSpec(spec[0], *([None] * (len(lead) - 1)),
+                                   *spec[1:])
+  return jnp.reshape(a, shape, out_sharding=out)
+
+
 def ghost_flops(b: int, t: int, n: int, m: int) -> int:
   """Multiply-adds of the ghost method for one linear-layer weight."""
   if t == 1:

@@ -198,8 +198,7 @@ class GramConv(base.GramOp):
 
   def _flatten_lead(self, a):
     lead = self.lead_shape(a.shape)
-    feat = a.shape[len(lead):]
-    return a.reshape((math.prod(lead),) + feat), lead
+    return gram_math.merge_leading(a, len(lead)), lead
 
   def forward(self, x, w, b):
     # For a transposed conv this is the conv_general_dilated call that
@@ -220,7 +219,7 @@ class GramConv(base.GramOp):
         precision=self.precision, **self._conv_args(tuple(w.shape[:n])))
     if b is not None:
       out = out + jnp.broadcast_to(b, out.shape)
-    return out.reshape(lead + out.shape[1:])
+    return gram_math.split_leading(out, lead)
 
   # -- the Gram ----------------------------------------------------------------
 
@@ -249,8 +248,13 @@ class GramConv(base.GramOp):
           f"cotangent {gb.shape}.")
     groups = 1 if self.transpose else self.feature_group_count
     t = math.prod(patches.shape[1:-1])
-    patches = patches.reshape(lead + (t, groups, patches.shape[-1] // groups))
-    gb = gb.reshape(lead + (t, groups, gb.shape[-1] // groups))
+    # Split the merged leading axis first: under an Explicit mesh only that
+    # axis may be sharded, and the second reshape then leaves it alone.
+    patches = gram_math.split_leading(patches, lead)
+    gb = gram_math.split_leading(gb, lead)
+    patches = gram_math.reshape_rows(
+        patches, lead + (t, groups, patches.shape[-1] // groups))
+    gb = gram_math.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
     return patches, gb
 
   def _grouped(self, x, g, params, example_dim, norms: bool):
@@ -274,7 +278,7 @@ class GramConv(base.GramOp):
       per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
                        precision=lax.Precision.HIGHEST).reshape(bsz, -1)
       out = (jnp.sum(per * per, axis=1) if norms else
-             jnp.matmul(per, per.T, precision=lax.Precision.HIGHEST))
+             gram_math.gram_matmul(per, per))
     else:
       fn = gram_math.linear_sq_norms if norms else gram_math.linear_gram
       def one(pd):
@@ -289,7 +293,7 @@ class GramConv(base.GramOp):
       db = gram_math.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
                                       example_dim).sum(axis=1)
       out = out + (jnp.sum(db * db, axis=1) if norms else
-                   jnp.matmul(db, db.T, precision=lax.Precision.HIGHEST))
+                   gram_math.gram_matmul(db, db))
     return out
 
   def gram(self, x, g, params, example_dim):
