@@ -13,8 +13,10 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops.base import GramOp
+from gram_haiku._src.ops.affine import gram_affine
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
+from gram_haiku._src.ops.embed import gram_embed
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
@@ -35,8 +37,10 @@ __all__ = (
     "PROBE_NAME",
     "ParamCoverage",
     "UntrackedParameterWarning",
+    "gram_affine",
     "gram_conv",
     "gram_conv_transpose",
+    "gram_embed",
     "gram_linear",
     "register_layer",
     "resize_probes",

@@ -6,3 +6,8 @@ through :meth:`gram_haiku._src.tracking.track.apply`.
 """
 
 from gram_haiku._src.layers import linear  # noqa: F401
+from gram_haiku._src.layers import conv  # noqa: F401
+from gram_haiku._src.layers import embed  # noqa: F401
+from gram_haiku._src.layers import norms  # noqa: F401
+from gram_haiku._src.layers import recurrent  # noqa: F401
+from gram_haiku._src.layers import batch_norm  # noqa: F401

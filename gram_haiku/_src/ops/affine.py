@@ -1,0 +1,214 @@
+"""The elementwise affine map of normalisation layers and ``hk.Bias``.
+
+``y = xhat * scale + offset``, with ``scale`` and ``offset`` broadcast over
+``xhat`` (numpy rules, aligned on the trailing axes; either may be None). It
+is the learnable part shared by ``hk.LayerNorm``, ``hk.InstanceNorm``,
+``hk.RMSNorm`` and ``hk.GroupNorm`` (``xhat`` is the normalised input), and
+``hk.Bias`` is ``y = x + b`` (``scale=None``, optionally ``b * multiplier``).
+``xhat`` is computed by ordinary JAX ops *outside* the op, so the
+normalisation's own gradient flows to the layer input as usual: the op only
+gives ``xhat`` its cotangent ``g * scale``.
+
+Per-example gradient. The trailing ``feature_ndim`` axes of ``xhat`` are the
+parameters' axes (a parameter axis of size 1 is broadcast over); every axis
+before them is the example axis or a within-example axis. For example ``i``
+
+    dscale_i = R(g_i * xhat_i),   doffset_i = R(g_i) * multiplier
+
+where ``R`` sums over the within-example axes and the broadcast axes. These
+are small (``B x C`` for a norm's per-channel parameters, never more entries
+than the layer's output cotangent), so they are materialised and the Gram is
+``F F^T`` with ``F = [dscale | doffset]`` flattened per example: cost
+``~B N + B^2 P`` for an output of ``B x N`` entries and ``P`` parameters;
+the diagonal is ``sum(F * F, axis=1)`` (``~B N``). A ghost form would cost
+more (``B^2 T^2 (C + 1)`` per parameter), so there is no strategy choice.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gram_haiku._src import gram_math
+from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops import base
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def affine_forward(x, scale, offset, offset_multiplier=None):
+  """``x * scale + offset * multiplier``, broadcast explicitly to ``x``.
+
+  The same elementwise operations, in the same order, as the end of
+  ``hk.GroupNorm`` and ``hk.Bias``; explicit broadcasting keeps it valid
+  under ``jax_numpy_rank_promotion="raise"`` (as Haiku does).
+  """
+  y = x
+  if scale is not None:
+    y = y * jnp.broadcast_to(scale, jnp.shape(y))
+  if offset is not None:
+    b = jnp.broadcast_to(offset, jnp.shape(y))
+    if offset_multiplier is not None:
+      b = b * offset_multiplier
+    y = y + b
+  return y
+
+
+def _strip_leading_ones(p):
+  """Drops the leading size-1 axes of a parameter (a reshape, outside the op).
+
+  Haiku stores some parameters at the input's full rank with a size-1
+  leading (batch) axis, e.g. ``hk.LayerNorm(param_axis=1)`` on ``(B, T, C)``
+  has scale ``(1, T, 1)``. Those axes are broadcast over, so they are not
+  parameter axes; dropping them leaves the example axis among the leading
+  axes. Forward values are unchanged (a broadcast of the same numbers).
+  """
+  if p is None:
+    return None
+  shape = tuple(p.shape)
+  k = 0
+  while k < len(shape) and shape[k] == 1:
+    k += 1
+  return p if k == 0 else jnp.reshape(p, shape[k:])
+
+
+def static_multiplier(value):
+  """A hashable static form of ``hk.Bias``'s ``multiplier``, or raises.
+
+  Python numbers and NumPy scalars (or 0-d NumPy arrays) are kept with their
+  exact type, so ``b * multiplier`` promotes as in Haiku.
+
+  Raises:
+    NotImplementedError: for a JAX array or a non-scalar.
+  """
+  if value is None or isinstance(value, (numbers.Number, np.generic)):
+    return value
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    return value[()]
+  raise NotImplementedError(
+      "gram_haiku: hk.Bias(multiplier=...) inside gram_haiku.track() takes "
+      "None, a Python number or a NumPy scalar, got "
+      f"{type(value).__name__} {getattr(value, 'shape', '')}. An array "
+      "multiplier would need its own operand in the Gram op.\n"
+      "What to do: pass a static scalar, or apply the bias outside track().")
+
+
+def _reduce_to(a, param_shape, feature_ndim):
+  """Sums ``a: (B, ..., *features)`` to the per-example ``(B, *param_shape)``.
+
+  Sums over every axis between the example axis and the ``feature_ndim``
+  trailing axes, and over feature axes where the parameter has size 1.
+  """
+  b = a.shape[0]
+  feat = a.shape[a.ndim - feature_ndim:] if feature_ndim else ()
+  a = a.reshape((b, -1) + feat).sum(axis=1)
+  padded = (1,) * (feature_ndim - len(param_shape)) + tuple(param_shape)
+  axes = tuple(1 + k for k, (p, n) in enumerate(zip(padded, feat))
+               if p == 1 and n != 1)
+  if axes:
+    a = a.sum(axis=axes, keepdims=True)
+  return a.reshape((b,) + tuple(param_shape))
+
+
+class GramAffine(base.GramOp):
+  """Primitive for ``xhat * scale + offset``; the probe's cotangent is the Gram.
+
+  Inputs: ``xhat`` (any float dtype; the example axis and within-example
+  axes first, then ``feature_ndim`` parameter axes), ``scale`` and
+  ``offset`` (each None or broadcastable to the trailing axes, without
+  leading size-1 axes), ``probe``. Op params: ``feature_ndim``,
+  ``offset_multiplier``. Cotangents of ``xhat``, ``scale``, ``offset`` are
+  JAX's own; the probe gets ``F F^T`` (see the module docstring).
+  """
+
+  param_names = ("scale", "offset")
+
+  def forward(self, x, scale, offset):
+    return affine_forward(x, scale, offset, self.offset_multiplier)
+
+  def per_example_grads(self, x, g, params, example_dim):
+    acc = self.accumulation_dtype()
+    gm = jnp.moveaxis(g, example_dim, 0).astype(acc)
+    scale, offset = params
+    out = []
+    if scale is not None:
+      xm = jnp.moveaxis(x, example_dim, 0).astype(acc)
+      out.append(_reduce_to(gm * xm, scale.shape, self.feature_ndim))
+    if offset is not None:
+      go = _reduce_to(gm, offset.shape, self.feature_ndim)
+      if self.offset_multiplier is not None:
+        go = go * jnp.asarray(self.offset_multiplier, acc)
+      out.append(go)
+    return out
+
+  def gram(self, x, g, params, example_dim):
+    f = self._flat_per_example(x, g, params, example_dim)
+    return gram_math.gram_matmul(f, f)
+
+  def sq_norms(self, x, g, params, example_dim):
+    f = self._flat_per_example(x, g, params, example_dim)
+    return jnp.sum(f * f, axis=1)
+
+
+def gram_affine(x: jax.Array, scale: Optional[jax.Array],
+                offset: Optional[jax.Array], probe: jax.Array, *,
+                offset_multiplier=None, name: str = "affine",
+                example_axis: ExampleAxis | None = None,
+                strategy: str = "auto", mode: str = "gram") -> jax.Array:
+  """``x * scale + offset`` whose backward pass writes the Gram into ``probe``.
+
+  Args:
+    x: the normalised input ``xhat`` (or, for ``hk.Bias``, the input).
+    scale: None, or an array broadcastable to ``x``'s trailing axes.
+    offset: None, or an array broadcastable to ``x``'s trailing axes.
+    probe: zeros: ``[B, B]`` for ``mode="gram"``, ``[B]`` for ``"norms"``,
+      ``[B, P]`` for ``"per_example"`` (``P`` = entries of scale and
+      offset); float32 (float64 under x64).
+    offset_multiplier: None or a static scalar multiplying ``offset``
+      (``hk.Bias``'s ``multiplier``).
+    name: module name used in error messages.
+    example_axis: which axis is the example axis; default: outermost vmap,
+      else axis 0 of ``x``. Parameter axes are the trailing
+      ``max(ndim(scale), ndim(offset))`` axes of ``x`` (after leading
+      size-1 parameter axes are dropped); the others are leading axes.
+    strategy: accepted for a uniform interface; the Gram is always formed
+      from the materialised per-example gradients.
+    mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+
+  Returns:
+    ``x * scale + offset * offset_multiplier`` (absent terms left out). The
+    cotangent of ``probe`` is ``G[i, j] = <g_i, g_j>`` over scale and offset.
+
+  Raises:
+    ValueError: for an unknown strategy or mode, when neither ``scale`` nor
+      ``offset`` is given; at differentiation time when ``probe`` has the
+      wrong shape.
+    NotImplementedError: for a non-static ``offset_multiplier``.
+  """
+  if example_axis is None:
+    example_axis = ExampleAxis.from_spec(None)
+  gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates `strategy`
+  base.check_mode(mode)
+  if scale is None and offset is None:
+    raise ValueError("gram_affine needs a scale or an offset parameter.")
+  offset_multiplier = static_multiplier(offset_multiplier)
+  x = jnp.asarray(x)
+  scale = _strip_leading_ones(scale)
+  offset = _strip_leading_ones(offset)
+  feature_ndim = max(p.ndim for p in (scale, offset) if p is not None)
+  if feature_ndim > x.ndim:
+    raise ValueError(
+        f"gram_affine ({name}): parameters of rank {feature_ndim} do not "
+        f"broadcast to an input of shape {x.shape}.")
+  prim = GramAffine(base.aval_of(x), (base.aval_of(scale),
+                                      base.aval_of(offset)),
+                    base.aval_of(probe), example_axis=example_axis,
+                    feature_ndim=feature_ndim,
+                    offset_multiplier=offset_multiplier, name=name,
+                    strategy=strategy, mode=mode)
+  return prim(x, scale, offset, probe)

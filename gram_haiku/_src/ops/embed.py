@@ -1,0 +1,521 @@
+"""``hk.Embed``'s lookup as a primitive whose backward pass also emits the Gram.
+
+The forward pass is exactly ``hk.Embed.__call__``: ``embeddings[(ids,)]``
+(``ARRAY_INDEX``) or ``dot(one_hot(ids, V), embeddings)`` (``ONE_HOT``).
+
+Per-example gradient. With output cotangents ``d_it`` (``t`` runs over every
+within-example position), the backward pass of lookup ``(i, t)`` adds
+``d_it`` to the rows of a set determined by its *key* (normally the single
+row ``key_it``): ``w(key)`` rows, 1 normally, 0 for a lookup without
+gradient. Two lookups with the same key hit the same rows, two different
+keys disjoint ones, so with ``g_i = sum_t d_it`` spread over those rows
+
+    G[i, j] = sum_{t,s} [key_it = key_js] w(key_it) (d_it . d_js)        (E)
+
+(CASES.md C06). ``key`` and ``w`` follow the gradient of the lookup (not
+its forward pass):
+
+* ``ARRAY_INDEX`` with an array of ids: ``jnp`` indexing first maps a
+  negative id to ``id + V``; the gather then *clamps* an id still outside
+  ``[0, V)`` (the forward pass returns the first or last row), but its
+  transpose, a scatter-add, *drops* it: such a lookup has zero gradient
+  (``w = 0``), as ``vmap(grad)`` of the same lookup gives. Unsigned ids are
+  converted to ``int32`` without that mapping, as ``jnp`` does, so a
+  ``uint32`` id ``>= 2**31`` is out of range too.
+* ``ARRAY_INDEX`` with a *scalar* id (the module called under ``vmap`` over
+  every axis of the ids): ``jnp`` uses ``dynamic_slice``, which clamps in
+  the forward *and* the backward pass, so an out-of-range id has the
+  gradient of the row it reads. The op records the rank of the ids it was
+  called with and keeps that behaviour after batching.
+* ``ONE_HOT``: ``one_hot`` compares the id with ``iota(V)`` *in the id's
+  dtype*, so an id outside ``[0, V)`` gives a zero row (``w = 0``). When
+  ``V`` exceeds the dtype's range (``int8``/``uint8``/``int16``/``uint16``
+  ids) the iota wraps and one id matches ``w`` columns; (E) with that ``w``
+  is still exact.
+
+Ids that repeat within an example are summed before any product: (E) pairs
+every position with every other, and the segment form below sums the rows
+of an example sharing an id before squaring.
+
+Three exact ways to evaluate (E), with ``B`` examples of ``T`` positions,
+embedding width ``D`` and (effective) vocabulary ``V``:
+
+* **ghost**: ``(d_i d_j^T) * mask`` summed, cost ``~B^2 T^2 D``, blocked over
+  pairs of examples (rows, then columns too if one row does not fit) so
+  that the ``(rows, T, cols, T)`` kernels stay under
+  :data:`gram_math.MEMORY_BUDGET_BYTES`. Matmul-friendly; best for short
+  examples.
+* **dense** (``strategy="materialize"`` when it fits): scatter-add each
+  example's rows into ``B x V x D``, then ``F diag(w) F^T``: cost
+  ``~B T D + B^2 V D``. Never built when ``B V D`` would exceed the budget.
+* **segment** (``strategy="materialize"`` otherwise): sort each example's
+  keys, segment-sum its rows (its per-example gradient as ``<= T`` unique
+  rows), then for each pair ``(i, j)`` look every unique key of ``i`` up in
+  ``j``'s sorted keys (``searchsorted``) and dot the matching rows: cost
+  ``~B T log T + B T D + B^2 T (D + log T)``, blocked over pairs of
+  examples like the ghost form (the gathered rows are ``(cols, rows, T,
+  D)``). A factor ``T`` cheaper than ghost for long examples, and
+  independent of ``V``.
+
+``strategy="auto"`` takes the cheapest by a cost count (gathers weighted
+above matmul multiply-adds). The diagonal (``mode="norms"``) is
+``sum_{t,s} [key_it = key_is] w (d_it . d_is)`` (ghost, ``~B T^2 D``) or
+``sum_u w_u |S_iu|^2`` over the segment sums (``~B T (D + log T)``).
+``mode="per_example"`` (a module applied more than once) uses the base
+class's ``vmap`` of the lookup's VJP: ``B x V x D``, the size of the probe
+that mode needs anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from gram_haiku._src import gram_math
+from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops import base
+
+LOOKUP_STYLES = ("ARRAY_INDEX", "ONE_HOT")
+
+_HIGHEST = lax.Precision.HIGHEST
+#: Key of a lookup with zero gradient; sorts before every real key.
+_INVALID_KEY = -1
+#: Key of the padding rows of the segment form; sorts after every real key.
+_PAD_KEY = np.iinfo(np.int32).max
+#: Gathers and scatters cost more than a matmul multiply-add; the cost model
+#: of "auto" weighs them by this factor.
+_GATHER_WEIGHT = 4
+
+
+def embed_forward(ids, embeddings, lookup_style: str, precision=None,
+                  scalar_ids: bool = False):
+  """The computation of ``hk.Embed.__call__``: same values, same gradient.
+
+  ``scalar_ids``: the module was called with one scalar id (e.g. under
+  ``vmap`` over every axis of the ids) and ``ids`` holds such scalars
+  stacked by this op's batching rule. ``jnp`` indexes a scalar by
+  ``dynamic_slice``, whose gradient *clamps* an out-of-range id like its
+  forward pass does, where an array of ids is a gather whose gradient drops
+  it; the clamped index keeps the scalar semantics (same rows, so the same
+  values bit for bit, and the same gradient).
+  """
+  if lookup_style == "ARRAY_INDEX":
+    if scalar_ids:
+      ids = scalar_index(ids, embeddings.shape[0])
+    return jnp.asarray(embeddings)[(ids,)]
+  if lookup_style == "ONE_HOT":
+    one_hot_ids = jax.nn.one_hot(ids, embeddings.shape[0])
+    return jnp.dot(one_hot_ids, embeddings, precision=precision)
+  raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
+
+
+def _index_dtype(dtype) -> Any:
+  return jnp.int64 if jnp.dtype(dtype).itemsize == 8 else jnp.int32
+
+
+def scalar_index(ids: jax.Array, vocab_size: int) -> jax.Array:
+  """The row ``jnp`` reads for each *scalar* id: normalised, then clamped.
+
+  As ``jnp``'s ``dynamic_slice`` path for a scalar index: an unsigned id is
+  converted to ``int32`` first (so ``2**32 - 1`` is ``-1``), a negative id is
+  taken from the end, and the result is clamped to ``[0, V)``.
+  """
+  v = int(vocab_size)
+  if jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+    idx = ids.astype(_index_dtype(ids.dtype))
+    idx = lax.select(idx < 0, idx + jnp.asarray(v, idx.dtype), idx)
+  else:
+    idx = lax.select(ids < 0, ids + jnp.asarray(v, ids.dtype), ids)
+  return jnp.clip(idx, 0, v - 1)
+
+
+def lookup_keys(ids: jax.Array, vocab_size: int, lookup_style: str,
+                scalar_ids: bool = False):
+  """Which embedding row each lookup's gradient lands in, and how often.
+
+  Args:
+    ids: integer ids, any shape.
+    vocab_size: ``V``, rows of the embedding matrix.
+    lookup_style: ``"ARRAY_INDEX"`` or ``"ONE_HOT"``.
+    scalar_ids: the ids were given to the layer one scalar at a time (see
+      :func:`embed_forward`): ``ARRAY_INDEX`` clamps instead of dropping.
+
+  Returns:
+    ``(key, weight, num_keys)``: ``key`` (``int32``, shape of ``ids``) in
+    ``[0, num_keys)``, or ``-1`` for a lookup whose gradient is zero;
+    ``weight`` (``int32``) the number of embedding rows the lookup adds its
+    cotangent to (0 or 1, except for a wrapped ``one_hot``; a function of
+    ``key``); ``num_keys`` the number of distinct keys.
+  """
+  dtype = jnp.dtype(ids.dtype)
+  v = int(vocab_size)
+  if lookup_style == "ARRAY_INDEX" and scalar_ids:
+    key = scalar_index(ids, v).astype(jnp.int32)
+    return key, jnp.ones(ids.shape, jnp.int32), v
+  if lookup_style == "ARRAY_INDEX":
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+      # Exactly jnp's index normalisation (same dtype, so the same overflow
+      # behaviour), then the range check the scatter-add applies.
+      idx = lax.select(ids < 0, ids + jnp.asarray(v, dtype), ids)
+      valid = (idx >= 0) & (idx < jnp.asarray(v, dtype))
+    else:
+      idx = ids.astype(_index_dtype(dtype))  # jnp converts, no normalising
+      valid = (idx >= 0) & (idx < v)
+    key = jnp.where(valid, idx, _INVALID_KEY).astype(jnp.int32)
+    return key, valid.astype(jnp.int32), v
+  if lookup_style != "ONE_HOT":
+    raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
+  info = jnp.iinfo(dtype)
+  if v - 1 <= info.max:  # iota(V) in the ids' dtype does not wrap.
+    valid = (ids >= 0) & (ids <= jnp.asarray(v - 1, dtype))
+    key = jnp.where(valid, ids.astype(_index_dtype(dtype)),
+                    _INVALID_KEY).astype(jnp.int32)
+    return key, valid.astype(jnp.int32), v
+  # iota wraps (a dtype of at most 16 bits): column c holds the value whose
+  # two's-complement bit pattern is c mod 2**bits.
+  period = 2 ** info.bits
+  u = ids.astype(jnp.int32) & (period - 1)
+  weight = jnp.where(u < v, (v - 1 - u) // period + 1, 0)
+  key = jnp.where(weight > 0, u, _INVALID_KEY)
+  return key, weight, min(v, period)
+
+
+def _row_blocks(n_rows: int, per_row_bytes: int) -> int:
+  return max(1, min(n_rows, gram_math.MEMORY_BUDGET_BYTES //
+                    max(per_row_bytes, 1)))
+
+
+def _blocked(arrays, size):
+  """Pads the leading axis of each array to a multiple of ``size`` and
+  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``."""
+  n = arrays[0].shape[0]
+  n_blocks = math.ceil(n / size)
+  pad = n_blocks * size - n
+  out = []
+  for a in arrays:
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    out.append(a.reshape((n_blocks, size) + a.shape[1:]))
+  return tuple(out)
+
+
+def _map_row_blocks(fn, rows: int, arrays):
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked."""
+  b = arrays[0].shape[0]
+  if rows >= b:
+    return fn(*arrays)
+  out = lax.map(lambda blk: fn(*blk), _blocked(arrays, rows))
+  return out.reshape((-1,) + out.shape[2:])[:b]
+
+
+def _map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int):
+  """``G[i, j] = fn(rows i, columns j)`` in blocks within the memory budget.
+
+  ``fn(*row_block, *col_block) -> (R, C)``; one ``(row, column)`` pair needs
+  ``per_pair_bytes`` of intermediates. Whole rows are taken when one row of
+  every column fits :data:`gram_math.MEMORY_BUDGET_BYTES`; otherwise one
+  row at a time, its columns in blocks (``lax.map`` over both).
+  """
+  b = row_arrays[0].shape[0]
+  budget = gram_math.MEMORY_BUDGET_BYTES
+  per_pair = max(per_pair_bytes, 1)
+  if b * per_pair <= budget:
+    rows = max(1, min(b, budget // (b * per_pair)))
+    return _map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
+  cols = max(1, min(b, budget // per_pair))
+  col_blocks = _blocked(col_arrays, cols)
+
+  def one_row(*r):
+    out = lax.map(lambda c: fn(*r, *c), col_blocks)  # (n_blocks, 1, cols)
+    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :b]
+  return _map_row_blocks(one_row, 1, row_arrays)
+
+
+# -- ghost form ----------------------------------------------------------------
+
+
+def ghost_gram(key, weight, d):
+  """(E) by the ghost form. ``key, weight: (B, T)``, ``d: (B, T, D)``.
+
+  Blocked over pairs of examples so that the ``(rows, T, cols, T)`` kernel
+  and mask stay under :data:`gram_math.MEMORY_BUDGET_BYTES`.
+  """
+  _, t, _ = d.shape
+  acc = d.dtype
+
+  def pairs(ki, wi, di, kj, dj):
+    kd = jnp.einsum("itd,jsd->itjs", di, dj, precision=_HIGHEST,
+                    preferred_element_type=acc)
+    match = ki[:, :, None, None] == kj[None, None, :, :]
+    kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
+    return jnp.sum(kd, axis=(1, 3))
+  per_pair = 3 * t * t * jnp.dtype(acc).itemsize
+  return _map_pair_blocks(pairs, (key, weight.astype(acc), d), (key, d),
+                          per_pair)
+
+
+def ghost_sq_norms(key, weight, d):
+  """Diagonal of (E) by the ghost form: ``~B T^2 D``."""
+  b, t, _ = d.shape
+  acc = d.dtype
+
+  def rows(ki, wi, di):
+    kd = jnp.einsum("itd,isd->its", di, di, precision=_HIGHEST,
+                    preferred_element_type=acc)
+    match = ki[:, :, None] == ki[:, None, :]
+    return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
+  per_row = 3 * t * t * jnp.dtype(acc).itemsize
+  return _map_row_blocks(rows, _row_blocks(b, per_row),
+                         (key, weight.astype(acc), d))
+
+
+# -- per-example rows ------------------------------------------------------------
+
+
+def dense_per_example(key, d, num_keys):
+  """Per-example gradients ``(B, num_keys, D)`` by scatter-add (no weights)."""
+  b, t, dim = d.shape
+  rows = jnp.where(key >= 0, key, 0)  # d is zero where key < 0
+  ex = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  return jnp.zeros((b, num_keys, dim), d.dtype).at[ex, rows].add(d)
+
+
+def _key_weights(num_keys, vocab_size, lookup_style, ids_dtype, acc):
+  """``w`` for every key ``0..num_keys-1`` (see :func:`lookup_keys`)."""
+  keys = np.arange(num_keys)
+  info = np.iinfo(ids_dtype)
+  if lookup_style == "ONE_HOT" and vocab_size - 1 > info.max:
+    period = 2 ** info.bits
+    w = (vocab_size - 1 - keys) // period + 1
+  else:
+    w = np.ones_like(keys)
+  return jnp.asarray(w, acc)
+
+
+def dense_gram(key, d, key_weights):
+  f = dense_per_example(key, d, key_weights.shape[0])
+  fw = f * key_weights[None, :, None]
+  b = f.shape[0]
+  return jnp.matmul(fw.reshape(b, -1), f.reshape(b, -1).T, precision=_HIGHEST)
+
+
+def segment_rows(key, weight, d):
+  """Each example's gradient as its unique keys and summed rows.
+
+  Returns ``(ukey, uweight, rows)``: ``ukey (B, T)`` sorted per example, the
+  unused tail filled with a key larger than any real one; ``uweight (B, T)``
+  their weights; ``rows (B, T, D)`` the sums of ``d`` over the positions
+  sharing each key (zero in the tail).
+  """
+  b, t, _ = d.shape
+  order = jnp.argsort(key, axis=1, stable=True)
+  ks = jnp.take_along_axis(key, order, axis=1)
+  ws = jnp.take_along_axis(weight, order, axis=1)
+  ds = jnp.take_along_axis(d, order[:, :, None], axis=1)
+  new = jnp.concatenate([jnp.ones((b, 1), bool), ks[:, 1:] != ks[:, :-1]],
+                        axis=1)
+  seg = jnp.cumsum(new, axis=1) - 1  # (B, T), in [0, T)
+  ex = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  rows = jnp.zeros_like(d).at[ex, seg].add(ds)
+  # Every position of a segment has the same key and weight, so the
+  # duplicate writes of .set agree.
+  ukey = jnp.full((b, t), _PAD_KEY, jnp.int32).at[ex, seg].set(ks)
+  uweight = jnp.zeros((b, t), ws.dtype).at[ex, seg].set(ws)
+  return ukey, uweight, rows
+
+
+def segment_gram(key, weight, d):
+  """(E) by matching each example's unique keys against every other's.
+
+  Blocked over pairs of examples so that the gathered ``(cols, rows, T, D)``
+  rows stay under :data:`gram_math.MEMORY_BUDGET_BYTES`.
+  """
+  ukey, uweight, rows = segment_rows(key, weight, d)
+  _, t, dim = rows.shape
+  acc = rows.dtype
+  uweight = uweight.astype(acc)
+  search = jax.vmap(lambda sorted_keys, q: jnp.searchsorted(sorted_keys, q),
+                    in_axes=(0, None))
+
+  def pairs(ki, wi, ri, kj, rj):
+    r, c = ki.shape[0], kj.shape[0]
+    pos = search(kj, ki.reshape(-1)).reshape(c, r, t)  # where, in kj[j]
+    pos = jnp.minimum(pos, t - 1)
+    ex = jnp.arange(c)[:, None, None]
+    hit = kj[ex, pos] == ki[None]  # (C, R, T)
+    other = rj[ex, pos]  # (C, R, T, D)
+    dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=_HIGHEST)
+    return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
+  per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
+  return _map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
+                          per_pair)
+
+
+def segment_sq_norms(key, weight, d):
+  _, uweight, rows = segment_rows(key, weight, d)
+  return jnp.sum(jnp.sum(rows * rows, axis=-1) * uweight.astype(rows.dtype),
+                 axis=1)
+
+
+# -- strategy ------------------------------------------------------------------
+
+
+def gram_costs(b: int, t: int, dim: int, num_keys: int,
+               acc_bytes: int) -> dict[str, float]:
+  """Weighted operation counts of each form of (E); absent if over budget."""
+  log_t = math.log2(max(t, 2))
+  costs = {
+      "ghost": b * b * t * t * (dim + 2),
+      "segment": _GATHER_WEIGHT * (b * t * (dim + 2 * log_t + 2) +
+                                   b * b * t * (dim + log_t + 2)),
+  }
+  if b * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
+    costs["dense"] = _GATHER_WEIGHT * b * t * dim + b * b * num_keys * dim
+  return costs
+
+
+def choose_method(b, t, dim, num_keys, acc_bytes, strategy="auto") -> str:
+  """``"ghost"``, ``"dense"`` or ``"segment"`` for (E).
+
+  ``"ghost"`` forces the ghost form; ``"materialize"`` the dense per-example
+  gradients when they fit :data:`gram_math.MEMORY_BUDGET_BYTES`, else the
+  segment form; ``"auto"`` the cheapest (ties go to the ghost form).
+  """
+  if strategy not in gram_math.STRATEGIES:
+    raise ValueError(f"Unknown Gram strategy {strategy!r}; expected one of "
+                     f"{gram_math.STRATEGIES}.")
+  costs = gram_costs(b, t, dim, num_keys, acc_bytes)
+  if strategy == "ghost":
+    return "ghost"
+  if strategy == "materialize":
+    return "dense" if "dense" in costs else "segment"
+  return min(("ghost", "dense", "segment"),
+             key=lambda m: costs.get(m, math.inf))
+
+
+def choose_norms_method(b, t, dim, strategy="auto") -> str:
+  """``"ghost"`` or ``"segment"`` for the diagonal of (E)."""
+  if strategy == "ghost":
+    return "ghost"
+  if strategy == "materialize":
+    return "segment"
+  log_t = math.log2(max(t, 2))
+  ghost = b * t * t * (dim + 2)
+  segment = _GATHER_WEIGHT * b * t * (dim + 2 * log_t + 2)
+  return "ghost" if ghost <= segment else "segment"
+
+
+class GramEmbed(base.GramOp):
+  """Primitive for ``hk.Embed``'s lookup; the probe's cotangent is the Gram.
+
+  Inputs: ``ids`` (any integer dtype, any shape: every axis is the example
+  axis or a within-example axis), ``embeddings: [V, D]``, ``probe``. Output:
+  exactly ``hk.Embed``'s. ``ids`` get a ``float0`` cotangent; the
+  embeddings JAX's own. The probe gets (E), accumulated in float32 (float64
+  for float64 inputs) and cast to the probe's dtype.
+  """
+
+  param_names = ("embeddings",)
+  feature_ndim = 0
+
+  def forward(self, ids, embeddings):
+    return embed_forward(ids, embeddings, self.lookup_style, self.precision,
+                         self.scalar_ids)
+
+  def _keys_and_rows(self, ids, g, embeddings, example_dim):
+    acc = gram_math.accumulation_dtype(embeddings.dtype, g.dtype)
+    ids = jnp.moveaxis(ids, example_dim, 0)
+    b = ids.shape[0]
+    ids = ids.reshape(b, -1)
+    d = jnp.moveaxis(g, example_dim, 0).reshape(b, ids.shape[1], -1)
+    key, weight, num_keys = lookup_keys(ids, embeddings.shape[0],
+                                        self.lookup_style, self.scalar_ids)
+    # A dropped lookup's cotangent never reaches the embeddings (even a NaN).
+    d = jnp.where((weight > 0)[:, :, None], d.astype(acc), 0)
+    return key, weight, d, num_keys, acc
+
+  def gram(self, x, g, params, example_dim):
+    (embeddings,) = params
+    key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
+                                                        example_dim)
+    b, t, dim = d.shape
+    if t == 0:
+      return jnp.zeros((b, b), acc)
+    method = choose_method(b, t, dim, num_keys, jnp.dtype(acc).itemsize,
+                           self.strategy)
+    if method == "ghost":
+      return ghost_gram(key, weight, d)
+    if method == "dense":
+      w = _key_weights(num_keys, embeddings.shape[0], self.lookup_style,
+                       x.dtype, acc)
+      return dense_gram(key, d, w)
+    return segment_gram(key, weight, d)
+
+  def sq_norms(self, x, g, params, example_dim):
+    (embeddings,) = params
+    key, weight, d, _, acc = self._keys_and_rows(x, g, embeddings,
+                                                 example_dim)
+    b, t, dim = d.shape
+    if t == 0:
+      return jnp.zeros((b,), acc)
+    if choose_norms_method(b, t, dim, self.strategy) == "ghost":
+      return ghost_sq_norms(key, weight, d)
+    return segment_sq_norms(key, weight, d)
+
+
+def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
+               lookup_style: str = "ARRAY_INDEX",
+               precision: lax.Precision | None = None, name: str = "embed",
+               example_axis: ExampleAxis | None = None,
+               strategy: str = "auto", mode: str = "gram") -> jax.Array:
+  """``hk.Embed``'s lookup whose backward pass writes the Gram into ``probe``.
+
+  Args:
+    ids: integer ids; every axis is a leading axis (the example axis, see
+      ``example_axis``, and within-example axes such as the sequence).
+    embeddings: ``[V, D]`` embedding matrix.
+    probe: zeros: ``[B, B]`` for ``mode="gram"``, ``[B]`` for ``"norms"``,
+      ``[B, V*D]`` for ``"per_example"``; float32 (float64 under x64).
+    lookup_style: ``"ARRAY_INDEX"`` (gather) or ``"ONE_HOT"`` (one-hot
+      matmul), as ``hk.EmbedLookupStyle``.
+    precision: the ``jnp.dot`` precision of ``ONE_HOT`` (``hk.Embed``'s
+      default is ``HIGHEST``); unused by ``ARRAY_INDEX``.
+    name: module name used in error messages.
+    example_axis: which axis is the example axis; default: outermost vmap,
+      else axis 0 of ``ids``.
+    strategy: ``"auto"``, ``"ghost"`` or ``"materialize"`` (see the module
+      docstring).
+    mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+
+  Returns:
+    ``ids.shape + (D,)``, exactly ``hk.Embed``'s output. The cotangent of
+    ``probe`` is ``G[i, j] = sum_{t,s} [id_it = id_js] d_it . d_js`` over the
+    lookups that have a gradient (see the module docstring for
+    out-of-range ids).
+
+  Raises:
+    ValueError: for non-integer ids, an unknown strategy or mode; at
+      differentiation time when ``probe`` has the wrong shape.
+  """
+  if example_axis is None:
+    example_axis = ExampleAxis.from_spec(None)
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError("gram_embed takes integer ids, got an array of "
+                     f"{ids.dtype}.")
+  if lookup_style not in LOOKUP_STYLES:
+    raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
+  choose_method(1, 1, 1, 1, 4, strategy)  # validates `strategy`
+  base.check_mode(mode)
+  if lookup_style == "ARRAY_INDEX":
+    precision = None  # Unused by the gather; keeps the op's params canonical.
+  prim = GramEmbed(base.aval_of(ids), (base.aval_of(embeddings),),
+                   base.aval_of(probe), example_axis=example_axis,
+                   lookup_style=lookup_style, precision=precision,
+                   scalar_ids=ids.ndim == 0, name=name,
+                   strategy=strategy, mode=mode)
+  return prim(ids, embeddings, probe)

@@ -1,0 +1,426 @@
+"""hk.Embed: the Gram embedding op and the tracked module, vs the reference.
+
+CASES.md C06: integer ids (float0 cotangent), ids repeated within an example,
+out-of-range ids, a padding id, both lookup styles.
+"""
+
+import functools
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import gram_math
+from gram_haiku._src.ops import embed as embed_op
+from gram_haiku._src.ops.embed import gram_embed
+from tests.reference import assert_gram_close
+from tests.reference import reference_gram
+from tests.reference import RTOL_BF16
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+STYLES = ("ARRAY_INDEX", "ONE_HOT")
+
+
+def _problem(seed, b=5, t=8, v=6, d=3, lo=0, hi=None, dtype=jnp.float32,
+             ids_dtype=jnp.int32):
+  """Random embeddings, ids with many repeats (t > v) and targets."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 3)
+  hi = v if hi is None else hi
+  ids = jax.random.randint(k[0], (b, t), lo, hi).astype(ids_dtype)
+  e = jax.random.normal(k[1], (v, d), dtype)
+  y = jax.random.normal(k[2], (b, t, d))
+  return e, ids, y
+
+
+def _head(out, y):
+  return 0.5 * jnp.sum((jnp.tanh(out.astype(jnp.float32)) - y) ** 2)
+
+
+def _plain_loss(style, depth=0):
+  """The untracked lookup, with the same ``depth`` of vmaps as the op."""
+  def loss(e, ids, y):
+    f = lambda i: embed_op.embed_forward(i, e, style, _HIGHEST)
+    for _ in range(depth):
+      f = jax.vmap(f)
+    return _head(f(ids), y)
+  return loss
+
+
+def _op_gram(e, ids, y, style, b, depth=0, jit=None, **kw):
+  """The op's Gram with ``depth`` nested vmaps (0: explicitly batched)."""
+  def loss(probe):
+    f = lambda i: gram_embed(i, e, probe, lookup_style=style,
+                             precision=_HIGHEST, **kw)
+    if jit == "inside":
+      f = jax.jit(f)
+    for _ in range(depth):
+      f = jax.vmap(f)
+    return _head(f(ids), y)
+  g = jax.grad(loss)
+  if jit == "outside":
+    g = jax.jit(g)
+  mode = kw.get("mode", "gram")
+  return g(jnp.zeros((b, b) if mode == "gram" else (b,)))
+
+
+def _closed_form(e, ids, y):
+  """C06's formula by explicit loops, for in-range ids (either style)."""
+  out = np.asarray(e)[np.asarray(ids)]
+  d = np.tanh(out) - np.asarray(y)
+  d = d * (1 - np.tanh(out) ** 2)  # cotangent of the output
+  b, t = ids.shape
+  g = np.zeros((b, b))
+  for i in range(b):
+    for j in range(b):
+      for s in range(t):
+        for u in range(t):
+          if ids[i, s] == ids[j, u]:
+            g[i, j] += d[i, s] @ d[j, u]
+  return g
+
+
+# -- op level ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_closed_form_with_repeated_ids(style):
+  e, ids, y = _problem(0, hi=3)  # many repeats
+  assert len(np.unique(np.asarray(ids[0]))) < 8  # repeats within an example
+  gram = _op_gram(e, ids, y, style, 5)
+  closed = _closed_form(e, ids, y)
+  assert_gram_close(gram, closed)
+  assert_gram_close(gram, reference_gram(_plain_loss(style), e, ids, y))
+  # Per-token norms (no summing of repeats) would be a different number.
+  per_token = np.einsum("itd,itd->i", *(2 * [np.asarray(
+      jax.grad(lambda o: _head(o, y))(e[ids]))]))
+  assert np.abs(np.diag(closed) - per_token).max() > 1e-3
+
+
+@pytest.mark.parametrize("style,method", [
+    ("ARRAY_INDEX", "ghost"), ("ARRAY_INDEX", "dense"),
+    ("ARRAY_INDEX", "segment"), ("ARRAY_INDEX", "auto"),
+    ("ONE_HOT", "ghost"), ("ONE_HOT", "segment")])
+def test_methods_with_out_of_range_ids(style, method, monkeypatch):
+  # Ids in [-9, 12) with V=6: negative ids wrap (ARRAY_INDEX) or vanish
+  # (ONE_HOT); ids still out of range have no gradient.
+  e, ids, y = _problem(1, lo=-9, hi=12)
+  strategy = {"dense": "materialize", "segment": "materialize"}.get(method,
+                                                                    method)
+  if method == "segment":  # The dense per-example gradients do not fit.
+    monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 5 * 6 * 3 * 4 - 1)
+  b, t = ids.shape
+  assert embed_op.choose_method(b, t, 3, 6, 4, strategy) == (
+      method if method != "auto" else embed_op.choose_method(b, t, 3, 6, 4))
+  ref = reference_gram(_plain_loss(style), e, ids, y)
+  assert_gram_close(_op_gram(e, ids, y, style, 5, strategy=strategy), ref)
+  norms = _op_gram(e, ids, y, style, 5, strategy=strategy, mode="norms")
+  assert_gram_close(norms, np.diag(ref))
+
+
+@pytest.mark.parametrize("method", ["ghost", "segment"])
+def test_row_blocking_bounds_memory(method, monkeypatch):
+  e, ids, y = _problem(2, hi=4)
+  strategy = "ghost" if method == "ghost" else "materialize"
+  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 300)
+  fn = functools.partial(_op_gram, e, ids, y, "ARRAY_INDEX", 5,
+                         strategy=strategy)
+  jaxpr = str(jax.make_jaxpr(lambda: fn())())
+  assert "scan" in jaxpr or "while" in jaxpr  # lax.map over row blocks
+  assert_gram_close(fn(), reference_gram(_plain_loss("ARRAY_INDEX"), e, ids,
+                                         y))
+
+
+@pytest.mark.parametrize("budget", [10**9, 8000, 2000, 1000])
+def test_pair_blocking_same_result(budget, monkeypatch):
+  # Unblocked, row blocks (padded), and row-by-column blocks.
+  _, ids, _ = _problem(10, lo=-3, hi=8)
+  d = jax.random.normal(jax.random.PRNGKey(11), (5, 8, 3))
+  key, weight, _ = embed_op.lookup_keys(ids, 6, "ARRAY_INDEX")
+  d = jnp.where((weight > 0)[..., None], d, 0)
+  whole = [embed_op.ghost_gram(key, weight, d),
+           embed_op.segment_gram(key, weight, d)]
+  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
+  blocked = [embed_op.ghost_gram(key, weight, d),
+             embed_op.segment_gram(key, weight, d)]
+  for w, bl in zip(whole, blocked):
+    np.testing.assert_allclose(bl, w, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(whole[0], whole[1], rtol=1e-5, atol=1e-5)
+
+
+def test_dense_never_over_budget(monkeypatch):
+  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 1000)
+  # B V D * 4 bytes = 4 * 100 * 8 * 4 > 1000: never the dense form.
+  for strategy in ("auto", "materialize"):
+    assert embed_op.choose_method(4, 64, 8, 100, 4, strategy) != "dense"
+  assert embed_op.choose_method(4, 64, 8, 7, 4, "materialize") == "dense"
+  assert embed_op.choose_method(64, 1, 8, 5, 4) == "ghost"
+  assert embed_op.choose_method(8, 512, 64, 50000, 4) == "segment"
+  with pytest.raises(ValueError, match="Unknown Gram strategy"):
+    embed_op.choose_method(1, 1, 1, 1, 4, "fast")
+
+
+@pytest.mark.parametrize("style,depth,jit", [
+    ("ARRAY_INDEX", 1, None), ("ARRAY_INDEX", 2, "outside"),
+    ("ARRAY_INDEX", 2, "inside"), ("ONE_HOT", 1, "inside"),
+    ("ONE_HOT", 2, None)])
+def test_vmap_depth_and_jit(style, depth, jit):
+  # With depth 2 the layer sees scalar ids: out-of-range ids are clamped in
+  # the gradient too (jnp's dynamic_slice), where depth 1 drops them.
+  e, ids, y = _problem(3, lo=-8, hi=10)
+  ref = reference_gram(_plain_loss(style, depth), e, ids, y)
+  assert_gram_close(_op_gram(e, ids, y, style, 5, depth=depth, jit=jit), ref)
+
+
+def test_multi_dim_ids_and_inner_axes():
+  # ids (B, T, K) (paxml's EmbeddingMultiDimInputs), vmapped over B only.
+  e, ids, y = _problem(4, lo=-2, hi=8)
+  ids, y = ids.reshape(5, 4, 2), y.reshape(5, 4, 2, 3)
+  for depth in (0, 3):
+    ref = reference_gram(_plain_loss("ARRAY_INDEX", depth), e, ids, y)
+    assert_gram_close(_op_gram(e, ids, y, "ARRAY_INDEX", 5, depth=depth), ref)
+
+
+@pytest.mark.parametrize("ids_dtype", [jnp.int32, jnp.uint32, jnp.int8])
+def test_scalar_ids_clamp_out_of_range(ids_dtype):
+  # A scalar id is read by dynamic_slice: out of range, it is clamped in the
+  # gradient as in the forward pass (an array of ids drops it instead). The
+  # op, batched by vmap, keeps the scalar behaviour: same parameter
+  # gradient and Gram as vmap(vmap(lookup)). uint32: the negative values
+  # wrap to 2**32 - k, which jnp converts back to -k.
+  e, ids, y = _problem(9, lo=-12, hi=14)
+  ids = ids.astype(ids_dtype)
+  plain = _plain_loss("ARRAY_INDEX", depth=2)
+  def tracked(e, probe):
+    f = jax.vmap(jax.vmap(lambda i: gram_embed(i, e, probe)))
+    return _head(f(ids), y)
+  ge, gram = jax.grad(tracked, argnums=(0, 1))(e, jnp.zeros((5, 5)))
+  np.testing.assert_allclose(ge, jax.grad(plain)(e, ids, y), rtol=1e-6)
+  ref = reference_gram(plain, e, ids, y)
+  assert_gram_close(gram, ref)
+  # Not the array semantics: there the out-of-range lookups have no gradient.
+  assert np.abs(ref - reference_gram(_plain_loss("ARRAY_INDEX"), e, ids,
+                                     y)).max() > 1e-3
+
+
+@pytest.mark.parametrize("style,ids_dtype,v,lo,hi,strategy", [
+    # one_hot's iota(V) in the ids' dtype wraps: an id matches 2 rows.
+    ("ONE_HOT", jnp.uint8, 300, 0, 256, "materialize"),
+    # Wraps too: negative ids match rows >= 128.
+    ("ONE_HOT", jnp.int8, 200, -128, 128, "ghost"),
+    # Negative ids normalised in int8 (uint32: test_huge_unsigned_ids...).
+    ("ARRAY_INDEX", jnp.int8, 100, -128, 128, "materialize"),
+])
+def test_id_dtypes(style, ids_dtype, v, lo, hi, strategy):
+  k = jax.random.split(jax.random.PRNGKey(5), 3)
+  ids = jax.random.randint(k[0], (4, 40), lo, hi).astype(ids_dtype)
+  e = jax.random.normal(k[1], (v, 2))
+  y = jax.random.normal(k[2], (4, 40, 2))
+  ref = reference_gram(_plain_loss(style), e, ids, y)
+  assert_gram_close(_op_gram(e, ids, y, style, 4, strategy=strategy), ref)
+
+
+def test_huge_unsigned_ids_have_no_gradient():
+  # uint32 ids >= 2**31 become negative int32 indices: the gather clamps
+  # them, the scatter-add of the gradient drops them.
+  e, ids, y = _problem(6)
+  huge = jnp.array([2**31, 2**31 + 1, 2**32 - 1, 2**32 - 5, 3], jnp.uint32)
+  ids = jnp.where(jnp.arange(8) % 3 == 0, huge[:, None],
+                  ids.astype(jnp.uint32))
+  for style in STYLES:
+    ref = reference_gram(_plain_loss(style), e, ids, y)
+    assert_gram_close(_op_gram(e, ids, y, style, 5), ref)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_cotangents_parity_float0(style):
+  e, ids, y = _problem(7, lo=-3, hi=9)
+  def loss(e, probe, ids):
+    return _head(jax.vmap(lambda i: gram_embed(
+        i, e, probe, lookup_style=style, precision=_HIGHEST))(ids), y)
+  grad = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)
+  for ge, gp, gi in (grad(e, jnp.zeros((5, 5)), ids),
+                     jax.eval_shape(grad, e, jnp.zeros((5, 5)), ids)):
+    assert gi.dtype == jax.dtypes.float0 and gi.shape == ids.shape
+    assert ge.dtype == e.dtype and ge.shape == e.shape
+    assert gp.dtype == jnp.float32 and gp.shape == (5, 5)
+  ge, _, _ = grad(e, jnp.zeros((5, 5)), ids)
+  np.testing.assert_allclose(ge, jax.grad(_plain_loss(style))(e, ids, y),
+                             rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_forward_bitwise_equal_to_hk_embed(style):
+  e, ids, _ = _problem(8, lo=-8, hi=10)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda i: hk.Embed(embedding_matrix=e, lookup_style=style)(i)))
+  out = gram_embed(ids, e, jnp.zeros((5, 5)), lookup_style=style,
+                   precision=_HIGHEST)
+  np.testing.assert_array_equal(out, plain.apply(plain.init(None, ids), ids))
+
+
+def test_op_errors():
+  with pytest.raises(ValueError, match="integer ids"):
+    gram_embed(jnp.ones((2, 3)), jnp.ones((4, 2)), jnp.zeros((2, 2)))
+  with pytest.raises(ValueError, match="Unknown Gram strategy"):
+    gram_embed(jnp.ones((2, 3), int), jnp.ones((4, 2)), jnp.zeros((2, 2)),
+               strategy="fast")
+
+
+# -- hk.Embed inside track() ---------------------------------------------------
+
+
+def _model(style, v=7, d=4, **embed_kw):
+  def model(ids):
+    h = hk.Embed(v, d, lookup_style=style, **embed_kw)(ids)
+    return hk.Linear(3)(jnp.tanh(h))
+  return model
+
+
+def _sq(out, y):
+  return 0.5 * jnp.sum((out.astype(jnp.float32) - y) ** 2)
+
+
+def _track_check(model, ids, y, jit=False, loss=_sq, cast=None, **track_kw):
+  def tracked(ids, y):
+    with gram_haiku.track(**track_kw):
+      return loss(model(ids), y)
+  f = hk.transform_with_state(tracked)
+  g = hk.without_apply_rng(hk.transform(lambda ids, y: loss(model(ids), y)))
+  params, state = f.init(jax.random.PRNGKey(0), ids, y)
+  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), ids, y))
+  if cast is not None:
+    params = jax.tree.map(lambda a: a.astype(cast), params)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  if jit:
+    fn = jax.jit(fn)
+  value, grads, grams = fn(params, state, None, ids, y)
+  np.testing.assert_allclose(value, g.apply(params, ids, y), rtol=1e-6)
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, ids, y),
+                              rtol=1e-5, atol=1e-6)
+  return grams, params, g
+
+
+def _embed_ref(g, params, ids, y, name="embed"):
+  """Reference Gram of the embedding parameters only."""
+  def loss(e, ids, y):
+    p = dict(params)
+    p[name] = {"embeddings": e}
+    return g.apply(p, ids, y)
+  return reference_gram(loss, params[name]["embeddings"], ids, y)
+
+
+def _ids(seed, shape, lo=0, hi=7):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.randint(k1, shape, lo, hi),
+          jax.random.normal(k2, shape + (3,)))
+
+
+@pytest.mark.parametrize("style,layout", [
+    ("ARRAY_INDEX", "explicit"), ("ONE_HOT", "explicit"),
+    ("ONE_HOT", "vmap1"), ("ARRAY_INDEX", "vmap2")])
+def test_track_layouts(style, layout):
+  ids, y = _ids(10, (5, 8), lo=-3, hi=10)  # repeats and out-of-range ids
+  model = _model(style)
+  if layout == "vmap1":
+    model = hk.vmap(model, split_rng=False)
+  elif layout == "vmap2":
+    model = hk.vmap(hk.vmap(model, split_rng=False), split_rng=False)
+  grams, params, g = _track_check(model, ids, y, jit=layout == "vmap1")
+  assert set(grams.by_layer) == {"embed", "linear"}
+  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+  assert_gram_close(grams.by_layer["embed"], _embed_ref(g, params, ids, y))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_track_forward_identical_to_hk_embed(style):
+  ids, _ = _ids(11, (5, 8), lo=-9, hi=12)
+  def tracked_out(ids):
+    with gram_haiku.track():
+      return hk.Embed(7, 4, lookup_style=style)(ids)
+  f = hk.transform_with_state(tracked_out)
+  plain = hk.transform(lambda ids: hk.Embed(7, 4, lookup_style=style)(ids))
+  params, state = f.init(jax.random.PRNGKey(0), ids)
+  chex.assert_trees_all_equal(params, plain.init(jax.random.PRNGKey(0), ids))
+  assert set(state) == {"embed"}
+  out, _ = f.apply(params, state, None, ids)
+  np.testing.assert_array_equal(out, plain.apply(params, None, ids))
+
+
+def test_track_call_time_lookup_style_override():
+  ids, y = _ids(12, (5, 8))
+  def model(ids):
+    h = hk.Embed(7, 4, lookup_style="ARRAY_INDEX")(ids, lookup_style="one_hot")
+    return hk.Linear(3)(h)
+  grams, params, g = _track_check(model, ids, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+
+
+def test_track_pad_id_masked_in_loss_adds_nothing():
+  # C06 padding variant: positions with id 0 are masked out of the loss, so
+  # the pad row has zero per-example gradient, and nothing of the pad
+  # positions' cotangents (zero) reaches the Gram.
+  ids, y = _ids(13, (5, 8), lo=0, hi=4)
+  y = jnp.where((ids != 0)[..., None], y, 0.0)
+  def model(ids):
+    out = _model("ARRAY_INDEX")(ids)
+    return jnp.where((ids != 0)[..., None], out, 0.0)
+  grams, params, g = _track_check(model, ids, y)
+  ref = reference_gram(g.apply, params, ids, y)
+  assert_gram_close(grams.total, ref)
+  per_ex = jax.vmap(jax.grad(lambda p, i, yy: g.apply(p, i[None], yy[None])),
+                    in_axes=(None, 0, 0))(params, ids, y)
+  np.testing.assert_array_equal(per_ex["embed"]["embeddings"][:, 0], 0.0)
+
+
+def test_track_norms_mode():
+  ids, y = _ids(14, (5, 8), lo=-2, hi=9)
+  grams, params, g = _track_check(_model("ONE_HOT"), ids, y, mode="norms")
+  ref = reference_gram(g.apply, params, ids, y)
+  np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
+  np.testing.assert_allclose(grams.sq_norms_by_layer["embed"],
+                             np.diag(_embed_ref(g, params, ids, y)),
+                             rtol=1e-4)
+
+
+def test_track_embed_called_twice_has_cross_terms():
+  ids, y = _ids(15, (5, 8))
+  def model(ids):
+    embed = hk.Embed(7, 4)
+    h = embed(ids) + jnp.roll(embed((ids + 2) % 7), 1, axis=-2)
+    return hk.Linear(3)(h)
+  grams, params, g = _track_check(model, ids, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+  assert_gram_close(grams.by_layer["embed"], _embed_ref(g, params, ids, y))
+
+
+def test_track_bf16_embeddings():
+  ids, y = _ids(16, (5, 8))
+  def model(ids):
+    h = hk.Embed(7, 4, w_init=hk.initializers.RandomNormal())(ids)
+    return jnp.tanh(h.astype(jnp.float32)) @ jnp.ones((4, 3))
+  grams, params, g = _track_check(model, ids, y, cast=jnp.bfloat16)
+  assert params["embed"]["embeddings"].dtype == jnp.bfloat16
+  assert grams.total.dtype == jnp.float32
+  p32 = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+  assert_gram_close(grams.total, reference_gram(g.apply, p32, ids, y),
+                    rtol=RTOL_BF16)
+
+
+def test_track_tied_output_layer_via_unembed(style="ARRAY_INDEX"):
+  # The embedding table also used as the output layer (gram_haiku.unembed):
+  # its per-example gradient sums both uses, so the Gram has cross terms
+  # between the lookup (this op, in per-example mode) and the output layer.
+  ids, _ = _ids(17, (5, 8), lo=-2, hi=9)
+  y = jax.random.normal(jax.random.PRNGKey(18), (5, 8, 7))
+  def model(ids):
+    embed = hk.Embed(7, 4, lookup_style=style)
+    h = jnp.tanh(hk.Linear(4)(embed(ids)))
+    return gram_haiku.unembed(embed, h)  # h @ embed.embeddings.T, tracked
+  grams, params, g = _track_check(model, ids, y)
+  assert set(grams.by_layer) == {"embed", "linear"}
+  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+  assert_gram_close(grams.by_layer["embed"], _embed_ref(g, params, ids, y))
