@@ -15,6 +15,10 @@ from conformance import checks
 pytestmark = pytest.mark.conformance
 
 
+def _thorough():
+  return os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
+
+
 def _run(check, *args, **kwargs):
   try:
     check(*args, **kwargs)
@@ -29,9 +33,21 @@ def test_backward_parity(conformance_op, conformance_platform, case):
     _run(checks.check_backward_parity, conformance_op, case)
 
 
+def _reference_cases():
+  """Every dtype explicitly batched and under vmap; in the default (CI)
+  budget, the low-precision dtypes only explicitly batched."""
+  cases = []
+  for case in checks.REFERENCE_CASES:
+    for vmapped in (False, True):
+      if vmapped and case != "float32" and not _thorough():
+        continue
+      cases.append(pytest.param(case, vmapped, id=f"{case}-"
+                                f"{'vmap' if vmapped else 'explicit'}"))
+  return cases
+
+
 @pytest.mark.conformance_family("reference")
-@pytest.mark.parametrize("vmapped", [False, True], ids=["explicit", "vmap"])
-@pytest.mark.parametrize("case", checks.REFERENCE_CASES)
+@pytest.mark.parametrize("case,vmapped", _reference_cases())
 def test_reference_equality(conformance_op, conformance_platform, case,
                             vmapped):
   with checks.on_platform(conformance_platform):
@@ -42,16 +58,26 @@ LAYOUTS = [(d, ins, outs) for d, layouts in checks.VMAP_LAYOUTS.items()
            for ins, outs in layouts]
 
 
-def _thorough():
-  return os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
+#: Layouts per depth in the default (CI) budget; all with --conformance-thorough.
+DEFAULT_LAYOUTS_PER_DEPTH = 3
 
 
 def _vmap_cases():
-  """Every layout without jit; jit inside/outside on the first layout of
-  each depth (every layout with ``--conformance-thorough``)."""
+  """Up to three layouts per depth without jit, spread over the listed
+  ones; jit inside/outside on the first layout of each depth. Every layout
+  and jit placement with ``--conformance-thorough``."""
   cases = []
   firsts = {}
+  per_depth = {}
   for d, ins, outs in LAYOUTS:
+    per_depth.setdefault(d, []).append((ins, outs))
+  chosen = set()
+  for d, layouts in per_depth.items():
+    step = max(1, len(layouts) // DEFAULT_LAYOUTS_PER_DEPTH)
+    chosen.update((d,) + l for l in layouts[::step][:DEFAULT_LAYOUTS_PER_DEPTH])
+  for d, ins, outs in LAYOUTS:
+    if not _thorough() and (d, ins, outs) not in chosen:
+      continue
     firsts.setdefault(d, (ins, outs))
     for jit in ("none", "inside", "outside"):
       if jit == "inside" and d == 0:
@@ -80,9 +106,21 @@ def test_example_axis_selection(conformance_op, conformance_platform, case):
     checks.check_example_axis_selection(conformance_op, case)
 
 
+def _checkpoint_cases():
+  """Every policy under vmap and explicitly batched; in the default (CI)
+  budget, every policy once (alternating the batching style)."""
+  cases = []
+  for i, policy in enumerate(checks.CHECKPOINT_POLICIES):
+    for vmapped in (False, True):
+      if not _thorough() and vmapped != bool(i % 2):
+        continue
+      cases.append(pytest.param(policy, vmapped, id=f"{policy}-"
+                                f"{'vmap' if vmapped else 'explicit'}"))
+  return cases
+
+
 @pytest.mark.conformance_family("transforms")
-@pytest.mark.parametrize("vmapped", [False, True], ids=["explicit", "vmap"])
-@pytest.mark.parametrize("policy", list(checks.CHECKPOINT_POLICIES))
+@pytest.mark.parametrize("policy,vmapped", _checkpoint_cases())
 def test_checkpoint(conformance_op, conformance_platform, policy, vmapped):
   with checks.on_platform(conformance_platform):
     checks.check_checkpoint(conformance_op, policy, vmapped)
