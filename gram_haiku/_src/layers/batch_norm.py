@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from gram_haiku._src import errors
 from gram_haiku._src.layers.norms import _affine
+from gram_haiku._src.layers.norms import check_call_time_params
 from gram_haiku._src.tracking import register_layer
 
 
@@ -34,12 +35,7 @@ def batch_norm(tracker, module: hk.BatchNorm, inputs, is_training,
     raise ValueError(errors.BATCHNORM_TRAINING.format(
         module=module.module_name, is_training=is_training,
         test_local_stats=test_local_stats))
-  if module.create_scale and scale is not None:
-    raise ValueError(
-        "Cannot pass `scale` at call time if `create_scale=True`.")
-  if module.create_offset and offset is not None:
-    raise ValueError(
-        "Cannot pass `offset` at call time if `create_offset=True`.")
+  check_call_time_params(module, scale, offset)
   channel_index = module.channel_index
   if channel_index < 0:
     channel_index += inputs.ndim

@@ -46,6 +46,16 @@ def _affine(tracker, module, x, scale, offset, offset_multiplier=None):
   return tracker.apply(op, module, x, (scale, offset))
 
 
+def check_call_time_params(module, scale, offset):
+  """Haiku's check: no call-time scale/offset where the module creates one."""
+  if module.create_scale and scale is not None:
+    raise ValueError(
+        "Cannot pass `scale` at call time if `create_scale=True`.")
+  if module.create_offset and offset is not None:
+    raise ValueError(
+        "Cannot pass `offset` at call time if `create_offset=True`.")
+
+
 def _param_shape(param_axis, inputs):
   """LayerNorm/RMSNorm: the stored shape of the scale and offset."""
   param_axis = hk_layer_norm.to_abs_axes(param_axis, inputs.ndim)
@@ -61,12 +71,7 @@ def layer_norm(tracker, module: hk.LayerNorm, inputs, scale=None,
                offset=None):
   """``hk.LayerNorm.__call__`` (also ``hk.InstanceNorm``) with the Gram op."""
   inputs = jnp.asarray(inputs)
-  if module.create_scale and scale is not None:
-    raise ValueError(
-        "Cannot pass `scale` at call time if `create_scale=True`.")
-  if module.create_offset and offset is not None:
-    raise ValueError(
-        "Cannot pass `offset` at call time if `create_offset=True`.")
+  check_call_time_params(module, scale, offset)
 
   axis = hk_layer_norm.to_abs_axes(module.axis, inputs.ndim)
   mean = jnp.mean(inputs, axis=axis, keepdims=True)
@@ -147,12 +152,7 @@ def group_norm(tracker, module: hk.GroupNorm, x, scale=None, offset=None):
         "The rank of the inputs cannot change between calls, the"
         f" original call was rank={module.rank} but this call was "
         f"rank={x.ndim}.")
-  if module.create_scale and scale is not None:
-    raise ValueError(
-        "Cannot pass `scale` at call time if `create_scale=True`.")
-  if module.create_offset and offset is not None:
-    raise ValueError(
-        "Cannot pass `offset` at call time if `create_offset=True`.")
+  check_call_time_params(module, scale, offset)
 
   channels = x.shape[module.channel_index]
   if channels % module.groups != 0:
