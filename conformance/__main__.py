@@ -60,7 +60,10 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   collector = SummaryCollector()
   here = os.path.dirname(os.path.abspath(__file__))
-  args = [here, "-q", "-p", "no:cacheprovider"]
+  # `python -m conformance` has imported the package before pytest could
+  # rewrite its asserts; the checks raise their own messages, so that is fine.
+  args = [here, "-q", "-p", "no:cacheprovider",
+          "-W", "ignore::pytest.PytestAssertRewriteWarning"]
   if "conformance.plugin" not in sys.modules and not _plugin_installed():
     args += ["-p", "conformance.plugin"]
   status = pytest.main(args + argv, plugins=[collector])
