@@ -454,3 +454,10 @@ def test_layer_input_without_example_axis_under_vmap_is_an_error():
   f, _, params, state = _setup(hk.vmap(per_example, split_rng=False), x, y)
   with pytest.raises(ValueError, match="does not depend on the example"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
+def test_track_outside_a_transform_says_where_it_belongs():
+  with pytest.raises(ValueError, match="inside the function you give to "
+                     "hk.transform_with_state"):
+    with gram_haiku.track():
+      pass

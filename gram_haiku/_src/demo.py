@@ -192,8 +192,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
   epoch_rows: list[dict[str, float]] = []
   rel_err = None
   perm = rng.permutation(n)
-  bar = tqdm(range(cfg.steps), disable=not cfg.progress, desc="train",
-             unit="step")
+  # disable=None: no bar when stdout is not a terminal (logs, pipes), where
+  # it would interleave with the epoch lines.
+  bar = tqdm(range(cfg.steps), disable=None if cfg.progress else True,
+             desc="train", unit="step")
   for i in bar:
     j = i % steps_per_epoch
     if j == 0 and i > 0:

@@ -133,3 +133,10 @@ BATCHNORM_TRAINING = (
     "What to do: call it with is_training=False (moving averages; then it is "
     "an affine layer and is tracked), replace it with hk.GroupNorm or "
     "hk.LayerNorm, or run it outside gram_haiku.track().")
+
+TRACK_OUTSIDE_TRANSFORM = (
+    "gram_haiku.track() was entered outside a Haiku transform. It swaps Haiku "
+    "modules for Gram ops as they are called, so it must run inside the "
+    "function you give to hk.transform_with_state.\n"
+    "What to do: move `with gram_haiku.track():` into that function, around "
+    "the model call (see the quickstart in README.md).")

@@ -198,6 +198,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     if self._stack is not None:
       raise RuntimeError("gram_haiku.track() is not re-entrant; create a new "
                          "track() for each use.")
+    if not hk_base.inside_transform():
+      raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
     _register_builtin_layers()
     self._used = {}
     self._coverage = {}
