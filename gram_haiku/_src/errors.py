@@ -45,20 +45,22 @@ PARAMS_BATCHED = (
 SHARED_LAYER = (
     "gram_haiku: module '{module}' was called more than once inside one "
     "gram_haiku.track() context. Its per-example gradient is the sum over "
-    "the calls, so its Gram needs cross terms between calls, which this "
-    "version does not compute; returning the sum of per-call Grams would be "
-    "silently wrong.\n"
-    "What to do: call each tracked module once per forward pass (create one "
-    "module per use), or run the shared module outside track().")
+    "the calls, so its Gram needs the cross terms between calls; on the raw "
+    "jax.grad path nothing accumulates per-example gradients, and the sum "
+    "of per-call Grams would be silently wrong.\n"
+    "What to do: use gram_haiku.value_grad_and_gram, which detects shared "
+    "modules and accumulates their per-example gradients (cross terms "
+    "included), or create one module per use.")
 
 LOOP_BODY = (
     "gram_haiku: module '{module}' is applied inside a loop body (lax.scan, "
     "hk.scan, hk.dynamic_unroll, fori_loop or while_loop) with parameters "
     "shared across iterations. Its per-example gradient is the sum over "
-    "iterations, so summing per-iteration Grams would be silently wrong.\n"
-    "What to do: run the recurrent module outside track() (hk.static_unroll "
-    "shares the parameters in the same way). hk.layer_stack, whose "
-    "parameters differ per step, is supported.")
+    "iterations; on the raw jax.grad path nothing accumulates it, and "
+    "summing per-iteration Grams would be silently wrong.\n"
+    "What to do: use gram_haiku.value_grad_and_gram, which accumulates "
+    "per-example gradients across iterations (cross terms included). "
+    "hk.layer_stack, whose parameters differ per step, needs nothing.")
 
 NOT_SCALAR = (
     "gram_haiku.value_grad_and_gram: apply_fn must return a scalar loss, got "
