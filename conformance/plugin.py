@@ -49,6 +49,12 @@ def pin_worker_device(environ=os.environ) -> dict:
   return pinned
 
 
+def thorough() -> bool:
+  """Whether the nightly budget is on (``--conformance-thorough`` sets the
+  environment variable in :func:`pytest_configure`, for xdist workers too)."""
+  return os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
+
+
 def pytest_addoption(parser):
   group = parser.getgroup("conformance")
   group.addoption("--conformance-ops", default=os.environ.get(
@@ -56,7 +62,7 @@ def pytest_addoption(parser):
       "(default: all registered; env CONFORMANCE_OPS)")
   group.addoption(
       "--conformance-thorough", action="store_true",
-      default=os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true"),
+      default=thorough(),
       help="raise the hypothesis example budget (env CONFORMANCE_THOROUGH=1)")
 
 

@@ -6,17 +6,12 @@ platforms those ``jax.devices()`` reports (an absent one is skipped, and the
 skip says so).
 """
 
-import os
-
 import pytest
 
 from conformance import checks
+from conformance import plugin
 
 pytestmark = pytest.mark.conformance
-
-
-def _thorough():
-  return os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
 
 
 def _run(check, *args, **kwargs):
@@ -39,7 +34,7 @@ def _reference_cases():
   cases = []
   for case in checks.REFERENCE_CASES:
     for vmapped in (False, True):
-      if vmapped and case != "float32" and not _thorough():
+      if vmapped and case != "float32" and not plugin.thorough():
         continue
       cases.append(pytest.param(case, vmapped, id=f"{case}-"
                                 f"{'vmap' if vmapped else 'explicit'}"))
@@ -76,13 +71,13 @@ def _vmap_cases():
     step = max(1, len(layouts) // DEFAULT_LAYOUTS_PER_DEPTH)
     chosen.update((d,) + l for l in layouts[::step][:DEFAULT_LAYOUTS_PER_DEPTH])
   for d, ins, outs in LAYOUTS:
-    if not _thorough() and (d, ins, outs) not in chosen:
+    if not plugin.thorough() and (d, ins, outs) not in chosen:
       continue
     firsts.setdefault(d, (ins, outs))
     for jit in ("none", "inside", "outside"):
       if jit == "inside" and d == 0:
         continue  # depth 0 has no vmap to jit inside of
-      if jit != "none" and not _thorough() and firsts[d] != (ins, outs):
+      if jit != "none" and not plugin.thorough() and firsts[d] != (ins, outs):
         continue
       cases.append(pytest.param(
           ins, outs, jit,
@@ -112,7 +107,7 @@ def _checkpoint_cases():
   cases = []
   for i, policy in enumerate(checks.CHECKPOINT_POLICIES):
     for vmapped in (False, True):
-      if not _thorough() and vmapped != bool(i % 2):
+      if not plugin.thorough() and vmapped != bool(i % 2):
         continue
       cases.append(pytest.param(policy, vmapped, id=f"{policy}-"
                                 f"{'vmap' if vmapped else 'explicit'}"))

@@ -14,6 +14,7 @@ from conformance.ops.linear import _linear_params
 from conformance.ops.linear import _linear_plain
 from conformance.registry import normal
 from conformance.registry import OpSpec
+from gram_haiku import ExampleAxis
 from gram_haiku import gram_linear
 from gram_haiku._src import gram_math
 from gram_haiku._src.ops import base
@@ -23,7 +24,7 @@ from gram_haiku._src.ops.linear import GramLinear
 def _spec(op_cls, with_bias=True, apply=None):
   def default_apply(p, probe, x, example_axis=None, mode="gram"):
     if example_axis is None:
-      example_axis = gram_haiku_default_axis()
+      example_axis = ExampleAxis.from_spec(None)
     prim = op_cls(base.aval_of(x), (base.aval_of(p["w"]),
                                     base.aval_of(p.get("b"))),
                   base.aval_of(probe), example_axis=example_axis,
@@ -32,11 +33,6 @@ def _spec(op_cls, with_bias=True, apply=None):
   return OpSpec(name="broken", make_params=_linear_params(with_bias),
                 make_example=lambda k, lead, dt: normal(k, lead + (5,), dt),
                 apply=apply or default_apply, plain=_linear_plain)
-
-
-def gram_haiku_default_axis():
-  from gram_haiku import ExampleAxis  # pylint: disable=g-import-not-at-top
-  return ExampleAxis.from_spec(None)
 
 
 def _upcast(acc):

@@ -6,21 +6,19 @@ nightly runs. hypothesis shrinks a failing model to a minimal one (fewest
 ops, smallest shapes, shallowest vmap nesting) and prints it.
 """
 
-import os
-
 from hypothesis import given
 from hypothesis import HealthCheck
 from hypothesis import settings
 from hypothesis import strategies as st
 import pytest
 
+from conformance import plugin
 from conformance import properties
 from conformance.registry import registered_ops
 
 pytestmark = pytest.mark.conformance
 
-THOROUGH = os.environ.get("CONFORMANCE_THOROUGH", "") in ("1", "true")
-BUDGET = 150 if THOROUGH else 6
+BUDGET, THOROUGH_BUDGET = 6, 150
 
 
 
@@ -45,10 +43,10 @@ def random_models(draw, ops):
 
 
 def test_random_models_match_reference(pytestconfig):
-  thorough = THOROUGH or pytestconfig.getoption("--conformance-thorough")
+  thorough = plugin.thorough()
   ops = _ops(pytestconfig.getoption("--conformance-ops"))
 
-  @settings(max_examples=150 if thorough else BUDGET, deadline=None,
+  @settings(max_examples=THOROUGH_BUDGET if thorough else BUDGET, deadline=None,
             derandomize=not thorough, database=None,
             suppress_health_check=[HealthCheck.too_slow])
   @given(random_models(ops))

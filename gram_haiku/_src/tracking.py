@@ -266,7 +266,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
           param=name, module_type=module_type), UntrackedParameterWarning,
                     stacklevel=4)
 
-  def _is_shared_use(self, name: str, params) -> bool:
+  def _is_shared_use(self, params) -> bool:
     """Whether this application reuses parameters (sharing), else claims them.
 
     Keyed by the parameter value, not the module: Haiku re-creates modules
@@ -296,7 +296,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     mode = self._mode
     if discovery.is_planned_shared(name):
       mode = "per_example"
-    elif self._is_shared_use(name, present) and not hk.running_init():
+    elif self._is_shared_use(present) and not hk.running_init():
       found = discovery.active()
       if found is not None:
         found.shared.add(name)
