@@ -9,19 +9,9 @@ import pytest
 
 from conformance import sharded
 
-pytestmark = pytest.mark.conformance
-
-#: Layouts whose support is issue 5 (distributed); until it lands they run,
-#: report their failure, and are marked xfail with that reason.
-PENDING_ISSUE_5 = {
-    "jit_explicit": "issue 5 (distributed): under an Explicit mesh the Gram "
-                    "contractions over the sharded example axis need an "
-                    "explicit out_sharding",
-    "shard_map": "issue 5 (distributed): under shard_map each device must "
-                 "return its rows f32[B_local, B] of the global Gram, "
-                 "gathering the other devices' factors",
-}
-
+# One worker starts the runner (``pytest -n`` with --dist loadgroup).
+pytestmark = [pytest.mark.conformance,
+              pytest.mark.xdist_group("conformance_sharded")]
 
 @pytest.fixture(scope="session")
 def sharded_records(tmp_path_factory, pytestconfig):
@@ -45,8 +35,7 @@ def test_sharded_equals_single_device(conformance_op, conformance_platform,
   rec = sharded_records.get((conformance_op.name, layout,
                              conformance_platform))
   assert rec is not None, "the sharded runner produced no record"
+  if rec["status"] == "skip":
+    pytest.skip(rec["reason"])
   if rec["status"] == "fail":
-    if layout in PENDING_ISSUE_5:
-      first_line = rec["error"].splitlines()[0][:200]
-      pytest.xfail(f"{PENDING_ISSUE_5[layout]} (got {first_line})")
     pytest.fail(f"{rec['error']}\n{rec.get('traceback', '')}")

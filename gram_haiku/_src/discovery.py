@@ -35,6 +35,8 @@ class Discovery:
       or from the layer input's own axis 0 (False), under the default rule.
     modes: module name -> the ``track(mode=...)`` it ran under.
     coverage: parameter full name -> ``ParamCoverage`` (tracked or not).
+    example_specs: module name -> the mesh axes its example axis is sharded
+      over, under a mesh with Explicit axes (absent otherwise).
   """
   sizes: dict = dataclasses.field(default_factory=dict)
   param_counts: dict = dataclasses.field(default_factory=dict)
@@ -42,6 +44,7 @@ class Discovery:
   vmapped: dict = dataclasses.field(default_factory=dict)
   modes: dict = dataclasses.field(default_factory=dict)
   coverage: dict = dataclasses.field(default_factory=dict)
+  example_specs: dict = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager

@@ -142,3 +142,22 @@ TRACK_OUTSIDE_TRANSFORM = (
     "function you give to hk.transform_with_state.\n"
     "What to do: move `with gram_haiku.track():` into that function, around "
     "the model call (see the quickstart in README.md).")
+
+MESH_AXES_UNBOUND = (
+    "gram_haiku.value_grad_and_gram(mesh_axes={axes}): these mesh axes are "
+    "not bound here ({error}). mesh_axes names the axes of an enclosing "
+    "jax.shard_map over which the examples are split.\n"
+    "What to do: call the transformed function inside jax.shard_map(..., "
+    "mesh=mesh, in_specs=...) whose batch in_spec is P({axes}, ...), or drop "
+    "mesh_axes outside shard_map (jit with NamedSharding needs none).")
+
+PROBE_NOT_VARYING = (
+    "gram_haiku: inside shard_map, the input of module '{module}' (shape "
+    "{x_shape}) varies over mesh axes {x_axes} but its Gram probe (shape "
+    "{probe_shape}) only over {probe_axes}: each device has other examples, "
+    "and its Gram cannot be summed across devices (that would be silently "
+    "wrong).\n"
+    "What to do: pass value_grad_and_gram(apply_fn, mesh_axes={suggest}) so "
+    "that each device gets its rows f32[B_local, B] of the global Gram; on "
+    "the raw path give the probe in_specs=P({suggest}, None) and shape "
+    "(B_local, B).")

@@ -33,6 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src import example_sharding
+from gram_haiku._src.example_sharding import columns
+
 #: Largest per-block intermediate, in bytes, that a Gram kernel may build:
 #: the ``(rows, T, B, T)`` kernel blocks of the ghost method and the
 #: ``(B, N, M)`` per-example gradients of the materialised one.
@@ -140,23 +143,47 @@ def split_leading(a: jax.Array, lead: tuple[int, ...]) -> jax.Array:
   return jnp.reshape(a, shape, out_sharding=out)
 
 
-def ghost_flops(b: int, t: int, n: int, m: int) -> int:
-  """Multiply-adds of the ghost method for one linear-layer weight."""
+#: Multiply-adds that one gathered byte is counted as, in the cost model of
+#: a Gram whose columns come from other devices (``shard_map``): a rough
+#: ratio of a device's arithmetic rate to its interconnect bandwidth. The
+#: choice between methods only moves when their FLOPs are within this factor
+#: of their traffic.
+COMM_FLOPS_PER_BYTE = 16
+
+
+def ghost_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
+  """Multiply-adds of the ghost method for one linear-layer weight.
+
+  ``b`` rows (local examples) against ``cols`` columns (default ``b``).
+  """
+  cols = cols or b
   if t == 1:
-    return b * b * (n + m) + b * b
-  return b * b * t * t * (n + m + 1)
+    return b * cols * (n + m) + b * cols
+  return b * cols * t * t * (n + m + 1)
 
 
-def materialize_flops(b: int, t: int, n: int, m: int) -> int:
+def materialize_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
   """Extra multiply-adds of the materialised method for one linear weight.
 
   Forming the per-example gradients costs ``B T N M``, but their sum is the
   weight gradient, which the op then does not compute again (it would cost
   the same ``B T N M``); what is extra is ``B N M`` for the sum and
-  ``B^2 N M`` for ``F F^T``.
+  ``B^2 N M`` for ``F F^T`` (``b cols N M`` for a block of rows).
   """
   del t
-  return b * n * m + b * b * n * m
+  cols = cols or b
+  return b * n * m + b * cols * n * m
+
+
+def gathered_bytes(cols: int, t: int, n: int, m: int, acc_bytes: int,
+                   method: str) -> int:
+  """Bytes one device receives to form its rows, ``cols`` examples in all.
+
+  The ghost method gathers inputs and cotangents, ``T (N + M)`` numbers per
+  example; the materialised one the per-example gradients, ``N M``.
+  """
+  per_example = t * (n + m) if method == "ghost" else n * m
+  return cols * per_example * acc_bytes
 
 
 def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
@@ -166,7 +193,10 @@ def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
   ``"auto"`` takes whichever needs fewer multiply-adds, except that the
   materialised method is never chosen when its ``B x N x M`` per-example
   gradients would exceed :data:`MEMORY_BUDGET_BYTES` (the ghost method is
-  blocked and always fits).
+  blocked and always fits). Under ``shard_map`` with examples split over
+  ``n_dev`` devices (:mod:`gram_haiku._src.example_sharding`), ``b`` local
+  rows meet ``B = n_dev b`` gathered columns, and each gathered byte adds
+  :data:`COMM_FLOPS_PER_BYTE` to a method's cost.
 
   Raises:
     ValueError: for an unknown ``strategy``.
@@ -176,8 +206,17 @@ def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
         f"Unknown Gram strategy {strategy!r}; expected one of {STRATEGIES}.")
   if strategy != "auto":
     return strategy
-  fits = b * n * m * acc_bytes <= MEMORY_BUDGET_BYTES
-  if fits and materialize_flops(b, t, n, m) < ghost_flops(b, t, n, m):
+  n_dev = example_sharding.axes_size(example_sharding.active_gather())
+  cols = b * n_dev
+  fits = cols * n * m * acc_bytes <= MEMORY_BUDGET_BYTES
+  ghost = ghost_flops(b, t, n, m, cols)
+  mat = materialize_flops(b, t, n, m, cols)
+  if n_dev > 1:
+    ghost += COMM_FLOPS_PER_BYTE * gathered_bytes(cols, t, n, m, acc_bytes,
+                                                  "ghost")
+    mat += COMM_FLOPS_PER_BYTE * gathered_bytes(cols, t, n, m, acc_bytes,
+                                                "materialize")
+  if fits and mat < ghost:
     return "materialize"
   return "ghost"
 
@@ -212,19 +251,21 @@ def ghost_gram(x: jax.Array, d: jax.Array) -> jax.Array:
     kx = gram_matmul(x[:, 0], x[:, 0])
     kd = gram_matmul(d[:, 0], d[:, 0])
     return kx * kd
+  xc, dc = columns(x), columns(d)
+  cols = xc.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
-  per_row = 2 * t * b * t * itemsize  # kx and kd blocks for one row i
+  per_row = 2 * t * cols * t * itemsize  # kx and kd blocks for one row i
   rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
   if rows >= b:
-    return _ghost_rows(x, d, x, d)
+    return _ghost_rows(x, d, xc, dc)
   n_blocks = math.ceil(b / rows)
   pad = n_blocks * rows - b
   xp = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
   dp = jnp.pad(d, ((0, pad), (0, 0), (0, 0)))
   xb = xp.reshape(n_blocks, rows, t, x.shape[-1])
   db = dp.reshape(n_blocks, rows, t, d.shape[-1])
-  out = lax.map(lambda blk: _ghost_rows(blk[0], blk[1], x, d), (xb, db))
-  return out.reshape(n_blocks * rows, b)[:b]
+  out = lax.map(lambda blk: _ghost_rows(blk[0], blk[1], xc, dc), (xb, db))
+  return out.reshape(n_blocks * rows, cols)[:b]
 
 
 def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
@@ -240,8 +281,14 @@ def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
 
 
 def gram_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-  """``a @ b.T`` for ``(B, P)`` factors at ``HIGHEST``, rows sharded like ``a``."""
-  return jnp.matmul(a, b.T, precision=_HIGHEST,
+  """``a @ columns(b).T`` for ``(B, P)`` factors at ``HIGHEST``.
+
+  ``b`` holds the same examples as ``a``; under ``shard_map`` with examples
+  split over mesh axes (:mod:`gram_haiku._src.example_sharding`) its rows
+  are gathered from every device, giving this device's rows ``(b, B)`` of
+  the Gram. Under an Explicit mesh the rows are sharded like ``a``.
+  """
+  return jnp.matmul(a, columns(b).T, precision=_HIGHEST,
                     out_sharding=rows_sharding(a, 2))
 
 

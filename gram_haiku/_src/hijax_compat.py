@@ -59,6 +59,10 @@ __all__ = [
     "accumulator_ref_type",
     "axis_name",
     "jvp_by_vjp",
+    "varying_axes",
+    "vary_like",
+    "vary_over",
+    "reduce_to_type_of",
 ]
 
 
@@ -135,3 +139,54 @@ class StaticFlags:
 
   def __getitem__(self, key):
     return dict(self.values)[key]
+
+
+def varying_axes(x: Any) -> frozenset:
+  """Mesh axes along which ``x`` varies inside ``shard_map`` (its VMA type).
+
+  JAX 0.9 spells it ``aval.vma``; 0.10 ``aval.manual_axis_type.varying``.
+  Empty outside ``shard_map`` or with ``check_vma=False``.
+  """
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(getattr(mat, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary_like(p: Any, like: Any) -> Any:
+  """``p`` cast to vary over every mesh axis ``like`` varies over.
+
+  A parameter is invariant inside ``shard_map`` (replicated) while the
+  layer input varies over the example axes. ``jax.vjp`` with respect to an
+  invariant value sums its cotangent over devices (the transpose of the
+  implicit ``pvary``); per-example gradients must not be summed, so they
+  are taken with respect to the parameter cast to varying first.
+  """
+  extra = varying_axes(like) - varying_axes(p)
+  if not extra:
+    return p
+  return jax.lax.pcast(p, tuple(sorted(extra)), to="varying")
+
+
+def reduce_to_type_of(ct: Any, primal: Any) -> Any:
+  """A cotangent summed over the mesh axes along which ``primal`` is invariant.
+
+  What JAX's AD does for a plain layer inside ``shard_map``: the gradient of
+  a replicated parameter is the sum of the devices' contributions. Backward
+  rules that compute a parameter's cotangent from varying values (the sum
+  of materialised per-example gradients) call this before accumulating, so
+  the parameter gets exactly the all-reduce a plain layer would, no more.
+  """
+  extra = varying_axes(ct) - varying_axes(primal)
+  if not extra:
+    return ct
+  return jax.lax.psum(ct, tuple(sorted(extra)))
+
+
+def vary_over(x: Any, axes: tuple[str, ...]) -> Any:
+  """``x`` cast to vary over mesh ``axes`` (no-op where it already does)."""
+  extra = frozenset(axes) - varying_axes(x)
+  if not extra:
+    return x
+  return jax.lax.pcast(x, tuple(sorted(extra)), to="varying")

@@ -27,6 +27,13 @@ class Grams:
       used), untracked (with the module type that read it), or unused (never
       read, so its gradient is zero: rule ``"unused"``, counted as covered).
 
+    mesh_axes: inside ``shard_map`` (``value_grad_and_gram(mesh_axes=...)``),
+      the mesh axes the examples are split over. Each array of
+      :attr:`by_layer` is then this device's rows ``f32[b, B]`` of the
+      global Gram (``b = B / n`` local examples); ``out_specs=P(mesh_axes,
+      None)`` assembles the ``(B, B)`` Gram. :attr:`sq_norms_by_layer`
+      holds the local ``f32[b]``.
+
   Units: squared units of the loss per squared parameter unit. Loss scale: for
   ``loss = sum_i l_i`` the Gram is the reference ``F @ F.T``; for
   ``loss = mean_i l_i`` it is ``F @ F.T / B**2`` (the cotangents carry the
@@ -35,10 +42,12 @@ class Grams:
 
   def __init__(self, by_layer: Mapping[str, jax.Array],
                sq_norms_by_layer: Mapping[str, jax.Array] | None = None,
-               coverage: Mapping[str, Any] | None = None):
+               coverage: Mapping[str, Any] | None = None,
+               mesh_axes: tuple[str, ...] = ()):
     self.by_layer = dict(by_layer)
     self.sq_norms_by_layer = dict(sq_norms_by_layer or {})
     self.coverage = dict(coverage or {})
+    self.mesh_axes = tuple(mesh_axes)
 
   @property
   def complete(self) -> bool:
@@ -73,9 +82,13 @@ class Grams:
 
   @property
   def sq_norms(self) -> jax.Array:
-    """``f32[B]``: squared per-example gradient norms, ``diag(total)``."""
-    parts = [jnp.diagonal(g, axis1=-2, axis2=-1)
-             for g in self.by_layer.values()]
+    """``f32[B]``: squared per-example gradient norms, ``diag(total)``.
+
+    For local rows ``f32[b, B]`` (see :attr:`mesh_axes`), the local
+    ``f32[b]``: the entries ``G[i, k b + i]`` of device ``k``'s rows,
+    which needs ``lax.axis_index``, so ask inside the ``shard_map``.
+    """
+    parts = [_diagonal(g, self.mesh_axes) for g in self.by_layer.values()]
     return _sum(parts + list(self.sq_norms_by_layer.values()))
 
   @property
@@ -92,13 +105,14 @@ class Grams:
     leaves = tuple(self.by_layer[k] for k in full) + tuple(
         self.sq_norms_by_layer[k] for k in diag)
     coverage = tuple(sorted(self.coverage.items()))
-    return leaves, (full, diag, coverage)
+    return leaves, (full, diag, coverage, self.mesh_axes)
 
   @classmethod
   def tree_unflatten(cls, keys, leaves):
-    full, diag, coverage = keys
+    full, diag, coverage, mesh_axes = keys
     return cls(dict(zip(full, leaves[:len(full)])),
-               dict(zip(diag, leaves[len(full):])), dict(coverage))
+               dict(zip(diag, leaves[len(full):])), dict(coverage),
+               mesh_axes)
 
   def __repr__(self):
     def fmt(d):
@@ -117,3 +131,18 @@ def _sum(arrays):
   for a in arrays[1:]:
     total = total + a
   return total
+
+
+def _diagonal(g: jax.Array, mesh_axes: tuple[str, ...]) -> jax.Array:
+  """``diag`` of a square Gram, or of this device's rows ``[b, B]``."""
+  rows, cols = g.shape[-2], g.shape[-1]
+  if rows == cols:
+    return jnp.diagonal(g, axis1=-2, axis2=-1)
+  if not mesh_axes:
+    raise ValueError(
+        f"Grams: a Gram of shape {tuple(g.shape)} is not square and no mesh "
+        "axes are known, so its diagonal is undefined.")
+  names = mesh_axes if len(mesh_axes) > 1 else mesh_axes[0]
+  start = jax.lax.axis_index(names) * rows
+  block = jax.lax.dynamic_slice_in_dim(g, start, rows, axis=-1)
+  return jnp.diagonal(block, axis1=-2, axis2=-1)

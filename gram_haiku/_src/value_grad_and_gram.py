@@ -9,6 +9,9 @@ import jax.numpy as jnp
 
 from gram_haiku._src import discovery
 from gram_haiku._src import errors
+from gram_haiku._src import example_sharding
+from gram_haiku._src import gram_math
+from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import ParamCoverage
@@ -102,12 +105,42 @@ def _check_example_axes(found: discovery.Discovery) -> int:
   return next(iter(found.sizes.values()))
 
 
-def _from_per_example(f, mode: str):
-  """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``."""
+def _from_per_example(f, mode: str, axes: tuple[str, ...]):
+  """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``.
+
+  Under ``shard_map`` (``axes``), this device's rows ``[b, B]``: the other
+  devices' per-example gradients are gathered.
+  """
   f = _sum_leading(f, 2)
   if mode == "norms":
     return jnp.sum(f * f, axis=-1)
-  return jnp.matmul(f, f.T, precision=jax.lax.Precision.HIGHEST)
+  with example_sharding.gathering(axes):
+    return gram_math.gram_matmul(f, f)
+
+
+def _rows_sharded(probe, example_spec, own_ndim: int):
+  """Under an Explicit mesh, a probe sharded by rows like the examples.
+
+  The Gram (the probe's cotangent) then comes out with the same layout:
+  row ``i`` on the devices that hold example ``i``, columns replicated.
+  ``own_ndim``: the probe's own trailing axes (the rest are stacked by
+  ``hk.layer_stack``).
+  """
+  if example_spec is None:
+    return probe
+  lead = probe.ndim - own_ndim
+  spec = jax.sharding.PartitionSpec(*([None] * lead), example_spec,
+                                    *([None] * (own_ndim - 1)))
+  return jax.sharding.reshard(probe, spec)
+
+
+def _check_mesh_axes(axes: tuple[str, ...]) -> int:
+  """Number of devices over ``axes``, or a teaching error outside shard_map."""
+  try:
+    return example_sharding.axes_size(axes)
+  except NameError as e:
+    raise ValueError(errors.MESH_AXES_UNBOUND.format(axes=axes,
+                                                     error=e)) from None
 
 
 def _coverage(params, found: discovery.Discovery) -> dict:
@@ -122,7 +155,9 @@ def _coverage(params, found: discovery.Discovery) -> dict:
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
-                        return_state: bool = False) -> Callable[..., Any]:
+                        return_state: bool = False,
+                        mesh_axes: str | tuple[str, ...] | None = None
+                        ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
 
   Args:
@@ -132,6 +167,17 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       with ``jax.value_and_grad(..., has_aux=True)``.
     return_state: also return the updated Haiku state (e.g. BatchNorm
       statistics), as ``(value, new_state)`` in place of ``value``.
+    mesh_axes: for use inside ``jax.shard_map`` whose example axis is split
+      over these mesh axes (a name or a tuple, in the order of the
+      ``PartitionSpec`` entry that splits the examples). Each device then
+      gets its rows ``f32[b, B]`` of the global Gram (``b`` local examples,
+      ``B`` in all); ``out_specs=P(mesh_axes, None)`` assembles the
+      ``(B, B)`` Gram. The other devices' Gram factors are gathered
+      (``all_gather``); ``track(mode="norms")`` layers need none.
+      ``value`` and ``grads`` are what ``jax.value_and_grad`` gives in the
+      same ``shard_map``: with replicated parameters and VMA checking on,
+      the gradients are all-reduced exactly as JAX's own AD does. See the
+      "Distributed" docs page for layouts and communication cost.
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams)``:
@@ -143,14 +189,17 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     of the model (no FLOPs) before the real pass.
 
   Raises:
-    ValueError: if ``state`` holds no probe, if the loss is not a scalar, or
-      from the tracked layers (see :class:`gram_haiku.track`).
+    ValueError: if ``state`` holds no probe, if the loss is not a scalar, if
+      ``mesh_axes`` are not axes of an enclosing ``shard_map``, or from the
+      tracked layers (see :class:`gram_haiku.track`).
   """
+  axes = example_sharding.normalize_axes(mesh_axes)
 
   def fn(params, state, rng, *args, **kwargs):
     rest, probes = split_probes(state)
     if not probes:
       raise ValueError(errors.NO_PROBES)
+    n_devices = _check_mesh_axes(axes)
 
     def loss(params, probes):
       out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
@@ -161,17 +210,28 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
             shape=jnp.shape(value), dtype=jnp.result_type(value)))
       return value, (aux, new_state)
 
-    with discovery.recording() as found:
+    if axes:  # Each device has its own rows: the probes vary over `axes`.
+      probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
+    with discovery.recording() as found, example_sharding.gathering_over(
+        axes):
       jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
                      params, probes)
     size = _check_example_axes(found)
     shapes = {}
     for m, p in probes.items():
       mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
-      shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + (
-          base.probe_shape(mode, size, found.param_counts.get(m, 0)))
-    probes = {m: jnp.zeros(shapes[m], p.dtype) for m, p in probes.items()}
-    with discovery.planned(frozenset(found.shared)):
+      own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
+      if mode == "gram":
+        own = (size, size * n_devices)  # This device's rows.
+      shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
+    probes = {m: _rows_sharded(jnp.zeros(shapes[m], p.dtype),
+                               found.example_specs.get(m), 2 if len(
+                                   own) == 2 else 1)
+              for m, p in probes.items()}
+    if axes:  # Each device has its own rows: the probes vary over `axes`.
+      probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
+    with discovery.planned(frozenset(found.shared)), (
+        example_sharding.gathering_over(axes)):
       (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
           loss, argnums=(0, 1), has_aux=True)(params, probes)
     if has_aux:
@@ -180,11 +240,11 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     for m, g in probe_grads.items():
       mode = found.modes.get(m, "gram")
       if m in found.shared:
-        g = _from_per_example(g, mode)
+        g = _from_per_example(g, mode, axes)
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g
-    grams = Grams(full, diag, _coverage(params, found))
+    grams = Grams(full, diag, _coverage(params, found), axes)
     return ((value, new_state) if return_state else value), grads, grams
 
   return fn

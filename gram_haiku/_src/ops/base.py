@@ -40,6 +40,7 @@ from jax import lax
 
 from gram_haiku._src import discovery
 from gram_haiku._src import errors
+from gram_haiku._src import example_sharding
 from gram_haiku._src import gram_math
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.example_axis import ExampleAxis
@@ -140,7 +141,7 @@ class GramOp(hx.VJPHiPrimitive):
     accumulation dtype.
     """
     acc = self.accumulation_dtype()
-    present = [p.astype(acc) for p in params if p is not None]
+    present = [hx.vary_like(p.astype(acc), x) for p in params if p is not None]
     xm = jnp.moveaxis(x, example_dim, 0)
     if is_float(xm.dtype):
       xm = xm.astype(acc)
@@ -264,14 +265,23 @@ class GramOp(hx.VJPHiPrimitive):
     out = self.forward(x, *params)
     probe_wanted = bool(nzs_in[-1])
     probe_ok = True
+    gather = ()
     if probe_wanted:
       size = self._example_size(x.shape)
+      gather = example_sharding.row_axes(probe, size, self.mode)
+      self._check_probe_varies(x, probe)
       expected = probe_shape(self.mode, size, self.num_params())
+      if gather:  # shard_map: this device's rows of the global Gram.
+        expected = (size, size * example_sharding.axes_size(gather))
       probe_ok = tuple(probe.shape) == expected
       found = discovery.active()
       if found is not None:
         found.sizes[self.name] = size
         found.param_counts[self.name] = self.num_params()
+        spec = gram_math.explicit_spec(x)
+        position = self.example_axis.resolved_position()
+        if spec is not None and position < len(spec) and spec[position]:
+          found.example_specs[self.name] = spec[position]
         if self.example_axis.kind == "default":
           found.vmapped.setdefault(self.name, self.example_axis.vmapped)
       elif not probe_ok:
@@ -282,7 +292,8 @@ class GramOp(hx.VJPHiPrimitive):
     flags = hx.StaticFlags((("probe", probe_wanted and probe_ok),
                             ("probe_shape", tuple(probe.shape)),
                             ("probe_dtype", jnp.dtype(probe.dtype).name),
-                            ("probe_spec", gram_math.explicit_spec(probe))))
+                            ("probe_spec", gram_math.explicit_spec(probe)),
+                            ("gather", gather)))
     return out, (x, tuple(params), flags)
 
   def vjp_bwd(self, res, g, x_acc, *rest_accs):
@@ -298,12 +309,14 @@ class GramOp(hx.VJPHiPrimitive):
       shape = flags["probe_shape"]
       self._check_probe_ref(probe_acc, shape, dtype)
       if flags["probe"]:
-        value, provided = self.probe_cotangent_and_grads(x, g, params, wanted)
+        with example_sharding.gathering(flags["gather"]):
+          value, provided = self.probe_cotangent_and_grads(x, g, params,
+                                                           wanted)
         value = gram_math.reshard_like(value.astype(dtype),
                                        flags["probe_spec"])
         probe_acc.accum(value)
         for i, ct in provided.items():
-          param_accs[i].accum(ct)
+          param_accs[i].accum(hx.reduce_to_type_of(ct, params[i]))
         wanted = [i for i in wanted if i not in provided]
       else:  # Discovery pass: the probe's shape is wrong on purpose.
         probe_acc.accum(jnp.zeros(shape, dtype))
@@ -357,6 +370,17 @@ class GramOp(hx.VJPHiPrimitive):
     if self.mode == "norms":
       return self.sq_norms(x, g, params, e)
     return self._flat_per_example(x, g, params, e)
+
+  def _check_probe_varies(self, x, probe):
+    """Inside ``shard_map`` the probe varies wherever the examples do."""
+    missing = hx.varying_axes(x) - hx.varying_axes(probe)
+    if missing:
+      axes = tuple(sorted(missing))
+      raise ValueError(errors.PROBE_NOT_VARYING.format(
+          module=self.name, x_shape=tuple(x.shape), x_axes=axes,
+          probe_shape=tuple(probe.shape),
+          probe_axes=tuple(sorted(hx.varying_axes(probe))),
+          suggest=axes if len(axes) > 1 else repr(axes[0])))
 
   def _check_probe_ref(self, acc, shape, dtype):
     ref_type = hx.accumulator_ref_type(acc)

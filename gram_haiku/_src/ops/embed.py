@@ -77,6 +77,8 @@ import numpy as np
 from jax import lax
 
 from gram_haiku._src import gram_math
+from gram_haiku._src import example_sharding
+from gram_haiku._src.example_sharding import columns
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
 
@@ -221,17 +223,19 @@ def _map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int):
   row at a time, its columns in blocks (``lax.map`` over both).
   """
   b = row_arrays[0].shape[0]
+  col_arrays = tuple(columns(a) for a in col_arrays)
+  c = col_arrays[0].shape[0]  # B; more than b under shard_map
   budget = gram_math.MEMORY_BUDGET_BYTES
   per_pair = max(per_pair_bytes, 1)
-  if b * per_pair <= budget:
-    rows = max(1, min(b, budget // (b * per_pair)))
+  if c * per_pair <= budget:
+    rows = max(1, min(b, budget // (c * per_pair)))
     return _map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
-  cols = max(1, min(b, budget // per_pair))
+  cols = max(1, min(c, budget // per_pair))
   col_blocks = _blocked(col_arrays, cols)
 
   def one_row(*r):
-    out = lax.map(lambda c: fn(*r, *c), col_blocks)  # (n_blocks, 1, cols)
-    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :b]
+    out = lax.map(lambda cb: fn(*r, *cb), col_blocks)  # (n_blocks, 1, cols)
+    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :c]
   return _map_row_blocks(one_row, 1, row_arrays)
 
 
@@ -278,10 +282,11 @@ def ghost_sq_norms(key, weight, d):
 
 def dense_per_example(key, d, num_keys):
   """Per-example gradients ``(B, num_keys, D)`` by scatter-add (no weights)."""
-  b, t, dim = d.shape
+  dim = d.shape[-1]
   rows = jnp.where(key >= 0, key, 0)  # d is zero where key < 0
-  ex = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  return jnp.zeros((b, num_keys, dim), d.dtype).at[ex, rows].add(d)
+  # One scatter per example: vmap keeps it sharding-friendly.
+  return jax.vmap(lambda r, di: jnp.zeros((num_keys, dim), d.dtype)
+                  .at[r].add(di))(rows, d)
 
 
 def _key_weights(num_keys, vocab_size, lookup_style, ids_dtype, acc):
@@ -300,7 +305,7 @@ def dense_gram(key, d, key_weights):
   f = dense_per_example(key, d, key_weights.shape[0])
   fw = f * key_weights[None, :, None]
   b = f.shape[0]
-  return jnp.matmul(fw.reshape(b, -1), f.reshape(b, -1).T, precision=_HIGHEST)
+  return gram_math.gram_matmul(fw.reshape(b, -1), f.reshape(b, -1))
 
 
 def segment_rows(key, weight, d):
@@ -319,13 +324,14 @@ def segment_rows(key, weight, d):
   new = jnp.concatenate([jnp.ones((b, 1), bool), ks[:, 1:] != ks[:, :-1]],
                         axis=1)
   seg = jnp.cumsum(new, axis=1) - 1  # (B, T), in [0, T)
-  ex = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  rows = jnp.zeros_like(d).at[ex, seg].add(ds)
-  # Every position of a segment has the same key and weight, so the
-  # duplicate writes of .set agree.
-  ukey = jnp.full((b, t), _PAD_KEY, jnp.int32).at[ex, seg].set(ks)
-  uweight = jnp.zeros((b, t), ws.dtype).at[ex, seg].set(ws)
-  return ukey, uweight, rows
+
+  def one(sg, ki, wi, di):
+    # Every position of a segment has the same key and weight, so the
+    # duplicate writes of .set agree.
+    return (jnp.full((t,), _PAD_KEY, jnp.int32).at[sg].set(ki),
+            jnp.zeros((t,), ws.dtype).at[sg].set(wi),
+            jnp.zeros_like(di).at[sg].add(di))
+  return jax.vmap(one)(seg, ks, ws, ds)
 
 
 def segment_gram(key, weight, d):
@@ -345,9 +351,9 @@ def segment_gram(key, weight, d):
     r, c = ki.shape[0], kj.shape[0]
     pos = search(kj, ki.reshape(-1)).reshape(c, r, t)  # where, in kj[j]
     pos = jnp.minimum(pos, t - 1)
-    ex = jnp.arange(c)[:, None, None]
-    hit = kj[ex, pos] == ki[None]  # (C, R, T)
-    other = rj[ex, pos]  # (C, R, T, D)
+    found_key, other = jax.vmap(lambda k, rr, p: (k[p], rr[p]))(kj, rj, pos)
+    hit = found_key == ki[None]  # (C, R, T)
+    # other: (C, R, T, D), the rows of example j at those keys.
     dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=_HIGHEST)
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
   per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
@@ -365,20 +371,25 @@ def segment_sq_norms(key, weight, d):
 
 
 def gram_costs(b: int, t: int, dim: int, num_keys: int,
-               acc_bytes: int) -> dict[str, float]:
-  """Weighted operation counts of each form of (E); absent if over budget."""
+               acc_bytes: int, cols: int = 0) -> dict[str, float]:
+  """Weighted operation counts of each form of (E); absent if over budget.
+
+  ``cols``: examples whose per-example gradients are held at once (``B``
+  gathered under ``shard_map``; default ``b``).
+  """
   log_t = math.log2(max(t, 2))
   costs = {
       "ghost": b * b * t * t * (dim + 2),
       "segment": _GATHER_WEIGHT * (b * t * (dim + 2 * log_t + 2) +
                                    b * b * t * (dim + log_t + 2)),
   }
-  if b * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
+  if (cols or b) * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
     costs["dense"] = _GATHER_WEIGHT * b * t * dim + b * b * num_keys * dim
   return costs
 
 
-def choose_method(b, t, dim, num_keys, acc_bytes, strategy="auto") -> str:
+def choose_method(b, t, dim, num_keys, acc_bytes, strategy="auto",
+                  cols=0) -> str:
   """``"ghost"``, ``"dense"`` or ``"segment"`` for (E).
 
   ``"ghost"`` forces the ghost form; ``"materialize"`` the dense per-example
@@ -388,7 +399,7 @@ def choose_method(b, t, dim, num_keys, acc_bytes, strategy="auto") -> str:
   if strategy not in gram_math.STRATEGIES:
     raise ValueError(f"Unknown Gram strategy {strategy!r}; expected one of "
                      f"{gram_math.STRATEGIES}.")
-  costs = gram_costs(b, t, dim, num_keys, acc_bytes)
+  costs = gram_costs(b, t, dim, num_keys, acc_bytes, cols)
   if strategy == "ghost":
     return "ghost"
   if strategy == "materialize":
@@ -443,10 +454,11 @@ class GramEmbed(base.GramOp):
     key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
                                                         example_dim)
     b, t, dim = d.shape
+    cols = example_sharding.gathered_rows(b)
     if t == 0:
-      return jnp.zeros((b, b), acc)
+      return jnp.zeros((b, cols), acc)
     method = choose_method(b, t, dim, num_keys, jnp.dtype(acc).itemsize,
-                           self.strategy)
+                           self.strategy, cols)
     if method == "ghost":
       return ghost_gram(key, weight, d)
     if method == "dense":

@@ -1,0 +1,434 @@
+"""Sharded models against the single-device reference, in their own process.
+
+``python -m tests.distributed_cases --json OUT [--all]`` sets 8 CPU devices
+(which must happen before JAX starts a backend, hence the own process),
+runs every case below and writes one record per case to ``OUT``;
+``tests/test_distributed.py`` starts it once and turns each record into a
+test. Every Gram is compared with ``F @ F.T`` of the untracked model on one
+device (:mod:`tests.reference`), every gradient with ``jax.grad`` of it.
+
+Cases:
+
+* ``shard_map/<zoo entry>/<style>``: each model of :mod:`tests.layer_zoo`
+  under ``shard_map`` with the examples split over ``"data"``, through
+  ``value_grad_and_gram(mesh_axes="data")``; rows assembled by
+  ``out_specs=P("data", None)``. The default run takes the explicit style
+  of most entries and the ``vmap1`` style of a few; ``--all`` every entry
+  in both styles, and more layouts.
+* ``shard_map_2d/<entry>``: a ``(4, 2)`` mesh, examples split over both
+  axes, ``mesh_axes=("a", "b")``.
+* ``shard_map_norms``: ``track(mode="norms")``: the squared norms, and no
+  all-gather in the compiled HLO.
+* ``collectives``: the compiled step of the Gram has the plain step's
+  all-reduces (count and bytes) and all-gathers of the size the docs'
+  formula gives.
+* ``no_check_vma``: ``shard_map(check_vma=False)``: the Gram rows as
+  above, the gradients local (summed by the user, as with plain JAX).
+* ``jit/<Auto|Explicit>/<entry>``: ``jit`` with the batch placed by
+  ``NamedSharding``; under Explicit the Gram comes out sharded by rows.
+* ``errors/...``: the teaching errors of a missing or unbound ``mesh_axes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+N_DEVICES = 8
+B = 16
+VMAP_ENTRIES = ("MLP",)
+# Left to --all (the nightly budget), to keep the default run short: each is
+# covered by a kindred case (tied-LM holds a transformer block; the
+# shard_map_rnn cases run dynamic_unroll with the carry cast to varying,
+# which the zoo's RNNs, untracked too, cannot run under shard_map).
+ALL_ONLY = ("transformer-block", "GRU-dynamic", "LSTM-dynamic", "Conv1D",
+            "Conv3D", "RMSNorm", "InstanceNorm", "LSTM-static",
+            "mixed-precision-track-first")
+TWO_D_ENTRIES = ("MLP",)
+JIT_ENTRIES = ("MLP", "tied-LM", "ResNet-GroupNorm")
+
+
+def _setup():
+  os.environ.pop("XLA_FLAGS", None)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", N_DEVICES)
+  return jax
+
+
+def _problem(entry, style, seed=0):
+  """Tracked and plain transforms, batch, params, state, reference."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+
+  fn = entry.fn if style == "explicit" else hk.vmap(entry.fn,
+                                                     split_rng=False)
+  x = layer_zoo._draw(entry, (B,), seed)  # pylint: disable=protected-access
+  tracked = hk.transform_with_state(
+      layer_zoo._tracked(fn, entry))  # pylint: disable=protected-access
+  plain = hk.transform_with_state(
+      lambda x: layer_zoo._tail(fn(x)))  # pylint: disable=protected-access
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  ref = reference_gram(plain_loss, params, x)
+  grads = jax.grad(plain_loss)(params, x)
+  return tracked, x, params, state, ref, grads, plain_loss
+
+
+def _tolerance(entry):
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  from tests import reference  # pylint: disable=g-import-not-at-top
+  return (reference.RTOL_BF16 if layer_zoo.is_low_precision(entry)
+          else reference.RTOL_F32)
+
+
+def _assert_grads(got, want, rtol):
+  """Gradients close, relative to the largest entry of any of them.
+
+  (Some are zero up to rounding, e.g. an attention key bias, to which
+  softmax is invariant: their own scale is noise.)
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  scale = max(float(np.abs(np.asarray(w)).max())
+              for w in jax.tree.leaves(want))
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                          jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol,
+                               atol=rtol * scale,
+                               err_msg=f"gradient {jax.tree_util.keystr(path)}")
+
+
+class Skip(Exception):
+  """The untracked model cannot run under this layout either."""
+
+
+def _plain_fails(run_plain) -> str:
+  """JAX's error for the untracked model under the layout, or ``""``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    run_plain()
+  except Exception as e:  # pylint: disable=broad-except
+    return (f"the untracked model fails under this layout in jax "
+            f"{jax.__version__}: {type(e).__name__}: {e}")[:600]
+  return ""
+
+
+def _tracked_or_skip(run_tracked, run_plain):
+  """``run_tracked()``; where it fails, a :class:`Skip` if plain JAX does."""
+  try:
+    return run_tracked()
+  except Exception:  # pylint: disable=broad-except
+    reason = _plain_fails(run_plain)
+    if reason:
+      raise Skip(reason) from None
+    raise
+
+
+def _shard_map_step(tracked, mesh, axes, check_vma=True):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  def local(params, state, x):
+    value, grads, grams = gram_haiku.value_grad_and_gram(
+        tracked.apply, mesh_axes=axes)(params, state, None, x)
+    if not check_vma:  # Then JAX sums nothing for us; the user does.
+      grads = jax.lax.psum(grads, axes)
+    return value[None], grads, grams.total, grams.sq_norms
+  spec = P(axes)
+  return jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P(), spec),
+      out_specs=(spec, P(), P(axes, None), spec), check_vma=check_vma))
+
+
+def case_shard_map(entry_name, style, mesh_shape=(N_DEVICES,),
+                   axes=("data",), check_vma=True):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+
+  entry = layer_zoo.BY_NAME[entry_name]
+  tracked, x, params, state, ref, grads, plain_loss = _problem(entry, style)
+  mesh = jax.make_mesh(mesh_shape, axes, axis_types=(
+      jax.sharding.AxisType.Auto,) * len(axes))
+  names = axes if len(axes) > 1 else axes[0]
+  step = _shard_map_step(tracked, mesh, names, check_vma)
+
+  def plain():
+    from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+    jax.jit(jax.shard_map(jax.grad(plain_loss), mesh=mesh,
+                          in_specs=(P(), P(names)), out_specs=P(),
+                          check_vma=check_vma))(params, x)
+  value, got_grads, total, sq_norms = _tracked_or_skip(
+      lambda: step(params, state, x), plain)
+  rtol = _tolerance(entry)
+  assert total.shape == (B, B), total.shape
+  assert_gram_close(total, ref, rtol=rtol)
+  assert_gram_close(sq_norms, np.diag(ref), rtol=rtol)
+  _assert_grads(got_grads, grads, rtol)
+  np.testing.assert_allclose(float(np.sum(value)),
+                             float(plain_loss(params, x)), rtol=rtol)
+  return {}
+
+
+def case_rnn_shard_map(core_name):
+  """An RNN under ``hk.dynamic_unroll`` (per-example accumulation).
+
+  Inside ``shard_map`` the zero initial state must vary over the examples'
+  axis as its carry does (JAX's own rule for ``scan``): the model casts it
+  with ``lax.pcast``, as a user of the untracked model must too.
+  """
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+
+  def make(tracked, sharded):
+    def loss(x):  # x: (B, T, F)
+      core = getattr(hk, core_name)(4)
+      state = core.initial_state(x.shape[0])
+      if sharded:
+        state = jax.tree.map(
+            lambda s: jax.lax.pcast(s, ("data",), to="varying"), state)
+      with (gram_haiku.track() if tracked else _nullcontext()):
+        out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1), state)
+        out = hk.Linear(3)(jnp.swapaxes(out, 0, 1))
+      return 0.5 * jnp.sum(jnp.tanh(out) ** 2)
+    return hk.transform_with_state(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 3))
+  plain = make(False, False)
+  params, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  ref = reference_gram(plain_loss, params, x)
+  tracked = make(True, True)
+  _, state = make(True, False).init(jax.random.PRNGKey(1), x)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  _, grads, total, sq_norms = _shard_map_step(tracked, mesh, "data")(
+      params, state, x)
+  assert_gram_close(total, ref)
+  assert_gram_close(sq_norms, np.diag(ref))
+  _assert_grads(grads, jax.grad(plain_loss)(params, x), 1e-4)
+  return {}
+
+
+def _nullcontext():
+  import contextlib  # pylint: disable=g-import-not-at-top
+  return contextlib.nullcontext()
+
+
+def _mlp_norms_problem():
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  def make(mode):
+    def loss(x):
+      mlp = hk.nets.MLP([12, 12, 3])
+      if mode is None:
+        return 0.5 * jnp.sum(jnp.tanh(mlp(x)) ** 2)
+      with gram_haiku.track(mode=mode):
+        return 0.5 * jnp.sum(jnp.tanh(mlp(x)) ** 2)
+    return hk.transform_with_state(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 6))
+  return make, x
+
+
+def _compiled_stats(fn, *args):
+  from benchmarks import collectives  # pylint: disable=g-import-not-at-top
+  return collectives.stats(fn.lower(*args).compile().as_text())
+
+
+def case_norms_and_collectives():
+  """Norms gather nothing; the Gram adds only the formula's all-gathers."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from benchmarks import collectives  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+
+  make, x = _mlp_norms_problem()
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  plain = make(None)
+  params, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  ref = reference_gram(plain_loss, params, x)
+
+  def plain_local(params, x):
+    return jax.value_and_grad(plain_loss)(params, x)[1]
+  plain_step = jax.jit(jax.shard_map(plain_local, mesh=mesh,
+                                     in_specs=(P(), P("data")),
+                                     out_specs=P()))
+  baseline = _compiled_stats(plain_step, params, x)
+  out = {}
+  for mode in ("norms", "gram"):
+    tracked = make(mode)
+    _, state = tracked.init(jax.random.PRNGKey(1), x)
+
+    def local(params, state, x, tracked=tracked):
+      _, grads, grams = gram_haiku.value_grad_and_gram(
+          tracked.apply, mesh_axes="data")(params, state, None, x)
+      return grads, grams.sq_norms
+    step = jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P("data"))))
+    grads, sq_norms = step(params, state, x)
+    assert_gram_close(sq_norms, np.diag(ref))
+    _assert_grads(grads, jax.grad(plain_loss)(params, x), 1e-4)
+    got = _compiled_stats(step, params, state, x)
+    assert got["all-reduce"] == baseline["all-reduce"], (
+        f"{mode}: all-reduces {got['all-reduce']} differ from the plain "
+        f"step's {baseline['all-reduce']}")
+    for kind in ("reduce-scatter", "all-to-all", "collective-permute"):
+      assert got[kind]["count"] == 0, (mode, kind, got[kind])
+    gathered = got["all-gather"]["bytes"]
+    if mode == "norms":
+      assert gathered == 0, f"norms mode gathers {gathered} bytes"
+    else:
+      expected = collectives.mlp_formula(B, [6, 12, 12, 3], N_DEVICES)
+      received = gathered * (N_DEVICES - 1) // N_DEVICES
+      assert received == expected, (received, expected)
+    out[mode] = got
+  return {"collectives": out, "plain": baseline}
+
+
+def case_jit(axis_type_name, entry_name):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+
+  entry = layer_zoo.BY_NAME[entry_name]
+  tracked, x, params, state, ref, grads, plain_loss = _problem(entry,
+                                                               "explicit")
+  axis_type = getattr(jax.sharding.AxisType, axis_type_name)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",), axis_types=(axis_type,))
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+  with set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    _, got_grads, grams = _tracked_or_skip(
+        lambda: jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))(
+            params, state, None, xs),
+        lambda: jax.jit(jax.grad(plain_loss))(params, xs))
+  assert_gram_close(grams.total, ref, rtol=_tolerance(entry))
+  _assert_grads(got_grads, grads, _tolerance(entry))
+  spec = getattr(grams.total.sharding, "spec", None)
+  if axis_type_name == "Explicit":
+    assert tuple(spec) == ("data", None), f"Gram sharded as {spec}"
+  return {"spec": str(spec)}
+
+
+def case_errors():
+  """A missing or unbound ``mesh_axes`` is a teaching error."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  make, x = _mlp_norms_problem()
+  tracked = make("gram")
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def local(params, state, x):
+    return gram_haiku.value_grad_and_gram(tracked.apply)(
+        params, state, None, x)[2].total
+  try:
+    jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
+                          out_specs=P("data", None)))(params, state, x)
+  except ValueError as e:
+    text = str(e)
+    assert "mesh_axes='data'" in text and "mlp/~/linear_0" in text, text
+  else:
+    raise AssertionError("no error without mesh_axes inside shard_map")
+  try:
+    gram_haiku.value_grad_and_gram(tracked.apply, mesh_axes="data")(
+        params, state, None, x)
+  except ValueError as e:
+    assert "not bound" in str(e) and "shard_map" in str(e), str(e)
+  else:
+    raise AssertionError("no error for mesh_axes outside shard_map")
+  return {}
+
+
+def cases(everything: bool):
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  out = []
+  for entry in layer_zoo.ENTRIES:
+    if entry.name in ALL_ONLY and not everything:
+      continue
+    styles = ["explicit"]
+    if "vmap1" in entry.styles and (everything or
+                                    entry.name in VMAP_ENTRIES):
+      styles.append("vmap1")
+    for style in styles:
+      if style == "explicit" and not entry.explicit_ok:
+        continue
+      out.append((f"shard_map/{entry.name}/{style}",
+                  lambda e=entry.name, s=style: case_shard_map(e, s)))
+  for name in TWO_D_ENTRIES + (("tied-LM",) if everything else ()):
+    out.append((f"shard_map_2d/{name}", lambda n=name: case_shard_map(
+        n, "explicit", (4, 2), ("a", "b"))))
+  for core in ("GRU", "LSTM"):
+    out.append((f"shard_map_rnn/{core}",
+                lambda c=core: case_rnn_shard_map(c)))
+  out.append(("no_check_vma/MLP", lambda: case_shard_map(
+      "MLP", "explicit", check_vma=False)))
+  out.append(("collectives", case_norms_and_collectives))
+  for axis_type in ("Auto", "Explicit"):
+    for name in JIT_ENTRIES + (("GRU-dynamic",) if everything else ()):
+      out.append((f"jit/{axis_type}/{name}",
+                  lambda a=axis_type, n=name: case_jit(a, n)))
+  out.append(("errors", case_errors))
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--json", required=True)
+  parser.add_argument("--all", action="store_true",
+                      help="every batching style of every zoo entry")
+  parser.add_argument("--only", default="", help="substring of case names")
+  args = parser.parse_args(argv)
+  _setup()
+  records = []
+  for name, run in cases(args.all):
+    if args.only and args.only not in name:
+      continue
+    rec = {"case": name}
+    start = time.perf_counter()
+    try:
+      rec.update(run() or {})
+      rec["status"] = "pass"
+    except Skip as e:
+      rec["status"] = "skip"
+      rec["reason"] = str(e)
+    except Exception as e:  # pylint: disable=broad-except
+      rec["status"] = "fail"
+      rec["error"] = f"{type(e).__name__}: {e}"[:3000]
+      rec["traceback"] = traceback.format_exc()[-4000:]
+    rec["seconds"] = round(time.perf_counter() - start, 2)
+    records.append(rec)
+  with open(args.json, "w") as f:
+    json.dump(records, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
