@@ -200,6 +200,31 @@ def test_op_explicit_batch(name):
   np.testing.assert_array_equal(out, plain_out)
 
 
+@pytest.mark.parametrize("name", STRATEGY_CASES)
+def test_parameter_gradients_from_per_example_sum(name):
+  """Where the Gram's per-example gradients also give ``dw`` and ``db``
+  (materialised), they equal the plain convolution's gradients; so do the
+  ghost path's (JAX's own VJP), in both modes."""
+  case = CASES[name]
+  p, x = case.make(_seed(name) + 1)
+  b = x.shape[0]
+  variants = [(m, s) for m in ("gram", "norms")
+              for s in ("ghost", "materialize")]
+
+  def loss(p, probe, mode, strategy):
+    return _head(case.tracked(p, probe, x, mode=mode, strategy=strategy))
+  want = jax.grad(lambda p: _head(case.plain(p, x)))(p)
+  for mode, strategy in variants:
+    probe = jnp.zeros((b, b) if mode == "gram" else (b,))
+    got, gram = jax.jit(jax.grad(loss, argnums=(0, 1)),
+                        static_argnums=(2, 3))(p, probe, mode, strategy)
+    assert float(jnp.abs(gram).max()) > 0  # the Gram was asked for too
+    for k in want:
+      chex.assert_trees_all_close(got[k], want[k], rtol=1e-5, atol=1e-6 * (
+          float(jnp.abs(want[k]).max())), custom_message=f"{mode}/{strategy}"
+                                  f" gradient of {k}")
+
+
 VMAP_PARAMS = [(n, d, True) for n in ("2d_nchw_explicit_rate21_groups3",
                                       "2dT_nhwc_s2_valid", "1d_nwc")
                for d in (1, 2)] + [("3d_ncdhw_groups2_nobias", 2, False)]

@@ -71,6 +71,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src import example_sharding
 from gram_haiku._src import gram_math
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
@@ -261,15 +262,8 @@ class GramConv(base.GramOp):
     p, d = self._patches_and_cotangents(x, g, params[0])
     groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
     bsz = p.shape[example_dim]
-    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
-    itemsize = _acc_itemsize(p.dtype)
-    method = gram_math.choose_strategy(bsz, t, n, m, itemsize, self.strategy)
-    if norms and self.strategy == "auto":
-      fits = bsz * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES
-      method = ("materialize" if fits and t * n * m < t * t * (n + m)
-                else "ghost")
-    budget = gram_math.MEMORY_BUDGET_BYTES
-    if method == "materialize" and bsz * groups * n * m * itemsize <= budget:
+    method = self._method(p, d, example_dim, norms)
+    if self._materialized(p, d, example_dim, norms):
       # Every group at once: (B, F, Cg|K|, Og) per-example gradients.
       pm = jnp.moveaxis(p, example_dim, 0)
       dm = jnp.moveaxis(d, example_dim, 0)
@@ -295,6 +289,89 @@ class GramConv(base.GramOp):
       out = out + (jnp.sum(db * db, axis=1) if norms else
                    gram_math.gram_matmul(db, db))
     return out
+
+  def _patch_matrix(self, w):
+    """The kernel as the matrix that multiplies the patches: ``[F, n, m]``.
+
+    ``conv(x, w) == patches(x) @ W`` per feature group ``f``, with the
+    patch features ordered (input channel, kernel position), as
+    ``conv_general_dilated_patches`` orders them; ``n = C/F * |K|``,
+    ``m = O/F``. Pure transposes and reshapes, so its VJP maps a sum of
+    per-example gradients in patch layout back to the kernel's layout.
+    """
+    rhs = self.dn.rhs_spec  # (out, in, *spatial) positions in w
+    wt = jnp.transpose(w, (rhs[1],) + tuple(rhs[2:]) + (rhs[0],))
+    groups = 1 if self.transpose else self.feature_group_count
+    out = wt.shape[-1]
+    wt = wt.reshape(-1, groups, out // groups)  # [(c, k), f, j]
+    return jnp.moveaxis(wt, 1, 0)
+
+  def _method(self, p, d, example_dim, norms: bool) -> str:
+    """``"ghost"`` or ``"materialize"`` for patches ``p``, cotangents ``d``."""
+    n, m = p.shape[-1], d.shape[-1]
+    bsz = p.shape[example_dim]
+    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
+    itemsize = _acc_itemsize(p.dtype)
+    if norms and self.strategy == "auto":
+      # Unlike a linear layer's, a convolution's per-example gradients need
+      # the im2col patches (B T n numbers, built by a one-hot convolution)
+      # where its plain kernel gradient needs none: materialise only where
+      # that beats the ghost norms' B T^2 (n + m) outright (measured on the
+      # benchmarks' CNN).
+      fits = bsz * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES
+      return ("materialize" if fits and t * n * m < t * t * (n + m)
+              else "ghost")
+    return gram_math.choose_strategy(bsz, t, n, m, itemsize, self.strategy)
+
+  def _materialized(self, p, d, example_dim, norms: bool) -> bool:
+    """Whether the per-example gradients of every group are formed at once
+    (the materialised method, within the memory budget)."""
+    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+    cols = example_sharding.gathered_rows(p.shape[example_dim])
+    itemsize = _acc_itemsize(p.dtype)
+    return (self._method(p, d, example_dim, norms) == "materialize" and
+            cols * groups * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES)
+
+  def probe_cotangent_and_grads(self, x, g, params, wanted):
+    """Materialised per-example gradients also give ``dw`` and ``db``.
+
+    Where the cost model forms per-example gradients from the patches
+    (``B T n m`` multiply-adds, what the plain kernel gradient costs), their
+    sum is the kernel gradient: it is mapped back to the kernel's layout and
+    returned, and the op does not run the kernel's VJP as well. So a
+    materialised Gram or squared norm costs only ``B n m`` (or ``B^2 n m``)
+    on top of the plain backward pass.
+    """
+    e = self.example_axis.resolved_position()
+    w, b = params
+    norms = self.mode == "norms"
+    p, d = self._patches_and_cotangents(x, g, w)
+    if self.mode != "per_example" and not self._materialized(p, d, e, norms):
+      return self._probe_cotangent(x, g, params), {}
+    bsz, groups, n, m = p.shape[e], p.shape[-2], p.shape[-1], d.shape[-1]
+    pm = jnp.moveaxis(p, e, 0).reshape((bsz, -1, groups, n))
+    dm = jnp.moveaxis(d, e, 0).reshape((bsz, -1, groups, m))
+    per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
+                     precision=lax.Precision.HIGHEST)
+    flat = [per.reshape(bsz, -1)]
+    db = None
+    if b is not None:
+      db = dm.sum(axis=1).reshape(bsz, -1)  # [B, O], channel o = f m + j
+      flat.append(db)
+    f = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
+    if norms:
+      value = jnp.sum(f * f, axis=1)
+    elif self.mode == "gram":
+      value = gram_math.gram_matmul(f, f)
+    else:
+      value = f
+    provided = {}
+    if 0 in wanted:
+      _, to_kernel = jax.vjp(self._patch_matrix, w.astype(per.dtype))
+      provided[0] = to_kernel(gram_math.example_sum(per))[0].astype(w.dtype)
+    if 1 in wanted and b is not None:
+      provided[1] = gram_math.example_sum(db).reshape(b.shape).astype(b.dtype)
+    return value, provided
 
   def gram(self, x, g, params, example_dim):
     return self._grouped(x, g, params, example_dim, norms=False)

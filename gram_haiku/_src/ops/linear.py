@@ -65,34 +65,49 @@ class GramLinear(base.GramOp):
   def probe_cotangent_and_grads(self, x, g, params, wanted):
     """Materialised per-example gradients also give ``dw`` and ``db``.
 
-    When the Gram is formed from per-example gradients (``"per_example"``
-    mode, or ``"gram"`` mode where the cost model picks materialising), their
-    sum over examples is the ordinary weight (and bias) gradient: it is
-    returned as such instead of running the weight's VJP as well.
+    When the Gram (or the squared norms) is formed from per-example
+    gradients (``"per_example"`` mode, or where the cost model picks
+    materialising), their sum over examples is the ordinary weight (and
+    bias) gradient: it is returned as such instead of running the weight's
+    VJP as well.
     """
     e = self.example_axis.resolved_position()
     acc = self.accumulation_dtype()
     w, b = params
+    lead = self.lead_shape(x.shape)
+    size = lead[e]
+    positions = max(1, math.prod(lead) // max(size, 1))
+    shape = (size, positions, w.shape[0], w.shape[1],
+             jnp.dtype(acc).itemsize, self.strategy)
     if self.mode == "norms":
-      return self.sq_norms(x, g, params, e), {}
-    if self.mode == "gram":
-      lead = self.lead_shape(x.shape)
-      size = lead[e]
-      positions = max(1, math.prod(lead) // max(size, 1))
-      method = gram_math.choose_strategy(
-          size, positions, w.shape[0], w.shape[1], jnp.dtype(acc).itemsize,
-          self.strategy)
-      if method == "ghost":
+      if gram_math.choose_norms_strategy(*shape) == "ghost":
+        return self.sq_norms(x, g, params, e), {}
+    elif self.mode == "gram":
+      if gram_math.choose_strategy(*shape) == "ghost":
         return self.gram(x, g, params, e), {}
+    elif positions == 1:
+      # One position (an RNN step): each per-example gradient is an outer
+      # product, which XLA fuses with the concatenation and with the
+      # accumulation into the probe's cotangent: one pass over B x P. The
+      # weight gradient stays JAX's own matmul.
+      xm = gram_math.to_example_major(x, e).astype(acc)[:, 0]
+      dm = gram_math.to_example_major(g, e).astype(acc)[:, 0]
+      parts = [(xm[:, :, None] * dm[:, None, :]).reshape(size, -1)]
+      if b is not None:
+        parts.append(dm)
+      return jnp.concatenate(parts, axis=1), {}
     grads = self.per_example_grads(x, g, params, e)
-    bsz = grads[0].shape[0]
-    f = jnp.concatenate([a.reshape(bsz, -1) for a in grads], axis=1)
-    value = (f if self.mode == "per_example"
-             else gram_math.gram_matmul(f, f))
+    f = jnp.concatenate([a.reshape(size, -1) for a in grads], axis=1)
+    if self.mode == "norms":
+      value = jnp.sum(f * f, axis=1)
+    elif self.mode == "gram":
+      value = gram_math.gram_matmul(f, f)
+    else:
+      value = f
     provided = {}
     for i, (p, pe) in enumerate(zip(params, grads)):
       if i in wanted and p is not None:
-        provided[i] = pe.sum(axis=0).astype(p.dtype)
+        provided[i] = gram_math.example_sum(pe).astype(p.dtype)
     return value, provided
 
 
