@@ -109,23 +109,29 @@ class Skip(Exception):
   """The untracked model cannot run under this layout either."""
 
 
-def _plain_fails(run_plain) -> str:
-  """JAX's error for the untracked model under the layout, or ``""``."""
+def _plain_fails(run_plain, like: Exception) -> str:
+  """JAX's error for the untracked model under the layout, or ``""``.
+
+  Only an error of the same type as ``like`` (the tracked run's) counts:
+  anything else is the tracked run's own failure.
+  """
   import jax  # pylint: disable=g-import-not-at-top
   try:
     run_plain()
   except Exception as e:  # pylint: disable=broad-except
-    return (f"the untracked model fails under this layout in jax "
-            f"{jax.__version__}: {type(e).__name__}: {e}")[:600]
+    if type(e) is type(like):
+      return (f"the untracked model fails under this layout in jax "
+              f"{jax.__version__}: {type(e).__name__}: {e}")[:600]
   return ""
 
 
 def _tracked_or_skip(run_tracked, run_plain):
-  """``run_tracked()``; where it fails, a :class:`Skip` if plain JAX does."""
+  """``run_tracked()``; where it fails, a :class:`Skip` if plain JAX fails
+  the same way."""
   try:
     return run_tracked()
-  except Exception:  # pylint: disable=broad-except
-    reason = _plain_fails(run_plain)
+  except Exception as e:  # pylint: disable=broad-except
+    reason = _plain_fails(run_plain, e)
     if reason:
       raise Skip(reason) from None
     raise
@@ -149,7 +155,9 @@ def _shard_map_step(tracked, mesh, axes, check_vma=True):
 
 
 def case_shard_map(entry_name, style, mesh_shape=(N_DEVICES,),
-                   axes=("data",), check_vma=True):
+                   axes=("data",), check_vma=True, spec_axes=None):
+  """``spec_axes``: the order in which the batch is split over the mesh
+  axes (default: the mesh's own order)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
@@ -159,7 +167,8 @@ def case_shard_map(entry_name, style, mesh_shape=(N_DEVICES,),
   tracked, x, params, state, ref, grads, plain_loss = _problem(entry, style)
   mesh = jax.make_mesh(mesh_shape, axes, axis_types=(
       jax.sharding.AxisType.Auto,) * len(axes))
-  names = axes if len(axes) > 1 else axes[0]
+  spec_axes = spec_axes or axes
+  names = spec_axes if len(spec_axes) > 1 else spec_axes[0]
   step = _shard_map_step(tracked, mesh, names, check_vma)
 
   def plain():
@@ -334,6 +343,54 @@ def case_jit(axis_type_name, entry_name):
   return {"spec": str(spec)}
 
 
+def case_jit_mixed_modes():
+  """Explicit mesh, a full-Gram layer and a norms-only one: each result is
+  laid out by rows like the examples (``P("data", None)``, ``P("data")``)."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from tests.reference import per_example_grads  # pylint: disable=g-import-not-at-top
+
+  def make(tracked):
+    def loss(x):
+      ctx = gram_haiku.track if tracked else (lambda **_: _nullcontext())
+      with ctx(mode="gram"):
+        h = jnp.tanh(hk.Linear(8, name="full")(x))
+      with ctx(mode="norms"):
+        out = hk.Linear(3, name="diag")(h)
+      return 0.5 * jnp.sum(jnp.tanh(out) ** 2)
+    return hk.transform_with_state(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5))
+  plain = make(False)
+  params, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  _, state = make(True).init(jax.random.PRNGKey(1), x)
+  f = per_example_grads(lambda p, x: plain.apply(p, plain_state, None, x)[0],
+                        params, x)
+  sizes = {k: sum(np.size(v) for v in params[k].values()) for k in params}
+  full = np.asarray(f[:, :sizes["diag"]])  # params sorted: diag, full
+  cut = sizes["diag"]
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+  with set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(
+        make(True).apply))(params, state, None, xs)
+  f_full = np.asarray(f[:, cut:], np.float64)
+  assert_gram_close(grams.by_layer["full"], f_full @ f_full.T)
+  assert_gram_close(grams.sq_norms_by_layer["diag"],
+                    np.sum(np.asarray(full, np.float64) ** 2, axis=1))
+  specs = {"full": tuple(grams.by_layer["full"].sharding.spec),
+           "diag": tuple(grams.sq_norms_by_layer["diag"].sharding.spec)}
+  assert specs["full"] == ("data", None), specs
+  assert specs["diag"] == ("data",), specs
+  return {"specs": str(specs)}
+
+
 def case_errors():
   """A missing or unbound ``mesh_axes`` is a teaching error."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -385,6 +442,9 @@ def cases(everything: bool):
   for name in TWO_D_ENTRIES + (("tied-LM",) if everything else ()):
     out.append((f"shard_map_2d/{name}", lambda n=name: case_shard_map(
         n, "explicit", (4, 2), ("a", "b"))))
+  out.append(("shard_map_2d/MLP/spec-order-b-a", lambda: case_shard_map(
+      "MLP", "explicit", (4, 2), ("a", "b"), spec_axes=("b", "a"))))
+  out.append(("jit/Explicit/mixed-modes", case_jit_mixed_modes))
   for core in ("GRU", "LSTM"):
     out.append((f"shard_map_rnn/{core}",
                 lambda c=core: case_rnn_shard_map(c)))

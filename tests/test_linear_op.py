@@ -140,6 +140,47 @@ def test_ghost_blocking_bounds_memory(monkeypatch):
   assert_gram_close(_gram(loss, p, x, y, b), _ref(p, x, y))
 
 
+@pytest.mark.parametrize("budget,what", [
+    (3 * 2 * 4 * 4 * 4, "columns"),  # one pair fits, one row of 7 does not
+    (2 * 2 * 2 * 4, "positions"),  # one pair's (T, T) kernels do not fit
+])
+def test_ghost_blocking_over_columns_and_positions(monkeypatch, budget, what):
+  b, t = 7, 4
+  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
+  p, x, y = _problem(8, b=b, t=t)
+  def loss(p, probe, x, y):
+    return _head(_tracked(p, probe, x, strategy="ghost"), y)
+  jaxpr = str(jax.make_jaxpr(functools.partial(_gram, loss, b=b))(p, x=x,
+                                                                   y=y))
+  # Nested loops: rows, then columns (and pairs of position blocks).
+  assert jaxpr.count("scan") >= (3 if what == "positions" else 2), what
+  assert_gram_close(_gram(loss, p, x, y, b), _ref(p, x, y))
+
+
+@pytest.mark.parametrize("budget", [2 * 4 * 4 * 4 * 3, 2 * 2 * 2 * 4])
+def test_ghost_norms_blocking(monkeypatch, budget):
+  # Rows of 3 examples; then one example's (T, T) kernels over budget.
+  b, t = 7, 4
+  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
+  p, x, y = _problem(9, b=b, t=t)
+  def loss(p, probe):
+    return _head(_tracked(p, probe, x, strategy="ghost", mode="norms"), y)
+  sq = jax.grad(loss, argnums=1)(p, jnp.zeros((b,)))
+  np.testing.assert_allclose(sq, np.diag(_ref(p, x, y)), rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["gram", "norms", "per_example"])
+def test_zero_positions(mode):
+  # T = 0: no position, so every per-example gradient is zero.
+  x = jnp.ones((3, 0, 2))
+  w, b = jnp.ones((2, 4)), jnp.ones((4,))
+  shape = {"gram": (3, 3), "norms": (3,), "per_example": (3, 12)}[mode]
+  def loss(probe):
+    return jnp.sum(gram_linear(x, w, b, probe, mode=mode))
+  got = jax.grad(loss)(jnp.zeros(shape))
+  np.testing.assert_array_equal(got, np.zeros(shape))
+
+
 def test_cost_model_choice():
   assert gram_math.choose_strategy(128, 1, 784, 512, 4) == "ghost"
   assert gram_math.choose_strategy(8, 512, 16, 16, 4) == "materialize"

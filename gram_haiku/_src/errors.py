@@ -157,7 +157,9 @@ PROBE_NOT_VARYING = (
     "{probe_shape}) only over {probe_axes}: each device has other examples, "
     "and its Gram cannot be summed across devices (that would be silently "
     "wrong).\n"
-    "What to do: pass value_grad_and_gram(apply_fn, mesh_axes={suggest}) so "
+    "What to do: pass value_grad_and_gram(apply_fn, mesh_axes=...) naming "
+    "the mesh axes the examples are split over, in the order of the batch's "
+    "PartitionSpec entry (here perhaps mesh_axes={suggest}, listed in the "
+    "mesh's order; leave out axes that split features, not examples), so "
     "that each device gets its rows f32[B_local, B] of the global Gram; on "
-    "the raw path give the probe in_specs=P({suggest}, None) and shape "
-    "(B_local, B).")
+    "the raw path give the probe the shape {raw}.")

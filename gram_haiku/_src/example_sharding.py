@@ -78,15 +78,23 @@ def declared_axes() -> Optional[AxisNames]:
   return getattr(_LOCAL, "declared", None)
 
 
-def probe_axes(probe) -> AxisNames:
-  """Mesh axes a ``shard_map`` probe varies over, in the mesh's order."""
-  vma = hx.varying_axes(probe)
-  if not vma:
-    return ()
+def in_mesh_order(axes) -> AxisNames:
+  """``axes`` (a set of mesh axis names) in the current mesh's order."""
   mesh = jax.sharding.get_abstract_mesh()
   order = list(getattr(mesh, "axis_names", ()) or ())
-  return tuple(sorted(vma, key=lambda a: order.index(a) if a in order
-                      else len(order)))
+  return tuple(sorted(axes, key=lambda a: (order.index(a) if a in order
+                                           else len(order), a)))
+
+
+def probe_axes(probe) -> AxisNames:
+  """Mesh axes a ``shard_map`` probe varies over, in the mesh's order.
+
+  A probe cannot say in which order its rows were split over several axes;
+  the mesh's order is assumed (``P(("a", "b"))`` on a mesh ``("a", "b")``).
+  For any other order declare the axes:
+  ``value_grad_and_gram(mesh_axes=...)``.
+  """
+  return in_mesh_order(hx.varying_axes(probe))
 
 
 def row_axes(probe, local_size: int, mode: str) -> AxisNames:

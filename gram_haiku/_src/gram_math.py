@@ -251,6 +251,78 @@ def _ghost_rows(xi, di, x, d):
   return jnp.einsum("itjs,itjs->ij", kx, kd, precision=_HIGHEST)
 
 
+def blocked(arrays, size):
+  """Pads the leading axis of each array to a multiple of ``size`` and
+  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``."""
+  n = arrays[0].shape[0]
+  n_blocks = math.ceil(n / size)
+  pad = n_blocks * size - n
+  out = []
+  for a in arrays:
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    out.append(a.reshape((n_blocks, size) + a.shape[1:]))
+  return tuple(out)
+
+
+def map_row_blocks(fn, rows: int, arrays):
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked."""
+  b = arrays[0].shape[0]
+  if rows >= b:
+    return fn(*arrays)
+  out = lax.map(lambda blk: fn(*blk), blocked(arrays, rows))
+  return out.reshape((-1,) + out.shape[2:])[:b]
+
+
+def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int):
+  """``G[i, j] = fn(rows i, columns j)`` in blocks within the memory budget.
+
+  ``fn(*row_block, *col_block) -> (R, C)``; one ``(row, column)`` pair needs
+  ``per_pair_bytes`` of intermediates. Rows are taken in blocks whose pairs
+  with every column fit :data:`MEMORY_BUDGET_BYTES`; when not even one row
+  does, one row at a time, its columns in blocks (``lax.map`` over both).
+  The columns are :func:`columns` of ``col_arrays`` (every device's examples
+  under ``shard_map``).
+  """
+  b = row_arrays[0].shape[0]
+  col_arrays = tuple(columns(a) for a in col_arrays)
+  c = col_arrays[0].shape[0]  # B; more than b under shard_map
+  per_pair = max(per_pair_bytes, 1)
+  if c * per_pair <= MEMORY_BUDGET_BYTES:
+    rows = max(1, min(b, MEMORY_BUDGET_BYTES // (c * per_pair)))
+    return map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
+  cols = max(1, min(c, MEMORY_BUDGET_BYTES // per_pair))
+  col_blocks = blocked(col_arrays, cols)
+
+  def one_row(*r):
+    out = lax.map(lambda cb: fn(*r, *cb), col_blocks)  # (n_blocks, 1, cols)
+    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :c]
+  return map_row_blocks(one_row, 1, row_arrays)
+
+
+def _ghost_time_blocked(xi, di, xj, dj, tau: int):
+  """:func:`_ghost_rows` summed over pairs of ``tau``-position blocks.
+
+  For ``T`` so long that even one pair's ``(1, T, 1, T)`` kernels exceed the
+  budget: (1) is a sum over ``(t, s)``, so it splits into blocks of
+  positions; zero padding adds nothing.
+  """
+  t = xi.shape[1]
+  nt = math.ceil(t / tau)
+  pad = nt * tau - t
+
+  def split(a):  # (R, T, F) -> (nt, R, tau, F)
+    a = jnp.pad(a, ((0, 0), (0, pad), (0, 0)))
+    return jnp.moveaxis(a.reshape(a.shape[0], nt, tau, a.shape[-1]), 1, 0)
+  xib, dib, xjb, djb = split(xi), split(di), split(xj), split(dj)
+
+  def body(acc, k):
+    a, c = k // nt, k % nt
+    return acc + _ghost_rows(xib[a], dib[a], xjb[c], djb[c]), None
+  init = jnp.zeros((xi.shape[0], xj.shape[0]), xi.dtype)
+  out, _ = lax.scan(body, init, jnp.arange(nt * nt))
+  return out
+
+
 def ghost_gram(x: jax.Array, d: jax.Array) -> jax.Array:
   """Weight Gram (1) by the ghost method.
 
@@ -260,30 +332,25 @@ def ghost_gram(x: jax.Array, d: jax.Array) -> jax.Array:
     d: ``(B, T, M)`` output cotangents, same dtype.
 
   Returns:
-    ``(B, B)`` Gram in the dtype of ``x``. Never builds more than
-    :data:`MEMORY_BUDGET_BYTES` of ``(rows, T, B, T)`` kernel blocks at once:
-    rows are processed in blocks with ``lax.map``.
+    ``(B, B)`` Gram in the dtype of ``x`` (``(b, B)`` rows under
+    ``shard_map``). Never builds more than :data:`MEMORY_BUDGET_BYTES` of
+    ``(rows, T, cols, T)`` kernel blocks at once: blocked over rows, then
+    over columns (:func:`map_pair_blocks`), then over blocks of positions
+    when one pair's ``(T, T)`` kernels alone exceed the budget.
   """
-  b, t, _ = x.shape
+  _, t, _ = x.shape
   if t == 1:
     kx = gram_matmul(x[:, 0], x[:, 0])
     kd = gram_matmul(d[:, 0], d[:, 0])
     return kx * kd
-  xc, dc = columns(x), columns(d)
-  cols = xc.shape[0]
   itemsize = jnp.dtype(x.dtype).itemsize
-  per_row = 2 * t * cols * t * itemsize  # kx and kd blocks for one row i
-  rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
-  if rows >= b:
-    return _ghost_rows(x, d, xc, dc)
-  n_blocks = math.ceil(b / rows)
-  pad = n_blocks * rows - b
-  xp = jnp.pad(x, ((0, pad), (0, 0), (0, 0)))
-  dp = jnp.pad(d, ((0, pad), (0, 0), (0, 0)))
-  xb = xp.reshape(n_blocks, rows, t, x.shape[-1])
-  db = dp.reshape(n_blocks, rows, t, d.shape[-1])
-  out = lax.map(lambda blk: _ghost_rows(blk[0], blk[1], xc, dc), (xb, db))
-  return out.reshape(n_blocks * rows, cols)[:b]
+  per_pair = 2 * t * t * itemsize  # kx and kd for one pair (i, j)
+  if per_pair <= MEMORY_BUDGET_BYTES:
+    return map_pair_blocks(_ghost_rows, (x, d), (x, d), per_pair)
+  tau = max(1, math.isqrt(MEMORY_BUDGET_BYTES // (2 * itemsize)))
+  return map_pair_blocks(
+      lambda xi, di, xj, dj: _ghost_time_blocked(xi, di, xj, dj, tau),
+      (x, d), (x, d), 2 * tau * tau * itemsize)
 
 
 def materialized_gram(x: jax.Array, d: jax.Array) -> jax.Array:
@@ -374,17 +441,15 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
     kx = jnp.einsum("itn,isn->its", xi, xi, precision=_HIGHEST)
     kd = jnp.einsum("itm,ism->its", di, di, precision=_HIGHEST)
     return jnp.sum(kx * kd, axis=(1, 2))
-  per_row = 2 * t * t * jnp.dtype(x.dtype).itemsize
+  itemsize = jnp.dtype(x.dtype).itemsize
+  per_row = 2 * t * t * itemsize
+  if per_row > MEMORY_BUDGET_BYTES:  # One example's kernels do not fit.
+    tau = max(1, math.isqrt(MEMORY_BUDGET_BYTES // (2 * itemsize)))
+    return map_row_blocks(
+        lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau)[0], 1,
+        (x, d))
   n_rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
-  if n_rows >= b:
-    return rows((x, d))
-  n_blocks = math.ceil(b / n_rows)
-  pad = n_blocks * n_rows - b
-  xb = jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(
-      n_blocks, n_rows, t, x.shape[-1])
-  db = jnp.pad(d, ((0, pad), (0, 0), (0, 0))).reshape(
-      n_blocks, n_rows, t, d.shape[-1])
-  return lax.map(rows, (xb, db)).reshape(-1)[:b]
+  return map_row_blocks(lambda xi, di: rows((xi, di)), n_rows, (x, d))
 
 
 def materialized_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:

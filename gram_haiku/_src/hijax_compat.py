@@ -154,8 +154,8 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", ()) or ())
 
 
-def vary_like(p: Any, like: Any) -> Any:
-  """``p`` cast to vary over every mesh axis ``like`` varies over.
+def vary_like(p: Any, *likes: Any) -> Any:
+  """``p`` cast to vary over every mesh axis any of ``likes`` varies over.
 
   A parameter is invariant inside ``shard_map`` (replicated) while the
   layer input varies over the example axes. ``jax.vjp`` with respect to an
@@ -163,7 +163,8 @@ def vary_like(p: Any, like: Any) -> Any:
   implicit ``pvary``); per-example gradients must not be summed, so they
   are taken with respect to the parameter cast to varying first.
   """
-  extra = varying_axes(like) - varying_axes(p)
+  extra = frozenset().union(*(varying_axes(a) for a in likes))
+  extra = extra - varying_axes(p)
   if not extra:
     return p
   return jax.lax.pcast(p, tuple(sorted(extra)), to="varying")

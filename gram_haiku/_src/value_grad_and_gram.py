@@ -217,16 +217,16 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
                      params, probes)
     size = _check_example_axes(found)
-    shapes = {}
+    shapes, owns = {}, {}
     for m, p in probes.items():
       mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
       own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
       if mode == "gram":
         own = (size, size * n_devices)  # This device's rows.
       shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
+      owns[m] = len(own)
     probes = {m: _rows_sharded(jnp.zeros(shapes[m], p.dtype),
-                               found.example_specs.get(m), 2 if len(
-                                   own) == 2 else 1)
+                               found.example_specs.get(m), owns[m])
               for m, p in probes.items()}
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}

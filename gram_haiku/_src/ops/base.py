@@ -141,7 +141,8 @@ class GramOp(hx.VJPHiPrimitive):
     accumulation dtype.
     """
     acc = self.accumulation_dtype()
-    present = [hx.vary_like(p.astype(acc), x) for p in params if p is not None]
+    present = [hx.vary_like(p.astype(acc), x, g) for p in params
+               if p is not None]
     xm = jnp.moveaxis(x, example_dim, 0)
     if is_float(xm.dtype):
       xm = xm.astype(acc)
@@ -375,12 +376,17 @@ class GramOp(hx.VJPHiPrimitive):
     """Inside ``shard_map`` the probe varies wherever the examples do."""
     missing = hx.varying_axes(x) - hx.varying_axes(probe)
     if missing:
-      axes = tuple(sorted(missing))
+      axes = example_sharding.in_mesh_order(missing)
+      raw = {"gram": "(B_local, B) and in_specs=P({s}, None)",
+             "norms": "(B_local,) and in_specs=P({s})",
+             "per_example": "(B_local, P) and in_specs=P({s}, None)"}
+      suggest = axes if len(axes) > 1 else repr(axes[0])
       raise ValueError(errors.PROBE_NOT_VARYING.format(
           module=self.name, x_shape=tuple(x.shape), x_axes=axes,
           probe_shape=tuple(probe.shape),
-          probe_axes=tuple(sorted(hx.varying_axes(probe))),
-          suggest=axes if len(axes) > 1 else repr(axes[0])))
+          probe_axes=example_sharding.in_mesh_order(
+              hx.varying_axes(probe)),
+          suggest=suggest, raw=raw[self.mode].format(s=suggest)))
 
   def _check_probe_ref(self, acc, shape, dtype):
     ref_type = hx.accumulator_ref_type(acc)

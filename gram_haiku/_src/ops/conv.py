@@ -73,6 +73,7 @@ from jax import lax
 
 from gram_haiku._src import example_sharding
 from gram_haiku._src import gram_math
+from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
 
@@ -258,8 +259,8 @@ class GramConv(base.GramOp):
     gb = gram_math.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
     return patches, gb
 
-  def _grouped(self, x, g, params, example_dim, norms: bool):
-    p, d = self._patches_and_cotangents(x, g, params[0])
+  def _grouped(self, x, g, params, example_dim, norms: bool, pd=None):
+    p, d = pd or self._patches_and_cotangents(x, g, params[0])
     groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
     bsz = p.shape[example_dim]
     method = self._method(p, d, example_dim, norms)
@@ -347,7 +348,7 @@ class GramConv(base.GramOp):
     norms = self.mode == "norms"
     p, d = self._patches_and_cotangents(x, g, w)
     if self.mode != "per_example" and not self._materialized(p, d, e, norms):
-      return self._probe_cotangent(x, g, params), {}
+      return self._grouped(x, g, params, e, norms, (p, d)), {}
     bsz, groups, n, m = p.shape[e], p.shape[-2], p.shape[-1], d.shape[-1]
     pm = jnp.moveaxis(p, e, 0).reshape((bsz, -1, groups, n))
     dm = jnp.moveaxis(d, e, 0).reshape((bsz, -1, groups, m))
@@ -358,6 +359,11 @@ class GramConv(base.GramOp):
     if b is not None:
       db = dm.sum(axis=1).reshape(bsz, -1)  # [B, O], channel o = f m + j
       flat.append(db)
+    if self.mode == "per_example":
+      # In the kernel's own layout, like every op's per-example gradients.
+      _, to_kernel = jax.vjp(self._patch_matrix,
+                             hx.vary_like(w.astype(per.dtype), per))
+      flat[0] = jax.vmap(lambda a: to_kernel(a)[0])(per).reshape(bsz, -1)
     f = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
     if norms:
       value = jnp.sum(f * f, axis=1)
@@ -367,8 +373,11 @@ class GramConv(base.GramOp):
       value = f
     provided = {}
     if 0 in wanted:
-      _, to_kernel = jax.vjp(self._patch_matrix, w.astype(per.dtype))
-      provided[0] = to_kernel(gram_math.example_sum(per))[0].astype(w.dtype)
+      total = gram_math.example_sum(per)
+      # Varying like the sum inside shard_map (the caller all-reduces).
+      _, to_kernel = jax.vjp(self._patch_matrix,
+                             hx.vary_like(w.astype(per.dtype), total))
+      provided[0] = to_kernel(total)[0].astype(w.dtype)
     if 1 in wanted and b is not None:
       provided[1] = gram_math.example_sum(db).reshape(b.shape).astype(b.dtype)
     return value, provided

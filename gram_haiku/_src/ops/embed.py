@@ -78,7 +78,6 @@ from jax import lax
 
 from gram_haiku._src import gram_math
 from gram_haiku._src import example_sharding
-from gram_haiku._src.example_sharding import columns
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
 
@@ -192,53 +191,6 @@ def _row_blocks(n_rows: int, per_row_bytes: int) -> int:
                     max(per_row_bytes, 1)))
 
 
-def _blocked(arrays, size):
-  """Pads the leading axis of each array to a multiple of ``size`` and
-  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``."""
-  n = arrays[0].shape[0]
-  n_blocks = math.ceil(n / size)
-  pad = n_blocks * size - n
-  out = []
-  for a in arrays:
-    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
-    out.append(a.reshape((n_blocks, size) + a.shape[1:]))
-  return tuple(out)
-
-
-def _map_row_blocks(fn, rows: int, arrays):
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked."""
-  b = arrays[0].shape[0]
-  if rows >= b:
-    return fn(*arrays)
-  out = lax.map(lambda blk: fn(*blk), _blocked(arrays, rows))
-  return out.reshape((-1,) + out.shape[2:])[:b]
-
-
-def _map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int):
-  """``G[i, j] = fn(rows i, columns j)`` in blocks within the memory budget.
-
-  ``fn(*row_block, *col_block) -> (R, C)``; one ``(row, column)`` pair needs
-  ``per_pair_bytes`` of intermediates. Whole rows are taken when one row of
-  every column fits :data:`gram_math.MEMORY_BUDGET_BYTES`; otherwise one
-  row at a time, its columns in blocks (``lax.map`` over both).
-  """
-  b = row_arrays[0].shape[0]
-  col_arrays = tuple(columns(a) for a in col_arrays)
-  c = col_arrays[0].shape[0]  # B; more than b under shard_map
-  budget = gram_math.MEMORY_BUDGET_BYTES
-  per_pair = max(per_pair_bytes, 1)
-  if c * per_pair <= budget:
-    rows = max(1, min(b, budget // (c * per_pair)))
-    return _map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
-  cols = max(1, min(c, budget // per_pair))
-  col_blocks = _blocked(col_arrays, cols)
-
-  def one_row(*r):
-    out = lax.map(lambda cb: fn(*r, *cb), col_blocks)  # (n_blocks, 1, cols)
-    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :c]
-  return _map_row_blocks(one_row, 1, row_arrays)
-
-
 # -- ghost form ----------------------------------------------------------------
 
 
@@ -258,7 +210,7 @@ def ghost_gram(key, weight, d):
     kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
     return jnp.sum(kd, axis=(1, 3))
   per_pair = 3 * t * t * jnp.dtype(acc).itemsize
-  return _map_pair_blocks(pairs, (key, weight.astype(acc), d), (key, d),
+  return gram_math.map_pair_blocks(pairs, (key, weight.astype(acc), d), (key, d),
                           per_pair)
 
 
@@ -273,7 +225,7 @@ def ghost_sq_norms(key, weight, d):
     match = ki[:, :, None] == ki[:, None, :]
     return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
   per_row = 3 * t * t * jnp.dtype(acc).itemsize
-  return _map_row_blocks(rows, _row_blocks(b, per_row),
+  return gram_math.map_row_blocks(rows, _row_blocks(b, per_row),
                          (key, weight.astype(acc), d))
 
 
@@ -357,7 +309,7 @@ def segment_gram(key, weight, d):
     dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=_HIGHEST)
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
   per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
-  return _map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
+  return gram_math.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
                           per_pair)
 
 
@@ -374,17 +326,27 @@ def gram_costs(b: int, t: int, dim: int, num_keys: int,
                acc_bytes: int, cols: int = 0) -> dict[str, float]:
   """Weighted operation counts of each form of (E); absent if over budget.
 
-  ``cols``: examples whose per-example gradients are held at once (``B``
-  gathered under ``shard_map``; default ``b``).
+  ``b`` rows against ``cols`` columns (``B`` gathered under ``shard_map``;
+  default ``b``). Gathering the columns' factors from other devices adds
+  :data:`gram_math.COMM_FLOPS_PER_BYTE` per byte: ``T (D + 1)`` numbers per
+  example for the ghost and segment forms (ids and rows), ``V D`` for the
+  dense one.
   """
+  cols = cols or b
   log_t = math.log2(max(t, 2))
   costs = {
-      "ghost": b * b * t * t * (dim + 2),
+      "ghost": b * cols * t * t * (dim + 2),
       "segment": _GATHER_WEIGHT * (b * t * (dim + 2 * log_t + 2) +
-                                   b * b * t * (dim + log_t + 2)),
+                                   b * cols * t * (dim + log_t + 2)),
   }
-  if (cols or b) * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
-    costs["dense"] = _GATHER_WEIGHT * b * t * dim + b * b * num_keys * dim
+  if cols * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
+    costs["dense"] = _GATHER_WEIGHT * b * t * dim + b * cols * num_keys * dim
+  if cols > b:
+    comm = gram_math.COMM_FLOPS_PER_BYTE * cols * acc_bytes
+    costs["ghost"] += comm * t * (dim + 1)
+    costs["segment"] += comm * t * (dim + 1)
+    if "dense" in costs:
+      costs["dense"] += comm * num_keys * dim
   return costs
 
 

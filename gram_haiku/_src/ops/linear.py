@@ -85,7 +85,7 @@ class GramLinear(base.GramOp):
     elif self.mode == "gram":
       if gram_math.choose_strategy(*shape) == "ghost":
         return self.gram(x, g, params, e), {}
-    elif positions == 1:
+    elif math.prod(lead) == size > 0:
       # One position (an RNN step): each per-example gradient is an outer
       # product, which XLA fuses with the concatenation and with the
       # accumulation into the probe's cotangent: one pass over B x P. The
