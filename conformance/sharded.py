@@ -108,6 +108,14 @@ def run_case(spec, layout: str, devices) -> dict:
           "sharding": str(getattr(sharded[1], "sharding", ""))}
 
 
+def failure_record(error: Exception) -> dict:
+  """``status``, ``error`` and ``traceback`` of a failed case (call it in
+  the ``except`` block)."""
+  return {"status": "fail",
+          "error": f"{type(error).__name__}: {error}"[:3000],
+          "traceback": traceback.format_exc()[-4000:]}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", required=True, help="output file")
@@ -129,9 +137,7 @@ def main(argv=None) -> int:
         try:
           rec.update(run_case(spec, layout, devices))
         except Exception as e:  # pylint: disable=broad-except
-          rec["status"] = "fail"
-          rec["error"] = f"{type(e).__name__}: {e}"[:2000]
-          rec["traceback"] = traceback.format_exc()[-4000:]
+          rec.update(failure_record(e))
         records.append(rec)
   with open(args.json, "w") as f:
     json.dump(records, f, indent=1)

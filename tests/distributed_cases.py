@@ -36,7 +36,8 @@ import json
 import os
 import sys
 import time
-import traceback
+
+from conformance import sharded
 
 N_DEVICES = 8
 B = 16
@@ -480,9 +481,7 @@ def main(argv=None) -> int:
       rec["status"] = "skip"
       rec["reason"] = str(e)
     except Exception as e:  # pylint: disable=broad-except
-      rec["status"] = "fail"
-      rec["error"] = f"{type(e).__name__}: {e}"[:3000]
-      rec["traceback"] = traceback.format_exc()[-4000:]
+      rec.update(sharded.failure_record(e))
     rec["seconds"] = round(time.perf_counter() - start, 2)
     records.append(rec)
   with open(args.json, "w") as f:

@@ -343,6 +343,15 @@ class GramOp(hx.VJPHiPrimitive):
     del wanted
     return self._probe_cotangent(x, g, params), {}
 
+  def probe_value(self, f) -> jax.Array:
+    """The probe's cotangent from flattened per-example gradients ``[B, P]``:
+    their Gram (``"gram"``), squared norms (``"norms"``) or themselves."""
+    if self.mode == "norms":
+      return jnp.sum(f * f, axis=1)
+    if self.mode == "gram":
+      return gram_math.gram_matmul(f, f)
+    return f
+
   def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
                              param_accs):
     """Ordinary cotangents, by JAX's own VJP of ``forward``.
@@ -370,7 +379,7 @@ class GramOp(hx.VJPHiPrimitive):
       return self.gram(x, g, params, e)
     if self.mode == "norms":
       return self.sq_norms(x, g, params, e)
-    return self._flat_per_example(x, g, params, e)
+    return self.probe_value(self._flat_per_example(x, g, params, e))
 
   def _check_probe_varies(self, x, probe):
     """Inside ``shard_map`` the probe varies wherever the examples do."""

@@ -365,12 +365,7 @@ class GramConv(base.GramOp):
                              hx.vary_like(w.astype(per.dtype), per))
       flat[0] = jax.vmap(lambda a: to_kernel(a)[0])(per).reshape(bsz, -1)
     f = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
-    if norms:
-      value = jnp.sum(f * f, axis=1)
-    elif self.mode == "gram":
-      value = gram_math.gram_matmul(f, f)
-    else:
-      value = f
+    value = self.probe_value(f)
     provided = {}
     if 0 in wanted:
       total = gram_math.example_sum(per)

@@ -98,12 +98,7 @@ class GramLinear(base.GramOp):
       return jnp.concatenate(parts, axis=1), {}
     grads = self.per_example_grads(x, g, params, e)
     f = jnp.concatenate([a.reshape(size, -1) for a in grads], axis=1)
-    if self.mode == "norms":
-      value = jnp.sum(f * f, axis=1)
-    elif self.mode == "gram":
-      value = gram_math.gram_matmul(f, f)
-    else:
-      value = f
+    value = self.probe_value(f)
     provided = {}
     for i, (p, pe) in enumerate(zip(params, grads)):
       if i in wanted and p is not None:
