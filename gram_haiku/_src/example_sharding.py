@@ -59,18 +59,23 @@ def axes_size(axes: AxisNames) -> int:
 
 
 @contextlib.contextmanager
-def gathering_over(axes: AxisNames) -> Iterator[None]:
+def _scoped(name: str, value) -> Iterator[None]:
+  """Sets thread-local ``name`` to ``value`` while active (for tracing)."""
+  previous = getattr(_LOCAL, name, None)
+  setattr(_LOCAL, name, value)
+  try:
+    yield
+  finally:
+    setattr(_LOCAL, name, previous)
+
+
+def gathering_over(axes: AxisNames):
   """Declares, for tracing, that examples are split over mesh ``axes``.
 
   Set by ``value_grad_and_gram(mesh_axes=...)`` around the model; Gram ops
   then expect ``[b, B]`` probes and return local rows.
   """
-  previous = getattr(_LOCAL, "declared", None)
-  _LOCAL.declared = tuple(axes)
-  try:
-    yield
-  finally:
-    _LOCAL.declared = previous
+  return _scoped("declared", tuple(axes))
 
 
 def declared_axes() -> Optional[AxisNames]:
@@ -115,19 +120,13 @@ def row_axes(probe, local_size: int, mode: str) -> AxisNames:
   return probe_axes(probe)
 
 
-@contextlib.contextmanager
-def gathering(axes: AxisNames) -> Iterator[None]:
+def gathering(axes: AxisNames):
   """While active, :func:`columns` gathers over ``axes`` (backward rules)."""
-  previous = getattr(_LOCAL, "gather", ())
-  _LOCAL.gather = tuple(axes)
-  try:
-    yield
-  finally:
-    _LOCAL.gather = previous
+  return _scoped("gather", tuple(axes))
 
 
 def active_gather() -> AxisNames:
-  return getattr(_LOCAL, "gather", ())
+  return getattr(_LOCAL, "gather", None) or ()
 
 
 def columns(a: jax.Array) -> jax.Array:

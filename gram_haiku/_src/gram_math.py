@@ -224,8 +224,8 @@ def choose_strategy(b: int, t: int, n: int, m: int, acc_bytes: int,
         f"Unknown Gram strategy {strategy!r}; expected one of {STRATEGIES}.")
   if strategy != "auto":
     return strategy
-  n_dev = example_sharding.axes_size(example_sharding.active_gather())
-  cols = b * n_dev
+  cols = example_sharding.gathered_rows(b)
+  n_dev = cols // b
   fits = cols * n * m * acc_bytes <= MEMORY_BUDGET_BYTES
   ghost = ghost_flops(b, t, n, m, cols)
   mat = materialize_flops(b, t, n, m, cols)
@@ -380,8 +380,13 @@ def gram_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 def per_example_linear_grads(x: jax.Array, d: jax.Array):
   """Per-example gradients ``(B, N, M)`` of ``w`` and ``(B, M)`` of ``b``.
 
-  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype.
+  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype. At one
+  position (``T = 1``, e.g. an RNN step) each is an outer product, written
+  as a broadcast multiply that XLA fuses with whatever consumes it (the
+  accumulation into a per-example probe: one pass over ``B x P``).
   """
+  if x.shape[1] == 1:
+    return x[:, 0, :, None] * d[:, 0, None, :], d[:, 0]
   gw = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
   return gw, d.sum(axis=1)
 
@@ -413,12 +418,6 @@ def linear_gram(x: jax.Array, d: jax.Array, *, example_dim: int,
   b, t, n = xm.shape
   m = dm.shape[-1]
   method = choose_strategy(b, t, n, m, jnp.dtype(acc).itemsize, strategy)
-  if method == "ghost" and t == 1:
-    # G = K_x * K_d, and the bias Gram is K_d itself: G = (K_x + 1) * K_d,
-    # one matmul and one (B, B) temporary fewer.
-    kx = gram_matmul(xm[:, 0], xm[:, 0])
-    kd = gram_matmul(dm[:, 0], dm[:, 0])
-    return (kx + 1 if with_bias else kx) * kd
   gram = ghost_gram(xm, dm) if method == "ghost" else materialized_gram(xm, dm)
   if with_bias:
     gram = gram + bias_gram(dm)
@@ -436,8 +435,7 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
   if t == 1:
     return jnp.sum(x[:, 0] ** 2, -1) * jnp.sum(d[:, 0] ** 2, -1)
 
-  def rows(xd):
-    xi, di = xd
+  def rows(xi, di):
     kx = jnp.einsum("itn,isn->its", xi, xi, precision=_HIGHEST)
     kd = jnp.einsum("itm,ism->its", di, di, precision=_HIGHEST)
     return jnp.sum(kx * kd, axis=(1, 2))
@@ -449,7 +447,7 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
         lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau)[0], 1,
         (x, d))
   n_rows = max(1, min(b, MEMORY_BUDGET_BYTES // max(per_row, 1)))
-  return map_row_blocks(lambda xi, di: rows((xi, di)), n_rows, (x, d))
+  return map_row_blocks(rows, n_rows, (x, d))
 
 
 def materialized_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:

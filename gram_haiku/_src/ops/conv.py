@@ -261,29 +261,24 @@ class GramConv(base.GramOp):
 
   def _grouped(self, x, g, params, example_dim, norms: bool, pd=None):
     p, d = pd or self._patches_and_cotangents(x, g, params[0])
-    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+    groups = p.shape[-2]
     bsz = p.shape[example_dim]
-    method = self._method(p, d, example_dim, norms)
     if self._materialized(p, d, example_dim, norms):
-      # Every group at once: (B, F, Cg|K|, Og) per-example gradients.
-      pm = jnp.moveaxis(p, example_dim, 0)
-      dm = jnp.moveaxis(d, example_dim, 0)
-      pm = pm.reshape((bsz, -1, groups, n))
-      dm = dm.reshape((bsz, -1, groups, m))
-      per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
-                       precision=lax.Precision.HIGHEST).reshape(bsz, -1)
-      out = (jnp.sum(per * per, axis=1) if norms else
-             gram_math.gram_matmul(per, per))
+      per, db = self._per_example(p, d, example_dim, params[1] is not None)
+      f = per.reshape(bsz, -1)
+      if db is not None:
+        f = jnp.concatenate([f, db], axis=1)
+      return jnp.sum(f * f, axis=1) if norms else gram_math.gram_matmul(f, f)
+    method = self._method(p, d, example_dim, norms)
+    fn = gram_math.linear_sq_norms if norms else gram_math.linear_gram
+    def one(pd):
+      return fn(pd[0], pd[1], example_dim=example_dim, with_bias=False,
+                strategy=method)
+    if groups == 1:
+      out = one((p[..., 0, :], d[..., 0, :]))
     else:
-      fn = gram_math.linear_sq_norms if norms else gram_math.linear_gram
-      def one(pd):
-        return fn(pd[0], pd[1], example_dim=example_dim, with_bias=False,
-                  strategy=method)
-      if groups == 1:
-        out = one((p[..., 0, :], d[..., 0, :]))
-      else:
-        out = lax.map(one, (jnp.moveaxis(p, -2, 0),
-                            jnp.moveaxis(d, -2, 0))).sum(axis=0)
+      out = lax.map(one, (jnp.moveaxis(p, -2, 0),
+                          jnp.moveaxis(d, -2, 0))).sum(axis=0)
     if params[1] is not None:
       db = gram_math.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
                                       example_dim).sum(axis=1)
@@ -306,6 +301,29 @@ class GramConv(base.GramOp):
     out = wt.shape[-1]
     wt = wt.reshape(-1, groups, out // groups)  # [(c, k), f, j]
     return jnp.moveaxis(wt, 1, 0)
+
+  def _per_example(self, p, d, example_dim, with_bias: bool):
+    """Per-example gradients from patches and cotangents, every group at once.
+
+    Returns ``(per, db)``: ``per: [B, F, n, m]`` for the kernel in patch
+    layout (see :meth:`_patch_matrix`) and ``db: [B, O]`` for the bias
+    (channel ``o = f m + j``), or None without a bias.
+    """
+    bsz, groups, n, m = (p.shape[example_dim], p.shape[-2], p.shape[-1],
+                         d.shape[-1])
+    pm = jnp.moveaxis(p, example_dim, 0).reshape((bsz, -1, groups, n))
+    dm = jnp.moveaxis(d, example_dim, 0).reshape((bsz, -1, groups, m))
+    per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
+                     precision=lax.Precision.HIGHEST)
+    db = dm.sum(axis=1).reshape(bsz, -1) if with_bias else None
+    return per, db
+
+  def _to_kernel_layout(self, w, like):
+    """The map from patch layout ``[F, n, m]`` back to ``w``'s layout: the
+    VJP of :meth:`_patch_matrix` (varying like ``like`` in shard_map)."""
+    _, vjp = jax.vjp(self._patch_matrix, hx.vary_like(w.astype(like.dtype),
+                                                      like))
+    return lambda a: vjp(a)[0]
 
   def _method(self, p, d, example_dim, norms: bool) -> str:
     """``"ghost"`` or ``"materialize"`` for patches ``p``, cotangents ``d``."""
@@ -349,30 +367,21 @@ class GramConv(base.GramOp):
     p, d = self._patches_and_cotangents(x, g, w)
     if self.mode != "per_example" and not self._materialized(p, d, e, norms):
       return self._grouped(x, g, params, e, norms, (p, d)), {}
-    bsz, groups, n, m = p.shape[e], p.shape[-2], p.shape[-1], d.shape[-1]
-    pm = jnp.moveaxis(p, e, 0).reshape((bsz, -1, groups, n))
-    dm = jnp.moveaxis(d, e, 0).reshape((bsz, -1, groups, m))
-    per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
-                     precision=lax.Precision.HIGHEST)
-    flat = [per.reshape(bsz, -1)]
-    db = None
-    if b is not None:
-      db = dm.sum(axis=1).reshape(bsz, -1)  # [B, O], channel o = f m + j
-      flat.append(db)
+    bsz = p.shape[e]
+    per, db = self._per_example(p, d, e, b is not None)
+    flat = per
     if self.mode == "per_example":
       # In the kernel's own layout, like every op's per-example gradients.
-      _, to_kernel = jax.vjp(self._patch_matrix,
-                             hx.vary_like(w.astype(per.dtype), per))
-      flat[0] = jax.vmap(lambda a: to_kernel(a)[0])(per).reshape(bsz, -1)
-    f = jnp.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
+      flat = jax.vmap(self._to_kernel_layout(w, per))(per)
+    f = flat.reshape(bsz, -1)
+    if db is not None:
+      f = jnp.concatenate([f, db], axis=1)
     value = self.probe_value(f)
     provided = {}
     if 0 in wanted:
-      total = gram_math.example_sum(per)
       # Varying like the sum inside shard_map (the caller all-reduces).
-      _, to_kernel = jax.vjp(self._patch_matrix,
-                             hx.vary_like(w.astype(per.dtype), total))
-      provided[0] = to_kernel(total)[0].astype(w.dtype)
+      total = gram_math.example_sum(per)
+      provided[0] = self._to_kernel_layout(w, total)(total).astype(w.dtype)
     if 1 in wanted and b is not None:
       provided[1] = gram_math.example_sum(db).reshape(b.shape).astype(b.dtype)
     return value, provided

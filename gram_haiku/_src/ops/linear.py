@@ -67,9 +67,9 @@ class GramLinear(base.GramOp):
 
     When the Gram (or the squared norms) is formed from per-example
     gradients (``"per_example"`` mode, or where the cost model picks
-    materialising), their sum over examples is the ordinary weight (and
-    bias) gradient: it is returned as such instead of running the weight's
-    VJP as well.
+    materialising) at more than one position, their sum over examples is
+    the ordinary weight (and bias) gradient: it is returned as such instead
+    of running the weight's VJP as well.
     """
     e = self.example_axis.resolved_position()
     acc = self.accumulation_dtype()
@@ -85,20 +85,13 @@ class GramLinear(base.GramOp):
     elif self.mode == "gram":
       if gram_math.choose_strategy(*shape) == "ghost":
         return self.gram(x, g, params, e), {}
-    elif math.prod(lead) == size > 0:
-      # One position (an RNN step): each per-example gradient is an outer
-      # product, which XLA fuses with the concatenation and with the
-      # accumulation into the probe's cotangent: one pass over B x P. The
-      # weight gradient stays JAX's own matmul.
-      xm = gram_math.to_example_major(x, e).astype(acc)[:, 0]
-      dm = gram_math.to_example_major(g, e).astype(acc)[:, 0]
-      parts = [(xm[:, :, None] * dm[:, None, :]).reshape(size, -1)]
-      if b is not None:
-        parts.append(dm)
-      return jnp.concatenate(parts, axis=1), {}
     grads = self.per_example_grads(x, g, params, e)
     f = jnp.concatenate([a.reshape(size, -1) for a in grads], axis=1)
     value = self.probe_value(f)
+    if math.prod(lead) == size:
+      # One position: the per-example gradients are outer products, and
+      # JAX's own weight-gradient matmul beats summing them.
+      return value, {}
     provided = {}
     for i, (p, pe) in enumerate(zip(params, grads)):
       if i in wanted and p is not None:
