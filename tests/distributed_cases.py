@@ -396,8 +396,10 @@ def case_jit_mixed_modes():
 
 
 def case_errors():
-  """A missing or unbound ``mesh_axes`` is a teaching error."""
+  """A missing or unbound ``mesh_axes``, or a raw probe whose rows are split
+  over several axes, is a teaching error."""
   import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
 
@@ -418,6 +420,22 @@ def case_errors():
     assert "mesh_axes='data'" in text and "mlp/~/linear_0" in text, text
   else:
     raise AssertionError("no error without mesh_axes inside shard_map")
+  # Raw path, rows split over two axes: their order is unknown, so an error.
+  mesh2 = jax.make_mesh((4, 2), ("a", "b"),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  w = jax.random.normal(jax.random.PRNGKey(2), (6, 3))
+
+  def raw(probe, x):
+    return jax.grad(lambda q: jnp.sum(gram_haiku.gram_linear(
+        x, w, None, q, name="raw") ** 2))(probe)
+  try:
+    jax.jit(jax.shard_map(
+        raw, mesh=mesh2, in_specs=(P(("a", "b"), None), P(("a", "b"))),
+        out_specs=P(("a", "b"), None)))(jnp.zeros((B, B)), x)
+  except ValueError as e:
+    assert "several mesh axes" in str(e) and "'raw'" in str(e), str(e)
+  else:
+    raise AssertionError("no error for a raw probe over two mesh axes")
   try:
     gram_haiku.value_grad_and_gram(tracked.apply, mesh_axes="data")(
         params, state, None, x)

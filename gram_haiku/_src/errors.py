@@ -163,3 +163,12 @@ PROBE_NOT_VARYING = (
     "mesh's order; leave out axes that split features, not examples), so "
     "that each device gets its rows f32[B_local, B] of the global Gram; on "
     "the raw path give the probe the shape {raw}.")
+
+PROBE_AXES_ORDER = (
+    "gram_haiku: the Gram probe of module '{module}' (shape {shape}) varies "
+    "over several mesh axes {axes} inside shard_map. Its rows are split over "
+    "all of them, but a probe cannot say in which order, and a guessed order "
+    "would permute the Gram's columns.\n"
+    "What to do: use gram_haiku.value_grad_and_gram(apply_fn, mesh_axes=...) "
+    "with the axes in the order of the batch's PartitionSpec entry, or split "
+    "the examples over one mesh axis on the raw path.")

@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 import jax
 from jax import lax
 
+from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
 
 _LOCAL = threading.local()
@@ -91,22 +92,26 @@ def in_mesh_order(axes) -> AxisNames:
                                            else len(order), a)))
 
 
-def probe_axes(probe) -> AxisNames:
-  """Mesh axes a ``shard_map`` probe varies over, in the mesh's order.
+def probe_axes(probe, module: str) -> AxisNames:
+  """The one mesh axis a ``shard_map`` probe's rows are split over.
 
-  A probe cannot say in which order its rows were split over several axes;
-  the mesh's order is assumed (``P(("a", "b"))`` on a mesh ``("a", "b")``).
-  For any other order declare the axes:
-  ``value_grad_and_gram(mesh_axes=...)``.
+  Raises:
+    ValueError: when the probe varies over several axes: it cannot say in
+      which order they split its rows, and a guessed order would permute
+      the Gram's columns silently.
   """
-  return in_mesh_order(hx.varying_axes(probe))
+  axes = in_mesh_order(hx.varying_axes(probe))
+  if len(axes) > 1:
+    raise ValueError(errors.PROBE_AXES_ORDER.format(
+        module=module, axes=axes, shape=tuple(probe.shape)))
+  return axes
 
 
-def row_axes(probe, local_size: int, mode: str) -> AxisNames:
+def row_axes(probe, local_size: int, mode: str, module: str) -> AxisNames:
   """The mesh axes whose other devices' examples are this op's columns.
 
   Declared axes win; else a ``"gram"`` probe wider than it is tall, varying
-  over mesh axes, is taken as rows of a Gram split over those axes. ``()``
+  over one mesh axis, is taken as rows of a Gram split over it. ``()``
   means the op computes the whole (single-device) Gram; so it does in the
   ``"norms"`` and ``"per_example"`` modes, whose rows are their own.
   """
@@ -117,7 +122,7 @@ def row_axes(probe, local_size: int, mode: str) -> AxisNames:
     return declared
   if probe.ndim != 2 or probe.shape[1] <= local_size:
     return ()
-  return probe_axes(probe)
+  return probe_axes(probe, module)
 
 
 def gathering(axes: AxisNames):

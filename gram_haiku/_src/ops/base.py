@@ -269,7 +269,7 @@ class GramOp(hx.VJPHiPrimitive):
     gather = ()
     if probe_wanted:
       size = self._example_size(x.shape)
-      gather = example_sharding.row_axes(probe, size, self.mode)
+      gather = example_sharding.row_axes(probe, size, self.mode, self.name)
       self._check_probe_varies(x, probe)
       expected = probe_shape(self.mode, size, self.num_params())
       if gather:  # shard_map: this device's rows of the global Gram.
