@@ -7,7 +7,7 @@ positions, the steps of an RNN sharing ``W``) to ``B`` examples:
 
 * plain step: forward ``2 B T N M``, backward ``4 B T N M`` (``2 B T N M``
   when the input needs no gradient);
-* extra for the full Gram (issue #6): ``2 min(B^2 T^2 (N+M), B T N M +
+* extra for the full Gram: ``2 min(B^2 T^2 (N+M), B T N M +
   B^2 N M)``, the cheaper of the ghost kernels ``K_x = X X^T``,
   ``K_d = D D^T`` and materialised per-example gradients ``x_i^T d_i``
   followed by ``F F^T`` (``B^2 (N+M)`` for ghost at ``T = 1``); the bias
@@ -98,7 +98,7 @@ def _linear_norms_macs(b, t, n, m, bias):
 
 
 def gram_extra_flops(layers, b: int) -> float:
-  """Minimum extra FLOPs for the full ``[B, B]`` Gram (issue #6 formula)."""
+  """Minimum extra FLOPs for the full ``[B, B]`` Gram (the formula above)."""
   total = 0.0
   for l in layers:
     t, n, m = l.t, l.n, l.m

@@ -55,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
       "value_and_grad, naive vmap(grad) and (with the bench-torch extra) "
       "Opacus and BackPACK.")
   p.add_argument("--suite", choices=("models", "scaling", "all"),
-                 default="models")
+                 default="models",
+                 help="models: the step-time table of every model and "
+                 "method; scaling: the B and T sweeps; all: both "
+                 "(default: %(default)s)")
   p.add_argument("--model", type=_csv("model", models.MODEL_NAMES),
                  default=list(models.MODEL_NAMES),
                  help="comma-separated: mlp,cnn,lm,lstm (default: all)")
@@ -78,7 +81,9 @@ def parser() -> argparse.ArgumentParser:
                  help="timed steps per method per round")
   p.add_argument("--rounds", type=int, default=8,
                  help="rounds; methods interleaved, order rotated")
-  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--warmup", type=int, default=2,
+                 help="untimed steps per method after compilation "
+                 "(default: %(default)s)")
   p.add_argument("--min_block_s", type=float, default=0.25,
                  help="fast steps repeat (up to 50 per block) until a block "
                  "lasts this long; 0: exactly --repeats")
@@ -94,11 +99,17 @@ def parser() -> argparse.ArgumentParser:
                  help="scaling: B values (default 16,...,4096)")
   p.add_argument("--seq_lens", type=_ints, default=None,
                  help="scaling: T values (default 1,...,1024)")
-  p.add_argument("--scaling_repeats", type=int, default=3)
-  p.add_argument("--scaling_rounds", type=int, default=5)
+  p.add_argument("--scaling_repeats", type=int, default=3,
+                 help="scaling: timed steps per point per round "
+                 "(default: %(default)s)")
+  p.add_argument("--scaling_rounds", type=int, default=5,
+                 help="scaling: rounds per point; the median is reported "
+                 "(default: %(default)s)")
   p.add_argument("--out", default="bench_out",
                  help="output directory (default ./bench_out)")
-  p.add_argument("--no_progress", action="store_true")
+  p.add_argument("--no_progress", action="store_true",
+                 help="hide the progress bar (hidden anyway when stderr is "
+                 "not a terminal)")
   p.add_argument("--replot", action="store_true",
                  help="only rebuild tables and plots from the JSON in --out")
   return p

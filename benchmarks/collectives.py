@@ -145,12 +145,22 @@ def _run(batch: int, sizes: list[int], n_devices: int) -> str:
   return "\n".join(lines)
 
 
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.collectives",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--batch", type=int, default=128,
+                      help="global batch size B (default: %(default)s)")
+  p.add_argument("--sizes", default="784,512,512,10",
+                      help="MLP layer sizes, comma-separated "
+                      "(default: %(default)s)")
+  p.add_argument("--devices", type=int, default=8,
+                      help="fake CPU devices of the mesh "
+                      "(default: %(default)s)")
+  return p
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--sizes", default="784,512,512,10")
-  parser.add_argument("--devices", type=int, default=8)
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   os.environ.pop("XLA_FLAGS", None)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", args.devices)

@@ -131,7 +131,9 @@ def time_steps(steps: dict[str, Callable[[], object]], baselines: dict,
   bar = None
   if progress:
     from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-    bar = tqdm(total=rounds * len(names), desc=desc, leave=False)
+    # disable=None: no bar (and no carriage returns) off a terminal.
+    bar = tqdm(total=rounds * len(names), desc=desc, leave=False,
+               disable=None)
   for r in range(rounds):
     order = names[r % len(names):] + names[:r % len(names)]
     for name in order:

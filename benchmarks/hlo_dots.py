@@ -80,19 +80,28 @@ def compile_step(model: str, method: str, batch_size: Optional[int] = None,
   return compiled, harness._cost(compiled)  # pylint: disable=protected-access
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m benchmarks.hlo_dots")
-  p.add_argument("--model", default="mlp", choices=models.MODEL_NAMES)
+  p.add_argument("--model", default="mlp", choices=models.MODEL_NAMES,
+                 help="benchmark model (default: %(default)s)")
   p.add_argument("--method", default="gram",
-                 choices=jax_methods.JAX_METHODS)
-  p.add_argument("--batch_size", type=int, default=None)
-  p.add_argument("--seq_len", type=int, default=None)
+                 choices=jax_methods.JAX_METHODS,
+                 help="step to compile (default: %(default)s)")
+  p.add_argument("--batch_size", type=int, default=None,
+                 help="B (default: the model's benchmark B)")
+  p.add_argument("--seq_len", type=int, default=None,
+                 help="T for lm and lstm (default: the benchmark T)")
   p.add_argument("--strategy", default="auto",
-                 choices=("auto", "ghost", "materialize"))
+                 choices=("auto", "ghost", "materialize"),
+                 help="track(strategy=...) (default: %(default)s)")
   p.add_argument("--filter", default="", help="substring of the JAX op name")
   p.add_argument("--diff", action="store_true",
                  help="only ops not also in plain (by shape and FLOPs)")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None) -> int:
+  args = parser().parse_args(argv)
   compiled, cost = compile_step(args.model, args.method, args.batch_size,
                                 args.seq_len, args.strategy)
   ops = parse(compiled.as_text())

@@ -7,7 +7,7 @@ import math
 import os
 from typing import Optional, Sequence
 
-#: Issue #6 targets: (name, model, method, field, bound, "<=" | ">=").
+#: Performance targets: (name, model, method, field, bound, "<=" | ">=").
 TARGETS = (
     ("MLP B=128 full Gram step / plain", "mlp", "gram", "ratio", 1.15, "<="),
     ("CNN full Gram step / plain", "cnn", "gram", "ratio", 1.3, "<="),
@@ -113,7 +113,7 @@ def targets(records: Sequence[dict], scaling: Sequence[dict] = ()) -> list:
           value = r["time"]["median_s"] / g["time"]["median_s"]
     if model == "mlp" and r is not None and (
         r["batch_size"] != 128 or r["description"] != MLP_DESCRIPTION):
-      value = None  # the targets are for the issue's MLP at B=128
+      value = None  # the targets are for the MLP at B=128
     out.append(_verdict(name, bound, op, value))
   name, b, bound = SCALING_TARGET
   value = next((r["memory"]["temp_ratio"] for r in scaling

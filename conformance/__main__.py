@@ -56,8 +56,59 @@ class SummaryCollector:
     return "\n".join(lines)
 
 
+def _parser():
+  import argparse  # pylint: disable=g-import-not-at-top
+  p = argparse.ArgumentParser(
+      prog="python -m conformance", allow_abbrev=False,
+      usage="python -m conformance [options] [pytest arguments ...]",
+      description="Run the conformance suite on the registered Gram ops "
+      "(every family on every platform present) and print the op x family "
+      "x platform table. Any other argument goes to pytest.",
+      epilog="pytest's own options: python -m conformance --pytest-help. "
+      "Without -n, the run is spread over every core (pytest-xdist's -n "
+      "auto) when pytest-xdist is installed; -n 0 runs in this process.")
+  p.add_argument("--ops", "--conformance-ops", dest="ops", default=None,
+                 metavar="NAMES", help="comma-separated op names (default: "
+                 "every registered op; env CONFORMANCE_OPS)")
+  p.add_argument("--thorough", "--conformance-thorough", dest="thorough",
+                 action="store_true", help="every vmap/jit layout and a "
+                 "large hypothesis budget (the nightly run)")
+  p.add_argument("--timeout", "--conformance-timeout", dest="timeout",
+                 default=None, metavar="SECONDS", help="seconds a "
+                 "multi-device runner may take (default 3600, 0: none; env "
+                 "CONFORMANCE_TIMEOUT_S)")
+  p.add_argument("--pytest-help", action="store_true",
+                 help="show pytest's help instead")
+  return p
+
+
+def _has_xdist() -> bool:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  return importlib.util.find_spec("xdist") is not None
+
+
+def pytest_args(argv) -> list[str]:
+  """The pytest arguments for ``python -m conformance ARGV`` (after our own
+  options are translated); exits for ``--help``."""
+  ours, rest = _parser().parse_known_args(argv)
+  if ours.pytest_help:
+    rest = ["--help"] + rest
+  if ours.ops is not None:
+    rest += ["--conformance-ops", ours.ops]
+  if ours.thorough:
+    rest.append("--conformance-thorough")
+  if ours.timeout is not None:
+    rest += ["--conformance-timeout", str(ours.timeout)]
+  parallel = any(a == "-n" or a.startswith(("-n", "--numprocesses"))
+                 for a in rest)
+  if not parallel and not ours.pytest_help and _has_xdist():
+    rest += ["-n", "auto"]
+  return rest
+
+
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  extra = pytest_args(argv)
   collector = SummaryCollector()
   here = os.path.dirname(os.path.abspath(__file__))
   # `python -m conformance` has imported the package before pytest could
@@ -66,7 +117,9 @@ def main(argv=None) -> int:
           "-W", "ignore::pytest.PytestAssertRewriteWarning"]
   if "conformance.plugin" not in sys.modules and not _plugin_installed():
     args += ["-p", "conformance.plugin"]
-  status = pytest.main(args + argv, plugins=[collector])
+  status = pytest.main(args + extra, plugins=[collector])
+  if "--help" in extra:
+    return int(status)
   print()
   print("Conformance summary (op x family x platform):")
   print(collector.table())

@@ -1,7 +1,7 @@
 """Check families: each ``check_*(spec, ...)`` raises ``AssertionError`` (or
 the op's own error) on failure and returns None on success.
 
-Families (DESIGN.md §2, issue 3):
+Families (see ``docs/conformance.rst``):
 
 * **parity**: :func:`check_backward_parity`: cotangent shape, dtype and
   weak type equal the primal's, by value and by ``jax.eval_shape``.

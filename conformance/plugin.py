@@ -7,13 +7,15 @@ Options (each also an environment variable, for tox and CI):
   check (default: every registered op).
 * ``--conformance-thorough`` / ``CONFORMANCE_THOROUGH=1``: a larger
   hypothesis budget (nightly runs).
+* ``--conformance-timeout`` / ``CONFORMANCE_TIMEOUT_S``: seconds a
+  multi-device runner subprocess may take (default 3600; 0 for none).
 * ``CONFORMANCE_PIN_DEVICES=1``: under pytest-xdist, each worker sees one
   accelerator (``CUDA_VISIBLE_DEVICES`` / ``TPU_VISIBLE_CHIPS`` set from
   ``PYTEST_XDIST_WORKER`` before JAX starts) and does not preallocate.
 
 Fixtures: ``conformance_op`` (parametrised over the selected ops) and
-``conformance_platform`` (over cpu/gpu/tpu; an absent platform is skipped
-with a message saying so).
+``conformance_platform`` (over the platforms of cpu/gpu/tpu that are
+present; the absent ones are named once in the terminal summary).
 """
 
 import os
@@ -64,6 +66,10 @@ def pytest_addoption(parser):
       "--conformance-thorough", action="store_true",
       default=thorough(),
       help="raise the hypothesis example budget (env CONFORMANCE_THOROUGH=1)")
+  group.addoption(
+      "--conformance-timeout", default=None, metavar="SECONDS",
+      help="seconds a multi-device runner subprocess may take (default "
+      "3600, 0 for none; env CONFORMANCE_TIMEOUT_S)")
 
 
 def pytest_configure(config):
@@ -72,6 +78,9 @@ def pytest_configure(config):
     # Read at collection time by the families (and by xdist workers, which
     # inherit the environment).
     os.environ["CONFORMANCE_THOROUGH"] = "1"
+  timeout = config.getoption("--conformance-timeout", default=None)
+  if timeout is not None:  # Read by conformance.runner, in workers too.
+    os.environ["CONFORMANCE_TIMEOUT_S"] = str(timeout)
   config.addinivalue_line(
       "markers", "conformance_family(name): the check family of a test")
   config.addinivalue_line("markers", "conformance: a conformance-suite test")
@@ -94,22 +103,44 @@ def pytest_generate_tests(metafunc):
     ops = selected_ops(metafunc.config)
     metafunc.parametrize("conformance_op", ops, ids=[op.name for op in ops])
   if "conformance_platform" in metafunc.fixturenames:
-    metafunc.parametrize("conformance_platform", PLATFORMS,
+    metafunc.parametrize("conformance_platform", present_platforms(),
                          indirect=True)
+
+
+def present_platforms() -> list[str]:
+  """The platforms of :data:`PLATFORMS` that ``jax.devices()`` reports: the
+  suite's cases are parametrised over these alone (the absent ones get one
+  line in the terminal summary, not a skip per case)."""
+  from conformance.checks import platforms_present  # pylint: disable=g-import-not-at-top
+  present = platforms_present()
+  return [p for p in PLATFORMS if p in present]
 
 
 @pytest.fixture
 def conformance_platform(request):
-  from conformance.checks import platforms_present  # pylint: disable=g-import-not-at-top
-  platform = request.param
-  if platform not in platforms_present():
-    pytest.skip(f"platform {platform!r} is not present on this machine "
-                "(jax.devices() reports none)")
-  return platform
+  return request.param
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line naming the platforms that the cases did not run on (read from
+  the reports, so that the pytest-xdist controller starts no JAX backend)."""
+  absent = set()
+  for reports in terminalreporter.stats.values():
+    for report in reports:
+      props = dict(getattr(report, "user_properties", ()) or ())
+      if "conformance_absent" in props:
+        absent.update(p for p in props["conformance_absent"].split(",") if p)
+  if absent:
+    terminalreporter.write_line(
+        f"conformance: platform(s) {', '.join(sorted(absent))} not present "
+        "here (jax.devices() reports none), so their cases were not "
+        "collected; run on a machine that has them to check those backends.")
 
 
 def pytest_collection_modifyitems(items):
-  """Records op, family and platform of each test (for the summary table)."""
+  """Records op, family and platform of each test (for the summary table),
+  and the platforms that are absent."""
+  absent = None
   for item in items:
     callspec = getattr(item, "callspec", None)
     if callspec is None:
@@ -118,8 +149,11 @@ def pytest_collection_modifyitems(items):
     family = item.get_closest_marker("conformance_family")
     if op is None or family is None:
       continue
+    if absent is None:
+      absent = [p for p in PLATFORMS if p not in present_platforms()]
     item.user_properties.append(("conformance_op", op.name))
     item.user_properties.append(("conformance_family", family.args[0]))
     item.user_properties.append(
         ("conformance_platform", callspec.params.get("conformance_platform",
                                                      "cpu")))
+    item.user_properties.append(("conformance_absent", ",".join(absent)))

@@ -7,7 +7,7 @@ every platform present computes the Gram sharded and on one device, and
 writes one record per case to ``OUT``. ``conformance/test_sharded.py``
 starts it once per pytest session and turns each record into a test.
 
-Layouts (DESIGN.md §2, Sharding):
+Layouts (see ``docs/distributed.rst``):
 
 * ``jit_auto``: ``jit`` with the input ``NamedSharding(mesh, P("data"))``,
   mesh axis type Auto.

@@ -443,6 +443,30 @@ def case_errors():
     assert "not bound" in str(e) and "shard_map" in str(e), str(e)
   else:
     raise AssertionError("no error for mesh_axes outside shard_map")
+  # An Explicit mesh without jax.set_mesh: ours, not JAX's reshard error.
+  # Under an Auto mesh nothing needs to be set.
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  for mode in ("gram", "norms"):
+    f = make(mode)
+    p, st = f.init(jax.random.PRNGKey(1), x)
+    explicit = jax.make_mesh((N_DEVICES,), ("data",),
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    xs = jax.device_put(x, NamedSharding(explicit, P("data")))
+    try:
+      jax.jit(gram_haiku.value_grad_and_gram(f.apply))(p, st, None, xs)
+    except ValueError as e:
+      assert "jax.set_mesh" in str(e) and str(tuple(x.shape)) in str(e), (
+          mode, str(e))
+    else:
+      raise AssertionError(f"no error for an Explicit mesh without "
+                           f"jax.set_mesh ({mode})")
+  xa = jax.device_put(x, NamedSharding(mesh, P("data")))
+  got = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))(
+      params, state, None, xa)[2].total
+  want = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))(
+      params, state, None, x)[2].total
+  err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+  assert err < 1e-5, f"Auto mesh without set_mesh: rel. err. {err}"
   return {}
 
 

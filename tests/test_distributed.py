@@ -14,11 +14,11 @@ import time
 
 import pytest
 
+from conformance import runner
 from conformance.plugin import thorough
 from tests import distributed_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT_S = 300
 # f32 tolerance relative to the Gram's (the gradients') largest entry.
 RTOL = 1e-5
 
@@ -32,27 +32,22 @@ def _env():
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
-  out = tmp_path_factory.mktemp("distributed") / "records.json"
   extra = ["--all"] if thorough() else []
-  proc = subprocess.run(
-      [sys.executable, "-m", "tests.distributed_cases", "--json", str(out)]
-      + extra,
-      capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT,
-      check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  with open(out) as f:
-    return {r["case"]: r for r in json.load(f)}
+  return runner.run_once(
+      "distributed-cases",
+      runner.python_cmd("tests.distributed_cases", *extra),
+      tmp_path_factory, env=_env(), cwd=ROOT)
 
 
 def _case_names():
   return [name for name, _ in distributed_cases.cases(everything=thorough())]
 
 
-# One worker runs the whole runner (``pytest -n``: --dist loadgroup).
-@pytest.mark.xdist_group("distributed_cases")
+# The runner starts once per pytest run, whatever the number of xdist
+# workers (conformance.runner).
 @pytest.mark.parametrize("case", _case_names())
 def test_sharded_case(case, records):
-  rec = records.get(case)
+  rec = {r["case"]: r for r in records.get()}.get(case)
   assert rec is not None, f"the runner produced no record for {case}"
   if rec["status"] == "skip":
     pytest.skip(rec["reason"])
@@ -65,9 +60,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.xdist_group("two_processes")
 def test_two_processes_match_one(tmp_path):
   """jax.distributed on loopback: 2 processes x 4 CPU devices, gloo."""
+  limit = runner.timeout_s(default=600)
   port = _free_port()
   procs, outs = [], []
   for pid in range(2):
@@ -79,12 +74,15 @@ def test_two_processes_match_one(tmp_path):
          str(pid), "--num-processes", "2", "--port", str(port), "--json",
          str(out)], stdout=log, stderr=subprocess.STDOUT, env=_env(),
         cwd=ROOT))
-  deadline = time.monotonic() + TIMEOUT_S
+  deadline = None if limit is None else time.monotonic() + limit
   try:
     for p in procs:
-      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+      p.wait(timeout=None if deadline is None
+             else max(1.0, deadline - time.monotonic()))
   except subprocess.TimeoutExpired:
-    pytest.fail(f"the 2-process run took over {TIMEOUT_S} s")
+    pytest.fail(f"the 2-process run took over {limit:.0f} s; on a slow or "
+                f"busy machine raise {runner.TIMEOUT_ENV}=<seconds> (0: no "
+                "limit)", pytrace=False)
   finally:
     for p in procs:
       if p.poll() is None:

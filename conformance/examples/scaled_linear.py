@@ -1,4 +1,7 @@
-"""A third-party layer with its own Gram rule, registered and checked."""
+"""A third-party layer with its own Gram rule: the op, its Haiku module, the
+``track()`` handler that routes the module to the op, and its conformance
+spec."""
+import haiku as hk
 import jax
 import jax.numpy as jnp
 
@@ -8,7 +11,7 @@ import gram_haiku
 HI = jax.lax.Precision.HIGHEST
 
 
-class ScaledLinear(gram_haiku.GramOp):
+class ScaledLinearOp(gram_haiku.GramOp):
   """``y = s * (x @ w)``: a linear layer with a learned scalar gain ``s``."""
   param_names = ("w", "s")
   feature_ndim = 1  # x: [..., N]; every leading axis is example/within
@@ -17,10 +20,13 @@ class ScaledLinear(gram_haiku.GramOp):
     return s * jnp.dot(x, w)
 
   def gram(self, x, g, params, example_dim):
-    w, s = (p.astype(jnp.float32) for p in params)
-    x = jnp.moveaxis(x, example_dim, 0).astype(jnp.float32)
-    g = jnp.moveaxis(g, example_dim, 0).astype(jnp.float32)
-    x, g = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+    # Accumulate in float32, or float64 for float64 inputs.
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    w, s = (p.astype(acc) for p in params)
+    x = jnp.moveaxis(x, example_dim, 0).astype(acc)
+    g = jnp.moveaxis(g, example_dim, 0).astype(acc)
+    x = x.reshape(x.shape[0], -1, x.shape[-1])
+    g = g.reshape(g.shape[0], -1, g.shape[-1])
     # dL_i/dw = s * sum_t x_it^T g_it  ->  ghost form of its Gram.
     kx = jnp.einsum("itn,jsn->ijts", x, x, precision=HI)
     kg = jnp.einsum("itm,jsm->ijts", g, g, precision=HI)
@@ -31,7 +37,38 @@ class ScaledLinear(gram_haiku.GramOp):
 
 
 def scaled_linear(x, w, s, probe, **kwargs):
-  return ScaledLinear.apply(x, (w, s), probe, name="scaled_linear", **kwargs)
+  """The op on arrays: ``kwargs`` are ``name``, ``example_axis``, ``mode``
+  and ``strategy`` (see :meth:`gram_haiku.GramOp.apply`)."""
+  kwargs.setdefault("name", "scaled_linear")
+  return ScaledLinearOp.apply(x, (w, s), probe, **kwargs)
+
+
+class ScaledLinear(hk.Module):
+  """The Haiku module: ``params`` creates the parameters, so that the plain
+  ``__call__`` and the tracked handler below share them."""
+
+  def __init__(self, output_size: int, name=None):
+    super().__init__(name=name)
+    self.output_size = output_size
+
+  def params(self, x):
+    w = hk.get_parameter("w", [x.shape[-1], self.output_size], x.dtype,
+                         init=hk.initializers.TruncatedNormal(
+                             1.0 / x.shape[-1] ** 0.5))
+    s = hk.get_parameter("s", [], x.dtype, init=jnp.ones)
+    return w, s
+
+  def __call__(self, x):
+    w, s = self.params(x)
+    return s * jnp.dot(x, w)
+
+
+@gram_haiku.register_layer(ScaledLinear)
+def scaled_linear_handler(tracker, module, x):
+  """Inside ``gram_haiku.track()``, ``ScaledLinear.__call__`` becomes this:
+  the same parameters, applied by the Gram op with the module's probe."""
+  w, s = module.params(x)
+  return tracker.apply(scaled_linear, module, x, (w, s))
 
 
 SPEC = conformance.OpSpec(

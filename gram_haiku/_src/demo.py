@@ -2,11 +2,20 @@
 
 Run ``python -m gram_haiku demo --steps 300 --out gram_out``. Data:
 ``sklearn.datasets.load_digits`` (1797 8x8 images, 10 classes), bundled with
-scikit-learn, no download. Every step computes the loss, the parameter
-gradients and the per-example gradient Gram of the batch in one backward
-pass; per epoch it logs loss, accuracy, mean per-example gradient norm and
-mean off-diagonal gradient cosine. At step 0 it checks the Gram against the
-``jax.vmap(jax.grad(...))`` reference.
+scikit-learn, no download; a fixed, class-stratified 20% is held out. Every
+step computes the loss, the parameter gradients and the per-example gradient
+Gram of the training batch, for the whole model and per layer, in one
+backward pass. At step 0 it checks the Gram against the
+``jax.vmap(jax.grad(...))`` reference; per epoch it logs the training-batch
+loss and accuracy, the held-out accuracy, the median per-example gradient
+norm and the mean off-diagonal gradient cosine.
+
+Outputs (``--out``): ``stats.json`` holds every number the plots show, and
+:func:`plot` rebuilds the plots from it alone: ``gram_heatmap.png`` (cosines
+of the last batch's per-example gradients, sorted by class),
+``gram_by_layer.png`` (the same per layer), ``norms.png`` (the median and
+10-90th percentiles of the per-example gradient norms per step) and
+``training.png`` (loss, training-batch and held-out accuracy).
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
+
+#: Fraction of the digits held out for evaluation.
+HELDOUT_FRACTION = 0.2
+DPI = 200
 
 
 @dataclasses.dataclass
@@ -69,13 +82,23 @@ def load_digits_data():
   return x, y
 
 
+def split_heldout(x, y, seed: int):
+  """A class-stratified split: ``(x_train, y_train, x_heldout, y_heldout)``
+  with :data:`HELDOUT_FRACTION` of each class held out."""
+  from sklearn.model_selection import train_test_split  # pylint: disable=g-import-not-at-top
+  x_tr, x_ho, y_tr, y_ho = train_test_split(
+      x, y, test_size=HELDOUT_FRACTION, stratify=y, random_state=seed)
+  return x_tr, y_tr, x_ho, y_ho
+
+
 def _per_example_xent(logits, labels):
   logp = jax.nn.log_softmax(logits)
   return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
 
 
 def make_model(hidden):
-  """Returns ``(tracked transform, untracked transform)`` of the same MLP."""
+  """Returns ``(tracked loss, untracked loss, untracked logits)`` transforms
+  of the same MLP (the same parameters)."""
   def net(x):
     return hk.nets.MLP(list(hidden) + [10])(x)
 
@@ -88,7 +111,8 @@ def make_model(hidden):
     return _per_example_xent(net(x), y).sum()
 
   return (hk.transform_with_state(tracked_loss),
-          hk.without_apply_rng(hk.transform(plain_loss)))
+          hk.without_apply_rng(hk.transform(plain_loss)),
+          hk.without_apply_rng(hk.transform(net)))
 
 
 def reference_gram(plain_apply, params, x, y):
@@ -101,80 +125,169 @@ def reference_gram(plain_apply, params, x, y):
   return f @ f.T
 
 
-def gram_stats(gram: np.ndarray) -> dict[str, float]:
-  """Mean per-example gradient norm and mean off-diagonal cosine."""
+def cosines(gram: np.ndarray) -> np.ndarray:
+  """``G[i, j] / (|g_i| |g_j|)``; 0 where a norm is 0."""
   norms = np.sqrt(np.maximum(np.diag(gram), 0))
   denom = np.outer(norms, norms)
-  cos = np.divide(gram, denom, out=np.zeros_like(gram), where=denom > 0)
+  return np.divide(gram, denom, out=np.zeros_like(gram), where=denom > 0)
+
+
+def gram_stats(gram: np.ndarray) -> dict[str, float]:
+  """Per-example gradient norms (mean, median, 10th and 90th percentiles)
+  and the mean off-diagonal cosine of a Gram ``f64[B, B]``."""
+  norms = np.sqrt(np.maximum(np.diag(gram), 0))
   b = gram.shape[0]
-  off = cos[~np.eye(b, dtype=bool)]
-  return {"mean_norm": float(norms.mean()),
+  off = cosines(gram)[~np.eye(b, dtype=bool)]
+  p10, p50, p90 = np.percentile(norms, [10, 50, 90])
+  return {"mean_norm": float(norms.mean()), "median_norm": float(p50),
+          "norm_p10": float(p10), "norm_p90": float(p90),
           "mean_cosine": float(off.mean()) if off.size else 0.0}
 
 
-def _plot(out_dir: str, gram: np.ndarray, labels: np.ndarray,
-          norms_history: np.ndarray) -> list[str]:
+def _check_config(cfg: DemoConfig, n_train: int) -> None:
+  if cfg.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {cfg.steps}.")
+  if not 2 <= cfg.batch_size <= n_train:
+    raise ValueError(
+        f"--batch_size must be between 2 and the {n_train} training examples "
+        f"of the digits data ({1 - HELDOUT_FRACTION:.0%} of 1797; the rest "
+        f"is held out), got {cfg.batch_size}.")
+
+
+def _class_ticks(ax, labels_sorted: np.ndarray) -> None:
+  """Class names at the middle of each class block, and separators."""
+  edges = np.flatnonzero(np.diff(labels_sorted)) + 0.5
+  bounds = np.concatenate([[-0.5], edges, [len(labels_sorted) - 0.5]])
+  mids = (bounds[:-1] + bounds[1:]) / 2
+  classes = labels_sorted[np.r_[0, np.flatnonzero(np.diff(labels_sorted)) + 1]]
+  for e in edges:
+    ax.axhline(e, color="k", lw=0.4)
+    ax.axvline(e, color="k", lw=0.4)
+  ax.set_xticks(mids, [str(c) for c in classes])
+  ax.set_yticks(mids, [str(c) for c in classes])
+
+
+def _cosine_panel(ax, gram: np.ndarray, labels: np.ndarray, title: str):
+  order = np.argsort(labels, kind="stable")
+  im = ax.imshow(cosines(gram)[np.ix_(order, order)], cmap="RdBu_r", vmin=-1,
+                 vmax=1, interpolation="nearest")
+  _class_ticks(ax, labels[order])
+  ax.set_title(title)
+  return im
+
+
+def plot(summary: dict[str, Any], out_dir: str) -> list[str]:
+  """Draws the four plots from a summary (the ``stats.json`` contents).
+
+  Returns:
+    The paths written, all ``.png`` at :data:`DPI` dpi.
+  """
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  order = np.argsort(labels, kind="stable")
-  norms = np.sqrt(np.maximum(np.diag(gram), 0))
-  denom = np.outer(norms, norms)
-  cos = np.divide(gram, denom, out=np.zeros_like(gram), where=denom > 0)
-  fig, ax = plt.subplots(figsize=(6, 5))
-  im = ax.imshow(cos[np.ix_(order, order)], cmap="RdBu_r", vmin=-1, vmax=1)
-  ax.set_title("Per-example gradient cosine, last batch (sorted by class)")
-  ax.set_xlabel("example (sorted by class)")
-  ax.set_ylabel("example (sorted by class)")
-  fig.colorbar(im, ax=ax)
-  heatmap = os.path.join(out_dir, "gram_heatmap.png")
+  last = summary["last_batch"]
+  labels = np.asarray(last["labels"])
+  step = last["step"]
+  files = []
+
+  fig, ax = plt.subplots(figsize=(6.4, 5.4))
+  im = _cosine_panel(ax, np.asarray(last["gram"]), labels,
+                     f"Per-example gradient cosine, batch of step {step}")
+  ax.set_xlabel("example, sorted by class (digit)")
+  ax.set_ylabel("example, sorted by class (digit)")
+  fig.colorbar(im, ax=ax, label=r"cosine$(g_i, g_j)$ = $G_{ij}/"
+               r"\sqrt{G_{ii} G_{jj}}$")
+  files.append(os.path.join(out_dir, "gram_heatmap.png"))
   fig.tight_layout()
-  fig.savefig(heatmap, dpi=100)
+  fig.savefig(files[-1], dpi=DPI)
   plt.close(fig)
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  steps = np.arange(norms_history.shape[0])
-  q = np.percentile(norms_history, [10, 50, 90], axis=1)
-  ax.fill_between(steps, q[0], q[2], alpha=0.3, label="10-90th percentile")
-  ax.plot(steps, q[1], label="median")
+  layers = last["by_layer"]
+  total_sq = max(float(np.trace(np.asarray(last["gram"]))), 1e-30)
+  fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 4.4),
+                           squeeze=False)
+  for ax, (name, g) in zip(axes[0], sorted(layers.items())):
+    g = np.asarray(g)
+    share = float(np.trace(g)) / total_sq
+    im = _cosine_panel(ax, g, labels, f"{name}\n{share:.0%} of " r"$\sum_i |g_i|^2$")
+    ax.set_xlabel("example, sorted by class")
+  axes[0][0].set_ylabel("example, sorted by class")
+  fig.colorbar(im, ax=list(axes[0]), label="cosine of the layer's "
+               "per-example gradients", shrink=0.85)
+  fig.suptitle(f"Per-layer Grams, batch of step {step}")
+  files.append(os.path.join(out_dir, "gram_by_layer.png"))
+  fig.savefig(files[-1], dpi=DPI, bbox_inches="tight")
+  plt.close(fig)
+
+  hist = summary["history"]
+  steps = np.array([r["step"] for r in hist])
+  fig, ax = plt.subplots(figsize=(6.4, 4))
+  ax.fill_between(steps, [r["norm_p10"] for r in hist],
+                  [r["norm_p90"] for r in hist], alpha=0.3,
+                  label="10th-90th percentile")
+  ax.plot(steps, [r["median_norm"] for r in hist], label="median")
   ax.set_yscale("log")
   ax.set_xlabel("step")
-  ax.set_ylabel("per-example gradient norm")
-  ax.set_title("Per-example gradient norms over training")
+  ax.set_ylabel(r"per-example gradient norm $|g_i|$")
+  ax.set_title("Per-example gradient norms of each training batch")
   ax.legend()
-  norms_png = os.path.join(out_dir, "norms.png")
+  files.append(os.path.join(out_dir, "norms.png"))
   fig.tight_layout()
-  fig.savefig(norms_png, dpi=100)
+  fig.savefig(files[-1], dpi=DPI)
   plt.close(fig)
-  return [heatmap, norms_png]
+
+  fig, (ax_l, ax_a) = plt.subplots(1, 2, figsize=(10, 4))
+  ax_l.plot(steps, [r["loss"] for r in hist], lw=0.8)
+  ax_l.set_yscale("log")
+  ax_l.set_xlabel("step")
+  ax_l.set_ylabel("cross-entropy (mean over the batch)")
+  ax_l.set_title("Training-batch loss")
+  ax_a.plot(steps, [r["train_batch_accuracy"] for r in hist], lw=0.8,
+            alpha=0.6, label="training batch")
+  ev = summary["heldout"]
+  ax_a.plot([r["step"] for r in ev], [r["accuracy"] for r in ev], "o-",
+            label=f"held out ({summary['data']['n_heldout']} examples)")
+  ax_a.set_xlabel("step")
+  ax_a.set_ylabel("accuracy")
+  ax_a.set_ylim(0, 1.02)
+  ax_a.set_title("Accuracy")
+  ax_a.legend(loc="lower right")
+  files.append(os.path.join(out_dir, "training.png"))
+  fig.tight_layout()
+  fig.savefig(files[-1], dpi=DPI)
+  plt.close(fig)
+  return files
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
   """Trains, tracks the Gram every step, writes plots and statistics.
 
   Returns:
-    A summary dict: ``rel_err_step0``, ``final_loss``, ``final_accuracy``,
-    ``wall_time_s``, ``files`` (paths written), ``history`` (per step).
+    The summary written to ``stats.json``: ``rel_err_step0``,
+    ``final_loss``, ``final_train_batch_accuracy``,
+    ``final_heldout_accuracy``, ``wall_time_s``, ``compile_time_s``,
+    ``config``, ``data`` (example counts), ``history`` (per step),
+    ``heldout`` (per epoch), ``last_batch`` (its labels, Gram and
+    per-layer Grams); plus ``files`` (paths written).
 
   Raises:
     OutputDirError: if ``cfg.out`` cannot be written (before training).
-    ValueError: for a non-positive ``steps`` or ``batch_size``.
+    ValueError: for ``steps < 1``, or a ``batch_size`` below 2 or above the
+      number of training examples.
   """
   import optax  # pylint: disable=g-import-not-at-top
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
-  if cfg.steps < 1 or cfg.batch_size < 2:
-    raise ValueError(f"--steps must be >= 1 and --batch_size >= 2, got "
-                     f"{cfg.steps} and {cfg.batch_size}.")
+  x_tr, y_tr, x_ho, y_ho = split_heldout(*load_digits_data(), seed=cfg.seed)
+  n = x_tr.shape[0]
+  _check_config(cfg, n)
   out_dir = prepare_out_dir(cfg.out)
   start = time.perf_counter()
-  x_all, y_all = load_digits_data()
-  n = x_all.shape[0]
   rng = np.random.default_rng(cfg.seed)
-  tracked, plain = make_model(cfg.hidden)
+  tracked, plain, net = make_model(cfg.hidden)
   params, state = tracked.init(jax.random.PRNGKey(cfg.seed),
-                               x_all[:cfg.batch_size], y_all[:cfg.batch_size])
+                               x_tr[:cfg.batch_size], y_tr[:cfg.batch_size])
   opt = optax.adam(cfg.learning_rate)
   opt_state = opt.init(params)
   vgg = gram_haiku.value_grad_and_gram(tracked.apply, has_aux=True)
@@ -185,58 +298,85 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     acc = jnp.mean(jnp.argmax(logits, -1) == y)
-    return params, opt_state, loss / x.shape[0], acc, grams.total
+    return (params, opt_state, loss / x.shape[0], acc, grams.total,
+            grams.by_layer)
+
+  @jax.jit
+  def evaluate(params, x, y):
+    logits = net.apply(params, x)
+    return (_per_example_xent(logits, y).mean(),
+            jnp.mean(jnp.argmax(logits, -1) == y))
 
   steps_per_epoch = max(1, n // cfg.batch_size)
-  history, norms_history = [], []
-  epoch_rows: list[dict[str, float]] = []
-  rel_err = None
+  history, heldout, epoch_rows = [], [], []
+  rel_err, compile_s, bar = None, 0.0, None
   perm = rng.permutation(n)
-  # disable=None: no bar when stdout is not a terminal (logs, pipes), where
-  # it would interleave with the epoch lines.
-  bar = tqdm(range(cfg.steps), disable=None if cfg.progress else True,
-             desc="train", unit="step")
-  for i in bar:
+  for i in range(cfg.steps):
     j = i % steps_per_epoch
     if j == 0 and i > 0:
       perm = rng.permutation(n)
     idx = perm[j * cfg.batch_size:(j + 1) * cfg.batch_size]
-    x, y = x_all[idx], y_all[idx]
+    x, y = x_tr[idx], y_tr[idx]
     if i == 0:
       ref = np.asarray(reference_gram(plain.apply, params, x, y), np.float64)
-    params, opt_state, loss, acc, gram = step(params, opt_state, x, y)
+      t0 = time.perf_counter()
+    params, opt_state, loss, acc, gram, by_layer = step(params, opt_state, x,
+                                                        y)
     gram = np.asarray(gram, np.float64)
     if i == 0:
+      compile_s = time.perf_counter() - t0
       rel_err = float(np.abs(gram - ref).max() / np.abs(ref).max())
       logging.info("step 0: Gram relative error vs vmap(grad) reference: "
                    "%.2e", rel_err)
       print(f"step 0: relative error of the Gram against the vmap(grad) "
-            f"reference: {rel_err:.2e}")
-    stats = gram_stats(gram)
-    row = {"step": i, "loss": float(loss), "accuracy": float(acc), **stats}
+            f"reference: {rel_err:.2e} (compiled in {compile_s:.1f} s)")
+      # The bar starts after compilation, so its rate and ETA are the
+      # training steps' own. disable=None: no bar off a terminal.
+      bar = tqdm(total=cfg.steps, initial=1, desc="train", unit="step",
+                 disable=None if cfg.progress else True)
+    else:
+      bar.update(1)
+    row = {"step": i, "loss": float(loss), "train_batch_accuracy": float(acc),
+           **gram_stats(gram)}
     history.append(row)
-    norms_history.append(np.sqrt(np.maximum(np.diag(gram), 0)))
     epoch_rows.append(row)
-    bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.2f}",
+    bar.set_postfix(loss=f"{row['loss']:.3f}",
+                    batch_acc=f"{row['train_batch_accuracy']:.2f}",
                     refresh=False)
     if j == steps_per_epoch - 1 or i == cfg.steps - 1:
+      ho_loss, ho_acc = evaluate(params, x_ho, y_ho)
+      heldout.append({"step": i, "loss": float(ho_loss),
+                      "accuracy": float(ho_acc)})
       mean = {k: float(np.mean([r[k] for r in epoch_rows]))
-              for k in ("loss", "accuracy", "mean_norm", "mean_cosine")}
-      bar.write(f"epoch {i // steps_per_epoch}: loss {mean['loss']:.4f}  "
-                f"accuracy {mean['accuracy']:.3f}  "
-                f"mean grad norm {mean['mean_norm']:.4f}  "
-                f"mean off-diag cosine {mean['mean_cosine']:.4f}")
+              for k in ("loss", "train_batch_accuracy", "median_norm",
+                        "mean_cosine")}
+      bar.write(f"epoch {i // steps_per_epoch}: train-batch loss "
+                f"{mean['loss']:.4f}  train-batch accuracy "
+                f"{mean['train_batch_accuracy']:.3f}  held-out accuracy "
+                f"{float(ho_acc):.3f}  median grad norm "
+                f"{mean['median_norm']:.4f}  mean off-diag cosine "
+                f"{mean['mean_cosine']:.4f}")
       epoch_rows = []
+  bar.close()
   wall = time.perf_counter() - start
-  files = _plot(out_dir, gram, y, np.stack(norms_history))
+  summary = {
+      "rel_err_step0": rel_err, "final_loss": history[-1]["loss"],
+      "final_train_batch_accuracy": history[-1]["train_batch_accuracy"],
+      "final_heldout_accuracy": heldout[-1]["accuracy"],
+      "wall_time_s": wall, "compile_time_s": compile_s,
+      "config": dataclasses.asdict(cfg),
+      "data": {"n_train": int(n), "n_heldout": int(x_ho.shape[0]),
+               "steps_per_epoch": steps_per_epoch},
+      "history": history, "heldout": heldout,
+      "last_batch": {"step": cfg.steps - 1, "labels": y.tolist(),
+                     "gram": gram.tolist(),
+                     "by_layer": {k: np.asarray(v, np.float64).tolist()
+                                  for k, v in by_layer.items()}}}
+  files = plot(summary, out_dir)
   stats_path = os.path.join(out_dir, "stats.json")
-  summary = {"rel_err_step0": rel_err, "final_loss": history[-1]["loss"],
-             "final_accuracy": history[-1]["accuracy"], "wall_time_s": wall,
-             "config": dataclasses.asdict(cfg), "history": history}
   with open(stats_path, "w") as f:
     json.dump(summary, f, indent=1)
   files.append(stats_path)
   summary["files"] = files
   print(f"wrote {', '.join(files)} in {wall:.1f} s")
   return summary
-

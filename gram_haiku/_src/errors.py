@@ -151,6 +151,15 @@ MESH_AXES_UNBOUND = (
     "mesh=mesh, in_specs=...) whose batch in_spec is P({axes}, ...), or drop "
     "mesh_axes outside shard_map (jit with NamedSharding needs none).")
 
+EXPLICIT_MESH_NOT_SET = (
+    "gram_haiku: an input of a tracked layer ({shape}, {dtype}) is sharded "
+    "as {spec} over a mesh with Explicit axes {axes}, but no mesh is set: "
+    "JAX needs one to place the Gram contractions over the sharded example "
+    "axis.\n"
+    "What to do: call the jitted function inside `with jax.set_mesh(mesh):` "
+    "(the mesh the batch was placed on), or make the mesh with "
+    "axis_types=(jax.sharding.AxisType.Auto,) to let XLA choose the layout.")
+
 PROBE_NOT_VARYING = (
     "gram_haiku: inside shard_map, the input of module '{module}' (shape "
     "{x_shape}) varies over mesh axes {x_axes} but its Gram probe (shape "

@@ -1,6 +1,6 @@
 """Which axis of a layer's input is the example axis.
 
-The Gram is over the *example axis* (DESIGN.md §2). A Gram op starts with its
+The Gram is over the *example axis* (see ``docs/semantics.rst``). A Gram op starts with its
 input as the user passed it and, each time a ``vmap`` batching rule fires, the
 op is rebuilt with the mapped axis moved to the front of its input. Batching
 rules fire innermost vmap first, so after all of them the outermost vmap's

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
 from gram_haiku._src.example_sharding import columns
 
@@ -72,25 +73,30 @@ def rows_sharding(a: jax.Array, out_ndim: int):
   and must be given one: the output keeps ``a``'s example-axis sharding on
   its first axis (rows) and is replicated along the others. None otherwise.
   """
-  sharding = getattr(jax.typeof(a), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  spec = getattr(sharding, "spec", None)
-  if mesh is None or not spec or spec[0] is None:
-    return None
-  explicit = jax.sharding.AxisType.Explicit
-  if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+  spec = explicit_spec(a)
+  if not spec or spec[0] is None:
     return None
   return jax.sharding.PartitionSpec(spec[0], *([None] * (out_ndim - 1)))
 
 
 def explicit_spec(a: jax.Array):
-  """``a``'s PartitionSpec under a mesh with Explicit axes, else None."""
+  """``a``'s PartitionSpec under a mesh with Explicit axes, else None.
+
+  Raises:
+    ValueError: if ``a`` is sharded over Explicit mesh axes but no mesh is
+      set (``jax.set_mesh``): JAX then cannot resolve the output shardings
+      that the Gram contractions need.
+  """
   sharding = getattr(jax.typeof(a), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   explicit = jax.sharding.AxisType.Explicit
   if mesh is None or not any(t == explicit
                              for t in getattr(mesh, "axis_types", ())):
     return None
+  if jax.sharding.get_abstract_mesh().empty:
+    raise ValueError(errors.EXPLICIT_MESH_NOT_SET.format(
+        shape=tuple(a.shape), dtype=a.dtype, spec=sharding.spec,
+        axes=dict(zip(mesh.axis_names, mesh.axis_sizes))))
   return sharding.spec
 
 

@@ -97,7 +97,13 @@ def current_tracker() -> Optional["track"]:
 
 def register_layer(module_cls: type):
   """Decorator: ``handler(tracker, module, *args, **kwargs)`` replaces
-  ``module_cls.__call__`` inside ``track()`` (exact class match)."""
+  ``module_cls.__call__`` inside ``track()`` (exact class match).
+
+  The handler reads the module's parameters and returns
+  :meth:`track.apply` of a Gram op; see the worked example in the
+  conformance docs (``conformance/examples/scaled_linear.py``). Registering
+  a class again replaces its handler.
+  """
   def decorate(handler):
     _HANDLERS[module_cls] = handler
     return handler
@@ -137,7 +143,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   every cross term. On the raw ``jax.grad`` path such a module is an error.
 
   Args:
-    example_axis: which axis is the example axis (DESIGN.md §2). ``None``
+    example_axis: which axis is the example axis (see ``docs/semantics.rst``). ``None``
       (default): the outermost ``vmap`` inside the differentiated function,
       else axis 0 of the layer input. ``0``: the layer input's own leading
       axis; every ``vmap`` is then a within-example axis. A string: the
@@ -285,11 +291,36 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
 
   def apply(self, op: Callable[..., jax.Array], module: hk.Module,
             x: jax.Array, params) -> jax.Array:
-    """Runs ``op(x, *params, probe, ...)`` for ``module`` with its probe.
+    """Applies a Gram op for ``module``: what a layer handler returns.
 
-    Called by layer handlers. ``params`` are the module's tracked parameters
-    in the op's order (None for absent ones). Detects parameter sharing,
-    picks the probe mode and fetches the probe from ``hk.State``.
+    A handler registered with :func:`register_layer` is called as
+    ``handler(tracker, module, *args, **kwargs)`` in place of the module's
+    ``__call__``; it reads the module's parameters (``hk.get_parameter``
+    inside the handler, so that they are recorded as tracked by it) and
+    returns ``tracker.apply(op, module, x, params)``.
+
+    Args:
+      op: ``op(x, *params, probe, *, name, example_axis, strategy, mode)``,
+        e.g. a function calling :meth:`GramOp.apply` or a built-in binder
+        such as :func:`gram_linear`.
+      module: the Haiku module being called (its probe lives in its
+        ``hk.State`` as ``gram_probe``; its name names the Gram in
+        :attr:`Grams.by_layer`).
+      x: the layer input, example axis first (or under ``vmap``).
+      params: the module's parameters in the op's order (None for absent
+        ones, e.g. no bias).
+
+    Returns:
+      ``op``'s output: the layer's output, exactly the untracked module's.
+
+    Raises:
+      ValueError: on the raw ``jax.grad`` path, if the module's parameters
+        are used more than once (weight sharing needs
+        :func:`value_grad_and_gram`).
+
+    Detects parameter sharing, picks the probe mode (``"gram"``,
+    ``"norms"`` or ``"per_example"`` for a shared module) and fetches or
+    creates the probe in ``hk.State``.
     """
     name = module.module_name
     present = [p for p in params if p is not None]

@@ -12,7 +12,7 @@ keys disjoint ones, so with ``g_i = sum_t d_it`` spread over those rows
 
     G[i, j] = sum_{t,s} [key_it = key_js] w(key_it) (d_it . d_js)        (E)
 
-(CASES.md C06). ``key`` and ``w`` follow the gradient of the lookup (not
+``key`` and ``w`` follow the gradient of the lookup (not
 its forward pass):
 
 * ``ARRAY_INDEX`` with an array of ids: ``jnp`` indexing first maps a

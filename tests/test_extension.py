@@ -1,0 +1,87 @@
+"""The documented extension path: a third party's op, module and handler
+(``conformance/examples/scaled_linear.py``) inside ``track()``, against the
+reference, and every float dtype of the op's reference family."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gram_haiku
+from conformance import checks
+from conformance.examples import scaled_linear
+from tests.reference import assert_gram_close
+from tests.reference import reference_gram
+
+
+def _model(x):
+  h = jnp.tanh(scaled_linear.ScaledLinear(6)(x))
+  return hk.Linear(3)(h)
+
+
+def _problem(seed=0, b=7):
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  return jax.random.normal(kx, (b, 4, 5)), jax.random.normal(ky, (b, 4, 3))
+
+
+def _losses():
+  def tracked(x, y):
+    with gram_haiku.track():
+      out = _model(x)
+    return 0.5 * jnp.sum((out - y) ** 2)
+
+  def plain(x, y):
+    return 0.5 * jnp.sum((_model(x) - y) ** 2)
+  return hk.transform_with_state(tracked), hk.transform(plain)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_registered_module_gram_matches_reference(jit):
+  x, y = _problem()
+  tracked, plain = _losses()
+  params, state = tracked.init(jax.random.PRNGKey(1), x, y)
+  vgg = gram_haiku.value_grad_and_gram(tracked.apply)
+  if jit:
+    vgg = jax.jit(vgg)
+  _, grads, grams = vgg(params, state, None, x, y)
+  ref = reference_gram(lambda p, x, y: plain.apply(p, None, x, y), params, x,
+                       y)
+  assert_gram_close(grams.total, ref)
+  assert set(grams.by_layer) == {"scaled_linear", "linear"}
+  cov = grams.coverage
+  assert cov["scaled_linear/w"].rule == "scaled_linear_handler"
+  assert cov["scaled_linear/s"].tracked and grams.complete
+  want = jax.grad(lambda p: plain.apply(p, None, x, y))(params)
+  for k in ("w", "s"):
+    assert jnp.allclose(grads["scaled_linear"][k], want["scaled_linear"][k],
+                        rtol=1e-5, atol=1e-6)
+
+
+def test_registered_module_under_hk_vmap():
+  x, y = _problem(seed=2)
+  def tracked(x, y):
+    with gram_haiku.track():
+      out = hk.vmap(_model, split_rng=False)(x)
+    return 0.5 * jnp.sum((out - y) ** 2)
+  f = hk.transform_with_state(tracked)
+  _, plain = _losses()
+  params, state = f.init(jax.random.PRNGKey(1), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                        x, y)
+  ref = reference_gram(lambda p, x, y: plain.apply(p, None, x, y), params, x,
+                       y)
+  assert_gram_close(grams.total, ref)
+
+
+def test_untracked_forward_is_the_plain_module():
+  x, _ = _problem(seed=3)
+  f = hk.transform(lambda x: scaled_linear.ScaledLinear(6)(x))
+  params = f.init(jax.random.PRNGKey(0), x)
+  assert set(params["scaled_linear"]) == {"w", "s"}
+  want = params["scaled_linear"]["s"] * x @ params["scaled_linear"]["w"]
+  assert jnp.allclose(f.apply(params, None, x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", checks.REFERENCE_CASES)
+def test_example_op_reference_every_dtype(case):
+  checks.check_reference_equality(scaled_linear.SPEC, case, vmapped=False)
