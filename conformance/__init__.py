@@ -2,11 +2,14 @@
 
 A Gram op is described by an :class:`OpSpec` (how to build inputs, how to call
 the op, and the matching untracked per-example loss) and registered with
-:func:`register`. The check families in :mod:`conformance.checks` then run
-every registered op. At this stage the suite has the backward-parity and
-vmap-depth-invariance families (reference equality is part of the latter).
+:func:`register`. The check families in :mod:`conformance.checks` (parity,
+reference, vmap, transforms, sharded, properties) then run every registered
+op.
 
-Run it with ``pytest conformance`` or ``tox -e conformance``.
+Run it with ``python -m conformance`` (in parallel, with a summary table),
+``pytest --pyargs conformance`` (an installed package needs ``--pyargs``),
+the absltest mixin :class:`conformance.testing.GramOpTestMixin`, or ``tox -e
+conformance``; see ``docs/conformance.rst``.
 """
 
 from conformance.registry import OpSpec

@@ -104,7 +104,9 @@ def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
   """
   def one(p, xi):
     return _loss(spec.plain(p, xi[None]))
-  g = jax.vmap(jax.grad(one), in_axes=(None, 0))(_upcast(params), _upcast(x))
+  # Under jit: one compilation, not one per primitive (op-by-op dispatch).
+  g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(_upcast(params),
+                                                          _upcast(x))
   return np.concatenate([np.asarray(l, np.float64).reshape(x.shape[0], -1)
                          for l in jax.tree.leaves(g)], axis=1)
 
@@ -147,6 +149,15 @@ def _assert_parity(cts, primals, label):
         f"weak_type {primal_weak}")
 
 
+def parity_not_applicable(spec: OpSpec, case: str) -> str:
+  """Why the parity ``case`` does not apply to ``spec`` ("" if it does)."""
+  if case == "int" and not spec.integer_input:
+    return f"op {spec.name!r} takes float inputs"
+  if spec.integer_input and case == "mixed":
+    return f"op {spec.name!r} takes integer inputs"
+  return ""
+
+
 def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
   """Every cotangent has its primal's shape, dtype and weak type.
 
@@ -156,10 +167,9 @@ def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
   forward output equals the plain op's.
   """
   param_dtype, x_dtype = DTYPE_CASES[case]
-  if case == "int" and not spec.integer_input:
-    raise NotApplicable(f"op {spec.name!r} takes float inputs")
-  if spec.integer_input and case == "mixed":
-    raise NotApplicable(f"op {spec.name!r} takes integer inputs")
+  why = parity_not_applicable(spec, case)
+  if why:
+    raise NotApplicable(why)
   x64 = case == "float64"
   with x64_if(x64):
     params, x = make_problem(spec, (B,) + WITHIN[:1], param_dtype, x_dtype,
@@ -209,7 +219,7 @@ def check_reference_equality(spec: OpSpec, case: str, vmapped: bool,
       f = lambda xi: spec.apply(params, probe, xi)
       return _loss(jax.vmap(f)(x) if vmapped else f(x))
     probe = _probe((B, B), x64)
-    gram = jax.grad(loss)(probe, x)
+    gram = jax.jit(jax.grad(loss))(probe, x)
     assert gram.dtype == probe.dtype, (gram.dtype, probe.dtype)
     assert_close(gram, ref, case, what=f"Gram ({case}, "
                  f"{'vmap' if vmapped else 'explicit'})")
@@ -334,14 +344,14 @@ def check_example_axis_selection(spec: OpSpec, case: str, seed=0):
   if case == "default_heads_raises":
     assert WITHIN[0] != B
     try:
-      jax.grad(loss)(probe, xs)
+      jax.jit(jax.grad(loss))(probe, xs)
     except ValueError as e:
       assert "example_axis" in str(e), str(e)
       return
     raise AssertionError(
         f"{spec.name}: the default example axis under an inner vmap over "
         "heads returned a Gram instead of raising")
-  assert_close(jax.grad(loss)(probe, xs), ref, what=f"Gram ({case})")
+  assert_close(jax.jit(jax.grad(loss))(probe, xs), ref, what=f"Gram ({case})")
 
 
 # -- transforms --------------------------------------------------------------
@@ -369,7 +379,7 @@ def check_checkpoint(spec: OpSpec, policy: str, vmapped: bool, seed=0):
       f = jax.vmap(f)
     f = jax.checkpoint(f, policy=CHECKPOINT_POLICIES[policy])
     return _loss(f(x))
-  assert_close(jax.grad(loss)(_probe((B, B)), x), ref,
+  assert_close(jax.jit(jax.grad(loss))(_probe((B, B)), x), ref,
                what=f"Gram under jax.checkpoint(policy={policy})")
 
 
@@ -388,8 +398,8 @@ def check_scan_stacked(spec: OpSpec, seed=0):
   def plain_all(p, xi):
     return jax.lax.scan(lambda c, pl: (c + _loss(spec.plain(pl, xi)), None),
                         0.0, p)[0]
-  f = jax.vmap(jax.grad(lambda p, xi: plain_all(p, xi[None])),
-               in_axes=(None, 0))(params, x)
+  f = jax.jit(jax.vmap(jax.grad(lambda p, xi: plain_all(p, xi[None])),
+                       in_axes=(None, 0)))(params, x)
   f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
                       for l in jax.tree.leaves(f)], axis=1)
 
@@ -398,7 +408,7 @@ def check_scan_stacked(spec: OpSpec, seed=0):
       pl, probe = pl_probe
       return c + _loss(spec.apply(pl, probe, x)), None
     return jax.lax.scan(body, 0.0, (params, probes))[0]
-  grams = jax.grad(loss)(_probe((L, B, B)), x)
+  grams = jax.jit(jax.grad(loss))(_probe((L, B, B)), x)
   assert_close(grams.sum(0), f @ f.T, what="Gram of lax.scan over layers")
 
 
@@ -421,7 +431,7 @@ def check_scan_shared(spec: OpSpec, seed=0):
     def body(c, xt):
       return c + _loss(spec.apply(params, probe, xt, mode="per_example")), None
     return jax.lax.scan(body, 0.0, xs)[0]
-  f = jax.grad(loss)(_probe((B, P)), x)
+  f = jax.jit(jax.grad(loss))(_probe((B, P)), x)
   chex.assert_shape(f, (B, P))
   f = np.asarray(f, np.float64)
   assert_close(f @ f.T, ref, what="Gram of per-example gradients "
@@ -441,15 +451,15 @@ def check_shared_twice(spec: OpSpec, seed=0):
 
   def plain(p, xi, x2i):
     return _loss(spec.plain(p, xi)) + _loss(spec.plain(p, x2i))
-  f = jax.vmap(jax.grad(lambda p, a, c: plain(p, a[None], c[None])),
-               in_axes=(None, 0, 0))(_upcast(params), x, x2)
+  f = jax.jit(jax.vmap(jax.grad(lambda p, a, c: plain(p, a[None], c[None])),
+                       in_axes=(None, 0, 0)))(_upcast(params), x, x2)
   f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
                       for l in jax.tree.leaves(f)], axis=1)
 
   def loss(probe):
     return (_loss(spec.apply(params, probe, x, mode="per_example")) +
             _loss(spec.apply(params, probe, x2, mode="per_example")))
-  g = np.asarray(jax.grad(loss)(_probe((B, P))), np.float64)
+  g = np.asarray(jax.jit(jax.grad(loss))(_probe((B, P))), np.float64)
   assert_close(g @ g.T, f @ f.T, what="Gram of a twice-applied op")
 
 
@@ -460,7 +470,7 @@ def check_norms_mode(spec: OpSpec, seed=0):
   def loss(probe, x):
     return _loss(jax.vmap(lambda xi: spec.apply(params, probe, xi,
                                                 mode="norms"))(x))
-  sq = jax.grad(loss)(_probe((B,)), x)
+  sq = jax.jit(jax.grad(loss))(_probe((B,)), x)
   assert_close(sq, np.diag(ref), what="squared norms (mode='norms')")
 
 

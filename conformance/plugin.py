@@ -5,8 +5,13 @@ Options (each also an environment variable, for tox and CI):
 
 * ``--conformance-ops`` / ``CONFORMANCE_OPS``: comma-separated op names to
   check (default: every registered op).
-* ``--conformance-thorough`` / ``CONFORMANCE_THOROUGH=1``: a larger
-  hypothesis budget (nightly runs).
+* ``--conformance-thorough`` / ``CONFORMANCE_THOROUGH=1``: every (op, case)
+  pair, every layout and a larger hypothesis budget (nightly runs); by
+  default each case runs on at least :data:`OPS_PER_CASE` ops (see
+  :func:`sample_items`).
+* ``--conformance-modules`` / ``CONFORMANCE_MODULES``: comma-separated
+  modules to import first (they register your ops; the sharded runner
+  imports them too).
 * ``--conformance-timeout`` / ``CONFORMANCE_TIMEOUT_S``: seconds a
   multi-device runner subprocess may take (default 3600; 0 for none).
 * ``CONFORMANCE_PIN_DEVICES=1``: under pytest-xdist, each worker sees one
@@ -67,6 +72,10 @@ def pytest_addoption(parser):
       default=thorough(),
       help="raise the hypothesis example budget (env CONFORMANCE_THOROUGH=1)")
   group.addoption(
+      "--conformance-modules", default=os.environ.get(
+          "CONFORMANCE_MODULES", ""), help="comma-separated modules to "
+      "import: they register your ops (env CONFORMANCE_MODULES)")
+  group.addoption(
       "--conformance-timeout", default=None, metavar="SECONDS",
       help="seconds a multi-device runner subprocess may take (default "
       "3600, 0 for none; env CONFORMANCE_TIMEOUT_S)")
@@ -74,6 +83,12 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   pin_worker_device()
+  import importlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  if extra_modules(config) and str(config.rootpath) not in sys.path:
+    sys.path.insert(0, str(config.rootpath))
+  for module in extra_modules(config):
+    importlib.import_module(module)
   if config.getoption("--conformance-thorough", default=False):
     # Read at collection time by the families (and by xdist workers, which
     # inherit the environment).
@@ -84,6 +99,12 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "conformance_family(name): the check family of a test")
   config.addinivalue_line("markers", "conformance: a conformance-suite test")
+
+
+def extra_modules(config) -> list[str]:
+  """The ``--conformance-modules`` names."""
+  return [m for m in config.getoption("--conformance-modules").split(",")
+          if m]
 
 
 def selected_ops(config):
@@ -137,9 +158,94 @@ def pytest_terminal_summary(terminalreporter):
         "collected; run on a machine that has them to check those backends.")
 
 
-def pytest_collection_modifyitems(items):
-  """Records op, family and platform of each test (for the summary table),
-  and the platforms that are absent."""
+#: In the default budget, each case of a family (a dtype, a layout, a
+#: transform) runs on about this many of the selected ops, spread so that
+#: every op still runs every family; ``--conformance-thorough`` runs every
+#: (op, case) pair. With fewer than twice this many ops selected, every pair
+#: runs.
+OPS_PER_CASE = 2
+#: Families whose tests only read records that one runner computes for every
+#: op at once: sampling them would save nothing.
+UNSAMPLED_FAMILIES = ("sharded",)
+
+
+def _case_key(item):
+  params = dict(item.callspec.params)
+  params.pop("conformance_op", None)
+  params.pop("conformance_platform", None)
+  return (item.originalname, tuple(sorted((k, repr(v))
+                                          for k, v in params.items())))
+
+
+def sample_items(items, op_names):
+  """The items of the default budget, and the deselected rest.
+
+  Among the tests of one function, op ``i`` (in registration order) runs
+  its ``r``-th applicable case when ``(i + r) % stride == 0``, with
+  ``stride = min(n_ops // OPS_PER_CASE, n)`` and ``n`` the op's number of
+  applicable cases: every op runs at least one applicable case of every
+  function, and the cases are spread evenly over the ops (each on about
+  ``n_ops / stride`` of them). Cases known not to apply (a parity dtype the
+  op cannot take) are deselected.
+  """
+  stride = len(op_names) // OPS_PER_CASE
+  if stride <= 1:
+    return list(items), []
+  op_index = {n: i for i, n in enumerate(op_names)}
+  rank = {}  # (function, op) -> {case key: rank among the op's cases}
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    family = item.get_closest_marker("conformance_family")
+    if (callspec is None or family is None or "conformance_op" not in
+        callspec.params or family.args[0] in UNSAMPLED_FAMILIES
+        or not _applies(item)):
+      continue
+    per_op = rank.setdefault(
+        (item.originalname, callspec.params["conformance_op"].name), {})
+    per_op.setdefault(_case_key(item), len(per_op))
+  keep, drop = [], []
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "conformance_op" not in callspec.params:
+      keep.append(item)
+      continue
+    op = callspec.params["conformance_op"].name
+    per_op = rank.get((item.originalname, op))
+    family = item.get_closest_marker("conformance_family")
+    if family is not None and family.args[0] in UNSAMPLED_FAMILIES:
+      keep.append(item)
+    elif not per_op or not _applies(item):
+      (drop if family is not None else keep).append(item)
+    else:
+      r = per_op[_case_key(item)]
+      n = min(stride, len(per_op))
+      (keep if (op_index.get(op, 0) + r) % n == 0 else drop).append(item)
+  return keep, drop
+
+
+def _applies(item) -> bool:
+  """False for a case known not to apply to the item's op."""
+  if item.originalname != "test_backward_parity":
+    return True
+  from conformance import checks  # pylint: disable=g-import-not-at-top
+  params = item.callspec.params
+  return not checks.parity_not_applicable(params["conformance_op"],
+                                          params.get("case", ""))
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """Samples the default budget (see :func:`sample_items`); records op,
+  family and platform of each test (for the summary table), and the
+  platforms that are absent."""
+  del session
+  if not thorough() and any(getattr(item, "callspec", None) is not None and
+                            "conformance_op" in item.callspec.params
+                            for item in items):
+    keep, drop = sample_items(items, [op.name for op in
+                                      selected_ops(config)])
+    if drop:
+      config.hook.pytest_deselected(items=drop)
+      items[:] = keep
   absent = None
   for item in items:
     callspec = getattr(item, "callspec", None)

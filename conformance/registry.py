@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable
 
 import jax
@@ -41,10 +42,30 @@ class OpSpec:
 _REGISTRY: dict[str, OpSpec] = {}
 
 
+#: Op name -> the module that registered it (the sharded runner, a process
+#: of its own, imports these to see the same ops).
+_MODULES: dict[str, str] = {}
+
+
 def register(spec: OpSpec) -> OpSpec:
-  """Adds ``spec`` to the suite; re-registering a name replaces it."""
+  """Adds ``spec`` to the suite; re-registering a name replaces it.
+
+  The calling module is recorded: the sharded family's runner subprocess
+  imports it to register the same op (so register at a module's top level,
+  in a module importable from the directory pytest runs in, such as your
+  ``conftest.py``, or name it with ``--conformance-modules``).
+  """
   _REGISTRY[spec.name] = spec
+  caller = sys._getframe(1).f_globals.get("__name__", "")  # pylint: disable=protected-access
+  if caller and caller != "__main__":
+    _MODULES[spec.name] = caller
   return spec
+
+
+def registering_modules(names) -> list[str]:
+  """The modules that registered the ops ``names`` (built-ins excluded)."""
+  return sorted({_MODULES[n] for n in names if n in _MODULES
+                 and not _MODULES[n].startswith("conformance.ops")})
 
 
 def registered_ops() -> list[OpSpec]:

@@ -18,7 +18,7 @@ from conformance.registry import registered_ops
 
 pytestmark = pytest.mark.conformance
 
-BUDGET, THOROUGH_BUDGET = 6, 150
+BUDGET, THOROUGH_BUDGET = 3, 150
 
 
 

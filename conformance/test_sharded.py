@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from conformance import plugin
+from conformance import registry
 from conformance import runner
 from conformance import sharded
 
@@ -16,14 +18,16 @@ pytestmark = pytest.mark.conformance
 
 @pytest.fixture(scope="session")
 def sharded_records(tmp_path_factory, pytestconfig):
-  ops = pytestconfig.getoption("--conformance-ops")
+  ops = [op.name for op in plugin.selected_ops(pytestconfig)]
+  modules = sorted(set(registry.registering_modules(ops)) | set(
+      plugin.extra_modules(pytestconfig)))
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  outcome = runner.run_once(
+  return runner.run_once(
       "conformance-sharded",
-      runner.python_cmd("conformance.sharded", "--ops", ops),
-      tmp_path_factory, env=env)
-  return outcome
+      runner.python_cmd("conformance.sharded", "--ops", ",".join(ops),
+                        "--modules", ",".join(modules)),
+      tmp_path_factory, env=env, cwd=str(pytestconfig.rootpath))
 
 
 @pytest.mark.conformance_family("sharded")

@@ -7,7 +7,9 @@ In the spirit of ``dm_env``'s ``EnvironmentTestMixin``: mix it into a
                          absltest.TestCase):
     op_spec = scaled_linear.SPEC
 
-Every family runs on the default platform; each case is a ``subTest``.
+Every family but ``sharded`` (which needs a process of its own: use the
+pytest plugin) runs on the default platform; each case is a ``subTest``, and
+a family none of whose cases applies to the op fails.
 """
 
 from __future__ import annotations
@@ -30,12 +32,27 @@ class GramOpTestMixin:
     return self.op_spec
 
   def _each(self, label, cases, run):
+    """Runs every case as a subTest; fails if none of them applies (a family
+    that checked nothing must not pass)."""
+    applied = 0
+    cases = list(cases)
     for case in cases:
       with self.subTest(**{label: case}):  # pytype: disable=attribute-error
         try:
+          applied += 1  # A failure below counts: it checked something.
           run(case)
         except checks.NotApplicable:
-          pass
+          applied -= 1
+    if cases and not applied:
+      raise AssertionError(
+          f"{type(self).__name__}: none of the {len(cases)} cases "
+          f"({label}s) applies to op {self._spec().name!r}, so this family "
+          "checked nothing.")
+
+  def test_reference_equality(self):
+    cases = [(c, v) for c in checks.REFERENCE_CASES for v in (False, True)]
+    self._each("case", cases, lambda c: checks.check_reference_equality(
+        self._spec(), c[0], c[1]))
 
   def test_backward_parity(self):
     self._each("dtype", list(checks.DTYPE_CASES),

@@ -12,3 +12,6 @@ napoleon_google_docstring = True
 autodoc_member_order = "bysource"
 exclude_patterns = ["_build"]
 html_theme = "alabaster"
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
+html_theme_options = {"page_width": "1100px", "body_max_width": "none"}

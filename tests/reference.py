@@ -21,8 +21,10 @@ def per_example_grads(per_example_loss, params, *batch, in_axes=0):
   def loss_one(p, *example):
     example = jax.tree.map(lambda a: a[None], example)
     return per_example_loss(p, *example)
-  grads = jax.vmap(jax.grad(loss_one), in_axes=(None,) + (in_axes,) * len(batch))(
-      params, *batch)
+  # Under jit: one compilation, not one per primitive (op-by-op dispatch).
+  grads = jax.jit(jax.vmap(jax.grad(loss_one),
+                           in_axes=(None,) + (in_axes,) * len(batch)))(
+                               params, *batch)
   leaves = jax.tree.leaves(grads)
   b = leaves[0].shape[0]
   return jnp.concatenate(

@@ -1,6 +1,7 @@
 """The documented extension path: a third party's op, module and handler
 (``conformance/examples/scaled_linear.py``) inside ``track()``, against the
-reference, and every float dtype of the op's reference family."""
+reference (the op's own families, every dtype included, run in
+tests/test_conformance_example.py)."""
 
 import haiku as hk
 import jax
@@ -8,7 +9,6 @@ import jax.numpy as jnp
 import pytest
 
 import gram_haiku
-from conformance import checks
 from conformance.examples import scaled_linear
 from tests.reference import assert_gram_close
 from tests.reference import reference_gram
@@ -80,8 +80,3 @@ def test_untracked_forward_is_the_plain_module():
   assert set(params["scaled_linear"]) == {"w", "s"}
   want = params["scaled_linear"]["s"] * x @ params["scaled_linear"]["w"]
   assert jnp.allclose(f.apply(params, None, x), want, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", checks.REFERENCE_CASES)
-def test_example_op_reference_every_dtype(case):
-  checks.check_reference_equality(scaled_linear.SPEC, case, vmapped=False)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from conformance.plugin import thorough
 from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
 from tests.reference import assert_gram_close
 from tests.reference import reference_gram
@@ -384,7 +385,7 @@ def test_bad_mode():
     gram_haiku.track(mode="full")
 
 
-@pytest.mark.parametrize("b", [1, 2, 10, 20])
+@pytest.mark.parametrize("b", [1, 2, 10, 20] if thorough() else [1, 10])
 def test_mean_loss_scales_by_one_over_b_squared(b):
   # C10: sum loss gives the reference, mean loss gives reference / B**2.
   x, y = _data(19, (b, 10), 4)

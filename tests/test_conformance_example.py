@@ -23,6 +23,20 @@ class MissingSpecTest(absltest.TestCase):
       Incomplete("test_backward_parity").test_backward_parity()
 
 
+class NothingAppliesTest(absltest.TestCase):
+
+  def test_a_family_that_checks_nothing_fails(self):
+    class AllInapplicable(testing.GramOpTestMixin, absltest.TestCase):
+      op_spec = scaled_linear.SPEC
+
+      def test_nothing(self):
+        def never(case):
+          raise checks.NotApplicable(f"not for {case}")
+        self._each("case", ["a", "b"], never)
+    with self.assertRaisesRegex(AssertionError, "checked nothing"):
+      AllInapplicable("test_nothing").test_nothing()
+
+
 def test_example_is_exact():
   checks.check_vmap_depth_invariance(scaled_linear.SPEC, (0, 1), (0, 0),
                                      "outside")

@@ -1,0 +1,158 @@
+"""The multi-device runner protocol (conformance/runner.py) and the
+``python -m conformance`` command line."""
+
+import json
+import sys
+
+import pytest
+
+from conformance import __main__ as conformance_main
+from conformance import runner
+
+
+class _Factory:
+  """A stand-in for pytest's tmp_path_factory, outside xdist."""
+
+  def __init__(self, path):
+    self._path = path
+
+  def getbasetemp(self):
+    return self._path
+
+
+def _script(tmp_path, body):
+  path = tmp_path / "runner_script.py"
+  path.write_text(body)
+  return [sys.executable, str(path), "{out}"]
+
+
+def test_runs_once_and_shares_the_records(tmp_path, monkeypatch):
+  monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+  count = tmp_path / "count"
+  cmd = _script(tmp_path, (
+      "import json, sys, pathlib\n"
+      f"p = pathlib.Path({str(count)!r})\n"
+      "p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1')\n"
+      "json.dump([{'case': 'a', 'status': 'pass'}], open(sys.argv[1], 'w'))\n"))
+  first = runner.run_once("r", cmd, _Factory(tmp_path))
+  second = runner.run_once("r", cmd, _Factory(tmp_path))
+  assert first.get() == second.get() == [{"case": "a", "status": "pass"}]
+  assert count.read_text() == "1"
+
+
+def test_a_failed_runner_fails_one_test_and_skips_the_rest(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+  cmd = _script(tmp_path, "import sys\nprint('boom: the cause', "
+                "file=sys.stderr)\nsys.exit(3)\n")
+  outcome = runner.run_once("bad", cmd, _Factory(tmp_path))
+  with pytest.raises(pytest.fail.Exception, match="(?s)status 3.*boom: the "
+                     "cause"):
+    outcome.get()
+  with pytest.raises(pytest.skip.Exception, match="reported once"):
+    outcome.get()
+  # Another worker reading the same outcome skips too.
+  again = runner.run_once("bad", cmd, _Factory(tmp_path))
+  with pytest.raises(pytest.skip.Exception):
+    again.get()
+  state = json.loads((tmp_path / "runner-bad.result.json").read_text())
+  assert state["reported"]
+
+
+def test_timeout_message_names_the_setting(tmp_path, monkeypatch):
+  monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+  monkeypatch.setenv(runner.TIMEOUT_ENV, "1")
+  cmd = _script(tmp_path, "import time\ntime.sleep(30)\n")
+  outcome = runner.run_once("slow", cmd, _Factory(tmp_path))
+  with pytest.raises(pytest.fail.Exception,
+                     match=f"longer than 1 s.*{runner.TIMEOUT_ENV}"):
+    outcome.get()
+
+
+def test_timeout_setting(monkeypatch):
+  monkeypatch.delenv(runner.TIMEOUT_ENV, raising=False)
+  assert runner.timeout_s() == runner.DEFAULT_TIMEOUT_S
+  assert runner.timeout_s(default=5) == 5
+  monkeypatch.setenv(runner.TIMEOUT_ENV, "0")
+  assert runner.timeout_s() is None
+  monkeypatch.setenv(runner.TIMEOUT_ENV, "soon")
+  with pytest.raises(ValueError, match="CONFORMANCE_TIMEOUT_S='soon'"):
+    runner.timeout_s()
+
+
+def test_shared_dir_is_the_runs_under_xdist(tmp_path, monkeypatch):
+  worker = tmp_path / "popen-gw1"
+  worker.mkdir()
+  monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+  assert runner._shared_dir(_Factory(worker)) == tmp_path  # pylint: disable=protected-access
+  monkeypatch.delenv("PYTEST_XDIST_WORKER")
+  assert runner._shared_dir(_Factory(worker)) == worker  # pylint: disable=protected-access
+
+
+def test_conformance_cli_help_shows_our_options(capsys):
+  with pytest.raises(SystemExit) as e:
+    conformance_main.pytest_args(["--help"])
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  for option in ("--ops", "--thorough", "--timeout", "--pytest-help"):
+    assert option in out
+  assert len(out.splitlines()) < 40
+
+
+def test_conformance_cli_translates_options_and_runs_in_parallel():
+  args = conformance_main.pytest_args(["--ops", "linear", "--thorough",
+                                       "--timeout", "60", "-x"])
+  assert args[:1] == ["-x"]
+  assert args[args.index("--conformance-ops") + 1] == "linear"
+  assert "--conformance-thorough" in args
+  assert args[args.index("--conformance-timeout") + 1] == "60"
+  assert args[-2:] == ["-n", "auto"]  # pytest-xdist is installed here
+  assert "auto" not in conformance_main.pytest_args(["-n", "0"])
+  assert conformance_main.pytest_args(["--pytest-help"])[0] == "--help"
+
+
+class _Op:
+  def __init__(self, name):
+    self.name = name
+
+
+class _Marker:
+  def __init__(self, family):
+    self.args = (family,)
+
+
+class _Item:
+  """What :func:`conformance.plugin.sample_items` reads of a pytest item."""
+
+  def __init__(self, fn, family, op, case):
+    self.originalname = fn
+    self._family = family
+    self.callspec = type("CallSpec", (), {})()
+    self.callspec.params = {"conformance_op": _Op(op), "case": case,
+                            "conformance_platform": "cpu"}
+
+  def get_closest_marker(self, name):
+    assert name == "conformance_family"
+    return _Marker(self._family)
+
+
+@pytest.mark.parametrize("n_ops,n_cases", [(16, 6), (16, 17), (5, 4), (3, 9),
+                                            (1, 6), (16, 2)])
+def test_default_budget_runs_every_family_on_every_op(n_ops, n_cases):
+  from conformance import plugin  # pylint: disable=g-import-not-at-top
+  ops = [f"op{i}" for i in range(n_ops)]
+  items = [_Item("test_f", "vmap", op, case) for op in ops
+           for case in range(n_cases)]
+  items += [_Item("test_s", "sharded", op, c) for op in ops for c in range(3)]
+  keep, drop = plugin.sample_items(items, ops)
+  assert len(keep) + len(drop) == len(items)
+  kept = {(i.originalname, i.callspec.params["conformance_op"].name,
+           i.callspec.params["case"]) for i in keep}
+  for op in ops:  # every op runs the family
+    assert any(k[0] == "test_f" and k[1] == op for k in kept), op
+    assert all(("test_s", op, c) in kept for c in range(3))  # not sampled
+  for case in range(n_cases):  # every case runs on enough ops
+    on = sum(1 for k in kept if k[0] == "test_f" and k[2] == case)
+    assert on >= min(n_ops, plugin.OPS_PER_CASE), (case, on)
+  if n_ops <= plugin.OPS_PER_CASE:
+    assert not drop
