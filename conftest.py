@@ -11,3 +11,10 @@ whose HLO collective counts are checked) keep JAX's defaults.
 import jax
 
 jax.config.update("jax_disable_most_optimizations", True)
+
+# The documented third-party example runs every family in our own run, as a
+# registered op (the sharded family's runner imports this module for it).
+import conformance  # pylint: disable=g-import-not-at-top,wrong-import-position
+from conformance.examples import scaled_linear  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+conformance.register(scaled_linear.SPEC)

@@ -46,11 +46,15 @@ VMAP_ENTRIES = ("MLP",)
 # covered by a kindred case (tied-LM holds a transformer block; the
 # shard_map_rnn cases run dynamic_unroll with the carry cast to varying,
 # which the zoo's RNNs, untracked too, cannot run under shard_map).
-# ResNet-GroupNorm is GroupNorm and Conv2D, each a case of its own; the
-# shard_map_rnn cases share a module over steps as GRU-static does.
+# ResNet-GroupNorm is GroupNorm and Conv2D; the shard_map_rnn cases share a
+# module over steps as GRU-static does; the single layers below are each a
+# registered op of the conformance suite, whose sharded family runs them
+# under shard_map and jit (Auto and Explicit) in every default run.
 ALL_ONLY = ("transformer-block", "GRU-dynamic", "LSTM-dynamic", "Conv1D",
             "Conv3D", "RMSNorm", "InstanceNorm", "LSTM-static",
-            "mixed-precision-track-first", "ResNet-GroupNorm", "GRU-static")
+            "mixed-precision-track-first", "ResNet-GroupNorm", "GRU-static",
+            "Linear", "Conv2D", "Conv2D-grouped-dilated", "Conv2DTranspose",
+            "LayerNorm", "Bias", "Embed-one-hot", "BatchNorm-eval")
 TWO_D_ENTRIES = ("MLP",)
 JIT_ENTRIES = ("MLP", "tied-LM")
 

@@ -146,6 +146,8 @@ class GramAffine(base.GramOp):
       out.append(go)
     return out
 
+  sharding_aware = True  # gathers columns, row-sharded contractions
+
   def gram(self, x, g, params, example_dim):
     f = self._flat_per_example(x, g, params, example_dim)
     return gram_math.gram_matmul(f, f)

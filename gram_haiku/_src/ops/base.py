@@ -112,6 +112,14 @@ class GramOp(hx.VJPHiPrimitive):
     """The plain layer: the same ops as the Haiku module, any leading axes."""
     raise NotImplementedError
 
+  #: Whether :meth:`gram` handles a sharded example axis itself: gathering
+  #: its column factors under ``shard_map`` and giving its contractions row
+  #: shardings under Explicit meshes. If False (the default, for your own
+  #: rules), the Gram of a sharded example axis is formed from per-example
+  #: gradients instead (exact, at ``B x P`` memory), and ``gram`` only ever
+  #: sees one device's whole batch.
+  sharding_aware: bool = False
+
   def gram(self, x, g, params, example_dim: int) -> jax.Array:
     """``(B, B)`` Gram of the per-example parameter gradients.
 
@@ -376,6 +384,13 @@ class GramOp(hx.VJPHiPrimitive):
   def _probe_cotangent(self, x, g, params):
     e = self.example_axis.resolved_position()
     if self.mode == "gram":
+      if not self.sharding_aware and (
+          example_sharding.active_gather() or
+          gram_math.explicit_spec(x) is not None):
+        # A subclass's own `gram` sees one device's examples and knows no
+        # mesh: use the exact per-example path, which gathers its columns
+        # (shard_map) and places its rows (Explicit meshes).
+        return GramOp.gram(self, x, g, params, e)
       return self.gram(x, g, params, e)
     if self.mode == "norms":
       return self.sq_norms(x, g, params, e)

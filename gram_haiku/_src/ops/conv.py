@@ -386,6 +386,8 @@ class GramConv(base.GramOp):
       provided[1] = gram_math.example_sum(db).reshape(b.shape).astype(b.dtype)
     return value, provided
 
+  sharding_aware = True  # gathers columns, row-sharded contractions
+
   def gram(self, x, g, params, example_dim):
     return self._grouped(x, g, params, example_dim, norms=False)
 

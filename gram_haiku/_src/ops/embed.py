@@ -411,6 +411,8 @@ class GramEmbed(base.GramOp):
     d = jnp.where((weight > 0)[:, :, None], d.astype(acc), 0)
     return key, weight, d, num_keys, acc
 
+  sharding_aware = True  # gathers columns, row-sharded contractions
+
   def gram(self, x, g, params, example_dim):
     (embeddings,) = params
     key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,

@@ -45,6 +45,8 @@ class GramLinear(base.GramOp):
   def forward(self, x, w, b):
     return linear_forward(x, w, b, self.precision)
 
+  sharding_aware = True  # gathers columns, row-sharded contractions
+
   def gram(self, x, g, params, example_dim):
     return gram_math.linear_gram(x, g, example_dim=example_dim,
                                  with_bias=params[1] is not None,
