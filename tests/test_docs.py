@@ -74,14 +74,12 @@ def test_docstring_examples_run():
   """Every ``>>>`` example in the shipped packages' docstrings."""
   finder = doctest.DocTestFinder(exclude_empty=True)
   runner = doctest.DocTestRunner(optionflags=doctest_file.FLAGS)
-  attempted = 0
   for name in _public_modules():
     module = importlib.import_module(name)
     for test in finder.find(module):
       runner.run(test)
   results = runner.summarize(verbose=False)
-  attempted = results.attempted
-  assert attempted > 0, "no docstring examples found"
+  assert results.attempted > 0, "no docstring examples found"
   assert results.failed == 0, f"{results.failed} docstring examples failed"
 
 
