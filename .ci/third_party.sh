@@ -29,7 +29,8 @@ class ShiftedLinearOp(gram_haiku.GramOp):
   def forward(self, x, w, c):
     return jnp.dot(x, w) + c
 
-  def gram(self, x, g, params, example_dim):
+  def gram(self, x, g, params, example_dim, cfg):
+    del cfg
     acc = jnp.promote_types(x.dtype, jnp.float32)
     x = jnp.moveaxis(x, example_dim, 0).astype(acc)
     g = jnp.moveaxis(g, example_dim, 0).astype(acc)

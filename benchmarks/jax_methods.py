@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
+from gram_haiku._src import reference
 from benchmarks.models import Bench
 
 JAX_METHODS = ("plain", "gram", "norms", "naive")
@@ -165,8 +166,7 @@ def check(prep: Prepared, method: str, tracked_out, naive_out,
   got = np.asarray(tracked_out[2], np.float64)
   if method == "norms":
     ref = np.sqrt(np.maximum(np.diagonal(ref), 0))
-  scale = max(np.abs(ref).max(), 1e-30)
-  err = float(np.abs(got - ref).max() / scale)
+  err = reference.relative_error(got, ref)
   if not np.isfinite(err) or err > rtol:
     return f"wrong result: max relative error {err:.2e} against vmap(grad)"
   return None

@@ -9,7 +9,7 @@ op.
 Run it with ``python -m conformance`` (in parallel, with a summary table),
 ``pytest --pyargs conformance`` (an installed package needs ``--pyargs``),
 the absltest mixin :class:`conformance.testing.GramOpTestMixin`, or ``tox -e
-conformance``; see ``docs/conformance.rst``.
+conformance``; see the Conformance page of the documentation.
 """
 
 from conformance.registry import OpSpec

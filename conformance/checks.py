@@ -29,18 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance.registry import OpSpec
+from gram_haiku._src import reference
 from gram_haiku import ExampleAxis
 
 #: dtype case -> (rtol, atol as a fraction of the reference's max |entry|).
 #: f32: reordered float32 reductions; bf16/f16: the op computes in the low
 #: precision dtype while the reference runs in float32.
-TOLERANCES = {
-    "float32": (1e-4, 3e-5),
-    "float64": (1e-10, 1e-12),
-    "bfloat16": (2e-2, 2e-2),
-    "float16": (1e-2, 1e-2),
-    "mixed": (2e-2, 2e-2),  # bfloat16 parameters, float32 activations
-}
+#: dtype case -> (rtol, atol as a fraction of the reference's largest entry):
+#: gram_haiku's one tolerance table.
+TOLERANCES = reference.TOLERANCES
 
 #: Parity dtype cases: name -> (parameter dtype, activation dtype).
 DTYPE_CASES = {
@@ -89,26 +86,15 @@ def make_problem(spec: OpSpec, lead, param_dtype="float32",
   return params, x
 
 
-def _upcast(tree):
-  def up(a):
-    if jnp.issubdtype(a.dtype, jnp.inexact):
-      return a.astype(jnp.promote_types(a.dtype, jnp.float32))
-    return a
-  return jax.tree.map(up, tree)
-
-
 def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
   """``F``: ``[B, P]`` from ``vmap(grad)`` of the plain op, in float64.
 
-  Each example is evaluated alone, as a batch of one, at float32 or wider.
+  Each example is evaluated alone, as a batch of one, at float32 or wider
+  (:func:`gram_haiku._src.reference.per_example_grads`).
   """
-  def one(p, xi):
-    return _loss(spec.plain(p, xi[None]))
-  # Under jit: one compilation, not one per primitive (op-by-op dispatch).
-  g = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, 0)))(_upcast(params),
-                                                          _upcast(x))
-  return np.concatenate([np.asarray(l, np.float64).reshape(x.shape[0], -1)
-                         for l in jax.tree.leaves(g)], axis=1)
+  f = reference.per_example_grads(lambda p, xi: _loss(spec.plain(p, xi)),
+                                  params, x, upcast=True)
+  return np.asarray(f, np.float64)
 
 
 def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
@@ -119,13 +105,8 @@ def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
 
 def assert_close(got, ref, case="float32", what="Gram"):
   """``got`` equals ``ref`` within the tolerance of dtype ``case``."""
-  rtol, atol = TOLERANCES[case]
-  ref = np.asarray(ref, np.float64)
-  got = np.asarray(got, np.float64)
-  chex.assert_shape(got, ref.shape)
-  np.testing.assert_allclose(
-      got, ref, rtol=rtol, atol=atol * max(np.abs(ref).max(), 1e-30),
-      err_msg=f"{what} differs from the reference F @ F.T ({case})")
+  chex.assert_shape(np.asarray(got), np.shape(ref))
+  reference.assert_gram_close(got, ref, case, what=what)
 
 
 # -- parity ------------------------------------------------------------------
@@ -398,10 +379,7 @@ def check_scan_stacked(spec: OpSpec, seed=0):
   def plain_all(p, xi):
     return jax.lax.scan(lambda c, pl: (c + _loss(spec.plain(pl, xi)), None),
                         0.0, p)[0]
-  f = jax.jit(jax.vmap(jax.grad(lambda p, xi: plain_all(p, xi[None])),
-                       in_axes=(None, 0)))(params, x)
-  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                      for l in jax.tree.leaves(f)], axis=1)
+  ref = reference.reference_gram(plain_all, params, x)
 
   def loss(probes, x):
     def body(c, pl_probe):
@@ -409,7 +387,7 @@ def check_scan_stacked(spec: OpSpec, seed=0):
       return c + _loss(spec.apply(pl, probe, x)), None
     return jax.lax.scan(body, 0.0, (params, probes))[0]
   grams = jax.jit(jax.grad(loss))(_probe((L, B, B)), x)
-  assert_close(grams.sum(0), f @ f.T, what="Gram of lax.scan over layers")
+  assert_close(grams.sum(0), ref, what="Gram of lax.scan over layers")
 
 
 def _num_params(params):
@@ -451,16 +429,13 @@ def check_shared_twice(spec: OpSpec, seed=0):
 
   def plain(p, xi, x2i):
     return _loss(spec.plain(p, xi)) + _loss(spec.plain(p, x2i))
-  f = jax.jit(jax.vmap(jax.grad(lambda p, a, c: plain(p, a[None], c[None])),
-                       in_axes=(None, 0, 0)))(_upcast(params), x, x2)
-  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                      for l in jax.tree.leaves(f)], axis=1)
+  ref = reference.reference_gram(plain, params, x, x2, upcast=True)
 
   def loss(probe):
     return (_loss(spec.apply(params, probe, x, mode="per_example")) +
             _loss(spec.apply(params, probe, x2, mode="per_example")))
   g = np.asarray(jax.jit(jax.grad(loss))(_probe((B, P))), np.float64)
-  assert_close(g @ g.T, f @ f.T, what="Gram of a twice-applied op")
+  assert_close(g @ g.T, ref, what="Gram of a twice-applied op")
 
 
 def check_norms_mode(spec: OpSpec, seed=0):

@@ -20,6 +20,7 @@ import numpy as np
 
 from conformance import checks
 from conformance.registry import OpSpec
+from gram_haiku._src import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,12 +88,8 @@ def check_random_model(model: RandomModel):
   b = model.batch
 
   def plain_one(params, xi):
-    return checks._loss(run(params, None, xi[None], tracked=False))  # pylint: disable=protected-access
-  up = checks._upcast  # pylint: disable=protected-access
-  f = jax.vmap(jax.grad(plain_one), in_axes=(None, 0))(up(params), x)
-  f = np.concatenate([np.asarray(l, np.float64).reshape(b, -1)
-                      for l in jax.tree.leaves(f)], axis=1)
-  ref = f @ f.T
+    return checks._loss(run(params, None, xi, tracked=False))  # pylint: disable=protected-access
+  ref = reference.reference_gram(plain_one, params, x, upcast=True)
 
   order = checks.layout_order(model.in_axes, 2) + list(range(2, x.ndim))
   xs = jnp.transpose(x, order)

@@ -7,7 +7,7 @@ every platform present computes the Gram sharded and on one device, and
 writes one record per case to ``OUT``. ``conformance/test_sharded.py``
 starts it once per pytest session and turns each record into a test.
 
-Layouts (see ``docs/distributed.rst``):
+Layouts (see the Distributed page of the documentation):
 
 * ``jit_auto``: ``jit`` with the input ``NamedSharding(mesh, P("data"))``,
   mesh axis type Auto.

@@ -7,24 +7,32 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`value_grad_and_gram`: loss, parameter gradients and :class:`Grams`.
 * :func:`resize_probes`: size the probes for the raw ``jax.grad`` path.
 * :func:`gram_linear`: the linear-layer primitive itself.
-* :class:`GramOp`: base class for writing a Gram rule for your own layer,
-  and :func:`register_layer` to route a Haiku module to it in ``track()``.
+* :class:`GramOp`: base class for writing a Gram rule for your own layer
+  (:class:`GramFunction` for a layer given as a function), the
+  :class:`Plan` it is bound with, and :func:`register_layer` to route a
+  Haiku module to it in ``track()`` (its handler applies the op through a
+  :class:`LayerCall`).
 """
 
+# Registers the built-in layer handlers (hk.Linear, hk.Conv*, hk.Embed, ...).
+from gram_haiku._src import layers as _layers  # noqa: F401
+from gram_haiku._src.coverage import ParamCoverage
+from gram_haiku._src.coverage import UntrackedParameterWarning
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops.base import GramOp
+from gram_haiku._src.ops.function import GramFunction
 from gram_haiku._src.ops.affine import gram_affine
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
 from gram_haiku._src.ops.embed import gram_embed
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
-from gram_haiku._src.tracking import PROBE_NAME
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.plan import Plan
+from gram_haiku._src.registry import register_layer
 from gram_haiku._src.tied import unembed
-from gram_haiku._src.tracking import ParamCoverage
+from gram_haiku._src.tracking import LayerCall
+from gram_haiku._src.tracking import PROBE_NAME
 from gram_haiku._src.tracking import track
-from gram_haiku._src.tracking import UntrackedParameterWarning
 from gram_haiku._src.value_grad_and_gram import resize_probes
 from gram_haiku._src.value_grad_and_gram import value_grad_and_gram
 
@@ -32,10 +40,13 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ExampleAxis",
+    "GramFunction",
     "GramOp",
     "Grams",
+    "LayerCall",
     "PROBE_NAME",
     "ParamCoverage",
+    "Plan",
     "UntrackedParameterWarning",
     "gram_affine",
     "gram_conv",

@@ -5,7 +5,7 @@
 runs every case below and writes one record per case to ``OUT``;
 ``tests/test_distributed.py`` starts it once and turns each record into a
 test. Every Gram is compared with ``F @ F.T`` of the untracked model on one
-device (:mod:`tests.reference`), every gradient with ``jax.grad`` of it.
+device (:mod:`gram_haiku._src.reference`), every gradient with ``jax.grad`` of it.
 
 Cases:
 
@@ -75,7 +75,7 @@ def _problem(entry, style, seed=0):
   import haiku as hk  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   fn = entry.fn if style == "explicit" else hk.vmap(entry.fn,
                                                      split_rng=False)
@@ -94,7 +94,7 @@ def _problem(entry, style, seed=0):
 
 def _tolerance(entry):
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from tests import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
   return (reference.RTOL_BF16 if layer_zoo.is_low_precision(entry)
           else reference.RTOL_F32)
 
@@ -172,7 +172,7 @@ def case_shard_map(entry_name, style, mesh_shape=(N_DEVICES,),
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
 
   entry = layer_zoo.BY_NAME[entry_name]
   tracked, x, params, state, ref, grads, plain_loss = _problem(entry, style)
@@ -211,8 +211,8 @@ def case_rnn_shard_map(core_name):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   def make(tracked, sharded):
     def loss(x):  # x: (B, T, F)
@@ -288,8 +288,8 @@ def _norms_and_collectives():
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from benchmarks import collectives  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from tests.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   make, x = _mlp_norms_problem()
   mesh = jax.make_mesh((N_DEVICES,), ("data",),
@@ -342,7 +342,7 @@ def case_jit(axis_type_name, entry_name):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
 
   entry = layer_zoo.BY_NAME[entry_name]
   tracked, x, params, state, ref, grads, plain_loss = _problem(entry,
@@ -373,8 +373,8 @@ def case_jit_mixed_modes():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from tests.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from tests.reference import per_example_grads  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.reference import per_example_grads  # pylint: disable=g-import-not-at-top
 
   def make(tracked):
     def loss(x):

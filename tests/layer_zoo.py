@@ -32,8 +32,8 @@ import jmp
 import numpy as np
 
 import gram_haiku
-from tests.reference import reference_gram
-from tests.reference import rel_err
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import relative_error as rel_err
 
 B, K = 4, 2
 STYLES = ("explicit", "vmap1", "vmap2", "eager")

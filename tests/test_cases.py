@@ -12,8 +12,8 @@ import numpy as np
 import gram_haiku
 from gram_haiku import gram_linear
 from gram_haiku._src.ops import linear as linear_op
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
 
 
 def _mlp_problem(seed, b=6):

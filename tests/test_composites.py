@@ -11,8 +11,8 @@ import pytest
 import gram_haiku
 from conformance.plugin import thorough
 from tests import layer_zoo
-from tests.reference import assert_gram_close
-from tests.reference import RTOL_BF16
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import RTOL_BF16
 
 def _cases():
   """Every entry in every style with ``--conformance-thorough``; by default

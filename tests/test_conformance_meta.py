@@ -14,22 +14,16 @@ from conformance.ops.linear import _linear_params
 from conformance.ops.linear import _linear_plain
 from conformance.registry import normal
 from conformance.registry import OpSpec
-from gram_haiku import ExampleAxis
 from gram_haiku import gram_linear
-from gram_haiku._src import gram_math
-from gram_haiku._src.ops import base
+from gram_haiku._src import kernels
 from gram_haiku._src.ops.linear import GramLinear
 
 
 def _spec(op_cls, with_bias=True, apply=None):
   def default_apply(p, probe, x, example_axis=None, mode="gram"):
-    if example_axis is None:
-      example_axis = ExampleAxis.from_spec(None)
-    prim = op_cls(base.aval_of(x), (base.aval_of(p["w"]),
-                                    base.aval_of(p.get("b"))),
-                  base.aval_of(probe), example_axis=example_axis,
-                  precision=None, name="broken", strategy="ghost", mode=mode)
-    return prim(x, p["w"], p.get("b"), probe)
+    return op_cls.apply(x, (p["w"], p.get("b")), probe, name="broken",
+                        example_axis=example_axis, strategy="ghost",
+                        mode=mode, precision=None)
   return OpSpec(name="broken", make_params=_linear_params(with_bias),
                 make_example=lambda k, lead, dt: normal(k, lead + (5,), dt),
                 apply=apply or default_apply, plain=_linear_plain)
@@ -57,29 +51,36 @@ class OverBatchedLinear(GramLinear):
     return jnp.broadcast_to(out[None], (out.shape[0],) + out.shape), dim
 
 
-class NoCrossTermsLinear(GramLinear):
-  """Sums per-position Grams: drops the cross terms of a sequence.
+class _BrokenGramLinear(GramLinear):
+  """A linear op whose full Gram comes from ``broken_gram`` (norms intact)."""
 
-  (The broken ops run with strategy="ghost", so that their Gram comes from
-  the overridden ``gram``.)
-  """
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
+    if self.mode != "gram":
+      return super().probe_cotangent_and_grads(x, g, params, wanted, cfg)
+    xm, gm = kernels.linear_factors(x, g,
+                                    self.example_axis.resolved_position())
+    return self.broken_gram(xm, gm, params[1] is not None, cfg), {}
 
-  def gram(self, x, g, params, example_dim):
-    xm = gram_math.to_example_major(x, example_dim)
-    gm = gram_math.to_example_major(g, example_dim)
+
+class NoCrossTermsLinear(_BrokenGramLinear):
+  """Sums per-position Grams: drops the cross terms of a sequence."""
+
+  def broken_gram(self, xm, gm, with_bias, cfg):
     total = 0.
     for t in range(xm.shape[1]):
-      total = total + gram_math.linear_gram(
-          xm[:, t], gm[:, t], example_dim=0, with_bias=params[1] is not None)
+      total = total + kernels.linear_gram(
+          xm[:, t:t + 1], gm[:, t:t + 1], with_bias=with_bias,
+          method="ghost", cfg=cfg)
     return total
 
 
-class PhantomBiasLinear(GramLinear):
+class PhantomBiasLinear(_BrokenGramLinear):
   """Adds a bias term to the Gram of a layer that has no bias."""
 
-  def gram(self, x, g, params, example_dim):
-    return gram_math.linear_gram(x, g, example_dim=example_dim,
-                                 with_bias=True)
+  def broken_gram(self, xm, gm, with_bias, cfg):
+    del with_bias
+    return kernels.linear_gram(xm, gm, with_bias=True, method="ghost",
+                               cfg=cfg)
 
 
 def test_wrong_cotangent_dtype_fails_parity():

@@ -19,19 +19,18 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import gram_math
 from gram_haiku._src.layers import conv as conv_layers
 from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
-from tests.reference import assert_gram_close
-from tests.reference import per_example_grads
-from tests.reference import rel_err
-from tests.reference import RTOL_BF16
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import relative_error as rel_err
+from gram_haiku._src.reference import RTOL_BF16
 
 
 def reference_gram(per_example_loss, params, *batch):
-  """``tests.reference.reference_gram`` with ``F`` computed under one ``jit``
+  """``gram_haiku._src.reference.reference_gram`` with ``F`` computed under one ``jit``
   (same ``F``, far fewer compilations on CPU), then ``F @ F.T`` in float64."""
   f = jax.jit(functools.partial(per_example_grads, per_example_loss))(
       params, *batch)
@@ -269,15 +268,15 @@ def test_op_within_example_axis_explicit():
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "materialize"])
-def test_grouped_gram_blocked_by_memory_budget(monkeypatch, strategy):
+def test_grouped_gram_blocked_by_memory_budget(strategy):
   # A tiny budget: the per-group lax.map path (and blocked ghost rows).
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 1000)
   case = CASES["2d_nhwc_s2_groups2"]
   p, x = case.make(9, lead=(5,))
   def loss(probes):
-    return (_head(case.tracked(p, probes[0], x, strategy=strategy)) +
+    return (_head(case.tracked(p, probes[0], x, strategy=strategy,
+                               memory_budget_bytes=1000)) +
             _head(case.tracked(p, probes[1], x, strategy=strategy,
-                               mode="norms")))
+                               mode="norms", memory_budget_bytes=1000)))
   probes = (jnp.zeros((5, 5)), jnp.zeros((5,)))
   assert "scan" in str(jax.make_jaxpr(jax.grad(loss))(probes))
   gram, sq = jax.jit(jax.grad(loss))(probes)
@@ -471,9 +470,9 @@ def test_track_registers_the_method_defining_classes():
       hk.Conv2DTranspose(2, 3)(x)
   hk.transform(fn).init(jax.random.PRNGKey(0), jnp.ones((1, 4, 4, 2)))
   assert seen == [hk.ConvND, hk.ConvNDTranspose]
-  from gram_haiku._src import tracking  # pylint: disable=g-import-not-at-top
-  assert tracking._HANDLERS[hk.ConvND] is conv_layers.conv_nd
-  assert tracking._HANDLERS[hk.ConvNDTranspose] is (
+  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  assert registry.handler_for(hk.ConvND) is conv_layers.conv_nd
+  assert registry.handler_for(hk.ConvNDTranspose) is (
       conv_layers.conv_nd_transpose)
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
 
 
 def _data(seed, b=5, t=3, d=4, out=3):

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import gram_math
+from gram_haiku._src import cost_model
+from gram_haiku._src import kernels
 from gram_haiku._src.ops import embed as embed_op
 from gram_haiku._src.ops.embed import gram_embed
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
-from tests.reference import RTOL_BF16
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import RTOL_BF16
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 STYLES = ("ARRAY_INDEX", "ONE_HOT")
@@ -104,30 +105,33 @@ def test_closed_form_with_repeated_ids(style):
     ("ARRAY_INDEX", "ghost"), ("ARRAY_INDEX", "dense"),
     ("ARRAY_INDEX", "segment"), ("ARRAY_INDEX", "auto"),
     ("ONE_HOT", "ghost"), ("ONE_HOT", "segment")])
-def test_methods_with_out_of_range_ids(style, method, monkeypatch):
+def test_methods_with_out_of_range_ids(style, method):
   # Ids in [-9, 12) with V=6: negative ids wrap (ARRAY_INDEX) or vanish
   # (ONE_HOT); ids still out of range have no gradient.
   e, ids, y = _problem(1, lo=-9, hi=12)
   strategy = {"dense": "materialize", "segment": "materialize"}.get(method,
                                                                     method)
+  budget = kernels.KernelConfig().memory_budget_bytes
   if method == "segment":  # The dense per-example gradients do not fit.
-    monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 5 * 6 * 3 * 4 - 1)
+    budget = 5 * 6 * 3 * 4 - 1
   b, t = ids.shape
-  assert embed_op.choose_method(b, t, 3, 6, 4, strategy) == (
-      method if method != "auto" else embed_op.choose_method(b, t, 3, 6, 4))
+  assert cost_model.embed_method(b, t, 3, 6, 4, strategy=strategy,
+                                 budget=budget) == (
+      method if method != "auto" else cost_model.embed_method(b, t, 3, 6, 4))
   ref = reference_gram(_plain_loss(style), e, ids, y)
-  assert_gram_close(_op_gram(e, ids, y, style, 5, strategy=strategy), ref)
-  norms = _op_gram(e, ids, y, style, 5, strategy=strategy, mode="norms")
+  assert_gram_close(_op_gram(e, ids, y, style, 5, strategy=strategy,
+                             memory_budget_bytes=budget), ref)
+  norms = _op_gram(e, ids, y, style, 5, strategy=strategy, mode="norms",
+                   memory_budget_bytes=budget)
   assert_gram_close(norms, np.diag(ref))
 
 
 @pytest.mark.parametrize("method", ["ghost", "segment"])
-def test_row_blocking_bounds_memory(method, monkeypatch):
+def test_row_blocking_bounds_memory(method):
   e, ids, y = _problem(2, hi=4)
   strategy = "ghost" if method == "ghost" else "materialize"
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 300)
   fn = functools.partial(_op_gram, e, ids, y, "ARRAY_INDEX", 5,
-                         strategy=strategy)
+                         strategy=strategy, memory_budget_bytes=300)
   jaxpr = str(jax.make_jaxpr(lambda: fn())())
   assert "scan" in jaxpr or "while" in jaxpr  # lax.map over row blocks
   assert_gram_close(fn(), reference_gram(_plain_loss("ARRAY_INDEX"), e, ids,
@@ -135,32 +139,34 @@ def test_row_blocking_bounds_memory(method, monkeypatch):
 
 
 @pytest.mark.parametrize("budget", [10**9, 8000, 2000, 1000])
-def test_pair_blocking_same_result(budget, monkeypatch):
+def test_pair_blocking_same_result(budget):
   # Unblocked, row blocks (padded), and row-by-column blocks.
   _, ids, _ = _problem(10, lo=-3, hi=8)
   d = jax.random.normal(jax.random.PRNGKey(11), (5, 8, 3))
   key, weight, _ = embed_op.lookup_keys(ids, 6, "ARRAY_INDEX")
   d = jnp.where((weight > 0)[..., None], d, 0)
-  whole = [embed_op.ghost_gram(key, weight, d),
-           embed_op.segment_gram(key, weight, d)]
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
-  blocked = [embed_op.ghost_gram(key, weight, d),
-             embed_op.segment_gram(key, weight, d)]
+  whole = [embed_op.ghost_gram(key, weight, d, kernels.LOCAL),
+           embed_op.segment_gram(key, weight, d, kernels.LOCAL)]
+  cfg = kernels.KernelConfig(memory_budget_bytes=budget)
+  blocked = [embed_op.ghost_gram(key, weight, d, cfg),
+             embed_op.segment_gram(key, weight, d, cfg)]
   for w, bl in zip(whole, blocked):
     np.testing.assert_allclose(bl, w, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(whole[0], whole[1], rtol=1e-5, atol=1e-5)
 
 
-def test_dense_never_over_budget(monkeypatch):
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 1000)
+def test_dense_never_over_budget():
   # B V D * 4 bytes = 4 * 100 * 8 * 4 > 1000: never the dense form.
   for strategy in ("auto", "materialize"):
-    assert embed_op.choose_method(4, 64, 8, 100, 4, strategy) != "dense"
-  assert embed_op.choose_method(4, 64, 8, 7, 4, "materialize") == "dense"
-  assert embed_op.choose_method(64, 1, 8, 5, 4) == "ghost"
-  assert embed_op.choose_method(8, 512, 64, 50000, 4) == "segment"
+    assert cost_model.embed_method(4, 64, 8, 100, 4, strategy=strategy,
+                                   budget=1000) != "dense"
+  assert cost_model.embed_method(4, 64, 8, 7, 4, strategy="materialize",
+                                 budget=1000) == "dense"
+  assert cost_model.embed_method(64, 1, 8, 5, 4) == "ghost"
+  assert cost_model.embed_method(8, 512, 64, 50000, 4) == "segment"
   with pytest.raises(ValueError, match="Unknown Gram strategy"):
-    embed_op.choose_method(1, 1, 1, 1, 4, "fast")
+    gram_embed(jnp.zeros((2, 3), jnp.int32), jnp.ones((4, 2)),
+               jnp.zeros((2, 2)), strategy="fast")
 
 
 @pytest.mark.parametrize("style,depth,jit", [

@@ -10,8 +10,8 @@ import pytest
 
 import gram_haiku
 from conformance.examples import scaled_linear
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
 
 
 def _model(x):

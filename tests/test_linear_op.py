@@ -11,10 +11,10 @@ import pytest
 from gram_haiku import ExampleAxis
 from gram_haiku import gram_linear
 from gram_haiku._src import errors
-from gram_haiku._src import gram_math
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
-from tests.reference import RTOL_BF16
+from gram_haiku._src import cost_model
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import RTOL_BF16
 
 
 def _problem(seed, b=5, t=3, n=4, m=2, with_bias=True, dtype=jnp.float32):
@@ -127,14 +127,15 @@ def test_strategies_agree(strategy):
   assert_gram_close(_gram(loss, p, x, y, 7), _ref(p, x, y))
 
 
-def test_ghost_blocking_bounds_memory(monkeypatch):
+def test_ghost_blocking_bounds_memory():
   # A budget smaller than one (B, T, B, T) block forces row blocks of 2 with
   # padding (B=7 is not a multiple of 2).
   b, t = 7, 4
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", 2 * (2 * t * b * t * 4))
+  budget = 2 * (2 * t * b * t * 4)
   p, x, y = _problem(6, b=b, t=t)
   def loss(p, probe, x, y):
-    return _head(_tracked(p, probe, x, strategy="ghost"), y)
+    return _head(_tracked(p, probe, x, strategy="ghost",
+                          memory_budget_bytes=budget), y)
   jaxpr = jax.make_jaxpr(functools.partial(_gram, loss, b=b))(p, x=x, y=y)
   assert "scan" in str(jaxpr)  # blocked with lax.map
   assert_gram_close(_gram(loss, p, x, y, b), _ref(p, x, y))
@@ -144,12 +145,12 @@ def test_ghost_blocking_bounds_memory(monkeypatch):
     (3 * 2 * 4 * 4 * 4, "columns"),  # one pair fits, one row of 7 does not
     (2 * 2 * 2 * 4, "positions"),  # one pair's (T, T) kernels do not fit
 ])
-def test_ghost_blocking_over_columns_and_positions(monkeypatch, budget, what):
+def test_ghost_blocking_over_columns_and_positions(budget, what):
   b, t = 7, 4
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
   p, x, y = _problem(8, b=b, t=t)
   def loss(p, probe, x, y):
-    return _head(_tracked(p, probe, x, strategy="ghost"), y)
+    return _head(_tracked(p, probe, x, strategy="ghost",
+                          memory_budget_bytes=budget), y)
   jaxpr = str(jax.make_jaxpr(functools.partial(_gram, loss, b=b))(p, x=x,
                                                                    y=y))
   # Nested loops: rows, then columns (and pairs of position blocks).
@@ -158,13 +159,13 @@ def test_ghost_blocking_over_columns_and_positions(monkeypatch, budget, what):
 
 
 @pytest.mark.parametrize("budget", [2 * 4 * 4 * 4 * 3, 2 * 2 * 2 * 4])
-def test_ghost_norms_blocking(monkeypatch, budget):
+def test_ghost_norms_blocking(budget):
   # Rows of 3 examples; then one example's (T, T) kernels over budget.
   b, t = 7, 4
-  monkeypatch.setattr(gram_math, "MEMORY_BUDGET_BYTES", budget)
   p, x, y = _problem(9, b=b, t=t)
   def loss(p, probe):
-    return _head(_tracked(p, probe, x, strategy="ghost", mode="norms"), y)
+    return _head(_tracked(p, probe, x, strategy="ghost", mode="norms",
+                          memory_budget_bytes=budget), y)
   sq = jax.grad(loss, argnums=1)(p, jnp.zeros((b,)))
   np.testing.assert_allclose(sq, np.diag(_ref(p, x, y)), rtol=1e-4)
 
@@ -182,12 +183,19 @@ def test_zero_positions(mode):
 
 
 def test_cost_model_choice():
-  assert gram_math.choose_strategy(128, 1, 784, 512, 4) == "ghost"
-  assert gram_math.choose_strategy(8, 512, 16, 16, 4) == "materialize"
+  assert cost_model.linear_method(128, 1, 784, 512, 4) == "ghost"
+  assert cost_model.linear_method(8, 512, 16, 16, 4) == "materialize"
   # Materialised gradients that would not fit the budget: ghost.
-  assert gram_math.choose_strategy(4096, 512, 4096, 4096, 4) == "ghost"
+  assert cost_model.linear_method(4096, 512, 4096, 4096, 4) == "ghost"
+  assert cost_model.linear_method(8, 512, 16, 16, 4, budget=1000) == "ghost"
+  # Per-example mode always materialises; a forced strategy is kept.
+  assert cost_model.linear_method(128, 1, 784, 512, 4,
+                                  mode="per_example") == "materialize"
+  assert cost_model.linear_method(8, 512, 16, 16, 4,
+                                  strategy="ghost") == "ghost"
   with pytest.raises(ValueError, match="Unknown Gram strategy"):
-    gram_math.choose_strategy(1, 1, 1, 1, 4, "fast")
+    gram_linear(jnp.ones((2, 3)), jnp.ones((3, 2)), None, jnp.zeros((2, 2)),
+                strategy="fast")
 
 
 def test_checkpoint_keeps_the_gram():

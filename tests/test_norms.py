@@ -13,11 +13,11 @@ import pytest
 import gram_haiku
 from gram_haiku._src.ops import affine as affine_op
 from gram_haiku._src.ops.affine import gram_affine
-from tests.reference import assert_gram_close
-from tests.reference import per_example_grads
-from tests.reference import reference_gram
-from tests.reference import RTOL_BF16
-from tests.reference import RTOL_F32
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import RTOL_BF16
+from gram_haiku._src.reference import RTOL_F32
 
 
 def _head(out, y):
@@ -171,7 +171,7 @@ def _data(seed, shape, dtype=jnp.float32):
 def _references(g, params, x, y):
   """``F``, ``F F^T`` of the whole model and of each module, from one ``F``.
 
-  ``F`` is :func:`tests.reference.per_example_grads` (jitted) of the
+  ``F`` is :func:`gram_haiku._src.reference.per_example_grads` (jitted) of the
   untracked model, with the parameters' own dtype (a bf16 model's gradients
   are bf16, promoted to f32 for the product); its columns follow
   ``jax.tree.leaves(params)``, where each module's leaves are contiguous,

@@ -12,9 +12,9 @@ import pytest
 import gram_haiku
 from conformance.plugin import thorough
 from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
-from tests.reference import assert_gram_close
-from tests.reference import reference_gram
-from tests.reference import RTOL_BF16
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import RTOL_BF16
 
 
 def _data(seed, shape, out_dim):
@@ -462,3 +462,24 @@ def test_track_outside_a_transform_says_where_it_belongs():
                      "hk.transform_with_state"):
     with gram_haiku.track():
       pass
+
+
+def test_return_state_gives_the_updated_state():
+  x, y = _data(21, (4, 5), 3)
+  def tracked(x, y):
+    count = hk.get_state("count", [], jnp.int32, init=jnp.zeros)
+    hk.set_state("count", count + 1)
+    with gram_haiku.track():
+      return _sq(_mlp(x), y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  (value, new_state), grads, grams = gram_haiku.value_grad_and_gram(
+      f.apply, return_state=True)(params, state, None, x, y)
+  assert int(new_state["~"]["count"]) == int(state["~"]["count"]) + 1
+  want_value, _ = f.apply(params, state, None, x, y)
+  np.testing.assert_allclose(value, want_value, rtol=1e-6)
+  plain_value, plain_grads, plain_grams = gram_haiku.value_grad_and_gram(
+      f.apply)(params, state, None, x, y)
+  np.testing.assert_allclose(value, plain_value, rtol=1e-6)
+  chex.assert_trees_all_close(grads, plain_grads)
+  np.testing.assert_allclose(grams.total, plain_grams.total, rtol=1e-6)

@@ -19,7 +19,8 @@ class ScaledLinearOp(gram_haiku.GramOp):
   def forward(self, x, w, s):
     return s * jnp.dot(x, w)
 
-  def gram(self, x, g, params, example_dim):
+  def gram(self, x, g, params, example_dim, cfg):
+    del cfg  # Not sharding-aware: this rule always sees one device's batch.
     # Accumulate in float32, or float64 for float64 inputs.
     acc = jnp.promote_types(x.dtype, jnp.float32)
     w, s = (p.astype(acc) for p in params)
@@ -37,8 +38,9 @@ class ScaledLinearOp(gram_haiku.GramOp):
 
 
 def scaled_linear(x, w, s, probe, **kwargs):
-  """The op on arrays: ``kwargs`` are ``name``, ``example_axis``, ``mode``
-  and ``strategy`` (see :meth:`gram_haiku.GramOp.apply`)."""
+  """The op on arrays: ``kwargs`` are ``name`` and ``plan``, or
+  ``example_axis``, ``mode`` and ``strategy`` (see
+  :meth:`gram_haiku.GramOp.apply`)."""
   kwargs.setdefault("name", "scaled_linear")
   return ScaledLinearOp.apply(x, (w, s), probe, **kwargs)
 
@@ -64,11 +66,12 @@ class ScaledLinear(hk.Module):
 
 
 @gram_haiku.register_layer(ScaledLinear)
-def scaled_linear_handler(tracker, module, x):
+def scaled_linear_handler(call, module, x):
   """Inside ``gram_haiku.track()``, ``ScaledLinear.__call__`` becomes this:
-  the same parameters, applied by the Gram op with the module's probe."""
+  the same parameters, applied by the Gram op with the module's probe
+  (``call`` is a :class:`gram_haiku.LayerCall`)."""
   w, s = module.params(x)
-  return tracker.apply(scaled_linear, module, x, (w, s))
+  return call.apply(scaled_linear, x, (w, s))
 
 
 SPEC = conformance.OpSpec(

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
+from gram_haiku._src import reference
 
 #: Fraction of the digits held out for evaluation.
 HELDOUT_FRACTION = 0.2
@@ -117,12 +118,7 @@ def make_model(hidden):
 
 def reference_gram(plain_apply, params, x, y):
   """``F @ F.T`` from ``jax.vmap(jax.grad(...))`` of the untracked model."""
-  def one(p, xi, yi):
-    return plain_apply(p, xi[None], yi[None])
-  g = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(params, x, y)
-  f = jnp.concatenate([l.reshape(x.shape[0], -1) for l in jax.tree.leaves(g)],
-                      axis=1)
-  return f @ f.T
+  return reference.reference_gram(plain_apply, params, x, y)
 
 
 def cosines(gram: np.ndarray) -> np.ndarray:
@@ -325,7 +321,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     gram = np.asarray(gram, np.float64)
     if i == 0:
       compile_s = time.perf_counter() - t0
-      rel_err = float(np.abs(gram - ref).max() / np.abs(ref).max())
+      rel_err = reference.relative_error(gram, ref)
       logging.info("step 0: Gram relative error vs vmap(grad) reference: "
                    "%.2e", rel_err)
       print(f"step 0: relative error of the Gram against the vmap(grad) "

@@ -181,3 +181,30 @@ PROBE_AXES_ORDER = (
     "What to do: use gram_haiku.value_grad_and_gram(apply_fn, mesh_axes=...) "
     "with the axes in the order of the batch's PartitionSpec entry, or split "
     "the examples over one mesh axis on the raw path.")
+
+PARAM_TRANSFORMED = (
+    "gram_haiku: parameter '{leaf}' reaches the tracked layer '{module}' "
+    "(its {param!r}) through `{via}`, which changes its values. The layer's "
+    "Gram would be taken with respect to what it receives, not with respect "
+    "to the parameter you differentiate, and would be wrong.\n"
+    "What to do: for a frozen weight (stop_gradient), leave it out of the "
+    "parameters you differentiate, or apply that module outside "
+    "gram_haiku.track(); for a reparametrised weight (weight norm, scaling, "
+    "low-rank adapters), apply the layer outside gram_haiku.track() or write "
+    "a Gram rule for the whole reparametrised layer (gram_haiku.GramOp). "
+    "Casts (mixed-precision policies), reshapes and hk.layer_stack slices "
+    "are supported.")
+
+PARAM_IN_TWO_MODULES = (
+    "gram_haiku: parameter '{leaf}' reaches tracked layers of several "
+    "modules: {modules}. Each module's Gram covers its own uses only, so the "
+    "cross terms between them would be missing and the total Gram would be "
+    "wrong.\n"
+    "What to do: use one module for the shared weight (tied embeddings: "
+    "gram_haiku.unembed(embed, h)), or apply one of the uses outside "
+    "gram_haiku.track().")
+
+MIXED_MODES = (
+    "gram_haiku: module '{module}' is applied under two track() modes, "
+    "{modes}. One module has one Gram (or one diagonal) per pass.\n"
+    "What to do: apply the module inside track() contexts of one mode.")

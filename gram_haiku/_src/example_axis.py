@@ -1,6 +1,7 @@
 """Which axis of a layer's input is the example axis.
 
-The Gram is over the *example axis* (see ``docs/semantics.rst``). A Gram op starts with its
+The Gram is over the *example axis* (see the Semantics page of the
+documentation). A Gram op starts with its
 input as the user passed it and, each time a ``vmap`` batching rule fires, the
 op is rebuilt with the mapped axis moved to the front of its input. Batching
 rules fire innermost vmap first, so after all of them the outermost vmap's
@@ -24,7 +25,7 @@ the default rule in two different ways (see ``AMBIGUOUS_EXAMPLE_AXIS``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Hashable, Optional, Union
+from typing import Hashable, Literal, Optional, Union
 
 ExampleAxisSpec = Union[None, int, str]
 
@@ -40,10 +41,15 @@ class ExampleAxis:
       ``None`` while a named axis has not been met yet.
     vmapped: whether the op has been batched by at least one vmap.
   """
-  kind: str
+  kind: Literal["default", "leading", "named"]
   name: Optional[Hashable] = None
   position: Optional[int] = 0
   vmapped: bool = False
+
+  @classmethod
+  def default(cls) -> "ExampleAxis":
+    """The outermost vmap inside the differentiated function, else axis 0."""
+    return cls("default", None, 0)
 
   @classmethod
   def from_spec(cls, spec: ExampleAxisSpec) -> "ExampleAxis":
@@ -54,7 +60,7 @@ class ExampleAxis:
         axis can be chosen by position).
     """
     if spec is None:
-      return cls("default", None, 0)
+      return cls.default()
     if isinstance(spec, bool):
       raise ValueError(f"example_axis must be None, 0 or a vmap axis name, "
                        f"got {spec!r}.")

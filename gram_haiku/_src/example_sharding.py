@@ -5,38 +5,29 @@ each device holds ``b = B / n`` examples (``n`` = product of the sizes of
 ``A``). A Gram op there computes this device's rows of the global Gram,
 ``G[rows, :] : f32[b, B]``, so that ``out_specs=P(A, None)`` assembles the
 ``(B, B)`` Gram. Row ``i`` needs every example ``j``'s factors, so the
-*column* factors are gathered over ``A`` (``lax.all_gather(tiled=True)``):
-the example-major inputs and cotangents of the ghost method
-(``B x T x (N + M)`` numbers per linear layer) or the per-example gradients
-of the materialised one (``B x N x M``), whichever the cost model picks
-(:func:`gram_haiku._src.gram_math.choose_strategy`). The row factors stay
-local. Norms (the diagonal) need no other device's data and gather nothing.
+*column* factors are gathered over ``A`` (``lax.all_gather(tiled=True)``,
+:meth:`gram_haiku._src.kernels.KernelConfig.columns`): the example-major
+inputs and cotangents of the ghost method (``B x T x (N + M)`` numbers per
+linear layer) or the per-example gradients of the materialised one
+(``B x N x M``), whichever :mod:`gram_haiku._src.cost_model` picks. The row
+factors stay local. Norms (the diagonal) need no other device's data and gather nothing.
 
 The probe of such an op is ``[b, B]`` and varies over ``A`` (a row block per
-device). Which axes to gather over comes from :func:`gathering_over`
-(``value_grad_and_gram(mesh_axes=...)`` sets it), or else from the probe
-itself: a ``[b, k b]`` probe that varies over mesh axes whose sizes
-multiply to ``k``, taken in the mesh's axis order.
-
-Gram kernels call :func:`columns` on every column factor; outside
-:func:`gathering` it returns its argument, so the same code computes the
-single-device Gram.
+device). Which axes to gather over is the op's plan (``column_axes``, from
+``value_grad_and_gram(mesh_axes=...)``), or else is read from the probe
+itself: a ``[b, k b]`` probe that varies over one mesh axis of size ``k``
+(:func:`column_axes`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
-from typing import Iterator, Optional
 
 import jax
 from jax import lax
 
 from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
-
-_LOCAL = threading.local()
 
 AxisNames = tuple[str, ...]
 
@@ -57,31 +48,6 @@ def normalize_axes(mesh_axes) -> AxisNames:
 def axes_size(axes: AxisNames) -> int:
   """Number of devices the example axis is split over (1 for no axes)."""
   return math.prod(lax.axis_size(a) for a in axes) if axes else 1
-
-
-@contextlib.contextmanager
-def _scoped(name: str, value) -> Iterator[None]:
-  """Sets thread-local ``name`` to ``value`` while active (for tracing)."""
-  previous = getattr(_LOCAL, name, None)
-  setattr(_LOCAL, name, value)
-  try:
-    yield
-  finally:
-    setattr(_LOCAL, name, previous)
-
-
-def gathering_over(axes: AxisNames):
-  """Declares, for tracing, that examples are split over mesh ``axes``.
-
-  Set by ``value_grad_and_gram(mesh_axes=...)`` around the model; Gram ops
-  then expect ``[b, B]`` probes and return local rows.
-  """
-  return _scoped("declared", tuple(axes))
-
-
-def declared_axes() -> Optional[AxisNames]:
-  """Axes set by :func:`gathering_over`, or None outside it."""
-  return getattr(_LOCAL, "declared", None)
 
 
 def in_mesh_order(axes) -> AxisNames:
@@ -107,46 +73,20 @@ def probe_axes(probe, module: str) -> AxisNames:
   return axes
 
 
-def row_axes(probe, local_size: int, mode: str, module: str) -> AxisNames:
+def column_axes(probe, local_size: int, mode: str, planned, module: str
+                ) -> AxisNames:
   """The mesh axes whose other devices' examples are this op's columns.
 
-  Declared axes win; else a ``"gram"`` probe wider than it is tall, varying
-  over one mesh axis, is taken as rows of a Gram split over it. ``()``
-  means the op computes the whole (single-device) Gram; so it does in the
-  ``"norms"`` and ``"per_example"`` modes, whose rows are their own.
+  ``planned`` (the plan's ``column_axes``) wins when it is not None; else a
+  ``"gram"`` probe wider than it is tall, varying over one mesh axis, is
+  taken as rows of a Gram split over it. ``()`` means the op computes the
+  whole (single-device) Gram; so it does in the ``"norms"`` and
+  ``"per_example"`` modes, whose rows are their own.
   """
   if mode != "gram":
     return ()  # Norms are local; per-example rows are gathered afterwards.
-  declared = declared_axes()
-  if declared is not None:
-    return declared
+  if planned is not None:
+    return tuple(planned)
   if probe.ndim != 2 or probe.shape[1] <= local_size:
     return ()
   return probe_axes(probe, module)
-
-
-def gathering(axes: AxisNames):
-  """While active, :func:`columns` gathers over ``axes`` (backward rules)."""
-  return _scoped("gather", tuple(axes))
-
-
-def active_gather() -> AxisNames:
-  return getattr(_LOCAL, "gather", None) or ()
-
-
-def columns(a: jax.Array) -> jax.Array:
-  """The column factor of a Gram: ``a`` (example axis 0) from every device.
-
-  ``f[b, ...] -> f[B, ...]`` by a tiled ``all_gather`` over the active axes;
-  ``a`` itself outside :func:`gathering`.
-  """
-  axes = active_gather()
-  if not axes:
-    return a
-  return lax.all_gather(a, axes if len(axes) > 1 else axes[0], axis=0,
-                        tiled=True)
-
-
-def gathered_rows(b: int) -> int:
-  """Column count of a Gram block whose rows are ``b`` local examples."""
-  return b * axes_size(active_gather())

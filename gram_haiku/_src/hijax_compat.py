@@ -15,10 +15,12 @@ an ``AttributeError`` deep inside a trace.
 
 from __future__ import annotations
 
-import dataclasses
+import os
+import sys
 from typing import Any
 
 import jax
+import jax.extend.core  # noqa: F401
 
 MIN_JAX_VERSION = (0, 9, 0)
 MAX_JAX_VERSION_EXCLUSIVE = (0, 11, 0)
@@ -48,12 +50,12 @@ from jax.experimental.hijax import Zero  # noqa: E402
 from jax.experimental.hijax import instantiate_zeros  # noqa: E402
 from jax._src import hijax as _hijax  # noqa: E402
 from jax._src.interpreters import ad as _ad  # noqa: E402
+from jax.extend.core import Literal  # noqa: E402
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 __all__ = [
     "VJPHiPrimitive",
     "Zero",
-    "StaticFlags",
     "is_zero",
     "wants_cotangent",
     "accumulator_ref_type",
@@ -63,6 +65,10 @@ __all__ = [
     "vary_like",
     "vary_over",
     "reduce_to_type_of",
+    "Literal",
+    "gram_op_of",
+    "jaxprs_of",
+    "inside_loop_trace",
 ]
 
 
@@ -127,20 +133,6 @@ def axis_name(axis_data: Any) -> Any:
   return getattr(axis_data, "name", None)
 
 
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class StaticFlags:
-  """Python-level facts carried from ``vjp_fwd`` to ``vjp_bwd`` in residuals.
-
-  Registered as a static pytree node: it has no array leaves, so JAX carries
-  it in the residuals' tree structure.
-  """
-  values: tuple[tuple[str, Any], ...]
-
-  def __getitem__(self, key):
-    return dict(self.values)[key]
-
-
 def varying_axes(x: Any) -> frozenset:
   """Mesh axes along which ``x`` varies inside ``shard_map`` (its VMA type).
 
@@ -191,3 +183,57 @@ def vary_over(x: Any, axes: tuple[str, ...]) -> Any:
   if not extra:
     return x
   return jax.lax.pcast(x, tuple(sorted(extra)), to="varying")
+
+
+def gram_op_of(eqn: Any, op_type: type):
+  """The bound op of a jaxpr equation of a hijax primitive of ``op_type``.
+
+  A ``VJPHiPrimitive`` application is printed (and stored) as a
+  ``call_hi_primitive`` equation whose ``_prim`` parameter is the op
+  instance. None for every other equation.
+  """
+  op = eqn.params.get("_prim") if hasattr(eqn, "params") else None
+  return op if isinstance(op, op_type) else None
+
+
+def jaxprs_of(eqn: Any) -> list:
+  """The (open) sub-jaxprs in a jaxpr equation's parameters, in order."""
+  out = []
+
+  def visit(v):
+    if isinstance(v, jax.extend.core.ClosedJaxpr):
+      out.append(v.jaxpr)
+    elif isinstance(v, jax.extend.core.Jaxpr):
+      out.append(v)
+    elif isinstance(v, (tuple, list)):
+      for item in v:
+        visit(item)
+  for value in eqn.params.values():
+    visit(value)
+  return out
+
+
+_JAX_LOOPS = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
+_HK_LAYER_STACK = os.path.join("haiku", "_src", "layer_stack.py")
+
+
+def inside_loop_trace() -> bool:
+  """Whether the caller is being traced as a loop body that reuses its
+  parameters (the raw ``jax.grad`` path's only loop check).
+
+  Walks the Python stack from the innermost frame: ``hk.layer_stack`` (a
+  new slice of parameters per step) is fine; a JAX loop (``lax.scan``,
+  ``map``, ``fori_loop``, ``while_loop``, and Haiku's wrappers of them) is
+  not. It reads JAX's and Haiku's source file names, so it lives here.
+  :func:`gram_haiku.value_grad_and_gram` does not use it: it reads loops
+  from the traced program instead.
+  """
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:
+    filename = frame.f_code.co_filename
+    if filename.endswith(_HK_LAYER_STACK):
+      return False
+    if filename.endswith(_JAX_LOOPS):
+      return True
+    frame = frame.f_back
+  return False

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src.ops.function import GramFunction
+from gram_haiku._src.tracking import LayerCall
 from gram_haiku._src.tracking import current_tracker
 
 
@@ -55,4 +56,4 @@ def unembed(embed: hk.Embed, h: jax.Array, *,
     return GramFunction.apply(x, (table,), probe, fn=fn,
                               param_names=("embeddings",), feature_ndim=1,
                               **kwargs)
-  return tracker.apply(op, embed, h, (embeddings,))
+  return LayerCall(tracker, embed).apply(op, h, (embeddings,))

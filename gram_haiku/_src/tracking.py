@@ -6,108 +6,91 @@ parameters (same names, shapes, dtypes and initialisers as the Haiku module),
 plus a zero probe ``gram_probe`` kept in the module's ``hk.State``. The
 gradient with respect to that state entry is the module's Gram.
 
-Each supported module class has a *layer handler* registered with
-:func:`register_layer` (see :mod:`gram_haiku._src.layers`): it re-creates the
-module's parameters and calls :meth:`track.apply` with its Gram op.
+Each supported module class has a *layer handler* (see
+:mod:`gram_haiku._src.registry`). The handler gets a :class:`LayerCall`, the
+narrow object through which it applies its op: :meth:`LayerCall.apply`
+resolves the op's :class:`~gram_haiku._src.plan.Plan` (from the context's
+options and the running ``value_grad_and_gram`` pass), fetches or creates
+the probe and binds the op.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-import os
-import sys
-import threading
-import warnings
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from haiku._src import base as hk_base  # current_frame: one per transform call
 
-from gram_haiku._src import discovery
+from gram_haiku._src import ambient
 from gram_haiku._src import errors
-from gram_haiku._src import gram_math
+from gram_haiku._src import haiku_compat as hkc
+from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import kernels
+from gram_haiku._src import registry
+from gram_haiku._src.coverage import Coverage
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
 from gram_haiku._src.ops import base
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 #: Name of the probe entry in each tracked module's ``hk.State``.
 PROBE_NAME = "gram_probe"
 
-_JAX_LOOPS = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
-_HK_LAYER_STACK = os.path.join("haiku", "_src", "layer_stack.py")
+TRACK_MODES = ("gram", "norms")
 
 
 def probe_dtype(*dtypes) -> jnp.dtype:
   """float32, or float64 for float64 inputs (under ``jax_enable_x64``)."""
-  return gram_math.accumulation_dtype(*dtypes)
-
-
-def _inside_shared_loop_body() -> bool:
-  """Whether the current trace is a loop body that reuses its parameters.
-
-  Walks the Python stack from the innermost frame: ``hk.layer_stack`` (a new
-  slice of parameters per step) is fine; a JAX loop (``lax.scan``, ``map``,
-  ``fori_loop``, ``while_loop``, and Haiku's wrappers of them) is not.
-  """
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  while frame is not None:
-    filename = frame.f_code.co_filename
-    if filename.endswith(_HK_LAYER_STACK):
-      return False
-    if filename.endswith(_JAX_LOOPS):
-      return True
-    frame = frame.f_back
-  return False
-
-
-#: module class -> handler(tracker, module, *args, **kwargs).
-_HANDLERS: dict[type, Callable[..., Any]] = {}
-
-TRACK_MODES = ("gram", "norms")
-UNTRACKED_POLICIES = ("warn", "error", "ignore")
-
-#: Parameters already warned about (``untracked="warn"`` warns once each).
-_WARNED: set[str] = set()
-_LOCAL = threading.local()
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamCoverage:
-  """How one parameter is covered by the Gram.
-
-  Attributes:
-    tracked: whether every use of the parameter is inside a Gram op.
-    rule: the layer handler that tracks it (e.g. ``"linear"``), or None.
-    module_type: the Haiku module class that reads it (``"(none)"`` for a
-      bare ``hk.get_parameter`` outside any module).
-  """
-  tracked: bool
-  rule: Optional[str]
-  module_type: str
+  return kernels.accumulation_dtype(*dtypes)
 
 
 def current_tracker() -> Optional["track"]:
   """The innermost active :class:`track` context of this thread, or None."""
-  stack = getattr(_LOCAL, "stack", None)
-  return stack[-1] if stack else None
+  return ambient.current().tracker
 
 
-def register_layer(module_cls: type):
-  """Decorator: ``handler(tracker, module, *args, **kwargs)`` replaces
-  ``module_cls.__call__`` inside ``track()`` (exact class match).
+class LayerCall:
+  """What a layer handler applies its Gram op through.
 
-  The handler reads the module's parameters and returns
-  :meth:`track.apply` of a Gram op; see the worked example in the
-  conformance docs (``conformance/examples/scaled_linear.py``). Registering
-  a class again replaces its handler.
+  A handler registered with :func:`gram_haiku.register_layer` is called as
+  ``handler(call, module, *args, **kwargs)`` in place of the module's
+  ``__call__``. It reads the module's parameters (``hk.get_parameter``
+  inside the handler, so that they are recorded as tracked by it) and
+  returns ``call.apply(op, x, params)``.
+
+  Attributes:
+    module: the Haiku module being called.
   """
-  def decorate(handler):
-    _HANDLERS[module_cls] = handler
-    return handler
-  return decorate
+
+  def __init__(self, tracker: "track", module: hk.Module):
+    self._tracker = tracker
+    self.module = module
+
+  def apply(self, op: Callable[..., jax.Array], x: jax.Array,
+            params) -> jax.Array:
+    """Applies a Gram op for the module: what a layer handler returns.
+
+    Args:
+      op: ``op(x, *params, probe, *, name, plan)``: a function that binds a
+        Gram op, e.g. ``functools.partial(MyOp.apply ...)`` through
+        :meth:`gram_haiku.GramOp.apply`, or a built-in binder such as
+        :func:`gram_haiku.gram_linear` (both accept ``name`` and ``plan``).
+      x: the layer input, example axis first (or under ``vmap``).
+      params: the module's parameters in the op's order (None for absent
+        ones, e.g. no bias).
+
+    Returns:
+      ``op``'s output: the layer's output, exactly the untracked module's.
+
+    Raises:
+      ValueError: on the raw ``jax.grad`` path, if the module's parameters
+        are used more than once (weight sharing needs
+        :func:`gram_haiku.value_grad_and_gram`).
+    """
+    return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
 
 
 class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
@@ -136,14 +119,17 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   parameters. Forward values are exactly those of the untracked module;
   without differentiation of the probes nothing extra is computed.
 
-  A module applied more than once (called twice, or inside
-  ``hk.dynamic_unroll``/``hk.scan``) has per-example gradient = sum over its
-  applications. :func:`value_grad_and_gram` detects it and accumulates that
-  module's per-example gradients (probe ``f32[B, P]``), so its Gram has
-  every cross term. On the raw ``jax.grad`` path such a module is an error.
+  A module applied more than once (called twice, inside
+  ``hk.dynamic_unroll``/``hk.scan``, in two ``track()`` blocks) has
+  per-example gradient = sum over its applications.
+  :func:`value_grad_and_gram` finds it in the traced program and
+  accumulates that module's per-example gradients (probe ``f32[B, P]``), so
+  its Gram has every cross term. On the raw ``jax.grad`` path such a module
+  is an error.
 
   Args:
-    example_axis: which axis is the example axis (see ``docs/semantics.rst``). ``None``
+    example_axis: which axis is the example axis (see the Semantics page of
+      the documentation). ``None``
       (default): the outermost ``vmap`` inside the differentiated function,
       else axis 0 of the layer input. ``0``: the layer input's own leading
       axis; every ``vmap`` is then a within-example axis. A string: the
@@ -154,17 +140,17 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     mode: ``"gram"`` (default): the full ``[B, B]`` Gram. ``"norms"``: only
       its diagonal, the squared per-example gradient norms (probe ``f32[B]``,
       cost linear in ``B``: what DP-SGD clipping needs).
-
     untracked: what to do when a parameter is read inside the context but
       outside every tracked layer (its module has no Gram rule, or a bare
       ``hk.get_parameter``): ``"warn"`` (default, once per parameter),
       ``"error"`` or ``"ignore"``. Either way it is listed as untracked in
       :attr:`Grams.coverage` and :attr:`Grams.complete` is False.
+    memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
+      builds at once (default 256 MiB); larger Grams are computed in blocks.
 
   Raises:
-    ValueError: for a bad ``example_axis``, ``strategy``, ``mode`` or
-      ``untracked``; when a tracked parameter is also used outside its
-      tracked layer (e.g. ``h @ embed.embeddings.T``: use
+    ValueError: for a bad option; when a tracked parameter is also used
+      outside its tracked layer (e.g. ``h @ embed.embeddings.T``: use
       :func:`gram_haiku.unembed`); with ``untracked="error"``, at the first
       untracked parameter; on the raw path, when a tracked module is applied
       more than once; from the backward pass, when a probe does not match the
@@ -173,115 +159,83 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
 
   def __init__(self, *, example_axis: ExampleAxisSpec = None,
                strategy: str = "auto", mode: str = "gram",
-               untracked: str = "warn"):
-    self._example_axis = ExampleAxis.from_spec(example_axis)
-    gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates
+               untracked: str = "warn",
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES):
     if mode not in TRACK_MODES:
       raise ValueError(f"track(mode={mode!r}): expected one of {TRACK_MODES}.")
-    if untracked not in UNTRACKED_POLICIES:
-      raise ValueError(f"track(untracked={untracked!r}): expected one of "
-                       f"{UNTRACKED_POLICIES}.")
-    self._strategy = strategy
-    self._mode = mode
+    self._plan = Plan.make(mode=mode, strategy=strategy,
+                           example_axis=example_axis,
+                           memory_budget_bytes=memory_budget_bytes)
     self._untracked = untracked
-    self._coverage: dict[str, ParamCoverage] = {}
-    self._active_rule: Optional[str] = None
-    # (id(Haiku frame), id(parameter)) -> (frame, parameter), for parameters
-    # already used by a tracked layer in this context (holding the objects
-    # keeps their ids unique).
+    self._coverage = Coverage(untracked)
+    self._pass: Optional[ambient.PassPlan] = None
+    # Raw path only: (id(Haiku frame), id(parameter)) -> (frame, parameter)
+    # for parameters already used by a tracked layer in this context
+    # (holding the objects keeps their ids unique).
     self._used: dict[tuple[int, int], tuple[object, jax.Array]] = {}
     self._stack: Optional[contextlib.ExitStack] = None
 
   @property
   def example_axis(self) -> ExampleAxis:
-    return self._example_axis
+    return self._plan.example_axis
 
   @property
   def strategy(self) -> str:
-    return self._strategy
+    return self._plan.strategy
+
+  @property
+  def plan(self) -> Plan:
+    """The plan the context's options give a module tracked as unshared."""
+    return self._plan
 
   def __enter__(self):
     if self._stack is not None:
       raise RuntimeError("gram_haiku.track() is not re-entrant; create a new "
                          "track() for each use.")
-    if not hk_base.inside_transform():
+    if not hkc.inside_transform():
       raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
-    _register_builtin_layers()
+    self._pass = ambient.current().pass_plan
     self._used = {}
-    self._coverage = {}
+    self._coverage = Coverage(self._untracked)
     self._stack = contextlib.ExitStack()
     self._stack.enter_context(hk.intercept_methods(self._intercept))
-    self._stack.enter_context(hk.custom_getter(self._getter))
-    _LOCAL.stack = getattr(_LOCAL, "stack", []) + [self]
+    self._stack.enter_context(hk.custom_getter(self._coverage.getter))
+    ambient.push_tracker(self)
     return self
 
   def __exit__(self, *exc):
-    _LOCAL.stack = _LOCAL.stack[:-1]
+    ambient.pop_tracker(self)
     stack, self._stack = self._stack, None
-    found = discovery.active()
-    if found is not None:
-      found.coverage.update(self._coverage)
+    if self._pass is not None and self._pass.coverage is not None:
+      self._pass.coverage.update(self._coverage.seen)
+    self._pass = None
     return stack.__exit__(*exc)
 
   def _intercept(self, next_f, args, kwargs, context):
     if context.method_name == "__call__":
-      handler = _HANDLERS.get(context.orig_class)
+      handler = registry.handler_for(context.orig_class)
       if handler is not None:
-        with self.tracking_rule(handler.__name__):
-          return handler(self, context.module, *args, **kwargs)
+        with self._coverage.tracking_rule(handler.__name__):
+          return handler(LayerCall(self, context.module), context.module,
+                         *args, **kwargs)
     return next_f(*args, **kwargs)
 
-  @contextlib.contextmanager
   def tracking_rule(self, rule: str):
     """Parameters read inside this block are tracked by ``rule``."""
-    previous, self._active_rule = self._active_rule, rule
-    try:
-      yield
-    finally:
-      self._active_rule = previous
+    return self._coverage.tracking_rule(rule)
 
-  def _getter(self, next_getter, value, context):
-    """Sees every parameter read: tracked (inside a handler) or not."""
-    name = context.full_name
-    module_type = (type(context.module).__name__ if context.module is not None
-                   else "(none)")
-    seen = self._coverage.get(name)
-    if self._active_rule is not None:
-      if seen is not None and not seen.tracked:
-        raise ValueError(errors.MIXED_USE.format(
-            param=name, module_type=module_type))
-      self._coverage[name] = ParamCoverage(True, self._active_rule,
-                                           module_type)
-    else:
-      if seen is not None and seen.tracked:
-        raise ValueError(errors.MIXED_USE.format(
-            param=name, module_type=module_type))
-      self._coverage[name] = ParamCoverage(False, None, module_type)
-      self._report_untracked(name, module_type)
-    return next_getter(value)
-
-  def _report_untracked(self, name: str, module_type: str) -> None:
-    if self._untracked == "ignore":
-      return
-    if self._untracked == "error":
-      raise ValueError(errors.UNTRACKED_PARAM.format(
-          param=name, module_type=module_type))
-    if name not in _WARNED:
-      _WARNED.add(name)
-      warnings.warn(errors.UNTRACKED_PARAM.format(
-          param=name, module_type=module_type), UntrackedParameterWarning,
-                    stacklevel=4)
-
-  def _is_shared_use(self, params) -> bool:
-    """Whether this application reuses parameters (sharing), else claims them.
+  def _raw_shared_use(self, params) -> bool:
+    """Raw path: whether this application reuses parameters (or is in a loop).
 
     Keyed by the parameter value, not the module: Haiku re-creates modules
     by name (``hk.static_unroll``), while ``hk.layer_stack`` traces one
     module many times with a fresh parameter slice each time (no sharing),
-    and runs nested init and apply transforms (one Haiku frame each).
+    and runs nested init and apply transforms (one Haiku frame each). Only
+    the raw ``jax.grad`` path needs this; ``value_grad_and_gram`` reads
+    sharing from the traced program.
     """
-    frame = hk_base.current_frame()
-    shared = _inside_shared_loop_body()
+    frame = hkc.current_frame()
+    shared = False
     for p in params:
       key = (id(frame), id(p))
       if key in self._used:
@@ -289,62 +243,31 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       self._used[key] = (frame, p)
     return shared
 
-  def apply(self, op: Callable[..., jax.Array], module: hk.Module,
-            x: jax.Array, params) -> jax.Array:
-    """Applies a Gram op for ``module``: what a layer handler returns.
+  def _resolve_plan(self, name: str, present) -> Plan:
+    """The op's plan: this context's options, and the running pass's."""
+    if self._pass is None:  # The raw jax.grad path.
+      if not hk.running_init():
+        if self._raw_shared_use(present):
+          raise ValueError(errors.SHARED_LAYER.format(module=name))
+        if hx.inside_loop_trace():
+          raise ValueError(errors.LOOP_BODY.format(module=name))
+      return self._plan
+    plan = self._plan.replace(column_axes=self._pass.column_axes)
+    if name in self._pass.shared:
+      plan = plan.replace(mode="per_example")
+    return plan
 
-    A handler registered with :func:`register_layer` is called as
-    ``handler(tracker, module, *args, **kwargs)`` in place of the module's
-    ``__call__``; it reads the module's parameters (``hk.get_parameter``
-    inside the handler, so that they are recorded as tracked by it) and
-    returns ``tracker.apply(op, module, x, params)``.
-
-    Args:
-      op: ``op(x, *params, probe, *, name, example_axis, strategy, mode)``,
-        e.g. a function calling :meth:`GramOp.apply` or a built-in binder
-        such as :func:`gram_linear`.
-      module: the Haiku module being called (its probe lives in its
-        ``hk.State`` as ``gram_probe``; its name names the Gram in
-        :attr:`Grams.by_layer`).
-      x: the layer input, example axis first (or under ``vmap``).
-      params: the module's parameters in the op's order (None for absent
-        ones, e.g. no bias).
-
-    Returns:
-      ``op``'s output: the layer's output, exactly the untracked module's.
-
-    Raises:
-      ValueError: on the raw ``jax.grad`` path, if the module's parameters
-        are used more than once (weight sharing needs
-        :func:`value_grad_and_gram`).
-
-    Detects parameter sharing, picks the probe mode (``"gram"``,
-    ``"norms"`` or ``"per_example"`` for a shared module) and fetches or
-    creates the probe in ``hk.State``.
-    """
+  def _apply(self, op, module: hk.Module, x, params):
     name = module.module_name
     present = [p for p in params if p is not None]
-    mode = self._mode
-    if discovery.is_planned_shared(name):
-      mode = "per_example"
-    elif self._is_shared_use(present) and not hk.running_init():
-      found = discovery.active()
-      if found is not None:
-        found.shared.add(name)
-        mode = "per_example"
-      elif _inside_shared_loop_body():
-        raise ValueError(errors.LOOP_BODY.format(module=name))
-      else:
-        raise ValueError(errors.SHARED_LAYER.format(module=name))
-    if discovery.active() is not None:
-      discovery.active().modes[name] = self._mode
+    plan = self._resolve_plan(name, present)
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
-    with _module_scope(module):
-      probe = self._probe(x, mode, sum(math.prod(p.shape) for p in present),
+    with hkc.module_scope(module):
+      probe = self._probe(x, plan.mode,
+                          sum(math.prod(p.shape) for p in present),
                           [p.dtype for p in present])
-    return op(x, *params, probe, name=name, example_axis=self._example_axis,
-              strategy=self._strategy, mode=mode)
+    return op(x, *params, probe, name=name, plan=plan)
 
   def _probe(self, x: jax.Array, mode: str, num_params: int, dtypes):
     # At init, per-example code under vmap cannot see B: the size here is a
@@ -357,21 +280,3 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     # hk.transform_with_state.
     return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
                         init=jnp.zeros)
-
-
-def _module_scope(module: hk.Module):
-  """Haiku's scope of ``module`` (state names resolve to its name)."""
-  frame = hk_base.current_frame()
-  stack = list(frame.module_stack)
-  if stack and stack[-1].module is module:
-    return contextlib.nullcontext()
-  return frame.module(hk_base.ModuleState(module=module,
-                                          method_name="__call__"))
-
-
-class UntrackedParameterWarning(UserWarning):
-  """A parameter read inside ``track()`` is not covered by any Gram op."""
-
-
-def _register_builtin_layers():
-  from gram_haiku._src import layers  # pylint: disable=g-import-not-at-top,unused-import

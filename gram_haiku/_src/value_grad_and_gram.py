@@ -7,14 +7,16 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import discovery
+from gram_haiku._src import ambient
+from gram_haiku._src import dataflow
 from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
-from gram_haiku._src import gram_math
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import kernels
+from gram_haiku._src import plan as plan_lib
+from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
-from gram_haiku._src.tracking import ParamCoverage
 from gram_haiku._src.tracking import PROBE_NAME
 
 State = Mapping[str, Mapping[str, Any]]
@@ -40,7 +42,7 @@ def merge_probes(rest: State, probes: Mapping[str, Any]) -> dict:
   return out
 
 
-def _probe_ndim(probe, found: discovery.Discovery, module: str) -> int:
+def _probe_ndim(probe, found: dataflow.Discovery, module: str) -> int:
   """Trailing axes of an init-time ``probe`` that are its own.
 
   The rest are stacked by ``hk.layer_stack``. ``init`` creates ``[n, n]``
@@ -75,7 +77,7 @@ def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
   if isinstance(batch_size, bool) or not isinstance(batch_size, int) or (
       batch_size < 1):
     raise ValueError(errors.BAD_BATCH_SIZE.format(value=batch_size))
-  base.check_mode(mode)
+  plan_lib.check_mode(mode)
   own = 2 if mode == "gram" else 1
   rest, probes = split_probes(state)
   probes = {m: jnp.zeros(tuple(p.shape[:p.ndim - own]) +
@@ -91,7 +93,7 @@ def _sum_leading(a, ndim: int):
   return a
 
 
-def _check_example_axes(found: discovery.Discovery) -> int:
+def _check_example_axes(found: dataflow.Discovery) -> int:
   """The one example-axis size of the model, or a teaching error."""
   if not found.sizes:
     raise ValueError(errors.NO_PROBES)
@@ -114,8 +116,7 @@ def _from_per_example(f, mode: str, axes: tuple[str, ...]):
   f = _sum_leading(f, 2)
   if mode == "norms":
     return jnp.sum(f * f, axis=-1)
-  with example_sharding.gathering(axes):
-    return gram_math.gram_matmul(f, f)
+  return kernels.gram_matmul(f, f, kernels.KernelConfig(column_axes=axes))
 
 
 def _rows_sharded(probe, example_spec, own_ndim: int):
@@ -143,15 +144,37 @@ def _check_mesh_axes(axes: tuple[str, ...]) -> int:
                                                      error=e)) from None
 
 
-def _coverage(params, found: discovery.Discovery) -> dict:
+def _coverage(params, seen: Mapping[str, ParamCoverage]) -> dict:
   """Coverage of every trainable parameter (see :attr:`Grams.coverage`)."""
   out = {}
   for module, entries in params.items():
     for name in entries:
       full = f"{module}/{name}"
-      out[full] = found.coverage.get(full, ParamCoverage(True, "unused",
-                                                         "(unused)"))
+      out[full] = seen.get(full, ParamCoverage(True, "unused", "(unused)"))
   return out
+
+
+def _leaf_names(params) -> list[str]:
+  """``module/param`` names of the parameter leaves, in leaf order."""
+  names = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    names.append("/".join(str(getattr(k, "key", getattr(k, "idx", k)))
+                          for k in path))
+  return names
+
+
+def _discover(loss, params, probes, axes):
+  """One abstract trace of ``loss(params, probes)`` (no FLOPs), read.
+
+  Returns the :class:`~gram_haiku._src.dataflow.Discovery` of its program
+  and the coverage its ``track()`` contexts saw.
+  """
+  seen: dict = {}
+  with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen)):
+    closed = jax.make_jaxpr(loss)(params, probes)
+  found = dataflow.discover(closed, len(jax.tree_util.tree_leaves(params)),
+                            _leaf_names(params), base.GramOp)
+  return found, seen
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -212,10 +235,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
 
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    with discovery.recording() as found, example_sharding.gathering_over(
-        axes):
-      jax.eval_shape(lambda p, q: jax.vjp(lambda q_: loss(p, q_), q)[0],
-                     params, probes)
+    found, seen = _discover(lambda p, q: loss(p, q)[0], params, probes, axes)
     size = _check_example_axes(found)
     shapes, owns = {}, {}
     for m, p in probes.items():
@@ -230,8 +250,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
               for m, p in probes.items()}
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    with discovery.planned(frozenset(found.shared)), (
-        example_sharding.gathering_over(axes)):
+    with ambient.running(ambient.PassPlan(shared=found.shared,
+                                          column_axes=axes)):
       (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
           loss, argnums=(0, 1), has_aux=True)(params, probes)
     if has_aux:
@@ -244,7 +264,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g
-    grams = Grams(full, diag, _coverage(params, found), axes)
+    grams = Grams(full, diag, _coverage(params, seen), axes)
     return ((value, new_state) if return_state else value), grads, grams
 
   return fn

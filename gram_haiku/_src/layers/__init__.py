@@ -2,7 +2,7 @@
 
 Each handler re-creates the Haiku module's parameters exactly as the module
 does (names, shapes, dtypes, initialisers) and runs the matching Gram op
-through :meth:`gram_haiku._src.tracking.track.apply`.
+through :meth:`gram_haiku.LayerCall.apply`.
 """
 
 from gram_haiku._src.layers import linear  # noqa: F401

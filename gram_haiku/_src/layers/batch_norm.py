@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from gram_haiku._src import errors
 from gram_haiku._src.layers.norms import _affine
 from gram_haiku._src.layers.norms import check_call_time_params
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.BatchNorm)
-def batch_norm(tracker, module: hk.BatchNorm, inputs, is_training,
+def batch_norm(call, module: hk.BatchNorm, inputs, is_training,
                test_local_stats=False, scale=None, offset=None):
   """``hk.BatchNorm.__call__`` in evaluation mode, with the Gram op."""
   local_stats = is_training or test_local_stats
@@ -67,7 +67,7 @@ def batch_norm(tracker, module: hk.BatchNorm, inputs, is_training,
   if scale_param is None and offset_param is None:
     out = xhat
   else:
-    out = _affine(tracker, module, xhat, scale_param, offset_param)
+    out = _affine(call, xhat, scale_param, offset_param)
   if offset is not None:
     out = out + offset
   return out

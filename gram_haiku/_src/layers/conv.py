@@ -14,13 +14,13 @@ instead of returning a wrong Gram.
 """
 
 import haiku as hk
-from haiku._src.conv import compute_adjusted_padding  # Haiku's own rule.
 import jax.numpy as jnp
 import numpy as np
 
+from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 MASK_UNSUPPORTED = (
     "gram_haiku.track(): module {module!r} ({cls}) has a weight `mask`, "
@@ -62,7 +62,7 @@ def _no_mask(module):
 
 
 @register_layer(hk.ConvND)
-def conv_nd(tracker, module: hk.ConvND, inputs, *, precision=None):
+def conv_nd(call, module: hk.ConvND, inputs, *, precision=None):
   """``hk.ConvND.__call__`` with :func:`gram_conv` (same parameters)."""
   inputs = jnp.asarray(inputs)
   _check_rank(module, inputs, "ConvND")
@@ -87,11 +87,11 @@ def conv_nd(tracker, module: hk.ConvND, inputs, *, precision=None):
                      feature_group_count=groups,
                      data_format=module.data_format, precision=precision,
                      **kwargs)
-  return tracker.apply(op, module, inputs, (w, b))
+  return call.apply(op, inputs, (w, b))
 
 
 @register_layer(hk.ConvNDTranspose)
-def conv_nd_transpose(tracker, module: hk.ConvNDTranspose, inputs, *,
+def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
                       precision=None):
   """``hk.ConvNDTranspose.__call__`` with :func:`gram_conv_transpose`."""
   inputs = jnp.asarray(inputs)
@@ -116,7 +116,8 @@ def conv_nd_transpose(tracker, module: hk.ConvNDTranspose, inputs, *,
     else:
       input_shape = inputs.shape[inputs.ndim - n:]
     padding = tuple(map(
-        lambda i, o, k, s: compute_adjusted_padding(i, o, k, s, module.padding),
+        lambda i, o, k, s: hkc.compute_adjusted_padding(i, o, k, s,
+                                                        module.padding),
         input_shape, module.output_shape, module.kernel_shape, module.stride))
   b = _bias(module, inputs.dtype)
 
@@ -125,7 +126,7 @@ def conv_nd_transpose(tracker, module: hk.ConvNDTranspose, inputs, *,
                                padding=padding,
                                data_format=module.data_format,
                                precision=precision, **kwargs)
-  return tracker.apply(op, module, inputs, (w, b))
+  return call.apply(op, inputs, (w, b))
 
 
 for _cls in (hk.Conv1D, hk.Conv2D, hk.Conv3D):

@@ -12,11 +12,11 @@ import haiku as hk
 import jax.numpy as jnp
 
 from gram_haiku._src.ops.embed import gram_embed
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Embed)
-def embed(tracker, module: hk.Embed, ids, lookup_style=None, precision=None):
+def embed(call, module: hk.Embed, ids, lookup_style=None, precision=None):
   """``hk.Embed.__call__`` with :func:`gram_embed` (same parameter)."""
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
@@ -35,4 +35,4 @@ def embed(tracker, module: hk.Embed, ids, lookup_style=None, precision=None):
   def op(x, e, probe, **kwargs):
     return gram_embed(x, e, probe, lookup_style=lookup_style.name,
                       precision=precision, **kwargs)
-  return tracker.apply(op, module, ids, (embeddings,))
+  return call.apply(op, ids, (embeddings,))

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src.ops.linear import gram_linear
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Linear)
-def linear(tracker, module: hk.Linear, inputs, *, precision=None):
+def linear(call, module: hk.Linear, inputs, *, precision=None):
   """``hk.Linear.__call__`` with :func:`gram_linear` (same parameters)."""
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")
@@ -27,4 +27,4 @@ def linear(tracker, module: hk.Linear, inputs, *, precision=None):
 
   def op(x, w, b, probe, **kwargs):
     return gram_linear(x, w, b, probe, precision=precision, **kwargs)
-  return tracker.apply(op, module, inputs, (w, b))
+  return call.apply(op, inputs, (w, b))

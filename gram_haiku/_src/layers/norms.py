@@ -29,21 +29,19 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
-from haiku._src import bias as hk_bias
-from haiku._src import layer_norm as hk_layer_norm
-from haiku._src import utils as hk_utils
 
+from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src.ops.affine import gram_affine
 from gram_haiku._src.ops.affine import static_multiplier
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 
-def _affine(tracker, module, x, scale, offset, offset_multiplier=None):
+def _affine(call, x, scale, offset, offset_multiplier=None):
   """``x * scale + offset`` (parameters, either may be None) via the Gram op."""
   def op(x, scale, offset, probe, **kwargs):
     return gram_affine(x, scale, offset, probe,
                        offset_multiplier=offset_multiplier, **kwargs)
-  return tracker.apply(op, module, x, (scale, offset))
+  return call.apply(op, x, (scale, offset))
 
 
 def check_call_time_params(module, scale, offset):
@@ -58,7 +56,7 @@ def check_call_time_params(module, scale, offset):
 
 def _param_shape(param_axis, inputs):
   """LayerNorm/RMSNorm: the stored shape of the scale and offset."""
-  param_axis = hk_layer_norm.to_abs_axes(param_axis, inputs.ndim)
+  param_axis = hkc.to_abs_axes(param_axis, inputs.ndim)
   if param_axis == (inputs.ndim - 1,):
     # Haiku stores the non-broadcast shape for param_axis=-1.
     return (inputs.shape[-1],)
@@ -67,13 +65,13 @@ def _param_shape(param_axis, inputs):
 
 
 @register_layer(hk.LayerNorm)
-def layer_norm(tracker, module: hk.LayerNorm, inputs, scale=None,
+def layer_norm(call, module: hk.LayerNorm, inputs, scale=None,
                offset=None):
   """``hk.LayerNorm.__call__`` (also ``hk.InstanceNorm``) with the Gram op."""
   inputs = jnp.asarray(inputs)
   check_call_time_params(module, scale, offset)
 
-  axis = hk_layer_norm.to_abs_axes(module.axis, inputs.ndim)
+  axis = hkc.to_abs_axes(module.axis, inputs.ndim)
   mean = jnp.mean(inputs, axis=axis, keepdims=True)
   if module.use_fast_variance:
     mean_of_squares = jnp.mean(jnp.square(inputs), axis=axis, keepdims=True)
@@ -82,8 +80,8 @@ def layer_norm(tracker, module: hk.LayerNorm, inputs, scale=None,
     variance = jnp.var(inputs, axis=axis, keepdims=True)
 
   if ((module.create_scale or module.create_offset) and
-      not module._param_axis_passed_explicitly):  # pylint: disable=protected-access
-    if (hk_layer_norm.ERROR_IF_PARAM_AXIS_NOT_EXPLICIT and
+      not hkc.param_axis_passed_explicitly(module)):
+    if (hkc.error_if_param_axis_not_explicit() and
         axis != (inputs.ndim - 1,)):
       raise ValueError("When axis is not the final dimension we require "
                        "you to also pass `param_axis` in the ctor."
@@ -117,15 +115,15 @@ def layer_norm(tracker, module: hk.LayerNorm, inputs, scale=None,
     xhat = (scale * rinv) * centred  # Haiku's `inv * (inputs - mean)`.
     if offset_p is None:
       return xhat + offset
-    return _affine(tracker, module, xhat, None, offset_p)
+    return _affine(call, xhat, None, offset_p)
   xhat = rinv * centred
   if offset_p is None:
-    return _affine(tracker, module, xhat, scale_p, None) + offset
-  return _affine(tracker, module, xhat, scale_p, offset_p)
+    return _affine(call, xhat, scale_p, None) + offset
+  return _affine(call, xhat, scale_p, offset_p)
 
 
 @register_layer(hk.RMSNorm)
-def rms_norm(tracker, module: hk.RMSNorm, inputs):
+def rms_norm(call, module: hk.RMSNorm, inputs):
   """``hk.RMSNorm.__call__`` with the Gram op for its scale."""
   inputs = jnp.asarray(inputs)
   axis = module.axis
@@ -141,11 +139,11 @@ def rms_norm(tracker, module: hk.RMSNorm, inputs):
   rinv = jax.lax.rsqrt(mean_squared + module.eps)
   if scale is None:
     return inputs * 1. * rinv  # Exactly Haiku's.
-  return _affine(tracker, module, inputs * rinv, scale, None)
+  return _affine(call, inputs * rinv, scale, None)
 
 
 @register_layer(hk.GroupNorm)
-def group_norm(tracker, module: hk.GroupNorm, x, scale=None, offset=None):
+def group_norm(call, module: hk.GroupNorm, x, scale=None, offset=None):
   """``hk.GroupNorm.__call__`` with the Gram op for its scale and offset."""
   if module.rank is not None and x.ndim != module.rank:
     raise ValueError(
@@ -160,7 +158,7 @@ def group_norm(tracker, module: hk.GroupNorm, x, scale=None, offset=None):
         "The number of channels must be divisible by the number of groups, "
         f"was channels={channels}, groups={module.groups}")
   if module.rank is None:
-    module._initialize(x, channels)  # pylint: disable=protected-access
+    hkc.initialize_group_norm(module, x, channels)
 
   dtype = x.dtype
   if module.channel_index == -1:
@@ -185,25 +183,25 @@ def group_norm(tracker, module: hk.GroupNorm, x, scale=None, offset=None):
   if scale is not None:  # Given at call time: an input, not a parameter.
     x = x * jax.lax.broadcast_to_rank(scale, x.ndim)
   if scale_p is not None or offset_p is not None:
-    x = _affine(tracker, module, x, scale_p, offset_p)
+    x = _affine(call, x, scale_p, offset_p)
   if offset is not None:
     x = x + jax.lax.broadcast_to_rank(offset, x.ndim)
   return x
 
 
 @register_layer(hk.Bias)
-def bias(tracker, module: hk.Bias, inputs, multiplier=None):
+def bias(call, module: hk.Bias, inputs, multiplier=None):
   """``hk.Bias.__call__`` with the Gram op (``multiplier`` a static scalar)."""
-  hk_utils.assert_minimum_rank(inputs, 2)
+  hkc.assert_minimum_rank(inputs, 2)
   if module.output_size is not None and module.output_size != inputs.shape[1:]:
     raise ValueError(
         f"Input shape must be {(-1,) + tuple(module.output_size)} not"
         f" {inputs.shape}"
     )
   multiplier = static_multiplier(multiplier)
-  module.bias_shape = hk_bias.calculate_bias_shape(inputs.shape,
+  module.bias_shape = hkc.calculate_bias_shape(inputs.shape,
                                                    module.bias_dims)
   module.input_size = inputs.shape[1:]
   b = hk.get_parameter("b", module.bias_shape, inputs.dtype,
                        init=module.b_init)
-  return _affine(tracker, module, inputs, None, b, offset_multiplier=multiplier)
+  return _affine(call, inputs, None, b, offset_multiplier=multiplier)

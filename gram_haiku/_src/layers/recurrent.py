@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src.ops.function import GramFunction
-from gram_haiku._src.tracking import register_layer
+from gram_haiku._src.registry import register_layer
 
 
 def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int):
@@ -34,7 +34,7 @@ def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int):
 
 
 @register_layer(hk.GRU)
-def gru(tracker, module: hk.GRU, inputs, state):
+def gru(call, module: hk.GRU, inputs, state):
   """``hk.GRU.__call__`` as one Gram op (same parameters, same update)."""
   inputs = jnp.asarray(inputs)
   state = jnp.asarray(state)
@@ -54,5 +54,5 @@ def gru(tracker, module: hk.GRU, inputs, state):
     return GramFunction.apply(x, args[:-1], args[-1], fn=fn,
                               param_names=("w_i", "w_h", "b"),
                               feature_ndim=1, **kwargs)
-  out = tracker.apply(op, module, xh, (w_i, w_h, b))
+  out = call.apply(op, xh, (w_i, w_h, b))
   return out, out

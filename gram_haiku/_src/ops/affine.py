@@ -34,9 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import gram_math
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.ops import base
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -146,22 +148,18 @@ class GramAffine(base.GramOp):
       out.append(go)
     return out
 
-  sharding_aware = True  # gathers columns, row-sharded contractions
-
-  def gram(self, x, g, params, example_dim):
-    f = self._flat_per_example(x, g, params, example_dim)
-    return gram_math.gram_matmul(f, f)
-
-  def sq_norms(self, x, g, params, example_dim):
-    f = self._flat_per_example(x, g, params, example_dim)
-    return jnp.sum(f * f, axis=1)
+  # The base class's gram and sq_norms (F F^T of per_example_grads) are this
+  # layer's formulas; its gram_matmul gathers columns and shards rows.
+  sharding_aware = True
 
 
 def gram_affine(x: jax.Array, scale: Optional[jax.Array],
                 offset: Optional[jax.Array], probe: jax.Array, *,
                 offset_multiplier=None, name: str = "affine",
-                example_axis: ExampleAxis | None = None,
-                strategy: str = "auto", mode: str = "gram") -> jax.Array:
+                example_axis: ExampleAxisSpec | ExampleAxis = None,
+                strategy: str = "auto", mode: str = "gram",
+                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                plan: Optional[Plan] = None) -> jax.Array:
   """``x * scale + offset`` whose backward pass writes the Gram into ``probe``.
 
   Args:
@@ -174,13 +172,14 @@ def gram_affine(x: jax.Array, scale: Optional[jax.Array],
     offset_multiplier: None or a static scalar multiplying ``offset``
       (``hk.Bias``'s ``multiplier``).
     name: module name used in error messages.
-    example_axis: which axis is the example axis; default: outermost vmap,
-      else axis 0 of ``x``. Parameter axes are the trailing
+    example_axis: which axis is the example axis (as
+      :func:`gram_haiku.gram_linear`). Parameter axes are the trailing
       ``max(ndim(scale), ndim(offset))`` axes of ``x`` (after leading
       size-1 parameter axes are dropped); the others are leading axes.
     strategy: accepted for a uniform interface; the Gram is always formed
       from the materialised per-example gradients.
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+    memory_budget_bytes, plan: as :func:`gram_haiku.gram_linear`.
 
   Returns:
     ``x * scale + offset * offset_multiplier`` (absent terms left out). The
@@ -192,10 +191,9 @@ def gram_affine(x: jax.Array, scale: Optional[jax.Array],
       wrong shape.
     NotImplementedError: for a non-static ``offset_multiplier``.
   """
-  if example_axis is None:
-    example_axis = ExampleAxis.from_spec(None)
-  gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates `strategy`
-  base.check_mode(mode)
+  if plan is None:
+    plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
+                     memory_budget_bytes=memory_budget_bytes)
   if scale is None and offset is None:
     raise ValueError("gram_affine needs a scale or an offset parameter.")
   offset_multiplier = static_multiplier(offset_multiplier)
@@ -207,10 +205,6 @@ def gram_affine(x: jax.Array, scale: Optional[jax.Array],
     raise ValueError(
         f"gram_affine ({name}): parameters of rank {feature_ndim} do not "
         f"broadcast to an input of shape {x.shape}.")
-  prim = GramAffine(base.aval_of(x), (base.aval_of(scale),
-                                      base.aval_of(offset)),
-                    base.aval_of(probe), example_axis=example_axis,
-                    feature_ndim=feature_ndim,
-                    offset_multiplier=offset_multiplier, name=name,
-                    strategy=strategy, mode=mode)
-  return prim(x, scale, offset, probe)
+  return GramAffine.apply(x, (scale, offset), probe, name=name, plan=plan,
+                         feature_ndim=feature_ndim,
+                         offset_multiplier=offset_multiplier)

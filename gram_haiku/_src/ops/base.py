@@ -31,22 +31,23 @@ layer, at ``B x P`` memory; subclasses override :meth:`GramOp.gram` and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from gram_haiku._src import discovery
 from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
-from gram_haiku._src import gram_math
+from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
-
-MODES = ("gram", "norms", "per_example")
-_HIGHEST = lax.Precision.HIGHEST
+from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 
 def aval_of(x) -> Any:
@@ -73,9 +74,29 @@ def probe_shape(mode: str, size: int, num_params: int) -> tuple[int, ...]:
   return (size, num_params)
 
 
-def check_mode(mode: str) -> None:
-  if mode not in MODES:
-    raise ValueError(f"Unknown Gram mode {mode!r}; expected one of {MODES}.")
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ProbeFacts:
+  """What ``vjp_fwd`` learns about the probe, carried to ``vjp_bwd``.
+
+  A static pytree node (no array leaves): JAX carries it in the residuals'
+  tree structure.
+
+  Attributes:
+    wanted: whether the probe is differentiated (its cotangent is needed).
+    shape: the probe's shape: ``(B, B)``, ``(B,)``, ``(B, P)``, or this
+      device's rows ``(b, B)`` under ``shard_map``.
+    dtype: the probe's dtype name (``"float32"``, ``"float64"``).
+    spec: the probe's ``PartitionSpec`` under a mesh with Explicit axes,
+      else None; the cotangent is resharded to it.
+    column_axes: mesh axes the Gram's columns are gathered over (``()``:
+      none).
+  """
+  wanted: bool
+  shape: tuple[int, ...]
+  dtype: str
+  spec: Any
+  column_axes: tuple[str, ...]
 
 
 class GramOp(hx.VJPHiPrimitive):
@@ -83,6 +104,10 @@ class GramOp(hx.VJPHiPrimitive):
 
   Inputs: ``x``, then one input per name in ``param_names`` (None for an
   absent one, e.g. no bias), then the probe. Output: ``forward(x, *params)``.
+  Static parameters: ``name`` (the layer's, for messages), ``plan`` (a
+  :class:`~gram_haiku._src.plan.Plan`: every decision the op acts on) and
+  the layer's own configuration (e.g. ``precision``), readable as
+  attributes in :meth:`forward`.
   """
 
   #: Names of the parameter inputs, in order (used in error messages).
@@ -91,20 +116,35 @@ class GramOp(hx.VJPHiPrimitive):
   feature_ndim: int = 1
 
   def __init__(self, x_aval, param_avals: Sequence[Any], probe_aval, *,
-               example_axis: ExampleAxis, name: str, strategy: str = "auto",
-               mode: str = "gram", **op_params):
+               name: str, plan: Plan, **layer_params):
     if len(param_avals) != len(self.param_names):
       raise TypeError(f"{type(self).__name__} takes parameters "
                       f"{self.param_names}, got {len(param_avals)}.")
+    if not isinstance(plan, Plan):
+      raise TypeError(f"{type(self).__name__}: plan must be a Plan, got "
+                      f"{plan!r}.")
     self.in_avals = (x_aval, *param_avals, probe_aval)
-    self.params = dict(example_axis=example_axis, name=name,
-                       strategy=strategy, mode=mode, **op_params)
-    self.__dict__.update(self.params)  # forward() reads its op params
+    self.params = dict(name=name, plan=plan, **layer_params)
+    self.name = name
+    self.plan = plan
+    self.__dict__.update(layer_params)  # forward() reads its layer params
     out = jax.eval_shape(self.forward, struct(x_aval),
                          *[struct(a) for a in param_avals])
     self.out_aval = x_aval.update(shape=out.shape, dtype=out.dtype,
                                   weak_type=out.weak_type)
     super().__init__()
+
+  @property
+  def mode(self) -> str:
+    return self.plan.mode
+
+  @property
+  def strategy(self) -> str:
+    return self.plan.strategy
+
+  @property
+  def example_axis(self) -> ExampleAxis:
+    return self.plan.example_axis
 
   # -- what a subclass provides ----------------------------------------------
 
@@ -113,14 +153,15 @@ class GramOp(hx.VJPHiPrimitive):
     raise NotImplementedError
 
   #: Whether :meth:`gram` handles a sharded example axis itself: gathering
-  #: its column factors under ``shard_map`` and giving its contractions row
-  #: shardings under Explicit meshes. If False (the default, for your own
-  #: rules), the Gram of a sharded example axis is formed from per-example
-  #: gradients instead (exact, at ``B x P`` memory), and ``gram`` only ever
-  #: sees one device's whole batch.
+  #: its column factors (``cfg.columns``) under ``shard_map`` and giving its
+  #: contractions row shardings under Explicit meshes. If False (the
+  #: default, for your own rules), the Gram of a sharded example axis is
+  #: formed from per-example gradients instead (exact, at ``B x P``
+  #: memory), and ``gram`` only ever sees one device's whole batch.
   sharding_aware: bool = False
 
-  def gram(self, x, g, params, example_dim: int) -> jax.Array:
+  def gram(self, x, g, params, example_dim: int,
+           cfg: KernelConfig) -> jax.Array:
     """``(B, B)`` Gram of the per-example parameter gradients.
 
     Args:
@@ -128,15 +169,20 @@ class GramOp(hx.VJPHiPrimitive):
       g: the output cotangent, same leading axes.
       params: the parameter inputs (None for absent ones).
       example_dim: position of the example axis.
+      cfg: the columns to gather and the memory budget (see
+        :class:`~gram_haiku._src.kernels.KernelConfig`); without
+        :attr:`sharding_aware` its ``column_axes`` are always empty.
 
     Returns:
       The Gram in the accumulation dtype (float32, float64 for float64).
     """
     f = self._flat_per_example(x, g, params, example_dim)
-    return gram_math.gram_matmul(f, f)
+    return kernels.gram_matmul(f, f, cfg)
 
-  def sq_norms(self, x, g, params, example_dim: int) -> jax.Array:
+  def sq_norms(self, x, g, params, example_dim: int,
+               cfg: KernelConfig) -> jax.Array:
     """``(B,)`` squared norms of the per-example gradients (diag of Gram)."""
+    del cfg
     f = self._flat_per_example(x, g, params, example_dim)
     return jnp.sum(f * f, axis=1)
 
@@ -167,9 +213,15 @@ class GramOp(hx.VJPHiPrimitive):
 
   @classmethod
   def apply(cls, x, params: Sequence[Any], probe, *, name: str,
-            example_axis: Optional[ExampleAxis] = None, mode: str = "gram",
-            strategy: str = "auto", **op_params):
-    """Builds the op for these inputs and applies it: ``y = forward(x, *params)``.
+            plan: Optional[Plan] = None,
+            example_axis: ExampleAxisSpec | ExampleAxis = None,
+            mode: str = "gram", strategy: str = "auto",
+            memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+            **layer_params):
+    """Binds the op to these inputs: ``y = forward(x, *params)``.
+
+    The one binder of every Gram op (the public ``gram_*`` functions and the
+    layer handlers go through it).
 
     Args:
       x: the layer input (example axis and within-example axes first).
@@ -177,21 +229,25 @@ class GramOp(hx.VJPHiPrimitive):
       probe: zeros, ``[B, B]`` (``"gram"``), ``[B]`` (``"norms"``) or
         ``[B, P]`` (``"per_example"``), float32 (float64 under x64).
       name: the layer's name, used in error messages.
-      example_axis: default: outermost vmap, else axis 0 of ``x``.
+      plan: the op's decisions; when given, the four arguments below are
+        ignored. ``track()`` passes the plan it resolved.
+      example_axis: ``None`` (outermost vmap, else axis 0 of ``x``), ``0``
+        (the input's own leading axis) or a vmap ``axis_name``.
       mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
-      strategy: passed to the op (``"auto"``, ``"ghost"``, ``"materialize"``).
-      **op_params: the subclass's own static parameters (hashable).
+      strategy: ``"auto"``, ``"ghost"`` or ``"materialize"``.
+      memory_budget_bytes: the largest intermediate a kernel builds at once.
+      **layer_params: the subclass's own static parameters (hashable).
 
     Raises:
-      ValueError: for an unknown ``mode``; at differentiation time for a
-        probe of the wrong shape (see the module docstring).
+      ValueError: for an unknown ``mode`` or ``strategy``, a bad
+        ``example_axis`` or budget; at differentiation time for a probe of
+        the wrong shape (see the module docstring).
     """
-    check_mode(mode)
-    if example_axis is None:
-      example_axis = ExampleAxis.from_spec(None)
+    if plan is None:
+      plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
+                       memory_budget_bytes=memory_budget_bytes)
     op = cls(aval_of(x), tuple(aval_of(p) for p in params), aval_of(probe),
-             example_axis=example_axis, name=name, strategy=strategy,
-             mode=mode, **op_params)
+             name=name, plan=plan, **layer_params)
     return op(x, *params, probe)
 
   # -- helpers ---------------------------------------------------------------
@@ -211,7 +267,7 @@ class GramOp(hx.VJPHiPrimitive):
   def accumulation_dtype(self) -> jnp.dtype:
     dts = [a.dtype for a in self.in_avals[:-1]
            if a is not None and is_float(a.dtype)]
-    return gram_math.accumulation_dtype(*dts)
+    return kernels.accumulation_dtype(*dts)
 
   def num_params(self) -> int:
     return sum(math.prod(a.shape) for a in self.param_avals if a is not None)
@@ -222,7 +278,7 @@ class GramOp(hx.VJPHiPrimitive):
   def rebuild(self, x_aval, example_axis: ExampleAxis) -> "GramOp":
     """The same op for a new ``x`` type and example axis (batching rule)."""
     kwargs = dict(self.params)
-    kwargs["example_axis"] = example_axis
+    kwargs["plan"] = self.plan.replace(example_axis=example_axis)
     return type(self)(x_aval, self.param_avals, self.probe_aval, **kwargs)
 
   def _flat_per_example(self, x, g, params, example_dim):
@@ -230,8 +286,15 @@ class GramOp(hx.VJPHiPrimitive):
     b = grads[0].shape[0]
     return jnp.concatenate([a.reshape(b, -1) for a in grads], axis=1)
 
-  def _example_size(self, x_shape) -> int:
-    """Size of the example axis in ``x``, or raises a teaching error."""
+  def example_size(self, x_shape=None) -> int:
+    """Size of the example axis in ``x`` (default: the op's input type).
+
+    Raises:
+      ValueError: when the example axis cannot be found (a named vmap axis
+        that does not enclose the layer, or an input without leading axes).
+    """
+    if x_shape is None:
+      x_shape = self.x_aval.shape
     position = self.example_axis.resolved_position()
     if position is None:
       raise ValueError(errors.NAMED_AXIS_NOT_FOUND.format(
@@ -272,72 +335,57 @@ class GramOp(hx.VJPHiPrimitive):
   def vjp_fwd(self, nzs_in, x, *rest):
     params, probe = rest[:-1], rest[-1]
     out = self.forward(x, *params)
-    probe_wanted = bool(nzs_in[-1])
-    probe_ok = True
-    gather = ()
-    if probe_wanted:
-      size = self._example_size(x.shape)
-      gather = example_sharding.row_axes(probe, size, self.mode, self.name)
+    wanted = bool(nzs_in[-1])
+    columns = ()
+    if wanted:
+      size = self.example_size(x.shape)
+      columns = example_sharding.column_axes(probe, size, self.mode,
+                                             self.plan.column_axes, self.name)
       self._check_probe_varies(x, probe)
       expected = probe_shape(self.mode, size, self.num_params())
-      if gather:  # shard_map: this device's rows of the global Gram.
-        expected = (size, size * example_sharding.axes_size(gather))
-      probe_ok = tuple(probe.shape) == expected
-      found = discovery.active()
-      if found is not None:
-        found.sizes[self.name] = size
-        found.param_counts[self.name] = self.num_params()
-        spec = gram_math.explicit_spec(x)
-        position = self.example_axis.resolved_position()
-        if spec is not None and position < len(spec) and spec[position]:
-          found.example_specs[self.name] = spec[position]
-        if self.example_axis.kind == "default":
-          found.vmapped.setdefault(self.name, self.example_axis.vmapped)
-      elif not probe_ok:
+      if columns:  # shard_map: this device's rows of the global Gram.
+        expected = (size, size * example_sharding.axes_size(columns))
+      if tuple(probe.shape) != expected:
         raise ValueError(errors.PROBE_SHAPE_MISMATCH.format(
             module=self.name, expected=expected, got=tuple(probe.shape),
             x_shape=tuple(x.shape), rule=self.example_axis.describe(),
             mode=self.mode))
-    flags = hx.StaticFlags((("probe", probe_wanted and probe_ok),
-                            ("probe_shape", tuple(probe.shape)),
-                            ("probe_dtype", jnp.dtype(probe.dtype).name),
-                            ("probe_spec", gram_math.explicit_spec(probe)),
-                            ("gather", gather)))
-    return out, (x, tuple(params), flags)
+    facts = ProbeFacts(wanted=wanted, shape=tuple(probe.shape),
+                       dtype=jnp.dtype(probe.dtype).name,
+                       spec=explicit_mesh.explicit_spec(probe),
+                       column_axes=tuple(columns))
+    return out, (x, tuple(params), facts)
 
   def vjp_bwd(self, res, g, x_acc, *rest_accs):
     if hx.is_zero(g):
       return
-    x, params, flags = res
+    x, params, facts = res
     param_accs, probe_acc = rest_accs[:-1], rest_accs[-1]
     wanted = [i for i, (p, acc) in enumerate(zip(params, param_accs))
               if p is not None and hx.wants_cotangent(acc)]
     want_x = is_float(x.dtype) and hx.wants_cotangent(x_acc)
-    if hx.wants_cotangent(probe_acc):
-      dtype = jnp.dtype(flags["probe_dtype"])
-      shape = flags["probe_shape"]
-      self._check_probe_ref(probe_acc, shape, dtype)
-      if flags["probe"]:
-        with example_sharding.gathering(flags["gather"]):
-          value, provided = self.probe_cotangent_and_grads(x, g, params,
-                                                           wanted)
-        value = gram_math.reshard_like(value.astype(dtype),
-                                       flags["probe_spec"])
-        probe_acc.accum(value)
-        for i, ct in provided.items():
-          param_accs[i].accum(hx.reduce_to_type_of(ct, params[i]))
-        wanted = [i for i in wanted if i not in provided]
-      else:  # Discovery pass: the probe's shape is wrong on purpose.
-        probe_acc.accum(jnp.zeros(shape, dtype))
+    if facts.wanted and hx.wants_cotangent(probe_acc):
+      dtype = jnp.dtype(facts.dtype)
+      self._check_probe_ref(probe_acc, facts.shape, dtype)
+      cfg = KernelConfig(column_axes=facts.column_axes,
+                         memory_budget_bytes=self.plan.memory_budget_bytes)
+      value, provided = self.probe_cotangent_and_grads(x, g, params, wanted,
+                                                       cfg)
+      value = explicit_mesh.reshard_like(value.astype(dtype), facts.spec)
+      probe_acc.accum(value)
+      for i, ct in provided.items():
+        param_accs[i].accum(hx.reduce_to_type_of(ct, params[i]))
+      wanted = [i for i in wanted if i not in provided]
     if wanted or want_x:
       self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
                                   param_accs)
 
-  def probe_cotangent_and_grads(self, x, g, params, wanted):
+  def probe_cotangent_and_grads(self, x, g, params, wanted,
+                                cfg: KernelConfig):
     """The probe's cotangent, and parameter cotangents found on the way.
 
     Args:
-      x, g, params: as in :meth:`gram`.
+      x, g, params, cfg: as in :meth:`gram`.
       wanted: indices (into ``params``) of the parameters whose ordinary
         cotangent is needed.
 
@@ -349,15 +397,15 @@ class GramOp(hx.VJPHiPrimitive):
       so that it is not computed twice. The default provides none.
     """
     del wanted
-    return self._probe_cotangent(x, g, params), {}
+    return self._probe_cotangent(x, g, params, cfg), {}
 
-  def probe_value(self, f) -> jax.Array:
+  def probe_value(self, f, cfg: KernelConfig) -> jax.Array:
     """The probe's cotangent from flattened per-example gradients ``[B, P]``:
     their Gram (``"gram"``), squared norms (``"norms"``) or themselves."""
     if self.mode == "norms":
       return jnp.sum(f * f, axis=1)
     if self.mode == "gram":
-      return gram_math.gram_matmul(f, f)
+      return kernels.gram_matmul(f, f, cfg)
     return f
 
   def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
@@ -381,20 +429,19 @@ class GramOp(hx.VJPHiPrimitive):
     for i, ct in zip(idx, cts):
       accs[i].accum(ct)
 
-  def _probe_cotangent(self, x, g, params):
+  def _probe_cotangent(self, x, g, params, cfg: KernelConfig):
     e = self.example_axis.resolved_position()
     if self.mode == "gram":
       if not self.sharding_aware and (
-          example_sharding.active_gather() or
-          gram_math.explicit_spec(x) is not None):
+          cfg.column_axes or explicit_mesh.explicit_spec(x) is not None):
         # A subclass's own `gram` sees one device's examples and knows no
         # mesh: use the exact per-example path, which gathers its columns
         # (shard_map) and places its rows (Explicit meshes).
-        return GramOp.gram(self, x, g, params, e)
-      return self.gram(x, g, params, e)
+        return GramOp.gram(self, x, g, params, e, cfg)
+      return self.gram(x, g, params, e, cfg)
     if self.mode == "norms":
-      return self.sq_norms(x, g, params, e)
-    return self.probe_value(self._flat_per_example(x, g, params, e))
+      return self.sq_norms(x, g, params, e, cfg)
+    return self._flat_per_example(x, g, params, e)
 
   def _check_probe_varies(self, x, probe):
     """Inside ``shard_map`` the probe varies wherever the examples do."""

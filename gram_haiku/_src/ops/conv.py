@@ -30,7 +30,7 @@ D[i,t,p]``, and::
                                          (D_f[i,t,p] . D_f[j,t',p'])
               + D_b[i] . D_b[j],       D_b[i] = sum_{t,p} D[i,t,p]
 
-which is :func:`gram_math.linear_gram` per group (ghost or materialised),
+which is :func:`kernels.linear_gram` per group (ghost or materialised),
 summed over groups, plus the bias term. The Gram is invariant to any
 permutation of the kernel's entries, so only the grouping of patch features
 matters, not their order relative to the kernel layout.
@@ -48,9 +48,9 @@ are built from exactly the arguments the output was computed with.
 Cost (``B`` examples, ``T`` within-example positions including output
 positions, ``Cg nK`` patch features and ``Og`` outputs per group): the
 patches take ``B T C nK`` memory (im2col); ghost ~``F B^2 T^2 (Cg nK + Og)``
-multiply-adds in row blocks bounded by ``gram_math.MEMORY_BUDGET_BYTES``;
+multiply-adds in row blocks bounded by the plan's memory budget;
 materialised ~``B T C nK Og + B^2 C nK Og`` with ``B x P`` memory. ``"auto"``
-picks the cheaper by :func:`gram_math.choose_strategy`. The diagonal
+picks the cheaper by :func:`gram_haiku._src.cost_model.conv_method`. The diagonal
 (``mode="norms"``) costs ~``B T^2 (C nK + O)`` (ghost) or ``B T C nK Og``.
 
 Sources: Goodfellow (2015), "Efficient per-example gradient computations";
@@ -71,11 +71,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gram_haiku._src import example_sharding
-from gram_haiku._src import gram_math
+from gram_haiku._src import cost_model
+from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import base
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 Padding = Union[str, Sequence[tuple[int, int]]]
 
@@ -156,10 +161,6 @@ def _transpose_pads(kernel: Sequence[int], strides: Sequence[int], padding):
   return tuple(pads)
 
 
-def _acc_itemsize(dtype) -> int:
-  return jnp.dtype(dtype).itemsize
-
-
 class GramConv(base.GramOp):
   """Primitive for ``hk.ConvND`` (``transpose=False``) or
   ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
@@ -200,7 +201,7 @@ class GramConv(base.GramOp):
 
   def _flatten_lead(self, a):
     lead = self.lead_shape(a.shape)
-    return gram_math.merge_leading(a, len(lead)), lead
+    return explicit_mesh.merge_leading(a, len(lead)), lead
 
   def forward(self, x, w, b):
     # For a transposed conv this is the conv_general_dilated call that
@@ -221,7 +222,7 @@ class GramConv(base.GramOp):
         precision=self.precision, **self._conv_args(tuple(w.shape[:n])))
     if b is not None:
       out = out + jnp.broadcast_to(b, out.shape)
-    return gram_math.split_leading(out, lead)
+    return explicit_mesh.split_leading(out, lead)
 
   # -- the Gram ----------------------------------------------------------------
 
@@ -252,38 +253,45 @@ class GramConv(base.GramOp):
     t = math.prod(patches.shape[1:-1])
     # Split the merged leading axis first: under an Explicit mesh only that
     # axis may be sharded, and the second reshape then leaves it alone.
-    patches = gram_math.split_leading(patches, lead)
-    gb = gram_math.split_leading(gb, lead)
-    patches = gram_math.reshape_rows(
+    patches = explicit_mesh.split_leading(patches, lead)
+    gb = explicit_mesh.split_leading(gb, lead)
+    patches = explicit_mesh.reshape_rows(
         patches, lead + (t, groups, patches.shape[-1] // groups))
-    gb = gram_math.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
+    gb = explicit_mesh.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
     return patches, gb
 
-  def _grouped(self, x, g, params, example_dim, norms: bool, pd=None):
-    p, d = pd or self._patches_and_cotangents(x, g, params[0])
-    groups = p.shape[-2]
+  def method(self, p, d, example_dim, cfg: KernelConfig) -> str:
+    """The cost model's method for patches ``p`` and cotangents ``d``."""
+    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
     bsz = p.shape[example_dim]
-    if self._materialized(p, d, example_dim, norms):
-      per, db = self._per_example(p, d, example_dim, params[1] is not None)
-      f = per.reshape(bsz, -1)
-      if db is not None:
-        f = jnp.concatenate([f, db], axis=1)
-      return jnp.sum(f * f, axis=1) if norms else gram_math.gram_matmul(f, f)
-    method = self._method(p, d, example_dim, norms)
-    fn = gram_math.linear_sq_norms if norms else gram_math.linear_gram
+    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
+    return cost_model.conv_method(
+        bsz, t, n, m, groups, jnp.dtype(p.dtype).itemsize, mode=self.mode,
+        strategy=self.strategy, cols=cfg.column_count(bsz),
+        budget=cfg.memory_budget_bytes)
+
+  def _grouped(self, p, d, example_dim, with_bias: bool, method: str,
+               cfg: KernelConfig):
+    """The Gram (or its diagonal) group by group (``method`` ghost or
+    ``materialize_by_group``), plus the bias term."""
+    norms = self.mode == "norms"
+    groups = p.shape[-2]
+    per_group = "ghost" if method == "ghost" else "materialize"
+    fn = kernels.linear_sq_norms if norms else kernels.linear_gram
+
     def one(pd):
-      return fn(pd[0], pd[1], example_dim=example_dim, with_bias=False,
-                strategy=method)
+      xm, dm = kernels.linear_factors(pd[0], pd[1], example_dim)
+      return fn(xm, dm, with_bias=False, method=per_group, cfg=cfg)
     if groups == 1:
       out = one((p[..., 0, :], d[..., 0, :]))
     else:
       out = lax.map(one, (jnp.moveaxis(p, -2, 0),
                           jnp.moveaxis(d, -2, 0))).sum(axis=0)
-    if params[1] is not None:
-      db = gram_math.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
-                                      example_dim).sum(axis=1)
+    if with_bias:
+      db = kernels.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
+                                    example_dim).sum(axis=1)
       out = out + (jnp.sum(db * db, axis=1) if norms else
-                   gram_math.gram_matmul(db, db))
+                   kernels.gram_matmul(db, db, cfg))
     return out
 
   def _patch_matrix(self, w):
@@ -325,33 +333,7 @@ class GramConv(base.GramOp):
                                                       like))
     return lambda a: vjp(a)[0]
 
-  def _method(self, p, d, example_dim, norms: bool) -> str:
-    """``"ghost"`` or ``"materialize"`` for patches ``p``, cotangents ``d``."""
-    n, m = p.shape[-1], d.shape[-1]
-    bsz = p.shape[example_dim]
-    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
-    itemsize = _acc_itemsize(p.dtype)
-    if norms and self.strategy == "auto":
-      # Unlike a linear layer's, a convolution's per-example gradients need
-      # the im2col patches (B T n numbers, built by a one-hot convolution)
-      # where its plain kernel gradient needs none: materialise only where
-      # that beats the ghost norms' B T^2 (n + m) outright (measured on the
-      # benchmarks' CNN).
-      fits = bsz * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES
-      return ("materialize" if fits and t * n * m < t * t * (n + m)
-              else "ghost")
-    return gram_math.choose_strategy(bsz, t, n, m, itemsize, self.strategy)
-
-  def _materialized(self, p, d, example_dim, norms: bool) -> bool:
-    """Whether the per-example gradients of every group are formed at once
-    (the materialised method, within the memory budget)."""
-    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
-    cols = example_sharding.gathered_rows(p.shape[example_dim])
-    itemsize = _acc_itemsize(p.dtype)
-    return (self._method(p, d, example_dim, norms) == "materialize" and
-            cols * groups * n * m * itemsize <= gram_math.MEMORY_BUDGET_BYTES)
-
-  def probe_cotangent_and_grads(self, x, g, params, wanted):
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
     """Materialised per-example gradients also give ``dw`` and ``db``.
 
     Where the cost model forms per-example gradients from the patches
@@ -363,10 +345,10 @@ class GramConv(base.GramOp):
     """
     e = self.example_axis.resolved_position()
     w, b = params
-    norms = self.mode == "norms"
     p, d = self._patches_and_cotangents(x, g, w)
-    if self.mode != "per_example" and not self._materialized(p, d, e, norms):
-      return self._grouped(x, g, params, e, norms, (p, d)), {}
+    method = self.method(p, d, e, cfg)
+    if method != "materialize":
+      return self._grouped(p, d, e, b is not None, method, cfg), {}
     bsz = p.shape[e]
     per, db = self._per_example(p, d, e, b is not None)
     flat = per
@@ -376,48 +358,52 @@ class GramConv(base.GramOp):
     f = flat.reshape(bsz, -1)
     if db is not None:
       f = jnp.concatenate([f, db], axis=1)
-    value = self.probe_value(f)
+    value = self.probe_value(f, cfg)
     provided = {}
     if 0 in wanted:
       # Varying like the sum inside shard_map (the caller all-reduces).
-      total = gram_math.example_sum(per)
+      total = kernels.example_sum(per)
       provided[0] = self._to_kernel_layout(w, total)(total).astype(w.dtype)
     if 1 in wanted and b is not None:
-      provided[1] = gram_math.example_sum(db).reshape(b.shape).astype(b.dtype)
+      provided[1] = kernels.example_sum(db).reshape(b.shape).astype(b.dtype)
     return value, provided
 
   sharding_aware = True  # gathers columns, row-sharded contractions
 
-  def gram(self, x, g, params, example_dim):
-    return self._grouped(x, g, params, example_dim, norms=False)
+  def gram(self, x, g, params, example_dim, cfg):
+    return self._probe_value_only(x, g, params, example_dim, cfg)
 
-  def sq_norms(self, x, g, params, example_dim):
-    return self._grouped(x, g, params, example_dim, norms=True)
+  def sq_norms(self, x, g, params, example_dim, cfg):
+    return self._probe_value_only(x, g, params, example_dim, cfg)
+
+  def _probe_value_only(self, x, g, params, example_dim, cfg):
+    p, d = self._patches_and_cotangents(x, g, params[0])
+    method = self.method(p, d, example_dim, cfg)
+    if method != "materialize":
+      return self._grouped(p, d, example_dim, params[1] is not None, method,
+                           cfg)
+    per, db = self._per_example(p, d, example_dim, params[1] is not None)
+    f = per.reshape(per.shape[0], -1)
+    if db is not None:
+      f = jnp.concatenate([f, db], axis=1)
+    return self.probe_value(f, cfg)
 
 
 def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,
-             feature_group_count, data_format, precision, name, example_axis,
-             strategy, mode):
+             feature_group_count, data_format, precision, name, plan):
   n = w.ndim - 2
   if n < 1:
     raise ValueError(f"{name}: the kernel must have rank >= 3 "
                      f"([*kernel, in, out]), got shape {w.shape}.")
-  if example_axis is None:
-    example_axis = ExampleAxis.from_spec(None)
-  gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates `strategy`
-  base.check_mode(mode)
   if not isinstance(feature_group_count, int) or feature_group_count < 1:
     raise ValueError(f"{name}: feature_group_count must be a positive int, "
                      f"got {feature_group_count!r}.")
-  prim = GramConv(
-      base.aval_of(x), (base.aval_of(w), base.aval_of(b)),
-      base.aval_of(probe), example_axis=example_axis, name=name,
-      strategy=strategy, mode=mode, num_spatial_dims=n,
+  return GramConv.apply(
+      x, (w, b), probe, name=name, plan=plan, num_spatial_dims=n,
       channels_last=channels_last_of(data_format), transpose=transpose,
       stride=_tuple(stride, n, "stride"), padding=_padding(padding, n),
       rate=_tuple(rate, n, "rate"), feature_group_count=feature_group_count,
       precision=precision)
-  return prim(x, w, b, probe)
 
 
 def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
@@ -426,8 +412,10 @@ def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
               feature_group_count: int = 1,
               data_format: str = "channels_last",
               precision: Optional[lax.Precision] = None, name: str = "conv",
-              example_axis: ExampleAxis | None = None,
-              strategy: str = "auto", mode: str = "gram") -> jax.Array:
+              example_axis: ExampleAxisSpec | ExampleAxis = None,
+              strategy: str = "auto", mode: str = "gram",
+              memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+              plan: Optional[Plan] = None) -> jax.Array:
   """``hk.ConvND``'s convolution; its backward pass puts the Gram in ``probe``.
 
   Args:
@@ -442,17 +430,21 @@ def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
     stride, padding, rate, feature_group_count, data_format: as
       ``hk.ConvND`` (``padding`` ``"SAME"``, ``"VALID"`` or ``N`` pairs).
     precision: passed to ``lax.conv_general_dilated`` as Haiku does.
-    name, example_axis, strategy, mode: as :func:`gram_linear`.
+    name, example_axis, strategy, mode, memory_budget_bytes, plan: as
+      :func:`gram_haiku.gram_linear`.
 
   Returns:
     Exactly ``hk.ConvND``'s output. The probe's cotangent is the Gram of the
     per-example gradients of ``w`` and ``b`` (or its diagonal, or them).
   """
+  if plan is None:
+    plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
+                     memory_budget_bytes=memory_budget_bytes)
   return _conv_op(x, w, b, probe, transpose=False, stride=stride,
                   padding=padding, rate=rate,
                   feature_group_count=feature_group_count,
                   data_format=data_format, precision=precision, name=name,
-                  example_axis=example_axis, strategy=strategy, mode=mode)
+                  plan=plan)
 
 
 def gram_conv_transpose(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
@@ -462,9 +454,10 @@ def gram_conv_transpose(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
                         data_format: str = "channels_last",
                         precision: Optional[lax.Precision] = None,
                         name: str = "conv_transpose",
-                        example_axis: ExampleAxis | None = None,
-                        strategy: str = "auto",
-                        mode: str = "gram") -> jax.Array:
+                        example_axis: ExampleAxisSpec | ExampleAxis = None,
+                        strategy: str = "auto", mode: str = "gram",
+                        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                        plan: Optional[Plan] = None) -> jax.Array:
   """``hk.ConvNDTranspose``'s ``lax.conv_transpose`` with the Gram in ``probe``.
 
   Args:
@@ -481,7 +474,10 @@ def gram_conv_transpose(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
     Exactly ``hk.ConvNDTranspose``'s output; the probe's cotangent as
     :func:`gram_conv`.
   """
+  if plan is None:
+    plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
+                     memory_budget_bytes=memory_budget_bytes)
   return _conv_op(x, w, b, probe, transpose=True, stride=stride,
                   padding=padding, rate=1, feature_group_count=1,
                   data_format=data_format, precision=precision, name=name,
-                  example_axis=example_axis, strategy=strategy, mode=mode)
+                  plan=plan)

@@ -43,7 +43,7 @@ embedding width ``D`` and (effective) vocabulary ``V``:
 * **ghost**: ``(d_i d_j^T) * mask`` summed, cost ``~B^2 T^2 D``, blocked over
   pairs of examples (rows, then columns too if one row does not fit) so
   that the ``(rows, T, cols, T)`` kernels stay under
-  :data:`gram_math.MEMORY_BUDGET_BYTES`. Matmul-friendly; best for short
+  the plan's memory budget. Matmul-friendly; best for short
   examples.
 * **dense** (``strategy="materialize"`` when it fits): scatter-add each
   example's rows into ``B x V x D``, then ``F diag(w) F^T``: cost
@@ -58,7 +58,7 @@ embedding width ``D`` and (effective) vocabulary ``V``:
   independent of ``V``.
 
 ``strategy="auto"`` takes the cheapest by a cost count (gathers weighted
-above matmul multiply-adds). The diagonal (``mode="norms"``) is
+above matmul multiply-adds; :func:`gram_haiku._src.cost_model.embed_method`). The diagonal (``mode="norms"``) is
 ``sum_{t,s} [key_it = key_is] w (d_it . d_is)`` (ghost, ``~B T^2 D``) or
 ``sum_u w_u |S_iu|^2`` over the segment sums (``~B T (D + log T)``).
 ``mode="per_example"`` (a module applied more than once) uses the base
@@ -68,18 +68,21 @@ that mode needs anyway.
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import gram_math
-from gram_haiku._src import example_sharding
+from gram_haiku._src import cost_model
+from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import base
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 LOOKUP_STYLES = ("ARRAY_INDEX", "ONE_HOT")
 
@@ -88,9 +91,6 @@ _HIGHEST = lax.Precision.HIGHEST
 _INVALID_KEY = -1
 #: Key of the padding rows of the segment form; sorts after every real key.
 _PAD_KEY = np.iinfo(np.int32).max
-#: Gathers and scatters cost more than a matmul multiply-add; the cost model
-#: of "auto" weighs them by this factor.
-_GATHER_WEIGHT = 4
 
 
 def embed_forward(ids, embeddings, lookup_style: str, precision=None,
@@ -186,19 +186,18 @@ def lookup_keys(ids: jax.Array, vocab_size: int, lookup_style: str,
   return key, weight, min(v, period)
 
 
-def _row_blocks(n_rows: int, per_row_bytes: int) -> int:
-  return max(1, min(n_rows, gram_math.MEMORY_BUDGET_BYTES //
-                    max(per_row_bytes, 1)))
+def _row_blocks(n_rows: int, per_row_bytes: int, budget: int) -> int:
+  return max(1, min(n_rows, budget // max(per_row_bytes, 1)))
 
 
 # -- ghost form ----------------------------------------------------------------
 
 
-def ghost_gram(key, weight, d):
+def ghost_gram(key, weight, d, cfg: KernelConfig):
   """(E) by the ghost form. ``key, weight: (B, T)``, ``d: (B, T, D)``.
 
   Blocked over pairs of examples so that the ``(rows, T, cols, T)`` kernel
-  and mask stay under :data:`gram_math.MEMORY_BUDGET_BYTES`.
+  and mask stay under ``cfg.memory_budget_bytes``.
   """
   _, t, _ = d.shape
   acc = d.dtype
@@ -210,11 +209,11 @@ def ghost_gram(key, weight, d):
     kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
     return jnp.sum(kd, axis=(1, 3))
   per_pair = 3 * t * t * jnp.dtype(acc).itemsize
-  return gram_math.map_pair_blocks(pairs, (key, weight.astype(acc), d), (key, d),
-                          per_pair)
+  return kernels.map_pair_blocks(pairs, (key, weight.astype(acc), d),
+                                 (key, d), per_pair, cfg)
 
 
-def ghost_sq_norms(key, weight, d):
+def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
   """Diagonal of (E) by the ghost form: ``~B T^2 D``."""
   b, t, _ = d.shape
   acc = d.dtype
@@ -225,8 +224,9 @@ def ghost_sq_norms(key, weight, d):
     match = ki[:, :, None] == ki[:, None, :]
     return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
   per_row = 3 * t * t * jnp.dtype(acc).itemsize
-  return gram_math.map_row_blocks(rows, _row_blocks(b, per_row),
-                         (key, weight.astype(acc), d))
+  return kernels.map_row_blocks(
+      rows, _row_blocks(b, per_row, cfg.memory_budget_bytes),
+      (key, weight.astype(acc), d))
 
 
 # -- per-example rows ------------------------------------------------------------
@@ -253,11 +253,11 @@ def _key_weights(num_keys, vocab_size, lookup_style, ids_dtype, acc):
   return jnp.asarray(w, acc)
 
 
-def dense_gram(key, d, key_weights):
+def dense_gram(key, d, key_weights, cfg: KernelConfig):
   f = dense_per_example(key, d, key_weights.shape[0])
   fw = f * key_weights[None, :, None]
   b = f.shape[0]
-  return gram_math.gram_matmul(fw.reshape(b, -1), f.reshape(b, -1))
+  return kernels.gram_matmul(fw.reshape(b, -1), f.reshape(b, -1), cfg)
 
 
 def segment_rows(key, weight, d):
@@ -286,11 +286,11 @@ def segment_rows(key, weight, d):
   return jax.vmap(one)(seg, ks, ws, ds)
 
 
-def segment_gram(key, weight, d):
+def segment_gram(key, weight, d, cfg: KernelConfig):
   """(E) by matching each example's unique keys against every other's.
 
   Blocked over pairs of examples so that the gathered ``(cols, rows, T, D)``
-  rows stay under :data:`gram_math.MEMORY_BUDGET_BYTES`.
+  rows stay under ``cfg.memory_budget_bytes``.
   """
   ukey, uweight, rows = segment_rows(key, weight, d)
   _, t, dim = rows.shape
@@ -309,77 +309,14 @@ def segment_gram(key, weight, d):
     dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=_HIGHEST)
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
   per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
-  return gram_math.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
-                          per_pair)
+  return kernels.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
+                                 per_pair, cfg)
 
 
 def segment_sq_norms(key, weight, d):
   _, uweight, rows = segment_rows(key, weight, d)
   return jnp.sum(jnp.sum(rows * rows, axis=-1) * uweight.astype(rows.dtype),
                  axis=1)
-
-
-# -- strategy ------------------------------------------------------------------
-
-
-def gram_costs(b: int, t: int, dim: int, num_keys: int,
-               acc_bytes: int, cols: int = 0) -> dict[str, float]:
-  """Weighted operation counts of each form of (E); absent if over budget.
-
-  ``b`` rows against ``cols`` columns (``B`` gathered under ``shard_map``;
-  default ``b``). Gathering the columns' factors from other devices adds
-  :data:`gram_math.COMM_FLOPS_PER_BYTE` per byte: ``T (D + 1)`` numbers per
-  example for the ghost and segment forms (ids and rows), ``V D`` for the
-  dense one.
-  """
-  cols = cols or b
-  log_t = math.log2(max(t, 2))
-  costs = {
-      "ghost": b * cols * t * t * (dim + 2),
-      "segment": _GATHER_WEIGHT * (b * t * (dim + 2 * log_t + 2) +
-                                   b * cols * t * (dim + log_t + 2)),
-  }
-  if cols * num_keys * dim * acc_bytes <= gram_math.MEMORY_BUDGET_BYTES:
-    costs["dense"] = _GATHER_WEIGHT * b * t * dim + b * cols * num_keys * dim
-  if cols > b:
-    comm = gram_math.COMM_FLOPS_PER_BYTE * cols * acc_bytes
-    costs["ghost"] += comm * t * (dim + 1)
-    costs["segment"] += comm * t * (dim + 1)
-    if "dense" in costs:
-      costs["dense"] += comm * num_keys * dim
-  return costs
-
-
-def choose_method(b, t, dim, num_keys, acc_bytes, strategy="auto",
-                  cols=0) -> str:
-  """``"ghost"``, ``"dense"`` or ``"segment"`` for (E).
-
-  ``"ghost"`` forces the ghost form; ``"materialize"`` the dense per-example
-  gradients when they fit :data:`gram_math.MEMORY_BUDGET_BYTES`, else the
-  segment form; ``"auto"`` the cheapest (ties go to the ghost form).
-  """
-  if strategy not in gram_math.STRATEGIES:
-    raise ValueError(f"Unknown Gram strategy {strategy!r}; expected one of "
-                     f"{gram_math.STRATEGIES}.")
-  costs = gram_costs(b, t, dim, num_keys, acc_bytes, cols)
-  if strategy == "ghost":
-    return "ghost"
-  if strategy == "materialize":
-    return "dense" if "dense" in costs else "segment"
-  return min(("ghost", "dense", "segment"),
-             key=lambda m: costs.get(m, math.inf))
-
-
-def choose_norms_method(b, t, dim, strategy="auto") -> str:
-  """``"ghost"`` or ``"segment"`` for the diagonal of (E)."""
-  if strategy == "ghost":
-    return "ghost"
-  if strategy == "materialize":
-    return "segment"
-  log_t = math.log2(max(t, 2))
-  ghost = b * t * t * (dim + 2)
-  segment = _GATHER_WEIGHT * b * t * (dim + 2 * log_t + 2)
-  return "ghost" if ghost <= segment else "segment"
 
 
 class GramEmbed(base.GramOp):
@@ -400,7 +337,7 @@ class GramEmbed(base.GramOp):
                          self.scalar_ids)
 
   def _keys_and_rows(self, ids, g, embeddings, example_dim):
-    acc = gram_math.accumulation_dtype(embeddings.dtype, g.dtype)
+    acc = kernels.accumulation_dtype(embeddings.dtype, g.dtype)
     ids = jnp.moveaxis(ids, example_dim, 0)
     b = ids.shape[0]
     ids = ids.reshape(b, -1)
@@ -413,41 +350,48 @@ class GramEmbed(base.GramOp):
 
   sharding_aware = True  # gathers columns, row-sharded contractions
 
-  def gram(self, x, g, params, example_dim):
+  def method(self, b, t, dim, num_keys, acc, cfg: KernelConfig) -> str:
+    """The cost model's form of (E) for these sizes (one consultation)."""
+    return cost_model.embed_method(
+        b, t, dim, num_keys, jnp.dtype(acc).itemsize, mode=self.mode,
+        strategy=self.strategy, cols=cfg.column_count(b),
+        budget=cfg.memory_budget_bytes)
+
+  def gram(self, x, g, params, example_dim, cfg):
     (embeddings,) = params
     key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
                                                         example_dim)
     b, t, dim = d.shape
-    cols = example_sharding.gathered_rows(b)
     if t == 0:
-      return jnp.zeros((b, cols), acc)
-    method = choose_method(b, t, dim, num_keys, jnp.dtype(acc).itemsize,
-                           self.strategy, cols)
+      return jnp.zeros((b, cfg.column_count(b)), acc)
+    method = self.method(b, t, dim, num_keys, acc, cfg)
     if method == "ghost":
-      return ghost_gram(key, weight, d)
+      return ghost_gram(key, weight, d, cfg)
     if method == "dense":
       w = _key_weights(num_keys, embeddings.shape[0], self.lookup_style,
                        x.dtype, acc)
-      return dense_gram(key, d, w)
-    return segment_gram(key, weight, d)
+      return dense_gram(key, d, w, cfg)
+    return segment_gram(key, weight, d, cfg)
 
-  def sq_norms(self, x, g, params, example_dim):
+  def sq_norms(self, x, g, params, example_dim, cfg):
     (embeddings,) = params
-    key, weight, d, _, acc = self._keys_and_rows(x, g, embeddings,
-                                                 example_dim)
+    key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
+                                                        example_dim)
     b, t, dim = d.shape
     if t == 0:
       return jnp.zeros((b,), acc)
-    if choose_norms_method(b, t, dim, self.strategy) == "ghost":
-      return ghost_sq_norms(key, weight, d)
+    if self.method(b, t, dim, num_keys, acc, cfg) == "ghost":
+      return ghost_sq_norms(key, weight, d, cfg)
     return segment_sq_norms(key, weight, d)
 
 
 def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
                lookup_style: str = "ARRAY_INDEX",
                precision: lax.Precision | None = None, name: str = "embed",
-               example_axis: ExampleAxis | None = None,
-               strategy: str = "auto", mode: str = "gram") -> jax.Array:
+               example_axis: ExampleAxisSpec | ExampleAxis = None,
+               strategy: str = "auto", mode: str = "gram",
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+               plan: Optional[Plan] = None) -> jax.Array:
   """``hk.Embed``'s lookup whose backward pass writes the Gram into ``probe``.
 
   Args:
@@ -461,11 +405,12 @@ def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
     precision: the ``jnp.dot`` precision of ``ONE_HOT`` (``hk.Embed``'s
       default is ``HIGHEST``); unused by ``ARRAY_INDEX``.
     name: module name used in error messages.
-    example_axis: which axis is the example axis; default: outermost vmap,
-      else axis 0 of ``ids``.
+    example_axis: which axis is the example axis (as
+      :func:`gram_haiku.gram_linear`; axis 0 of ``ids`` by default).
     strategy: ``"auto"``, ``"ghost"`` or ``"materialize"`` (see the module
       docstring).
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+    memory_budget_bytes, plan: as :func:`gram_haiku.gram_linear`.
 
   Returns:
     ``ids.shape + (D,)``, exactly ``hk.Embed``'s output. The cotangent of
@@ -477,21 +422,17 @@ def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
     ValueError: for non-integer ids, an unknown strategy or mode; at
       differentiation time when ``probe`` has the wrong shape.
   """
-  if example_axis is None:
-    example_axis = ExampleAxis.from_spec(None)
+  if plan is None:
+    plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
+                     memory_budget_bytes=memory_budget_bytes)
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError("gram_embed takes integer ids, got an array of "
                      f"{ids.dtype}.")
   if lookup_style not in LOOKUP_STYLES:
     raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
-  choose_method(1, 1, 1, 1, 4, strategy)  # validates `strategy`
-  base.check_mode(mode)
   if lookup_style == "ARRAY_INDEX":
     precision = None  # Unused by the gather; keeps the op's params canonical.
-  prim = GramEmbed(base.aval_of(ids), (base.aval_of(embeddings),),
-                   base.aval_of(probe), example_axis=example_axis,
-                   lookup_style=lookup_style, precision=precision,
-                   scalar_ids=ids.ndim == 0, name=name,
-                   strategy=strategy, mode=mode)
-  return prim(ids, embeddings, probe)
+  return GramEmbed.apply(ids, (embeddings,), probe, name=name, plan=plan,
+                        lookup_style=lookup_style, precision=precision,
+                        scalar_ids=ids.ndim == 0)

@@ -3,22 +3,27 @@
 The forward pass is exactly ``hk.Linear.__call__``. The probe's cotangent is
 the per-example gradient Gram of ``w`` and ``b`` (or its diagonal, or the
 per-example gradients; see :mod:`gram_haiku._src.ops.base`), computed by the
-ghost or the materialised method of :mod:`gram_haiku._src.gram_math`,
-whichever a FLOP count says is cheaper.
+ghost or the materialised method of :mod:`gram_haiku._src.kernels`,
+whichever :func:`gram_haiku._src.cost_model.linear_method` says is cheaper
+(consulted once per application).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gram_haiku._src import gram_math
+from gram_haiku._src import cost_model
+from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import base
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import Plan
 
 
 def linear_forward(x, w, b, precision=None):
@@ -47,24 +52,34 @@ class GramLinear(base.GramOp):
 
   sharding_aware = True  # gathers columns, row-sharded contractions
 
-  def gram(self, x, g, params, example_dim):
-    return gram_math.linear_gram(x, g, example_dim=example_dim,
-                                 with_bias=params[1] is not None,
-                                 strategy=self.strategy)
+  def _factors(self, x, g, example_dim):
+    """``(B, T, N)`` inputs and ``(B, T, M)`` cotangents, accumulation dtype."""
+    return kernels.linear_factors(x, g, example_dim)
 
-  def sq_norms(self, x, g, params, example_dim):
-    return gram_math.linear_sq_norms(x, g, example_dim=example_dim,
-                                     with_bias=params[1] is not None,
-                                     strategy=self.strategy)
+  def method(self, xm, dm, cfg: KernelConfig) -> str:
+    """The cost model's method for these factors (one consultation)."""
+    b, t, n = xm.shape
+    return cost_model.linear_method(
+        b, t, n, dm.shape[-1], jnp.dtype(xm.dtype).itemsize, mode=self.mode,
+        strategy=self.strategy, cols=cfg.column_count(b),
+        budget=cfg.memory_budget_bytes)
+
+  def gram(self, x, g, params, example_dim, cfg):
+    xm, dm = self._factors(x, g, example_dim)
+    return kernels.linear_gram(xm, dm, with_bias=params[1] is not None,
+                               method=self.method(xm, dm, cfg), cfg=cfg)
+
+  def sq_norms(self, x, g, params, example_dim, cfg):
+    xm, dm = self._factors(x, g, example_dim)
+    return kernels.linear_sq_norms(xm, dm, with_bias=params[1] is not None,
+                                   method=self.method(xm, dm, cfg), cfg=cfg)
 
   def per_example_grads(self, x, g, params, example_dim):
-    acc = self.accumulation_dtype()
-    xm = gram_math.to_example_major(x, example_dim).astype(acc)
-    dm = gram_math.to_example_major(g, example_dim).astype(acc)
-    gw, gb = gram_math.per_example_linear_grads(xm, dm)
+    xm, dm = self._factors(x, g, example_dim)
+    gw, gb = kernels.per_example_linear_grads(xm, dm)
     return (gw,) if params[1] is None else (gw, gb)
 
-  def probe_cotangent_and_grads(self, x, g, params, wanted):
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
     """Materialised per-example gradients also give ``dw`` and ``db``.
 
     When the Gram (or the squared norms) is formed from per-example
@@ -73,39 +88,37 @@ class GramLinear(base.GramOp):
     the ordinary weight (and bias) gradient: it is returned as such instead
     of running the weight's VJP as well.
     """
-    e = self.example_axis.resolved_position()
-    acc = self.accumulation_dtype()
     w, b = params
-    lead = self.lead_shape(x.shape)
-    size = lead[e]
-    positions = max(1, math.prod(lead) // max(size, 1))
-    shape = (size, positions, w.shape[0], w.shape[1],
-             jnp.dtype(acc).itemsize, self.strategy)
-    if self.mode == "norms":
-      if gram_math.choose_norms_strategy(*shape) == "ghost":
-        return self.sq_norms(x, g, params, e), {}
-    elif self.mode == "gram":
-      if gram_math.choose_strategy(*shape) == "ghost":
-        return self.gram(x, g, params, e), {}
-    grads = self.per_example_grads(x, g, params, e)
+    with_bias = b is not None
+    xm, dm = self._factors(x, g, self.example_axis.resolved_position())
+    size, positions = xm.shape[:2]
+    method = self.method(xm, dm, cfg)
+    if method == "ghost":
+      fn = (kernels.linear_sq_norms if self.mode == "norms"
+            else kernels.linear_gram)
+      return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
+    gw, gb = kernels.per_example_linear_grads(xm, dm)
+    grads = (gw, gb) if with_bias else (gw,)
     f = jnp.concatenate([a.reshape(size, -1) for a in grads], axis=1)
-    value = self.probe_value(f)
-    if math.prod(lead) == size:
+    value = self.probe_value(f, cfg)
+    if positions == 1:
       # One position: the per-example gradients are outer products, and
       # JAX's own weight-gradient matmul beats summing them.
       return value, {}
     provided = {}
     for i, (p, pe) in enumerate(zip(params, grads)):
       if i in wanted and p is not None:
-        provided[i] = gram_math.example_sum(pe).astype(p.dtype)
+        provided[i] = kernels.example_sum(pe).astype(p.dtype)
     return value, provided
 
 
 def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
                 probe: jax.Array, *, name: str = "linear",
-                example_axis: ExampleAxis | None = None,
+                example_axis: ExampleAxisSpec | ExampleAxis = None,
                 precision: lax.Precision | None = None,
-                strategy: str = "auto", mode: str = "gram") -> jax.Array:
+                strategy: str = "auto", mode: str = "gram",
+                memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+                plan: Optional[Plan] = None) -> jax.Array:
   """``x @ w + b`` whose backward pass writes the per-example Gram into ``probe``.
 
   Args:
@@ -118,11 +131,16 @@ def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
       float64 under x64. ``B`` is the size of the example axis as seen by
       the differentiated function.
     name: module name used in error messages.
-    example_axis: which axis is the example axis; default: outermost vmap,
-      else axis 0 of ``x``.
+    example_axis: which axis is the example axis: ``None`` (default:
+      outermost vmap, else axis 0 of ``x``), ``0`` (``x``'s own axis 0;
+      every vmap is then within-example) or a vmap ``axis_name``.
     precision: passed to ``jnp.dot`` as in ``hk.Linear``.
     strategy: ``"auto"``, ``"ghost"`` or ``"materialize"``.
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
+    memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
+      builds at once; larger Grams are computed in blocks.
+    plan: a :class:`~gram_haiku._src.plan.Plan` holding the four options
+      above (``track()`` passes one); when given, they are ignored.
 
   Returns:
     ``[..., M]``, exactly ``hk.Linear``'s output. The cotangent of ``probe`` is
@@ -130,16 +148,11 @@ def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
     (``"norms"``) or the flattened ``g_i`` (``"per_example"``).
 
   Raises:
-    ValueError: at differentiation time when ``probe`` has the wrong shape,
-      or under ``vmap`` when ``probe`` is batched.
+    ValueError: for a bad option; at differentiation time when ``probe``
+      has the wrong shape, or under ``vmap`` when ``probe`` is batched.
     NotImplementedError: under ``vmap`` when ``w`` or ``b`` is batched.
   """
-  if example_axis is None:
-    example_axis = ExampleAxis.from_spec(None)
-  gram_math.choose_strategy(1, 1, 1, 1, 4, strategy)  # validates `strategy`
-  base.check_mode(mode)
-  prim = GramLinear(base.aval_of(x), (base.aval_of(w), base.aval_of(b)),
-                    base.aval_of(probe), example_axis=example_axis,
-                    precision=precision, name=name, strategy=strategy,
-                    mode=mode)
-  return prim(x, w, b, probe)
+  return GramLinear.apply(x, (w, b), probe, name=name, plan=plan,
+                          example_axis=example_axis, strategy=strategy,
+                          mode=mode, memory_budget_bytes=memory_budget_bytes,
+                          precision=precision)

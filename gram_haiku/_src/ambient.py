@@ -1,0 +1,82 @@
+"""The ambient state of gram_haiku: the only thread-local state it keeps.
+
+Two things cannot travel as arguments through user code: the active
+``track()`` contexts (a layer handler, or :func:`gram_haiku.unembed`, must
+find its tracker from inside the user's Haiku modules), and the pass that
+:func:`gram_haiku.value_grad_and_gram` is running (which modules accumulate
+per-example gradients, over which mesh axes the examples are split). Both
+live here. They are read when a ``track()`` context is entered and by
+:func:`gram_haiku.unembed`, and turned into each op's
+:class:`~gram_haiku._src.plan.Plan` before the op is bound; no op, rule or
+kernel reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator, Optional
+
+_LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+  """What :func:`gram_haiku.value_grad_and_gram` tells ``track()``.
+
+  Attributes:
+    shared: names of the modules whose per-example gradients are
+      accumulated (probe ``[B, P]``): their parameters are used more than
+      once. Empty in the discovery trace, which finds them.
+    column_axes: mesh axes the examples are split over (``shard_map``);
+      ``()`` on one device.
+    coverage: where ``track()`` contexts report which parameters they saw
+      (a dict, filled in the discovery trace), or None.
+  """
+  shared: frozenset = frozenset()
+  column_axes: tuple[str, ...] = ()
+  coverage: Optional[dict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Ambient:
+  """A snapshot of the ambient state.
+
+  Attributes:
+    tracker: the innermost active ``track()`` context, or None.
+    pass_plan: the running ``value_grad_and_gram`` pass, or None on the raw
+      ``jax.grad`` path.
+  """
+  tracker: Any
+  pass_plan: Optional[PassPlan]
+
+
+def current() -> Ambient:
+  """The ambient state now (the one reader)."""
+  stack = getattr(_LOCAL, "trackers", ())
+  return Ambient(stack[-1] if stack else None,
+                 getattr(_LOCAL, "pass_plan", None))
+
+
+def push_tracker(tracker) -> None:
+  _LOCAL.trackers = getattr(_LOCAL, "trackers", ()) + (tracker,)
+
+
+def pop_tracker(tracker) -> None:
+  stack = getattr(_LOCAL, "trackers", ())
+  if not stack or stack[-1] is not tracker:
+    raise RuntimeError("gram_haiku.track() contexts must be exited in the "
+                       "reverse order of entering them.")
+  _LOCAL.trackers = stack[:-1]
+
+
+@contextlib.contextmanager
+def running(pass_plan: PassPlan) -> Iterator[None]:
+  """Marks a ``value_grad_and_gram`` pass (a trace of the model) as running."""
+  previous = getattr(_LOCAL, "pass_plan", None)
+  _LOCAL.pass_plan = pass_plan
+  try:
+    yield
+  finally:
+    _LOCAL.pass_plan = previous

@@ -1,0 +1,214 @@
+"""The one cost model: which exact method computes a layer's Gram.
+
+Each tracked layer kind has more than one exact way to form its Gram (or its
+diagonal); which is cheapest depends on the shapes, known only in the
+backward rule, after every ``vmap`` has been batched. A Gram op consults this
+module once per application, with the sizes it sees and its
+:class:`~gram_haiku._src.plan.Plan`'s mode, strategy and memory budget, and
+passes the answer to its kernels.
+
+Counts are multiply-adds (gathers and scatters weighted by
+:data:`GATHER_WEIGHT`); under ``shard_map`` each byte gathered from another
+device adds :data:`COMM_FLOPS_PER_BYTE`. A method whose intermediates would
+exceed the memory budget is never chosen by ``"auto"``; the ghost methods
+are blocked and always fit.
+
+Sources: Goodfellow (2015), "Efficient per-example gradient computations";
+Li et al. (2022), "Large language models can be strong differentially
+private learners" (ghost clipping); Bu et al. (2022), "Scalable and
+efficient training of large convolutional neural networks with differential
+privacy" (the per-layer choice between ghost norms and materialised
+per-example gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+
+#: Linear layers (and each feature group of a convolution).
+LinearMethod = Literal["ghost", "materialize"]
+#: Convolutions: per group by the ghost method, per-example gradients of
+#: every group at once, or materialised one group at a time.
+ConvMethod = Literal["ghost", "materialize", "materialize_by_group"]
+#: Embedding lookups (see :mod:`gram_haiku._src.ops.embed`).
+EmbedMethod = Literal["ghost", "dense", "segment"]
+
+#: Multiply-adds that one gathered byte is counted as, in the cost of a
+#: Gram whose columns come from other devices (``shard_map``): a rough ratio
+#: of a device's arithmetic rate to its interconnect bandwidth. The choice
+#: between methods only moves when their FLOPs are within this factor of
+#: their traffic.
+COMM_FLOPS_PER_BYTE = 16
+
+#: Gathers and scatters cost more than a matmul multiply-add.
+GATHER_WEIGHT = 4
+
+
+def ghost_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
+  """Multiply-adds of the ghost method for one linear-layer weight.
+
+  ``b`` rows (local examples) against ``cols`` columns (default ``b``).
+  """
+  cols = cols or b
+  if t == 1:
+    return b * cols * (n + m) + b * cols
+  return b * cols * t * t * (n + m + 1)
+
+
+def materialize_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
+  """Extra multiply-adds of the materialised method for one linear weight.
+
+  Forming the per-example gradients costs ``B T N M``, but their sum is the
+  weight gradient, which the op then does not compute again (it would cost
+  the same ``B T N M``); what is extra is ``B N M`` for the sum and
+  ``B^2 N M`` for ``F F^T`` (``b cols N M`` for a block of rows).
+  """
+  del t
+  cols = cols or b
+  return b * n * m + b * cols * n * m
+
+
+def gathered_bytes(cols: int, t: int, n: int, m: int, acc_bytes: int,
+                   method: str) -> int:
+  """Bytes one device receives to form its rows, ``cols`` examples in all.
+
+  The ghost method gathers inputs and cotangents, ``T (N + M)`` numbers per
+  example; the materialised one the per-example gradients, ``N M``.
+  """
+  per_example = t * (n + m) if method == "ghost" else n * m
+  return cols * per_example * acc_bytes
+
+
+def linear_method(b: int, t: int, n: int, m: int, acc_bytes: int, *,
+                  mode: str = "gram", strategy: str = "auto", cols: int = 0,
+                  budget: int = DEFAULT_MEMORY_BUDGET_BYTES) -> LinearMethod:
+  """``"ghost"`` or ``"materialize"`` for a ``(B, T, N) -> M`` linear map.
+
+  Args:
+    b: local examples (rows of the Gram).
+    t: within-example positions.
+    n, m: input and output features.
+    acc_bytes: bytes per number in the accumulation dtype.
+    mode: ``"gram"``, ``"norms"`` or ``"per_example"`` (always materialised).
+    strategy: ``"auto"``, or a forced ``"ghost"``/``"materialize"``.
+    cols: columns of the Gram (``B``; more than ``b`` under ``shard_map``);
+      default ``b``.
+    budget: the memory budget in bytes.
+
+  ``"auto"``, full Gram: the fewer multiply-adds (plus gathered bytes under
+  ``shard_map``), materialised only when the ``cols x N x M`` per-example
+  gradients fit ``budget``. ``"auto"``, diagonal: ghost costs ``B T^2 (N +
+  M)``; materialised ``B T N M`` to form the per-example gradients, but their
+  sum is the weight gradient, which the op then does not compute again, so
+  what is extra is ``B N M``.
+  """
+  if mode == "per_example":
+    return "materialize"
+  if strategy != "auto":
+    return strategy  # type: ignore[return-value]
+  cols = cols or b
+  if mode == "norms":
+    fits = b * n * m * acc_bytes <= budget
+    return "materialize" if fits and n * m < t * t * (n + m) else "ghost"
+  fits = cols * n * m * acc_bytes <= budget
+  ghost = ghost_flops(b, t, n, m, cols)
+  mat = materialize_flops(b, t, n, m, cols)
+  if cols > b:
+    ghost += COMM_FLOPS_PER_BYTE * gathered_bytes(cols, t, n, m, acc_bytes,
+                                                  "ghost")
+    mat += COMM_FLOPS_PER_BYTE * gathered_bytes(cols, t, n, m, acc_bytes,
+                                                "materialize")
+  return "materialize" if fits and mat < ghost else "ghost"
+
+
+def conv_method(b: int, t: int, n: int, m: int, groups: int, acc_bytes: int,
+                *, mode: str = "gram", strategy: str = "auto", cols: int = 0,
+                budget: int = DEFAULT_MEMORY_BUDGET_BYTES) -> ConvMethod:
+  """The method for a convolution: ``F`` groups of ``(B, T, n) -> m`` maps.
+
+  ``n = C/F * |K|`` patch features and ``m = O/F`` outputs per group, ``t``
+  within-example times output positions. Per group it is
+  :func:`linear_method`, except for the diagonal under ``"auto"``: unlike a
+  linear layer's, a convolution's per-example gradients need the im2col
+  patches, where its plain kernel gradient needs none, so they are formed
+  only where that beats the ghost norms' ``B T^2 (n + m)`` outright
+  (measured on the benchmarks' CNN). Materialised groups are formed all at
+  once when ``cols x F x n x m`` numbers fit the budget, else one at a time.
+  """
+  if mode == "per_example":
+    return "materialize"
+  cols = cols or b
+  if mode == "norms" and strategy == "auto":
+    fits = b * n * m * acc_bytes <= budget
+    per_group = ("materialize" if fits and t * n * m < t * t * (n + m)
+                 else "ghost")
+  else:
+    per_group = linear_method(b, t, n, m, acc_bytes, mode="gram",
+                              strategy=strategy, cols=cols, budget=budget)
+  if per_group == "ghost":
+    return "ghost"
+  if cols * groups * n * m * acc_bytes <= budget:
+    return "materialize"
+  return "materialize_by_group"
+
+
+def embed_costs(b: int, t: int, dim: int, num_keys: int, acc_bytes: int,
+                cols: int = 0, budget: int = DEFAULT_MEMORY_BUDGET_BYTES
+                ) -> dict[str, float]:
+  """Weighted operation counts of each form of an embedding's Gram.
+
+  ``b`` rows against ``cols`` columns (``B`` gathered under ``shard_map``;
+  default ``b``), ``t`` lookups per example, width ``dim``, ``num_keys``
+  distinct rows. ``"dense"`` is absent when its ``cols x num_keys x dim``
+  per-example gradients exceed ``budget``. Gathering the columns' factors
+  adds :data:`COMM_FLOPS_PER_BYTE` per byte: ``T (D + 1)`` numbers per
+  example for the ghost and segment forms (ids and rows), ``V D`` for dense.
+  """
+  cols = cols or b
+  log_t = math.log2(max(t, 2))
+  costs = {
+      "ghost": b * cols * t * t * (dim + 2),
+      "segment": GATHER_WEIGHT * (b * t * (dim + 2 * log_t + 2) +
+                                  b * cols * t * (dim + log_t + 2)),
+  }
+  if cols * num_keys * dim * acc_bytes <= budget:
+    costs["dense"] = GATHER_WEIGHT * b * t * dim + b * cols * num_keys * dim
+  if cols > b:
+    comm = COMM_FLOPS_PER_BYTE * cols * acc_bytes
+    costs["ghost"] += comm * t * (dim + 1)
+    costs["segment"] += comm * t * (dim + 1)
+    if "dense" in costs:
+      costs["dense"] += comm * num_keys * dim
+  return costs
+
+
+def embed_method(b: int, t: int, dim: int, num_keys: int, acc_bytes: int, *,
+                 mode: str = "gram", strategy: str = "auto", cols: int = 0,
+                 budget: int = DEFAULT_MEMORY_BUDGET_BYTES) -> EmbedMethod:
+  """``"ghost"``, ``"dense"`` or ``"segment"`` for an embedding lookup.
+
+  Full Gram: ``"ghost"`` forces the ghost form; ``"materialize"`` the dense
+  per-example gradients when they fit ``budget``, else the segment form;
+  ``"auto"`` the cheapest by :func:`embed_costs` (ties go to ghost).
+  Diagonal: ghost (``~B T^2 D``) or segment (``~B T (D + log T)``; dense is
+  never needed for it). ``"per_example"`` mode does not consult this.
+  """
+  if mode == "norms":
+    if strategy == "ghost":
+      return "ghost"
+    if strategy == "materialize":
+      return "segment"
+    log_t = math.log2(max(t, 2))
+    ghost = b * t * t * (dim + 2)
+    segment = GATHER_WEIGHT * b * t * (dim + 2 * log_t + 2)
+    return "ghost" if ghost <= segment else "segment"
+  costs = embed_costs(b, t, dim, num_keys, acc_bytes, cols, budget)
+  if strategy == "ghost":
+    return "ghost"
+  if strategy == "materialize":
+    return "dense" if "dense" in costs else "segment"
+  return min(("ghost", "dense", "segment"),
+             key=lambda k: costs.get(k, math.inf))  # type: ignore[return-value]

@@ -1,0 +1,92 @@
+"""Which parameters the Gram covers: every parameter read inside ``track()``.
+
+``track()`` installs a Haiku custom getter that sees every
+``hk.get_parameter`` inside the context. A read from inside a layer handler
+is *tracked* (by that handler's rule); any other read is *untracked*, and is
+reported by the context's ``untracked`` policy. A parameter read both ways
+is an error: its Gram would miss the untracked use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Optional
+
+from gram_haiku._src import errors
+
+UNTRACKED_POLICIES = ("warn", "error", "ignore")
+
+#: Parameters already warned about (``untracked="warn"`` warns once each).
+_WARNED: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCoverage:
+  """How one parameter is covered by the Gram.
+
+  Attributes:
+    tracked: whether every use of the parameter is inside a Gram op.
+    rule: the layer handler that tracks it (e.g. ``"linear"``), or None.
+    module_type: the Haiku module class that reads it (``"(none)"`` for a
+      bare ``hk.get_parameter`` outside any module).
+  """
+  tracked: bool
+  rule: Optional[str]
+  module_type: str
+
+
+class UntrackedParameterWarning(UserWarning):
+  """A parameter read inside ``track()`` is not covered by any Gram op."""
+
+
+class Coverage:
+  """The parameters one ``track()`` context has seen, and how."""
+
+  def __init__(self, untracked: str):
+    if untracked not in UNTRACKED_POLICIES:
+      raise ValueError(f"track(untracked={untracked!r}): expected one of "
+                       f"{UNTRACKED_POLICIES}.")
+    self.policy = untracked
+    self.seen: dict[str, ParamCoverage] = {}
+    self._rule: Optional[str] = None
+
+  @contextlib.contextmanager
+  def tracking_rule(self, rule: str):
+    """Parameters read inside this block are tracked by ``rule``."""
+    previous, self._rule = self._rule, rule
+    try:
+      yield
+    finally:
+      self._rule = previous
+
+  def getter(self, next_getter, value, context):
+    """A Haiku custom getter: records the read, then reads."""
+    name = context.full_name
+    module_type = (type(context.module).__name__ if context.module is not None
+                   else "(none)")
+    seen = self.seen.get(name)
+    if self._rule is not None:
+      if seen is not None and not seen.tracked:
+        raise ValueError(errors.MIXED_USE.format(
+            param=name, module_type=module_type))
+      self.seen[name] = ParamCoverage(True, self._rule, module_type)
+    else:
+      if seen is not None and seen.tracked:
+        raise ValueError(errors.MIXED_USE.format(
+            param=name, module_type=module_type))
+      self.seen[name] = ParamCoverage(False, None, module_type)
+      self._report_untracked(name, module_type)
+    return next_getter(value)
+
+  def _report_untracked(self, name: str, module_type: str) -> None:
+    if self.policy == "ignore":
+      return
+    message = errors.UNTRACKED_PARAM.format(param=name,
+                                            module_type=module_type)
+    if self.policy == "error":
+      raise ValueError(message)
+    if name not in _WARNED:
+      _WARNED.add(name)
+      warnings.warn(message, UntrackedParameterWarning, stacklevel=4)

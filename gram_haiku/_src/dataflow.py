@@ -1,0 +1,271 @@
+"""What the traced program says about a tracked model: its Gram ops and
+which parameter reaches which of them, how, and how often.
+
+:func:`gram_haiku.value_grad_and_gram` traces the tracked loss once with
+``jax.make_jaxpr`` (no FLOPs) before the real pass, and :func:`discover`
+reads the jaxpr. Every Gram op application is an equation of the program
+(inside ``jit``, ``hk.remat``, ``hk.vmap``, ``hk.cond``, ``lax.scan`` or
+``while_loop`` bodies as well), and carries its :class:`Plan`, its input
+type (after every ``vmap`` has been batched: the example-axis size is
+known) and its layer's name. Following each parameter from the program's
+inputs to the ops' parameter operands tells, from the program alone rather
+than from Python object identity or the call stack:
+
+* which tracked modules use a parameter more than once: several calls, two
+  ``track()`` blocks, a lifted transform, or a loop body that closes over
+  it (a ``scan`` over stacked parameters, as ``hk.layer_stack`` does, gives
+  each step its own slice and is not a reuse). Such a module accumulates
+  per-example gradients (probe ``[B, P]``) in the real pass;
+* how a parameter reaches a tracked op: unchanged, cast (a jmp policy),
+  reshaped or sliced, which keep the Gram exact, or through any other
+  computation (``stop_gradient``, a reparametrisation), where the op's Gram
+  would be taken with respect to the wrong quantity: a teaching error;
+* whether one parameter reaches the ops of two different modules.
+
+Branches of ``cond`` count as alternatives (the most uses of any branch),
+a ``while_loop`` body as repeated.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Mapping, Optional
+
+from gram_haiku._src import errors
+from gram_haiku._src import explicit_mesh
+from gram_haiku._src import hijax_compat as hx
+
+#: Primitives that keep every value of a parameter (so its Gram): casts,
+#: copies and reshapes.
+_VALUE_PRESERVING = frozenset({
+    "convert_element_type", "copy", "copy_p", "reshape", "squeeze",
+    "expand_dims", "device_put", "reduce_precision", "pvary", "pcast",
+    "sharding_constraint", "reshard", "mesh_cast",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One parameter leaf that a value was computed from.
+
+  Attributes:
+    leaf: index of the parameter leaf (``jax.tree.leaves(params)``).
+    exact: whether every step from the leaf kept its values (casts,
+      reshapes, slices of a scanned stack).
+    via: the first other primitive on the way (e.g. ``"stop_gradient"``),
+      or None when ``exact``.
+    sliced: the value is one step's slice of a scanned stack.
+    repeated: the value is read again by every step of a loop.
+  """
+  leaf: int
+  exact: bool = True
+  via: Optional[str] = None
+  sliced: bool = False
+  repeated: bool = False
+
+
+Sources = frozenset  # of Source
+
+
+@dataclasses.dataclass(frozen=True)
+class Application:
+  """One Gram op application found in the program.
+
+  Attributes:
+    op: the bound op (its ``name``, ``plan`` and input types).
+    param_sources: per parameter operand, the parameter leaves it comes from
+      (a set of :class:`Source`).
+  """
+  op: Any
+  param_sources: tuple[Sources, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Discovery:
+  """Facts about a tracked model, read from its traced program.
+
+  Attributes:
+    sizes: module name -> size of its example axis.
+    param_counts: module name -> number of parameter entries it tracks.
+    shared: modules whose parameters are used more than once (each needs a
+      per-example probe ``(B, P)`` instead of a Gram probe).
+    vmapped: module name -> whether its example axis came from a vmap (True)
+      or from the layer input's own axis 0 (False), under the default rule.
+    modes: module name -> the ``track(mode=...)`` it ran under.
+    example_specs: module name -> the mesh axes its example axis is sharded
+      over, under a mesh with Explicit axes (absent otherwise).
+  """
+  sizes: Mapping[str, int]
+  param_counts: Mapping[str, int]
+  shared: frozenset
+  vmapped: Mapping[str, bool]
+  modes: Mapping[str, str]
+  example_specs: Mapping[str, Any]
+
+
+def _sub(source: Source, **changes) -> Source:
+  return dataclasses.replace(source, **changes)
+
+
+def _not_exact(sources: Sources, via: str) -> Sources:
+  return frozenset(s if not s.exact else _sub(s, exact=False, via=via)
+                   for s in sources)
+
+
+class _Walk:
+  """Follows parameter leaves through a jaxpr (and its sub-jaxprs)."""
+
+  def __init__(self, gram_op_type):
+    self.gram_op_type = gram_op_type
+    self.applications: list[Application] = []
+    # (leaf, sliced) -> number of uses per pass; module names per leaf.
+    self.uses: collections.Counter = collections.Counter()
+
+  def run(self, jaxpr, in_sources: list) -> list:
+    env: dict = {}
+    for v, s in zip(jaxpr.invars, in_sources):
+      env[v] = s
+    read = lambda v: (frozenset() if isinstance(v, hx.Literal)
+                      else env.get(v, frozenset()))
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      outs = self.eqn(eqn, ins)
+      for v, s in zip(eqn.outvars, outs):
+        env[v] = s
+    return [read(v) for v in jaxpr.outvars]
+
+  def eqn(self, eqn, ins: list) -> list:
+    name = eqn.primitive.name
+    n_out = len(eqn.outvars)
+    union = frozenset().union(*ins) if ins else frozenset()
+    op = hx.gram_op_of(eqn, self.gram_op_type)
+    if op is not None:
+      sources = tuple(ins[1:-1])
+      self.applications.append(Application(op, sources))
+      for s in frozenset().union(*sources) if sources else ():
+        self.uses[(s.leaf, s.sliced)] += 2 if s.repeated else 1
+      return [_not_exact(union, op.name)] * n_out
+    if name in _VALUE_PRESERVING:
+      return [union] * n_out
+    if name == "scan":
+      return self.scan(eqn, ins)
+    if name == "while":
+      return self.while_loop(eqn, ins)
+    if name == "cond":
+      return self.cond(eqn, ins)
+    subs = hx.jaxprs_of(eqn)
+    if subs:
+      outs = None
+      for sub in subs:
+        if len(sub.invars) == len(ins):
+          res = self.run(sub, ins)
+        else:  # Unknown calling convention: every input may reach it.
+          res = self.run(sub, [union] * len(sub.invars))
+        if len(res) == n_out:
+          outs = res if outs is None else [a | b for a, b in zip(outs, res)]
+      if outs is not None:
+        if name in ("pjit", "jit", "closed_call", "core_call", "remat2",
+                    "checkpoint", "custom_jvp_call", "custom_vjp_call",
+                    "custom_vjp_call_jaxpr", "shard_map", "named_call"):
+          return outs
+        return [_not_exact(o, name) for o in outs]
+    return [_not_exact(union, name)] * n_out
+
+  def scan(self, eqn, ins):
+    body = eqn.params["jaxpr"].jaxpr
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    loops = eqn.params["length"] > 1
+    inner = []
+    for k, s in enumerate(ins):
+      if k < n_consts + n_carry:
+        inner.append(frozenset(_sub(x, repeated=x.repeated or loops)
+                               for x in s))
+      else:  # A scanned input: each step reads its own slice.
+        inner.append(frozenset(_sub(x, sliced=True) for x in s))
+    outs = self.run(body, inner)
+    return [_not_exact(o, "scan") for o in outs]
+
+  def while_loop(self, eqn, ins):
+    cond_n = eqn.params["cond_nconsts"]
+    body = eqn.params["body_jaxpr"].jaxpr
+    inner = [frozenset(_sub(x, repeated=True) for x in s)
+             for s in ins[cond_n:]]
+    outs = self.run(body, inner)
+    return [_not_exact(o, "while") for o in outs]
+
+  def cond(self, eqn, ins):
+    before = self.uses
+    most: collections.Counter = collections.Counter()
+    outs = None
+    for branch in eqn.params["branches"]:
+      self.uses = collections.Counter()
+      res = self.run(branch.jaxpr, ins[1:])
+      for k, n in self.uses.items():
+        most[k] = max(most[k], n)
+      outs = res if outs is None else [a | b for a, b in zip(outs, res)]
+    self.uses = before + most
+    return [_not_exact(o, "cond") for o in (outs or [])]
+
+
+def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
+             gram_op_type) -> Discovery:
+  """Reads a tracked loss's program: ``jaxpr(params, probes) -> loss``.
+
+  Args:
+    closed_jaxpr: ``jax.make_jaxpr`` of the loss, with the parameter leaves
+      as its first ``num_param_leaves`` inputs.
+    num_param_leaves: number of parameter leaves.
+    leaf_names: their names (``module/param``), for messages.
+    gram_op_type: the base class of Gram ops.
+
+  Returns:
+    A :class:`Discovery`.
+
+  Raises:
+    ValueError: for a parameter that reaches a tracked op through a
+      computation that changes its values (``stop_gradient``, a
+      reparametrisation), one that reaches the ops of two modules, a module
+      applied under two modes, or an example axis that cannot be found.
+  """
+  jaxpr = closed_jaxpr.jaxpr
+  walk = _Walk(gram_op_type)
+  ins = [frozenset({Source(k)}) if k < num_param_leaves else frozenset()
+         for k in range(len(jaxpr.invars))]
+  walk.run(jaxpr, ins)
+
+  sizes, counts, vmapped, modes, specs = {}, {}, {}, {}, {}
+  modules_of_leaf: dict[int, set] = collections.defaultdict(set)
+  shared = set()
+  for app in walk.applications:
+    op = app.op
+    module = op.name
+    sizes[module] = op.example_size()
+    counts[module] = op.num_params()
+    if op.example_axis.kind == "default":
+      vmapped.setdefault(module, op.example_axis.vmapped)
+    if modes.setdefault(module, op.mode) != op.mode:
+      raise ValueError(errors.MIXED_MODES.format(
+          module=module, modes=sorted({modes[module], op.mode})))
+    spec = explicit_mesh.spec_of_type(op.x_aval)
+    position = op.example_axis.resolved_position()
+    if spec is not None and position < len(spec) and spec[position]:
+      specs[module] = spec[position]
+    for pname, sources, aval in zip(op.param_names, app.param_sources,
+                                    op.param_avals):
+      if aval is None:
+        continue
+      for s in sources:
+        modules_of_leaf[s.leaf].add(module)
+        if not s.exact:
+          raise ValueError(errors.PARAM_TRANSFORMED.format(
+              module=module, param=pname, leaf=leaf_names[s.leaf],
+              via=s.via))
+        if walk.uses[(s.leaf, s.sliced)] > 1:
+          shared.add(module)
+  for leaf, modules in modules_of_leaf.items():
+    if len(modules) > 1:
+      raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
+          leaf=leaf_names[leaf], modules=sorted(modules)))
+  return Discovery(sizes=sizes, param_counts=counts, shared=frozenset(shared),
+                   vmapped=vmapped, modes=modes, example_specs=specs)

@@ -1,0 +1,83 @@
+"""The one place that touches Haiku's private modules and attributes.
+
+gram_haiku's layer handlers repeat the Haiku modules' ``__call__`` with the
+same checks and the same parameters, and a few of those steps are private in
+Haiku (the padding rule of transposed convolutions, the shape rule of
+``hk.Bias``, the state of ``hk.GroupNorm``). Every such name is read here and
+nowhere else, so that a Haiku release that moves one means editing this
+module only; ``tests/test_compat.py`` checks that each still exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import haiku as hk
+from haiku._src import base as _base
+from haiku._src import bias as _bias
+from haiku._src import conv as _conv
+from haiku._src import layer_norm as _layer_norm
+from haiku._src import utils as _utils
+
+__all__ = [
+    "current_frame",
+    "inside_transform",
+    "module_scope",
+    "compute_adjusted_padding",
+    "calculate_bias_shape",
+    "to_abs_axes",
+    "error_if_param_axis_not_explicit",
+    "param_axis_passed_explicitly",
+    "assert_minimum_rank",
+    "initialize_group_norm",
+]
+
+#: Haiku's padding of a transposed convolution with an ``output_shape``.
+compute_adjusted_padding = _conv.compute_adjusted_padding
+#: ``hk.Bias``'s bias shape from the input shape and ``bias_dims``.
+calculate_bias_shape = _bias.calculate_bias_shape
+#: ``hk.LayerNorm``'s normalisation of an ``axis`` argument.
+to_abs_axes = _layer_norm.to_abs_axes
+#: Haiku's rank check (``hk.Bias``).
+assert_minimum_rank = _utils.assert_minimum_rank
+
+
+def current_frame():
+  """Haiku's current frame (one per call of a transformed function)."""
+  return _base.current_frame()
+
+
+def inside_transform() -> bool:
+  """Whether the caller runs inside ``hk.transform`` (a Haiku frame)."""
+  return _base.inside_transform()
+
+
+def error_if_param_axis_not_explicit() -> bool:
+  """Haiku's switch requiring ``param_axis`` for a non-final LayerNorm axis."""
+  return bool(_layer_norm.ERROR_IF_PARAM_AXIS_NOT_EXPLICIT)
+
+
+def param_axis_passed_explicitly(module: hk.LayerNorm) -> bool:
+  """Whether ``hk.LayerNorm``/``hk.RMSNorm`` was given ``param_axis``."""
+  return bool(module._param_axis_passed_explicitly)  # pylint: disable=protected-access
+
+
+def initialize_group_norm(module: hk.GroupNorm, x: Any, channels: int):
+  """``hk.GroupNorm``'s first-call set-up of its shapes (rank, groups)."""
+  module._initialize(x, channels)  # pylint: disable=protected-access
+
+
+def module_scope(module: hk.Module):
+  """Haiku's scope of ``module``: state names resolve to its name.
+
+  A Gram op may run for a module from outside the module's methods
+  (:func:`gram_haiku.unembed`); its probe still lives in that module's
+  ``hk.State``.
+  """
+  frame = _base.current_frame()
+  stack = list(frame.module_stack)
+  if stack and stack[-1].module is module:
+    return contextlib.nullcontext()
+  return frame.module(_base.ModuleState(module=module,
+                                        method_name="__call__"))

@@ -1,0 +1,373 @@
+"""Kernels: Gram matrices of per-example weight gradients of linear maps.
+
+For a linear map ``y_t = x_t @ W`` applied at ``T`` within-example positions
+``t`` (sequence steps, spatial positions, inner vmap axes), the per-example
+gradient of ``W`` for example ``i`` is ``g_i = sum_t x_it^T d_it`` where
+``d_it = dL/dy_it`` is the output cotangent. Its Gram matrix is
+
+    G[i, j] = <g_i, g_j>_F = sum_{t,s} (x_it . x_js) (d_it . d_js)        (1)
+
+Two ways to evaluate (1):
+
+* **ghost** (Goodfellow 2015, "Efficient per-example gradient computations";
+  Li et al. 2022, "Large language models can be strong differentially private
+  learners", ghost clipping): contract the two kernel matrices
+  ``K_x = X X^T`` and ``K_d = D D^T`` over positions. Cost ``~B^2 T^2 (N+M)``
+  multiply-adds, memory ``B T B T`` per block of rows.
+* **materialise**: form ``g_i`` (``B x N x M``), then ``F F^T``.
+  Cost ``~B T N M + B^2 N M``, memory ``B N M``.
+
+The bias gradient is ``sum_t d_it``, so its Gram is ``D_b D_b^T`` with
+``D_b[i] = sum_t d_it``.
+
+Everything here accumulates in at least float32 (float64 for float64 inputs),
+whatever the input dtype, with ``Precision.HIGHEST`` so that float32 matmuls
+are not silently done in TF32/bf16 passes on accelerators.
+
+Every kernel takes what it needs as arguments: the shapes come from its
+inputs, the method from :mod:`gram_haiku._src.cost_model` (decided once per
+application by the op), and a :class:`KernelConfig` says over which mesh axes
+the Gram's columns are gathered and how much memory a block may take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src import example_sharding
+from gram_haiku._src import explicit_mesh
+from gram_haiku._src.explicit_mesh import rows_sharding
+from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """What a Gram kernel needs beyond its inputs.
+
+  Attributes:
+    column_axes: mesh axes (inside ``shard_map``) whose devices hold the
+      other examples: the Gram's column factors are gathered over them and
+      the kernel returns this device's rows ``(b, B)``. ``()``: one device
+      holds every example.
+    memory_budget_bytes: the largest intermediate a kernel builds at once.
+  """
+  column_axes: tuple[str, ...] = ()
+  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+
+  def columns(self, a: jax.Array) -> jax.Array:
+    """The column factor of a Gram: ``a`` (example axis 0) from every device.
+
+    ``f[b, ...] -> f[B, ...]`` by a tiled ``all_gather`` over
+    :attr:`column_axes`; ``a`` itself when there are none.
+    """
+    axes = self.column_axes
+    if not axes:
+      return a
+    return lax.all_gather(a, axes if len(axes) > 1 else axes[0], axis=0,
+                          tiled=True)
+
+  def column_count(self, rows: int) -> int:
+    """Columns of a Gram block whose rows are ``rows`` local examples."""
+    return rows * example_sharding.axes_size(self.column_axes)
+
+
+#: The configuration of a single-device Gram with the default budget.
+LOCAL = KernelConfig()
+
+
+def accumulation_dtype(*dtypes) -> jnp.dtype:
+  """float32, or float64 when any input is float64 (under ``jax_enable_x64``)."""
+  out = jnp.dtype(jnp.float32)
+  for dt in dtypes:
+    if jnp.dtype(dt) == jnp.float64:
+      out = jnp.dtype(jnp.float64)
+  return out
+
+
+def to_example_major(a: jax.Array, example_dim: int) -> jax.Array:
+  """``(..., F)`` with the example axis at ``example_dim`` -> ``(B, T, F)``.
+
+  ``T`` is the product of every other leading axis (the within-example axes).
+  """
+  a = jnp.moveaxis(a, example_dim, 0)
+  return a.reshape(a.shape[0], -1, a.shape[-1])
+
+
+
+def example_sum(a: jax.Array) -> jax.Array:
+  """``a.sum(axis=0)`` (the example axis), as a matrix-vector product.
+
+  Summing materialised per-example gradients gives the weight gradient. On
+  XLA's CPU backend a reduction over the leading axis of ``(B, N, M)`` ran
+  about 3x slower than the matmul that produced it (``benchmarks``, LM
+  layers), while ``ones(B) @ a`` runs at memory speed. ``HIGHEST``
+  precision, so the sum is exact in float32 on accelerators too.
+  """
+  b = a.shape[0]
+  flat = explicit_mesh.reshape_rows(a, (b, math.prod(a.shape[1:])))
+  ones = jnp.ones((b,), a.dtype)
+  out_sharding = (None if explicit_mesh.explicit_spec(a) is None
+                  else jax.sharding.PartitionSpec(None))
+  out = jnp.matmul(ones, flat, precision=_HIGHEST, out_sharding=out_sharding)
+  return out.reshape(a.shape[1:])
+
+
+
+def _ghost_rows(xi, di, x, d):
+  """Rows ``i`` of (1): ``xi: (R, T, N)``, ``x: (B, T, N)`` -> ``(R, B)``."""
+  acc = x.dtype
+  kx = jnp.einsum("itn,jsn->itjs", xi, x, precision=_HIGHEST,
+                  preferred_element_type=acc,
+                  out_sharding=rows_sharding(xi, 4))
+  kd = jnp.einsum("itm,jsm->itjs", di, d, precision=_HIGHEST,
+                  preferred_element_type=acc,
+                  out_sharding=rows_sharding(di, 4))
+  return jnp.einsum("itjs,itjs->ij", kx, kd, precision=_HIGHEST)
+
+
+
+def blocked(arrays, size):
+  """Pads the leading axis of each array to a multiple of ``size`` and
+  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``."""
+  n = arrays[0].shape[0]
+  n_blocks = math.ceil(n / size)
+  pad = n_blocks * size - n
+  out = []
+  for a in arrays:
+    a = jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+    out.append(a.reshape((n_blocks, size) + a.shape[1:]))
+  return tuple(out)
+
+
+
+def map_row_blocks(fn, rows: int, arrays):
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked."""
+  b = arrays[0].shape[0]
+  if rows >= b:
+    return fn(*arrays)
+  out = lax.map(lambda blk: fn(*blk), blocked(arrays, rows))
+  return out.reshape((-1,) + out.shape[2:])[:b]
+
+
+
+def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
+                    cfg: KernelConfig):
+  """``G[i, j] = fn(rows i, columns j)`` in blocks within the memory budget.
+
+  ``fn(*row_block, *col_block) -> (R, C)``; one ``(row, column)`` pair needs
+  ``per_pair_bytes`` of intermediates. Rows are taken in blocks whose pairs
+  with every column fit ``cfg.memory_budget_bytes``; when not even one row
+  does, one row at a time, its columns in blocks (``lax.map`` over both).
+  The columns are ``cfg.columns`` of ``col_arrays`` (every device's examples
+  under ``shard_map``).
+  """
+  b = row_arrays[0].shape[0]
+  budget = cfg.memory_budget_bytes
+  col_arrays = tuple(cfg.columns(a) for a in col_arrays)
+  c = col_arrays[0].shape[0]  # B; more than b under shard_map
+  per_pair = max(per_pair_bytes, 1)
+  if c * per_pair <= budget:
+    rows = max(1, min(b, budget // (c * per_pair)))
+    return map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
+  cols = max(1, min(c, budget // per_pair))
+  col_blocks = blocked(col_arrays, cols)
+
+  def one_row(*r):
+    out = lax.map(lambda cb: fn(*r, *cb), col_blocks)  # (n_blocks, 1, cols)
+    return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :c]
+  return map_row_blocks(one_row, 1, row_arrays)
+
+
+
+def _ghost_time_blocked(xi, di, xj, dj, tau: int):
+  """:func:`_ghost_rows` summed over pairs of ``tau``-position blocks.
+
+  For ``T`` so long that even one pair's ``(1, T, 1, T)`` kernels exceed the
+  budget: (1) is a sum over ``(t, s)``, so it splits into blocks of
+  positions; zero padding adds nothing.
+  """
+  t = xi.shape[1]
+  nt = math.ceil(t / tau)
+  pad = nt * tau - t
+
+  def split(a):  # (R, T, F) -> (nt, R, tau, F)
+    a = jnp.pad(a, ((0, 0), (0, pad), (0, 0)))
+    return jnp.moveaxis(a.reshape(a.shape[0], nt, tau, a.shape[-1]), 1, 0)
+  xib, dib, xjb, djb = split(xi), split(di), split(xj), split(dj)
+
+  def body(acc, k):
+    a, c = k // nt, k % nt
+    return acc + _ghost_rows(xib[a], dib[a], xjb[c], djb[c]), None
+  init = jnp.zeros((xi.shape[0], xj.shape[0]), xi.dtype)
+  out, _ = lax.scan(body, init, jnp.arange(nt * nt))
+  return out
+
+
+
+def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
+  """Weight Gram (1) by the ghost method.
+
+  Args:
+    x: ``(B, T, N)`` layer inputs, example axis first, in the accumulation
+      dtype.
+    d: ``(B, T, M)`` output cotangents, same dtype.
+
+  Returns:
+    ``(B, B)`` Gram in the dtype of ``x`` (``(b, B)`` rows under
+    ``shard_map``). Never builds more than ``cfg.memory_budget_bytes`` of
+    ``(rows, T, cols, T)`` kernel blocks at once: blocked over rows, then
+    over columns (:func:`map_pair_blocks`), then over blocks of positions
+    when one pair's ``(T, T)`` kernels alone exceed the budget.
+  """
+  _, t, _ = x.shape
+  if t == 1:
+    kx = gram_matmul(x[:, 0], x[:, 0], cfg)
+    kd = gram_matmul(d[:, 0], d[:, 0], cfg)
+    return kx * kd
+  itemsize = jnp.dtype(x.dtype).itemsize
+  budget = cfg.memory_budget_bytes
+  per_pair = 2 * t * t * itemsize  # kx and kd for one pair (i, j)
+  if per_pair <= budget:
+    return map_pair_blocks(_ghost_rows, (x, d), (x, d), per_pair, cfg)
+  tau = max(1, math.isqrt(budget // (2 * itemsize)))
+  return map_pair_blocks(
+      lambda xi, di, xj, dj: _ghost_time_blocked(xi, di, xj, dj, tau),
+      (x, d), (x, d), 2 * tau * tau * itemsize, cfg)
+
+
+
+def materialized_gram(x: jax.Array, d: jax.Array,
+                      cfg: KernelConfig) -> jax.Array:
+  """Weight Gram (1) from materialised per-example gradients ``x_i^T d_i``.
+
+  Args and returns as :func:`ghost_gram`. Builds ``(B, N, M)`` per-example
+  gradients; the cost model only picks this when they fit
+  ``cfg.memory_budget_bytes``.
+  """
+  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  g = g.reshape(g.shape[0], -1)
+  return gram_matmul(g, g, cfg)
+
+
+
+def gram_matmul(a: jax.Array, b: jax.Array,
+                cfg: KernelConfig = LOCAL) -> jax.Array:
+  """``a @ cfg.columns(b).T`` for ``(B, P)`` factors at ``HIGHEST``.
+
+  ``b`` holds the same examples as ``a``; under ``shard_map`` with examples
+  split over ``cfg.column_axes`` its rows
+  are gathered from every device, giving this device's rows ``(b, B)`` of
+  the Gram. Under an Explicit mesh the rows are sharded like ``a``.
+  """
+  return jnp.matmul(a, cfg.columns(b).T, precision=_HIGHEST,
+                    out_sharding=rows_sharding(a, 2))
+
+
+
+def per_example_linear_grads(x: jax.Array, d: jax.Array):
+  """Per-example gradients ``(B, N, M)`` of ``w`` and ``(B, M)`` of ``b``.
+
+  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype. At one
+  position (``T = 1``, e.g. an RNN step) each is an outer product, written
+  as a broadcast multiply that XLA fuses with whatever consumes it (the
+  accumulation into a per-example probe: one pass over ``B x P``).
+  """
+  if x.shape[1] == 1:
+    return x[:, 0, :, None] * d[:, 0, None, :], d[:, 0]
+  gw = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  return gw, d.sum(axis=1)
+
+
+
+def bias_gram(d: jax.Array, cfg: KernelConfig) -> jax.Array:
+  """Gram of per-example bias gradients ``sum_t d_it``: ``(B, T, M) -> (B, B)``."""
+  s = d.sum(axis=1)
+  return gram_matmul(s, s, cfg)
+
+
+
+def linear_factors(x: jax.Array, d: jax.Array, example_dim: int):
+  """``x: (..., N)`` and ``d: (..., M)`` as ``(B, T, N)``, ``(B, T, M)`` in the
+  accumulation dtype (float32, float64 when an input is float64)."""
+  acc = accumulation_dtype(x.dtype, d.dtype)
+  return (to_example_major(x, example_dim).astype(acc),
+          to_example_major(d, example_dim).astype(acc))
+
+
+def linear_gram(x: jax.Array, d: jax.Array, *, with_bias: bool, method: str,
+                cfg: KernelConfig) -> jax.Array:
+  """Per-example gradient Gram of ``y = x @ w (+ b)``.
+
+  Args:
+    x: ``(B, T, N)`` layer inputs, example axis first, in the accumulation
+      dtype (:func:`linear_factors`).
+    d: ``(B, T, M)`` output cotangents, same dtype.
+    with_bias: add the bias term.
+    method: ``"ghost"`` or ``"materialize"`` (from the cost model).
+    cfg: columns and memory budget.
+
+  Returns:
+    ``(B, B)`` Gram in the dtype of ``x`` (``(b, B)`` rows when
+    ``cfg.column_axes`` gathers the columns).
+  """
+  gram = (ghost_gram(x, d, cfg) if method == "ghost"
+          else materialized_gram(x, d, cfg))
+  if with_bias:
+    gram = gram + bias_gram(d, cfg)
+  return gram
+
+
+def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
+                   ) -> jax.Array:
+  """Diagonal of (1) by the ghost method: ``(B, T, N), (B, T, M) -> (B,)``.
+
+  ``|g_i|^2 = sum_{t,s} (x_it . x_is)(d_it . d_is)``: cost ``~B T^2 (N+M)``.
+  Examples are processed in blocks so that the ``(rows, T, T)`` kernels stay
+  under ``cfg.memory_budget_bytes``.
+  """
+  b, t, _ = x.shape
+  if t == 1:
+    return jnp.sum(x[:, 0] ** 2, -1) * jnp.sum(d[:, 0] ** 2, -1)
+
+  def rows(xi, di):
+    kx = jnp.einsum("itn,isn->its", xi, xi, precision=_HIGHEST)
+    kd = jnp.einsum("itm,ism->its", di, di, precision=_HIGHEST)
+    return jnp.sum(kx * kd, axis=(1, 2))
+  itemsize = jnp.dtype(x.dtype).itemsize
+  budget = cfg.memory_budget_bytes
+  per_row = 2 * t * t * itemsize
+  if per_row > budget:  # One example's kernels do not fit.
+    tau = max(1, math.isqrt(budget // (2 * itemsize)))
+    return map_row_blocks(
+        lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau)[0], 1,
+        (x, d))
+  n_rows = max(1, min(b, budget // max(per_row, 1)))
+  return map_row_blocks(rows, n_rows, (x, d))
+
+
+def materialized_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
+  """Diagonal of (1) from per-example gradients: cost ``~B T N M``."""
+  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  return jnp.sum(g * g, axis=(1, 2))
+
+
+def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
+                    method: str, cfg: KernelConfig) -> jax.Array:
+  """Squared per-example gradient norms of ``y = x @ w (+ b)`` (diag of Gram).
+
+  Same arguments as :func:`linear_gram`; returns ``(B,)``. This is the
+  "ghost norm" of Goodfellow (2015) and Li et al. (2022): no ``B x B``
+  term, so its cost is linear in ``B``.
+  """
+  out = (ghost_sq_norms(x, d, cfg) if method == "ghost"
+         else materialized_sq_norms(x, d))
+  if with_bias:
+    out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
+  return out

@@ -1,0 +1,129 @@
+"""The reference every Gram is checked against: ``F @ F.T``, and one
+tolerance table.
+
+``F[i]`` is the flattened gradient of example ``i``'s loss, each example
+evaluated alone as a batch of one (a length-1 example axis is added inside
+the mapped function so that layers keep their rank), from
+``jax.vmap(jax.grad(per_example_loss))`` of the *untracked* model: exact by
+construction, at ``B x P`` memory. The tests, the conformance suite, the
+benchmarks and the demo all compare with this one reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: dtype case -> ``(rtol, atol)``; ``atol`` is a fraction of the largest
+#: reference entry. float32: the same sums in another order; bfloat16 and
+#: float16: the layer computes in that dtype; "mixed": bfloat16 parameters
+#: with float32 activations.
+TOLERANCES = {
+    "float32": (1e-4, 3e-5),
+    "float64": (1e-10, 1e-12),
+    "bfloat16": (2e-2, 2e-2),
+    "float16": (1e-2, 1e-2),
+    "mixed": (2e-2, 2e-2),
+}
+
+
+def _upcast(tree):
+  def up(a):
+    if jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+      return jnp.asarray(a).astype(jnp.promote_types(a.dtype, jnp.float32))
+    return a
+  return jax.tree.map(up, tree)
+
+
+def per_example_grads(per_example_loss: Callable[..., Any], params, *batch,
+                      in_axes=0, upcast: bool = False) -> jax.Array:
+  """``F``: ``[B, P]`` flattened per-example gradients (traceable).
+
+  Args:
+    per_example_loss: ``loss(params, *example_batch) -> scalar`` of the
+      untracked model, called on a batch of one example.
+    params: the parameters (any pytree); ``P`` is their number of entries.
+    *batch: the examples, example axis ``in_axes``.
+    in_axes: the example axis of each array in ``batch`` (``jax.vmap``).
+    upcast: evaluate in at least float32 (parameters and float inputs
+      cast up first); otherwise in the given dtypes, gradients then cast.
+
+  Returns:
+    ``F`` in float32 or wider (each gradient's dtype promoted with
+    float32), rows in example order, columns in ``jax.tree.leaves(params)``
+    order.
+  """
+  def loss_one(p, *example):
+    example = jax.tree.map(lambda a: a[None], example)
+    return per_example_loss(p, *example)
+  if upcast:
+    params, batch = _upcast(params), _upcast(batch)
+  # Under jit: one compilation, not one per primitive (op-by-op dispatch).
+  grads = jax.jit(jax.vmap(jax.grad(loss_one),
+                           in_axes=(None,) + (in_axes,) * len(batch)))(
+                               params, *batch)
+  leaves = jax.tree.leaves(grads)
+  b = leaves[0].shape[0]
+  return jnp.concatenate(
+      [jnp.asarray(l, jnp.promote_types(l.dtype, jnp.float32)).reshape(b, -1)
+       for l in leaves], axis=1)
+
+
+def reference_gram(per_example_loss: Callable[..., Any], params, *batch,
+                   in_axes=0, upcast: bool = False) -> np.ndarray:
+  """The reference Gram ``F @ F.T``: ``float64[B, B]`` numpy.
+
+  Arguments as :func:`per_example_grads`. For ``loss = sum_i l_i`` (pass
+  ``l_i`` as the per-example loss) this is exactly the Gram that
+  :func:`gram_haiku.value_grad_and_gram` returns, up to rounding.
+  """
+  f = np.asarray(per_example_grads(per_example_loss, params, *batch,
+                                   in_axes=in_axes, upcast=upcast),
+                 np.float64)
+  return f @ f.T
+
+
+def relative_error(got, ref) -> float:
+  """``max |got - ref| / max |ref|`` in float64."""
+  got = np.asarray(got, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def assert_gram_close(got, ref, dtype: str = "float32", *,
+                      rtol: float | None = None, what: str = "Gram") -> None:
+  """``got`` equals ``ref`` within the tolerance of ``dtype``.
+
+  Args:
+    got: the Gram (or norms) to check.
+    ref: the reference, e.g. :func:`reference_gram`.
+    dtype: a key of :data:`TOLERANCES`.
+    rtol: overrides the table's ``rtol`` (and then ``atol = rtol``, unless
+      it is at most float32's).
+    what: names the quantity in the failure message.
+
+  Raises:
+    AssertionError: on a shape mismatch or a difference over tolerance.
+  """
+  table_rtol, atol = TOLERANCES[dtype]
+  if rtol is not None and rtol > table_rtol:
+    table_rtol, atol = rtol, rtol
+  elif rtol is not None:
+    table_rtol = rtol
+  got = np.asarray(got, np.float64)
+  ref = np.asarray(ref, np.float64)
+  if got.shape != ref.shape:
+    raise AssertionError(f"{what}: shape {got.shape}, reference "
+                         f"{ref.shape}.")
+  scale = max(np.abs(ref).max(), 1e-30) if ref.size else 1.0
+  np.testing.assert_allclose(
+      got, ref, rtol=table_rtol, atol=atol * scale,
+      err_msg=f"{what} differs from the reference F @ F.T ({dtype})")
+
+
+#: The float32 and bfloat16 rows of :data:`TOLERANCES`, by name.
+RTOL_F32, ATOL_F32 = TOLERANCES["float32"]
+RTOL_BF16 = TOLERANCES["bfloat16"][0]

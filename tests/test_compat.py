@@ -1,0 +1,110 @@
+"""Canaries: every private or version-moving JAX and Haiku name we use exists.
+
+``hijax_compat`` and ``haiku_compat`` are the only modules that import such
+names; these tests fail first, and by name, when a release moves one (tox
+runs them against the oldest and the newest supported JAX).
+"""
+
+import ast
+import pathlib
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gram_haiku
+from gram_haiku._src import haiku_compat as hkc
+from gram_haiku._src import hijax_compat as hx
+
+SRC = pathlib.Path(gram_haiku.__file__).parent
+
+
+@pytest.mark.parametrize("module", [hx, hkc], ids=["hijax", "haiku"])
+def test_every_exported_name_exists(module):
+  for name in module.__all__:
+    assert hasattr(module, name), f"{module.__name__}.{name} is missing"
+
+
+def test_hijax_names():
+  for name in ("VJPHiPrimitive", "Zero", "instantiate_zeros", "Literal"):
+    assert getattr(hx, name) is not None, name
+  assert callable(hx._hijax.fake_linear_op)  # pylint: disable=protected-access
+  for name in ("GradAccum", "NullAccum", "RefAccum"):
+    assert hasattr(hx._ad, name), name  # pylint: disable=protected-access
+
+
+def test_haiku_private_attributes_exist():
+  """The module attributes the handlers read are still there."""
+  seen = {}
+
+  def f(x):
+    ln = hk.LayerNorm(-1, True, True)
+    ln(x)
+    seen["param_axis"] = hkc.param_axis_passed_explicitly(ln)
+    gn = hk.GroupNorm(2)
+    hkc.initialize_group_norm(gn, x[:, None, :], x.shape[-1])
+    seen["group_shape"] = gn.group_shape
+    seen["inside"] = hkc.inside_transform()
+    seen["frame"] = hkc.current_frame() is not None
+    return x
+  hk.transform(f).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+  assert seen["param_axis"] is False
+  assert seen["inside"] and seen["frame"]
+  assert tuple(seen["group_shape"])[-2:] == (2, 2)
+  assert not hkc.inside_transform()
+  assert isinstance(hkc.error_if_param_axis_not_explicit(), bool)
+  assert tuple(hkc.calculate_bias_shape((2, 3, 4), [-1])) == (4,)
+  assert hkc.to_abs_axes([-1], 3) == (2,)
+  hkc.assert_minimum_rank(jnp.ones((2, 3)), 2)
+  pad = hkc.compute_adjusted_padding(4, 8, 3, 2, "SAME")
+  assert len(pad) == 2
+
+
+def _imports(path):
+  tree = ast.parse(path.read_text())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        yield alias.name
+
+
+def test_private_names_only_in_compat_modules():
+  """``jax._src`` and ``haiku._src`` are imported in the compat modules only."""
+  offenders = []
+  for path in sorted(SRC.rglob("*.py")):
+    if path.name in ("hijax_compat.py", "haiku_compat.py"):
+      continue
+    for module in _imports(path):
+      if module.startswith(("jax._src", "haiku._src", "jax.experimental.hijax")):
+        offenders.append(f"{path.relative_to(SRC)}: {module}")
+  assert not offenders, offenders
+
+
+def test_no_thread_local_state_outside_ambient():
+  """Only ``ambient`` keeps thread-local state (no op, rule or kernel does)."""
+  offenders = [str(p.relative_to(SRC)) for p in sorted(SRC.rglob("*.py"))
+               if "threading" in set(_imports(p)) and p.name != "ambient.py"]
+  assert not offenders, offenders
+
+
+def test_import_graph_is_one_directional():
+  """Kernels, cost model and compat never import the Haiku glue or the API."""
+  lower = ["kernels.py", "cost_model.py", "explicit_mesh.py", "plan.py",
+           "example_axis.py", "example_sharding.py", "hijax_compat.py",
+           "errors.py", "ops"]
+  upper = ("gram_haiku._src.tracking", "gram_haiku._src.layers",
+           "gram_haiku._src.value_grad_and_gram", "gram_haiku._src.ambient",
+           "gram_haiku._src.registry", "gram_haiku._src.coverage",
+           "gram_haiku._src.tied", "gram_haiku._src.haiku_compat", "haiku")
+  offenders = []
+  for name in lower:
+    paths = (sorted((SRC / "_src" / name).rglob("*.py"))
+             if (SRC / "_src" / name).is_dir() else [SRC / "_src" / name])
+    for path in paths:
+      for module in _imports(path):
+        if module == "gram_haiku" or module.startswith(upper):
+          offenders.append(f"{path.name}: {module}")
+  assert not offenders, offenders

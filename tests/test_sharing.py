@@ -1,0 +1,214 @@
+"""Weight sharing read from the traced program, by class of reuse.
+
+Every model here applies some tracked module's parameters more than once
+in a way that Python object identity cannot see (a new array per read, a
+new Haiku frame per lifted transform, two ``track()`` blocks); each Gram is
+checked against the reference ``F @ F.T`` of the untracked model. Models
+whose parameters reach a tracked layer through a computation that changes
+their values must raise instead.
+"""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import errors
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+
+
+def _data(seed, shape, out_dim):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(k1, shape),
+          jax.random.normal(k2, shape[:-1] + (out_dim,)))
+
+
+def _sq(out, y):
+  return 0.5 * jnp.sum((out - y) ** 2)
+
+
+def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
+  """``tracked_loss`` (with ``track()`` inside) against the reference."""
+  f = hk.transform_with_state(tracked_loss)
+  g = hk.without_apply_rng(hk.transform(plain_loss))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  chex.assert_trees_all_equal_shapes(params,
+                                     g.init(jax.random.PRNGKey(0), x, y))
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  if jit:
+    fn = jax.jit(fn)
+  value, grads, grams = fn(params, state, None, x, y)
+  ref = reference_gram(g.apply, params, x, y)
+  assert_gram_close(grams.total, ref, dtype)
+  np.testing.assert_allclose(value, g.apply(params, x, y), rtol=1e-5)
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  assert grams.complete
+  return grams
+
+
+def _tracked(body):
+  def loss(x, y):
+    with gram_haiku.track():
+      return body(x, y)
+  return loss
+
+
+def test_two_track_blocks():
+  x, y = _data(0, (6, 5), 4)
+  def body(x, y, tracked):
+    lin = hk.Linear(4, name="shared")
+    if tracked:
+      with gram_haiku.track():
+        h = jnp.tanh(lin(x))
+      with gram_haiku.track():
+        return _sq(lin(h[:, :4] if h.shape[1] > 4 else
+                       jnp.pad(h, ((0, 0), (0, 1)))), y)
+    h = jnp.tanh(lin(x))
+    return _sq(lin(jnp.pad(h, ((0, 0), (0, 1)))), y)
+  grams = _check(lambda x, y: body(x, y, True), lambda x, y: body(x, y, False),
+                 x, y)
+  assert list(grams.by_layer) == ["shared"]
+
+
+def test_track_decorator_on_a_function_called_twice():
+  x, y = _data(1, (6, 4), 4)
+
+  def block(h):
+    return jnp.tanh(hk.Linear(4, name="block")(h))
+  tracked_block = gram_haiku.track()(block)
+  # Haiku re-creates "block" by name on the second call: one module, two
+  # track() contexts.
+  _check(lambda x, y: _sq(tracked_block(tracked_block(x)), y),
+         lambda x, y: _sq(block(block(x)), y), x, y)
+
+
+def test_shared_block_under_remat_and_outside():
+  # ALBERT-style: one block applied under hk.remat and again without it.
+  x, y = _data(2, (5, 6), 6)
+  def body(x, y):
+    block = hk.Linear(6, name="albert_block")
+    h = hk.remat(lambda a: jnp.tanh(block(a)))(x)
+    return _sq(jnp.tanh(block(h)), y)
+  _check(_tracked(body), body, x, y)
+
+
+def test_siamese_encoder_in_two_hk_vmaps():
+  x, y = _data(3, (4, 2, 5), 3)
+  def body(x, y):
+    enc = hk.Linear(3, name="encoder")
+    a = hk.vmap(lambda xi: jnp.tanh(enc(xi)), split_rng=False)(x[:, 0])
+    b = hk.vmap(lambda xi: jnp.tanh(enc(xi)), split_rng=False)(x[:, 1])
+    return _sq(a * b, y[:, 0])
+  _check(_tracked(body), body, x, y)
+
+
+def test_module_in_a_cond_branch_and_outside():
+  x, y = _data(4, (5, 4), 4)
+  def body(x, y):
+    lin = hk.Linear(4, name="lin")
+    h = jnp.tanh(lin(x))
+    h = hk.cond(jnp.sum(x) > -1e9, lambda a: lin(a), lambda a: a * 2., h)
+    return _sq(h, y)
+  _check(_tracked(body), body, x, y)
+
+
+def test_same_module_in_both_cond_branches_is_used_once():
+  x, y = _data(5, (5, 4), 4)
+  def body(x, y):
+    lin = hk.Linear(4, name="lin")
+    # A predicate that every example (and the batch) agrees on.
+    h = hk.cond(jnp.sum(x) < 1e9, lambda a: lin(2. * a), lambda a: lin(a), x)
+    return _sq(h, y)
+  grams = _check(_tracked(body), body, x, y)
+  assert grams.by_layer["lin"].shape == (5, 5)
+
+
+def _copying_getter(next_getter, value, context):
+  del context
+  return jnp.array(next_getter(value), copy=True)  # a new array per read
+
+
+def _cast_policy_getter(next_getter, value, context):
+  del context  # As a mixed-precision policy: a cast (here, and back).
+  return next_getter(value).astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("getter", [_copying_getter, _cast_policy_getter])
+def test_module_called_twice_under_a_custom_getter(getter):
+  x, y = _data(6, (6, 4), 4)
+  def body(x, y):
+    with hk.custom_getter(getter):
+      lin = hk.Linear(4, name="lin")
+      return _sq(jnp.tanh(lin(x)) + lin(x ** 2 / 5), y)
+  # The cast's transpose rounds each per-example gradient of the reference
+  # to bfloat16; the Gram is of the unrounded ones: bfloat16 tolerance.
+  dtype = "bfloat16" if getter is _cast_policy_getter else "float32"
+  grams = _check(_tracked(body), body, x, y, dtype=dtype)
+  assert list(grams.by_layer) == ["lin"]
+
+
+def test_static_unroll_lstm():
+  x, y = _data(8, (3, 4, 2), 5)  # (B, T, F)
+  def body(x, y):
+    core = hk.LSTM(5)
+    out, _ = hk.static_unroll(core, jnp.swapaxes(x, 0, 1),
+                              core.initial_state(x.shape[0]))
+    return _sq(jnp.swapaxes(out, 0, 1), y)
+  _check(_tracked(body), body, x, y)
+
+
+def test_unembed_inside_remat():
+  ids = jax.random.randint(jax.random.PRNGKey(9), (4, 3), 0, 7)
+  y = jax.random.normal(jax.random.PRNGKey(10), (4, 3, 7))
+
+  def body(ids, y, tracked):
+    embed = hk.Embed(7, 5, name="embed")
+    h = jnp.tanh(embed(ids))
+    if tracked:
+      logits = hk.remat(lambda a: gram_haiku.unembed(embed, a))(h)
+    else:
+      logits = hk.remat(lambda a: a @ embed.embeddings.T)(h)
+    return _sq(logits, y)
+  f = hk.transform_with_state(lambda a, b: _tracked(
+      lambda a, b: body(a, b, True))(a, b))
+  g = hk.without_apply_rng(hk.transform(lambda a, b: body(a, b, False)))
+  params, state = f.init(jax.random.PRNGKey(0), ids, y)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, ids, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+
+
+def test_layer_stack_is_not_sharing():
+  x, y = _data(11, (4, 5), 5)
+  def body(x, y):
+    stack = hk.layer_stack(3)(lambda h: jnp.tanh(hk.Linear(5)(h)))
+    return _sq(stack(x), y)
+  grams = _check(_tracked(body), body, x, y)
+  # One stacked probe per layer, each a Gram, summed: no per-example probe.
+  assert all(g.shape == (4, 4) for g in grams.by_layer.values())
+
+
+@pytest.mark.parametrize("getter", ["stop_gradient", "scaled"])
+def test_transformed_parameter_is_an_error(getter):
+  x, y = _data(12, (5, 4), 3)
+  fn = {"stop_gradient": lambda n, v, c: jax.lax.stop_gradient(n(v)),
+        "scaled": lambda n, v, c: 2.0 * n(v)}[getter]
+  def body(x, y):
+    with hk.custom_getter(fn):
+      return _sq(hk.Linear(3, name="lin")(x), y)
+  f = hk.transform_with_state(_tracked(body))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="changes its values") as e:
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  assert "lin/w" in str(e.value) and "'lin'" in str(e.value)
+
+
+def test_error_messages_are_formatted():
+  for template in (errors.PARAM_TRANSFORMED, errors.PARAM_IN_TWO_MODULES,
+                   errors.MIXED_MODES):
+    assert "What to do" in template
