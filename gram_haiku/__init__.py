@@ -35,6 +35,8 @@ from gram_haiku._src.tracking import PROBE_NAME
 from gram_haiku._src.tracking import track
 from gram_haiku._src.value_grad_and_gram import resize_probes
 from gram_haiku._src.value_grad_and_gram import value_grad_and_gram
+from gram_haiku._src.verify import verify
+from gram_haiku._src.verify import VerifyReport
 
 __version__ = "0.1.0"
 
@@ -58,4 +60,6 @@ __all__ = (
     "track",
     "unembed",
     "value_grad_and_gram",
+    "verify",
+    "VerifyReport",
 )

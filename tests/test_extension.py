@@ -80,3 +80,50 @@ def test_untracked_forward_is_the_plain_module():
   assert set(params["scaled_linear"]) == {"w", "s"}
   want = params["scaled_linear"]["s"] * x @ params["scaled_linear"]["w"]
   assert jnp.allclose(f.apply(params, None, x), want, rtol=1e-6, atol=1e-6)
+
+
+def _bilinear(x, w):
+  """``y = (x @ w) * x[..., :1]``: not a linear layer, one parameter."""
+  return jnp.dot(x, w) * x[..., :1]
+
+
+def _bilinear_gram(x, g, params, example_dim):
+  """Closed form: ``dL_i/dw = sum_t (x_it * x_it0)^T g_it`` (ghost form)."""
+  del params
+  x = jnp.moveaxis(x, example_dim, 0).astype(jnp.float32)
+  g = jnp.moveaxis(g, example_dim, 0).astype(jnp.float32)
+  u = (x * x[..., :1]).reshape(x.shape[0], -1, x.shape[-1])
+  g = g.reshape(g.shape[0], -1, g.shape[-1])
+  hi = jax.lax.Precision.HIGHEST
+  ku = jnp.einsum("itn,jsn->ijts", u, u, precision=hi)
+  kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
+  return jnp.sum(ku * kg, axis=(2, 3))
+
+
+@pytest.mark.parametrize("closed_form", [False, True])
+def test_gram_function_rule_is_two_functions(closed_form):
+  """A third-party rule as ``forward`` plus an optional Gram function; the
+  Gram function alone is checked against the reference without a
+  primitive, then the op is."""
+  kx, kw, kg = jax.random.split(jax.random.PRNGKey(3), 3)
+  x = jax.random.normal(kx, (6, 4, 5))
+  w = jax.random.normal(kw, (5, 3))
+  ref = reference_gram(lambda w, xi: 0.5 * jnp.sum(jnp.tanh(_bilinear(xi, w))
+                                                   ** 2), w, x)
+  # The pure Gram function, on the cotangent of that loss.
+  out, vjp = jax.vjp(lambda y: 0.5 * jnp.sum(jnp.tanh(y) ** 2),
+                     _bilinear(x, w))
+  del out
+  (g,) = vjp(jnp.ones(()))
+  assert_gram_close(_bilinear_gram(x, g, (w,), 0), ref)
+  extra = dict(gram_fn=_bilinear_gram) if closed_form else {}
+
+  def loss(w, probe):
+    y = gram_haiku.GramFunction.apply(
+        x, (w,), probe, name="bilinear", fn=_bilinear, param_names=("w",),
+        feature_ndim=1, **extra)
+    return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
+  gram = jax.jit(jax.grad(loss, argnums=1))(w, jnp.zeros((6, 6)))
+  assert_gram_close(gram, ref)
+  jaxpr = str(jax.make_jaxpr(loss)(w, jnp.zeros((6, 6))))
+  assert ("_bilinear_gram" in jaxpr) == closed_form

@@ -483,3 +483,42 @@ def test_return_state_gives_the_updated_state():
   np.testing.assert_allclose(value, plain_value, rtol=1e-6)
   chex.assert_trees_all_close(grads, plain_grads)
   np.testing.assert_allclose(grams.total, plain_grams.total, rtol=1e-6)
+
+
+def test_plan_is_in_the_jaxpr_and_the_cache_key():
+  x, y = _data(22, (4, 5), 3)
+  def tracked(x, y, **kw):
+    with gram_haiku.track(**kw):
+      return _sq(_mlp(x), y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  jaxpr = str(jax.make_jaxpr(f.apply)(params, state, None, x, y))
+  assert jaxpr.count("call_hi_primitive") == 2
+  assert "plan': Plan(mode='gram', strategy='auto'" in jaxpr
+  g = hk.transform_with_state(functools.partial(tracked, strategy="ghost",
+                                                memory_budget_bytes=4096))
+  jaxpr = str(jax.make_jaxpr(g.apply)(params, state, None, x, y))
+  assert "strategy='ghost'" in jaxpr and "memory_budget_bytes=4096" in jaxpr
+
+
+def test_cost_model_consulted_once_per_application(monkeypatch):
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  calls = []
+  original = cost_model.linear_method
+  def counting(*args, **kwargs):
+    calls.append(kwargs.get("mode"))
+    return original(*args, **kwargs)
+  monkeypatch.setattr(cost_model, "linear_method", counting)
+  x, y = _data(23, (4, 3, 5), 3)
+  for mode in ("gram", "norms"):
+    calls.clear()
+    f, _, params, state = _setup(_mlp, x, y, mode=mode)
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+    assert calls == [mode, mode], calls  # two layers, once each
+
+
+def test_memory_budget_option_is_validated():
+  with pytest.raises(ValueError, match="memory_budget_bytes"):
+    gram_haiku.track(memory_budget_bytes=0)
+  with pytest.raises(ValueError, match="Unknown Gram strategy"):
+    gram_haiku.track(strategy="fast")

@@ -33,10 +33,13 @@ class PassPlan:
       ``()`` on one device.
     coverage: where ``track()`` contexts report which parameters they saw
       (a dict, filled in the discovery trace), or None.
+    disabled: every ``track()`` context is inert: the model runs as plain
+      Haiku (:func:`gram_haiku.verify`'s reference).
   """
   shared: frozenset = frozenset()
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
+  disabled: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

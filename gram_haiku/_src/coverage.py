@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 from gram_haiku._src import errors
 
@@ -44,11 +44,14 @@ class UntrackedParameterWarning(UserWarning):
 class Coverage:
   """The parameters one ``track()`` context has seen, and how."""
 
-  def __init__(self, untracked: str):
+  def __init__(self, untracked: str, active: Callable[[], bool] = lambda: True):
+    """``active()``: whether reads are this context's to record (the
+    innermost of nested ``track()`` contexts records them)."""
     if untracked not in UNTRACKED_POLICIES:
       raise ValueError(f"track(untracked={untracked!r}): expected one of "
                        f"{UNTRACKED_POLICIES}.")
     self.policy = untracked
+    self._active = active
     self.seen: dict[str, ParamCoverage] = {}
     self._rule: Optional[str] = None
 
@@ -63,6 +66,8 @@ class Coverage:
 
   def getter(self, next_getter, value, context):
     """A Haiku custom getter: records the read, then reads."""
+    if not self._active():
+      return next_getter(value)
     name = context.full_name
     module_type = (type(context.module).__name__ if context.module is not None
                    else "(none)")

@@ -76,9 +76,11 @@ class Application:
     op: the bound op (its ``name``, ``plan`` and input types).
     param_sources: per parameter operand, the parameter leaves it comes from
       (a set of :class:`Source`).
+    probe_sources: the probe leaves its probe operand comes from.
   """
   op: Any
   param_sources: tuple[Sources, ...]
+  probe_sources: Sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +97,11 @@ class Discovery:
     modes: module name -> the ``track(mode=...)`` it ran under.
     example_specs: module name -> the mesh axes its example axis is sharded
       over, under a mesh with Explicit axes (absent otherwise).
+    probe_dtypes: module name -> the accumulation dtype of the parameters
+      and input it is applied to (float32, float64 for float64 ones).
+    shared_layer_names: the layer names (``module.module_name``, as the
+      ops see them) of the shared modules; inside ``hk.layer_stack`` they
+      lack the stack's prefix that the state's module names carry.
   """
   sizes: Mapping[str, int]
   param_counts: Mapping[str, int]
@@ -102,6 +109,8 @@ class Discovery:
   vmapped: Mapping[str, bool]
   modes: Mapping[str, str]
   example_specs: Mapping[str, Any]
+  probe_dtypes: Mapping[str, Any]
+  shared_layer_names: frozenset = frozenset()
 
 
 def _sub(source: Source, **changes) -> Source:
@@ -142,7 +151,7 @@ class _Walk:
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
       sources = tuple(ins[1:-1])
-      self.applications.append(Application(op, sources))
+      self.applications.append(Application(op, sources, ins[-1]))
       for s in frozenset().union(*sources) if sources else ():
         self.uses[(s.leaf, s.sliced)] += 2 if s.repeated else 1
       return [_not_exact(union, op.name)] * n_out
@@ -209,18 +218,22 @@ class _Walk:
 
 
 def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
-             gram_op_type) -> Discovery:
+             probe_names: list[str], gram_op_type) -> Discovery:
   """Reads a tracked loss's program: ``jaxpr(params, probes) -> loss``.
 
   Args:
     closed_jaxpr: ``jax.make_jaxpr`` of the loss, with the parameter leaves
-      as its first ``num_param_leaves`` inputs.
+      as its first ``num_param_leaves`` inputs and the probes (one leaf per
+      module) next.
     num_param_leaves: number of parameter leaves.
     leaf_names: their names (``module/param``), for messages.
+    probe_names: the modules of the probe leaves, in order: each op's facts
+      are keyed by the module whose probe it reads (under ``hk.layer_stack``
+      a module's own name lacks the stack's prefix).
     gram_op_type: the base class of Gram ops.
 
   Returns:
-    A :class:`Discovery`.
+    A :class:`Discovery`, keyed by module (state) name.
 
   Raises:
     ValueError: for a parameter that reaches a tracked op through a
@@ -230,18 +243,26 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
   """
   jaxpr = closed_jaxpr.jaxpr
   walk = _Walk(gram_op_type)
-  ins = [frozenset({Source(k)}) if k < num_param_leaves else frozenset()
-         for k in range(len(jaxpr.invars))]
+  n_probes = len(probe_names)
+  ins = [frozenset({Source(k)}) if k < num_param_leaves + n_probes
+         else frozenset() for k in range(len(jaxpr.invars))]
   walk.run(jaxpr, ins)
 
-  sizes, counts, vmapped, modes, specs = {}, {}, {}, {}, {}
+  sizes, counts, vmapped, modes, specs, dtypes = {}, {}, {}, {}, {}, {}
   modules_of_leaf: dict[int, set] = collections.defaultdict(set)
   shared = set()
+  def module_of(app) -> str:
+    """The module whose probe the application reads (its state name)."""
+    leaves = {s.leaf - num_param_leaves for s in app.probe_sources
+              if s.leaf >= num_param_leaves}
+    return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
+
   for app in walk.applications:
     op = app.op
-    module = op.name
+    module = module_of(app)
     sizes[module] = op.example_size()
     counts[module] = op.num_params()
+    dtypes[module] = op.accumulation_dtype()
     if op.example_axis.kind == "default":
       vmapped.setdefault(module, op.example_axis.vmapped)
     if modes.setdefault(module, op.mode) != op.mode:
@@ -256,6 +277,8 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
       if aval is None:
         continue
       for s in sources:
+        if s.leaf >= num_param_leaves:
+          continue  # Computed from a probe (a generated weight): no use.
         modules_of_leaf[s.leaf].add(module)
         if not s.exact:
           raise ValueError(errors.PARAM_TRANSFORMED.format(
@@ -263,9 +286,22 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
               via=s.via))
         if walk.uses[(s.leaf, s.sliced)] > 1:
           shared.add(module)
+  layer_names = collections.defaultdict(set)  # op name -> module names
+  for app in walk.applications:
+    layer_names[app.op.name].add(module_of(app))
+  shared_names = set()
+  for name, keys in layer_names.items():
+    if keys & shared:
+      if keys - shared:
+        raise ValueError(errors.SHARED_NAME_CLASH.format(
+            name=name, shared=sorted(keys & shared),
+            unshared=sorted(keys - shared)))
+      shared_names.add(name)
   for leaf, modules in modules_of_leaf.items():
     if len(modules) > 1:
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
           leaf=leaf_names[leaf], modules=sorted(modules)))
   return Discovery(sizes=sizes, param_counts=counts, shared=frozenset(shared),
-                   vmapped=vmapped, modes=modes, example_specs=specs)
+                   vmapped=vmapped, modes=modes, example_specs=specs,
+                   probe_dtypes=dtypes,
+                   shared_layer_names=frozenset(shared_names))

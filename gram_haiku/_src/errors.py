@@ -208,3 +208,68 @@ MIXED_MODES = (
     "gram_haiku: module '{module}' is applied under two track() modes, "
     "{modes}. One module has one Gram (or one diagonal) per pass.\n"
     "What to do: apply the module inside track() contexts of one mode.")
+
+HIGHER_ORDER = (
+    "gram_haiku: the tracked layer '{module}' is differentiated inside the "
+    "differentiated function (jax.grad/hk.grad within the loss, e.g. a "
+    "gradient penalty), while its Gram probe is differentiated by the outer "
+    "transform. The Gram would miss that use's contribution to the "
+    "per-example gradients.\n"
+    "What to do: compute the inner gradient with a model that is not inside "
+    "gram_haiku.track() (apply the same modules outside it), or leave the "
+    "penalty out of the loss whose Gram you take.")
+
+NO_FORWARD_USE = (
+    "gram_haiku.value_grad_and_gram: the Haiku state holds Gram probes for "
+    "{modules}, but none of those layers is applied in the forward pass of "
+    "the loss (they may be used only inside jax.grad/hk.grad within it).\n"
+    "What to do: apply the tracked layers in the loss itself; a gradient "
+    "penalty's own Gram is not supported.")
+
+SHARED_NAME_CLASH = (
+    "gram_haiku: the layer name '{name}' belongs to modules whose parameters "
+    "are used more than once ({shared}) and to modules whose are not "
+    "({unshared}), in nested Haiku transforms (hk.layer_stack). Inside them "
+    "a layer sees only its own name, so the two cannot be told apart.\n"
+    "What to do: give the modules distinct names (hk.Linear(..., "
+    "name=...)).")
+
+EXAMPLE_AXIS_NOT_EXAMPLES = (
+    "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
+    "input (shape {shape}) as the example axis, but in the traced program "
+    "that input {found}. Its Gram would be over the wrong axis (a sequence, "
+    "positions, an unbatched memory), silently wrong.\n"
+    "What to do: give the layer its input with the examples along that axis "
+    "(broadcast shared inputs such as positions to the batch: "
+    "jnp.broadcast_to(pos, (B,) + pos.shape); keep sequences batch-major), "
+    "or apply the layer outside gram_haiku.track(). Under an inner vmap "
+    "(over heads or set elements) track(example_axis=0) takes the explicit "
+    "batch axis instead, and track(example_axis='<axis_name>') a named "
+    "vmap over the examples.")
+
+EXAMPLES_MERGED = (
+    "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
+    "input (shape {shape}) as the example axis, but that axis merges each "
+    "example with {inner} other position(s) (and {outer} outer one(s)), "
+    "e.g. a (B, T, F) -> (B*T, F) reshape as hk.BatchApply makes: its Gram "
+    "would be of positions, not of examples.\n"
+    "What to do: apply the layer to the unmerged input (hk.Linear and the "
+    "other tracked layers accept any leading axes: (B, T, F) needs no "
+    "reshape), or hk.vmap over the examples.")
+
+EXAMPLES_COUPLED = (
+    "gram_haiku: the input of the tracked layer '{module}' (shape {shape}) "
+    "depends on several examples at once (a statistic over the batch, a "
+    "softmax over the batch, rows reordered or subset). Per-example "
+    "gradients are not defined when examples are coupled, so no Gram is.\n"
+    "What to do: compute the batch statistic outside the differentiated "
+    "function (or with jax.lax.stop_gradient and a per-example form), or "
+    "apply the coupled part outside gram_haiku.track().")
+
+LOSS_COUPLED = (
+    "gram_haiku.value_grad_and_gram: the loss is not a sum (or mean) of "
+    "per-example terms: it combines the examples nonlinearly (a softmax or "
+    "logsumexp over the batch, a contrastive loss, a function of a batch "
+    "sum). Per-example gradients, and so the Gram, are not defined.\n"
+    "What to do: write the loss as a sum of per-example losses, or compute "
+    "the coupled part outside the differentiated function.")

@@ -69,6 +69,7 @@ __all__ = [
     "gram_op_of",
     "jaxprs_of",
     "inside_loop_trace",
+    "is_differentiated",
 ]
 
 
@@ -237,3 +238,9 @@ def inside_loop_trace() -> bool:
       return True
     frame = frame.f_back
   return False
+
+
+def is_differentiated(x: Any) -> bool:
+  """Whether ``x`` is being differentiated by an enclosing reverse- or
+  forward-mode transform (it is one of JAX's AD tracers)."""
+  return isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer))

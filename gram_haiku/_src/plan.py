@@ -72,12 +72,17 @@ class Plan:
       for none; ``None`` to read them from the probe (a ``[b, k b]`` probe
       varying over one mesh axis of size ``k``).
     memory_budget_bytes: the largest intermediate a kernel may build at once.
+    refusal: why this application has no correct Gram (e.g. a module
+      applied more than once on the raw ``jax.grad`` path), raised as a
+      ``ValueError`` if its probe is differentiated; None otherwise. The
+      forward pass and the other gradients are unaffected.
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
   example_axis: ExampleAxis = ExampleAxis.default()
   column_axes: Optional[tuple[str, ...]] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+  refusal: Optional[str] = None
 
   def __post_init__(self):
     check_mode(self.mode)

@@ -94,7 +94,8 @@ def relative_error(got, ref) -> float:
 
 
 def assert_gram_close(got, ref, dtype: str = "float32", *,
-                      rtol: float | None = None, what: str = "Gram") -> None:
+                      rtol: float | None = None, atol: float | None = None,
+                      what: str = "Gram") -> None:
   """``got`` equals ``ref`` within the tolerance of ``dtype``.
 
   Args:
@@ -103,14 +104,15 @@ def assert_gram_close(got, ref, dtype: str = "float32", *,
     dtype: a key of :data:`TOLERANCES`.
     rtol: overrides the table's ``rtol`` (and then ``atol = rtol``, unless
       it is at most float32's).
+    atol: an absolute tolerance, overriding the table's (not scaled).
     what: names the quantity in the failure message.
 
   Raises:
     AssertionError: on a shape mismatch or a difference over tolerance.
   """
-  table_rtol, atol = TOLERANCES[dtype]
+  table_rtol, atol_fraction = TOLERANCES[dtype]
   if rtol is not None and rtol > table_rtol:
-    table_rtol, atol = rtol, rtol
+    table_rtol, atol_fraction = rtol, rtol
   elif rtol is not None:
     table_rtol = rtol
   got = np.asarray(got, np.float64)
@@ -119,8 +121,10 @@ def assert_gram_close(got, ref, dtype: str = "float32", *,
     raise AssertionError(f"{what}: shape {got.shape}, reference "
                          f"{ref.shape}.")
   scale = max(np.abs(ref).max(), 1e-30) if ref.size else 1.0
+  if atol is None:
+    atol = atol_fraction * scale
   np.testing.assert_allclose(
-      got, ref, rtol=table_rtol, atol=atol * scale,
+      got, ref, rtol=table_rtol, atol=atol,
       err_msg=f"{what} differs from the reference F @ F.T ({dtype})")
 
 

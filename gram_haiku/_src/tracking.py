@@ -196,11 +196,13 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
     self._pass = ambient.current().pass_plan
     self._used = {}
-    self._coverage = Coverage(self._untracked)
+    self._coverage = Coverage(self._untracked, active=self._innermost)
     self._stack = contextlib.ExitStack()
+    ambient.push_tracker(self)
+    if self._pass is not None and self._pass.disabled:
+      return self  # Plain Haiku (gram_haiku.verify's reference).
     self._stack.enter_context(hk.intercept_methods(self._intercept))
     self._stack.enter_context(hk.custom_getter(self._coverage.getter))
-    ambient.push_tracker(self)
     return self
 
   def __exit__(self, *exc):
@@ -211,8 +213,12 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     self._pass = None
     return stack.__exit__(*exc)
 
+  def _innermost(self) -> bool:
+    """Whether this is the innermost active context (whose options apply)."""
+    return ambient.current().tracker is self
+
   def _intercept(self, next_f, args, kwargs, context):
-    if context.method_name == "__call__":
+    if context.method_name == "__call__" and self._innermost():
       handler = registry.handler_for(context.orig_class)
       if handler is not None:
         with self._coverage.tracking_rule(handler.__name__):
@@ -246,11 +252,15 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def _resolve_plan(self, name: str, present) -> Plan:
     """The op's plan: this context's options, and the running pass's."""
     if self._pass is None:  # The raw jax.grad path.
-      if not hk.running_init():
-        if self._raw_shared_use(present):
-          raise ValueError(errors.SHARED_LAYER.format(module=name))
-        if hx.inside_loop_trace():
-          raise ValueError(errors.LOOP_BODY.format(module=name))
+      # A module whose parameters are reused has no Gram here: the error is
+      # the op's, raised only if its probe is differentiated, so that the
+      # forward pass and gradients of the parameters alone still work.
+      if self._raw_shared_use(present):
+        return self._plan.replace(
+            refusal=errors.SHARED_LAYER.format(module=name))
+      if hx.inside_loop_trace():
+        return self._plan.replace(
+            refusal=errors.LOOP_BODY.format(module=name))
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes)
     if name in self._pass.shared:

@@ -6,10 +6,12 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gram_haiku._src import ambient
 from gram_haiku._src import dataflow
 from gram_haiku._src import errors
+from gram_haiku._src import example_flow
 from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
@@ -93,13 +95,28 @@ def _sum_leading(a, ndim: int):
   return a
 
 
-def _check_example_axes(found: dataflow.Discovery) -> int:
-  """The one example-axis size of the model, or a teaching error."""
-  if not found.sizes:
-    raise ValueError(errors.NO_PROBES)
+def _stacked_to_columns(f):
+  """``[L..., B, P]`` per-example gradients of stacked layers -> ``[B, L P]``.
+
+  ``hk.layer_stack`` stacks one probe per layer; each layer's parameters are
+  distinct, so their per-example gradients are concatenated (not summed).
+  """
+  if f.ndim == 2:
+    return f
+  f = jnp.moveaxis(f, -2, 0)
+  return f.reshape(f.shape[0], -1)
+
+
+def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
+  """The one example-axis size of the model, or a teaching error.
+
+  ``verified``: the examples were followed to every tracked layer's example
+  axis in the traced program, so layers that take a vmap axis and layers
+  that take their input's axis 0 are known to agree.
+  """
   vmapped = sorted(m for m, v in found.vmapped.items() if v)
   explicit = sorted(m for m, v in found.vmapped.items() if not v)
-  if vmapped and explicit:
+  if vmapped and explicit and not verified:
     raise ValueError(errors.AMBIGUOUS_EXAMPLE_AXIS.format(
         vmapped=", ".join(vmapped), explicit=", ".join(explicit)))
   if len(set(found.sizes.values())) > 1:
@@ -113,7 +130,7 @@ def _from_per_example(f, mode: str, axes: tuple[str, ...]):
   Under ``shard_map`` (``axes``), this device's rows ``[b, B]``: the other
   devices' per-example gradients are gathered.
   """
-  f = _sum_leading(f, 2)
+  f = _stacked_to_columns(f)
   if mode == "norms":
     return jnp.sum(f * f, axis=-1)
   return kernels.gram_matmul(f, f, kernels.KernelConfig(column_axes=axes))
@@ -154,7 +171,7 @@ def _coverage(params, seen: Mapping[str, ParamCoverage]) -> dict:
   return out
 
 
-def _leaf_names(params) -> list[str]:
+def leaf_names(params) -> list[str]:
   """``module/param`` names of the parameter leaves, in leaf order."""
   names = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
@@ -163,18 +180,59 @@ def _leaf_names(params) -> list[str]:
   return names
 
 
-def _discover(loss, params, probes, axes):
-  """One abstract trace of ``loss(params, probes)`` (no FLOPs), read.
+def _split_batch(args, kwargs):
+  """The batch's arrays, and ``rebuild(arrays) -> (args, kwargs)``.
 
-  Returns the :class:`~gram_haiku._src.dataflow.Discovery` of its program
-  and the coverage its ``track()`` contexts saw.
+  Arrays become inputs of the discovery trace (so that the examples can be
+  followed through it); everything else (flags, Python numbers) stays as
+  given.
   """
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  is_array = [isinstance(l, (jax.Array, np.ndarray)) for l in leaves]
+  arrays = [l for l, a in zip(leaves, is_array) if a]
+
+  def rebuild(new_arrays):
+    it = iter(new_arrays)
+    full = [next(it) if a else l for l, a in zip(leaves, is_array)]
+    return jax.tree_util.tree_unflatten(treedef, full)
+  return arrays, rebuild
+
+
+def _discover(loss, params, probes, args, kwargs, axes):
+  """One abstract trace of the loss (no FLOPs), read.
+
+  ``loss(params, probes, args, kwargs)``. Returns the
+  :class:`~gram_haiku._src.dataflow.Discovery` of its program, the coverage
+  its ``track()`` contexts saw, and ``check_examples()``, which follows the
+  examples (axis 0 of the batch's arrays) through the program
+  (:func:`gram_haiku._src.example_flow.check`).
+  """
+  arrays, rebuild = _split_batch(args, kwargs)
   seen: dict = {}
   with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen)):
-    closed = jax.make_jaxpr(loss)(params, probes)
-  found = dataflow.discover(closed, len(jax.tree_util.tree_leaves(params)),
-                            _leaf_names(params), base.GramOp)
-  return found, seen
+    closed = jax.make_jaxpr(lambda p, q, a: loss(p, q, *rebuild(a)))(
+        params, probes, arrays)
+  probe_names = [m for m, _ in sorted(probes.items())]
+  n_params = len(jax.tree_util.tree_leaves(params))
+  assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
+  found = dataflow.discover(closed, n_params, leaf_names(params),
+                            probe_names, base.GramOp)
+
+  def check_examples() -> bool:
+    """Follows the examples; True when every layer was verified."""
+    leading = {np.shape(a)[0] for a in arrays if np.ndim(a)}
+    sizes = set(found.sizes.values())
+    if len(sizes) == 1 and sizes <= leading:
+      batch = next(iter(sizes))
+    elif len(leading) == 1:
+      batch = next(iter(leading))
+    else:
+      return False  # No one size of the batch: nothing to follow.
+    states = ([example_flow.CONST] * (n_params + len(probe_names)) +
+              [example_flow.Ex(0) if np.ndim(a) and np.shape(a)[0] == batch
+               else example_flow.CONST for a in arrays])
+    return example_flow.check(closed, states, batch, base.GramOp)
+  return found, seen, check_examples
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -224,7 +282,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       raise ValueError(errors.NO_PROBES)
     n_devices = _check_mesh_axes(axes)
 
-    def loss(params, probes):
+    def loss_of(params, probes, args, kwargs):
       out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
                                 *args, **kwargs)
       value, aux = out if has_aux else (out, None)
@@ -233,10 +291,17 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
             shape=jnp.shape(value), dtype=jnp.result_type(value)))
       return value, (aux, new_state)
 
+    def loss(params, probes):
+      return loss_of(params, probes, args, kwargs)
+
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    found, seen = _discover(lambda p, q: loss(p, q)[0], params, probes, axes)
-    size = _check_example_axes(found)
+    found, seen, check_examples = _discover(
+        lambda *a: loss_of(*a)[0], params, probes, args, kwargs, axes)
+    if not found.sizes:
+      raise ValueError(errors.NO_FORWARD_USE.format(
+          modules=", ".join(sorted(probes))))
+    size = _check_example_axes(found, check_examples())
     shapes, owns = {}, {}
     for m, p in probes.items():
       mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
@@ -245,12 +310,13 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
         own = (size, size * n_devices)  # This device's rows.
       shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
       owns[m] = len(own)
-    probes = {m: _rows_sharded(jnp.zeros(shapes[m], p.dtype),
+    probes = {m: _rows_sharded(jnp.zeros(shapes[m],
+                                         found.probe_dtypes.get(m, p.dtype)),
                                found.example_specs.get(m), owns[m])
               for m, p in probes.items()}
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    with ambient.running(ambient.PassPlan(shared=found.shared,
+    with ambient.running(ambient.PassPlan(shared=found.shared_layer_names,
                                           column_axes=axes)):
       (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
           loss, argnums=(0, 1), has_aux=True)(params, probes)

@@ -1,4 +1,8 @@
-"""``GramOp``: the shared machinery of every Gram-emitting primitive.
+"""``GramOp``: a Gram-emitting primitive's rule (what it computes).
+
+How the op is a JAX primitive (forward, backward, ``vmap``, remat) is the
+adapter's (:mod:`gram_haiku._src.ops.adapter`); this class says what the
+backward pass writes into the probe.
 
 A Gram op computes ``y = forward(x, *params)`` for one layer and takes one
 more input, the zero *probe*, which the forward pass ignores. In the backward
@@ -31,7 +35,6 @@ layer, at ``B x P`` memory; subclasses override :meth:`GramOp.gram` and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
@@ -39,67 +42,22 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src import errors
-from gram_haiku._src import example_sharding
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.ops import adapter
+from gram_haiku._src.ops.adapter import aval_of  # noqa: F401
+from gram_haiku._src.ops.adapter import is_float
+from gram_haiku._src.ops.adapter import probe_shape  # noqa: F401
+from gram_haiku._src.ops.adapter import struct
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 
 
-def aval_of(x) -> Any:
-  """``jax.typeof(x)``, or None for an absent (None) input."""
-  return None if x is None else jax.typeof(x)
-
-
-def struct(aval) -> Optional[jax.ShapeDtypeStruct]:
-  if aval is None:
-    return None
-  return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def probe_shape(mode: str, size: int, num_params: int) -> tuple[int, ...]:
-  """The probe shape that ``mode`` needs for ``size`` examples."""
-  if mode == "gram":
-    return (size, size)
-  if mode == "norms":
-    return (size,)
-  return (size, num_params)
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class ProbeFacts:
-  """What ``vjp_fwd`` learns about the probe, carried to ``vjp_bwd``.
-
-  A static pytree node (no array leaves): JAX carries it in the residuals'
-  tree structure.
-
-  Attributes:
-    wanted: whether the probe is differentiated (its cotangent is needed).
-    shape: the probe's shape: ``(B, B)``, ``(B,)``, ``(B, P)``, or this
-      device's rows ``(b, B)`` under ``shard_map``.
-    dtype: the probe's dtype name (``"float32"``, ``"float64"``).
-    spec: the probe's ``PartitionSpec`` under a mesh with Explicit axes,
-      else None; the cotangent is resharded to it.
-    column_axes: mesh axes the Gram's columns are gathered over (``()``:
-      none).
-  """
-  wanted: bool
-  shape: tuple[int, ...]
-  dtype: str
-  spec: Any
-  column_axes: tuple[str, ...]
-
-
-class GramOp(hx.VJPHiPrimitive):
+class GramOp(adapter.Adapter):
   """Base class of Gram-emitting primitives; see the module docstring.
 
   Inputs: ``x``, then one input per name in ``param_names`` (None for an
@@ -306,80 +264,6 @@ class GramOp(hx.VJPHiPrimitive):
           rule=self.example_axis.describe()))
     return lead[position]
 
-  # -- forward ---------------------------------------------------------------
-
-  def expand(self, x, *rest):
-    return self.forward(x, *rest[:-1])  # The probe only has a cotangent.
-
-  def jvp(self, primals, tangents):
-    if not hx.is_zero(tangents[-1]):
-      # The probe is being differentiated: this JVP will be transposed (e.g.
-      # by jax.checkpoint), and the Gram only exists in the backward rule.
-      return hx.jvp_by_vjp(self, primals, tangents)
-    args, dots = list(primals[:-1]), tangents[:-1]
-    live = [i for i, (a, t) in enumerate(zip(args, dots))
-            if a is not None and not hx.is_zero(t)]
-    if not live:
-      out = self.forward(*args)
-      return out, hx.Zero(self.out_aval.to_tangent_aval())
-
-    def f(*live_args):
-      full = list(args)
-      for i, a in zip(live, live_args):
-        full[i] = a
-      return self.forward(*full)
-    return jax.jvp(f, [args[i] for i in live], [dots[i] for i in live])
-
-  # -- reverse mode ----------------------------------------------------------
-
-  def vjp_fwd(self, nzs_in, x, *rest):
-    params, probe = rest[:-1], rest[-1]
-    out = self.forward(x, *params)
-    wanted = bool(nzs_in[-1])
-    columns = ()
-    if wanted:
-      size = self.example_size(x.shape)
-      columns = example_sharding.column_axes(probe, size, self.mode,
-                                             self.plan.column_axes, self.name)
-      self._check_probe_varies(x, probe)
-      expected = probe_shape(self.mode, size, self.num_params())
-      if columns:  # shard_map: this device's rows of the global Gram.
-        expected = (size, size * example_sharding.axes_size(columns))
-      if tuple(probe.shape) != expected:
-        raise ValueError(errors.PROBE_SHAPE_MISMATCH.format(
-            module=self.name, expected=expected, got=tuple(probe.shape),
-            x_shape=tuple(x.shape), rule=self.example_axis.describe(),
-            mode=self.mode))
-    facts = ProbeFacts(wanted=wanted, shape=tuple(probe.shape),
-                       dtype=jnp.dtype(probe.dtype).name,
-                       spec=explicit_mesh.explicit_spec(probe),
-                       column_axes=tuple(columns))
-    return out, (x, tuple(params), facts)
-
-  def vjp_bwd(self, res, g, x_acc, *rest_accs):
-    if hx.is_zero(g):
-      return
-    x, params, facts = res
-    param_accs, probe_acc = rest_accs[:-1], rest_accs[-1]
-    wanted = [i for i, (p, acc) in enumerate(zip(params, param_accs))
-              if p is not None and hx.wants_cotangent(acc)]
-    want_x = is_float(x.dtype) and hx.wants_cotangent(x_acc)
-    if facts.wanted and hx.wants_cotangent(probe_acc):
-      dtype = jnp.dtype(facts.dtype)
-      self._check_probe_ref(probe_acc, facts.shape, dtype)
-      cfg = KernelConfig(column_axes=facts.column_axes,
-                         memory_budget_bytes=self.plan.memory_budget_bytes)
-      value, provided = self.probe_cotangent_and_grads(x, g, params, wanted,
-                                                       cfg)
-      value = explicit_mesh.reshard_like(value.astype(dtype), facts.spec)
-      probe_acc.accum(value)
-      for i, ct in provided.items():
-        param_accs[i].accum(hx.reduce_to_type_of(ct, params[i]))
-      wanted = [i for i in wanted if i not in provided]
-    if wanted or want_x:
-      self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
-                                  param_accs)
-
   def probe_cotangent_and_grads(self, x, g, params, wanted,
                                 cfg: KernelConfig):
     """The probe's cotangent, and parameter cotangents found on the way.
@@ -408,27 +292,6 @@ class GramOp(hx.VJPHiPrimitive):
       return kernels.gram_matmul(f, f, cfg)
     return f
 
-  def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
-                             param_accs):
-    """Ordinary cotangents, by JAX's own VJP of ``forward``.
-
-    So shapes, dtypes and weak types are exactly those an untracked layer
-    gets; under ``jit`` the recomputed primal output is dead code.
-    """
-    idx = ([0] if want_x else []) + [i + 1 for i in wanted]
-    args = [x, *params]
-
-    def f(*live):
-      full = list(args)
-      for i, a in zip(idx, live):
-        full[i] = a
-      return self.forward(*full)
-    _, vjp = jax.vjp(f, *[args[i] for i in idx])
-    cts = vjp(g.astype(self.out_aval.dtype))
-    accs = [x_acc, *param_accs]
-    for i, ct in zip(idx, cts):
-      accs[i].accum(ct)
-
   def _probe_cotangent(self, x, g, params, cfg: KernelConfig):
     e = self.example_axis.resolved_position()
     if self.mode == "gram":
@@ -443,58 +306,3 @@ class GramOp(hx.VJPHiPrimitive):
       return self.sq_norms(x, g, params, e, cfg)
     return self._flat_per_example(x, g, params, e)
 
-  def _check_probe_varies(self, x, probe):
-    """Inside ``shard_map`` the probe varies wherever the examples do."""
-    missing = hx.varying_axes(x) - hx.varying_axes(probe)
-    if missing:
-      axes = example_sharding.in_mesh_order(missing)
-      raw = {"gram": "(B_local, B) and in_specs=P({s}, None)",
-             "norms": "(B_local,) and in_specs=P({s})",
-             "per_example": "(B_local, P) and in_specs=P({s}, None)"}
-      suggest = axes if len(axes) > 1 else repr(axes[0])
-      raise ValueError(errors.PROBE_NOT_VARYING.format(
-          module=self.name, x_shape=tuple(x.shape), x_axes=axes,
-          probe_shape=tuple(probe.shape),
-          probe_axes=example_sharding.in_mesh_order(
-              hx.varying_axes(probe)),
-          suggest=suggest, raw=raw[self.mode].format(s=suggest)))
-
-  def _check_probe_ref(self, acc, shape, dtype):
-    ref_type = hx.accumulator_ref_type(acc)
-    if ref_type is None:
-      return
-    ref_shape, ref_dtype = ref_type
-    if tuple(ref_shape) != tuple(shape) or jnp.dtype(ref_dtype) != dtype:
-      raise ValueError(errors.PROBE_REF_TYPE.format(
-          module=self.name, expected=f"{dtype.name}{list(shape)}",
-          got=f"{jnp.dtype(ref_dtype).name}{list(ref_shape)}"))
-
-  # -- vmap ------------------------------------------------------------------
-
-  def batch(self, axis_data, args, dims):
-    x, *params, probe = args
-    x_dim, *param_dims, probe_dim = dims
-    if probe_dim is not None:
-      raise ValueError(errors.PROBE_BATCHED.format(
-          module=self.name, shape=tuple(probe.shape), dim=probe_dim))
-    batched_params = [n for n, d in zip(self.param_names, param_dims)
-                      if d is not None]
-    if batched_params:
-      raise NotImplementedError(errors.PARAMS_BATCHED.format(
-          module=self.name, params=batched_params))
-    if x_dim is None:
-      # The input does not vary along this vmap's axis: the output does not
-      # either. Fine for a within-example vmap (its cotangent then sums over
-      # that axis); for the examples' own vmap the layer has no example axis,
-      # which value_grad_and_gram reports (AMBIGUOUS_EXAMPLE_AXIS).
-      return self(x, *params, probe), None
-    x = jnp.moveaxis(x, x_dim, 0)
-    op = self.rebuild(jax.typeof(x),
-                      self.example_axis.after_vmap(hx.axis_name(axis_data)))
-    return op(x, *params, probe), 0
-
-  # -- checkpointing -----------------------------------------------------------
-
-  def remat(self, policy, *args):
-    del policy  # Gram layers are cheap to recompute; always rematerialise.
-    return self(*args), self

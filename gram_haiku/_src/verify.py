@@ -1,0 +1,190 @@
+"""``gram_haiku.verify``: a cheap self-check of a tracked model's Grams.
+
+On a few examples of the user's own batch it computes the Grams with
+:func:`gram_haiku.value_grad_and_gram` and the reference ``F @ F.T`` of the
+same model with every ``track()`` switched off (plain Haiku modules): ``F``
+holds each example's gradient, from ``jax.vmap(jax.jacrev(loss))`` of the
+loss on that example alone. It reports the largest error per tracked layer,
+of the total and of the norms, the parameters the Gram leaves out, and
+whether the loss is a sum or a mean over examples at all: a loss that is
+neither (a batch softmax, a contrastive loss, batch statistics) couples the
+examples, and no per-example Gram exists for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gram_haiku._src import ambient
+from gram_haiku._src import reference
+from gram_haiku._src import value_grad_and_gram as vgg
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+  """What :func:`verify` found.
+
+  Attributes:
+    ok: every check passed within ``tolerance``.
+    examples: the number of examples checked.
+    loss_scale: ``"sum"`` or ``"mean"`` (how the loss combines examples),
+      or None when it is neither (coupled examples).
+    layer_errors: tracked module -> max relative error of its Gram (or, for
+      ``track(mode="norms")``, of its squared norms) against the reference.
+    total_error: max relative error of the sum of the tracked layers' Grams
+      against the reference over every parameter (large when parameters
+      are untracked).
+    norms_error: max relative error of ``grams.norms``.
+    untracked: parameters the Gram leaves out (``grams.untracked``).
+    problems: one sentence per failed check.
+    tolerance: the relative tolerance used.
+  """
+  ok: bool
+  examples: int
+  loss_scale: Optional[str]
+  layer_errors: Mapping[str, float]
+  total_error: float
+  norms_error: float
+  untracked: tuple[str, ...]
+  problems: tuple[str, ...]
+  tolerance: float
+
+  def __str__(self):
+    lines = [f"gram_haiku.verify: {'OK' if self.ok else 'FAILED'} on "
+             f"{self.examples} examples (loss: {self.loss_scale or 'coupled'}"
+             f", tolerance {self.tolerance:.0e})"]
+    for name, err in sorted(self.layer_errors.items()):
+      lines.append(f"  {name:<40s} max rel. error {err:.2e}")
+    lines.append(f"  {'(total)':<40s} max rel. error {self.total_error:.2e}")
+    lines.append(f"  {'(norms)':<40s} max rel. error {self.norms_error:.2e}")
+    lines.extend(f"  problem: {p}" for p in self.problems)
+    return "\n".join(lines)
+
+
+def _take(tree, n):
+  return jax.tree.map(lambda a: a[:n], tree)
+
+
+def _tolerance(params) -> float:
+  low = any(jnp.dtype(a.dtype).itemsize < 4 for a in jax.tree.leaves(params)
+            if jnp.issubdtype(a.dtype, jnp.floating))
+  return reference.TOLERANCES["bfloat16" if low else "float32"][0] * 10
+
+
+def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
+           max_examples: int = 8, rtol: Optional[float] = None,
+           **kwargs) -> VerifyReport:
+  """Checks a tracked model's Grams against the reference on a few examples.
+
+  Run it once on a new architecture, with a real batch: it costs one
+  ``value_grad_and_gram`` call and ``max_examples`` plain backward passes.
+
+  Args:
+    apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` calls
+      its model inside ``gram_haiku.track()`` and returns a scalar loss
+      that is the sum or the mean of per-example losses.
+    params, state, rng: as for ``apply_fn`` (``state`` from its ``init``).
+    *args: the batch; every array's axis 0 is the example axis.
+    max_examples: how many examples (the first ones) to check.
+    rtol: the relative tolerance (default: 1e-3 for float32 parameters,
+      0.2 with bfloat16 or float16 ones).
+    **kwargs: passed to ``apply_fn``.
+
+  Returns:
+    A :class:`VerifyReport`; ``print`` it, and check ``report.ok``.
+
+  A model that :func:`gram_haiku.value_grad_and_gram` refuses (a coupled
+  loss, a layer input without the examples) gives a report whose problem is
+  that error's message.
+
+  Raises:
+    ValueError: when the batch has no example axis.
+  """
+  leaves = jax.tree.leaves(args)
+  if not leaves or any(jnp.ndim(a) == 0 for a in leaves):
+    raise ValueError("gram_haiku.verify: every array of the batch needs a "
+                     "leading example axis.")
+  n = min(max_examples, min(jnp.shape(a)[0] for a in leaves))
+  batch = _take(args, n)
+  tol = rtol if rtol is not None else _tolerance(params)
+
+  try:
+    _, _, grams = vgg.value_grad_and_gram(apply_fn)(params, state, rng,
+                                                    *batch, **kwargs)
+  except ValueError as e:  # A model value_grad_and_gram refuses: say why.
+    return VerifyReport(ok=False, examples=n, loss_scale=None,
+                        layer_errors={}, total_error=float("nan"),
+                        norms_error=float("nan"), untracked=(),
+                        problems=(str(e),), tolerance=tol)
+
+  def plain(p, *example):
+    with ambient.running(ambient.PassPlan(disabled=True)):
+      out, _ = apply_fn(p, state, rng, *example, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+  def one(p, *example):
+    return plain(p, *jax.tree.map(lambda a: a[None], example))
+  per_loss = jax.vmap(one, in_axes=(None,) + (0,) * len(batch))(params,
+                                                                 *batch)
+  per_grad = jax.vmap(jax.jacrev(one), in_axes=(None,) + (0,) * len(batch))(
+      params, *batch)
+  batch_loss = float(plain(params, *batch))
+  total_loss = float(jnp.sum(per_loss))
+  problems = []
+  scale = None
+  for name, c in (("sum", 1.0), ("mean", 1.0 / n)):
+    if np.isclose(batch_loss, c * total_loss, rtol=tol, atol=1e-12):
+      scale = (name, c)
+      break
+  if scale is None:
+    problems.append(
+        f"the loss of the batch ({batch_loss:.6g}) is neither the sum "
+        f"({total_loss:.6g}) nor the mean of the examples' losses: the "
+        "examples are coupled (batch statistics, a softmax over the batch, "
+        "a contrastive loss) and per-example gradients are not defined.")
+    c = 1.0
+  else:
+    c = scale[1]
+
+  names = vgg.leaf_names(per_grad)
+  flat = [np.asarray(l, np.float64).reshape(n, -1) * c
+          for l in jax.tree.leaves(per_grad)]
+  f = np.concatenate(flat, axis=1)
+  ref_total = f @ f.T
+  modules = {}
+  for name, block in zip(names, flat):
+    modules.setdefault(name.rsplit("/", 1)[0], []).append(block)
+  errors = {}
+  for module, g in grams.by_layer.items():
+    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
+    errors[module] = reference.relative_error(g, fm @ fm.T)
+  for module, g in grams.sq_norms_by_layer.items():
+    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
+    errors[module] = reference.relative_error(g, np.sum(fm * fm, axis=1))
+  for module, err in sorted(errors.items()):
+    if not err <= tol:
+      problems.append(f"layer {module!r}: its Gram differs from the "
+                      f"reference by {err:.2e} (relative).")
+  if grams.sq_norms_by_layer:
+    total_err = reference.relative_error(grams.sq_norms,
+                                         np.diag(ref_total))
+  else:
+    total_err = reference.relative_error(grams.total, ref_total)
+  norms_err = reference.relative_error(grams.norms,
+                                       np.sqrt(np.diag(ref_total)))
+  untracked = tuple(grams.untracked)
+  if untracked:
+    problems.append(f"parameters outside every tracked layer: "
+                    f"{', '.join(untracked)} (grams.complete is False).")
+  elif not total_err <= tol:
+    problems.append(f"the total Gram differs from the reference by "
+                    f"{total_err:.2e} (relative).")
+  return VerifyReport(
+      ok=not problems, examples=n, loss_scale=scale[0] if scale else None,
+      layer_errors=errors, total_error=total_err, norms_error=norms_err,
+      untracked=untracked, problems=tuple(problems), tolerance=tol)

@@ -1,0 +1,188 @@
+"""The examples followed through the traced program, by class.
+
+A layer input that does not carry the examples along the op's example axis,
+one that merges them with other positions, a batch statistic between
+tracked layers and a loss that couples the examples are each a teaching
+error at any size; models where the examples flow as a Gram needs (shared
+inputs broadcast over the batch, statistics of the input data, attention,
+recurrences, stacks) are exact against the reference.
+"""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import example_flow
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+
+B, T, F = 4, 4, 6  # T == B on purpose: sizes cannot tell the axes apart.
+
+
+def _data(seed, out=3):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(k1, (B, T, F)),
+          jax.random.normal(k2, (B, T, out)))
+
+
+def _sq(out, y):
+  return 0.5 * jnp.sum((out - y) ** 2)
+
+
+def _run(body, x, y, jit=True):
+  def tracked(x, y):
+    with gram_haiku.track():
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  return params, fn(params, state, None, x, y)
+
+
+def _positions_late(x, y):  # arange(T) embedded, then broadcast over B
+  pos = hk.Embed(T, F)(jnp.arange(T))
+  return _sq(hk.Linear(3)(x + pos[None]), y)
+
+
+def _time_major(x, y):
+  h = hk.Linear(3)(jnp.swapaxes(x, 0, 1))  # (T, B, F): axis 0 is time
+  return _sq(jnp.swapaxes(h, 0, 1), y)
+
+
+def _memory(x, y):  # cross-attention to an unbatched memory of length B
+  memory = hk.get_parameter("memory", [B, F], init=jnp.ones)
+  attn = hk.MultiHeadAttention(2, 3, w_init_scale=1.0, model_size=3)
+  return _sq(attn(x, memory, memory), y)
+
+
+def _learned_query(x, y):
+  q = hk.Linear(F)(hk.get_parameter("q", [T, 5], init=jnp.ones))
+  return _sq(jnp.einsum("qf,btf->btq", q, x)[..., :3], y)
+
+
+def _batch_apply(x, y):
+  return _sq(hk.BatchApply(hk.Linear(3))(x), y)
+
+
+def _flattened(x, y):  # (B, T, F) -> (B*T, F) by hand
+  h = hk.Linear(3)(x.reshape(B * T, F))
+  return _sq(h.reshape(B, T, 3), y)
+
+
+def _hidden_centred(x, y):  # a batch statistic between two tracked layers
+  h = jnp.tanh(hk.Linear(F)(x))
+  return _sq(hk.Linear(3)(h - h.mean(axis=0)), y)
+
+
+def _hidden_permuted(x, y):
+  h = jnp.tanh(hk.Linear(F)(x))
+  return _sq(hk.Linear(3)(h[::-1]), y)
+
+
+def _hidden_subset(x, y):
+  h = jnp.tanh(hk.Linear(F)(x))
+  return _sq(hk.Linear(3)(jnp.concatenate([h[:2], h[:2]])), y)
+
+
+def _batch_softmax_loss(x, y):
+  logits = hk.Linear(3)(x)
+  return -jnp.sum(jax.nn.log_softmax(logits, axis=0) * y)
+
+
+def _contrastive_loss(x, y):
+  del y
+  z = hk.Linear(3)(x.mean(1))
+  sim = z @ z.T
+  return -jnp.sum(jnp.diag(jax.nn.log_softmax(sim, axis=1)))
+
+
+@pytest.mark.parametrize("body,match", [
+    (_positions_late, "meets them along another axis"),
+    (_time_major, "along axis 1"),
+    (_memory, "meets them along another axis"),
+    (_learned_query, "meets them along another axis"),
+    (_batch_apply, "merges each example"),
+    (_flattened, "merges each example"),
+    (_hidden_centred, "depends on several examples"),
+    (_hidden_permuted, "depends on several examples"),
+    (_hidden_subset, "depends on several examples"),
+    (_batch_softmax_loss, "not a sum"),
+    (_contrastive_loss, "not a sum"),
+], ids=lambda v: getattr(v, "__name__", "")[:24])
+@pytest.mark.parametrize("jit", [False, True])
+def test_refused_at_any_size(body, match, jit):
+  x, y = _data(0)
+  with pytest.raises(ValueError, match=match):
+    _run(body, x, y, jit=jit)
+
+
+def _positions_broadcast(x, y):
+  ids = jnp.broadcast_to(jnp.arange(T), (x.shape[0], T))
+  return _sq(hk.Linear(3)(x + hk.Embed(T, F)(ids)), y)
+
+
+def _data_centred(x, y):  # coupling confined to the input data
+  x = (x - x.mean(axis=0)) / (x.std(axis=0) + 1.0)
+  return _sq(hk.Linear(3)(jnp.tanh(hk.Linear(F)(x))), y)
+
+
+def _attention(x, y):
+  attn = hk.MultiHeadAttention(2, 3, w_init_scale=1.0, model_size=3)
+  return _sq(attn(x, x, x), y)
+
+
+def _stack_and_scan(x, y):
+  h = hk.layer_stack(2)(lambda h: jnp.tanh(hk.Linear(F)(h)))(x)
+  core = hk.GRU(3)
+  out, _ = hk.dynamic_unroll(core, jnp.swapaxes(h, 0, 1),
+                             core.initial_state(x.shape[0]))
+  return _sq(jnp.swapaxes(out, 0, 1), y)
+
+
+def _per_example_vmap(x, y):
+  h = hk.vmap(lambda xi: jnp.tanh(hk.Linear(F)(xi)), split_rng=False)(x)
+  return _sq(hk.Conv1D(3, 2)(h), y)
+
+
+@pytest.mark.parametrize("body", [
+    _positions_broadcast, _data_centred, _attention, _stack_and_scan,
+    _per_example_vmap], ids=lambda f: f.__name__)
+def test_flowing_examples_are_exact(body):
+  x, y = _data(1)
+  params, (_, grads, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  if body is _data_centred:
+    # The statistic is of the input data: each example's gradient is that
+    # of its own row of the centred batch.
+    xc = (x - x.mean(axis=0)) / (x.std(axis=0) + 1.0)
+    inner = hk.without_apply_rng(hk.transform(
+        lambda x, y: _sq(hk.Linear(3)(jnp.tanh(hk.Linear(F)(x))), y)))
+    ref = reference_gram(inner.apply, params, xc, y)
+  else:
+    ref = reference_gram(plain.apply, params, x, y)
+  assert_gram_close(grams.total, ref)
+  want = jax.grad(plain.apply)(params, x, y)
+  scale = max(float(jnp.abs(l).max()) for l in jax.tree.leaves(want))
+  chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_join_is_a_least_upper_bound():
+  ex0, ex1 = example_flow.Ex(0), example_flow.Ex(1)
+  c, s, m, u = (example_flow.CONST, example_flow.SUM, example_flow.MIXED,
+                example_flow.UNKNOWN)
+  assert example_flow.join(c, ex0) == ex0
+  assert example_flow.join(ex0, ex1) == m
+  assert example_flow.join(ex0, s) == m
+  assert example_flow.join(u, ex0) == u
+  assert example_flow.join(m, u) == m
+  verdicts = {}
+  cand = example_flow.Ex(1, tag=3)
+  assert example_flow.join(cand, ex0, verdicts) == ex0
+  assert verdicts == {3: False}
+  assert example_flow.join(example_flow.Ex(0, tag=4), ex0, verdicts) == ex0
+  assert verdicts[4] is True

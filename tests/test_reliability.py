@@ -1,0 +1,289 @@
+"""No silently wrong Gram: classes of models that must be exact or refused.
+
+Each test draws random inputs and compares with the reference ``F @ F.T``
+(:mod:`gram_haiku._src.reference`), or checks the teaching error.
+"""
+
+import warnings
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import errors
+from gram_haiku._src import value_grad_and_gram as vgg_lib
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+
+
+def _data(seed, shape, out_dim):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(k1, shape),
+          jax.random.normal(k2, shape[:-1] + (out_dim,)))
+
+
+def _sq(out, y):
+  return 0.5 * jnp.sum((out - y) ** 2)
+
+
+def _transforms(body):
+  def tracked(*a):
+    with gram_haiku.track():
+      return body(*a)
+  return (hk.transform_with_state(tracked),
+          hk.without_apply_rng(hk.transform(body)))
+
+
+# -- nested track() contexts ---------------------------------------------------
+
+
+def test_nested_track_inner_options_apply_and_no_false_warnings():
+  x, y = _data(0, (5, 6), 3)
+  def body(x, y, tracked):
+    outer = hk.Linear(4, name="outer")
+    inner = hk.Linear(3, name="inner")
+    if not tracked:
+      return _sq(inner(jnp.tanh(outer(x))), y)
+    with gram_haiku.track():
+      h = jnp.tanh(outer(x))
+      with gram_haiku.track(mode="norms"):
+        return _sq(inner(h), y)
+  f = hk.transform_with_state(lambda x, y: body(x, y, True))
+  g = hk.without_apply_rng(hk.transform(lambda x, y: body(x, y, False)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no UntrackedParameterWarning
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, x, y)
+  assert sorted(grams.by_layer) == ["outer"]
+  assert sorted(grams.sq_norms_by_layer) == ["inner"]
+  assert grams.complete
+  ref = reference_gram(g.apply, params, x, y)
+  np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
+  ref_outer = reference_gram(
+      lambda p, x, y: g.apply({**params, "outer": p}, x, y), params["outer"],
+      x, y)
+  assert_gram_close(grams.by_layer["outer"], ref_outer)
+
+
+# -- inference and plain gradients of a model with shared modules ------------
+
+
+def _twice(x, y):
+  lin = hk.Linear(4)
+  return _sq(jnp.tanh(lin(x)) + lin(x ** 2 / 5), y)
+
+
+def _rnn(x, y):
+  core = hk.VanillaRNN(4)
+  out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1),
+                             core.initial_state(x.shape[0]))
+  return _sq(jnp.swapaxes(out, 0, 1), y)
+
+
+@pytest.mark.parametrize("body", [_twice, _rnn], ids=["called_twice", "rnn"])
+def test_shared_modules_run_forward_and_plain_grad(body):
+  x, y = _data(1, (4, 3, 6), 4)
+  f, g = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  out, _ = jax.jit(f.apply)(params, state, None, x, y)
+  np.testing.assert_allclose(out, g.apply(params, x, y), rtol=1e-6)
+  grads = jax.jit(jax.grad(lambda p: f.apply(p, state, None, x, y)[0]))(
+      params)
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  # The raw path cannot accumulate per-example gradients: an error, only
+  # when the probes are differentiated.
+  sized = gram_haiku.resize_probes(state, x.shape[0])
+  with pytest.raises(ValueError, match="more than once|loop body"):
+    jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(sized)
+  # value_grad_and_gram accumulates them: exact.
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
+# -- higher-order differentiation ----------------------------------------------
+
+
+def _penalty(x, y, with_loss=True):
+  mlp = hk.nets.MLP([5, 3], activation=jnp.tanh)
+  gx = jax.grad(lambda xx: jnp.sum(mlp(xx)))(x)
+  penalty = jnp.sum(gx ** 2)
+  return (_sq(mlp(x), y) + penalty) if with_loss else penalty
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gradient_penalty_through_tracked_layers_is_refused(jit):
+  x, y = _data(2, (4, 6), 3)
+  f, _ = _transforms(_penalty)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(ValueError, match="differentiated inside"):
+    fn(params, state, None, x, y)
+  sized = gram_haiku.resize_probes(state, x.shape[0])
+  with pytest.raises(ValueError, match="differentiated inside"):
+    jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(sized)
+
+
+def test_penalty_alone_names_the_layers():
+  x, y = _data(3, (4, 6), 3)
+  f, _ = _transforms(lambda x, y: _penalty(x, y, with_loss=False))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="none of those layers is applied"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
+def test_hessian_of_a_tracked_loss_still_works():
+  x, y = _data(4, (3, 4), 2)
+  f, g = _transforms(lambda x, y: _sq(jnp.tanh(hk.Linear(2)(x)), y))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  h = jax.hessian(lambda p: f.apply(p, state, None, x, y)[0])(params)
+  want = jax.hessian(lambda p: g.apply(p, x, y))(params)
+  chex.assert_trees_all_close(h, want, rtol=1e-5, atol=1e-6)
+
+
+# -- empty batches ----------------------------------------------------------------
+
+
+def _conv(x, y):
+  h = hk.Conv1D(3, 2)(x)
+  return _sq(hk.Linear(2)(h.reshape(h.shape[0], 15)), y)  # 5 x 3 per example
+
+
+def _embed(ids, y):
+  h = hk.Embed(7, 3)(ids)
+  return _sq(hk.LayerNorm(-1, True, True)(h).sum(1), y)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv", "embed"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_empty_batch_gives_empty_grams_and_zero_grads(name, jit):
+  key = jax.random.PRNGKey(5)
+  if name == "embed":
+    x = jax.random.randint(key, (4, 5), 0, 7)
+    y = jax.random.normal(key, (4, 3))
+    body = _embed
+  elif name == "conv":
+    x, y = jax.random.normal(key, (4, 5, 2)), jax.random.normal(key, (4, 2))
+    body = _conv
+  else:
+    x, y = _data(5, (4, 6), 3)
+    body = lambda x, y: _sq(hk.nets.MLP([5, 3])(x), y)
+  f, _ = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  value, grads, grams = fn(params, state, None, x[:0], y[:0])
+  assert float(value) == 0.0
+  assert grams.total.shape == (0, 0) and grams.norms.shape == (0,)
+  for leaf in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+
+
+# -- probe dtype follows the parameters at apply ----------------------------
+
+
+def test_probe_dtype_follows_float64_parameters():
+  with jax.enable_x64(True):
+    ids = jax.random.randint(jax.random.PRNGKey(6), (4, 5), 0, 7)
+    y = jax.random.normal(jax.random.PRNGKey(7), (4, 3), jnp.float64)
+    f, g = _transforms(lambda i, y: _sq(hk.Embed(7, 3)(i).sum(1), y))
+    params, state = f.init(jax.random.PRNGKey(0), ids, y)
+    assert jax.tree.leaves(params)[0].dtype == jnp.float32  # Haiku's table
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+    _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                          ids, y)
+    assert grams.total.dtype == jnp.float64
+    ref = reference_gram(g.apply, params, ids, y)
+    np.testing.assert_allclose(grams.total, ref, rtol=1e-10,
+                               atol=1e-12 * np.abs(ref).max())
+
+
+# -- a shared module inside hk.layer_stack ---------------------------------
+
+
+def test_layer_stack_body_that_shares_a_module():
+  x, y = _data(8, (4, 5), 5)
+  def body(x, y):
+    def layer(h):
+      lin = hk.Linear(5)
+      return jnp.tanh(lin(jnp.tanh(lin(h))))
+    return _sq(hk.layer_stack(2)(layer)(x), y)
+  f, g = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_stacked_per_example_gradients_are_concatenated():
+  f = jax.random.normal(jax.random.PRNGKey(9), (3, 4, 5))  # [L, B, P]
+  cols = vgg_lib._stacked_to_columns(f)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(cols[1], np.concatenate(list(f[:, 1])))
+
+
+# -- verify --------------------------------------------------------------------
+
+
+def test_verify_passes_a_good_model_and_reports_layers():
+  x, y = _data(10, (6, 3, 5), 2)
+  f, _ = _transforms(lambda x, y: jnp.mean(
+      (hk.nets.MLP([4, 2])(x) - y) ** 2, axis=(1, 2)).sum())
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  assert report.ok, str(report)
+  assert report.loss_scale == "sum" and report.examples == 6
+  assert sorted(report.layer_errors) == ["mlp/~/linear_0", "mlp/~/linear_1"]
+  assert max(report.layer_errors.values()) < 1e-4
+  assert "OK" in str(report)
+
+
+def test_verify_detects_a_mean_loss():
+  x, y = _data(11, (5, 4), 2)
+  f, _ = _transforms(lambda x, y: jnp.mean((hk.Linear(2)(x) - y) ** 2))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  assert report.ok and report.loss_scale == "mean", str(report)
+
+
+def test_verify_reports_untracked_parameters():
+  x, y = _data(12, (5, 4), 2)
+  def body(x, y):
+    gain = hk.get_parameter("gain", [], init=jnp.ones)
+    return _sq(gain * hk.Linear(2)(x), y)
+  f = hk.transform_with_state(
+      lambda x, y: _track_ignoring(body, x, y))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  assert not report.ok and report.untracked == ("~/gain",), str(report)
+
+
+def _track_ignoring(body, *a):
+  with gram_haiku.track(untracked="ignore"):
+    return body(*a)
+
+
+def test_verify_detects_coupled_examples():
+  x, y = _data(13, (6, 4), 3)
+  def body(x, y):
+    logits = hk.Linear(3)(x)
+    # A softmax over the batch couples every example with every other.
+    return -jnp.sum(jax.nn.log_softmax(logits, axis=0) * y)
+  f, _ = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  assert not report.ok and report.loss_scale is None, str(report)
+  assert "not a sum" in str(report)
+
+
+def test_new_error_messages_say_what_to_do():
+  for template in (errors.HIGHER_ORDER, errors.NO_FORWARD_USE):
+    assert "What to do" in template
