@@ -163,7 +163,7 @@ def pytest_terminal_summary(terminalreporter):
 #: every op still runs every family; ``--conformance-thorough`` runs every
 #: (op, case) pair. With fewer than twice this many ops selected, every pair
 #: runs.
-OPS_PER_CASE = 2
+OPS_PER_CASE = 1
 #: Families whose tests only read records that one runner computes for every
 #: op at once: sampling them would save nothing.
 UNSAMPLED_FAMILIES = ("sharded",)

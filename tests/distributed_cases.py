@@ -54,7 +54,10 @@ ALL_ONLY = ("transformer-block", "GRU-dynamic", "LSTM-dynamic", "Conv1D",
             "Conv3D", "RMSNorm", "InstanceNorm", "LSTM-static",
             "mixed-precision-track-first", "ResNet-GroupNorm", "GRU-static",
             "Linear", "Conv2D", "Conv2D-grouped-dilated", "Conv2DTranspose",
-            "LayerNorm", "Bias", "Embed-one-hot", "BatchNorm-eval")
+            "LayerNorm", "Bias", "Embed-one-hot", "BatchNorm-eval",
+            # Single layers also run in the conformance sharded family.
+            "Embed", "GroupNorm", "layer_stack",
+            "mixed-precision-policy-first")
 TWO_D_ENTRIES = ("MLP",)
 JIT_ENTRIES = ("MLP", "tied-LM")
 
@@ -511,15 +514,15 @@ def cases(everything: bool):
   out.append(("shard_map_2d/MLP/spec-order-b-a", lambda: case_shard_map(
       "MLP", "explicit", (4, 2), ("a", "b"), spec_axes=("b", "a"))))
   out.append(("jit/Explicit/mixed-modes", case_jit_mixed_modes))
-  for core in ("GRU", "LSTM"):
+  for core in ("GRU", "LSTM") if everything else ("GRU",):
     out.append((f"shard_map_rnn/{core}",
                 lambda c=core: case_rnn_shard_map(c)))
   out.append(("no_check_vma/MLP", lambda: case_shard_map(
       "MLP", "explicit", check_vma=False)))
   out.append(("collectives", case_norms_and_collectives))
   for axis_type in ("Auto", "Explicit"):
-    for name in JIT_ENTRIES + (("GRU-dynamic", "ResNet-GroupNorm")
-                               if everything else ()):
+    for name in (JIT_ENTRIES + ("GRU-dynamic", "ResNet-GroupNorm")
+                 if everything else JIT_ENTRIES[:1]):
       out.append((f"jit/{axis_type}/{name}",
                   lambda a=axis_type, n=name: case_jit(a, n)))
   out.append(("errors", case_errors))

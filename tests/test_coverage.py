@@ -178,3 +178,87 @@ def test_gru_dynamic_and_static_unroll():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                          atol=1e-5),
                  grads, jax.grad(plain)(params, x, y))
+
+
+# -- parameters used outside every track() block -----------------------------
+
+
+def _outside_data(seed=30):
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  return jax.random.normal(kx, (4, 5)), jax.random.normal(ky, (4, 3))
+
+
+def test_module_outside_every_track_block_is_untracked_not_unused():
+  x, y = _outside_data()
+  def loss_fn(x, y):
+    with gram_haiku.track():
+      h = hk.nets.MLP([8])(x)
+    out = hk.Linear(3, name="head")(jnp.tanh(h))  # outside the block
+    return 0.5 * jnp.sum((out - y) ** 2)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert not grams.complete
+  assert grams.untracked == ["head/b", "head/w"]
+  assert grams.coverage["head/w"].module_type == "(outside track())"
+
+
+def _used_again_after_block(x, y):
+  with gram_haiku.track():
+    lin = hk.Linear(3)
+    h = jnp.tanh(lin(x[:, :3]))
+  return 0.5 * jnp.sum((lin(h) - y) ** 2)
+
+
+def _used_first_outside(x, y):
+  lin = hk.Linear(3)
+  h = jnp.tanh(lin(x[:, :3]))
+  with gram_haiku.track():
+    return 0.5 * jnp.sum((lin(h) - y) ** 2)
+
+
+def _tied_read_after_block(x, y):
+  ids = jnp.argmax(x, axis=-1) % 7
+  with gram_haiku.track():
+    embed = hk.Embed(7, 3)
+    h = jnp.tanh(embed(ids))
+  return 0.5 * jnp.sum((h @ embed.embeddings.T)[:, :3] - y) ** 2
+
+
+def _vmapped_and_outside(x, y):
+  lin = hk.Linear(3)
+  with gram_haiku.track():
+    a = hk.vmap(lambda xi: lin(xi[:3]), split_rng=False)(x)
+  return 0.5 * jnp.sum((a + lin(x[:, 1:4]) - y) ** 2)
+
+
+@pytest.mark.parametrize("body", [_used_again_after_block, _used_first_outside,
+                                  _tied_read_after_block,
+                                  _vmapped_and_outside],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("jit", [False, True])
+def test_tracked_parameter_also_used_outside_is_an_error(body, jit):
+  x, y = _outside_data(31)
+  f = hk.transform_with_state(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(ValueError, match="outside every tracked layer"):
+    fn(params, state, None, x, y)
+
+
+def test_untracked_use_in_aux_only_is_not_an_error():
+  # A weight norm reported as aux does not reach the loss: no error.
+  x, y = _outside_data(32)
+  def loss_fn(x, y):
+    with gram_haiku.track():
+      lin = hk.Linear(3)
+      out = lin(x)
+    w = lin.params_dict()["linear/w"]
+    return 0.5 * jnp.sum((out - y) ** 2), jnp.sum(w ** 2)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  (_, aux), _, grams = gram_haiku.value_grad_and_gram(
+      f.apply, has_aux=True)(params, state, None, x, y)
+  assert grams.complete and aux.shape == ()

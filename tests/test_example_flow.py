@@ -106,11 +106,11 @@ def _contrastive_loss(x, y):
     (_time_major, "along axis 1"),
     (_memory, "meets them along another axis"),
     (_learned_query, "meets them along another axis"),
-    (_batch_apply, "merges each example"),
-    (_flattened, "merges each example"),
+    (_batch_apply, "merges the examples with other positions"),
+    (_flattened, "merges the examples with other positions"),
     (_hidden_centred, "depends on several examples"),
-    (_hidden_permuted, "depends on several examples"),
-    (_hidden_subset, "depends on several examples"),
+    (_hidden_permuted, "reordered, repeated or a subset"),
+    (_hidden_subset, "reordered, repeated or a subset"),
     (_batch_softmax_loss, "not a sum"),
     (_contrastive_loss, "not a sum"),
 ], ids=lambda v: getattr(v, "__name__", "")[:24])
@@ -186,3 +186,143 @@ def test_join_is_a_least_upper_bound():
   assert verdicts == {3: False}
   assert example_flow.join(example_flow.Ex(0, tag=4), ex0, verdicts) == ex0
   assert verdicts[4] is True
+
+
+# -- reorderings and subsets -----------------------------------------------------
+
+
+def _weighted_halves(x, y):
+  l = 0.5 * jnp.sum((hk.Linear(3)(x) - y) ** 2, axis=(1, 2))
+  return l[:2].sum() + 0.5 * l[2:].sum()
+
+
+def _reversed_loss(x, y):
+  return 0.5 * jnp.sum((hk.Linear(3)(x) - y)[::-1] ** 2)
+
+
+def _permuted_pairs(x, y):
+  perm = jnp.array([1, 0, 3, 2])
+  return _sq(hk.Linear(3)(x)[perm], y[perm])
+
+
+def _cumsum_loss(x, y):
+  l = 0.5 * jnp.sum((hk.Linear(3)(x) - y) ** 2, axis=(1, 2))
+  return jnp.cumsum(l)[-1]
+
+
+_WEIGHTS = {_weighted_halves: np.array([1.0, 1.0, 0.5, 0.5])}
+
+
+@pytest.mark.parametrize("body", [_weighted_halves, _reversed_loss,
+                                  _permuted_pairs, _cumsum_loss],
+                         ids=lambda f: f.__name__)
+def test_losses_that_reorder_or_weight_examples_are_exact(body):
+  x, y = _data(2)
+  params, (_, _, grams) = _run(body, x, y)
+  w = _WEIGHTS.get(body, np.ones(B))
+  per_example = hk.without_apply_rng(hk.transform(
+      lambda x, y, w: w[0] * _sq(hk.Linear(3)(x), y)))
+  ref = reference_gram(per_example.apply, params, x, y, w)
+  assert_gram_close(grams.total, ref)
+
+
+def _hidden_reversed_then_layer(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))[::-1]
+  return _sq(hk.Linear(3, name="second")(h), y)
+
+
+def _paired_outputs(x, y):
+  lin = hk.Linear(3)
+  out = lin(x)
+  return _sq(out + out[::-1], y)
+
+
+def _one_example_per_call(x, y):
+  lin = hk.Linear(3, name="per_example")
+  out = jnp.concatenate([lin(x[i:i + 1]) for i in range(x.shape[0])])
+  return _sq(out, y)
+
+
+@pytest.mark.parametrize("body,match", [
+    (_hidden_reversed_then_layer, "reordered, repeated or a subset"),
+    (_paired_outputs, "not a sum"),
+    (_one_example_per_call, "reordered, repeated or a subset"),
+], ids=lambda v: getattr(v, "__name__", "")[:24])
+def test_reordered_layer_inputs_are_refused(body, match):
+  x, y = _data(3)
+  with pytest.raises(ValueError, match=match):
+    _run(body, x, y)
+
+
+def test_reordered_input_data_are_refused():
+  # Rows of the input data reordered before the first layer: the Gram would
+  # come back in the model's row order, not the batch's.
+  x, y = _data(4)
+  perm = jnp.argsort(x[:, 0, 0])  # a data-dependent order (bucketing)
+  body = lambda x, y: _sq(hk.Linear(3)(jnp.tanh(hk.Linear(F)(x[perm]))), y)
+  with pytest.raises(ValueError, match="reordered, repeated or a subset"):
+    _run(body, x, y)
+
+
+def _last_step_take_along_axis(x, y):
+  h = jnp.tanh(hk.Linear(F)(x))
+  lengths = jnp.array([4, 2, 3, 1])
+  last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return _sq(hk.Linear(3)(last), y[:, 0])
+
+
+def _integer_label_cross_entropy(x, y):
+  logits = hk.Linear(3)(x.mean(1))
+  labels = jnp.argmax(y[:, 0], axis=-1)
+  picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
+  return jnp.sum(jax.nn.logsumexp(logits, -1) - picked)
+
+
+@pytest.mark.parametrize("body", [_last_step_take_along_axis,
+                                  _integer_label_cross_entropy],
+                         ids=lambda f: f.__name__)
+def test_per_example_gathers_are_exact(body):
+  x, y = _data(5)
+  params, (_, _, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  # The lengths are per example: give each example its own in the reference.
+  if body is _last_step_take_along_axis:
+    lengths = np.array([4, 2, 3, 1])
+    def last_step(x, y, n):
+      h = jnp.tanh(hk.Linear(F)(x))
+      last = jnp.take_along_axis(h, (n - 1)[:, None, None], axis=1)[:, 0]
+      return _sq(hk.Linear(3)(last), y[:, 0])
+    one = hk.without_apply_rng(hk.transform(last_step))
+    ref = reference_gram(one.apply, params, x, y, jnp.asarray(lengths))
+  else:
+    ref = reference_gram(plain.apply, params, x, y)
+  assert_gram_close(grams.total, ref)
+
+
+def _coupled_after_integer_labels(x, y):
+  logits = hk.Linear(3)(x.mean(1))
+  labels = jnp.argmax(y[:, 0], axis=-1)
+  picked = jnp.take_along_axis(logits, labels[:, None], axis=1)[:, 0]
+  return jax.nn.logsumexp(jax.nn.logsumexp(logits, -1) - picked)
+
+
+def _hardest_examples(x, y):
+  per_example = jnp.sum((hk.Linear(3)(x) - y) ** 2, axis=(1, 2))
+  return jax.lax.top_k(per_example, 2)[0].sum()
+
+
+def _pooled_over_batch(x, y):
+  h = jnp.tanh(hk.Linear(F)(x))
+  h = hk.avg_pool(h, (2, 1, 1), (1, 1, 1), "SAME")
+  return _sq(hk.Linear(3)(h), y)
+
+
+@pytest.mark.parametrize("body,match", [
+    (_coupled_after_integer_labels, "not a sum"),
+    (_hardest_examples, "not a sum"),
+    (_pooled_over_batch, "depends on several examples"),
+], ids=lambda v: getattr(v, "__name__", "")[:24])
+def test_coupling_after_gathers_and_pools_is_refused(body, match):
+  x, y = _data(6)
+  with pytest.raises(ValueError, match=match):
+    _run(body, x, y)

@@ -18,16 +18,11 @@ from gram_haiku._src import errors
 from gram_haiku._src import value_grad_and_gram as vgg_lib
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 
-def _data(seed, shape, out_dim):
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, shape),
-          jax.random.normal(k2, shape[:-1] + (out_dim,)))
-
-
-def _sq(out, y):
-  return 0.5 * jnp.sum((out - y) ** 2)
+_data = problems.data
+_sq = problems.sq
 
 
 def _transforms(body):
@@ -125,7 +120,7 @@ def test_gradient_penalty_through_tracked_layers_is_refused(jit):
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   with pytest.raises(ValueError, match="differentiated inside"):
-    fn(params, state, None, x, y)
+    fn(params, state, None, x, y)  # found in the traced program
   sized = gram_haiku.resize_probes(state, x.shape[0])
   with pytest.raises(ValueError, match="differentiated inside"):
     jax.grad(lambda s: f.apply(params, s, None, x, y)[0])(sized)
@@ -287,3 +282,28 @@ def test_verify_detects_coupled_examples():
 def test_new_error_messages_say_what_to_do():
   for template in (errors.HIGHER_ORDER, errors.NO_FORWARD_USE):
     assert "What to do" in template
+
+
+# -- forward-mode linearisation ------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_linearize_of_a_tracked_loss(jit):
+  x, y = _data(14, (3, 4), 2)
+  ids = jax.random.randint(jax.random.PRNGKey(15), (3, 2), 0, 5)
+  def body(x, y, ids):
+    h = hk.Linear(2)(x) + hk.Embed(5, 2)(ids).sum(1)
+    return _sq(jnp.tanh(h), y)
+  f, g = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y, ids)
+  tangent = jax.tree.map(lambda a: jnp.ones_like(a) * 0.3, params)
+  def lin(fn):
+    out, jvp = jax.linearize(fn, params)
+    return out, jvp(tangent)
+  run = jax.jit(lin, static_argnums=0) if jit else lin
+  got = run(lambda p: f.apply(p, state, None, x, y, ids)[0])
+  want = run(lambda p: g.apply(p, x, y, ids))
+  chex.assert_trees_all_close(got, want, rtol=1e-5)
+  sized = gram_haiku.resize_probes(state, 3)
+  with pytest.raises(ValueError, match="linearized in forward mode"):
+    jax.linearize(lambda s: f.apply(params, s, None, x, y, ids)[0], sized)

@@ -19,16 +19,11 @@ import gram_haiku
 from gram_haiku._src import errors
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 
-def _data(seed, shape, out_dim):
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, shape),
-          jax.random.normal(k2, shape[:-1] + (out_dim,)))
-
-
-def _sq(out, y):
-  return 0.5 * jnp.sum((out - y) ** 2)
+_data = problems.data
+_sq = problems.sq
 
 
 def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
@@ -152,14 +147,22 @@ def test_module_called_twice_under_a_custom_getter(getter):
   assert list(grams.by_layer) == ["lin"]
 
 
-def test_static_unroll_lstm():
+@pytest.mark.parametrize("getter", [None, _copying_getter],
+                         ids=["plain", "copying_getter"])
+@pytest.mark.parametrize("unroll", ["static", "dynamic"])
+def test_unrolled_lstm(unroll, getter):
   x, y = _data(8, (3, 4, 2), 5)  # (B, T, F)
+  run = hk.static_unroll if unroll == "static" else hk.dynamic_unroll
   def body(x, y):
     core = hk.LSTM(5)
-    out, _ = hk.static_unroll(core, jnp.swapaxes(x, 0, 1),
-                              core.initial_state(x.shape[0]))
+    out, _ = run(core, jnp.swapaxes(x, 0, 1), core.initial_state(x.shape[0]))
     return _sq(jnp.swapaxes(out, 0, 1), y)
-  _check(_tracked(body), body, x, y)
+  def with_getter(x, y):
+    if getter is None:
+      return body(x, y)
+    with hk.custom_getter(getter):
+      return body(x, y)
+  _check(_tracked(with_getter), with_getter, x, y)
 
 
 def test_unembed_inside_remat():

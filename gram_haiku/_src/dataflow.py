@@ -102,6 +102,9 @@ class Discovery:
     shared_layer_names: the layer names (``module.module_name``, as the
       ops see them) of the shared modules; inside ``hk.layer_stack`` they
       lack the stack's prefix that the state's module names carry.
+    untracked_uses: parameter name -> the primitive that reads it outside
+      every Gram op (for parameters that reach no Gram op at all: their
+      gradient is outside the Gram).
   """
   sizes: Mapping[str, int]
   param_counts: Mapping[str, int]
@@ -111,6 +114,7 @@ class Discovery:
   example_specs: Mapping[str, Any]
   probe_dtypes: Mapping[str, Any]
   shared_layer_names: frozenset = frozenset()
+  untracked_uses: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _sub(source: Source, **changes) -> Source:
@@ -130,6 +134,14 @@ class _Walk:
     self.applications: list[Application] = []
     # (leaf, sliced) -> number of uses per pass; module names per leaf.
     self.uses: collections.Counter = collections.Counter()
+    # leaf -> the first primitive outside every Gram op's parameters that
+    # reads it unchanged (its gradient then has a part no Gram holds).
+    self.other_uses: dict[int, str] = {}
+
+  def _other_use(self, sources, name: str) -> None:
+    for s in sources:
+      if s.exact:
+        self.other_uses.setdefault(s.leaf, name)
 
   def run(self, jaxpr, in_sources: list) -> list:
     env: dict = {}
@@ -152,6 +164,7 @@ class _Walk:
     if op is not None:
       sources = tuple(ins[1:-1])
       self.applications.append(Application(op, sources, ins[-1]))
+      self._other_use(ins[0], f"the input of {op.name}")
       for s in frozenset().union(*sources) if sources else ():
         self.uses[(s.leaf, s.sliced)] += 2 if s.repeated else 1
       return [_not_exact(union, op.name)] * n_out
@@ -179,6 +192,8 @@ class _Walk:
                     "custom_vjp_call_jaxpr", "shard_map", "named_call"):
           return outs
         return [_not_exact(o, name) for o in outs]
+    if name != "stop_gradient":  # (no gradient flows through it)
+      self._other_use(union, name)
     return [_not_exact(union, name)] * n_out
 
   def scan(self, eqn, ins):
@@ -241,7 +256,7 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
       reparametrisation), one that reaches the ops of two modules, a module
       applied under two modes, or an example axis that cannot be found.
   """
-  jaxpr = closed_jaxpr.jaxpr
+  jaxpr = hx.live_part(closed_jaxpr.jaxpr)  # what the loss depends on
   walk = _Walk(gram_op_type)
   n_probes = len(probe_names)
   ins = [frozenset({Source(k)}) if k < num_param_leaves + n_probes
@@ -297,6 +312,15 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
             name=name, shared=sorted(keys & shared),
             unshared=sorted(keys - shared)))
       shared_names.add(name)
+  untracked = {}
+  for leaf, use in walk.other_uses.items():
+    if leaf >= num_param_leaves:
+      continue
+    if leaf in modules_of_leaf:
+      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
+          leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
+          use=use))
+    untracked[leaf_names[leaf]] = use
   for leaf, modules in modules_of_leaf.items():
     if len(modules) > 1:
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
@@ -304,4 +328,5 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
   return Discovery(sizes=sizes, param_counts=counts, shared=frozenset(shared),
                    vmapped=vmapped, modes=modes, example_specs=specs,
                    probe_dtypes=dtypes,
-                   shared_layer_names=frozenset(shared_names))
+                   shared_layer_names=frozenset(shared_names),
+                   untracked_uses=untracked)

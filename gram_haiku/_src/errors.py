@@ -249,10 +249,10 @@ EXAMPLE_AXIS_NOT_EXAMPLES = (
 
 EXAMPLES_MERGED = (
     "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
-    "input (shape {shape}) as the example axis, but that axis merges each "
-    "example with {inner} other position(s) (and {outer} outer one(s)), "
-    "e.g. a (B, T, F) -> (B*T, F) reshape as hk.BatchApply makes: its Gram "
-    "would be of positions, not of examples.\n"
+    "input (shape {shape}) as the example axis, but that axis merges the "
+    "examples with other positions ({inner} per example inside, {outer} "
+    "outside), e.g. a (B, T, F) -> (B*T, F) reshape as hk.BatchApply makes: "
+    "its Gram would be of positions, not of examples.\n"
     "What to do: apply the layer to the unmerged input (hk.Linear and the "
     "other tracked layers accept any leading axes: (B, T, F) needs no "
     "reshape), or hk.vmap over the examples.")
@@ -273,3 +273,43 @@ LOSS_COUPLED = (
     "sum). Per-example gradients, and so the Gram, are not defined.\n"
     "What to do: write the loss as a sum of per-example losses, or compute "
     "the coupled part outside the differentiated function.")
+
+PROBE_LINEARIZED = (
+    "gram_haiku: the Gram probe of module '{module}' is linearized in "
+    "forward mode (jax.linearize, jax.jvp or jax.jacfwd with respect to the "
+    "Haiku state). The Gram exists only as the probe's cotangent, in reverse "
+    "mode.\n"
+    "What to do: linearize with respect to the parameters only, and take "
+    "the Gram with gram_haiku.value_grad_and_gram (or jax.grad with respect "
+    "to the probes).")
+
+PARAM_ALSO_UNTRACKED = (
+    "gram_haiku: parameter '{leaf}' is used by the tracked layer(s) {modules} "
+    "and also, in the loss, by `{use}` outside every tracked layer's "
+    "parameters (e.g. the same module called again outside the "
+    "gram_haiku.track() block, the weight read directly, or the layer "
+    "differentiated inside the loss by jax.grad for a gradient penalty, "
+    "whose backward pass uses the weight). Its per-example "
+    "gradient has a part no Gram contains, so the Gram would be wrong.\n"
+    "What to do: put every use of the module inside gram_haiku.track() "
+    "(for a tied output layer: gram_haiku.unembed(embed, h)), or use a "
+    "separate module for the untracked use.")
+
+EXAMPLES_REORDERED = (
+    "gram_haiku: the input of the tracked layer '{module}' (shape {shape}) "
+    "holds the examples reordered, repeated or a subset of them (a slice, a "
+    "reversal or rows picked by index along the example axis). Its Gram "
+    "would not line up with the other layers' Grams, row for row.\n"
+    "What to do: apply the layer to the examples in the batch's order (move "
+    "the reordering after it, or into the loss), or apply it outside "
+    "gram_haiku.track(). To pick one position per example, use "
+    "jnp.take_along_axis(h, idx[:, None, None], axis=1), which keeps each "
+    "example's row, rather than h[jnp.arange(B), idx].")
+
+EXAMPLES_SUBSET = (
+    "gram_haiku: the tracked layer '{module}' (input shape {shape}) is "
+    "applied to {size} of the batch's {batch} examples at a time (the batch "
+    "split, or one example per call). A Gram op needs every example of the "
+    "batch in one application.\n"
+    "What to do: apply the layer to the whole batch (hk.vmap for "
+    "per-example code), or apply it outside gram_haiku.track().")

@@ -51,6 +51,11 @@ class Ex:
   inner: int = 1
   outer: int = 1
   tag: Optional[int] = None
+  #: None: the rows are the examples in the batch's order. Otherwise a key
+  #: of the reordering (a slice, a reversal, rows picked by index): each row
+  #: is still one example's, so sums over them are sums of per-example
+  #: terms, but a layer taking them as its example axis would not be.
+  order: Any = None
 
 
 CONST = "const"
@@ -78,9 +83,16 @@ def _untagged(s: State) -> State:
   return dataclasses.replace(s, tag=None) if isinstance(s, Ex) else s
 
 
+def _reordered(s: Ex, key) -> Ex:
+  """``s`` with its rows reordered (or a subset) by the operation ``key``."""
+  return dataclasses.replace(s, order=(s.order, key) if s.order else key)
+
+
 def join(a: State, b: State, verdicts: Optional[dict] = None) -> State:
   """The least state covering both; settles candidates (``Ex.tag``) met by
   the examples, recording ``verdicts[tag] = right`` when given."""
+  if isinstance(a, Ex) and isinstance(b, Ex) and a.order != b.order:
+    return MIXED  # rows of different examples meet
   if isinstance(a, Ex) and isinstance(b, Ex) and a.tag != b.tag:
     if a.tag is not None and b.tag is not None:
       return a if a.dim == b.dim else MIXED
@@ -169,8 +181,10 @@ class _Flow:
       return [CONST] * n_out
     name = eqn.primitive.name
     rule = getattr(self, "_" + name, None)
+    self._deps = deps
+    if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
+      ins = self._data_as_constant(ins, deps)
     if rule is not None:
-      self._deps = deps
       return rule(eqn, ins)
     if name in _ELEMENTWISE:
       return [self._elementwise(name, ins)] * n_out
@@ -189,6 +203,22 @@ class _Flow:
     if MIXED in ins:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
+
+  @staticmethod
+  def _data_as_constant(ins, deps):
+    """Input data met by values of the parameters: constant for them.
+
+    In ``(out - y) ** 2`` the labels ``y`` do not couple the examples'
+    gradients, whatever their rows: only values that depend on the
+    parameters do. (A candidate, ``Ex.tag``, still needs to meet the data
+    to be settled.)
+    """
+    param_rows = any(isinstance(s, Ex) and s.tag is None and d
+                     for s, d in zip(ins, deps))
+    if not param_rows:
+      return ins
+    return [CONST if isinstance(s, Ex) and not d else s
+            for s, d in zip(ins, deps)]
 
   def _elementwise(self, name, ins):
     states = [s for s in ins if s != CONST]
@@ -289,8 +319,8 @@ class _Flow:
   _argmax = _reduce_max
   _argmin = _reduce_max
 
-  def _along(self, eqn, ins, axis_param):
-    """Ops acting along one axis (cumsum, sort, rev): mixing if it is the
+  def _along(self, eqn, ins, axis_param, on_examples):
+    """Ops acting along one axis: ``on_examples(s)`` when it is the
     examples' axis."""
     s = ins[0]
     if not isinstance(s, Ex):
@@ -298,16 +328,21 @@ class _Flow:
     axes = eqn.params[axis_param]
     axes = axes if isinstance(axes, (tuple, list)) else (axes,)
     ndim = len(_shape(eqn.invars[0]))
-    out = MIXED if s.dim in [a % ndim for a in axes] else s
+    out = on_examples(s) if s.dim in [a % ndim for a in axes] else s
     return [out] * len(eqn.outvars)
 
   def _cumsum(self, eqn, ins):
-    return self._along(eqn, ins, "axis")
+    # Prefix sums over the examples: linear combinations of them.
+    return self._along(eqn, ins, "axis", lambda s: SUM)
 
-  _cumprod = _cummax = _cummin = _cumlogsumexp = _cumsum
+  def _cumprod(self, eqn, ins):
+    return self._along(eqn, ins, "axis", lambda s: MIXED)
+
+  _cummax = _cummin = _cumlogsumexp = _cumprod
 
   def _rev(self, eqn, ins):
-    return self._along(eqn, ins, "dimensions")
+    return self._along(eqn, ins, "dimensions",
+                       lambda s: _reordered(s, ("rev",)))
 
   def _sort(self, eqn, ins):
     states = [s for s in ins if s != CONST]
@@ -315,21 +350,28 @@ class _Flow:
     for s in states[1:]:
       out = self.join(out, s)
     if isinstance(out, Ex) and out.dim == eqn.params["dimension"]:
-      out = MIXED
+      out = _reordered(out, ("sort", id(eqn)))
     return [out] * len(eqn.outvars)
 
   def _split(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex) and s.dim == eqn.params["axis"]:
-      return [MIXED] * len(eqn.outvars)
+      return [_reordered(s, ("split", id(eqn), k))
+              for k in range(len(eqn.outvars))]
     return [s] * len(eqn.outvars)
 
   def _concatenate(self, eqn, ins):
+    dim = eqn.params["dimension"]
+    if any(isinstance(s, Ex) and s.dim == dim for s in ins):
+      if any(s in (MIXED, SUM) for s in ins):
+        return [MIXED]
+      if any(s == UNKNOWN for s in ins):
+        return [UNKNOWN]
+      ex = next(s for s in ins if isinstance(s, Ex))
+      return [_reordered(ex, ("concat", id(eqn)))]
     out = CONST
     for s in ins:
       out = self.join(out, s)
-    if isinstance(out, Ex) and out.dim == eqn.params["dimension"]:
-      return [MIXED]
     return [out]
 
   def _pad(self, eqn, ins):
@@ -348,7 +390,8 @@ class _Flow:
       step = strides[s.dim] if strides else 1
       size = _shape(eqn.invars[0])[s.dim]
       if (start, limit, step) != (0, size, 1):
-        return [MIXED]  # A subset of the examples, or reordered.
+        # A subset of the examples, or reordered.
+        return [_reordered(s, ("slice", start, limit, step))]
     return [s]
 
   def _dynamic_slice(self, eqn, ins):
@@ -357,7 +400,7 @@ class _Flow:
       return [MIXED if MIXED in ins else UNKNOWN]  # data-dependent start
     if isinstance(s, Ex):
       full = _shape(eqn.invars[0])[s.dim] == eqn.params["slice_sizes"][s.dim]
-      return [s if full else MIXED]
+      return [s if full else _reordered(s, ("dynamic_slice", id(eqn)))]
     return [s]
 
   def _dot_general(self, eqn, ins):
@@ -434,30 +477,83 @@ class _Flow:
 
   def _gather(self, eqn, ins):
     operand, indices = ins[0], ins[1]
-    dn = eqn.params["dimension_numbers"]
-    out_ndim = len(_shape(eqn.outvars[0]))
-    batch_dims = [d for d in range(out_ndim) if d not in dn.offset_dims]
-    if operand == CONST and isinstance(indices, Ex):
-      idx_ndim = len(_shape(eqn.invars[1]))
-      if indices.dim == idx_ndim - 1:
-        return [MIXED]
-      return [dataclasses.replace(indices, dim=batch_dims[indices.dim])]
-    if isinstance(operand, Ex) and indices == CONST:
-      if operand.dim in dn.start_index_map or operand.dim in getattr(
-          dn, "collapsed_slice_dims", ()):
-        return [MIXED]  # Rows picked by index: reordered or subset.
-      full = eqn.params["slice_sizes"][operand.dim] == _shape(
-          eqn.invars[0])[operand.dim]
-      if not full:
-        return [MIXED]
-      kept = [d for d in range(len(_shape(eqn.invars[0])))
-              if d not in getattr(dn, "collapsed_slice_dims", ())
-              and d not in getattr(dn, "operand_batching_dims", ())]
-      return [dataclasses.replace(
-          operand, dim=dn.offset_dims[kept.index(operand.dim)])]
     if MIXED in (operand, indices):
       return [MIXED]
-    return [UNKNOWN]
+    if UNKNOWN in (operand, indices) or SUM in (operand, indices):
+      return [UNKNOWN if SUM not in (operand, indices) else MIXED]
+    dn = eqn.params["dimension_numbers"]
+    out_ndim = len(_shape(eqn.outvars[0]))
+    idx_ndim = len(_shape(eqn.invars[1]))
+    # Output dims not in offset_dims follow the indices' dims (but the last,
+    # the index vector), in order.
+    batch_dims = [d for d in range(out_ndim) if d not in dn.offset_dims]
+    collapsed = tuple(getattr(dn, "collapsed_slice_dims", ()))
+    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+    idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+
+    def idx_out(d):  # output position of an indices dim
+      return batch_dims[d] if d < idx_ndim - 1 and d < len(batch_dims) else None
+
+    if isinstance(indices, Ex):
+      out = idx_out(indices.dim)
+      if out is None:
+        return [MIXED]
+      if operand == CONST:  # a table looked up by per-example ids
+        return [dataclasses.replace(indices, dim=out)]
+      e = operand.dim
+      aligned = (e in op_batching and
+                 idx_batching[op_batching.index(e)] == indices.dim and
+                 operand.order == indices.order)
+      if operand.tag is not None and indices.tag is None:
+        # A candidate meets the examples (indices): settled here.
+        self.verdicts[operand.tag] = self.verdicts.get(operand.tag,
+                                                       True) and aligned
+        return [dataclasses.replace(indices, dim=out)]
+      if aligned:  # take_along_axis: each example indexes its own row.
+        return [dataclasses.replace(operand, dim=out)]
+      if e in dn.start_index_map:
+        # Rows picked by per-example indices (x[perm], o[arange(B), t]):
+        # one example each, in an order the program does not show.
+        return [_reordered(dataclasses.replace(operand, dim=out),
+                           ("gather", id(eqn.invars[1])))]
+      return [MIXED]
+    # Constant indices.
+    if operand.dim in op_batching:
+      return [UNKNOWN]
+    if operand.dim in dn.start_index_map or operand.dim in collapsed:
+      if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
+          operand.dim in collapsed):
+        return [_reordered(dataclasses.replace(operand, dim=batch_dims[0]),
+                           ("gather", id(eqn.invars[1])))]
+      return [MIXED]
+    full = eqn.params["slice_sizes"][operand.dim] == _shape(
+        eqn.invars[0])[operand.dim]
+    if not full:
+      return [MIXED]
+    kept = [d for d in range(len(_shape(eqn.invars[0])))
+            if d not in collapsed and d not in op_batching]
+    return [dataclasses.replace(operand,
+                                dim=dn.offset_dims[kept.index(operand.dim)])]
+
+  def _reduce_window(self, eqn, ins):
+    s = ins[0]
+    if not isinstance(s, Ex):
+      return [s if s != SUM else MIXED] * len(eqn.outvars)
+    d = s.dim
+    window = eqn.params["window_dimensions"][d]
+    stride = eqn.params["window_strides"][d]
+    pad = tuple(eqn.params["padding"][d])
+    if (window, stride, pad) != (1, 1, (0, 0)):
+      return [MIXED] * len(eqn.outvars)  # pooling across examples
+    return [s] * len(eqn.outvars)
+
+  _reduce_window_sum = _reduce_window_max = _reduce_window_min = _reduce_window
+
+  def _top_k(self, eqn, ins):
+    s = ins[0]
+    if isinstance(s, Ex) and s.dim == len(_shape(eqn.invars[0])) - 1:
+      return [MIXED] * len(eqn.outvars)  # the top examples of the batch
+    return [s if s != SUM else MIXED] * len(eqn.outvars)
 
   # -- control flow ---------------------------------------------------------------
 
@@ -566,6 +662,9 @@ def check(closed_jaxpr, in_states: Sequence[State], batch: int,
     if state in (MIXED, SUM):
       raise ValueError(errors.EXAMPLES_COUPLED.format(module=module,
                                                       shape=shape))
+    if state.order is not None:
+      raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
+                                                        shape=shape))
     if state.dim != position:
       raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
           module=module, shape=shape, position=position,
@@ -574,6 +673,9 @@ def check(closed_jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_MERGED.format(
           module=module, shape=shape, position=position, inner=state.inner,
           outer=state.outer))
+    if op.example_size() != batch:
+      raise ValueError(errors.EXAMPLES_SUBSET.format(
+          module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
     raise ValueError(errors.LOSS_COUPLED)
   return verified and bool(flow.findings)

@@ -50,6 +50,7 @@ from jax.experimental.hijax import Zero  # noqa: E402
 from jax.experimental.hijax import instantiate_zeros  # noqa: E402
 from jax._src import hijax as _hijax  # noqa: E402
 from jax._src.interpreters import ad as _ad  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax.extend.core import Literal  # noqa: E402
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
@@ -70,6 +71,7 @@ __all__ = [
     "jaxprs_of",
     "inside_loop_trace",
     "is_differentiated",
+    "live_part",
 ]
 
 
@@ -244,3 +246,11 @@ def is_differentiated(x: Any) -> bool:
   """Whether ``x`` is being differentiated by an enclosing reverse- or
   forward-mode transform (it is one of JAX's AD tracers)."""
   return isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer))
+
+
+def live_part(jaxpr: Any) -> Any:
+  """``jaxpr`` without the equations its outputs do not depend on (JAX's
+  dead-code elimination; every input is kept, so input positions hold)."""
+  live, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars),
+                          instantiate=[True] * len(jaxpr.invars))
+  return live

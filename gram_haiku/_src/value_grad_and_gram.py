@@ -161,13 +161,24 @@ def _check_mesh_axes(axes: tuple[str, ...]) -> int:
                                                      error=e)) from None
 
 
-def _coverage(params, seen: Mapping[str, ParamCoverage]) -> dict:
-  """Coverage of every trainable parameter (see :attr:`Grams.coverage`)."""
+def _coverage(params, seen: Mapping[str, ParamCoverage],
+              found: dataflow.Discovery) -> dict:
+  """Coverage of every trainable parameter (see :attr:`Grams.coverage`).
+
+  ``seen``: what the ``track()`` contexts' getters saw; a parameter they
+  did not see but that the loss uses (a module outside every ``track()``
+  block) is untracked, not unused.
+  """
   out = {}
   for module, entries in params.items():
     for name in entries:
       full = f"{module}/{name}"
-      out[full] = seen.get(full, ParamCoverage(True, "unused", "(unused)"))
+      if full in seen:
+        out[full] = seen[full]
+      elif full in found.untracked_uses:
+        out[full] = ParamCoverage(False, None, "(outside track())")
+      else:
+        out[full] = ParamCoverage(True, "unused", "(unused)")
   return out
 
 
@@ -185,10 +196,13 @@ def _split_batch(args, kwargs):
 
   Arrays become inputs of the discovery trace (so that the examples can be
   followed through it); everything else (flags, Python numbers) stays as
-  given.
+  given. ``args`` includes the ``rng`` position, which
+  ``hk.without_apply_rng`` transforms fill with the first batch argument.
   """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  is_array = [isinstance(l, (jax.Array, np.ndarray)) for l in leaves]
+  is_array = [isinstance(l, (jax.Array, np.ndarray)) and not
+              jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
+              for l in leaves]
   arrays = [l for l, a in zip(leaves, is_array) if a]
 
   def rebuild(new_arrays):
@@ -198,20 +212,23 @@ def _split_batch(args, kwargs):
   return arrays, rebuild
 
 
-def _discover(loss, params, probes, args, kwargs, axes):
+def _discover(loss, params, probes, rng, args, kwargs, axes):
   """One abstract trace of the loss (no FLOPs), read.
 
-  ``loss(params, probes, args, kwargs)``. Returns the
+  ``loss(params, probes, rng, args, kwargs)``. Returns the
   :class:`~gram_haiku._src.dataflow.Discovery` of its program, the coverage
   its ``track()`` contexts saw, and ``check_examples()``, which follows the
   examples (axis 0 of the batch's arrays) through the program
   (:func:`gram_haiku._src.example_flow.check`).
   """
-  arrays, rebuild = _split_batch(args, kwargs)
+  arrays, rebuild = _split_batch((rng, *args), kwargs)
   seen: dict = {}
+
+  def traced(p, q, a):
+    (rng_, *args_), kwargs_ = rebuild(a)
+    return loss(p, q, rng_, tuple(args_), kwargs_)
   with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen)):
-    closed = jax.make_jaxpr(lambda p, q, a: loss(p, q, *rebuild(a)))(
-        params, probes, arrays)
+    closed = jax.make_jaxpr(traced)(params, probes, arrays)
   probe_names = [m for m, _ in sorted(probes.items())]
   n_params = len(jax.tree_util.tree_leaves(params))
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
@@ -282,7 +299,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       raise ValueError(errors.NO_PROBES)
     n_devices = _check_mesh_axes(axes)
 
-    def loss_of(params, probes, args, kwargs):
+    def loss_of(params, probes, rng, args, kwargs):
       out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
                                 *args, **kwargs)
       value, aux = out if has_aux else (out, None)
@@ -292,12 +309,12 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       return value, (aux, new_state)
 
     def loss(params, probes):
-      return loss_of(params, probes, args, kwargs)
+      return loss_of(params, probes, rng, args, kwargs)
 
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     found, seen, check_examples = _discover(
-        lambda *a: loss_of(*a)[0], params, probes, args, kwargs, axes)
+        lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
     if not found.sizes:
       raise ValueError(errors.NO_FORWARD_USE.format(
           modules=", ".join(sorted(probes))))
@@ -330,7 +347,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g
-    grams = Grams(full, diag, _coverage(params, seen), axes)
+    grams = Grams(full, diag, _coverage(params, seen, found), axes)
     return ((value, new_state) if return_state else value), grads, grams
 
   return fn

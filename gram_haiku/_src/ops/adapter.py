@@ -102,6 +102,22 @@ class Adapter(hx.VJPHiPrimitive):
       return self.forward(*full)
     return jax.jvp(f, [args[i] for i in live], [dots[i] for i in live])
 
+  def lin(self, nzs_in, x, *rest):
+    """``jax.linearize``: the forward pass, and the layer's inputs as the
+    residuals of its linear map (:meth:`linearized`)."""
+    if nzs_in[-1]:
+      # The probe only has a cotangent: forward mode cannot carry the Gram.
+      raise ValueError(errors.PROBE_LINEARIZED.format(module=self.name))
+    return self.forward(x, *rest[:-1]), (x, tuple(rest[:-1]))
+
+  def linearized(self, residuals, *tangents):
+    """The layer's JVP at the linearisation point (the probe's tangent is
+    zero)."""
+    x, params = residuals
+    probe_tangent = hx.Zero(self.probe_aval.to_tangent_aval())
+    _, out = self.jvp((x, *params, None), (*tangents[:-1], probe_tangent))
+    return out
+
   # -- reverse mode ----------------------------------------------------------
 
   def vjp_fwd(self, nzs_in, x, *rest):
