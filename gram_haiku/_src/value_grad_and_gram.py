@@ -283,13 +283,21 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     (identical to untracked ``jax.grad`` up to float rounding), and ``grams``
     a :class:`Grams` with ``total: f32[B, B]``, ``by_layer`` and
     ``norms: f32[B]``. ``B`` is the size of the example axis at apply time,
-    which may differ from init: the probes are sized by one abstract trace
-    of the model (no FLOPs) before the real pass.
+    which may differ from init. Before the real pass, one abstract trace of
+    the loss (``jax.make_jaxpr``, no FLOPs) is read: it sizes the probes,
+    finds the modules whose parameters are used more than once, and follows
+    the examples (axis 0 of every array argument of the batch's size)
+    through the program.
 
   Raises:
     ValueError: if ``state`` holds no probe, if the loss is not a scalar, if
-      ``mesh_axes`` are not axes of an enclosing ``shard_map``, or from the
-      tracked layers (see :class:`gram_haiku.track`).
+      ``mesh_axes`` are not axes of an enclosing ``shard_map``; from the
+      traced program: a parameter transformed on its way to its layer or
+      also used outside every tracked layer, a layer input whose example
+      axis is not the examples (or merges, reorders or mixes them), a loss
+      that couples the examples, a tracked layer differentiated inside the
+      loss; or from the tracked layers (see :class:`gram_haiku.track`).
+      Each message names the module or parameter and what to do.
   """
   axes = example_sharding.normalize_axes(mesh_axes)
 
