@@ -598,3 +598,28 @@ def test_report_max_rel_err():
   for k in sorted(MAX_REL_ERR):
     print(f"max rel err {k}: {MAX_REL_ERR[k]:.2e}")
 
+
+
+@pytest.mark.parametrize("mode", ["gram", "norms"])
+def test_rule_hooks_answer_in_any_mode(mode):
+  # The op's own gram/sq_norms hooks give the Gram and its diagonal whatever
+  # mode the op was bound in, equal to the base class's exact per-example
+  # formula.
+  from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import kernels  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops import base  # pylint: disable=g-import-not-at-top
+  case = CASES["2d_nhwc_s2_groups2"]
+  p, x = case.make(12, lead=(4,))
+  probe = jnp.zeros((4, 4) if mode == "gram" else (4,))
+  jaxpr = jax.make_jaxpr(lambda p, q: case.tracked(p, q, x, mode=mode))(
+      p, probe)
+  (op,) = [o for o in (hx.gram_op_of(e, base.GramOp)
+                       for e in jaxpr.jaxpr.eqns) if o is not None]
+  g = jax.random.normal(jax.random.PRNGKey(13), op.out_aval.shape)
+  params = (p["w"], p.get("b"))
+  want = base.GramOp.gram(op, x, g, params, 0, kernels.LOCAL)
+  gram = op.gram(x, g, params, 0, kernels.LOCAL)
+  sq = op.sq_norms(x, g, params, 0, kernels.LOCAL)
+  assert_gram_close(gram, want)
+  np.testing.assert_allclose(sq, np.diag(np.asarray(want)), rtol=1e-4,
+                             atol=1e-6 * float(np.abs(want).max()))

@@ -183,11 +183,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def strategy(self) -> str:
     return self._plan.strategy
 
-  @property
-  def plan(self) -> Plan:
-    """The plan the context's options give a module tracked as unshared."""
-    return self._plan
-
   def __enter__(self):
     if self._stack is not None:
       raise RuntimeError("gram_haiku.track() is not re-entrant; create a new "

@@ -371,22 +371,23 @@ class GramConv(base.GramOp):
   sharding_aware = True  # gathers columns, row-sharded contractions
 
   def gram(self, x, g, params, example_dim, cfg):
-    return self._probe_value_only(x, g, params, example_dim, cfg)
+    del example_dim  # The op's own; probe_cotangent_and_grads reads it.
+    return self._in_mode("gram").probe_cotangent_and_grads(x, g, params, (),
+                                                           cfg)[0]
 
   def sq_norms(self, x, g, params, example_dim, cfg):
-    return self._probe_value_only(x, g, params, example_dim, cfg)
+    del example_dim
+    return self._in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
+                                                            cfg)[0]
 
-  def _probe_value_only(self, x, g, params, example_dim, cfg):
-    p, d = self._patches_and_cotangents(x, g, params[0])
-    method = self.method(p, d, example_dim, cfg)
-    if method != "materialize":
-      return self._grouped(p, d, example_dim, params[1] is not None, method,
-                           cfg)
-    per, db = self._per_example(p, d, example_dim, params[1] is not None)
-    f = per.reshape(per.shape[0], -1)
-    if db is not None:
-      f = jnp.concatenate([f, db], axis=1)
-    return self.probe_value(f, cfg)
+  def _in_mode(self, mode: str) -> "GramConv":
+    """This op with its plan's mode set to ``mode``."""
+    if mode == self.mode:
+      return self
+    kwargs = dict(self.params)
+    kwargs["plan"] = self.plan.replace(mode=mode)
+    return type(self)(self.x_aval, self.param_avals, self.probe_aval,
+                      **kwargs)
 
 
 def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,
