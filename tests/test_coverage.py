@@ -262,3 +262,26 @@ def test_untracked_use_in_aux_only_is_not_an_error():
   (_, aux), _, grams = gram_haiku.value_grad_and_gram(
       f.apply, has_aux=True)(params, state, None, x, y)
   assert grams.complete and aux.shape == ()
+
+
+def test_tracked_layer_and_batch_statistic_in_aux_only():
+  # What only the aux output depends on is not part of the differentiated
+  # program: a batch statistic fed to a tracked layer there is no error,
+  # and the loss's Gram is exact.
+  x, y = _outside_data(33)
+  def body(x, y, tracked):
+    lin = hk.Linear(3)
+    h = lin(x)
+    metric = hk.Linear(2, name="metric")(h - h.mean(0)).sum()
+    return 0.5 * jnp.sum((h - y) ** 2), metric
+  def tracked(x, y):
+    with gram_haiku.track():
+      return body(x, y, True)
+  f = hk.transform_with_state(tracked)
+  g = hk.without_apply_rng(hk.transform(lambda x, y: body(x, y, False)[0]))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  (_, aux), _, grams = jax.jit(gram_haiku.value_grad_and_gram(
+      f.apply, has_aux=True))(params, state, None, x, y)
+  assert aux.shape == ()
+  assert_gram_close(grams.by_layer["linear"],
+                    reference_gram(g.apply, params, x, y))

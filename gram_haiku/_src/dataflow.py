@@ -232,14 +232,14 @@ class _Walk:
     return [_not_exact(o, "cond") for o in (outs or [])]
 
 
-def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
+def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
              probe_names: list[str], gram_op_type) -> Discovery:
   """Reads a tracked loss's program: ``jaxpr(params, probes) -> loss``.
 
   Args:
-    closed_jaxpr: ``jax.make_jaxpr`` of the loss, with the parameter leaves
-      as its first ``num_param_leaves`` inputs and the probes (one leaf per
-      module) next.
+    jaxpr: the live part (:func:`hijax_compat.live_part`) of
+      ``jax.make_jaxpr`` of the loss, with the parameter leaves as its first
+      ``num_param_leaves`` inputs and the probes (one leaf per module) next.
     num_param_leaves: number of parameter leaves.
     leaf_names: their names (``module/param``), for messages.
     probe_names: the modules of the probe leaves, in order: each op's facts
@@ -256,7 +256,6 @@ def discover(closed_jaxpr, num_param_leaves: int, leaf_names: list[str],
       reparametrisation), one that reaches the ops of two modules, a module
       applied under two modes, or an example axis that cannot be found.
   """
-  jaxpr = hx.live_part(closed_jaxpr.jaxpr)  # what the loss depends on
   walk = _Walk(gram_op_type)
   n_probes = len(probe_names)
   ins = [frozenset({Source(k)}) if k < num_param_leaves + n_probes

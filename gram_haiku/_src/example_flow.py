@@ -76,7 +76,6 @@ pvary device_put optimization_barrier
 #: Elementwise primitives that are linear in each argument (a SUM stays one).
 _LINEAR = frozenset("add sub neg convert_element_type copy copy_p "
                     "reduce_precision stop_gradient pvary device_put".split())
-_MUL_LIKE = frozenset({"mul", "div"})
 
 
 def _untagged(s: State) -> State:
@@ -614,12 +613,12 @@ class _Flow:
     return list(carry)
 
 
-def check(closed_jaxpr, in_states: Sequence[State], batch: int,
+def check(jaxpr, in_states: Sequence[State], batch: int,
           gram_op_type, names: Optional[dict] = None) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
   Args:
-    closed_jaxpr: the traced loss.
+    jaxpr: the traced loss (its live part).
     in_states: one state per input of the jaxpr (``Ex(0)`` for the batch's
       arrays, ``CONST`` for parameters, probes and state).
     batch: ``B``.
@@ -641,7 +640,7 @@ def check(closed_jaxpr, in_states: Sequence[State], batch: int,
     return False  # No examples: every Gram is empty.
   flow = _Flow(batch, gram_op_type)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
-  outs = flow.run(closed_jaxpr.jaxpr, list(in_states), deps)
+  outs = flow.run(jaxpr, list(in_states), deps)
   names = names or {}
   verified = True
   for op, state in flow.findings:

@@ -229,10 +229,11 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
     return loss(p, q, rng_, tuple(args_), kwargs_)
   with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen)):
     closed = jax.make_jaxpr(traced)(params, probes, arrays)
+  live = hx.live_part(closed.jaxpr)  # what the loss depends on (no aux)
   probe_names = [m for m, _ in sorted(probes.items())]
   n_params = len(jax.tree_util.tree_leaves(params))
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
-  found = dataflow.discover(closed, n_params, leaf_names(params),
+  found = dataflow.discover(live, n_params, leaf_names(params),
                             probe_names, base.GramOp)
 
   def check_examples() -> bool:
@@ -248,7 +249,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
     states = ([example_flow.CONST] * (n_params + len(probe_names)) +
               [example_flow.Ex(0) if np.ndim(a) and np.shape(a)[0] == batch
                else example_flow.CONST for a in arrays])
-    return example_flow.check(closed, states, batch, base.GramOp)
+    return example_flow.check(live, states, batch, base.GramOp)
   return found, seen, check_examples
 
 

@@ -32,7 +32,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
@@ -40,7 +39,6 @@ from gram_haiku._src.ops import base
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 
-_HIGHEST = lax.Precision.HIGHEST
 
 
 def affine_forward(x, scale, offset, offset_multiplier=None):
