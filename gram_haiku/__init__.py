@@ -6,6 +6,9 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
   Gram-emitting primitives.
 * :func:`value_grad_and_gram`: loss, parameter gradients and :class:`Grams`.
 * :func:`resize_probes`: size the probes for the raw ``jax.grad`` path.
+* :func:`reweighted_grad`: ``sum_i c_i g_i`` with ``c`` chosen from the
+  Grams of the same backward pass, and :func:`clipped_grad`: DP-SGD's
+  clipped sum (all-layer or per-layer), both in one backward pass.
 * :func:`gram_linear`: the linear-layer primitive itself.
 * :class:`GramOp`: base class for writing a Gram rule for your own layer
   (:class:`GramFunction` for a layer given as a function), the
@@ -16,6 +19,8 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 
 # Registers the built-in layer handlers (hk.Linear, hk.Conv*, hk.Embed, ...).
 from gram_haiku._src import layers as _layers  # noqa: F401
+from gram_haiku._src.clipping import clipped_grad
+from gram_haiku._src.clipping import ClippedGradAux
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.coverage import UntrackedParameterWarning
 from gram_haiku._src.example_axis import ExampleAxis
@@ -29,6 +34,7 @@ from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.registry import register_layer
+from gram_haiku._src.reweight import reweighted_grad
 from gram_haiku._src.tied import unembed
 from gram_haiku._src.tracking import LayerCall
 from gram_haiku._src.tracking import PROBE_NAME
@@ -41,6 +47,7 @@ from gram_haiku._src.verify import VerifyReport
 __version__ = "0.1.0"
 
 __all__ = (
+    "ClippedGradAux",
     "ExampleAxis",
     "GramFunction",
     "GramOp",
@@ -50,6 +57,7 @@ __all__ = (
     "ParamCoverage",
     "Plan",
     "UntrackedParameterWarning",
+    "clipped_grad",
     "gram_affine",
     "gram_conv",
     "gram_conv_transpose",
@@ -57,6 +65,7 @@ __all__ = (
     "gram_linear",
     "register_layer",
     "resize_probes",
+    "reweighted_grad",
     "track",
     "unembed",
     "value_grad_and_gram",

@@ -215,3 +215,25 @@ def test_error_messages_are_formatted():
   for template in (errors.PARAM_TRANSFORMED, errors.PARAM_IN_TWO_MODULES,
                    errors.MIXED_MODES):
     assert "What to do" in template
+
+
+# Layers whose first parameter is absent (no scale): the equation's operands
+# then skip it, and the traced program must still be read per parameter.
+_ABSENT_FIRST = {
+    "Bias": lambda: hk.Bias(),
+    "LayerNorm-offset-only": lambda: hk.LayerNorm(-1, False, True),
+    "GroupNorm-offset-only": lambda: hk.GroupNorm(2, create_scale=False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ABSENT_FIRST))
+def test_shared_module_without_its_first_parameter(name):
+  def model(x, y):
+    m = _ABSENT_FIRST[name]()
+    return _sq(m(jnp.tanh(m(x))), y)
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="error"):
+      return model(x, y)
+  x, y = _data(11, (5, 3, 4), 4)
+  _check(tracked, model, x, y)

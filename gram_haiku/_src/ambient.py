@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 _LOCAL = threading.local()
 
@@ -35,11 +35,18 @@ class PassPlan:
       (a dict, filled in the discovery trace), or None.
     disabled: every ``track()`` context is inert: the model runs as plain
       Haiku (:func:`gram_haiku.verify`'s reference).
+    modes: layer name -> the mode its op runs in for this pass (a
+      reweighted gradient: ``"factors"``, ``"per_example"`` or ``"clip"``);
+      overrides ``shared`` and the context's own mode.
+    clips: layer name -> its :class:`~gram_haiku._src.plan.Clip`, for the
+      layers in ``"clip"`` mode.
   """
   shared: frozenset = frozenset()
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
   disabled: bool = False
+  modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

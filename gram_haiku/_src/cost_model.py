@@ -212,3 +212,29 @@ def embed_method(b: int, t: int, dim: int, num_keys: int, acc_bytes: int, *,
     return "dense" if "dense" in costs else "segment"
   return min(("ghost", "dense", "segment"),
              key=lambda k: costs.get(k, math.inf))  # type: ignore[return-value]
+
+
+#: What a layer keeps through the backward pass of a reweighted gradient:
+#: its book-keeping factors (input and output cotangent per example), or
+#: its per-example gradients (see :func:`bookkeeping_method`).
+BookkeepingMethod = Literal["factors", "per_example"]
+
+
+def bookkeeping_method(num_params: int, factor_width: int,
+                       factors_exact: bool) -> BookkeepingMethod:
+  """How a layer keeps what :func:`gram_haiku.reweighted_grad` needs.
+
+  Both are exact and take one backward pass (Bu, Mao, Xu, Karypis 2023,
+  "Differentially private optimization on large model at small cost", the
+  book-keeping trick). Per example, the factors hold ``K`` entries (the
+  input and the output cotangent, ``T (N + M)`` for a linear layer over
+  ``T`` positions) and the per-example gradients ``P`` (``N M + M``). The
+  re-contraction ``sum_i c_i g_i`` costs one weight-gradient contraction
+  either way (``B T N M``, what the plain backward's weight gradient
+  costs, which the pass skips), so the smaller store wins; ties go to the
+  factors. Factors are only kept where the input survives the probe's
+  float dtype (``factors_exact``).
+  """
+  if factors_exact and factor_width <= num_params:
+    return "factors"
+  return "per_example"

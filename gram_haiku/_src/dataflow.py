@@ -74,8 +74,9 @@ class Application:
 
   Attributes:
     op: the bound op (its ``name``, ``plan`` and input types).
-    param_sources: per parameter operand, the parameter leaves it comes from
-      (a set of :class:`Source`).
+    param_sources: per parameter of the op (``param_names`` order; empty
+      for an absent one), the parameter leaves it comes from (a set of
+      :class:`Source`).
     probe_sources: the probe leaves its probe operand comes from.
   """
   op: Any
@@ -105,6 +106,14 @@ class Discovery:
     untracked_uses: parameter name -> the primitive that reads it outside
       every Gram op (for parameters that reach no Gram op at all: their
       gradient is outside the Gram).
+    ops: module name -> its (first) bound op in the program, after every
+      ``vmap`` was batched: the rule that re-contracts its book-keeping
+      factors after the pass.
+    param_leaves: module name -> for each of its op's parameter operands,
+      the index of the parameter leaf it is (a cast or reshape of), or None
+      (absent, or not computed from a parameter).
+    applications: module name -> number of op equations that read its
+      probe (a loop body counts once).
   """
   sizes: Mapping[str, int]
   param_counts: Mapping[str, int]
@@ -115,6 +124,9 @@ class Discovery:
   probe_dtypes: Mapping[str, Any]
   shared_layer_names: frozenset = frozenset()
   untracked_uses: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  ops: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _sub(source: Source, **changes) -> Source:
@@ -162,7 +174,11 @@ class _Walk:
     union = frozenset().union(*ins) if ins else frozenset()
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
-      sources = tuple(ins[1:-1])
+      # Absent parameters (None, e.g. no scale) are not operands of the
+      # equation: align the operands' sources with the op's parameters.
+      present = iter(ins[1:-1])
+      sources = tuple(frozenset() if aval is None else next(present)
+                      for aval in op.param_avals)
       self.applications.append(Application(op, sources, ins[-1]))
       self._other_use(ins[0], f"the input of {op.name}")
       for s in frozenset().union(*sources) if sources else ():
@@ -271,9 +287,19 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
               if s.leaf >= num_param_leaves}
     return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
 
+  ops, leaves_of, n_apps = {}, {}, collections.Counter()
   for app in walk.applications:
     op = app.op
     module = module_of(app)
+    n_apps[module] += 1
+    if module not in ops:
+      ops[module] = op
+      leaves = []
+      for sources, aval in zip(app.param_sources, op.param_avals):
+        own = {s.leaf for s in sources if s.leaf < num_param_leaves}
+        leaves.append(own.pop() if aval is not None and len(own) == 1
+                      else None)
+      leaves_of[module] = tuple(leaves)
     sizes[module] = op.example_size()
     counts[module] = op.num_params()
     dtypes[module] = op.accumulation_dtype()
@@ -328,4 +354,5 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                    vmapped=vmapped, modes=modes, example_specs=specs,
                    probe_dtypes=dtypes,
                    shared_layer_names=frozenset(shared_names),
-                   untracked_uses=untracked)
+                   untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
+                   applications=dict(n_apps))

@@ -313,3 +313,37 @@ EXAMPLES_SUBSET = (
     "batch in one application.\n"
     "What to do: apply the layer to the whole batch (hk.vmap for "
     "per-example code), or apply it outside gram_haiku.track().")
+
+REWEIGHT_UNTRACKED = (
+    "gram_haiku.{fn}: parameter(s) {params} are trainable but no Gram rule "
+    "covers them ({why}), so their per-example gradients are unknown and "
+    "sum_i c_i g_i cannot be formed for them{privacy}.\n"
+    "What to do: run their modules inside gram_haiku.track() with a "
+    "supported layer (or write a rule: gram_haiku.GramOp + "
+    "gram_haiku.register_layer), or declare them frozen (frozen=...) to give "
+    "them a zero gradient.")
+
+PARTIALLY_FROZEN = (
+    "gram_haiku.{fn}: module '{module}' has frozen parameter(s) {frozen} and "
+    "trainable one(s) {trainable} in one tracked layer. Its per-example "
+    "gradient norm would include the frozen ones.\n"
+    "What to do: freeze the whole module, or none of it.")
+
+WEIGHTS_SHAPE = (
+    "gram_haiku.reweighted_grad: weight_fn returned {got}, expected one "
+    "weight per example: shape ({size},) (this device's examples under "
+    "shard_map), a float dtype.\n"
+    "What to do: return a (B,) vector, e.g. jnp.minimum(1, C / grams.norms).")
+
+PER_LAYER_THRESHOLDS = (
+    "gram_haiku.clipped_grad(clipping='per-layer'): {problem}. Tracked "
+    "modules: {modules}.\n"
+    "What to do: pass l2_clip_norm as one number (split equally: C / sqrt(L) "
+    "per layer), a dict with a positive threshold for every tracked module, "
+    "or a function module_name -> threshold.")
+
+NEEDS_JAX_PRIVACY = (
+    "gram_haiku.clipped_grad returns jax-privacy's BoundedSensitivityCallable, "
+    "and jax-privacy is not installed ({error}).\n"
+    "What to do: pip install 'gram_haiku[dp]' (jax-privacy and "
+    "dp-accounting).")

@@ -22,14 +22,23 @@ from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 
 #: What the probe's cotangent holds: the Gram ``[B, B]``, its diagonal
-#: ``[B]`` (squared per-example gradient norms) or the flattened per-example
-#: gradients ``[B, P]`` (a module applied more than once).
-Mode = Literal["gram", "norms", "per_example"]
+#: ``[B]`` (squared per-example gradient norms), the flattened per-example
+#: gradients ``[B, P]`` (a module applied more than once), the layer's
+#: book-keeping factors ``[B, K]`` (its input and output cotangent per
+#: example, for re-contraction after the pass: ``"factors"``) or, in
+#: ``"clip"`` mode, the squared norms while the parameters' cotangents are
+#: clipped per example inside the backward rule (:class:`Clip`).
+Mode = Literal["gram", "norms", "per_example", "factors", "clip"]
+#: How a per-example weight is formed from a per-example gradient norm:
+#: ``"abadi"``: ``min(1, C / |g|)`` (Abadi et al. 2016); ``"automatic"``:
+#: ``C / (|g| + gamma)`` (Bu et al. 2022, automatic clipping).
+ClipFunction = Literal["abadi", "automatic"]
 #: How a Gram is computed where a layer has more than one exact method:
 #: ``"auto"`` (the cost model's choice), ``"ghost"`` or ``"materialize"``.
 Strategy = Literal["auto", "ghost", "materialize"]
 
 MODES: tuple[str, ...] = get_args(Mode)
+CLIP_FUNCTIONS: tuple[str, ...] = get_args(ClipFunction)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 #: Default largest intermediate, in bytes, that a Gram kernel may build at
@@ -58,6 +67,38 @@ def check_memory_budget(value) -> None:
                      f"got {value!r}.")
 
 
+def check_clip_function(clip_fn) -> None:
+  """Raises ValueError for a clip function not in :data:`CLIP_FUNCTIONS`."""
+  if clip_fn not in CLIP_FUNCTIONS:
+    raise ValueError(f"Unknown clip function {clip_fn!r}; expected one of "
+                     f"{CLIP_FUNCTIONS}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Clip:
+  """A per-example clipping rule: ``c_i = w(|g_i|)``, ``g_i -> c_i g_i``.
+
+  Attributes:
+    l2_clip_norm: ``C``, the clipping norm (same units as the gradient).
+    function: :data:`ClipFunction`.
+    gamma: the stabiliser of ``"automatic"`` clipping (ignored otherwise).
+  """
+  l2_clip_norm: float
+  function: ClipFunction = "abadi"
+  gamma: float = 0.01
+
+  def __post_init__(self):
+    check_clip_function(self.function)
+    c = self.l2_clip_norm
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (
+        c >= 0):
+      raise ValueError(f"l2_clip_norm must be a non-negative number, got "
+                       f"{c!r}.")
+    if not isinstance(self.gamma, (int, float)) or not self.gamma > 0:
+      raise ValueError(f"gamma must be a positive number, got "
+                       f"{self.gamma!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The static decisions of one Gram op application.
@@ -76,6 +117,9 @@ class Plan:
       applied more than once on the raw ``jax.grad`` path), raised as a
       ``ValueError`` if its probe is differentiated; None otherwise. The
       forward pass and the other gradients are unaffected.
+    clip: in ``"clip"`` mode, the per-example clipping rule applied to this
+      layer's own parameter gradients inside its backward rule; None in
+      every other mode.
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
@@ -83,9 +127,13 @@ class Plan:
   column_axes: Optional[tuple[str, ...]] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
   refusal: Optional[str] = None
+  clip: Optional[Clip] = None
 
   def __post_init__(self):
     check_mode(self.mode)
+    if (self.mode == "clip") != (self.clip is not None):
+      raise ValueError(f"Plan(mode={self.mode!r}, clip={self.clip!r}): a "
+                       f"Clip is given exactly in 'clip' mode.")
     check_strategy(self.strategy)
     check_memory_budget(self.memory_budget_bytes)
     if not isinstance(self.example_axis, ExampleAxis):

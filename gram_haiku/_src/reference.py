@@ -86,6 +86,42 @@ def reference_gram(per_example_loss: Callable[..., Any], params, *batch,
   return f @ f.T
 
 
+def weighted_sum(f, c, params):
+  """``sum_i c_i g_i`` in the structure of ``params``, from the reference
+  ``F`` (:func:`per_example_grads`, columns in leaf order) and ``c: [B]``,
+  in float64 numpy."""
+  total = np.asarray(c, np.float64) @ np.asarray(f, np.float64)
+  leaves, treedef = jax.tree.flatten(params)
+  out, start = [], 0
+  for leaf in leaves:
+    n = int(np.prod(np.shape(leaf)))
+    out.append(total[start:start + n].reshape(np.shape(leaf)))
+    start += n
+  return jax.tree.unflatten(treedef, out)
+
+
+def column_groups(params) -> dict[str, slice]:
+  """``{module name: slice of F's columns}`` for a Haiku ``params`` dict
+  (its leaves are ordered by module, then name)."""
+  groups, start = {}, 0
+  for module in sorted(params):
+    n = sum(int(np.prod(np.shape(v))) for v in params[module].values())
+    groups[module] = slice(start, start + n)
+    start += n
+  return groups
+
+
+def clip_reference(norms, l2_clip_norm: float, function: str = "abadi",
+                   gamma: float = 0.01) -> np.ndarray:
+  """The reference clip weights, float64: ``min(1, C / |g|)`` (Abadi et
+  al. 2016) or ``C / (|g| + gamma)`` (Bu et al. 2022)."""
+  norms = np.asarray(norms, np.float64)
+  if function == "automatic":
+    return l2_clip_norm / (norms + gamma)
+  with np.errstate(divide="ignore"):
+    return np.minimum(1.0, l2_clip_norm / norms)
+
+
 def relative_error(got, ref) -> float:
   """``max |got - ref| / max |ref|`` in float64."""
   got = np.asarray(got, np.float64)

@@ -258,8 +258,12 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
             refusal=errors.LOOP_BODY.format(module=name))
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes)
-    if name in self._pass.shared:
-      plan = plan.replace(mode="per_example")
+    mode = self._pass.modes.get(name)
+    if mode is None and name in self._pass.shared:
+      mode = "per_example"
+    if mode is not None:
+      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)
+                          if mode == "clip" else None)
     return plan
 
   def _apply(self, op, module: hk.Module, x, params):

@@ -40,13 +40,17 @@ def is_float(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def probe_shape(mode: str, size: int, num_params: int) -> tuple[int, ...]:
-  """The probe shape that ``mode`` needs for ``size`` examples."""
+def probe_shape(mode: str, size: int, width: int) -> tuple[int, ...]:
+  """The probe shape that ``mode`` needs for ``size`` examples.
+
+  ``width``: the number of parameter entries (``"per_example"``) or the
+  book-keeping factor width (``"factors"``); unused otherwise.
+  """
   if mode == "gram":
     return (size, size)
-  if mode == "norms":
+  if mode in ("norms", "clip"):
     return (size,)
-  return (size, num_params)
+  return (size, width)
 
 
 @jax.tree_util.register_static
@@ -137,7 +141,7 @@ class Adapter(hx.VJPHiPrimitive):
       columns = example_sharding.column_axes(probe, size, self.mode,
                                              self.plan.column_axes, self.name)
       self._check_probe_varies(x, probe)
-      expected = probe_shape(self.mode, size, self.num_params())
+      expected = probe_shape(self.mode, size, self.probe_width(x.shape))
       if columns:  # shard_map: this device's rows of the global Gram.
         expected = (size, size * example_sharding.axes_size(columns))
       if tuple(probe.shape) != expected:
@@ -149,12 +153,15 @@ class Adapter(hx.VJPHiPrimitive):
                        dtype=jnp.dtype(probe.dtype).name,
                        spec=explicit_mesh.explicit_spec(probe),
                        column_axes=tuple(columns))
-    return out, (x, tuple(params), facts)
+    # "clip" mode: the probe's value is each example's weight (1, or 0 for
+    # a padded row), read by the backward rule.
+    weights = probe if self.mode == "clip" else None
+    return out, (x, tuple(params), facts, weights)
 
   def vjp_bwd(self, res, g, x_acc, *rest_accs):
     if hx.is_zero(g):
       return
-    x, params, facts = res
+    x, params, facts, weights = res
     param_accs, probe_acc = rest_accs[:-1], rest_accs[-1]
     wanted = [i for i, (p, acc) in enumerate(zip(params, param_accs))
               if p is not None and hx.wants_cotangent(acc)]
@@ -169,8 +176,8 @@ class Adapter(hx.VJPHiPrimitive):
         # parameters get their ordinary (zero) cotangents below.
         value, provided = jnp.zeros(facts.shape, dtype), {}
       else:
-        value, provided = self.probe_cotangent_and_grads(x, g, params,
-                                                         wanted, cfg)
+        value, provided = self.backward_products(x, g, params, wanted, cfg,
+                                                 weights)
       value = explicit_mesh.reshard_like(value.astype(dtype), facts.spec)
       probe_acc.accum(value)
       for i, ct in provided.items():
@@ -182,7 +189,15 @@ class Adapter(hx.VJPHiPrimitive):
 
   def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
                              param_accs):
-    """Ordinary cotangents, by JAX's own VJP of ``forward``.
+    """Ordinary cotangents, by JAX's own VJP of ``forward``."""
+    idx = ([0] if want_x else []) + [i + 1 for i in wanted]
+    accs = [x_acc, *param_accs]
+    for i, ct in zip(idx, self.forward_vjp(x, params, g, want_x, wanted)):
+      accs[i].accum(ct)
+
+  def forward_vjp(self, x, params, g, want_x: bool, wanted) -> list:
+    """Cotangents of ``x`` (if ``want_x``) and of ``params[i]`` for ``i`` in
+    ``wanted``, in that order, by JAX's own VJP of ``forward``.
 
     So shapes, dtypes and weak types are exactly those an untracked layer
     gets; under ``jit`` the recomputed primal output is dead code.
@@ -196,10 +211,7 @@ class Adapter(hx.VJPHiPrimitive):
         full[i] = a
       return self.forward(*full)
     _, vjp = jax.vjp(f, *[args[i] for i in idx])
-    cts = vjp(g.astype(self.out_aval.dtype))
-    accs = [x_acc, *param_accs]
-    for i, ct in zip(idx, cts):
-      accs[i].accum(ct)
+    return list(vjp(g.astype(self.out_aval.dtype)))
 
   def _check_probe_varies(self, x, probe):
     """Inside ``shard_map`` the probe varies wherever the examples do."""
@@ -208,7 +220,9 @@ class Adapter(hx.VJPHiPrimitive):
       axes = example_sharding.in_mesh_order(missing)
       raw = {"gram": "(B_local, B) and in_specs=P({s}, None)",
              "norms": "(B_local,) and in_specs=P({s})",
-             "per_example": "(B_local, P) and in_specs=P({s}, None)"}
+             "clip": "(B_local,) and in_specs=P({s})",
+             "per_example": "(B_local, P) and in_specs=P({s}, None)",
+             "factors": "(B_local, K) and in_specs=P({s}, None)"}
       suggest = axes if len(axes) > 1 else repr(axes[0])
       raise ValueError(errors.PROBE_NOT_VARYING.format(
           module=self.name, x_shape=tuple(x.shape), x_axes=axes,

@@ -18,6 +18,16 @@ the probe, depending on ``mode``:
   application into the one probe, which gives the per-example gradient of
   the shared parameters, cross terms included; the Gram is formed after the
   backward pass.
+* ``"factors"``: probe ``[B, K]``, cotangent the layer's book-keeping
+  factors: each example's input and output cotangent, flattened
+  (:meth:`GramOp.factor_matrix`). After the pass the Gram, the norms and any
+  reweighted gradient ``sum_i c_i g_i`` are formed from them by this rule
+  (:mod:`gram_haiku._src.bookkeeping`), with no second backward pass.
+* ``"clip"``: probe ``[B]`` holding each example's weight ``m_i`` (1, or 0
+  for a padded row); cotangent the squared norms, while the parameters get
+  ``sum_i m_i c_i g_i`` with ``c_i`` from the plan's
+  :class:`~gram_haiku._src.plan.Clip` and this layer's own norm
+  (per-layer clipping inside the backward rule: no stored factors).
 
 Under ``vmap`` the batching rule rebuilds the op with the mapped axis at the
 front of ``x``, so the backward rule sees every example at once (a
@@ -55,6 +65,22 @@ from gram_haiku._src.ops.adapter import probe_shape  # noqa: F401
 from gram_haiku._src.ops.adapter import struct
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+
+
+def clip_weights(sq_norms, clip) -> jax.Array:
+  """``c_i`` of a :class:`~gram_haiku._src.plan.Clip` from squared norms.
+
+  ``"abadi"``: ``min(1, C / |g_i|)``; ``"automatic"``: ``C / (|g_i| +
+  gamma)``. A norm of zero gives 1 (``"abadi"``); a norm that is not finite
+  gives 0, so that such an example contributes nothing.
+  """
+  norm = jnp.sqrt(jnp.maximum(sq_norms, 0))
+  c = jnp.asarray(clip.l2_clip_norm, norm.dtype)
+  if clip.function == "automatic":
+    w = c / (norm + jnp.asarray(clip.gamma, norm.dtype))
+  else:
+    w = jnp.where(norm > c, c / jnp.where(norm > 0, norm, 1), 1)
+  return jnp.where(jnp.isfinite(norm), w, 0).astype(norm.dtype)
 
 
 class GramOp(adapter.Adapter):
@@ -282,6 +308,104 @@ class GramOp(adapter.Adapter):
     """
     del wanted
     return self._probe_cotangent(x, g, params, cfg), {}
+
+  # -- the modes every rule gets (no subclass hook) ----------------------------
+
+  def in_mode(self, mode: str) -> "GramOp":
+    """This op with its plan's mode set to ``mode`` (same inputs)."""
+    if mode == self.mode:
+      return self
+    kwargs = dict(self.params)
+    clip = self.plan.clip if mode == "clip" else None
+    kwargs["plan"] = self.plan.replace(mode=mode, clip=clip)
+    return type(self)(self.x_aval, self.param_avals, self.probe_aval,
+                      **kwargs)
+
+  def probe_width(self, x_shape=None) -> int:
+    """The second axis of a ``"per_example"`` (``P``) or ``"factors"``
+    (``K``) probe."""
+    if self.mode == "factors":
+      return self.factor_width(x_shape)
+    return self.num_params()
+
+  def factor_width(self, x_shape=None) -> int:
+    """``K``: entries per example of the input plus the output cotangent."""
+    if x_shape is None:
+      x_shape = self.x_aval.shape
+    size = self.example_size(x_shape)
+    out = math.prod(self.out_shape(x_shape))
+    return (math.prod(x_shape) + out) // max(size, 1)
+
+  def out_shape(self, x_shape) -> tuple[int, ...]:
+    if tuple(x_shape) == tuple(self.x_aval.shape):
+      return tuple(self.out_aval.shape)
+    lead = len(x_shape) - len(self.x_aval.shape)
+    return tuple(x_shape[:lead]) + tuple(self.out_aval.shape)
+
+  def factors_exact(self, dtype) -> bool:
+    """Whether the input survives a cast to the float ``dtype`` of a
+    ``"factors"`` probe: float inputs do; integer inputs only where a rule
+    bounds them (an embedding's ids, by its vocabulary size)."""
+    return is_float(self.x_aval.dtype)
+
+  def factor_matrix(self, x, g) -> jax.Array:
+    """``[B, K]``: per example, the flattened input then output cotangent,
+    in the accumulation dtype (the ``"factors"`` mode's cotangent)."""
+    e = self.example_axis.resolved_position()
+    acc = self.accumulation_dtype()
+    xm = jnp.moveaxis(x, e, 0)
+    gm = jnp.moveaxis(g, e, 0)
+    b = xm.shape[0]
+    return jnp.concatenate([xm.reshape(b, -1).astype(acc),
+                            gm.reshape(b, -1).astype(acc)], axis=1)
+
+  def split_factors(self, f):
+    """Inverse of :meth:`factor_matrix`: ``(x, g)`` in the op's layout
+    (``x`` in its own dtype, ``g`` in the accumulation dtype)."""
+    e = self.example_axis.resolved_position()
+    xs = list(self.x_aval.shape)
+    gs = list(self.out_aval.shape)
+    b = xs[e]
+    moved = lambda s: [s[e]] + s[:e] + s[e + 1:]
+    n = math.prod(xs) // max(b, 1)
+    x = f[:, :n].reshape(moved(xs)).astype(self.x_aval.dtype)
+    g = f[:, n:].reshape(moved(gs))
+    return jnp.moveaxis(x, 0, e), jnp.moveaxis(g, 0, e)
+
+  def scale_examples(self, g, c):
+    """``c_i g_i`` along the example axis; rows with ``c_i == 0`` are exact
+    zeros (also where ``g_i`` is not finite)."""
+    e = self.example_axis.resolved_position()
+    shape = [1] * g.ndim
+    shape[e] = g.shape[e]
+    c = c.reshape(shape)
+    return jnp.where(c != 0, g * c.astype(g.dtype), jnp.zeros((), g.dtype))
+
+  def reweighted_param_grads(self, x, g, params, c, wanted) -> dict:
+    """``{i: sum_e c_e g_e}`` for the parameters ``params[i]``, ``i`` in
+    ``wanted``: the layer's own weight VJP with its output cotangent
+    scaled per example (exact for every rule: the per-example gradient is
+    linear in the example's output cotangent)."""
+    gs = self.scale_examples(g.astype(self.accumulation_dtype()), c)
+    if is_float(x.dtype):  # A row with c_i = 0 adds nothing, even a NaN.
+      x = self.scale_examples(x, (c != 0).astype(x.dtype))
+    cts = self.forward_vjp(x, params, gs, False, list(wanted))
+    return dict(zip(wanted, cts))
+
+  def backward_products(self, x, g, params, wanted, cfg: KernelConfig,
+                        weights=None):
+    """The probe's cotangent and parameter cotangents, by mode (the
+    adapter's one call into the rule in the backward pass)."""
+    if self.mode == "factors":
+      return self.factor_matrix(x, g), {}
+    if self.mode == "clip":
+      sq = self.in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
+                                                          cfg)[0]
+      c = clip_weights(sq, self.plan.clip) * weights.astype(sq.dtype)
+      provided = self.reweighted_param_grads(x, g, params, c, wanted)
+      return sq, {i: hx.reduce_to_type_of(ct, params[i]).astype(
+          params[i].dtype) for i, ct in provided.items()}
+    return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
 
   def probe_value(self, f, cfg: KernelConfig) -> jax.Array:
     """The probe's cotangent from flattened per-example gradients ``[B, P]``:

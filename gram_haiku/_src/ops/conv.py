@@ -372,22 +372,13 @@ class GramConv(base.GramOp):
 
   def gram(self, x, g, params, example_dim, cfg):
     del example_dim  # The op's own; probe_cotangent_and_grads reads it.
-    return self._in_mode("gram").probe_cotangent_and_grads(x, g, params, (),
-                                                           cfg)[0]
+    return self.in_mode("gram").probe_cotangent_and_grads(x, g, params, (),
+                                                          cfg)[0]
 
   def sq_norms(self, x, g, params, example_dim, cfg):
     del example_dim
-    return self._in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
-                                                            cfg)[0]
-
-  def _in_mode(self, mode: str) -> "GramConv":
-    """This op with its plan's mode set to ``mode``."""
-    if mode == self.mode:
-      return self
-    kwargs = dict(self.params)
-    kwargs["plan"] = self.plan.replace(mode=mode)
-    return type(self)(self.x_aval, self.param_avals, self.probe_aval,
-                      **kwargs)
+    return self.in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
+                                                           cfg)[0]
 
 
 def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,

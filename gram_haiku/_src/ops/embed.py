@@ -332,6 +332,13 @@ class GramEmbed(base.GramOp):
   param_names = ("embeddings",)
   feature_ndim = 0
 
+  def factors_exact(self, dtype) -> bool:
+    """Ids cast to a float ``dtype`` look up the same rows while the
+    vocabulary fits its mantissa: in-range ids are exact, and out-of-range
+    ones stay out of range (they round away from the table)."""
+    vocab = self.param_avals[0].shape[0]
+    return vocab <= 2 ** (jnp.finfo(dtype).nmant + 1)
+
   def forward(self, ids, embeddings):
     return embed_forward(ids, embeddings, self.lookup_style, self.precision,
                          self.scalar_ids)

@@ -1,0 +1,197 @@
+"""``clipped_grad``: DP-SGD's clipped gradient sum in one backward pass.
+
+The per-example gradients ``g_i`` are clipped, ``g_i -> c_i g_i``, and
+summed: ``sum_i c_i g_i / normalize_by``.
+
+* ``clipping="all-layer"``: ``c_i`` from the global norm ``|g_i|`` over
+  every parameter (Abadi et al. 2016), computed from the Grams' diagonal of
+  the same pass and re-contracted from each layer's book-keeping store
+  (:func:`gram_haiku.reweighted_grad`).
+* ``clipping="per-layer"``: each tracked module ``l`` clips its own
+  parameters' gradient to ``C_l`` inside its backward rule (no stored
+  factors; a module applied more than once keeps its per-example
+  gradients and is clipped after the pass). The sum then has norm at most
+  ``sqrt(sum_l C_l^2)`` per example (McMahan et al. 2018, per-layer
+  clipping).
+
+Clip functions: ``"abadi"``: ``c_i = min(1, C / |g_i|)``; ``"automatic"``:
+``c_i = C / (|g_i| + gamma)`` (Bu et al. 2022, "Automatic clipping:
+differentially private deep learning made easier and stronger"). Either way
+``|c_i g_i| <= C``.
+
+The result is jax-privacy's ``BoundedSensitivityCallable`` (its
+``sensitivity()`` is what jax-privacy's noise calibration and accounting
+read), with the conventions of ``jax_privacy.clipping.clipped_grad``
+(``l2_clip_norm``, ``normalize_by``, ``is_padding_example``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src import errors
+from gram_haiku._src import example_sharding
+from gram_haiku._src import reweight
+from gram_haiku._src.ops import base
+from gram_haiku._src.plan import Clip
+from gram_haiku._src.result import Grams
+
+CLIPPINGS = ("all-layer", "per-layer")
+
+Thresholds = Union[float, Mapping[str, float]]
+
+
+class ClippedGradAux(NamedTuple):
+  """The auxiliary output of :func:`clipped_grad`'s callable.
+
+  Per-example fields are not privatised: handle them with care (as
+  jax-privacy's ``AuxiliaryOutput``).
+
+  Attributes:
+    values: the loss (``(loss, aux)`` of ``apply_fn`` with ``has_aux``).
+    aux: ``apply_fn``'s aux output, or None.
+    grad_norms: ``f32[B]``, each example's gradient norm before clipping
+      (over every parameter).
+    fraction_clipped: ``f32[]``, the fraction of the real (non-padding)
+      examples whose gradient was scaled down (``"per-layer"``: in any
+      layer).
+    weights: module name -> ``f32[B]``, the ``c_i`` each module's gradient
+      was formed with (0 for padding rows).
+    grams: the :class:`~gram_haiku.Grams` of the pass (per-layer squared
+      norms).
+    state: the updated Haiku state.
+  """
+  values: Any
+  aux: Any
+  grad_norms: jax.Array
+  fraction_clipped: jax.Array
+  weights: Mapping[str, jax.Array]
+  grams: Grams
+  state: Any
+
+
+def _bounded_sensitivity_callable():
+  try:
+    from jax_privacy import clipping as jp_clipping  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(errors.NEEDS_JAX_PRIVACY.format(error=e)) from None
+  return jp_clipping.BoundedSensitivityCallable
+
+
+def _check_threshold(value, what: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      value > 0) or not math.isfinite(value):
+    raise ValueError(f"gram_haiku.clipped_grad: {what} must be a positive, "
+                     f"finite number, got {value!r}.")
+  return float(value)
+
+
+def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
+                 clipping: str = "all-layer", clip_fn: str = "abadi",
+                 gamma: float = 0.01, normalize_by: float = 1.0,
+                 has_aux: bool = False,
+                 mesh_axes: str | tuple[str, ...] | None = None,
+                 frozen: reweight.Frozen = None):
+  """The sum of clipped per-example gradients, in one backward pass.
+
+  Args:
+    apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` runs
+      its model inside ``gram_haiku.track()`` and returns ``sum_i l_i`` (a
+      *sum* of per-example losses: a mean would clip ``g_i / B``).
+    l2_clip_norm: ``C``. With ``clipping="per-layer"`` also a dict
+      ``{module name: C_l}`` covering every tracked module; one number
+      ``C`` is then split equally, ``C_l = C / sqrt(L)`` over the ``L``
+      tracked modules, so that the bound is ``C`` either way.
+    clipping: ``"all-layer"`` (the global norm) or ``"per-layer"``.
+    clip_fn: ``"abadi"`` (``min(1, C/|g|)``) or ``"automatic"``
+      (``C / (|g| + gamma)``).
+    gamma: the stabiliser of automatic clipping.
+    normalize_by: the clipped sum is divided by it (e.g. the expected batch
+      size); the sensitivity is divided too.
+    has_aux: ``f`` returns ``(loss, aux)``.
+    mesh_axes: as in :func:`gram_haiku.value_grad_and_gram` (inside
+      ``shard_map``; the clipped sum is summed over devices).
+    frozen: parameters with zero gradient (see
+      :func:`gram_haiku.reweighted_grad`).
+
+  Returns:
+    A ``jax_privacy.clipping.BoundedSensitivityCallable`` ``g`` with
+    ``g.l2_norm_bound = C / normalize_by`` (per-layer: ``sqrt(sum_l C_l^2)
+    / normalize_by``) and ``has_aux=True``:
+    ``g(params, state, rng, *args, is_padding_example=None, **kwargs) ->
+    (grads, ClippedGradAux)``. ``is_padding_example``: ``bool[B]``, rows
+    that contribute nothing (Poisson sampling at a fixed shape).
+
+  Raises:
+    ValueError: for a bad option or threshold; from the pass, for a
+      trainable parameter no Gram rule covers, an example coupling (e.g.
+      ``hk.BatchNorm`` in training mode), a partly frozen module, and the
+      errors of :func:`gram_haiku.value_grad_and_gram`. Each would silently
+      break the privacy guarantee.
+    ImportError: without jax-privacy (``pip install 'gram_haiku[dp]'``).
+  """
+  if clipping not in CLIPPINGS:
+    raise ValueError(f"clipping={clipping!r}: expected one of {CLIPPINGS}.")
+  Clip(1.0, clip_fn, gamma)  # Validates clip_fn and gamma.
+  normalize_by = _check_threshold(normalize_by, "normalize_by")
+  per_layer = clipping == "per-layer"
+  if isinstance(l2_clip_norm, Mapping):
+    if not per_layer:
+      raise ValueError("gram_haiku.clipped_grad: a dict of thresholds is "
+                       "per-layer clipping; pass clipping='per-layer', or "
+                       "one number for all-layer clipping.")
+    thresholds = {k: _check_threshold(v, f"l2_clip_norm[{k!r}]")
+                  for k, v in l2_clip_norm.items()}
+    bound = math.sqrt(sum(v * v for v in thresholds.values()))
+  else:
+    thresholds = None
+    bound = _check_threshold(l2_clip_norm, "l2_clip_norm")
+  total = float(bound)
+  axes = example_sharding.normalize_axes(mesh_axes)
+
+  def layer_clips(modules: list[str]) -> dict[str, Clip]:
+    if thresholds is None:
+      each = total / math.sqrt(max(len(modules), 1))
+      return {m: Clip(each, clip_fn, gamma) for m in modules}
+    missing = [m for m in modules if m not in thresholds]
+    if missing:
+      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+          problem=f"no threshold for {missing}", modules=modules))
+    return {m: Clip(thresholds[m], clip_fn, gamma) for m in modules}
+
+  global_clip = Clip(total, clip_fn, gamma)
+
+  def fun(params, state, rng, *args, is_padding_example=None, **kwargs):
+    mask = None
+    if is_padding_example is not None:
+      mask = 1.0 - jnp.asarray(is_padding_example).astype(jnp.float32)
+    kw = dict(fn_name="clipped_grad", needs="norms", has_aux=has_aux,
+              axes=axes, frozen=frozen, example_weights=mask, privacy=True)
+    if per_layer:
+      r = reweight.run(apply_fn, params, state, rng, args, kwargs,
+                       clips=layer_clips, **kw)
+      clips = layer_clips(sorted(r.weights))
+      clipped = jnp.zeros(r.grams.sq_norms.shape, bool)
+      for m, sq in r.grams.sq_norms_by_layer.items():
+        clipped |= sq > clips[m].l2_clip_norm ** 2
+    else:
+      r = reweight.run(apply_fn, params, state, rng, args, kwargs,
+                       weight_fn=lambda g: base.clip_weights(g.sq_norms,
+                                                             global_clip),
+                       **kw)
+      clipped = r.grams.norms > total
+    real = jnp.ones(clipped.shape) if mask is None else mask
+    fraction = jnp.sum(clipped * real) / jnp.maximum(jnp.sum(real), 1)
+    grads = r.grads
+    if normalize_by != 1.0:
+      grads = jax.tree_util.tree_map(lambda g: g / normalize_by, grads)
+    values, aux = (r.value, r.value[1]) if has_aux else (r.value, None)
+    return grads, ClippedGradAux(values, aux, r.grams.norms, fraction,
+                                 r.weights, r.grams, r.state)
+
+  callable_type = _bounded_sensitivity_callable()
+  return callable_type(fun, total / normalize_by, True)

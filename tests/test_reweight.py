@@ -1,0 +1,313 @@
+"""Reweighted and clipped gradients in one backward pass, against the
+``vmap(grad)`` reference: every layer-zoo model, per-layer and automatic
+clipping, a cross-example ``weight_fn``, padding masks, optax's DP
+aggregate, and the completeness errors that protect a privacy guarantee."""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gram_haiku
+from conformance.plugin import thorough
+from gram_haiku._src import reweight
+from gram_haiku._src.plan import Clip
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import column_groups
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import RTOL_BF16
+from gram_haiku._src.reference import weighted_sum
+from tests import layer_zoo
+from tests import problems
+
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def _assert_tree_close(got, want, rtol):
+  """Each leaf within ``rtol`` of the largest entry of the whole tree."""
+  scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(want)) or 1.0
+  chex.assert_trees_all_close(
+      jax.tree.map(lambda a: np.asarray(a, np.float64), got), want,
+      rtol=rtol, atol=rtol * scale)
+
+
+def _zoo_problem(entry, style, seed):
+  fn, lead = layer_zoo._styled(entry, style)  # pylint: disable=protected-access
+  x = layer_zoo._draw(entry, lead, seed)  # pylint: disable=protected-access
+  tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))  # pylint: disable=protected-access
+  plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))  # pylint: disable=protected-access
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
+  return tracked, params, state, x, f
+
+
+def _zoo_cases():
+  """Every entry (explicit style, or its first) by default; the vmap
+  styles too with ``--conformance-thorough``."""
+  out = []
+  for e in layer_zoo.ENTRIES:
+    styles = [s for s in e.styles if s != "eager"]
+    for s in (styles if thorough() else styles[:1]):
+      out.append(pytest.param(e.name, s, id=f"{e.name}-{s}"))
+  return out
+
+
+@pytest.mark.parametrize("name,style", _zoo_cases())
+def test_all_layer_clipping_matches_reference(name, style):
+  entry = layer_zoo.BY_NAME[name]
+  tracked, params, state, x, f = _zoo_problem(entry, style,
+                                              hash(name) % 1000)
+  norms = np.sqrt(np.sum(f * f, axis=1))
+  c_norm = float(np.median(norms))  # Some examples clipped, some not.
+  clipped = gram_haiku.clipped_grad(tracked.apply, c_norm)
+  grads, aux = jax.jit(clipped)(params, state, None, x)
+  want_c = clip_reference(norms, c_norm)
+  rtol = RTOL_BF16 if layer_zoo.is_low_precision(entry) else RTOL
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=rtol)
+  _assert_tree_close(grads, weighted_sum(f, want_c, params), rtol)
+  np.testing.assert_allclose(aux.fraction_clipped, np.mean(norms > c_norm))
+  assert clipped.sensitivity() == c_norm
+
+
+def _mlp(seed=0, b=6):
+  x, y = problems.data(seed, (b, 5), 3)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      return problems.sq(hk.nets.MLP([7, 4, 3])(x), y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(seed), x, y)
+  plain = hk.transform(lambda x, y: problems.sq(hk.nets.MLP([7, 4, 3])(x), y))
+  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
+      p, None, x, y), params, x, y), np.float64)
+  return f, params, state, (x, y), ref
+
+
+def _lstm(seed=0, b=5, t=4):
+  x, y = problems.data(seed, (b, t, 3), 2)
+
+  def model(x, y):
+    core = hk.LSTM(4)
+    out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1),
+                               core.initial_state(x.shape[0]))
+    return problems.sq(hk.Linear(2)(jnp.swapaxes(out, 0, 1)), y)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      return model(x, y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(seed), x, y)
+  plain = hk.transform(model)
+  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
+      p, None, x, y), params, x, y), np.float64)
+  return f, params, state, (x, y), ref
+
+
+PROBLEMS = {"mlp": _mlp, "lstm": _lstm}
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("clip_fn", ["abadi", "automatic"])
+def test_per_layer_clipping_matches_reference(problem, clip_fn):
+  f, params, state, batch, ref = PROBLEMS[problem]()
+  groups = column_groups(params)
+  thresholds = {}
+  for i, (m, cols) in enumerate(sorted(groups.items())):
+    n = np.sqrt(np.sum(ref[:, cols] ** 2, axis=1))
+    thresholds[m] = float(np.median(n)) * (0.5 + 0.5 * i)
+  clipped = gram_haiku.clipped_grad(f.apply, thresholds, clipping="per-layer",
+                                    clip_fn=clip_fn, gamma=0.05)
+  grads, aux = jax.jit(clipped)(params, state, None, *batch)
+  want = np.zeros(ref.shape[1])
+  for m, cols in groups.items():
+    n = np.sqrt(np.sum(ref[:, cols] ** 2, axis=1))
+    c = clip_reference(n, thresholds[m], clip_fn, 0.05)
+    want[cols] = c @ ref[:, cols]
+  _assert_tree_close(grads, weighted_sum(want[None], [1.0], params), RTOL)
+  np.testing.assert_allclose(aux.grad_norms,
+                             np.sqrt(np.sum(ref ** 2, axis=1)), rtol=RTOL)
+  bound = np.sqrt(sum(v * v for v in thresholds.values()))
+  np.testing.assert_allclose(clipped.sensitivity(), bound)
+
+
+def test_per_layer_runs_inside_the_backward_rule():
+  f, params, state, batch, _ = _mlp()
+  r = reweight.run(f.apply, params, state, None, batch, {}, fn_name="t",
+                   needs="norms", has_aux=False, axes=(), frozen=None,
+                   clips=lambda ms: {m: Clip(0.1) for m in ms})
+  assert set(r.modes.values()) == {"clip"}
+
+
+def test_one_number_per_layer_is_split_equally():
+  f, params, state, batch, ref = _mlp()
+  groups = column_groups(params)
+  c_total = 0.3
+  clipped = gram_haiku.clipped_grad(f.apply, c_total, clipping="per-layer")
+  grads, _ = clipped(params, state, None, *batch)
+  want = np.zeros(ref.shape[1])
+  for m, cols in groups.items():
+    n = np.sqrt(np.sum(ref[:, cols] ** 2, axis=1))
+    want[cols] = clip_reference(n, c_total / np.sqrt(len(groups))) @ ref[
+        :, cols]
+  _assert_tree_close(grads, weighted_sum(want[None], [1.0], params), RTOL)
+  assert clipped.sensitivity() == pytest.approx(c_total)
+
+
+def test_cross_example_weight_fn():
+  """Drop the examples whose gradient has a negative cosine with the batch's
+  mean gradient: needs the Gram's off-diagonal entries."""
+  f, params, state, batch, ref = _mlp(seed=3, b=8)
+
+  def weight_fn(grams):
+    return (jnp.sum(grams.total, axis=1) > 0).astype(jnp.float32)
+  fn = jax.jit(gram_haiku.reweighted_grad(f.apply, weight_fn, needs="gram"))
+  value, grads, grams, c = fn(params, state, None, *batch)
+  want_c = (ref @ ref.sum(0) > 0).astype(np.float64)
+  assert 0 < want_c.sum() < len(want_c), "a case that drops some examples"
+  np.testing.assert_array_equal(c, want_c)
+  _assert_tree_close(grads, weighted_sum(ref, want_c, params), RTOL)
+  np.testing.assert_allclose(grams.total, ref @ ref.T, rtol=RTOL,
+                             atol=RTOL * np.abs(ref @ ref.T).max())
+  np.testing.assert_allclose(value, f.apply(params, state, None, *batch)[0],
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_padding_rows_contribute_nothing(clipping):
+  f, params, state, (x, y), ref = _mlp(seed=4, b=7)
+  pad = np.array([0, 1, 0, 0, 1, 1, 0], bool)
+  # Padded rows hold anything, even non-finite values.
+  x = jnp.where(pad[:, None], jnp.nan, x)
+  clipped = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping))
+  grads, aux = clipped(params, state, None, x, y, is_padding_example=pad)
+  real = ~pad
+  sub = gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping)
+  want, want_aux = sub(params, state, None, x[real], y[real])
+  chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-7)
+  assert all(np.isfinite(l).all() for l in jax.tree.leaves(grads))
+  np.testing.assert_allclose(aux.fraction_clipped,
+                             want_aux.fraction_clipped, rtol=1e-6)
+
+
+def test_equals_optax_dp_aggregate_without_noise():
+  f, params, state, batch, ref = _mlp(seed=5, b=8)
+  c_norm = float(np.median(np.sqrt(np.sum(ref ** 2, 1))))
+  b = batch[0].shape[0]
+  ours, _ = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm, normalize_by=b))(
+      params, state, None, *batch)
+  plain = hk.transform(lambda x, y: problems.sq(hk.nets.MLP([7, 4, 3])(x), y))
+  per = jax.vmap(lambda xi, yi: jax.grad(lambda p: plain.apply(
+      p, None, xi[None], yi[None]))(params))(*batch)
+  agg = optax.contrib.differentially_private_aggregate(
+      c_norm, 0.0, jax.random.key(0))
+  theirs, _ = agg.update(per, agg.init(params))
+  chex.assert_trees_all_close(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+def test_modes_follow_the_cost_model():
+  """Unshared layers keep factors where they are smaller than the
+  per-example gradients (the MLP's), else the per-example gradients (the
+  LSTM's head over T=4 steps: 24 factor entries per example against 10
+  parameters); shared ones (the LSTM's gates over time) keep the
+  per-example gradients, which AD sums over the steps. With c = 1 every
+  store gives back the plain gradient."""
+  for problem, want in [("mlp", {f"mlp/~/linear_{i}": "factors"
+                                 for i in range(3)}),
+                        ("lstm", {"linear": "per_example",
+                                  "lstm/linear": "per_example"})]:
+    f, params, state, batch, _ = PROBLEMS[problem]()
+    r = reweight.run(f.apply, params, state, None, batch, {}, fn_name="t",
+                     needs="norms", has_aux=False, axes=(), frozen=None,
+                     weight_fn=lambda g: jnp.ones_like(g.sq_norms))
+    assert r.modes == want
+    grads = jax.grad(lambda p: f.apply(p, state, None, *batch)[0])(params)
+    chex.assert_trees_all_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
+  x, y = problems.data(6, (5, 4), 2)
+
+  def loss(x, y):
+    h = hk.Linear(3, name="frozen_features")(x)  # outside track(): untracked
+    with gram_haiku.track():
+      return problems.sq(hk.Linear(2, name="head")(jnp.tanh(h)), y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="frozen_features/w.*no Gram rule"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+  grads, aux = gram_haiku.clipped_grad(f.apply, 1.0, frozen="frozen_features")(
+      params, state, None, x, y)
+  assert all((l == 0).all() for l in jax.tree.leaves(grads["frozen_features"]))
+  head = lambda p, x, y: problems.sq(hk.transform(lambda x: hk.Linear(
+      2, name="head")(x)).apply(p, None, jnp.tanh(
+          x @ params["frozen_features"]["w"] + params["frozen_features"]["b"])),
+                                     y)
+  hp = {"head": params["head"]}
+  fr = np.asarray(per_example_grads(head, hp, x, y), np.float64)
+  want = weighted_sum(fr, clip_reference(np.sqrt((fr ** 2).sum(1)), 1.0), hp)
+  _assert_tree_close({"head": grads["head"]}, want, RTOL)
+  assert aux.grams.complete
+
+
+def test_partly_frozen_module_is_an_error():
+  f, params, state, batch, _ = _mlp()
+  with pytest.raises(ValueError, match="frozen parameter.*trainable"):
+    gram_haiku.clipped_grad(f.apply, 1.0, frozen=["mlp/~/linear_0/w"])(
+        params, state, None, *batch)
+
+
+def test_coupled_examples_are_an_error():
+  x, y = problems.data(7, (6, 4), 2)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      h = hk.Linear(3)(x)
+      h = h - jnp.mean(h, axis=0)  # couples the examples
+      return problems.sq(hk.Linear(2)(h), y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="couple|other examples|mix"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+
+
+def test_batch_norm_training_is_an_error():
+  x, y = problems.data(8, (6, 4), 4)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      h = hk.BatchNorm(True, True, 0.9)(hk.Linear(4)(x), is_training=True)
+      return problems.sq(h, y)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="BatchNorm"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+
+
+def test_bad_options_are_errors():
+  f, *_ = _mlp()
+  with pytest.raises(ValueError, match="clipping="):
+    gram_haiku.clipped_grad(f.apply, 1.0, clipping="flat")
+  with pytest.raises(ValueError, match="clip function"):
+    gram_haiku.clipped_grad(f.apply, 1.0, clip_fn="hard")
+  with pytest.raises(ValueError, match="l2_clip_norm"):
+    gram_haiku.clipped_grad(f.apply, -1.0)
+  with pytest.raises(ValueError, match="per-layer"):
+    gram_haiku.clipped_grad(f.apply, {"mlp/~/linear_0": 1.0})
+  with pytest.raises(ValueError, match="needs="):
+    gram_haiku.reweighted_grad(f.apply, lambda g: g.norms, needs="full")
+
+
+def test_missing_per_layer_threshold_and_bad_weights_are_errors():
+  f, params, state, batch, _ = _mlp()
+  with pytest.raises(ValueError, match=r"no threshold for \['mlp/~/linear_2'"):
+    gram_haiku.clipped_grad(f.apply, {"mlp/~/linear_0": 1.0,
+                                      "mlp/~/linear_1": 1.0},
+                            clipping="per-layer")(params, state, None, *batch)
+  with pytest.raises(ValueError, match=r"expected one weight per example"):
+    gram_haiku.reweighted_grad(f.apply, lambda g: g.sq_norms[:2])(
+        params, state, None, *batch)
