@@ -31,7 +31,9 @@ import gram_haiku
 from gram_haiku._src import reference
 from benchmarks.models import Bench
 
-JAX_METHODS = ("plain", "gram", "norms", "naive")
+from benchmarks import dp_methods
+
+JAX_METHODS = ("plain", "gram", "norms", "naive") + dp_methods.DP_METHODS
 TRACKED = ("gram", "norms")
 
 
@@ -133,6 +135,12 @@ def build(prep: Prepared, method: str) -> tuple[Callable, tuple]:
       loss = prep.plain.apply(params, *batch)
       return loss, grads, f @ f.T
     return step, (prep.params, {}, *bench.batch)
+
+  if method in dp_methods.DP_METHODS:
+    state = prep.states["norms"]
+    if isinstance(state, BaseException):
+      raise Unsupported(first_line(state)) from state
+    return dp_methods.build(prep, method)
 
   raise ValueError(f"Unknown method {method!r}; expected one of "
                    f"{JAX_METHODS}.")

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from benchmarks import analytic
 from benchmarks import harness
+from benchmarks import dp_methods
 from benchmarks import jax_methods
 from benchmarks import models
 from benchmarks import torch_peers
@@ -140,6 +141,23 @@ def run_model(name: str, opts: Options, log=print) -> list[dict]:
         if method in compiled and method not in records:
           records[method] = _record(bench, "jax", method, note)
       log(f"  {name}: check failed to run ({jax_methods.first_line(e)})")
+
+  dp = [m for m in dp_methods.DP_METHODS if m in compiled]
+  if opts.check and dp:
+    try:
+      refs = dp_methods.reference_sums(prep)
+      for method in dp:
+        why = dp_methods.check(method, compiled[method].run(), refs)
+        if why is not None:
+          records[method] = _record(bench, "jax", method,
+                                    "unsupported: " + why)
+          log(f"  {name}/{method}: {records[method]['status']}")
+          del compiled[method]
+    except Exception as e:  # pylint: disable=broad-except
+      for method in dp:
+        records.setdefault(method, _record(
+            bench, "jax", method,
+            f"ok (not checked: {jax_methods.first_line(e)})"))
 
   plain_c = compiled.get("plain")
   for method, c in compiled.items():

@@ -1,4 +1,5 @@
-"""Command line: ``python -m gram_haiku demo`` (also ``gram-haiku demo``)."""
+"""Command line: ``python -m gram_haiku demo`` (also ``gram-haiku demo``) and
+``python -m gram_haiku dp-demo`` (DP-SGD on the same data)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 
 import gram_haiku
 from gram_haiku._src import demo
+from gram_haiku._src import dp_demo
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,7 +42,56 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--no_progress", "--no-progress", action="store_true",
                  help="hide the progress bar (it is hidden anyway when "
                  "stdout is not a terminal)")
+  d = sub.add_parser(
+      "dp-demo", help="train the digits MLP with DP-SGD at a target epsilon",
+      description="DP-SGD on scikit-learn's digits: Poisson sampling, "
+      "gram_haiku.clipped_grad (all-layer clipping in one backward pass), "
+      "jax-privacy's Gaussian noise and calibration, dp-accounting's PLD "
+      "accountant. Prints the clipped gradient's relative error against "
+      "the vmap(grad) reference on the first batch, the epsilon spent, the "
+      "held-out accuracy and the step time against non-private training; "
+      "writes dp_stats.json and dp_accuracy.png to --out.")
+  d.add_argument("--epsilon", type=float, default=3.0,
+                 help="target epsilon (default: %(default)s)")
+  d.add_argument("--delta", type=float, default=1e-5,
+                 help="target delta (default: %(default)s)")
+  d.add_argument("--steps", type=int, default=300,
+                 help="DP-SGD steps (default: %(default)s)")
+  d.add_argument("--expected_batch_size", "--expected-batch-size", type=int,
+                 default=128, help="expected Poisson batch size "
+                 "(default: %(default)s)")
+  d.add_argument("--l2_clip_norm", "--l2-clip-norm", type=float, default=1.0,
+                 help="per-example clipping norm C (default: %(default)s)")
+  d.add_argument("--hidden", type=int, nargs="+", default=[64, 64],
+                 help="hidden layer sizes (default: 64 64)")
+  d.add_argument("--learning_rate", "--learning-rate", type=float,
+                 default=2e-3, help="Adam learning rate (default: %(default)s)")
+  d.add_argument("--seed", type=int, default=0,
+                 help="seed (default: %(default)s)")
+  d.add_argument("--timing_rounds", "--timing-rounds", type=int, default=20,
+                 help="steps timed for the step-time ratio (default: "
+                 "%(default)s)")
+  d.add_argument("--out", default="dp_out",
+                 help="output directory (default: ./%(default)s)")
+  d.add_argument("--no_progress", "--no-progress", action="store_true",
+                 help="hide the progress bar")
   return parser
+
+
+def _run_dp(args) -> int:
+  cfg = dp_demo.DPDemoConfig(
+      epsilon=args.epsilon, delta=args.delta, steps=args.steps,
+      expected_batch_size=args.expected_batch_size,
+      l2_clip_norm=args.l2_clip_norm, hidden=tuple(args.hidden),
+      learning_rate=args.learning_rate, seed=args.seed,
+      timing_rounds=args.timing_rounds, out=args.out,
+      progress=not args.no_progress)
+  try:
+    dp_demo.run_dp_demo(cfg)
+  except (demo.OutputDirError, ValueError, ImportError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
 
 
 def run(argv=None) -> int:
@@ -51,6 +102,8 @@ def run(argv=None) -> int:
     parser.print_help(sys.stderr)
     print("\nerror: give a command, e.g. `gram-haiku demo`.", file=sys.stderr)
     return 2
+  if args.command == "dp-demo":
+    return _run_dp(args)
   cfg = demo.DemoConfig(steps=args.steps, batch_size=args.batch_size,
                         hidden=tuple(args.hidden),
                         learning_rate=args.learning_rate, seed=args.seed,

@@ -27,6 +27,10 @@ Cases:
 * ``jit/<Auto|Explicit>/<entry>``: ``jit`` with the batch placed by
   ``NamedSharding``; under Explicit the Gram comes out sharded by rows.
 * ``errors/...``: the teaching errors of a missing or unbound ``mesh_axes``.
+* ``clipped/<clipping>/<entry>``: ``gram_haiku.clipped_grad(mesh_axes=
+  "data")`` under ``shard_map``: the clipped sum over all devices equals
+  ``sum_i min(1, C/|g_i|) g_i`` of the single-device reference (per-layer:
+  each module clipped to ``C / sqrt(L)``).
 """
 
 from __future__ import annotations
@@ -243,6 +247,49 @@ def case_rnn_shard_map(core_name):
   assert_gram_close(total, ref)
   assert_gram_close(sq_norms, np.diag(ref))
   _assert_grads(grads, jax.grad(plain_loss)(params, x), 1e-4)
+  return {}
+
+
+def case_clipped(clipping, entry_name):
+  import math  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+
+  entry = layer_zoo.BY_NAME[entry_name]
+  tracked, x, params, state, _, _, plain_loss = _problem(entry, "explicit")
+  f = np.asarray(reference.per_example_grads(plain_loss, params, x),
+                 np.float64)
+  norms = np.sqrt((f ** 2).sum(1))
+  c_norm = float(np.median(norms))
+  if clipping == "all-layer":
+    want = reference.weighted_sum(f, reference.clip_reference(norms, c_norm),
+                                  params)
+  else:
+    groups = reference.column_groups(params)
+    flat = np.zeros(f.shape[1])
+    for cols in groups.values():
+      n = np.sqrt((f[:, cols] ** 2).sum(1))
+      flat[cols] = reference.clip_reference(
+          n, c_norm / math.sqrt(len(groups))) @ f[:, cols]
+    want = reference.weighted_sum(flat[None], [1.0], params)
+  clipped = gram_haiku.clipped_grad(tracked.apply, c_norm, clipping=clipping,
+                                    mesh_axes="data")
+
+  def local(params, state, x):
+    grads, aux = clipped(params, state, None, x)
+    return grads, aux.grad_norms
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(),
+                                                           P("data")),
+                               out_specs=(P(), P("data"))))
+  grads, got_norms = step(params, state, x)
+  np.testing.assert_allclose(got_norms, norms, rtol=1e-4)
+  _assert_grads(grads, want, _tolerance(entry))
   return {}
 
 
@@ -526,6 +573,11 @@ def cases(everything: bool):
       out.append((f"jit/{axis_type}/{name}",
                   lambda a=axis_type, n=name: case_jit(a, n)))
   out.append(("errors", case_errors))
+  for clipping in ("all-layer", "per-layer"):
+    for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
+        else ("MLP",):
+      out.append((f"clipped/{clipping}/{name}",
+                   lambda c=clipping, n=name: case_clipped(c, n)))
   return out
 
 

@@ -100,3 +100,25 @@ def test_gram_stats_values():
   stats = demo.gram_stats(g)
   assert stats["mean_cosine"] == pytest.approx(-1 / 3)
   assert stats["median_norm"] == pytest.approx(1.0)
+
+
+def test_dp_demo_runs_private_training(tmp_path):
+  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "dp"
+  summary = dp_demo.run_dp_demo(dp_demo.DPDemoConfig(
+      epsilon=8.0, steps=20, expected_batch_size=64, timing_rounds=2,
+      out=str(out), progress=False))
+  assert summary["rel_err_first_batch"] < 1e-4
+  # The accountant spends the calibrated budget by the last step.
+  assert summary["epsilon_spent"] == pytest.approx(8.0, rel=0.05)
+  assert summary["noise_multiplier"] > 0
+  eps = [r["epsilon"] for r in summary["curve"]]
+  assert eps == sorted(eps) and len(eps) >= 2
+  assert 0.0 <= summary["final_heldout_accuracy"] <= 1.0
+  for name in ("dp_accuracy.png", "dp_stats.json"):
+    assert (out / name).stat().st_size > 0
+
+
+def test_dp_demo_cli_rejects_a_bad_target(capsys):
+  assert cli.run(["dp-demo", "--epsilon", "0", "--out", "/tmp/x"]) == 2
+  assert "epsilon > 0" in capsys.readouterr().err

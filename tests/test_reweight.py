@@ -46,13 +46,19 @@ def _zoo_problem(entry, style, seed):
   return tracked, params, state, x, f
 
 
+#: Entries also run under hk.vmap (and nested hk.vmap) by default.
+VMAP_DEFAULT = ("MLP", "tied-LM", "LSTM-dynamic", "ResNet-GroupNorm")
+
+
 def _zoo_cases():
-  """Every entry (explicit style, or its first) by default; the vmap
-  styles too with ``--conformance-thorough``."""
+  """Every entry (explicit style, or its first) by default, and a few under
+  ``hk.vmap``; every style with ``--conformance-thorough``."""
   out = []
   for e in layer_zoo.ENTRIES:
     styles = [s for s in e.styles if s != "eager"]
-    for s in (styles if thorough() else styles[:1]):
+    if not thorough():
+      styles = styles if e.name in VMAP_DEFAULT else styles[:1]
+    for s in styles:
       out.append(pytest.param(e.name, s, id=f"{e.name}-{s}"))
   return out
 

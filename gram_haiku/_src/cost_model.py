@@ -220,21 +220,33 @@ def embed_method(b: int, t: int, dim: int, num_keys: int, acc_bytes: int, *,
 BookkeepingMethod = Literal["factors", "per_example"]
 
 
-def bookkeeping_method(num_params: int, factor_width: int,
-                       factors_exact: bool) -> BookkeepingMethod:
+def bookkeeping_method(num_params: int, factor_width: int, positions: int,
+                       batch: int, acc_bytes: int, factors_exact: bool, *,
+                       budget: int = DEFAULT_MEMORY_BUDGET_BYTES
+                       ) -> BookkeepingMethod:
   """How a layer keeps what :func:`gram_haiku.reweighted_grad` needs.
 
   Both are exact and take one backward pass (Bu, Mao, Xu, Karypis 2023,
   "Differentially private optimization on large model at small cost", the
-  book-keeping trick). Per example, the factors hold ``K`` entries (the
-  input and the output cotangent, ``T (N + M)`` for a linear layer over
-  ``T`` positions) and the per-example gradients ``P`` (``N M + M``). The
-  re-contraction ``sum_i c_i g_i`` costs one weight-gradient contraction
-  either way (``B T N M``, what the plain backward's weight gradient
-  costs, which the pass skips), so the smaller store wins; ties go to the
-  factors. Factors are only kept where the input survives the probe's
-  float dtype (``factors_exact``).
+  book-keeping trick). Per example the factors hold ``K`` entries (the
+  input and the output cotangent: ``T (N + M)`` for a linear layer applied
+  at ``T`` positions) and the per-example gradients ``P`` (``N M + M``).
+
+  Multiply-adds beyond the plain backward's input gradient: the factors
+  need the norms (``~B T min(K, P)``: ghost or materialised) and then the
+  re-contraction (``B T P``, a weight gradient); the per-example gradients
+  cost ``B T P`` to form (they give the norms) and ``B P`` to re-contract.
+  So at one position (an MLP) the factors win whenever they are smaller,
+  and over many positions (sequences, convolutions) the per-example
+  gradients save a whole weight-gradient contraction, where their
+  ``B P`` store fits ``budget``. Factors are only kept where the input
+  survives the probe's float dtype (``factors_exact``).
   """
-  if factors_exact and factor_width <= num_params:
-    return "factors"
-  return "per_example"
+  if not factors_exact or num_params <= factor_width:
+    return "per_example"
+  t, b = max(positions, 1), max(batch, 1)
+  factors = b * t * min(factor_width, num_params) + b * t * num_params
+  per_example = b * t * num_params + b * num_params
+  if per_example < factors and b * num_params * acc_bytes <= budget:
+    return "per_example"
+  return "factors"

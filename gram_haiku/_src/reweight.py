@@ -110,8 +110,10 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
     return "clip"
   if axes and needs == "gram":
     return "per_example"  # The Gram's columns are gathered from F rows.
-  return cost_model.bookkeeping_method(op.num_params(), op.factor_width(),
-                                       op.factors_exact(dtype))
+  return cost_model.bookkeeping_method(
+      op.num_params(), op.factor_width(), op.positions(), op.example_size(),
+      jnp.dtype(dtype).itemsize, op.factors_exact(dtype),
+      budget=op.plan.memory_budget_bytes)
 
 
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
