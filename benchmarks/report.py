@@ -17,6 +17,19 @@ TARGETS = (
      50.0, ">="),
     ("MLP B=128 full Gram temp memory / plain", "mlp", "gram", "temp_ratio",
      1.2, "<="),
+    # The DP step's clipped gradient (no noise): issue "reweighting".
+    ("MLP B=128 DP all-layer clipped grad / plain", "mlp", "dp_all", "ratio",
+     1.15, "<="),
+    ("CNN DP all-layer clipped grad / plain", "cnn", "dp_all", "ratio", 1.3,
+     "<="),
+    ("LM DP all-layer clipped grad / plain", "lm", "dp_all", "ratio", 1.3,
+     "<="),
+    ("MLP DP all-layer temp memory / plain", "mlp", "dp_all", "temp_ratio",
+     1.3, "<="),
+    ("CNN DP all-layer temp memory / plain", "cnn", "dp_all", "temp_ratio",
+     1.3, "<="),
+    ("LM DP all-layer temp memory / plain", "lm", "dp_all", "temp_ratio",
+     1.3, "<="),
 )
 MLP_DESCRIPTION = "MLP 784-512-512-10"
 #: Scaling target: norms temp memory at the largest B.

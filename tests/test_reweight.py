@@ -317,3 +317,41 @@ def test_missing_per_layer_threshold_and_bad_weights_are_errors():
   with pytest.raises(ValueError, match=r"expected one weight per example"):
     gram_haiku.reweighted_grad(f.apply, lambda g: g.sq_norms[:2])(
         params, state, None, *batch)
+
+
+@pytest.mark.parametrize("target", ["batch_mean", "reversed", "summed"])
+def test_other_examples_data_in_a_loss_is_a_privacy_error(target):
+  """A Gram is defined when example i's loss reads other examples' *data*
+  (only parameter-dependent coupling breaks it), but a clipped gradient
+  then bounds nothing: clipped_grad refuses, value_grad_and_gram does not."""
+  x, y = problems.data(9, (6, 4), 2)
+  targets = {"batch_mean": lambda y: jnp.mean(y, axis=0),
+             "reversed": lambda y: y[::-1],
+             "summed": lambda y: y * jnp.sum(y)}
+
+  def loss(x, y):
+    with gram_haiku.track():
+      out = hk.Linear(2)(x)
+    return problems.sq(out, targets[target](y))
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+
+
+def test_own_labels_and_fixed_statistics_are_private():
+  x, y = problems.data(10, (6, 4), 3)
+  labels = jnp.argmax(y, -1)
+
+  def loss(x, labels):
+    x = (x - 0.5) / 2.0  # fixed, data-independent statistics
+    with gram_haiku.track():
+      logits = hk.Linear(3)(x)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.sum(jnp.take_along_axis(logp, labels[:, None], axis=1))
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, labels)
+  grads, _ = gram_haiku.clipped_grad(f.apply, 0.1)(params, state, None, x,
+                                                   labels)
+  assert all(np.isfinite(l).all() for l in jax.tree.leaves(grads))

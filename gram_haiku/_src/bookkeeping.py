@@ -51,8 +51,13 @@ def from_factors(op, f, params, mode: str) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
   ``[B, K]`` factors ``f`` of one application, by the op's own rule."""
   x, g = op.split_factors(f)
-  return op.in_mode(mode).probe_cotangent_and_grads(
-      x, g, params, (), KernelConfig())[0]
+  rule = op.in_mode(mode)
+  strategy = op.from_factors_strategy(mode, x, g)
+  if strategy != rule.strategy:
+    rule = type(rule)(rule.x_aval, rule.param_avals, rule.probe_aval,
+                      **{**rule.params,
+                         "plan": rule.plan.replace(strategy=strategy)})
+  return rule.probe_cotangent_and_grads(x, g, params, (), KernelConfig())[0]
 
 
 def recontract_factors(op, f, params, c) -> dict:

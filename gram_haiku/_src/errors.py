@@ -347,3 +347,12 @@ NEEDS_JAX_PRIVACY = (
     "and jax-privacy is not installed ({error}).\n"
     "What to do: pip install 'gram_haiku[dp]' (jax-privacy and "
     "dp-accounting).")
+
+DATA_COUPLED = (
+    "gram_haiku.clipped_grad: an example's loss reads data of other "
+    "examples ({state}: e.g. a batch mean of the labels or inputs, or rows "
+    "of another example). Its gradient then depends on other examples' "
+    "data, and clipping it does not bound one example's influence: the "
+    "privacy guarantee would silently break.\n"
+    "What to do: compute each example's loss from its own row only (a "
+    "normalisation with fixed, data-independent statistics is fine).")

@@ -120,9 +120,10 @@ def _shape(v):
 class _Flow:
   """The abstract interpreter (one instance per check)."""
 
-  def __init__(self, batch: int, gram_op_type):
+  def __init__(self, batch: int, gram_op_type, strict: bool = False):
     self.batch = batch
     self.gram_op_type = gram_op_type
+    self.strict = strict
     self.findings: list[tuple[Any, State]] = []
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
     self._deps: list[bool] = []  # the current equation's input dependences
@@ -150,8 +151,15 @@ class _Flow:
     for eqn in jaxpr.eqns:
       in_deps = [False if literal(v) else dep.get(v, False)
                  for v in eqn.invars]
-      ins_now = [CONST if s in (SUM, MIXED) and not d else s
-                 for s, d in zip(map(read, eqn.invars), in_deps)]
+      ins_now = []
+      for s, d in zip(map(read, eqn.invars), in_deps):
+        if s in (SUM, MIXED) and not d:
+          if not self.strict:
+            s = CONST  # Data of several examples: input data (see above).
+          elif any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type):
+            raise ValueError(errors.DATA_COUPLED.format(
+                state="a value computed from several examples' data"))
+        ins_now.append(s)
       outs = self.eqn(eqn, ins_now, in_deps)
       out_dep = any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None
       for v, s in zip(eqn.outvars, outs):
@@ -203,19 +211,30 @@ class _Flow:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
 
-  @staticmethod
-  def _data_as_constant(ins, deps):
+  def _data_as_constant(self, ins, deps):
     """Input data met by values of the parameters: constant for them.
 
     In ``(out - y) ** 2`` the labels ``y`` do not couple the examples'
     gradients, whatever their rows: only values that depend on the
     parameters do. (A candidate, ``Ex.tag``, still needs to meet the data
-    to be settled.)
+    to be settled.) Under ``strict`` (a privacy guarantee: each example's
+    gradient may depend on its own data only) data that mixes or reorders
+    the examples is an error here.
     """
-    param_rows = any(isinstance(s, Ex) and s.tag is None and d
-                     for s, d in zip(ins, deps))
+    param_rows = [s for s, d in zip(ins, deps)
+                  if isinstance(s, Ex) and s.tag is None and d]
     if not param_rows:
       return ins
+    if self.strict:
+      for s, d in zip(ins, deps):
+        if d:
+          continue
+        if s in (MIXED, SUM) or (isinstance(s, Ex) and s.tag is None and (
+            s.order is not None or any(
+                (p.dim, p.inner, p.outer, p.order) !=
+                (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
+          raise ValueError(errors.DATA_COUPLED.format(
+              state="rows of other examples, or in another order"))
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
 
@@ -614,7 +633,8 @@ class _Flow:
 
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
-          gram_op_type, names: Optional[dict] = None) -> bool:
+          gram_op_type, names: Optional[dict] = None,
+          strict: bool = False) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
   Args:
@@ -624,6 +644,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
     batch: ``B``.
     gram_op_type: the base class of Gram ops.
     names: op name -> module (state) name, for messages.
+    strict: also refuse data of other examples meeting an example's
+      parameter-dependent values (a privacy guarantee needs each example's
+      gradient to depend on its own data only; a Gram does not).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -638,7 +661,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   """
   if batch == 0:
     return False  # No examples: every Gram is empty.
-  flow = _Flow(batch, gram_op_type)
+  flow = _Flow(batch, gram_op_type, strict)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.run(jaxpr, list(in_states), deps)
   names = names or {}

@@ -110,10 +110,13 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
     return "clip"
   if axes and needs == "gram":
     return "per_example"  # The Gram's columns are gathered from F rows.
-  return cost_model.bookkeeping_method(
-      op.num_params(), op.factor_width(), op.positions(), op.example_size(),
-      jnp.dtype(dtype).itemsize, op.factors_exact(dtype),
-      budget=op.plan.memory_budget_bytes)
+  exact = op.factors_exact(dtype)
+  if op.plan.strategy == "materialize" or not exact:
+    return "per_example"  # track(strategy=...) also chooses the store.
+  if op.plan.strategy == "ghost":
+    return "factors"
+  return cost_model.bookkeeping_method(op.num_params(), op.factor_width(),
+                                       exact)
 
 
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
@@ -153,7 +156,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   if not found.sizes:
     raise ValueError(errors.NO_FORWARD_USE.format(
         modules=", ".join(sorted(probes))))
-  size = vgg._check_example_axes(found, check_examples())  # pylint: disable=protected-access
+  size = vgg._check_example_axes(found, check_examples(strict=privacy))  # pylint: disable=protected-access
   coverage = vgg._coverage(params, seen, found)  # pylint: disable=protected-access
   _check_complete(fn_name, coverage, frozen_names, privacy)
 

@@ -236,8 +236,9 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   found = dataflow.discover(live, n_params, leaf_names(params),
                             probe_names, base.GramOp)
 
-  def check_examples() -> bool:
-    """Follows the examples; True when every layer was verified."""
+  def check_examples(strict: bool = False) -> bool:
+    """Follows the examples; True when every layer was verified
+    (``strict``: see :func:`gram_haiku._src.example_flow.check`)."""
     leading = {np.shape(a)[0] for a in arrays if np.ndim(a)}
     sizes = set(found.sizes.values())
     if len(sizes) == 1 and sizes <= leading:
@@ -249,7 +250,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
     states = ([example_flow.CONST] * (n_params + len(probe_names)) +
               [example_flow.Ex(0) if np.ndim(a) and np.shape(a)[0] == batch
                else example_flow.CONST for a in arrays])
-    return example_flow.check(live, states, batch, base.GramOp)
+    return example_flow.check(live, states, batch, base.GramOp,
+                              strict=strict)
   return found, seen, check_examples
 
 

@@ -342,12 +342,13 @@ class GramOp(adapter.Adapter):
     lead = len(x_shape) - len(self.x_aval.shape)
     return tuple(x_shape[:lead]) + tuple(self.out_aval.shape)
 
-  def positions(self) -> int:
-    """``T``: applications of the layer per example (the within-example
-    leading axes of ``x``); the cost model's count of how often each
-    parameter is used per example."""
-    size = max(self.example_size(), 1)
-    return max(math.prod(self.lead_shape(self.x_aval.shape)) // size, 1)
+  def from_factors_strategy(self, mode: str, x, g) -> str:
+    """The strategy for this layer's Gram or norms formed from its kept
+    factors after a reweighted pass (:mod:`gram_haiku._src.bookkeeping`),
+    where no materialised per-example gradient is reused for the weight
+    gradient. Default: the plan's."""
+    del mode, x, g
+    return self.strategy
 
   def factors_exact(self, dtype) -> bool:
     """Whether the input survives a cast to the float ``dtype`` of a

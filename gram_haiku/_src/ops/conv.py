@@ -199,14 +199,6 @@ class GramConv(base.GramOp):
     return dict(window_strides=self.stride, padding=self.padding,
                 lhs_dilation=ones, rhs_dilation=self.rate)
 
-  def positions(self) -> int:
-    """Output positions per example: each is one use of the kernel."""
-    lead = self.lead_shape(self.x_aval.shape)
-    out = self.out_aval.shape[len(lead):]
-    spatial = out[:-1] if self.channels_last else out[1:]
-    return max(math.prod(lead) * math.prod(spatial) //
-               max(self.example_size(), 1), 1)
-
   def _flatten_lead(self, a):
     lead = self.lead_shape(a.shape)
     return explicit_mesh.merge_leading(a, len(lead)), lead

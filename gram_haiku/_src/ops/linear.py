@@ -64,6 +64,15 @@ class GramLinear(base.GramOp):
         strategy=self.strategy, cols=cfg.column_count(b),
         budget=cfg.memory_budget_bytes)
 
+  def from_factors_strategy(self, mode, x, g):
+    if mode != "norms" or self.strategy != "auto":
+      return self.strategy
+    xm, dm = self._factors(x, g, self.example_axis.resolved_position())
+    b, t, n = xm.shape
+    return cost_model.linear_norms_from_factors(
+        b, t, n, dm.shape[-1], jnp.dtype(xm.dtype).itemsize,
+        self.plan.memory_budget_bytes)
+
   def gram(self, x, g, params, example_dim, cfg):
     xm, dm = self._factors(x, g, example_dim)
     return kernels.linear_gram(xm, dm, with_bias=params[1] is not None,
