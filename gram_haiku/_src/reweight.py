@@ -119,6 +119,94 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
                                        exact)
 
 
+def _frozen_modules(found, names, frozen_names: set, fn_name: str) -> set:
+  """Tracked modules whose parameters are all frozen (or that have none);
+  a teaching error for one that is only partly frozen."""
+  out = set()
+  for m, idx in found.param_leaves.items():
+    mine = [names[k] for k in idx if k is not None]
+    cold = [n for n in mine if n in frozen_names]
+    if cold and len(cold) < len(mine):
+      raise ValueError(errors.PARTIALLY_FROZEN.format(
+          fn=fn_name, module=m, frozen=cold,
+          trainable=[n for n in mine if n not in frozen_names]))
+    if cold or not mine:
+      out.add(m)
+  return out
+
+
+def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips):
+  """``(modes, probe shapes)``: what each live module keeps in the pass."""
+  found = t.found
+  by_name: dict[str, set] = {}
+  for m in live:
+    by_name.setdefault(found.ops[m].name, set()).add(m)
+  ambiguous = {n for n, ms in by_name.items() if len(ms) > 1}
+  modes, shapes = {}, {}
+  for m in live:
+    op, p = found.ops[m], t.probes[m]
+    lead = tuple(p.shape[:p.ndim - vgg._probe_ndim(p, found, m)])  # pylint: disable=protected-access
+    dtype = found.probe_dtypes.get(m, p.dtype)
+    modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
+                        m in layer_clips, dtype)
+    width = op.num_params() if modes[m] == "per_example" else (
+        op.factor_width())
+    shapes[m] = lead + base.probe_shape(modes[m], t.size, width)
+  return modes, shapes
+
+
+def _fresh_probe(t: vgg.TracedLoss, m: str, mode: str, shape, mask, axes):
+  """The pass's probe of module ``m``: zeros to receive its store, or in
+  ``"clip"`` mode each example's weight (the padding mask)."""
+  dtype = t.found.probe_dtypes.get(m, t.probes[m].dtype)
+  if mode == "clip":
+    probe = jnp.broadcast_to(mask.astype(dtype), shape)
+  else:
+    probe = jnp.zeros(shape, dtype)
+  own = 1 if mode == "clip" else 2
+  probe = vgg._rows_sharded(probe, t.found.example_specs.get(m), own)  # pylint: disable=protected-access
+  return hx.vary_over(probe, axes) if axes else probe
+
+
+def _grams(t: vgg.TracedLoss, live, modes, stores, leaves, needs: str, axes,
+           coverage) -> Grams:
+  """Each live module's Gram (or squared norms) from what it kept."""
+  want = "gram" if needs == "gram" else "norms"
+  full, diag = {}, {}
+  for m in live:
+    op, g = t.found.ops[m], stores[m]
+    if modes[m] == "factors":
+      val = bk.from_factors(op, g, bk.op_params(
+          op, leaves, t.found.param_leaves[m]), want)
+    elif modes[m] == "per_example":
+      val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
+    else:
+      val = g  # "clip": the squared norms.
+    (full if want == "gram" and modes[m] != "clip" else diag)[m] = val
+  return Grams(full, diag, coverage, axes)
+
+
+def _recontract(t: vgg.TracedLoss, live, modes, stores, weights, leaves,
+                diff_idx, clip_grads) -> list:
+  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones)."""
+  grads = [jnp.zeros_like(l) for l in leaves]
+  for k, ct in zip(diff_idx, clip_grads):
+    grads[k] = ct  # Clipped inside the backward rule.
+  for m in live:
+    op, g, idx = t.found.ops[m], stores[m], t.found.param_leaves[m]
+    if modes[m] == "factors":
+      cts = bk.recontract_factors(op, g, bk.op_params(op, leaves, idx),
+                                  weights[m])
+    elif modes[m] == "per_example":
+      cts = bk.recontract_per_example(op, g, weights[m])
+    else:
+      continue
+    for k, ct in cts.items():
+      if idx[k] is not None:
+        grads[idx[k]] = grads[idx[k]] + bk.to_leaf(ct, leaves[idx[k]])
+  return grads
+
+
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         needs: str, has_aux: bool, axes: tuple[str, ...], frozen: Frozen,
         weight_fn: Optional[Callable[[Grams], jax.Array]] = None,
@@ -130,81 +218,26 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   Exactly one of ``weight_fn`` (one ``c`` for every module, from the Grams)
   and ``clips`` (per-layer clipping: ``clips(modules) -> {module: Clip}``)
   is given. ``example_weights``: ``(B,)`` factors every ``c`` is multiplied
-  by (a padding mask), or None.
+  by (a padding mask), or None. ``privacy``: the completeness and
+  example-flow checks a privacy guarantee needs.
   """
-  rest, probes = vgg.split_probes(state)
-  if not probes:
-    raise ValueError(errors.NO_PROBES)
-  n_devices = vgg._check_mesh_axes(axes)  # pylint: disable=protected-access
+  t = vgg.trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs,
+                     axes, strict=privacy)
+  found = t.found
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = vgg.leaf_names(params)
   frozen_names = frozen_leaves(frozen, params)
-
-  def loss_of(params, probes, rng, args, kwargs):
-    out, new_state = apply_fn(params, vgg.merge_probes(rest, probes), rng,
-                              *args, **kwargs)
-    value, aux = out if has_aux else (out, None)
-    if jnp.shape(value) != ():
-      raise ValueError(errors.NOT_SCALAR.format(
-          shape=jnp.shape(value), dtype=jnp.result_type(value)))
-    return value, (aux, new_state)
-
-  if axes:
-    probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-  found, seen, check_examples = vgg._discover(  # pylint: disable=protected-access
-      lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
-  if not found.sizes:
-    raise ValueError(errors.NO_FORWARD_USE.format(
-        modules=", ".join(sorted(probes))))
-  size = vgg._check_example_axes(found, check_examples(strict=privacy))  # pylint: disable=protected-access
-  coverage = vgg._coverage(params, seen, found)  # pylint: disable=protected-access
+  coverage = vgg._coverage(params, t.seen, found)  # pylint: disable=protected-access
   _check_complete(fn_name, coverage, frozen_names, privacy)
-
-  # Which modules are frozen (all their leaves), and a teaching error for
-  # a tracked layer that is only partly frozen.
-  frozen_modules = set()
-  for m, idx in found.param_leaves.items():
-    mine = [names[k] for k in idx if k is not None]
-    cold = [n for n in mine if n in frozen_names]
-    if cold and len(cold) < len(mine):
-      raise ValueError(errors.PARTIALLY_FROZEN.format(
-          fn=fn_name, module=m, frozen=cold,
-          trainable=[n for n in mine if n not in frozen_names]))
-    if cold or not mine:
-      frozen_modules.add(m)
-  live = sorted(m for m in probes if m in found.ops and
-                m not in frozen_modules)
+  cold = _frozen_modules(found, names, frozen_names, fn_name)
+  live = sorted(m for m in t.probes if m in found.ops and m not in cold)
   layer_clips = dict(clips(live)) if clips is not None else {}
-
-  by_name: dict[str, set] = {}
-  for m in live:
-    by_name.setdefault(found.ops[m].name, set()).add(m)
-  ambiguous = {n for n, ms in by_name.items() if len(ms) > 1}
-  modes, shapes = {}, {}
-  for m in live:
-    op, p = found.ops[m], probes[m]
-    lead = tuple(p.shape[:p.ndim - vgg._probe_ndim(p, found, m)])  # pylint: disable=protected-access
-    dtype = found.probe_dtypes.get(m, p.dtype)
-    modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
-                        m in layer_clips, dtype)
-    width = op.num_params() if modes[m] == "per_example" else (
-        op.factor_width())
-    shapes[m] = lead + base.probe_shape(modes[m], size, width)
-
-  ones = jnp.ones((size,), jnp.float32)
-  mask = ones if example_weights is None else example_weights
-
-  def fresh_probe(m):
-    dtype = found.probe_dtypes.get(m, probes[m].dtype)
-    if modes[m] == "clip":
-      probe = jnp.broadcast_to(mask.astype(dtype), shapes[m])
-    else:
-      probe = jnp.zeros(shapes[m], dtype)
-    own = 1 if modes[m] == "clip" else 2
-    probe = vgg._rows_sharded(probe, found.example_specs.get(m), own)  # pylint: disable=protected-access
-    return hx.vary_over(probe, axes) if axes else probe
-  diff_probes = {m: fresh_probe(m) for m in live}
-  fixed_probes = {m: p for m, p in probes.items() if m not in diff_probes}
+  modes, shapes = _stores(t, live, needs, axes, layer_clips)
+  mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
+          else example_weights)
+  diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
+                 for m in live}
+  fixed_probes = {m: p for m, p in t.probes.items() if m not in diff_probes}
   # Only the parameters of layers that clip inside their backward rule are
   # differentiated: every other gradient is re-contracted after the pass.
   diff_idx = sorted({k for m in live if modes[m] == "clip"
@@ -215,65 +248,35 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     for k, v in zip(diff_idx, diff_leaves):
       full[k] = v
     p = jax.tree_util.tree_unflatten(treedef, full)
-    return loss_of(p, {**fixed_probes, **diff_probes}, rng, args, kwargs)
+    return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args, kwargs)
 
-  layer_name = {found.ops[m].name: modes[m] for m in live}
-  clip_by_name = {found.ops[m].name: layer_clips[m] for m in live
-                  if modes[m] == "clip"}
-  with ambient.running(ambient.PassPlan(column_axes=axes, modes=layer_name,
-                                        clips=clip_by_name)):
-    (value, (aux, new_state)), (clip_grads, probe_grads) = (
-        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-            [leaves[k] for k in diff_idx], diff_probes))
+  pass_plan = ambient.PassPlan(
+      column_axes=axes, modes={found.ops[m].name: modes[m] for m in live},
+      clips={found.ops[m].name: layer_clips[m] for m in live
+             if modes[m] == "clip"})
+  with ambient.running(pass_plan):
+    (value, (aux, new_state)), (clip_grads, stores) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True)([leaves[k] for k in diff_idx],
+                                            diff_probes)
   if has_aux:
     value = (value, aux)
-  del n_devices
-
-  want = "gram" if needs == "gram" else "norms"
-  full, diag = {}, {}
-  for m in live:
-    op, g = found.ops[m], probe_grads[m]
-    if modes[m] == "factors":
-      val = bk.from_factors(op, g, bk.op_params(op, leaves,
-                                                found.param_leaves[m]), want)
-    elif modes[m] == "per_example":
-      val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
-    else:
-      val = g
-    (full if want == "gram" and modes[m] != "clip" else diag)[m] = val
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
-  grams = Grams(full, diag, coverage, axes)
-
-  weights = {}
+  grams = _grams(t, live, modes, stores, leaves, needs, axes, coverage)
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
-    if c.shape != (size,) or not jnp.issubdtype(c.dtype, jnp.floating):
+    if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
       raise ValueError(errors.WEIGHTS_SHAPE.format(
-          got=f"{c.dtype}{list(c.shape)}", size=size))
-    c = c * mask.astype(c.dtype)
-    weights = {m: c for m in live}
+          got=f"{c.dtype}{list(c.shape)}", size=t.size))
+    weights = {m: c * mask.astype(c.dtype) for m in live}
   else:
-    for m in live:
-      weights[m] = base.clip_weights(diag[m], layer_clips[m]) * mask
-
-  grads = [jnp.zeros_like(l) for l in leaves]
-  for k, ct in zip(diff_idx, clip_grads):
-    grads[k] = ct
-  for m in live:
-    op, g, idx = found.ops[m], probe_grads[m], found.param_leaves[m]
-    if modes[m] == "factors":
-      cts = bk.recontract_factors(op, g, bk.op_params(op, leaves, idx),
-                                  weights[m])
-    elif modes[m] == "per_example":
-      cts = bk.recontract_per_example(op, g, weights[m])
-    else:
-      continue
-    for k, ct in cts.items():
-      if idx[k] is not None:
-        grads[idx[k]] = grads[idx[k]] + bk.to_leaf(ct, leaves[idx[k]])
-  grads = jax.tree_util.tree_unflatten(treedef, grads)
-  return PassResult(value, new_state, grads, grams, weights, modes)
+    weights = {m: base.clip_weights(grams.sq_norms_by_layer[m],
+                                    layer_clips[m]) * mask for m in live}
+  grads = _recontract(t, live, modes, stores, weights, leaves, diff_idx,
+                      clip_grads)
+  return PassResult(value, new_state,
+                    jax.tree_util.tree_unflatten(treedef, grads), grams,
+                    weights, modes)
 
 
 def check_needs(needs) -> None:

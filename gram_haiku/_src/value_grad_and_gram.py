@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
@@ -255,6 +256,65 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   return found, seen, check_examples
 
 
+@dataclasses.dataclass
+class TracedLoss:
+  """A tracked loss, traced once (no FLOPs) and read.
+
+  Attributes:
+    rest: the Haiku state without its probes.
+    probes: ``{module: probe}`` from the state (varying over the mesh axes
+      inside ``shard_map``).
+    loss_of: ``loss_of(params, probes, rng, args, kwargs) -> (value,
+      (aux, new_state))``.
+    found: the :class:`~gram_haiku._src.dataflow.Discovery` of its program.
+    seen: the coverage its ``track()`` contexts reported.
+    size: ``B``, the size of the example axis.
+    n_devices: devices over the mesh axes (1 outside ``shard_map``).
+  """
+  rest: dict
+  probes: dict
+  loss_of: Callable[..., Any]
+  found: dataflow.Discovery
+  seen: dict
+  size: int
+  n_devices: int
+
+
+def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
+               axes: tuple[str, ...], *, strict: bool = False) -> TracedLoss:
+  """Traces the tracked loss of one call and checks what it says.
+
+  ``strict``: refuse losses that read other examples' data (a privacy
+  guarantee needs it; see :func:`gram_haiku._src.example_flow.check`).
+
+  Raises:
+    ValueError: the errors listed by :func:`value_grad_and_gram`.
+  """
+  rest, probes = split_probes(state)
+  if not probes:
+    raise ValueError(errors.NO_PROBES)
+  n_devices = _check_mesh_axes(axes)
+
+  def loss_of(params, probes, rng, args, kwargs):
+    out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
+                              *args, **kwargs)
+    value, aux = out if has_aux else (out, None)
+    if jnp.shape(value) != ():
+      raise ValueError(errors.NOT_SCALAR.format(
+          shape=jnp.shape(value), dtype=jnp.result_type(value)))
+    return value, (aux, new_state)
+
+  if axes:  # Each device has its own rows: the probes vary over `axes`.
+    probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
+  found, seen, check_examples = _discover(
+      lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
+  if not found.sizes:
+    raise ValueError(errors.NO_FORWARD_USE.format(
+        modules=", ".join(sorted(probes))))
+  size = _check_example_axes(found, check_examples(strict))
+  return TracedLoss(rest, probes, loss_of, found, seen, size, n_devices)
+
+
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                         return_state: bool = False,
                         mesh_axes: str | tuple[str, ...] | None = None
@@ -305,31 +365,13 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
   axes = example_sharding.normalize_axes(mesh_axes)
 
   def fn(params, state, rng, *args, **kwargs):
-    rest, probes = split_probes(state)
-    if not probes:
-      raise ValueError(errors.NO_PROBES)
-    n_devices = _check_mesh_axes(axes)
-
-    def loss_of(params, probes, rng, args, kwargs):
-      out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
-                                *args, **kwargs)
-      value, aux = out if has_aux else (out, None)
-      if jnp.shape(value) != ():
-        raise ValueError(errors.NOT_SCALAR.format(
-            shape=jnp.shape(value), dtype=jnp.result_type(value)))
-      return value, (aux, new_state)
+    t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes)
+    found, size, n_devices = t.found, t.size, t.n_devices
 
     def loss(params, probes):
-      return loss_of(params, probes, rng, args, kwargs)
+      return t.loss_of(params, probes, rng, args, kwargs)
 
-    if axes:  # Each device has its own rows: the probes vary over `axes`.
-      probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    found, seen, check_examples = _discover(
-        lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
-    if not found.sizes:
-      raise ValueError(errors.NO_FORWARD_USE.format(
-          modules=", ".join(sorted(probes))))
-    size = _check_example_axes(found, check_examples())
+    probes, seen = t.probes, t.seen
     shapes, owns = {}, {}
     for m, p in probes.items():
       mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
