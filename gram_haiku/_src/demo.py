@@ -368,11 +368,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                      "gram": gram.tolist(),
                      "by_layer": {k: np.asarray(v, np.float64).tolist()
                                   for k, v in by_layer.items()}}}
-  files = plot(summary, out_dir)
-  stats_path = os.path.join(out_dir, "stats.json")
-  with open(stats_path, "w") as f:
-    json.dump(summary, f, indent=1)
-  files.append(stats_path)
-  summary["files"] = files
+  files = write_stats(summary, out_dir, "stats.json", plot(summary, out_dir))
   print(f"wrote {', '.join(files)} in {wall:.1f} s")
   return summary
+
+
+def write_stats(summary: dict, out_dir: str, name: str,
+                files: list[str]) -> list[str]:
+  """Writes ``summary`` as JSON to ``out_dir/name``; returns ``files`` and
+  that path, also recorded as ``summary["files"]``."""
+  path = os.path.join(out_dir, name)
+  with open(path, "w") as f:
+    json.dump(summary, f, indent=1)
+  files = list(files) + [path]
+  summary["files"] = files
+  return files

@@ -24,7 +24,6 @@ times the DP step against a non-private step of the same model (median of
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any
@@ -222,12 +221,8 @@ def run_dp_demo(cfg: DPDemoConfig) -> dict[str, Any]:
         f"held-out accuracy {summary['final_heldout_accuracy']:.3f}; DP step "
         f"{summary['dp_step_ms']:.2f} ms against {summary['plain_step_ms']:.2f}"
         f" ms non-private ({summary['dp_over_plain']:.2f}x, noise included)")
-  files = [_plot(curve, out_dir)]
-  path = os.path.join(out_dir, "dp_stats.json")
-  with open(path, "w") as fh:
-    json.dump(summary, fh, indent=1)
-  files.append(path)
-  summary["files"] = files
+  files = demo.write_stats(summary, out_dir, "dp_stats.json",
+                           [_plot(curve, out_dir)])
   print(f"wrote {', '.join(files)}")
   return summary
 
