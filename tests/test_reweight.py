@@ -399,3 +399,34 @@ def test_example_axis_behind_another_vmap():
       p, None, xi).sum(), params, x), np.float64)
   np.testing.assert_allclose(r.grams.total, ref @ ref.T, rtol=1e-4,
                              atol=1e-5 * np.abs(ref @ ref.T).max())
+
+
+@pytest.mark.parametrize("take_first", [True, False])
+def test_module_in_both_branches_of_a_cond(take_first):
+  """Two alternative applications (hk.cond branches, inputs of other
+  shapes): the module keeps per-example gradients, whichever branch runs."""
+  x, y = problems.data(12, (5, 4, 6), 16)  # K = 4 (6 + 16) < P = 112
+
+  def model(x, y, pred):
+    lin = hk.Linear(16)
+    out = hk.cond(pred, lambda v: lin(v),
+                  lambda v: lin(v[:, ::-1].reshape(-1, 2, 2, 6)).reshape(
+                      -1, 4, 16), x)
+    return problems.sq(jnp.tanh(out), y)
+
+  def tracked(x, y, pred):
+    with gram_haiku.track():
+      return model(x, y, pred)
+  pred = jnp.asarray(take_first)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y, pred)
+  plain = hk.transform(model)
+  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
+      p, None, x, y, pred), params, x, y), np.float64)
+  c = np.linspace(0.2, 1.0, 5)
+  r = reweight.run(f.apply, params, state, None, (x, y, pred), {},
+                   fn_name="t", needs="norms", has_aux=False, axes=(),
+                   frozen=None, weight_fn=lambda g: jnp.asarray(c, jnp.float32))
+  assert r.modes == {"linear": "per_example"}
+  _assert_tree_close(r.grads, weighted_sum(ref, c, params), RTOL)
+  np.testing.assert_allclose(r.grams.sq_norms, (ref ** 2).sum(1), rtol=RTOL)

@@ -26,22 +26,20 @@ class PassPlan:
   """What :func:`gram_haiku.value_grad_and_gram` tells ``track()``.
 
   Attributes:
-    shared: names of the modules whose per-example gradients are
-      accumulated (probe ``[B, P]``): their parameters are used more than
-      once. Empty in the discovery trace, which finds them.
     column_axes: mesh axes the examples are split over (``shard_map``);
       ``()`` on one device.
     coverage: where ``track()`` contexts report which parameters they saw
       (a dict, filled in the discovery trace), or None.
     disabled: every ``track()`` context is inert: the model runs as plain
       Haiku (:func:`gram_haiku.verify`'s reference).
-    modes: layer name -> the mode its op runs in for this pass (a
-      reweighted gradient: ``"factors"``, ``"per_example"`` or ``"clip"``);
-      overrides ``shared`` and the context's own mode.
+    modes: layer name -> the mode its op runs in for this pass, in place
+      of the context's own: ``"per_example"`` for the modules whose
+      parameters are used more than once (empty in the discovery trace,
+      which finds them), and for a reweighted gradient ``"factors"`` or
+      ``"clip"``.
     clips: layer name -> its :class:`~gram_haiku._src.plan.Clip`, for the
       layers in ``"clip"`` mode.
   """
-  shared: frozenset = frozenset()
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
   disabled: bool = False

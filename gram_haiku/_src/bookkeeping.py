@@ -47,22 +47,18 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
   return out
 
 
-def from_factors(op, f, params, mode: str) -> jax.Array:
+def from_factors(op, x, g, params, mode: str) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
-  ``[B, K]`` factors ``f`` of one application, by the op's own rule."""
-  x, g = op.split_factors(f)
-  rule = op.in_mode(mode)
-  strategy = op.from_factors_strategy(mode, x, g)
-  if strategy != rule.strategy:
-    rule = type(rule)(rule.x_aval, rule.param_avals, rule.probe_aval,
-                      **{**rule.params,
-                         "plan": rule.plan.replace(strategy=strategy)})
+  factors (``op.split_factors`` of its ``[B, K]`` store) of one
+  application, by the op's own rule."""
+  rule = op.in_mode(mode).with_plan(
+      strategy=op.from_factors_strategy(mode, x, g))
   return rule.probe_cotangent_and_grads(x, g, params, (), KernelConfig())[0]
 
 
-def recontract_factors(op, f, params, c) -> dict:
-  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k``."""
-  x, g = op.split_factors(f)
+def recontract_factors(op, x, g, params, c) -> dict:
+  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k``, from
+  the factors ``(x, g)`` of one application."""
   wanted = [k for k, p in enumerate(params) if p is not None]
   return op.reweighted_param_grads(x, g, params, c, wanted)
 

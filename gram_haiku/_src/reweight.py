@@ -104,7 +104,9 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
              needs: str, axes, per_layer: bool, dtype) -> str:
   """What a layer keeps through the pass (see the module docstring)."""
   if (module in found.shared or stacked or module in found.example_specs or
-      op.name in ambiguous):
+      op.name in ambiguous or found.applications.get(module, 1) > 1):
+    # Several applications (also alternatives, e.g. hk.cond branches): each
+    # has its own input layout, and only per-example gradients add up.
     return "per_example"
   if per_layer:
     return "clip"
@@ -168,16 +170,26 @@ def _fresh_probe(t: vgg.TracedLoss, m: str, mode: str, shape, mask, axes):
   return hx.vary_over(probe, axes) if axes else probe
 
 
-def _grams(t: vgg.TracedLoss, live, modes, stores, leaves, needs: str, axes,
-           coverage) -> Grams:
+def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
+  """``{module: (x, g, op params)}`` of the modules that kept factors."""
+  out = {}
+  for m in live:
+    if modes[m] == "factors":
+      op = t.found.ops[m]
+      out[m] = (*op.split_factors(stores[m]),
+                bk.op_params(op, leaves, t.found.param_leaves[m]))
+  return out
+
+
+def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
+           axes, coverage) -> Grams:
   """Each live module's Gram (or squared norms) from what it kept."""
   want = "gram" if needs == "gram" else "norms"
   full, diag = {}, {}
   for m in live:
     op, g = t.found.ops[m], stores[m]
     if modes[m] == "factors":
-      val = bk.from_factors(op, g, bk.op_params(
-          op, leaves, t.found.param_leaves[m]), want)
+      val = bk.from_factors(op, *factors[m], want)
     elif modes[m] == "per_example":
       val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
     else:
@@ -186,8 +198,8 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, leaves, needs: str, axes,
   return Grams(full, diag, coverage, axes)
 
 
-def _recontract(t: vgg.TracedLoss, live, modes, stores, weights, leaves,
-                diff_idx, clip_grads) -> list:
+def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
+                leaves, diff_idx, clip_grads) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones)."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in zip(diff_idx, clip_grads):
@@ -195,8 +207,7 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, weights, leaves,
   for m in live:
     op, g, idx = t.found.ops[m], stores[m], t.found.param_leaves[m]
     if modes[m] == "factors":
-      cts = bk.recontract_factors(op, g, bk.op_params(op, leaves, idx),
-                                  weights[m])
+      cts = bk.recontract_factors(op, *factors[m], weights[m])
     elif modes[m] == "per_example":
       cts = bk.recontract_per_example(op, g, weights[m])
     else:
@@ -262,7 +273,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     value = (value, aux)
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
-  grams = _grams(t, live, modes, stores, leaves, needs, axes, coverage)
+  factors = _open_factors(t, live, modes, stores, leaves)
+  grams = _grams(t, live, modes, stores, factors, needs, axes, coverage)
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
     if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
@@ -272,8 +284,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   else:
     weights = {m: base.clip_weights(grams.sq_norms_by_layer[m],
                                     layer_clips[m]) * mask for m in live}
-  grads = _recontract(t, live, modes, stores, weights, leaves, diff_idx,
-                      clip_grads)
+  grads = _recontract(t, live, modes, stores, factors, weights, leaves,
+                      diff_idx, clip_grads)
   return PassResult(value, new_state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, modes)

@@ -259,8 +259,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes)
     mode = self._pass.modes.get(name)
-    if mode is None and name in self._pass.shared:
-      mode = "per_example"
     if mode is not None:
       plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)
                           if mode == "clip" else None)

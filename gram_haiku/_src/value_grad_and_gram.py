@@ -386,8 +386,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
               for m, p in probes.items()}
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    with ambient.running(ambient.PassPlan(shared=found.shared_layer_names,
-                                          column_axes=axes)):
+    shared = {n: "per_example" for n in found.shared_layer_names}
+    with ambient.running(ambient.PassPlan(column_axes=axes, modes=shared)):
       (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
           loss, argnums=(0, 1), has_aux=True)(params, probes)
     if has_aux:

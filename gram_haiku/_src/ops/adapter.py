@@ -141,7 +141,7 @@ class Adapter(hx.VJPHiPrimitive):
       columns = example_sharding.column_axes(probe, size, self.mode,
                                              self.plan.column_axes, self.name)
       self._check_probe_varies(x, probe)
-      expected = probe_shape(self.mode, size, self.probe_width(x.shape))
+      expected = probe_shape(self.mode, size, self.probe_width())
       if columns:  # shard_map: this device's rows of the global Gram.
         expected = (size, size * example_sharding.axes_size(columns))
       if tuple(probe.shape) != expected:

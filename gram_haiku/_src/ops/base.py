@@ -311,36 +311,30 @@ class GramOp(adapter.Adapter):
 
   # -- the modes every rule gets (no subclass hook) ----------------------------
 
+  def with_plan(self, **changes) -> "GramOp":
+    """This op (same inputs) with its plan's fields changed."""
+    plan = self.plan.replace(**changes)
+    if plan == self.plan:
+      return self
+    return type(self)(self.x_aval, self.param_avals, self.probe_aval,
+                      **{**self.params, "plan": plan})
+
   def in_mode(self, mode: str) -> "GramOp":
     """This op with its plan's mode set to ``mode`` (same inputs)."""
-    if mode == self.mode:
-      return self
-    kwargs = dict(self.params)
-    clip = self.plan.clip if mode == "clip" else None
-    kwargs["plan"] = self.plan.replace(mode=mode, clip=clip)
-    return type(self)(self.x_aval, self.param_avals, self.probe_aval,
-                      **kwargs)
+    return self.with_plan(mode=mode,
+                          clip=self.plan.clip if mode == "clip" else None)
 
-  def probe_width(self, x_shape=None) -> int:
+  def probe_width(self) -> int:
     """The second axis of a ``"per_example"`` (``P``) or ``"factors"``
     (``K``) probe."""
     if self.mode == "factors":
-      return self.factor_width(x_shape)
+      return self.factor_width()
     return self.num_params()
 
-  def factor_width(self, x_shape=None) -> int:
+  def factor_width(self) -> int:
     """``K``: entries per example of the input plus the output cotangent."""
-    if x_shape is None:
-      x_shape = self.x_aval.shape
-    size = self.example_size(x_shape)
-    out = math.prod(self.out_shape(x_shape))
-    return (math.prod(x_shape) + out) // max(size, 1)
-
-  def out_shape(self, x_shape) -> tuple[int, ...]:
-    if tuple(x_shape) == tuple(self.x_aval.shape):
-      return tuple(self.out_aval.shape)
-    lead = len(x_shape) - len(self.x_aval.shape)
-    return tuple(x_shape[:lead]) + tuple(self.out_aval.shape)
+    total = math.prod(self.x_aval.shape) + math.prod(self.out_aval.shape)
+    return total // max(self.example_size(), 1)
 
   def from_factors_strategy(self, mode: str, x, g) -> str:
     """The strategy for this layer's Gram or norms formed from its kept
