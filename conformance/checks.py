@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conformance.registry import normal
 from conformance.registry import OpSpec
 from gram_haiku._src import reference
 from gram_haiku import ExampleAxis
@@ -161,11 +162,14 @@ def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
       return _loss(spec.apply(params, probe, x))
     grad = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)
     primals = (params, probe, x)
-    _assert_parity(grad(params, probe, x), primals, f"{spec.name}/{case}")
+    # Under jit (one compilation; the eager path is the vmap-depth family's
+    # ``jit_none`` layouts): jit keeps dtypes and weak types as they are.
+    _assert_parity(jax.jit(grad)(params, probe, x), primals,
+                   f"{spec.name}/{case}")
     _assert_parity(jax.eval_shape(grad, params, probe, x), primals,
                    f"{spec.name}/{case} (eval_shape)")
-    out = spec.apply(params, probe, x)
-    plain = spec.plain(params, x)
+    out = jax.jit(spec.apply)(params, probe, x)
+    plain = jax.jit(spec.plain)(params, x)
     assert out.dtype == plain.dtype and out.shape == plain.shape, (
         f"{spec.name}/{case}: output {out.dtype}{out.shape} but the plain op "
         f"gives {plain.dtype}{plain.shape}")
@@ -460,7 +464,7 @@ def check_with_refs(spec: OpSpec, seed=0):
     return _loss(spec.apply(params, probe, x))
   probe = _probe((B, B))
   _, vjp = jax.vjp(f, params, probe)
-  start = jax.random.normal(jax.random.PRNGKey(seed + 7), (B, B))
+  start = normal(jax.random.PRNGKey(seed + 7), (B, B), jnp.float32)
   probe_ref = jax.new_ref(start)
   param_refs = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
   vjp.with_refs(param_refs, probe_ref)(jnp.ones((), jnp.float32))

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conformance import checks
+from conformance.registry import normal
 from conformance.registry import OpSpec
 from gram_haiku._src import reference
 
@@ -62,7 +63,7 @@ def build(model: RandomModel):
   for i in range(1, len(model.ops)):
     fan_in = math.prod(shapes[i - 1][1])
     fan_out = math.prod(shapes[i][0])
-    adapters.append(jax.random.normal(keys[2 * i + 1], (fan_in, fan_out))
+    adapters.append(normal(keys[2 * i + 1], (fan_in, fan_out), jnp.float32)
                     / np.sqrt(fan_in))
   x = model.ops[0].make_example(keys[-1], (model.batch, model.within),
                                 jnp.float32)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,4 +77,12 @@ def registered_ops() -> list[OpSpec]:
 
 
 def normal(key, shape, dtype):
-  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  """Standard normal draws of ``shape`` (float32, then cast to ``dtype``),
+  seeded by the JAX PRNG ``key``.
+
+  Drawn by numpy: ``jax.random.normal`` outside jit compiles a program per
+  shape and dtype, which is most of a small check's time.
+  """
+  seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
+  values = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  return jnp.asarray(values.astype(jnp.dtype(dtype)))

@@ -57,6 +57,30 @@ def timeout_s(default: float = DEFAULT_TIMEOUT_S) -> Optional[float]:
   return value if value > 0 else None
 
 
+def child_environ(environ=None) -> dict:
+  """A copy of ``environ`` (default ``os.environ``) for a runner subprocess.
+
+  The runner sets its own CPU device count, so a
+  ``--xla_force_host_platform_device_count`` in ``XLA_FLAGS`` is dropped;
+  every other XLA flag is kept (a test run's compile-time flags reach its
+  runners too).
+  """
+  env = dict(os.environ if environ is None else environ)
+  strip_device_count_flag(env)
+  return env
+
+
+def strip_device_count_flag(environ) -> None:
+  """Removes ``--xla_force_host_platform_device_count=...`` from
+  ``environ["XLA_FLAGS"]`` in place (and the variable, if nothing is left)."""
+  flags = [f for f in environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  if flags:
+    environ["XLA_FLAGS"] = " ".join(flags)
+  else:
+    environ.pop("XLA_FLAGS", None)
+
+
 @dataclasses.dataclass
 class Outcome:
   """What a runner left: its records, or why there are none.

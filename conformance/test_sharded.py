@@ -4,7 +4,6 @@ The runner starts once per pytest run, however many xdist workers there are
 (:mod:`conformance.runner`).
 """
 
-import os
 
 import pytest
 
@@ -21,8 +20,7 @@ def sharded_records(tmp_path_factory, pytestconfig):
   ops = [op.name for op in plugin.selected_ops(pytestconfig)]
   modules = sorted(set(registry.registering_modules(ops)) | set(
       plugin.extra_modules(pytestconfig)))
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = runner.child_environ()
   return runner.run_once(
       "conformance-sharded",
       runner.python_cmd("conformance.sharded", "--ops", ",".join(ops),

@@ -41,6 +41,7 @@ import os
 import sys
 import time
 
+from conformance import runner
 from conformance import sharded
 
 N_DEVICES = 8
@@ -67,7 +68,7 @@ JIT_ENTRIES = ("MLP", "tied-LM")
 
 
 def _setup():
-  os.environ.pop("XLA_FLAGS", None)
+  runner.strip_device_count_flag(os.environ)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", N_DEVICES)
   # Compilation dominates these small cases; XLA's optimisations only

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from typing import Callable
+import zlib
 
 import haiku as hk
 import jax
@@ -34,6 +35,7 @@ import numpy as np
 import gram_haiku
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import relative_error as rel_err
+from tests import problems
 
 B, K = 4, 2
 STYLES = ("explicit", "vmap1", "vmap2", "eager")
@@ -167,13 +169,19 @@ ENTRIES = [
 BY_NAME = {e.name: e for e in ENTRIES}
 
 
+def seed_of(name: str) -> int:
+  """A seed per entry name, the same in every process (``hash`` of a str is
+  salted per process)."""
+  return zlib.crc32(name.encode()) % 1000
+
+
 def _draw(entry: Entry, lead, seed):
   key = jax.random.PRNGKey(seed)
   shape = tuple(lead) + entry.example_shape
   if entry.ids:
-    ids = jax.random.randint(key, shape, 0, entry.ids)
+    ids = problems.randint(key, shape, 0, entry.ids)
     return ids.at[..., 1].set(ids[..., 0])  # a repeated id per example
-  return jax.random.normal(key, shape)
+  return problems.normal(key, shape)
 
 
 def _styled(entry: Entry, style: str):
@@ -212,8 +220,8 @@ def run(entry: Entry, style: str, seed=0):
   x = _draw(entry, lead, seed)
   tracked = hk.transform_with_state(_tracked(fn, entry))
   plain = hk.transform_with_state(lambda x: _tail(fn(x)))
-  params, state = tracked.init(jax.random.PRNGKey(1), x)
-  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
+  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
   plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
   vgg = gram_haiku.value_grad_and_gram(tracked.apply)
   plain_vg = jax.value_and_grad(plain_loss)

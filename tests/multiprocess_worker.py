@@ -25,6 +25,8 @@ import json
 import os
 import sys
 
+from conformance import runner
+
 B = 16
 DEVICES_PER_PROCESS = 4
 
@@ -49,7 +51,7 @@ def _model(tracked: bool):
 
 def run(process_id: int, num_processes: int, port: int) -> dict:
   """Joins the cluster, computes, returns the maximum relative errors."""
-  os.environ.pop("XLA_FLAGS", None)
+  runner.strip_device_count_flag(os.environ)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", DEVICES_PER_PROCESS)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")

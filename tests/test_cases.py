@@ -14,14 +14,15 @@ from gram_haiku import gram_linear
 from gram_haiku._src.ops import linear as linear_op
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 
 def _mlp_problem(seed, b=6):
   def net(x):
     return hk.Linear(4)(jnp.tanh(hk.Linear(16)(x)))
   k = jax.random.split(jax.random.PRNGKey(seed), 2)
-  x = jax.random.normal(k[0], (b, 10))
-  y = jax.random.normal(k[1], (b, 4))
+  x = problems.normal(k[0], (b, 10))
+  y = problems.normal(k[1], (b, 4))
   return net, x, y
 
 
@@ -33,7 +34,7 @@ def test_c02_transform_order_invariance_and_custom_path_runs(monkeypatch):
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(
       lambda x, y: 0.5 * jnp.sum((net(x) - y) ** 2)))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   ref = reference_gram(g.apply, params, x, y)
   # Second, independent reference: jacrev of the per-example loss vector.
   def losses(p):
@@ -84,7 +85,7 @@ def test_c02_nan_example_only_poisons_its_row_and_column():
     extra = jnp.where(is_bad, jnp.log(1 + jnp.exp(50 * z)), 0.0)
     return jnp.sum(per_ex + extra)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
                                                          x, y)
   total = np.asarray(grams.total)
@@ -100,10 +101,10 @@ def test_c02_nan_example_only_poisons_its_row_and_column():
 
 def test_c03_all_orders_run():
   k = jax.random.split(jax.random.PRNGKey(3), 4)
-  x = jax.random.normal(k[0], (4, 3))
-  w = jax.random.normal(k[1], (3, 2))
-  b = jax.random.normal(k[2], (2,))
-  ct = jax.random.normal(k[3], (4, 2))
+  x = problems.normal(k[0], (4, 3))
+  w = problems.normal(k[1], (3, 2))
+  b = problems.normal(k[2], (2,))
+  ct = problems.normal(k[3], (4, 2))
   probe = jnp.zeros((4, 4))
   lin = lambda xi, w, b, p: gram_linear(xi, w, b, p)
   f = jax.vmap(lin, in_axes=(0, None, None, None))

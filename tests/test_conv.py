@@ -27,6 +27,7 @@ from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import relative_error as rel_err
 from gram_haiku._src.reference import RTOL_BF16
+from tests import problems
 
 
 def reference_gram(per_example_loss, params, *batch):
@@ -43,7 +44,8 @@ def reference_gram(per_example_loss, params, *batch):
 
 def _normal(rng, shape, dtype, scale=1.0):
   """Random normal data from numpy (jax.random would compile per shape)."""
-  return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+  return jnp.asarray((rng.standard_normal(shape) * scale).astype(
+      jnp.dtype(dtype)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,7 +371,7 @@ def _setup(model, x, **track_kw):
       return _sq(model(x))
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(lambda x: _sq(model(x))))
-  params, state = f.init(jax.random.PRNGKey(0), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   return f, g, params, state
 
 
@@ -380,7 +382,7 @@ def _check(name, model, x, jit=True, **track_kw):
   run ``jit=False`` for the eager path.
   """
   f, g, params, state = _setup(model, x, **track_kw)
-  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), x))
+  chex.assert_trees_all_equal(params, jax.jit(g.init)(jax.random.PRNGKey(0), x))
   fn = gram_haiku.value_grad_and_gram(f.apply)
   plain = g.apply
   if jit:
@@ -552,8 +554,8 @@ def test_track_default_initialisers_and_inference_bitwise():
       hk.Conv2D(4, 3, feature_group_count=2, padding="VALID")(x))
   f = hk.transform_with_state(lambda x: _track_out(model, x))
   g = hk.transform(model)
-  params, state = f.init(jax.random.PRNGKey(0), x)
-  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), x))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
+  chex.assert_trees_all_equal(params, jax.jit(g.init)(jax.random.PRNGKey(0), x))
   out, _ = jax.jit(f.apply)(params, state, None, x)
   np.testing.assert_array_equal(out, jax.jit(g.apply)(params, None, x))
 
@@ -615,7 +617,7 @@ def test_rule_hooks_answer_in_any_mode(mode):
       p, probe)
   (op,) = [o for o in (hx.gram_op_of(e, base.GramOp)
                        for e in jaxpr.jaxpr.eqns) if o is not None]
-  g = jax.random.normal(jax.random.PRNGKey(13), op.out_aval.shape)
+  g = problems.normal(jax.random.PRNGKey(13), op.out_aval.shape)
   params = (p["w"], p.get("b"))
   want = base.GramOp.gram(op, x, g, params, 0, kernels.LOCAL)
   gram = op.gram(x, g, params, 0, kernels.LOCAL)

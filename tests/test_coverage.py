@@ -11,12 +11,13 @@ import pytest
 import gram_haiku
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 
 def _data(seed, b=5, t=3, d=4, out=3):
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, (b, t, d)),
-          jax.random.normal(k2, (b, t, out)))
+  return (problems.normal(k1, (b, t, d)),
+          problems.normal(k2, (b, t, out)))
 
 
 class Scale(hk.Module):
@@ -40,7 +41,7 @@ def _run(untracked, seed=0):
     with gram_haiku.track(untracked=untracked):
       return 0.5 * jnp.sum((_model(x) - y) ** 2)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   out = gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
   return out, params, x, y
 
@@ -73,7 +74,7 @@ def test_complete_model():
     with gram_haiku.track():
       return jnp.sum(hk.nets.MLP([4, 3])(x) * y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
                                                          x, y)
   assert grams.complete and not grams.untracked
@@ -121,7 +122,7 @@ def _tied_lm(use_unembed):
 def test_tied_embedding_raw_matmul_is_an_error():
   # The embedding read by its tracked lookup and again by a raw matmul: the
   # Gram would miss the second use, so it must refuse, naming the parameter.
-  ids = jax.random.randint(jax.random.PRNGKey(5), (4, 3), 0, 11)
+  ids = problems.randint(jax.random.PRNGKey(5), (4, 3), 0, 11)
   def loss(ids):
     with gram_haiku.track():
       return jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)
@@ -132,9 +133,9 @@ def test_tied_embedding_raw_matmul_is_an_error():
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_tied_embedding_with_unembed(jit):
-  ids = jax.random.randint(jax.random.PRNGKey(6), (4, 5), 0, 11)
+  ids = problems.randint(jax.random.PRNGKey(6), (4, 5), 0, 11)
   ids = ids.at[0, 1].set(ids[0, 0])  # a repeated id within an example
-  targets = jax.random.normal(jax.random.PRNGKey(7), (4, 5, 11))
+  targets = problems.normal(jax.random.PRNGKey(7), (4, 5, 11))
   def loss(ids, y):
     with gram_haiku.track(untracked="error"):
       return 0.5 * jnp.sum((_tied_lm(True)(ids) - y) ** 2)
@@ -142,7 +143,7 @@ def test_tied_embedding_with_unembed(jit):
     out = hk.without_apply_rng(hk.transform(_tied_lm(True))).apply(p, ids)
     return 0.5 * jnp.sum((out - y) ** 2)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), ids, targets)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, targets)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   if jit:
     fn = jax.jit(fn)
@@ -169,7 +170,7 @@ def test_gru_dynamic_and_static_unroll():
       return 0.5 * jnp.sum((hk.without_apply_rng(hk.transform(model)).apply(
           p, x) - y) ** 2)
     f = hk.transform_with_state(tracked)
-    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
     value, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
         params, state, None, x, y)
     assert grams.complete
@@ -185,7 +186,7 @@ def test_gru_dynamic_and_static_unroll():
 
 def _outside_data(seed=30):
   kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  return jax.random.normal(kx, (4, 5)), jax.random.normal(ky, (4, 3))
+  return problems.normal(kx, (4, 5)), problems.normal(ky, (4, 3))
 
 
 def test_module_outside_every_track_block_is_untracked_not_unused():
@@ -196,7 +197,7 @@ def test_module_outside_every_track_block_is_untracked_not_unused():
     out = hk.Linear(3, name="head")(jnp.tanh(h))  # outside the block
     return 0.5 * jnp.sum((out - y) ** 2)
   f = hk.transform_with_state(loss_fn)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert not grams.complete
@@ -241,7 +242,7 @@ def _vmapped_and_outside(x, y):
 def test_tracked_parameter_also_used_outside_is_an_error(body, jit):
   x, y = _outside_data(31)
   f = hk.transform_with_state(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   with pytest.raises(ValueError, match="outside every tracked layer"):
@@ -258,7 +259,7 @@ def test_untracked_use_in_aux_only_is_not_an_error():
     w = lin.params_dict()["linear/w"]
     return 0.5 * jnp.sum((out - y) ** 2), jnp.sum(w ** 2)
   f = hk.transform_with_state(loss_fn)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   (_, aux), _, grams = gram_haiku.value_grad_and_gram(
       f.apply, has_aux=True)(params, state, None, x, y)
   assert grams.complete and aux.shape == ()
@@ -279,7 +280,7 @@ def test_tracked_layer_and_batch_statistic_in_aux_only():
       return body(x, y, True)
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(lambda x, y: body(x, y, False)[0]))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   (_, aux), _, grams = jax.jit(gram_haiku.value_grad_and_gram(
       f.apply, has_aux=True))(params, state, None, x, y)
   assert aux.shape == ()

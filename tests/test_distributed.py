@@ -24,8 +24,7 @@ RTOL = 1e-5
 
 
 def _env():
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = runner.child_environ()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   return env
 

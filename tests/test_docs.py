@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from conformance import runner
 from tests import doctest_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +32,7 @@ def _doc_files():
                          ids=lambda p: os.path.relpath(p, ROOT))
 def test_doc_examples_run(path):
   """Every ``>>>`` example of README.md and docs/*.rst, in its own process."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = runner.child_environ()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   proc = subprocess.run([sys.executable, "-m", "tests.doctest_file", path],
                         capture_output=True, text=True, env=env, cwd=ROOT,

@@ -21,6 +21,7 @@ from gram_haiku._src.ops.embed import gram_embed
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import RTOL_BF16
+from tests import problems
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 STYLES = ("ARRAY_INDEX", "ONE_HOT")
@@ -31,9 +32,9 @@ def _problem(seed, b=5, t=8, v=6, d=3, lo=0, hi=None, dtype=jnp.float32,
   """Random embeddings, ids with many repeats (t > v) and targets."""
   k = jax.random.split(jax.random.PRNGKey(seed), 3)
   hi = v if hi is None else hi
-  ids = jax.random.randint(k[0], (b, t), lo, hi).astype(ids_dtype)
-  e = jax.random.normal(k[1], (v, d), dtype)
-  y = jax.random.normal(k[2], (b, t, d))
+  ids = problems.randint(k[0], (b, t), lo, hi).astype(ids_dtype)
+  e = problems.normal(k[1], (v, d), dtype)
+  y = problems.normal(k[2], (b, t, d))
   return e, ids, y
 
 
@@ -142,7 +143,7 @@ def test_row_blocking_bounds_memory(method):
 def test_pair_blocking_same_result(budget):
   # Unblocked, row blocks (padded), and row-by-column blocks.
   _, ids, _ = _problem(10, lo=-3, hi=8)
-  d = jax.random.normal(jax.random.PRNGKey(11), (5, 8, 3))
+  d = problems.normal(jax.random.PRNGKey(11), (5, 8, 3))
   key, weight, _ = embed_op.lookup_keys(ids, 6, "ARRAY_INDEX")
   d = jnp.where((weight > 0)[..., None], d, 0)
   whole = [embed_op.ghost_gram(key, weight, d, kernels.LOCAL),
@@ -222,9 +223,9 @@ def test_scalar_ids_clamp_out_of_range(ids_dtype):
 ])
 def test_id_dtypes(style, ids_dtype, v, lo, hi, strategy):
   k = jax.random.split(jax.random.PRNGKey(5), 3)
-  ids = jax.random.randint(k[0], (4, 40), lo, hi).astype(ids_dtype)
-  e = jax.random.normal(k[1], (v, 2))
-  y = jax.random.normal(k[2], (4, 40, 2))
+  ids = problems.randint(k[0], (4, 40), lo, hi).astype(ids_dtype)
+  e = problems.normal(k[1], (v, 2))
+  y = problems.normal(k[2], (4, 40, 2))
   ref = reference_gram(_plain_loss(style), e, ids, y)
   assert_gram_close(_op_gram(e, ids, y, style, 4, strategy=strategy), ref)
 
@@ -296,8 +297,9 @@ def _track_check(model, ids, y, jit=False, loss=_sq, cast=None, **track_kw):
       return loss(model(ids), y)
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(lambda ids, y: loss(model(ids), y)))
-  params, state = f.init(jax.random.PRNGKey(0), ids, y)
-  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), ids, y))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, y)
+  chex.assert_trees_all_equal(
+      params, jax.jit(g.init)(jax.random.PRNGKey(0), ids, y))
   if cast is not None:
     params = jax.tree.map(lambda a: a.astype(cast), params)
   fn = gram_haiku.value_grad_and_gram(f.apply)
@@ -321,8 +323,8 @@ def _embed_ref(g, params, ids, y, name="embed"):
 
 def _ids(seed, shape, lo=0, hi=7):
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.randint(k1, shape, lo, hi),
-          jax.random.normal(k2, shape + (3,)))
+  return (problems.randint(k1, shape, lo, hi),
+          problems.normal(k2, shape + (3,)))
 
 
 @pytest.mark.parametrize("style,layout", [
@@ -349,8 +351,9 @@ def test_track_forward_identical_to_hk_embed(style):
       return hk.Embed(7, 4, lookup_style=style)(ids)
   f = hk.transform_with_state(tracked_out)
   plain = hk.transform(lambda ids: hk.Embed(7, 4, lookup_style=style)(ids))
-  params, state = f.init(jax.random.PRNGKey(0), ids)
-  chex.assert_trees_all_equal(params, plain.init(jax.random.PRNGKey(0), ids))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids)
+  chex.assert_trees_all_equal(
+      params, jax.jit(plain.init)(jax.random.PRNGKey(0), ids))
   assert set(state) == {"embed"}
   out, _ = f.apply(params, state, None, ids)
   np.testing.assert_array_equal(out, plain.apply(params, None, ids))
@@ -421,7 +424,7 @@ def test_track_tied_output_layer_via_unembed(style="ARRAY_INDEX"):
   # its per-example gradient sums both uses, so the Gram has cross terms
   # between the lookup (this op, in per-example mode) and the output layer.
   ids, _ = _ids(17, (5, 8), lo=-2, hi=9)
-  y = jax.random.normal(jax.random.PRNGKey(18), (5, 8, 7))
+  y = problems.normal(jax.random.PRNGKey(18), (5, 8, 7))
   def model(ids):
     embed = hk.Embed(7, 4, lookup_style=style)
     h = jnp.tanh(hk.Linear(4)(embed(ids)))

@@ -19,14 +19,15 @@ import gram_haiku
 from gram_haiku._src import example_flow
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 B, T, F = 4, 4, 6  # T == B on purpose: sizes cannot tell the axes apart.
 
 
 def _data(seed, out=3):
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, (B, T, F)),
-          jax.random.normal(k2, (B, T, out)))
+  return (problems.normal(k1, (B, T, F)),
+          problems.normal(k2, (B, T, out)))
 
 
 def _sq(out, y):
@@ -38,7 +39,7 @@ def _run(body, x, y, jit=True):
     with gram_haiku.track():
       return body(x, y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   return params, fn(params, state, None, x, y)

@@ -12,6 +12,7 @@ import gram_haiku
 from conformance.examples import scaled_linear
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
+from tests import problems
 
 
 def _model(x):
@@ -21,7 +22,7 @@ def _model(x):
 
 def _problem(seed=0, b=7):
   kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-  return jax.random.normal(kx, (b, 4, 5)), jax.random.normal(ky, (b, 4, 3))
+  return problems.normal(kx, (b, 4, 5)), problems.normal(ky, (b, 4, 3))
 
 
 def _losses():
@@ -39,7 +40,7 @@ def _losses():
 def test_registered_module_gram_matches_reference(jit):
   x, y = _problem()
   tracked, plain = _losses()
-  params, state = tracked.init(jax.random.PRNGKey(1), x, y)
+  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x, y)
   vgg = gram_haiku.value_grad_and_gram(tracked.apply)
   if jit:
     vgg = jax.jit(vgg)
@@ -65,7 +66,7 @@ def test_registered_module_under_hk_vmap():
     return 0.5 * jnp.sum((out - y) ** 2)
   f = hk.transform_with_state(tracked)
   _, plain = _losses()
-  params, state = f.init(jax.random.PRNGKey(1), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
                                                         x, y)
   ref = reference_gram(lambda p, x, y: plain.apply(p, None, x, y), params, x,
@@ -76,7 +77,7 @@ def test_registered_module_under_hk_vmap():
 def test_untracked_forward_is_the_plain_module():
   x, _ = _problem(seed=3)
   f = hk.transform(lambda x: scaled_linear.ScaledLinear(6)(x))
-  params = f.init(jax.random.PRNGKey(0), x)
+  params = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   assert set(params["scaled_linear"]) == {"w", "s"}
   want = params["scaled_linear"]["s"] * x @ params["scaled_linear"]["w"]
   assert jnp.allclose(f.apply(params, None, x), want, rtol=1e-6, atol=1e-6)
@@ -106,8 +107,8 @@ def test_gram_function_rule_is_two_functions(closed_form):
   Gram function alone is checked against the reference without a
   primitive, then the op is."""
   kx, kw, kg = jax.random.split(jax.random.PRNGKey(3), 3)
-  x = jax.random.normal(kx, (6, 4, 5))
-  w = jax.random.normal(kw, (5, 3))
+  x = problems.normal(kx, (6, 4, 5))
+  w = problems.normal(kw, (5, 3))
   ref = reference_gram(lambda w, xi: 0.5 * jnp.sum(jnp.tanh(_bilinear(xi, w))
                                                    ** 2), w, x)
   # The pure Gram function, on the cotangent of that loss.

@@ -15,15 +15,16 @@ from gram_haiku._src import cost_model
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import RTOL_BF16
+from tests import problems
 
 
 def _problem(seed, b=5, t=3, n=4, m=2, with_bias=True, dtype=jnp.float32):
   k = jax.random.split(jax.random.PRNGKey(seed), 4)
-  x = jax.random.normal(k[0], (b, t, n), dtype)
-  params = {"w": jax.random.normal(k[1], (n, m), dtype)}
+  x = problems.normal(k[0], (b, t, n), dtype)
+  params = {"w": problems.normal(k[1], (n, m), dtype)}
   if with_bias:
-    params["b"] = jax.random.normal(k[2], (m,), dtype)
-  y = jax.random.normal(k[3], (b, t, m), dtype)
+    params["b"] = problems.normal(k[2], (m,), dtype)
+  y = problems.normal(k[3], (b, t, m), dtype)
   return params, x, y
 
 
@@ -217,9 +218,9 @@ def test_scan_over_layers_different_params():
   # lax.scan over a stack of layers (different weights per step): the probe
   # is scanned too, and each step's Gram is that layer's.
   k = jax.random.split(jax.random.PRNGKey(8), 3)
-  ws = jax.random.normal(k[0], (3, 4, 4)) / 2
-  x = jax.random.normal(k[1], (5, 4))
-  y = jax.random.normal(k[2], (5, 4))
+  ws = problems.normal(k[0], (3, 4, 4)) / 2
+  x = problems.normal(k[1], (5, 4))
+  y = problems.normal(k[2], (5, 4))
   def tracked(ws, probes, x):
     def body(h, wp):
       w, probe = wp
@@ -305,8 +306,8 @@ def test_float64_under_x64():
 def test_integer_input_gets_float0():
   # Integer data fed to a linear layer (cast inside): its cotangent is float0.
   k = jax.random.PRNGKey(14)
-  ids = jax.random.randint(k, (4, 3), 0, 5)
-  w = jax.random.normal(k, (3, 2))
+  ids = problems.randint(k, (4, 3), 0, 5)
+  w = problems.normal(k, (3, 2))
   def loss(ids, probe):
     return gram_linear(ids.astype(jnp.float32), w, None, probe).sum()
   g_ids, _ = jax.grad(loss, argnums=(0, 1), allow_int=True)(
@@ -347,9 +348,9 @@ def test_named_example_axis_with_inner_heads_vmap():
   # vmap over K "heads" is a within-example axis.
   b, k_, n, m = 6, 5, 4, 3
   key = jax.random.split(jax.random.PRNGKey(18), 3)
-  x = jax.random.normal(key[0], (b, k_, n))
-  p = {"w": jax.random.normal(key[1], (n, m)), "b": jnp.ones((m,))}
-  y = jax.random.normal(key[2], (b, k_, m))
+  x = problems.normal(key[0], (b, k_, n))
+  p = {"w": problems.normal(key[1], (n, m)), "b": jnp.ones((m,))}
+  y = problems.normal(key[2], (b, k_, m))
   axis = ExampleAxis.from_spec("batch")
   def loss(p, probe, x, y):
     per_head = lambda xk: _tracked(p, probe, xk, example_axis=axis)

@@ -18,6 +18,7 @@ from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import RTOL_BF16
 from gram_haiku._src.reference import RTOL_F32
+from tests import problems
 
 
 def _head(out, y):
@@ -41,13 +42,13 @@ OP_CONFIGS = {
 def _op_problem(config, seed=0, b=5, dtype=jnp.float32):
   shape, s_shape, o_shape, mult = OP_CONFIGS[config]
   k = jax.random.split(jax.random.PRNGKey(seed), 4)
-  x = jax.random.normal(k[0], (b,) + shape, dtype)
+  x = problems.normal(k[0], (b,) + shape, dtype)
   p = {}
   if s_shape is not None:
-    p["scale"] = jax.random.normal(k[1], s_shape, dtype)
+    p["scale"] = problems.normal(k[1], s_shape, dtype)
   if o_shape is not None:
-    p["offset"] = jax.random.normal(k[2], o_shape, dtype)
-  y = jax.random.normal(k[3], (b,) + shape)
+    p["offset"] = problems.normal(k[2], o_shape, dtype)
+  y = problems.normal(k[3], (b,) + shape)
   return p, x, y, mult
 
 
@@ -125,13 +126,19 @@ def test_affine_op_errors():
 
 
 def test_reduce_to_sums_broadcast_and_inner_axes():
-  a = jax.random.normal(jax.random.PRNGKey(1), (3, 2, 4, 5))  # (B, T, H, C)
-  np.testing.assert_allclose(affine_op._reduce_to(a, (5,), 2),
-                             a.sum(axis=(1, 2)), rtol=1e-6)
-  np.testing.assert_allclose(affine_op._reduce_to(a, (4, 1), 2),
-                             a.sum(axis=(1, 3))[..., None], rtol=1e-6)
-  np.testing.assert_allclose(affine_op._reduce_to(a, (), 0),
-                             a.sum(axis=(1, 2, 3)), rtol=1e-6)
+  a = problems.normal(jax.random.PRNGKey(1), (3, 2, 4, 5))  # (B, T, H, C)
+  a64 = np.asarray(a, np.float64)
+
+  def check(got, axes, keep=False):
+    # float32 sums of n terms, against float64: rounding up to ~n eps of the
+    # terms' magnitude (a sum that cancels has no relative accuracy).
+    want = a64.sum(axis=axes, keepdims=keep)
+    n = a.size // want.size
+    np.testing.assert_allclose(np.reshape(got, want.shape), want, rtol=0,
+                               atol=n * 1.2e-7 * np.abs(a64).max())
+  check(affine_op._reduce_to(a, (5,), 2), (1, 2))
+  check(affine_op._reduce_to(a, (4, 1), 2), (1, 3), keep=True)
+  check(affine_op._reduce_to(a, (), 0), (1, 2, 3))
 
 
 # -- the tracked modules -------------------------------------------------------
@@ -164,8 +171,8 @@ def _channels_first(module):
 
 def _data(seed, shape, dtype=jnp.float32):
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, shape, dtype),
-          jax.random.normal(k2, shape[:-1] + (3,)))
+  return (problems.normal(k1, shape, dtype),
+          problems.normal(k2, shape[:-1] + (3,)))
 
 
 def _references(g, params, x, y):
@@ -198,7 +205,7 @@ def _check_model(model, x, y, expected, modes=("gram",), cast=None):
   each module's Gram (or squared norms) against the reference.
   """
   g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
-  plain_params = g.init(jax.random.PRNGKey(0), x, y)
+  plain_params = jax.jit(g.init)(jax.random.PRNGKey(0), x, y)
   params = plain_params
   if cast is not None:
     params = jax.tree.map(lambda a: a.astype(cast), params)
@@ -214,7 +221,7 @@ def _check_model(model, x, y, expected, modes=("gram",), cast=None):
       with gram_haiku.track(mode=mode):
         return _sq(model(x), y)
     f = hk.transform_with_state(tracked)
-    init_params, state = f.init(jax.random.PRNGKey(0), x, y)
+    init_params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
     chex.assert_trees_all_equal(init_params, plain_params)
     value, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
         params, state, None, x, y)
@@ -402,17 +409,18 @@ FORWARD_TESTS = [(name, "allow") for name in sorted(FORWARD_CASES)
 @pytest.mark.parametrize("name,rank_promotion", FORWARD_TESTS)
 def test_forward_matches_plain_module(name, rank_promotion):
   make, shape, bitwise = FORWARD_CASES[name]
-  x = jax.random.normal(jax.random.PRNGKey(12), shape)
+  x = problems.normal(jax.random.PRNGKey(12), shape)
   def tracked(x):
     with gram_haiku.track():
       return make()(x)
   f = hk.transform_with_state(tracked)
   plain = hk.transform(lambda x: make()(x))
   with jax.numpy_rank_promotion(rank_promotion):
-    params, state = f.init(jax.random.PRNGKey(0), x)
-    chex.assert_trees_all_equal(params, plain.init(jax.random.PRNGKey(0), x))
+    params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
+    chex.assert_trees_all_equal(
+        params, jax.jit(plain.init)(jax.random.PRNGKey(0), x))
     # Random (not 1/0) parameters, so that the scale and offset matter.
-    params = jax.tree.map(lambda a: a + jax.random.normal(
+    params = jax.tree.map(lambda a: a + problems.normal(
         jax.random.PRNGKey(a.size), a.shape), params)
     out, _ = f.apply(params, state, None, x)
     ref = plain.apply(params, None, x)

@@ -51,7 +51,7 @@ def test_nested_track_inner_options_apply_and_no_false_warnings():
   g = hk.without_apply_rng(hk.transform(lambda x, y: body(x, y, False)))
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no UntrackedParameterWarning
-    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
     _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
         params, state, None, x, y)
   assert sorted(grams.by_layer) == ["outer"]
@@ -84,7 +84,7 @@ def _rnn(x, y):
 def test_shared_modules_run_forward_and_plain_grad(body):
   x, y = _data(1, (4, 3, 6), 4)
   f, g = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   out, _ = jax.jit(f.apply)(params, state, None, x, y)
   np.testing.assert_allclose(out, g.apply(params, x, y), rtol=1e-6)
   grads = jax.jit(jax.grad(lambda p: f.apply(p, state, None, x, y)[0]))(
@@ -116,7 +116,7 @@ def _penalty(x, y, with_loss=True):
 def test_gradient_penalty_through_tracked_layers_is_refused(jit):
   x, y = _data(2, (4, 6), 3)
   f, _ = _transforms(_penalty)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   with pytest.raises(ValueError, match="differentiated inside"):
@@ -129,7 +129,7 @@ def test_gradient_penalty_through_tracked_layers_is_refused(jit):
 def test_penalty_alone_names_the_layers():
   x, y = _data(3, (4, 6), 3)
   f, _ = _transforms(lambda x, y: _penalty(x, y, with_loss=False))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="none of those layers is applied"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
 
@@ -137,7 +137,7 @@ def test_penalty_alone_names_the_layers():
 def test_hessian_of_a_tracked_loss_still_works():
   x, y = _data(4, (3, 4), 2)
   f, g = _transforms(lambda x, y: _sq(jnp.tanh(hk.Linear(2)(x)), y))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   h = jax.hessian(lambda p: f.apply(p, state, None, x, y)[0])(params)
   want = jax.hessian(lambda p: g.apply(p, x, y))(params)
   chex.assert_trees_all_close(h, want, rtol=1e-5, atol=1e-6)
@@ -161,17 +161,17 @@ def _embed(ids, y):
 def test_empty_batch_gives_empty_grams_and_zero_grads(name, jit):
   key = jax.random.PRNGKey(5)
   if name == "embed":
-    x = jax.random.randint(key, (4, 5), 0, 7)
-    y = jax.random.normal(key, (4, 3))
+    x = problems.randint(key, (4, 5), 0, 7)
+    y = problems.normal(key, (4, 3))
     body = _embed
   elif name == "conv":
-    x, y = jax.random.normal(key, (4, 5, 2)), jax.random.normal(key, (4, 2))
+    x, y = problems.normal(key, (4, 5, 2)), problems.normal(key, (4, 2))
     body = _conv
   else:
     x, y = _data(5, (4, 6), 3)
     body = lambda x, y: _sq(hk.nets.MLP([5, 3])(x), y)
   f, _ = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   value, grads, grams = fn(params, state, None, x[:0], y[:0])
@@ -186,10 +186,10 @@ def test_empty_batch_gives_empty_grams_and_zero_grads(name, jit):
 
 def test_probe_dtype_follows_float64_parameters():
   with jax.enable_x64(True):
-    ids = jax.random.randint(jax.random.PRNGKey(6), (4, 5), 0, 7)
-    y = jax.random.normal(jax.random.PRNGKey(7), (4, 3), jnp.float64)
+    ids = problems.randint(jax.random.PRNGKey(6), (4, 5), 0, 7)
+    y = problems.normal(jax.random.PRNGKey(7), (4, 3), jnp.float64)
     f, g = _transforms(lambda i, y: _sq(hk.Embed(7, 3)(i).sum(1), y))
-    params, state = f.init(jax.random.PRNGKey(0), ids, y)
+    params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, y)
     assert jax.tree.leaves(params)[0].dtype == jnp.float32  # Haiku's table
     params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
     _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
@@ -211,7 +211,7 @@ def test_layer_stack_body_that_shares_a_module():
       return jnp.tanh(lin(jnp.tanh(lin(h))))
     return _sq(hk.layer_stack(2)(layer)(x), y)
   f, g = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
@@ -220,7 +220,7 @@ def test_layer_stack_body_that_shares_a_module():
 
 
 def test_stacked_per_example_gradients_are_concatenated():
-  f = jax.random.normal(jax.random.PRNGKey(9), (3, 4, 5))  # [L, B, P]
+  f = problems.normal(jax.random.PRNGKey(9), (3, 4, 5))  # [L, B, P]
   cols = vgg_lib._stacked_to_columns(f)  # pylint: disable=protected-access
   np.testing.assert_array_equal(cols[1], np.concatenate(list(f[:, 1])))
 
@@ -232,7 +232,7 @@ def test_verify_passes_a_good_model_and_reports_layers():
   x, y = _data(10, (6, 3, 5), 2)
   f, _ = _transforms(lambda x, y: jnp.mean(
       (hk.nets.MLP([4, 2])(x) - y) ** 2, axis=(1, 2)).sum())
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   report = gram_haiku.verify(f.apply, params, state, None, x, y)
   assert report.ok, str(report)
   assert report.loss_scale == "sum" and report.examples == 6
@@ -244,7 +244,7 @@ def test_verify_passes_a_good_model_and_reports_layers():
 def test_verify_detects_a_mean_loss():
   x, y = _data(11, (5, 4), 2)
   f, _ = _transforms(lambda x, y: jnp.mean((hk.Linear(2)(x) - y) ** 2))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   report = gram_haiku.verify(f.apply, params, state, None, x, y)
   assert report.ok and report.loss_scale == "mean", str(report)
 
@@ -256,7 +256,7 @@ def test_verify_reports_untracked_parameters():
     return _sq(gain * hk.Linear(2)(x), y)
   f = hk.transform_with_state(
       lambda x, y: _track_ignoring(body, x, y))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   report = gram_haiku.verify(f.apply, params, state, None, x, y)
   assert not report.ok and report.untracked == ("~/gain",), str(report)
 
@@ -273,7 +273,7 @@ def test_verify_detects_coupled_examples():
     # A softmax over the batch couples every example with every other.
     return -jnp.sum(jax.nn.log_softmax(logits, axis=0) * y)
   f, _ = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   report = gram_haiku.verify(f.apply, params, state, None, x, y)
   assert not report.ok and report.loss_scale is None, str(report)
   assert "not a sum" in str(report)
@@ -290,12 +290,12 @@ def test_new_error_messages_say_what_to_do():
 @pytest.mark.parametrize("jit", [False, True])
 def test_linearize_of_a_tracked_loss(jit):
   x, y = _data(14, (3, 4), 2)
-  ids = jax.random.randint(jax.random.PRNGKey(15), (3, 2), 0, 5)
+  ids = problems.randint(jax.random.PRNGKey(15), (3, 2), 0, 5)
   def body(x, y, ids):
     h = hk.Linear(2)(x) + hk.Embed(5, 2)(ids).sum(1)
     return _sq(jnp.tanh(h), y)
   f, g = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y, ids)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y, ids)
   tangent = jax.tree.map(lambda a: jnp.ones_like(a) * 0.3, params)
   def lin(fn):
     out, jvp = jax.linearize(fn, params)

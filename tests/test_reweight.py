@@ -39,8 +39,8 @@ def _zoo_problem(entry, style, seed):
   x = layer_zoo._draw(entry, lead, seed)  # pylint: disable=protected-access
   tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))  # pylint: disable=protected-access
   plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))  # pylint: disable=protected-access
-  params, state = tracked.init(jax.random.PRNGKey(1), x)
-  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
+  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
   plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
   f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
   return tracked, params, state, x, f
@@ -77,7 +77,7 @@ def _zoo_cases():
 def test_all_layer_clipping_matches_reference(name, style):
   entry = layer_zoo.BY_NAME[name]
   tracked, params, state, x, f = _zoo_problem(entry, style,
-                                              hash(name) % 1000)
+                                              layer_zoo.seed_of(name))
   norms = np.sqrt(np.sum(f * f, axis=1))
   c_norm = float(np.median(norms))  # Some examples clipped, some not.
   clipped = gram_haiku.clipped_grad(tracked.apply, c_norm)
@@ -97,7 +97,7 @@ def _mlp(seed=0, b=6):
     with gram_haiku.track():
       return problems.sq(hk.nets.MLP([7, 4, 3])(x), y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(seed), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), x, y)
   plain = hk.transform(lambda x, y: problems.sq(hk.nets.MLP([7, 4, 3])(x), y))
   ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
       p, None, x, y), params, x, y), np.float64)
@@ -117,7 +117,7 @@ def _lstm(seed=0, b=5, t=4):
     with gram_haiku.track():
       return model(x, y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(seed), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), x, y)
   plain = hk.transform(model)
   ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
       p, None, x, y), params, x, y), np.float64)
@@ -253,7 +253,7 @@ def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
     with gram_haiku.track():
       return problems.sq(hk.Linear(2, name="head")(jnp.tanh(h)), y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="frozen_features/w.*no Gram rule"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
   grads, aux = gram_haiku.clipped_grad(f.apply, 1.0, frozen="frozen_features")(
@@ -286,7 +286,7 @@ def test_coupled_examples_are_an_error():
       h = h - jnp.mean(h, axis=0)  # couples the examples
       return problems.sq(hk.Linear(2)(h), y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="couple|other examples|mix"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
 
@@ -299,7 +299,7 @@ def test_batch_norm_training_is_an_error():
       h = hk.BatchNorm(True, True, 0.9)(hk.Linear(4)(x), is_training=True)
       return problems.sq(h, y)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="BatchNorm"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
 
@@ -344,7 +344,7 @@ def test_other_examples_data_in_a_loss_is_a_privacy_error(target):
       out = hk.Linear(2)(x)
     return problems.sq(out, targets[target](y))
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
   with pytest.raises(ValueError, match="reads data of other examples"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
@@ -361,7 +361,7 @@ def test_own_labels_and_fixed_statistics_are_private():
     logp = jax.nn.log_softmax(logits)
     return -jnp.sum(jnp.take_along_axis(logp, labels[:, None], axis=1))
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, labels)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, labels)
   grads, _ = gram_haiku.clipped_grad(f.apply, 0.1)(params, state, None, x,
                                                    labels)
   assert all(np.isfinite(l).all() for l in jax.tree.leaves(grads))
@@ -372,9 +372,9 @@ def test_example_axis_behind_another_vmap():
   example axis is not its input's first axis. Weights drawn at random,
   against grad of sum_i c_i l_i of the same model untracked."""
   b, d, heads = 5, 6, 3  # K = 3 (6 + 8) factor entries < P = 56
-  x = jax.random.normal(jax.random.PRNGKey(0), (b, d))
+  x = problems.normal(jax.random.PRNGKey(0), (b, d))
   scales = jnp.arange(1.0, heads + 1.0)
-  c = jax.random.uniform(jax.random.PRNGKey(1), (b,), minval=0.1)
+  c = problems.uniform(jax.random.PRNGKey(1), (b,), minval=0.1)
 
   def per_example_losses(x):
     def per_head(scale):
@@ -387,7 +387,7 @@ def test_example_axis_behind_another_vmap():
     with gram_haiku.track(example_axis="batch"):
       return jnp.sum(per_example_losses(x))
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(2), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(2), x)
   plain = hk.transform(per_example_losses)
   want = jax.grad(lambda p: jnp.sum(c * plain.apply(p, None, x)))(params)
   r = reweight.run(f.apply, params, state, None, (x,), {}, fn_name="t",
@@ -419,7 +419,7 @@ def test_module_in_both_branches_of_a_cond(take_first):
       return model(x, y, pred)
   pred = jnp.asarray(take_first)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y, pred)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y, pred)
   plain = hk.transform(model)
   ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
       p, None, x, y, pred), params, x, y), np.float64)

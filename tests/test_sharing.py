@@ -30,9 +30,9 @@ def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
   """``tracked_loss`` (with ``track()`` inside) against the reference."""
   f = hk.transform_with_state(tracked_loss)
   g = hk.without_apply_rng(hk.transform(plain_loss))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  chex.assert_trees_all_equal_shapes(params,
-                                     g.init(jax.random.PRNGKey(0), x, y))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  chex.assert_trees_all_equal_shapes(
+      params, jax.jit(g.init)(jax.random.PRNGKey(0), x, y))
   fn = gram_haiku.value_grad_and_gram(f.apply)
   if jit:
     fn = jax.jit(fn)
@@ -166,8 +166,8 @@ def test_unrolled_lstm(unroll, getter):
 
 
 def test_unembed_inside_remat():
-  ids = jax.random.randint(jax.random.PRNGKey(9), (4, 3), 0, 7)
-  y = jax.random.normal(jax.random.PRNGKey(10), (4, 3, 7))
+  ids = problems.randint(jax.random.PRNGKey(9), (4, 3), 0, 7)
+  y = problems.normal(jax.random.PRNGKey(10), (4, 3, 7))
 
   def body(ids, y, tracked):
     embed = hk.Embed(7, 5, name="embed")
@@ -180,7 +180,7 @@ def test_unembed_inside_remat():
   f = hk.transform_with_state(lambda a, b: _tracked(
       lambda a, b: body(a, b, True))(a, b))
   g = hk.without_apply_rng(hk.transform(lambda a, b: body(a, b, False)))
-  params, state = f.init(jax.random.PRNGKey(0), ids, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, y)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, ids, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
@@ -205,7 +205,7 @@ def test_transformed_parameter_is_an_error(getter):
     with hk.custom_getter(fn):
       return _sq(hk.Linear(3, name="lin")(x), y)
   f = hk.transform_with_state(_tracked(body))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="changes its values") as e:
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
   assert "lin/w" in str(e.value) and "'lin'" in str(e.value)

@@ -15,12 +15,13 @@ from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import RTOL_BF16
+from tests import problems
 
 
 def _data(seed, shape, out_dim):
   k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  return (jax.random.normal(k1, shape),
-          jax.random.normal(k2, shape[:-1] + (out_dim,)))
+  return (problems.normal(k1, shape),
+          problems.normal(k2, shape[:-1] + (out_dim,)))
 
 
 def _mlp(x):
@@ -40,7 +41,7 @@ def _setup(model_apply, x, y, **track_kw):
     return _sq(model_apply(x), y)
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(plain))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   return f, g, params, state
 
 
@@ -126,7 +127,7 @@ def test_bf16_params_parity_and_f32_gram():
     with gram_haiku.track():
       return _sq(model(x).astype(jnp.float32), y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   assert all(l.dtype == jnp.bfloat16 for l in jax.tree.leaves(params))
   _, grads, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state,
                                                            None, x, y)
@@ -148,8 +149,8 @@ def test_inference_unchanged_bitwise():
       return _mlp(x)
   f = hk.transform_with_state(tracked_out)
   g = hk.transform(_mlp)
-  params, state = f.init(jax.random.PRNGKey(0), x)
-  chex.assert_trees_all_equal(params, g.init(jax.random.PRNGKey(0), x))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
+  chex.assert_trees_all_equal(params, jax.jit(g.init)(jax.random.PRNGKey(0), x))
   out, _ = f.apply(params, state, None, x)
   np.testing.assert_array_equal(out, g.apply(params, None, x))
   out_jit, _ = jax.jit(f.apply)(params, state, None, x)
@@ -166,7 +167,7 @@ def test_inference_unchanged_bitwise():
 def test_outside_track_no_probes():
   x, _ = _data(9, (4, 5), 3)
   f = hk.transform_with_state(_mlp)
-  _, state = f.init(jax.random.PRNGKey(0), x)
+  _, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   assert state == {}
 
 
@@ -188,7 +189,7 @@ def test_resize_probes_validation():
 def test_no_probes_error():
   f = hk.transform_with_state(lambda x: _mlp(x).sum())
   x, _ = _data(11, (4, 5), 3)
-  params, state = f.init(jax.random.PRNGKey(0), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match="no Gram probe"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
 
@@ -199,7 +200,7 @@ def test_non_scalar_loss_error():
       return _mlp(x)
   f = hk.transform_with_state(fn)
   x, _ = _data(12, (4, 5), 3)
-  params, state = f.init(jax.random.PRNGKey(0), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match="scalar loss"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
 
@@ -245,7 +246,7 @@ def test_module_called_twice_raw_path_is_an_error():
       lin = hk.Linear(4)
       return _sq(lin(x) + lin(x ** 2 / 5), y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="'linear' was called more than once"):
     _raw_probe_grad(f, params, state, x, y)
 
@@ -276,7 +277,7 @@ def test_rnn_weight_reuse_raw_path_is_an_error(unroll):
     with gram_haiku.track():
       return _sq(_rnn(unroll)(x), y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="loop body|more than once"):
     _raw_probe_grad(f, params, state, x, y)
 
@@ -398,7 +399,7 @@ def test_mean_loss_scales_by_one_over_b_squared(b):
     return reduce(per_ex)
   f_sum = hk.transform_with_state(functools.partial(tracked, reduce=jnp.sum))
   f_mean = hk.transform_with_state(functools.partial(tracked, reduce=jnp.mean))
-  params, state = f_sum.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f_sum.init)(jax.random.PRNGKey(0), x, y)
   g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
   ref = reference_gram(g.apply, params, x, y)
   _, _, gs = gram_haiku.value_grad_and_gram(f_sum.apply)(params, state, None,
@@ -472,7 +473,7 @@ def test_return_state_gives_the_updated_state():
     with gram_haiku.track():
       return _sq(_mlp(x), y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   (value, new_state), grads, grams = gram_haiku.value_grad_and_gram(
       f.apply, return_state=True)(params, state, None, x, y)
   assert int(new_state["~"]["count"]) == int(state["~"]["count"]) + 1
@@ -491,7 +492,7 @@ def test_plan_is_in_the_jaxpr_and_the_cache_key():
     with gram_haiku.track(**kw):
       return _sq(_mlp(x), y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   jaxpr = str(jax.make_jaxpr(f.apply)(params, state, None, x, y))
   assert jaxpr.count("call_hi_primitive") == 2
   assert "plan': Plan(mode='gram', strategy='auto'" in jaxpr

@@ -59,17 +59,19 @@ def per_example_grads(per_example_loss: Callable[..., Any], params, *batch,
   def loss_one(p, *example):
     example = jax.tree.map(lambda a: a[None], example)
     return per_example_loss(p, *example)
-  if upcast:
-    params, batch = _upcast(params), _upcast(batch)
+
+  def flat(params, *batch):
+    if upcast:
+      params, batch = _upcast(params), _upcast(batch)
+    grads = jax.vmap(jax.grad(loss_one),
+                     in_axes=(None,) + (in_axes,) * len(batch))(params, *batch)
+    leaves = jax.tree.leaves(grads)
+    b = leaves[0].shape[0]
+    return jnp.concatenate(
+        [jnp.asarray(l, jnp.promote_types(l.dtype, jnp.float32)).reshape(b, -1)
+         for l in leaves], axis=1)
   # Under jit: one compilation, not one per primitive (op-by-op dispatch).
-  grads = jax.jit(jax.vmap(jax.grad(loss_one),
-                           in_axes=(None,) + (in_axes,) * len(batch)))(
-                               params, *batch)
-  leaves = jax.tree.leaves(grads)
-  b = leaves[0].shape[0]
-  return jnp.concatenate(
-      [jnp.asarray(l, jnp.promote_types(l.dtype, jnp.float32)).reshape(b, -1)
-       for l in leaves], axis=1)
+  return jax.jit(flat)(params, *batch)
 
 
 def reference_gram(per_example_loss: Callable[..., Any], params, *batch,
