@@ -85,4 +85,5 @@ def normal(key, shape, dtype):
   """
   seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
   values = np.random.default_rng(seed).standard_normal(shape, np.float32)
-  return jnp.asarray(values.astype(jnp.dtype(dtype)))
+  # device_put: jnp.asarray of a numpy array compiles a program per shape.
+  return jax.device_put(values.astype(jnp.dtype(dtype)))

@@ -17,14 +17,14 @@ def uniform(key, shape, minval=0.0, maxval=1.0):
   """Uniform float32 draws in ``[minval, maxval)``, drawn by numpy."""
   rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
                               .tolist())
-  return jnp.asarray(rng.uniform(minval, maxval, shape).astype(np.float32))
+  return jax.device_put(rng.uniform(minval, maxval, shape).astype(np.float32))
 
 
 def randint(key, shape, minval, maxval):
   """int32 draws in ``[minval, maxval)``, drawn by numpy."""
   rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
                               .tolist())
-  return jnp.asarray(rng.integers(minval, maxval, shape).astype(np.int32))
+  return jax.device_put(rng.integers(minval, maxval, shape).astype(np.int32))
 
 
 def data(seed, shape, out_dim):

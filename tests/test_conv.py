@@ -44,7 +44,7 @@ def reference_gram(per_example_loss, params, *batch):
 
 def _normal(rng, shape, dtype, scale=1.0):
   """Random normal data from numpy (jax.random would compile per shape)."""
-  return jnp.asarray((rng.standard_normal(shape) * scale).astype(
+  return jax.device_put((rng.standard_normal(shape) * scale).astype(
       jnp.dtype(dtype)))
 
 

@@ -306,8 +306,10 @@ def _track_check(model, ids, y, jit=False, loss=_sq, cast=None, **track_kw):
   if jit:
     fn = jax.jit(fn)
   value, grads, grams = fn(params, state, None, ids, y)
-  np.testing.assert_allclose(value, g.apply(params, ids, y), rtol=1e-6)
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, ids, y),
+  np.testing.assert_allclose(value, jax.jit(g.apply)(params, ids, y),
+                             rtol=1e-6)
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, ids, y),
                               rtol=1e-5, atol=1e-6)
   return grams, params, g
 

@@ -48,7 +48,7 @@ def _ref(p, x, y):
 
 
 def _gram(loss, p, x, y, b):
-  return jax.grad(loss, argnums=1)(p, jnp.zeros((b, b)), x, y)
+  return jax.jit(jax.grad(loss, argnums=1))(p, jnp.zeros((b, b)), x, y)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

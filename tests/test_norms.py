@@ -210,7 +210,7 @@ def _check_model(model, x, y, expected, modes=("gram",), cast=None):
   if cast is not None:
     params = jax.tree.map(lambda a: a.astype(cast), params)
   f_ref, ref, refs = _references(g, params, x, y)
-  plain_value = g.apply(params, x, y)
+  plain_value = jax.jit(g.apply)(params, x, y)
   dtype = jnp.dtype(x.dtype)
   # LayerNorm and RMSNorm apply the scale in another order: float rounding,
   # compounded through the chains of norms used here (CASES.md's rtol for

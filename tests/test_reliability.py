@@ -89,7 +89,8 @@ def test_shared_modules_run_forward_and_plain_grad(body):
   np.testing.assert_allclose(out, g.apply(params, x, y), rtol=1e-6)
   grads = jax.jit(jax.grad(lambda p: f.apply(p, state, None, x, y)[0]))(
       params)
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   # The raw path cannot accumulate per-example gradients: an error, only
   # when the probes are differentiated.
@@ -215,7 +216,8 @@ def test_layer_stack_body_that_shares_a_module():
   _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
 
 

@@ -151,12 +151,24 @@ def test_per_layer_clipping_matches_reference(problem, clip_fn):
   np.testing.assert_allclose(clipped.sensitivity(), bound)
 
 
+def _run(f, params, state, batch, **kw):
+  """``reweight.run`` under jit: ``(its modes, its gradients)``."""
+  seen = {}
+
+  def go(params, state, batch):
+    r = reweight.run(f.apply, params, state, None, batch, {}, fn_name="t",
+                     needs="norms", has_aux=False, axes=(), frozen=None, **kw)
+    seen["modes"] = r.modes
+    return r.grads
+  grads = jax.jit(go)(params, state, batch)
+  return seen["modes"], grads
+
+
 def test_per_layer_runs_inside_the_backward_rule():
   f, params, state, batch, _ = _mlp()
-  r = reweight.run(f.apply, params, state, None, batch, {}, fn_name="t",
-                   needs="norms", has_aux=False, axes=(), frozen=None,
-                   clips=lambda ms: {m: Clip(0.1) for m in ms})
-  assert set(r.modes.values()) == {"clip"}
+  modes, _ = _run(f, params, state, batch,
+                  clips=lambda ms: {m: Clip(0.1) for m in ms})
+  assert set(modes.values()) == {"clip"}
 
 
 def test_one_number_per_layer_is_split_equally():
@@ -202,7 +214,7 @@ def test_padding_rows_contribute_nothing(clipping):
   clipped = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping))
   grads, aux = clipped(params, state, None, x, y, is_padding_example=pad)
   real = ~pad
-  sub = gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping)
+  sub = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping))
   want, want_aux = sub(params, state, None, x[real], y[real])
   chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-7)
   assert all(np.isfinite(l).all() for l in jax.tree.leaves(grads))
@@ -217,11 +229,11 @@ def test_equals_optax_dp_aggregate_without_noise():
   ours, _ = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm, normalize_by=b))(
       params, state, None, *batch)
   plain = hk.transform(lambda x, y: problems.sq(hk.nets.MLP([7, 4, 3])(x), y))
-  per = jax.vmap(lambda xi, yi: jax.grad(lambda p: plain.apply(
-      p, None, xi[None], yi[None]))(params))(*batch)
+  per = jax.jit(jax.vmap(lambda xi, yi: jax.grad(lambda p: plain.apply(
+      p, None, xi[None], yi[None]))(params)))(*batch)
   agg = optax.contrib.differentially_private_aggregate(
       c_norm, 0.0, jax.random.key(0))
-  theirs, _ = agg.update(per, agg.init(params))
+  theirs, _ = jax.jit(agg.update)(per, agg.init(params))
   chex.assert_trees_all_close(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
@@ -237,12 +249,12 @@ def test_modes_follow_the_cost_model():
                         ("lstm", {"linear": "per_example",
                                   "lstm/linear": "per_example"})]:
     f, params, state, batch, _ = PROBLEMS[problem]()
-    r = reweight.run(f.apply, params, state, None, batch, {}, fn_name="t",
-                     needs="norms", has_aux=False, axes=(), frozen=None,
-                     weight_fn=lambda g: jnp.ones_like(g.sq_norms))
-    assert r.modes == want
-    grads = jax.grad(lambda p: f.apply(p, state, None, *batch)[0])(params)
-    chex.assert_trees_all_close(r.grads, grads, rtol=1e-5, atol=1e-6)
+    modes, got = _run(f, params, state, batch,
+                      weight_fn=lambda g: jnp.ones_like(g.sq_norms))
+    assert modes == want
+    grads = jax.jit(jax.grad(lambda p: f.apply(p, state, None, *batch)[0]))(
+        params)
+    chex.assert_trees_all_close(got, grads, rtol=1e-5, atol=1e-6)
 
 
 def test_frozen_parameters_get_zero_gradient_and_need_no_rule():

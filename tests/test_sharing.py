@@ -39,8 +39,10 @@ def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
   value, grads, grams = fn(params, state, None, x, y)
   ref = reference_gram(g.apply, params, x, y)
   assert_gram_close(grams.total, ref, dtype)
-  np.testing.assert_allclose(value, g.apply(params, x, y), rtol=1e-5)
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  np.testing.assert_allclose(value, jax.jit(g.apply)(params, x, y),
+                             rtol=1e-5)
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   assert grams.complete
   return grams

@@ -53,8 +53,10 @@ def _check(model_apply, x, y, jit=False, **track_kw):
   value, grads, grams = fn(params, state, None, x, y)
   ref = reference_gram(g.apply, params, x, y)
   assert_gram_close(grams.total, ref)
-  np.testing.assert_allclose(value, g.apply(params, x, y), rtol=1e-6)
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  np.testing.assert_allclose(value, jax.jit(g.apply)(params, x, y),
+                             rtol=1e-6)
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-4)
   return grams
@@ -360,7 +362,8 @@ def test_norms_mode(jit):
   ref = reference_gram(g.apply, params, x, y)
   np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
   np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-4)
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   assert not grams.by_layer and len(grams.sq_norms_by_layer) == 2
   with pytest.raises(ValueError, match="mode='norms'"):
@@ -410,7 +413,7 @@ def test_mean_loss_scales_by_one_over_b_squared(b):
   assert_gram_close(gm.total, ref / b ** 2)
   if b == 1:
     flat = np.concatenate([np.ravel(l) for l in jax.tree.leaves(
-        jax.grad(g.apply)(params, x, y))])
+        jax.jit(jax.grad(g.apply))(params, x, y))])
     np.testing.assert_allclose(gs.total[0, 0], flat @ flat, rtol=1e-5)
 
 

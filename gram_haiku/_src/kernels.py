@@ -286,6 +286,26 @@ def per_example_linear_grads(x: jax.Array, d: jax.Array):
 
 
 
+def per_example_linear_grads_folded(x: jax.Array, d: jax.Array,
+                                    with_bias: bool) -> jax.Array:
+  """Per-example gradients of ``w`` and ``b`` as one ``(B, N (+1), M)`` array.
+
+  ``x: (B, T, N)``, ``d: (B, T, M)`` as in :func:`per_example_linear_grads`.
+  With a bias, the input gets a constant feature 1 (``[x, 1]``), so row
+  ``N`` is ``sum_t d`` (the bias gradient) and ``reshape(B, -1)`` is the
+  flattened ``(w, b)`` gradient, ``w`` first. Concatenating the two
+  gradients instead would copy the ``B x P`` result once more, a pass that
+  XLA does not fuse with the product (nor with its accumulation into a
+  per-example probe in a loop).
+  """
+  if with_bias:
+    # ones_like keeps x's sharding (rows placed on an Explicit mesh).
+    x = jnp.concatenate([x, jnp.ones_like(x[..., :1])], axis=-1)
+  if x.shape[1] == 1:
+    return x[:, 0, :, None] * d[:, 0, None, :]
+  return jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+
+
 def bias_gram(d: jax.Array, cfg: KernelConfig) -> jax.Array:
   """Gram of per-example bias gradients ``sum_t d_it``: ``(B, T, M) -> (B, B)``."""
   s = d.sum(axis=1)

@@ -63,6 +63,7 @@ unfolded inputs, and the ghost/materialise choice per layer).
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Optional, Sequence, Union
@@ -161,6 +162,51 @@ def _transpose_pads(kernel: Sequence[int], strides: Sequence[int], padding):
   return tuple(pads)
 
 
+def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
+           padding: Padding, lhs_dilation: Sequence[int],
+           rhs_dilation: Sequence[int]) -> jax.Array:
+  """The im2col patches of ``x: [N, *spatial, C]`` (channels last), by slices.
+
+  Returns ``[N, *out_spatial, C * nK]`` with features ordered channel-major
+  ``(c, k)`` and the kernel taps ``k`` row-major, exactly what
+  ``lax.conv_general_dilated_patches`` gives for the same arguments (and
+  ``conv_general_dilated``'s output positions). Built as one padded (and,
+  for ``lhs_dilation``, interior-padded) copy of ``x`` and one strided
+  ``lax.slice`` per tap, stacked: pure data movement, while the patches
+  convolution of ``lax`` is a one-hot grouped convolution, which measured
+  3.5 to 4x slower on CPU.
+
+  ``padding`` is ``"SAME"``, ``"VALID"`` or ``(low, high)`` pairs (negative
+  allowed), resolved as ``conv_general_dilated`` resolves it.
+  """
+  n = len(kernel)
+  spatial = x.shape[1:1 + n]
+  eff_kernel = tuple(0 if k == 0 else (k - 1) * r + 1
+                     for k, r in zip(kernel, rhs_dilation))
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads(spatial, eff_kernel, window_strides, padding)
+  else:
+    pads = tuple(padding)
+  config = ([(0, 0, 0)] + [(int(lo), int(hi), int(l) - 1) for (lo, hi), l in
+                           zip(pads, lhs_dilation)] + [(0, 0, 0)])
+  xp = lax.pad(x, jnp.zeros((), x.dtype), config)
+  out = tuple(max(0, (size - e) // s + 1) for size, e, s in
+              zip(xp.shape[1:1 + n], eff_kernel, window_strides))
+  features = x.shape[-1] * math.prod(kernel)
+  if not all(out):  # No output position: nothing to slice.
+    return jnp.zeros((x.shape[0],) + out + (features,), x.dtype)
+  taps = []
+  for tap in itertools.product(*(range(k) for k in kernel)):
+    start = tuple(t * r for t, r in zip(tap, rhs_dilation))
+    limit = tuple(a + (o - 1) * s + 1
+                  for a, o, s in zip(start, out, window_strides))
+    taps.append(lax.slice(xp, (0,) + start + (0,),
+                          (xp.shape[0],) + limit + (xp.shape[-1],),
+                          (1,) + tuple(window_strides) + (1,)))
+  patches = jnp.stack(taps, axis=-1)  # [N, *out, C, nK]
+  return patches.reshape(patches.shape[:-2] + (features,))
+
+
 class GramConv(base.GramOp):
   """Primitive for ``hk.ConvND`` (``transpose=False``) or
   ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
@@ -240,11 +286,7 @@ class GramConv(base.GramOp):
       xb = jnp.moveaxis(xb, 1, -1)
       gb = jnp.moveaxis(gb, 1, -1)
     kernel = tuple(w.shape[:n])
-    spec = (0, n + 1) + tuple(range(1, n + 1))  # N, C, spatial...
-    dn = lax.ConvDimensionNumbers(spec, (n + 1, n) + tuple(range(n)), spec)
-    patches = lax.conv_general_dilated_patches(
-        xb, kernel, dimension_numbers=dn, precision=lax.Precision.HIGHEST,
-        **self._conv_args(kernel))
+    patches = im2col(xb, kernel, **self._conv_args(kernel))
     if patches.shape[:-1] != gb.shape[:-1]:
       raise AssertionError(  # A bug here, never a silent Gram.
           f"{self.name}: patches {patches.shape} do not match the output "

@@ -106,10 +106,10 @@ class GramLinear(base.GramOp):
       fn = (kernels.linear_sq_norms if self.mode == "norms"
             else kernels.linear_gram)
       return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
-    gw, gb = kernels.per_example_linear_grads(xm, dm)
-    grads = (gw, gb) if with_bias else (gw,)
-    f = jnp.concatenate([a.reshape(size, -1) for a in grads], axis=1)
-    value = self.probe_value(f, cfg)
+    folded = kernels.per_example_linear_grads_folded(xm, dm, with_bias)
+    n = xm.shape[-1]
+    grads = ((folded[:, :n], folded[:, n]) if with_bias else (folded,))
+    value = self.probe_value(folded.reshape(size, -1), cfg)
     if positions == 1:
       # One position: the per-example gradients are outer products, and
       # JAX's own weight-gradient matmul beats summing them.
