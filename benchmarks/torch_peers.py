@@ -14,6 +14,17 @@ same run:
   ``backpack(BatchL2Grad())``; norms from ``sum(p.batch_l2)``.
 * ``backpack_gram``: one backward under ``backpack(BatchGrad())``, then the
   Gram as ``sum_p einsum("i...,j...->ij", p.grad_batch, p.grad_batch)``.
+* ``opacus_dp_ghost``: Opacus' DP step with ghost clipping, as its
+  ``DPTensorFastGradientClipping.backward`` runs it: a first backward for
+  the norms (hooks), ``get_clipping_coef()``, then a second backward of
+  ``sum_i c_i l_i`` with the hooks off. Gives the clipped sum
+  ``sum_i min(1, C/|g_i|) g_i`` in ``p.grad``.
+* ``opacus_dp_per_sample``: Opacus' classic DP-SGD: ``GradSampleModule``
+  materialises ``p.grad_sample`` in one backward, and ``DPOptimizer``'s
+  ``clip_and_accumulate()`` clips and sums them into ``p.summed_grad``.
+
+Both clip at :data:`benchmarks.dp_methods.CLIP`, all-layer, without noise,
+and are checked against the clipped sum of ``torch.func.vmap(grad)``.
 
 The architecture mirrors :mod:`benchmarks.models` (channels-first for the
 CNN, same SAME-padding output sizes); the data are the same arrays.
@@ -36,7 +47,9 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TORCH_METHODS = ("torch_plain", "opacus_ghost_norms", "backpack_l2",
-                 "backpack_gram")
+                 "backpack_gram", "opacus_dp_ghost", "opacus_dp_per_sample")
+#: The DP steps among them: each returns the clipped gradient sum.
+TORCH_DP_METHODS = ("opacus_dp_ghost", "opacus_dp_per_sample")
 TORCH_MODELS = ("mlp", "cnn")
 SKIP_REASON = 'skipped: install .[bench-torch]'
 
@@ -44,7 +57,9 @@ SKIP_REASON = 'skipped: install .[bench-torch]'
 GIVES = {"torch_plain": "loss + grads",
          "opacus_ghost_norms": "grads + norms",
          "backpack_l2": "grads + norms",
-         "backpack_gram": "grads + full Gram"}
+         "backpack_gram": "grads + full Gram",
+         "opacus_dp_ghost": "clipped grad sum (2 backward)",
+         "opacus_dp_per_sample": "clipped grad sum (B x P)"}
 
 
 def available() -> bool:
@@ -165,6 +180,42 @@ def build(bench, method: str, hidden=(512, 512)) -> Callable[[], object]:
       return gram
     return step
 
+  if method == "opacus_dp_ghost":
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping  # pylint: disable=g-import-not-at-top
+    gsm = GradSampleModuleFastGradientClipping(
+        copy.deepcopy(base), batch_first=True, loss_reduction="sum",
+        use_ghost_clipping=True, max_grad_norm=_clip())
+    gsm.train()
+
+    def step():  # pylint: disable=function-redefined
+      gsm.zero_grad(set_to_none=True)
+      per = F.cross_entropy(gsm(x), y, reduction="none")
+      per.sum().backward(retain_graph=True)
+      coeff = gsm.get_clipping_coef()
+      gsm.zero_grad(set_to_none=True)
+      gsm.disable_hooks()
+      torch.sum(coeff * per).backward()
+      gsm.enable_hooks()
+      return [p.grad for p in gsm.parameters()]
+    return step
+
+  if method == "opacus_dp_per_sample":
+    from opacus import GradSampleModule  # pylint: disable=g-import-not-at-top
+    from opacus.optimizers import DPOptimizer  # pylint: disable=g-import-not-at-top
+    gsm = GradSampleModule(copy.deepcopy(base), batch_first=True,
+                           loss_reduction="sum")
+    gsm.train()
+    opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0),
+                      noise_multiplier=0.0, max_grad_norm=_clip(),
+                      expected_batch_size=x.shape[0], loss_reduction="sum")
+
+    def step():  # pylint: disable=function-redefined
+      opt.zero_grad(set_to_none=True)
+      F.cross_entropy(gsm(x), y, reduction="sum").backward()
+      opt.clip_and_accumulate()
+      return [p.summed_grad for p in gsm.parameters()]
+    return step
+
   raise ValueError(f"Unknown torch method {method!r}; expected one of "
                    f"{TORCH_METHODS}.")
 
@@ -187,9 +238,44 @@ def reference_sq_norms(bench, hidden=(512, 512)) -> np.ndarray:
              ).numpy()
 
 
+def _clip() -> float:
+  from benchmarks import dp_methods  # pylint: disable=g-import-not-at-top
+  return dp_methods.CLIP
+
+
+def reference_clipped_sum(bench, hidden=(512, 512)) -> list[np.ndarray]:
+  """``sum_i min(1, C/|g_i|) g_i`` per parameter, from
+  ``torch.func.vmap(grad)``, in float64."""
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  from torch.func import functional_call, grad, vmap  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(0)
+  model = _model(bench.name, hidden=hidden)
+  x, y = _data(bench)
+  params = {k: v.detach() for k, v in model.named_parameters()}
+
+  def loss_one(p, xi, yi):
+    out = functional_call(model, p, (xi[None],))
+    return F.cross_entropy(out, yi[None], reduction="sum")
+  per = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+  per = [g.double().numpy() for g in per.values()]
+  norms = np.sqrt(sum((g.reshape(g.shape[0], -1) ** 2).sum(1) for g in per))
+  c = np.minimum(1.0, _clip() / np.maximum(norms, 1e-30))
+  return [np.tensordot(c, g, axes=1) for g in per]
+
+
 def check(bench, method: str, out, hidden=(512, 512), rtol=1e-3):
-  """None when a peer's norms (or Gram diagonal) match the reference."""
+  """None when a peer's norms (Gram diagonal, clipped sum) match the
+  reference."""
   if method == "torch_plain":
+    return None
+  if method in TORCH_DP_METHODS:
+    ref = reference_clipped_sum(bench, hidden)
+    got = [g.detach().double().numpy() for g in out]
+    err = max(float(np.abs(a - b).max()) for a, b in zip(got, ref)) / max(
+        max(float(np.abs(b).max()) for b in ref), 1e-30)
+    if len(got) != len(ref) or not np.isfinite(err) or err > rtol:
+      return f"wrong result: max relative error {err:.2e} against vmap(grad)"
     return None
   ref = reference_sq_norms(bench, hidden)
   got = out.detach().numpy().astype(np.float64)

@@ -96,14 +96,6 @@ def pytest_configure(config):
   timeout = config.getoption("--conformance-timeout", default=None)
   if timeout is not None:  # Read by conformance.runner, in workers too.
     os.environ["CONFORMANCE_TIMEOUT_S"] = str(timeout)
-  if getattr(config.option, "dist", "no") == "load":
-    # pytest-xdist's default mode (-n): the same scheduling, except that the
-    # tests of one multi-device runner (marked ``xdist_group``) go to one
-    # worker, so that no other worker sits waiting for that runner.
-    config.option.dist = "loadgroup"
-  config.addinivalue_line(
-      "markers", "xdist_group(name): tests that pytest-xdist runs on one "
-      "worker (the tests of one runner subprocess)")
   config.addinivalue_line(
       "markers", "conformance_family(name): the check family of a test")
   config.addinivalue_line("markers", "conformance: a conformance-suite test")

@@ -12,10 +12,7 @@ from conformance import registry
 from conformance import runner
 from conformance import sharded
 
-# One worker runs this module under pytest-xdist (see conformance.plugin):
-# its tests all read the one runner's records.
-pytestmark = [pytest.mark.conformance,
-              pytest.mark.xdist_group("conformance-sharded")]
+pytestmark = pytest.mark.conformance
 
 
 @pytest.fixture(scope="session")

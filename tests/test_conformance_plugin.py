@@ -1,8 +1,9 @@
-"""The plugin's xdist device pinning."""
+"""The plugin's xdist device pinning; the runners' environment."""
 
 import pytest
 
 from conformance import plugin
+from conformance import runner
 
 pytestmark = pytest.mark.conformance
 
@@ -31,3 +32,13 @@ def test_pinning_wraps_around_the_device_count():
 def test_no_pinning_outside_xdist():
   env = {"CONFORMANCE_PIN_DEVICES": "1"}
   assert plugin.pin_worker_device(env) == {}
+
+
+def test_child_environ_drops_only_the_device_count():
+  env = runner.child_environ({
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1",
+      "OTHER": "x"})
+  assert env == {"XLA_FLAGS": "--xla_foo=1", "OTHER": "x"}
+  env = runner.child_environ(
+      {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+  assert "XLA_FLAGS" not in env

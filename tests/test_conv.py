@@ -23,6 +23,7 @@ from gram_haiku._src.layers import conv as conv_layers
 from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
+from gram_haiku._src.ops.conv import im2col
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import relative_error as rel_err
@@ -625,3 +626,43 @@ def test_rule_hooks_answer_in_any_mode(mode):
   assert_gram_close(gram, want)
   np.testing.assert_allclose(sq, np.diag(np.asarray(want)), rtol=1e-4,
                              atol=1e-6 * float(np.abs(want).max()))
+
+
+def _random_conv_args(rng, n):
+  kernel = tuple(int(v) for v in rng.integers(1, 4, n))
+  args = dict(window_strides=tuple(int(v) for v in rng.integers(1, 3, n)),
+              rhs_dilation=tuple(int(v) for v in rng.integers(1, 3, n)))
+  if rng.random() < 0.4:  # A transposed conv's form: input dilation.
+    args["lhs_dilation"] = tuple(int(v) for v in rng.integers(1, 3, n))
+    args["padding"] = tuple((int(a), int(b)) for a, b in
+                            rng.integers(0, 3, (n, 2)))
+  else:
+    args["lhs_dilation"] = (1,) * n
+    args["padding"] = (["SAME", "VALID"] + [tuple(
+        (int(a), int(b)) for a, b in rng.integers(-1, 3, (n, 2)))])[
+            rng.integers(0, 3)]
+  return kernel, args
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_im2col_equals_the_patches_convolution(n):
+  """The slice-built patches are ``lax.conv_general_dilated_patches``'
+  exactly (values, feature order, output positions), for random strides,
+  kernel and input dilations and paddings (negative ones included)."""
+  rng = np.random.default_rng(n)
+  spec = (0, n + 1) + tuple(range(1, n + 1))
+  dn = lax.ConvDimensionNumbers(spec, (n + 1, n) + tuple(range(n)), spec)
+  checked = 0
+  for _ in range(8):
+    kernel, args = _random_conv_args(rng, n)
+    spatial = tuple(int(v) for v in rng.integers(2, 7, n))
+    x = _normal(rng, (2,) + spatial + (3,), jnp.float32)
+    want = jax.jit(lambda x, kernel=kernel, args=args:
+                   lax.conv_general_dilated_patches(
+                       x, kernel, dimension_numbers=dn,
+                       precision=lax.Precision.HIGHEST, **args))(x)
+    got = jax.jit(lambda x, kernel=kernel, args=args: im2col(
+        x, kernel, **args))(x)
+    np.testing.assert_array_equal(got, want)
+    checked += 1
+  assert checked == 8

@@ -43,8 +43,7 @@ def _case_names():
 
 
 # The runner starts once per pytest run, whatever the number of xdist
-# workers (conformance.runner); its tests go to one worker.
-@pytest.mark.xdist_group("distributed-cases")
+# workers (conformance.runner).
 @pytest.mark.parametrize("case", _case_names())
 def test_sharded_case(case, records):
   rec = {r["case"]: r for r in records.get()}.get(case)

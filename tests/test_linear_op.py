@@ -13,6 +13,7 @@ from gram_haiku import gram_linear
 from gram_haiku._src import errors
 from gram_haiku._src import cost_model
 from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
@@ -412,3 +413,58 @@ def test_no_example_axis_error():
 def test_error_messages_are_constants():
   assert "{module}" in errors.PROBE_SHAPE_MISMATCH
   assert "{module}" in errors.SHARED_LAYER
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("t", [1, 3])
+def test_per_example_mode_is_the_flattened_reference(with_bias, t):
+  """``mode="per_example"``: the probe's cotangent is ``F`` itself (``w``
+  then ``b``, each flattened), with the bias folded into the product."""
+  p, x, y = _problem(3, t=t, with_bias=with_bias)
+  def loss(p, probe, x, y):
+    return _head(_tracked(p, probe, x, mode="per_example"), y)
+  width = sum(a.size for a in jax.tree.leaves(p))
+  f = jax.jit(jax.grad(loss, argnums=1))(p, jnp.zeros((5, width)), x, y)
+  # The reference's columns follow jax.tree.leaves(p): "b" before "w".
+  want = np.asarray(per_example_grads(_plain_loss, p, x, y), np.float64)
+  if with_bias:
+    m = p["b"].size
+    want = np.concatenate([want[:, m:], want[:, :m]], axis=1)
+  np.testing.assert_allclose(f, want, rtol=1e-5, atol=1e-6)
+
+
+def _concatenates_of(hlo: str, shape: str) -> list[str]:
+  return [l for l in hlo.splitlines()
+          if " concatenate(" in l and f"f32[{shape}]" in l.split("=")[1]]
+
+
+def test_per_example_gradients_in_a_loop_make_no_b_by_p_copy():
+  """An RNN-style loop accumulating one layer's per-example gradients
+  (``[B, P]`` carry): the step writes the outer product ``[x, 1] (x) d`` in
+  one pass; no ``[B, P]`` concatenate of the weight and bias gradients."""
+  b, n, m, steps = 4, 6, 5, 3
+  p, x, y = _problem(4, b=b, t=steps, n=n, m=m)
+
+  def unrolled(layer, x, y):
+    def step(h, xy):
+      xt, yt = xy
+      out = layer(xt + h[:, :1])
+      return jnp.tanh(out), _head(out, yt)
+    _, losses = jax.lax.scan(step, jnp.zeros((x.shape[0], m)),
+                             (jnp.swapaxes(x, 0, 1), jnp.swapaxes(y, 0, 1)))
+    return losses.sum()
+
+  def loss(p, probe, x, y):
+    return unrolled(lambda h: _tracked(p, probe, h, mode="per_example"), x, y)
+  width = n * m + m
+  fn = jax.jit(jax.grad(loss, argnums=1))
+  hlo = fn.lower(p, jnp.zeros((b, width)), x, y).compile().as_text()
+  assert not _concatenates_of(hlo, f"{b},{width}"), _concatenates_of(
+      hlo, f"{b},{width}")
+  assert not _concatenates_of(hlo, f"{b},{n + 1},{m}")
+  # The result: each example's gradient over the whole sequence.
+  want = np.asarray(per_example_grads(
+      lambda p, x, y: unrolled(lambda h: h @ p["w"] + p["b"], x, y), p, x, y))
+  got = np.asarray(fn(p, jnp.zeros((b, width)), x, y))
+  np.testing.assert_allclose(np.concatenate([got[:, -m:], got[:, :-m]], 1),
+                             want, rtol=1e-5, atol=1e-6)
