@@ -220,8 +220,9 @@ def build(bench, method: str, hidden=(512, 512)) -> Callable[[], object]:
                    f"{TORCH_METHODS}.")
 
 
-def reference_sq_norms(bench, hidden=(512, 512)) -> np.ndarray:
-  """Squared per-example gradient norms by ``torch.func.vmap(grad)``."""
+def reference_per_example_grads(bench, hidden=(512, 512)) -> list[np.ndarray]:
+  """Per-example gradients ``[B, *p.shape]`` of each parameter, in
+  ``model.parameters()`` order, by ``torch.func.vmap(grad)``, float64."""
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
   from torch.func import functional_call, grad, vmap  # pylint: disable=g-import-not-at-top
@@ -234,8 +235,12 @@ def reference_sq_norms(bench, hidden=(512, 512)) -> np.ndarray:
     out = functional_call(model, p, (xi[None],))
     return F.cross_entropy(out, yi[None], reduction="sum")
   per = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-  return sum((g.reshape(g.shape[0], -1) ** 2).sum(1) for g in per.values()
-             ).numpy()
+  return [g.double().numpy() for g in per.values()]
+
+
+def reference_sq_norms(bench, hidden=(512, 512)) -> np.ndarray:
+  """Squared per-example gradient norms by ``torch.func.vmap(grad)``."""
+  return _sq_norms_of(reference_per_example_grads(bench, hidden))
 
 
 def _clip() -> float:
@@ -246,22 +251,15 @@ def _clip() -> float:
 def reference_clipped_sum(bench, hidden=(512, 512)) -> list[np.ndarray]:
   """``sum_i min(1, C/|g_i|) g_i`` per parameter, from
   ``torch.func.vmap(grad)``, in float64."""
-  import torch  # pylint: disable=g-import-not-at-top
-  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
-  from torch.func import functional_call, grad, vmap  # pylint: disable=g-import-not-at-top
-  torch.manual_seed(0)
-  model = _model(bench.name, hidden=hidden)
-  x, y = _data(bench)
-  params = {k: v.detach() for k, v in model.named_parameters()}
-
-  def loss_one(p, xi, yi):
-    out = functional_call(model, p, (xi[None],))
-    return F.cross_entropy(out, yi[None], reduction="sum")
-  per = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-  per = [g.double().numpy() for g in per.values()]
-  norms = np.sqrt(sum((g.reshape(g.shape[0], -1) ** 2).sum(1) for g in per))
+  per = reference_per_example_grads(bench, hidden)
+  norms = np.sqrt(_sq_norms_of(per))
   c = np.minimum(1.0, _clip() / np.maximum(norms, 1e-30))
   return [np.tensordot(c, g, axes=1) for g in per]
+
+
+def _sq_norms_of(per) -> np.ndarray:
+  """``[B]`` squared norms of per-example gradients ``[B, ...]`` (a list)."""
+  return sum((g.reshape(g.shape[0], -1) ** 2).sum(1) for g in per)
 
 
 def check(bench, method: str, out, hidden=(512, 512), rtol=1e-3):
