@@ -14,7 +14,8 @@ channels, stride ``s``, kernel dilation (rate) ``r``, input (lhs) dilation
 
     X~[i, p, (c, k)] = pad(dilate_l(x_i))[s * p + r * k, c]
 
-(``jax.lax.conv_general_dilated_patches`` computes it, features ordered
+(:func:`im2col` builds it from strided slices, exactly as
+``jax.lax.conv_general_dilated_patches`` would: features ordered
 channel-major ``(c, k)``), and the output is ``y[i, p, o] = sum_{c,k}
 X~[i, p, (c, k)] W[k, c, o] + b[o]``. With ``F`` feature groups
 (``C = F Cg``, ``O = F Og``) output channel ``o`` of group ``f`` only reads
