@@ -34,14 +34,13 @@ if "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = " ".join(
       f for f in (os.environ.get("XLA_FLAGS", ""), _FAST_COMPILE) if f)
 
+# The documentation's example processes (tests/test_docs.py) read it from the
+# environment at import; this process has imported JAX already (the pytest
+# plugin's package did), so it is also set here.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-# Through the environment, so that the documentation's example processes
-# (tests/test_docs.py) compile the same way.
-os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-jax.config.update("jax_disable_most_optimizations",
-                  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in
-                  ("0", "false", "False"))
+jax.config.update("jax_disable_most_optimizations", True)
 
 # The documented third-party example runs every family in our own run, as a
 # registered op (the sharded family's runner imports this module for it).

@@ -76,6 +76,12 @@ def registered_ops() -> list[OpSpec]:
   return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
+def numpy_rng(key) -> np.random.Generator:
+  """A numpy generator seeded by the JAX PRNG ``key`` (its key data)."""
+  return np.random.default_rng(
+      np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+
 def normal(key, shape, dtype):
   """Standard normal draws of ``shape`` (float32, then cast to ``dtype``),
   seeded by the JAX PRNG ``key``.
@@ -83,7 +89,6 @@ def normal(key, shape, dtype):
   Drawn by numpy: ``jax.random.normal`` outside jit compiles a program per
   shape and dtype, which is most of a small check's time.
   """
-  seed = np.asarray(jax.random.key_data(key)).ravel().tolist()
-  values = np.random.default_rng(seed).standard_normal(shape, np.float32)
+  values = numpy_rng(key).standard_normal(shape, np.float32)
   # device_put: jnp.asarray of a numpy array compiles a program per shape.
   return jax.device_put(values.astype(jnp.dtype(dtype)))

@@ -4,7 +4,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conformance.plugin import thorough
 from conformance.registry import normal as _normal
+from conformance.registry import numpy_rng
+
+#: ``jit`` values of a test that runs eagerly and under jit: the eager
+#: variant in the nightly budget (``--conformance-thorough``). The default
+#: run keeps eager coverage where eagerness is the point: the explicitly
+#: batched MLP, tied embeddings, the refusal tests, the conformance
+#: ``jit_none`` layouts and the zoo's ``eager`` style.
+JIT_CASES = [False, True] if thorough() else [True]
 
 
 def normal(key, shape, dtype=jnp.float32):
@@ -15,16 +24,14 @@ def normal(key, shape, dtype=jnp.float32):
 
 def uniform(key, shape, minval=0.0, maxval=1.0):
   """Uniform float32 draws in ``[minval, maxval)``, drawn by numpy."""
-  rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
-                              .tolist())
-  return jax.device_put(rng.uniform(minval, maxval, shape).astype(np.float32))
+  return jax.device_put(numpy_rng(key).uniform(minval, maxval, shape)
+                        .astype(np.float32))
 
 
 def randint(key, shape, minval, maxval):
   """int32 draws in ``[minval, maxval)``, drawn by numpy."""
-  rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()
-                              .tolist())
-  return jax.device_put(rng.integers(minval, maxval, shape).astype(np.int32))
+  return jax.device_put(numpy_rng(key).integers(minval, maxval, shape)
+                        .astype(np.int32))
 
 
 def data(seed, shape, out_dim):

@@ -479,7 +479,7 @@ def test_track_registers_the_method_defining_classes():
       conv_layers.conv_nd_transpose)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_track_conv2d_jit(jit):
   model = lambda x: hk.Conv2D(3, 3, stride=2, **_I)(jnp.tanh(
       hk.Conv2DTranspose(2, 2, stride=2, **_I)(x)))

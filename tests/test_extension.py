@@ -36,7 +36,7 @@ def _losses():
   return hk.transform_with_state(tracked), hk.transform(plain)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_registered_module_gram_matches_reference(jit):
   x, y = _problem()
   tracked, plain = _losses()

@@ -158,7 +158,7 @@ def _embed(ids, y):
 
 
 @pytest.mark.parametrize("name", ["mlp", "conv", "embed"])
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_empty_batch_gives_empty_grams_and_zero_grads(name, jit):
   key = jax.random.PRNGKey(5)
   if name == "embed":
@@ -289,7 +289,7 @@ def test_new_error_messages_say_what_to_do():
 # -- forward-mode linearisation ------------------------------------------------
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_linearize_of_a_tracked_loss(jit):
   x, y = _data(14, (3, 4), 2)
   ids = problems.randint(jax.random.PRNGKey(15), (3, 2), 0, 5)

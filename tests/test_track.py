@@ -77,7 +77,7 @@ def test_sequence_explicit():
   _check(_mlp, x, y)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_sequence_hk_vmap_depth_1(jit):
   x, y = _data(2, (6, 4, 5), 3)
   _check(hk.vmap(_mlp, split_rng=False), x, y, jit=jit)
@@ -227,7 +227,7 @@ def _raw_probe_grad(f, params, state, *args):
   return jax.grad(loss)(probes)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_module_called_twice_has_cross_terms(jit):
   # C09 (a): one hk.Linear applied to x and to x**2/5. Its per-example
   # gradient is the sum over both calls: the Gram needs the cross terms.
@@ -349,7 +349,7 @@ def test_explicit_layer_then_inner_heads_vmap_same_size_is_an_error():
   _check(model, x, y, example_axis=0)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_norms_mode(jit):
   x, y = _data(22, (6, 3, 5), 3)
   def model(x):

@@ -271,32 +271,18 @@ def gram_matmul(a: jax.Array, b: jax.Array,
 
 
 
-def per_example_linear_grads(x: jax.Array, d: jax.Array):
-  """Per-example gradients ``(B, N, M)`` of ``w`` and ``(B, M)`` of ``b``.
-
-  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype. At one
-  position (``T = 1``, e.g. an RNN step) each is an outer product, written
-  as a broadcast multiply that XLA fuses with whatever consumes it (the
-  accumulation into a per-example probe: one pass over ``B x P``).
-  """
-  if x.shape[1] == 1:
-    return x[:, 0, :, None] * d[:, 0, None, :], d[:, 0]
-  gw = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
-  return gw, d.sum(axis=1)
-
-
-
-def per_example_linear_grads_folded(x: jax.Array, d: jax.Array,
-                                    with_bias: bool) -> jax.Array:
+def per_example_linear_grads(x: jax.Array, d: jax.Array,
+                             with_bias: bool) -> jax.Array:
   """Per-example gradients of ``w`` and ``b`` as one ``(B, N (+1), M)`` array.
 
-  ``x: (B, T, N)``, ``d: (B, T, M)`` as in :func:`per_example_linear_grads`.
-  With a bias, the input gets a constant feature 1 (``[x, 1]``), so row
-  ``N`` is ``sum_t d`` (the bias gradient) and ``reshape(B, -1)`` is the
-  flattened ``(w, b)`` gradient, ``w`` first. Concatenating the two
-  gradients instead would copy the ``B x P`` result once more, a pass that
-  XLA does not fuse with the product (nor with its accumulation into a
-  per-example probe in a loop).
+  ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype. With a
+  bias, the input gets a constant feature 1 (``[x, 1]``), so row ``N`` is
+  ``sum_t d`` (the bias gradient) and ``reshape(B, -1)`` is the flattened
+  ``(w, b)`` gradient, ``w`` first. Concatenating two separate gradients
+  instead would copy the ``B x P`` result once more, a pass that XLA does
+  not fuse with the product (nor with its accumulation into a per-example
+  probe in a loop). At one position (``T = 1``, e.g. an RNN step) it is an
+  outer product, a broadcast multiply that XLA fuses with its consumer.
   """
   if with_bias:
     # ones_like keeps x's sharding (rows placed on an Explicit mesh).

@@ -85,8 +85,9 @@ class GramLinear(base.GramOp):
 
   def per_example_grads(self, x, g, params, example_dim):
     xm, dm = self._factors(x, g, example_dim)
-    gw, gb = kernels.per_example_linear_grads(xm, dm)
-    return (gw,) if params[1] is None else (gw, gb)
+    with_bias = params[1] is not None
+    return _split_folded(kernels.per_example_linear_grads(xm, dm, with_bias),
+                         xm.shape[-1], with_bias)
 
   def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
     """Materialised per-example gradients also give ``dw`` and ``db``.
@@ -106,9 +107,8 @@ class GramLinear(base.GramOp):
       fn = (kernels.linear_sq_norms if self.mode == "norms"
             else kernels.linear_gram)
       return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
-    folded = kernels.per_example_linear_grads_folded(xm, dm, with_bias)
-    n = xm.shape[-1]
-    grads = ((folded[:, :n], folded[:, n]) if with_bias else (folded,))
+    folded = kernels.per_example_linear_grads(xm, dm, with_bias)
+    grads = _split_folded(folded, xm.shape[-1], with_bias)
     value = self.probe_value(folded.reshape(size, -1), cfg)
     if positions == 1:
       # One position: the per-example gradients are outer products, and
@@ -119,6 +119,12 @@ class GramLinear(base.GramOp):
       if i in wanted and p is not None:
         provided[i] = kernels.example_sum(pe).astype(p.dtype)
     return value, provided
+
+
+def _split_folded(folded, n: int, with_bias: bool):
+  """``(dw,)`` or ``(dw, db)`` per example from
+  :func:`kernels.per_example_linear_grads`' ``(B, N (+1), M)``."""
+  return (folded[:, :n], folded[:, n]) if with_bias else (folded,)
 
 
 def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
