@@ -241,13 +241,13 @@ def test_modes_follow_the_cost_model():
   """Unshared layers keep factors where they are smaller than the
   per-example gradients (the MLP's), else the per-example gradients (the
   LSTM's head over T=4 steps: 24 factor entries per example against 10
-  parameters); shared ones (the LSTM's gates over time) keep the
-  per-example gradients, which AD sums over the steps. With c = 1 every
-  store gives back the plain gradient."""
+  parameters); the LSTM's gates, applied at every step, keep each step's
+  factors in a slot (4 steps x 23 entries against 128 parameters). With
+  c = 1 every store gives back the plain gradient."""
   for problem, want in [("mlp", {f"mlp/~/linear_{i}": "factors"
                                  for i in range(3)}),
                         ("lstm", {"linear": "per_example",
-                                  "lstm/linear": "per_example"})]:
+                                  "lstm/linear": "slots"})]:
     f, params, state, batch, _ = PROBLEMS[problem]()
     modes, got = _run(f, params, state, batch,
                       weight_fn=lambda g: jnp.ones_like(g.sq_norms))

@@ -39,12 +39,22 @@ class PassPlan:
       ``"clip"``.
     clips: layer name -> its :class:`~gram_haiku._src.plan.Clip`, for the
       layers in ``"clip"`` mode.
+    raw_traced: in the discovery trace, where ``track()`` records the
+      layer names applied inside a raw JAX transform (``jax.lax.scan``,
+      ``jax.vmap`` opened inside the model): their modules cannot keep a
+      slot counter in Haiku state. None in the real pass.
+    slotted: layer names whose ``"factors"`` probe is a stack of slots, one
+      per application, picked by a counter in the module's state (a module
+      applied at every step of a loop; see
+      :func:`gram_haiku._src.value_grad_and_gram.slotted_modules`).
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
   disabled: bool = False
   modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  raw_traced: Optional[set] = None
+  slotted: frozenset = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

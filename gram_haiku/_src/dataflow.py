@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Mapping, Optional
 
 from gram_haiku._src import errors
@@ -42,6 +43,13 @@ _VALUE_PRESERVING = frozenset({
     "convert_element_type", "copy", "copy_p", "reshape", "squeeze",
     "expand_dims", "device_put", "reduce_precision", "pvary", "pcast",
     "sharding_constraint", "reshard", "mesh_cast",
+})
+
+#: Primitives that call their one sub-program once, with their own inputs.
+_CALLS = frozenset({
+    "pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint",
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+    "shard_map", "named_call",
 })
 
 
@@ -57,12 +65,16 @@ class Source:
       or None when ``exact``.
     sliced: the value is one step's slice of a scanned stack.
     repeated: the value is read again by every step of a loop.
+    trips: how many times per pass the code reading the value runs (the
+      product of the enclosing ``scan`` lengths), None where that is not
+      known (a ``while_loop`` body, a ``cond`` branch).
   """
   leaf: int
   exact: bool = True
   via: Optional[str] = None
   sliced: bool = False
   repeated: bool = False
+  trips: Optional[int] = 1
 
 
 Sources = frozenset  # of Source
@@ -114,6 +126,14 @@ class Discovery:
       (absent, or not computed from a parameter).
     applications: module name -> number of op equations that read its
       probe (a loop body counts once).
+    slot_counts: shared module name -> how many times per pass its op
+      runs (every step of every enclosing ``scan`` counted), for the shared
+      modules whose every application is the same op (same input type and
+      configuration) reading its probe unchanged, where the trip counts
+      are known (no ``while_loop`` or ``cond`` on the way), and whose
+      layer name is its own.
+      Such a module can keep each application's factors in its own slot of
+      a slotted probe (see ``value_grad_and_gram``).
   """
   sizes: Mapping[str, int]
   param_counts: Mapping[str, int]
@@ -127,6 +147,47 @@ class Discovery:
   ops: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  slot_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _signature(op) -> tuple:
+  """What must agree between two applications for their factors to stack:
+  the op's rule and configuration and its input and parameter types."""
+  avals = tuple(None if a is None else (a.shape, a.dtype)
+                for a in op.in_avals[:-1])
+  config = tuple(sorted((k, _comparable(v)) for k, v in op.params.items()
+                        if k != "name"))
+  return type(op), avals, config
+
+
+def _comparable(v):
+  """``functools.partial`` objects compare by identity; two partials of the
+  same function and arguments (a rule built afresh per call) are the same
+  configuration."""
+  if isinstance(v, functools.partial):
+    return (v.func, tuple(_comparable(a) for a in v.args),
+            tuple(sorted((k, _comparable(a)) for k, a in v.keywords.items())))
+  return v
+
+
+def _slot_count(apps, probe_leaf: int) -> Optional[int]:
+  """Runs per pass of these applications of one module, if they can keep
+  their factors in slots of one slotted probe (see :class:`Discovery`)."""
+  total, first = 0, None
+  for app in apps:
+    sources = list(app.probe_sources)
+    if len(sources) != 1:
+      return None
+    s = sources[0]
+    if s.leaf != probe_leaf or not s.exact or s.sliced or s.trips is None:
+      return None
+    sig = _signature(app.op)
+    if first is None:
+      first = sig
+    elif sig != first:
+      return None
+    total += s.trips
+  return total or None
 
 
 def _sub(source: Source, **changes) -> Source:
@@ -195,6 +256,10 @@ class _Walk:
     subs = hx.jaxprs_of(eqn)
     if subs:
       outs = None
+      known = name in _CALLS
+      if not known:  # How often its body runs is not known.
+        ins = [frozenset(_sub(x, trips=None) for x in s) for s in ins]
+        union = frozenset().union(*ins) if ins else frozenset()
       for sub in subs:
         if len(sub.invars) == len(ins):
           res = self.run(sub, ins)
@@ -203,9 +268,7 @@ class _Walk:
         if len(res) == n_out:
           outs = res if outs is None else [a | b for a, b in zip(outs, res)]
       if outs is not None:
-        if name in ("pjit", "jit", "closed_call", "core_call", "remat2",
-                    "checkpoint", "custom_jvp_call", "custom_vjp_call",
-                    "custom_vjp_call_jaxpr", "shard_map", "named_call"):
+        if known:
           return outs
         return [_not_exact(o, name) for o in outs]
     if name != "stop_gradient":  # (no gradient flows through it)
@@ -215,21 +278,25 @@ class _Walk:
   def scan(self, eqn, ins):
     body = eqn.params["jaxpr"].jaxpr
     n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    loops = eqn.params["length"] > 1
+    length = eqn.params["length"]
+    loops = length > 1
+    times = lambda x: None if x.trips is None else x.trips * length
     inner = []
     for k, s in enumerate(ins):
       if k < n_consts + n_carry:
-        inner.append(frozenset(_sub(x, repeated=x.repeated or loops)
-                               for x in s))
+        inner.append(frozenset(
+            _sub(x, repeated=x.repeated or loops, trips=times(x))
+            for x in s))
       else:  # A scanned input: each step reads its own slice.
-        inner.append(frozenset(_sub(x, sliced=True) for x in s))
+        inner.append(frozenset(_sub(x, sliced=True, trips=times(x))
+                               for x in s))
     outs = self.run(body, inner)
     return [_not_exact(o, "scan") for o in outs]
 
   def while_loop(self, eqn, ins):
     cond_n = eqn.params["cond_nconsts"]
     body = eqn.params["body_jaxpr"].jaxpr
-    inner = [frozenset(_sub(x, repeated=True) for x in s)
+    inner = [frozenset(_sub(x, repeated=True, trips=None) for x in s)
              for s in ins[cond_n:]]
     outs = self.run(body, inner)
     return [_not_exact(o, "while") for o in outs]
@@ -238,9 +305,10 @@ class _Walk:
     before = self.uses
     most: collections.Counter = collections.Counter()
     outs = None
+    uncounted = [frozenset(_sub(x, trips=None) for x in s) for s in ins[1:]]
     for branch in eqn.params["branches"]:
       self.uses = collections.Counter()
-      res = self.run(branch.jaxpr, ins[1:])
+      res = self.run(branch.jaxpr, uncounted)
       for k, n in self.uses.items():
         most[k] = max(most[k], n)
       outs = res if outs is None else [a | b for a, b in zip(outs, res)]
@@ -350,9 +418,19 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     if len(modules) > 1:
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
           leaf=leaf_names[leaf], modules=sorted(modules)))
+  slotted = {}
+  for module in shared:
+    if (module in specs or module not in probe_names or
+        len(layer_names[ops[module].name]) != 1):
+      continue
+    uses = _slot_count(
+        [a for a in walk.applications if module_of(a) == module],
+        num_param_leaves + probe_names.index(module))
+    if uses is not None:
+      slotted[module] = uses
   return Discovery(sizes=sizes, param_counts=counts, shared=frozenset(shared),
                    vmapped=vmapped, modes=modes, example_specs=specs,
                    probe_dtypes=dtypes,
                    shared_layer_names=frozenset(shared_names),
                    untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
-                   applications=dict(n_apps))
+                   applications=dict(n_apps), slot_counts=slotted)

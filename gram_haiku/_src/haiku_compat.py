@@ -23,6 +23,7 @@ from haiku._src import utils as _utils
 __all__ = [
     "current_frame",
     "inside_transform",
+    "inside_raw_jax_transform",
     "module_scope",
     "compute_adjusted_padding",
     "calculate_bias_shape",
@@ -51,6 +52,17 @@ def current_frame():
 def inside_transform() -> bool:
   """Whether the caller runs inside ``hk.transform`` (a Haiku frame)."""
   return _base.inside_transform()
+
+
+def inside_raw_jax_transform() -> bool:
+  """Whether the caller is traced by a JAX transform opened inside the
+  Haiku frame without Haiku's lifted version (``jax.lax.scan`` rather than
+  ``hk.scan``, ``jax.vmap`` rather than ``hk.vmap``): Haiku state set there
+  would leak that transform's tracers. Haiku's lifted transforms record
+  the JAX trace they open (the check of ``hk.config(check_jax_usage=True)``
+  compares the same two levels)."""
+  frame = _base.current_frame()
+  return _base.JaxTraceLevel.current() != frame.jax_trace_stack.peek()
 
 
 def error_if_param_axis_not_explicit() -> bool:

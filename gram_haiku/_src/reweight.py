@@ -52,6 +52,7 @@ class PassResult:
     weights: module name -> the ``(B,)`` weights its gradient was formed
       with (one vector for all modules unless clipped per layer).
     modes: module name -> what the layer kept (``"factors"``,
+      ``"slots"``: the factors of each of its applications, or
       ``"per_example"``) or ``"clip"``.
   """
   value: Any
@@ -137,8 +138,14 @@ def _frozen_modules(found, names, frozen_names: set, fn_name: str) -> set:
   return out
 
 
-def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips):
-  """``(modes, probe shapes)``: what each live module keeps in the pass."""
+def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
+            slotted):
+  """``(modes, probe shapes)``: what each live module keeps in the pass.
+
+  ``slotted``: modules applied several times that keep each application's
+  factors in a slot of a ``[U, B, K]`` probe (mode ``"slots"``; see
+  :func:`gram_haiku._src.value_grad_and_gram.slotted_modules`).
+  """
   found = t.found
   by_name: dict[str, set] = {}
   for m in live:
@@ -149,6 +156,10 @@ def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips):
     op, p = found.ops[m], t.probes[m]
     lead = tuple(p.shape[:p.ndim - vgg._probe_ndim(p, found, m)])  # pylint: disable=protected-access
     dtype = found.probe_dtypes.get(m, p.dtype)
+    if m in slotted:
+      modes[m] = "slots"
+      shapes[m] = (slotted[m], t.size, op.factor_width())
+      continue
     modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
                         m in layer_clips, dtype)
     width = op.num_params() if modes[m] == "per_example" else (
@@ -171,25 +182,33 @@ def _fresh_probe(t: vgg.TracedLoss, m: str, mode: str, shape, mask, axes):
 
 
 def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
-  """``{module: (x, g, op params)}`` of the modules that kept factors."""
+  """``{module: (rule, x, g, op params)}`` of the modules that kept
+  factors; a slotted module's ``U`` applications are one application of
+  ``rule`` (:func:`gram_haiku._src.value_grad_and_gram.open_slots`)."""
   out = {}
   for m in live:
+    op = t.found.ops[m]
     if modes[m] == "factors":
-      op = t.found.ops[m]
-      out[m] = (*op.split_factors(stores[m]),
-                bk.op_params(op, leaves, t.found.param_leaves[m]))
+      opened = (op, *op.split_factors(stores[m]))
+    elif modes[m] == "slots":
+      opened = vgg.open_slots(op, stores[m])
+    else:
+      continue
+    out[m] = (*opened, bk.op_params(op, leaves, t.found.param_leaves[m]))
   return out
 
 
 def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
-           axes, coverage) -> Grams:
+           axes, coverage, slots_used, slotted) -> Grams:
   """Each live module's Gram (or squared norms) from what it kept."""
   want = "gram" if needs == "gram" else "norms"
   full, diag = {}, {}
   for m in live:
-    op, g = t.found.ops[m], stores[m]
-    if modes[m] == "factors":
-      val = bk.from_factors(op, *factors[m], want)
+    g = stores[m]
+    if modes[m] in ("factors", "slots"):
+      val = bk.from_factors(*factors[m], want)
+      if modes[m] == "slots":
+        val = vgg.guard_slots(val, slots_used[m], slotted[m])
     elif modes[m] == "per_example":
       val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
     else:
@@ -206,8 +225,8 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
     grads[k] = ct  # Clipped inside the backward rule.
   for m in live:
     op, g, idx = t.found.ops[m], stores[m], t.found.param_leaves[m]
-    if modes[m] == "factors":
-      cts = bk.recontract_factors(op, *factors[m], weights[m])
+    if modes[m] in ("factors", "slots"):
+      cts = bk.recontract_factors(*factors[m], weights[m])
     elif modes[m] == "per_example":
       cts = bk.recontract_per_example(op, g, weights[m])
     else:
@@ -243,7 +262,10 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   cold = _frozen_modules(found, names, frozen_names, fn_name)
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
   layer_clips = dict(clips(live)) if clips is not None else {}
-  modes, shapes = _stores(t, live, needs, axes, layer_clips)
+  slotted = {m: u for m, u in vgg.slotted_modules(found, axes,
+                                                    params).items()
+             if m in live}
+  modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted)
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
   diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
@@ -259,22 +281,29 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     for k, v in zip(diff_idx, diff_leaves):
       full[k] = v
     p = jax.tree_util.tree_unflatten(treedef, full)
-    return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args, kwargs)
+    return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args, kwargs,
+                     slots)
 
+  slots = vgg.slot_state(slotted)
   pass_plan = ambient.PassPlan(
-      column_axes=axes, modes={found.ops[m].name: modes[m] for m in live},
+      column_axes=axes,
+      modes={found.ops[m].name: "factors" if modes[m] == "slots"
+             else modes[m] for m in live},
       clips={found.ops[m].name: layer_clips[m] for m in live
-             if modes[m] == "clip"})
+             if modes[m] == "clip"},
+      slotted=frozenset(found.ops[m].name for m in slotted))
   with ambient.running(pass_plan):
     (value, (aux, new_state)), (clip_grads, stores) = jax.value_and_grad(
         loss, argnums=(0, 1), has_aux=True)([leaves[k] for k in diff_idx],
                                             diff_probes)
   if has_aux:
     value = (value, aux)
+  new_state, slots_used = vgg.restore_state(new_state, t.probes, slotted)
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
   factors = _open_factors(t, live, modes, stores, leaves)
-  grams = _grams(t, live, modes, stores, factors, needs, axes, coverage)
+  grams = _grams(t, live, modes, stores, factors, needs, axes, coverage,
+                 slots_used, slotted)
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
     if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):

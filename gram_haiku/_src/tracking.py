@@ -38,6 +38,9 @@ from gram_haiku._src.plan import Plan
 
 #: Name of the probe entry in each tracked module's ``hk.State``.
 PROBE_NAME = "gram_probe"
+#: The slot counter of a slotted probe (only during a
+#: ``value_grad_and_gram`` pass, which adds and removes it).
+SLOT_NAME = "gram_slot"
 
 TRACK_MODES = ("gram", "norms")
 
@@ -91,6 +94,17 @@ class LayerCall:
         :func:`gram_haiku.value_grad_and_gram`).
     """
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
+
+
+def _next_slot() -> jax.Array:
+  """This application's slot ``[B, K]`` of the module's slotted probe
+  ``[U, B, K]``; advances the module's slot counter. Inside ``hk.scan``
+  (``hk.dynamic_unroll``) the counter is part of the carried state, so every
+  step gets its own slot."""
+  stack = hk.get_state(PROBE_NAME)
+  slot = hk.get_state(SLOT_NAME)
+  hk.set_state(SLOT_NAME, slot + 1)
+  return jax.lax.dynamic_index_in_dim(stack, slot, 0, keepdims=False)
 
 
 class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
@@ -270,10 +284,16 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     plan = self._resolve_plan(name, present)
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
+    if self._pass is not None and self._pass.raw_traced is not None and (
+        hkc.inside_raw_jax_transform()):
+      self._pass.raw_traced.add(name)
     with hkc.module_scope(module):
-      probe = self._probe(x, plan.mode,
-                          sum(math.prod(p.shape) for p in present),
-                          [p.dtype for p in present])
+      if self._pass is not None and name in self._pass.slotted:
+        probe = _next_slot()
+      else:
+        probe = self._probe(x, plan.mode,
+                            sum(math.prod(p.shape) for p in present),
+                            [p.dtype for p in present])
     return op(x, *params, probe, name=name, plan=plan)
 
   def _probe(self, x: jax.Array, mode: str, num_params: int, dtypes):

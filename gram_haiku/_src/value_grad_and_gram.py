@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import ambient
+from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import dataflow
 from gram_haiku._src import errors
 from gram_haiku._src import example_flow
@@ -18,9 +20,11 @@ from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
 from gram_haiku._src import plan as plan_lib
 from gram_haiku._src.coverage import ParamCoverage
+from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
+from gram_haiku._src.tracking import SLOT_NAME
 
 State = Mapping[str, Mapping[str, Any]]
 
@@ -228,7 +232,9 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   def traced(p, q, a):
     (rng_, *args_), kwargs_ = rebuild(a)
     return loss(p, q, rng_, tuple(args_), kwargs_)
-  with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen)):
+  raw_traced: set = set()
+  with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen,
+                                        raw_traced=raw_traced)):
     closed = jax.make_jaxpr(traced)(params, probes, arrays)
   live = hx.live_part(closed.jaxpr)  # what the loss depends on (no aux)
   probe_names = [m for m, _ in sorted(probes.items())]
@@ -236,6 +242,9 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
   found = dataflow.discover(live, n_params, leaf_names(params),
                             probe_names, base.GramOp)
+  found = dataclasses.replace(found, slot_counts={
+      m: u for m, u in found.slot_counts.items()
+      if found.ops[m].name not in raw_traced})
 
   def check_examples(strict: bool = False) -> bool:
     """Follows the examples; True when every layer was verified
@@ -264,8 +273,9 @@ class TracedLoss:
     rest: the Haiku state without its probes.
     probes: ``{module: probe}`` from the state (varying over the mesh axes
       inside ``shard_map``).
-    loss_of: ``loss_of(params, probes, rng, args, kwargs) -> (value,
-      (aux, new_state))``.
+    loss_of: ``loss_of(params, probes, rng, args, kwargs, extra=None) ->
+      (value, (aux, new_state))``; ``extra``: more state entries, ``{module:
+      {name: value}}`` (the slot counters of slotted probes).
     found: the :class:`~gram_haiku._src.dataflow.Discovery` of its program.
     seen: the coverage its ``track()`` contexts reported.
     size: ``B``, the size of the example axis.
@@ -295,9 +305,11 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     raise ValueError(errors.NO_PROBES)
   n_devices = _check_mesh_axes(axes)
 
-  def loss_of(params, probes, rng, args, kwargs):
-    out, new_state = apply_fn(params, merge_probes(rest, probes), rng,
-                              *args, **kwargs)
+  def loss_of(params, probes, rng, args, kwargs, extra=None):
+    state = merge_probes(rest, probes)
+    for m, entries in (extra or {}).items():
+      state.setdefault(m, {}).update(entries)
+    out, new_state = apply_fn(params, state, rng, *args, **kwargs)
     value, aux = out if has_aux else (out, None)
     if jnp.shape(value) != ():
       raise ValueError(errors.NOT_SCALAR.format(
@@ -313,6 +325,109 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
         modules=", ".join(sorted(probes))))
   size = _check_example_axes(found, check_examples(strict))
   return TracedLoss(rest, probes, loss_of, found, seen, size, n_devices)
+
+
+def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
+                    params) -> dict:
+  """The shared modules that keep each application's factors in a slot of
+  a slotted probe: ``{module: number of slots}``.
+
+  A module applied at every step of ``hk.dynamic_unroll`` (or called several
+  times with the same input type) is shared, so its Gram needs the cross
+  terms between its applications. Accumulating its per-example gradients
+  (probe ``[B, P]``) adds a ``B x P`` buffer at every step. Instead, each of
+  its ``U`` applications writes its factors (input and output cotangent,
+  ``K`` entries per example; :meth:`GramOp.factor_matrix`) into its own slot
+  of a ``[U, B, K]`` probe, chosen by a counter in the module's state, and
+  the Gram is formed once after the pass, from all ``U`` applications taken
+  as one application with a within-example axis of size ``U`` (cross terms
+  exact: the rule sums over within-example axes). Chosen where the trip
+  counts are known (:attr:`Discovery.slot_counts`), the slots are smaller
+  than the per-example gradients (``U K < P``, as
+  :func:`gram_haiku._src.cost_model.bookkeeping_method` chooses stores), the
+  input survives the probe's float dtype, and on one device (no mesh axes,
+  no Explicit sharding of the examples).
+  """
+  if axes:
+    return {}
+  leaves = jax.tree_util.tree_leaves(params)
+  out = {}
+  for m, uses in found.slot_counts.items():
+    op = found.ops[m].in_mode("factors")
+    idx = found.param_leaves.get(m, ())
+    if any(a is not None and (k is None or k >= len(leaves))
+           for a, k in zip(op.param_avals, idx)):
+      continue
+    if not op.factors_exact(found.probe_dtypes.get(m, jnp.float32)):
+      continue
+    if uses * op.factor_width() < op.num_params():
+      out[m] = uses
+  return out
+
+
+def open_slots(op, f):
+  """The ``U`` applications kept in a slotted probe, as one application.
+
+  Args:
+    op: the module's op (its per-application input type).
+    f: ``[U, B, K]``, the slotted probe's cotangent: each application's
+      factors (:meth:`GramOp.factor_matrix`).
+
+  Returns:
+    ``(whole, x, g)``: the same rule for inputs ``x: [B, U, ...]`` (in the
+    op's input dtype) with output cotangents ``g: [B, U, ...]`` (in the
+    accumulation dtype), example axis first, then the applications as a
+    within-example axis (the rule sums over those, so the cross terms
+    between applications are exact).
+  """
+  e = op.example_axis.resolved_position()
+  rest = lambda shape: list(shape[:e]) + list(shape[e + 1:])
+  u, b = f.shape[:2]
+  n = math.prod(op.x_aval.shape) // max(b, 1)
+  x = f[..., :n].reshape([u, b] + rest(op.x_aval.shape))
+  g = f[..., n:].reshape([u, b] + rest(op.out_aval.shape))
+  x = jnp.swapaxes(x, 0, 1).astype(op.x_aval.dtype)
+  g = jnp.swapaxes(g, 0, 1)
+  whole = op.rebuild(op.x_aval.update(shape=x.shape, dtype=x.dtype),
+                     ExampleAxis.from_spec(0))
+  return whole, x, g
+
+
+def guard_slots(value, slots_used, slots: int):
+  """``value`` if the module's slot counter after the pass reached the
+  count read from the program, else NaN: never a Gram (or gradient) that
+  misses applications."""
+  return jnp.where(slots_used == slots, value,
+                   jnp.asarray(jnp.nan, value.dtype))
+
+
+def slot_state(slotted: Mapping[str, int]) -> dict:
+  """The slot counters a pass adds to the state (``loss_of``'s ``extra``)."""
+  return {m: {SLOT_NAME: jnp.zeros((), jnp.int32)} for m in slotted}
+
+
+def restore_state(new_state, probes: Mapping[str, Any],
+                  slotted: Mapping[str, int]):
+  """``(state, slots used)``: the pass's new state with the slot counters
+  removed and the slotted probes replaced by the caller's own ``probes``
+  (so that the state can be fed back as given)."""
+  if not slotted:
+    return new_state, {}
+  new_state = {m: dict(v) for m, v in new_state.items()}
+  used = {m: new_state[m].pop(SLOT_NAME) for m in slotted}
+  for m in slotted:
+    new_state[m][PROBE_NAME] = probes[m]
+  return new_state, used
+
+
+def from_slots(op, f, params, mode: str, slots_used, slots: int):
+  """The Gram (or squared norms) of a module from its slotted probe's
+  cotangent ``f: [U, B, K]`` (see :func:`slotted_modules`,
+  :func:`open_slots`); NaN unless ``slots_used == slots``
+  (:func:`guard_slots`)."""
+  whole, x, g = open_slots(op, f)
+  return guard_slots(bk.from_factors(whole, x, g, params, mode), slots_used,
+                     slots)
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -368,16 +483,17 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes)
     found, size, n_devices = t.found, t.size, t.n_devices
 
-    def loss(params, probes):
-      return t.loss_of(params, probes, rng, args, kwargs)
-
     probes, seen = t.probes, t.seen
+    slotted = slotted_modules(found, axes, params)
     shapes, owns = {}, {}
     for m, p in probes.items():
       mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
       own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
       if mode == "gram":
         own = (size, size * n_devices)  # This device's rows.
+      if m in slotted:
+        own = (slotted[m], size,
+               found.ops[m].in_mode("factors").factor_width())
       shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
       owns[m] = len(own)
     probes = {m: _rows_sharded(jnp.zeros(shapes[m],
@@ -387,15 +503,29 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     if axes:  # Each device has its own rows: the probes vary over `axes`.
       probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     shared = {n: "per_example" for n in found.shared_layer_names}
-    with ambient.running(ambient.PassPlan(column_axes=axes, modes=shared)):
+    slotted_names = frozenset(found.ops[m].name for m in slotted)
+    shared.update({n: "factors" for n in slotted_names})
+    slots = slot_state(slotted)
+
+    def loss(params, probes):
+      return t.loss_of(params, probes, rng, args, kwargs, slots)
+    with ambient.running(ambient.PassPlan(column_axes=axes, modes=shared,
+                                          slotted=slotted_names)):
       (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
           loss, argnums=(0, 1), has_aux=True)(params, probes)
     if has_aux:
       value = (value, aux)
+    new_state, used = restore_state(new_state, t.probes, slotted)
+    leaves = jax.tree_util.tree_leaves(params)
     full, diag = {}, {}
     for m, g in probe_grads.items():
       mode = found.modes.get(m, "gram")
-      if m in found.shared:
+      if m in slotted:
+        op = found.ops[m].in_mode("factors")
+        g = from_slots(op, g, bk.op_params(op, leaves,
+                                             found.param_leaves[m]),
+                         mode, used[m], slotted[m])
+      elif m in found.shared:
         g = _from_per_example(g, mode, axes)
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
