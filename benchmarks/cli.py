@@ -61,13 +61,14 @@ def parser() -> argparse.ArgumentParser:
                  "(default: %(default)s)")
   p.add_argument("--model", type=_csv("model", models.MODEL_NAMES),
                  default=list(models.MODEL_NAMES),
-                 help="comma-separated: mlp,cnn,lm,lstm (default: all)")
+                 help="comma-separated: " + ",".join(models.MODEL_NAMES) +
+                 " (default: all)")
   p.add_argument("--method", type=_csv("method", ALL_METHODS),
                  default=list(ALL_METHODS),
                  help="comma-separated, default all: " + ",".join(ALL_METHODS))
   p.add_argument("--batch_size", type=int, default=None,
                  help="B for every model (default: mlp 128, cnn 64, lm 8, "
-                 "lstm 64)")
+                 "lstm 64, tiny_mlp 32, small_cnn 32, attn64 16)")
   p.add_argument("--seq_len", type=int, default=None,
                  help="T for lm (128) and lstm (32)")
   p.add_argument("--hidden", type=_ints, default=None,

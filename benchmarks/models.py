@@ -20,6 +20,17 @@ analytic FLOP count (:mod:`benchmarks.analytic`).
   of ``f32[B, T, 32]`` inputs (batch major), ``hk.Linear(10)`` on the last
   output (B=64). The LSTM's gate ``hk.Linear`` is applied at every step with
   the same parameters (a shared module).
+
+Small models, where per-layer overheads rather than FLOPs decide and the
+tracked Gram must still be no slower than naive ``vmap(grad)``:
+
+* ``tiny_mlp``: ``hk.nets.MLP`` 64-32-10 on ``f32[B, 64]`` (the digits'
+  size, B=32).
+* ``small_cnn``: 3x3 ``hk.Conv2D`` 8 then 16/2 channels with ReLU, mean
+  pool, ``hk.Linear(10)``, on ``f32[B, 8, 8, 1]`` (B=32).
+* ``attn64``: one pre-LayerNorm transformer block, d=64, 4 heads of 16,
+  MLP 256 with GELU, on ``f32[B, 16, 64]``, mean pool, ``hk.Linear(10)``
+  (B=16).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import numpy as np
 import gram_haiku
 from benchmarks import analytic
 
-MODEL_NAMES = ("mlp", "cnn", "lm", "lstm")
+MODEL_NAMES = ("mlp", "cnn", "lm", "lstm", "tiny_mlp", "small_cnn", "attn64")
 
 
 @dataclasses.dataclass
@@ -207,6 +218,66 @@ def make_lstm(batch_size: int = 64, seq_len: int = 32, features: int = 32,
                f"{features} features")
 
 
+# -- small models ------------------------------------------------------------
+
+def make_tiny_mlp(batch_size: int = 32, seed: int = 0) -> Bench:
+  b = make_mlp(batch_size, hidden=(32,), input_dim=64, seed=seed)
+  return dataclasses.replace(b, name="tiny_mlp")
+
+
+def make_small_cnn(batch_size: int = 32, image: int = 8, classes: int = 10,
+                   seed: int = 0) -> Bench:
+  blocks = ((8, 1), (16, 2))
+
+  def net(x, y):
+    h = x
+    for channels, stride in blocks:
+      h = jax.nn.relu(hk.Conv2D(channels, 3, stride=stride)(h))
+    return xent(hk.Linear(classes)(h.mean(axis=(1, 2))), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, image, image, 1), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  layers, side, cin = [], image, 1
+  for i, (channels, stride) in enumerate(blocks):
+    side = -(-side // stride)
+    layers.append(analytic.Layer("linear", side * side, 9 * cin, channels,
+                                 bias=True, input_grad=i > 0))
+    cin = channels
+  layers.append(analytic.Layer("linear", 1, cin, classes, bias=True))
+  return Bench("small_cnn", net, (jnp.asarray(x), jnp.asarray(y)), layers,
+               batch_size, None,
+               f"CNN {image}x{image}x1, conv3x3 8, conv3x3/2 16, pool, 10")
+
+
+def make_attn64(batch_size: int = 16, seq_len: int = 16, d_model: int = 64,
+                heads: int = 4, classes: int = 10, seed: int = 0) -> Bench:
+  def net(x, y):
+    a = hk.LayerNorm(-1, True, True, name="ln_attn")(x)
+    h = x + hk.MultiHeadAttention(
+        heads, d_model // heads,
+        w_init=hk.initializers.VarianceScaling(1.0), name="attn")(a, a, a)
+    a = hk.LayerNorm(-1, True, True, name="ln_mlp")(h)
+    a = jax.nn.gelu(hk.Linear(4 * d_model, name="mlp_in")(a))
+    h = h + hk.Linear(d_model, name="mlp_out")(a)
+    return xent(hk.Linear(classes, name="head")(h.mean(axis=1)), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, seq_len, d_model), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  t, d = seq_len, d_model
+  spec = [analytic.Layer("norm", t, d, d)]
+  spec += [analytic.Layer("linear", t, d, d, bias=True)] * 4
+  spec += [analytic.Layer("attention", t, d, heads),
+           analytic.Layer("norm", t, d, d),
+           analytic.Layer("linear", t, d, 4 * d, bias=True),
+           analytic.Layer("linear", t, 4 * d, d, bias=True),
+           analytic.Layer("linear", 1, d, classes, bias=True)]
+  return Bench("attn64", net, (jnp.asarray(x), jnp.asarray(y)), spec,
+               batch_size, seq_len,
+               f"Transformer block d={d_model}, {heads} heads, T={seq_len}")
+
+
 def make(name: str, batch_size: Optional[int] = None,
          seq_len: Optional[int] = None,
          hidden: Optional[Sequence[int]] = None, tied: str = "auto") -> Bench:
@@ -226,4 +297,9 @@ def make(name: str, batch_size: Optional[int] = None,
     return make_lm(tied=tied, **kwargs)
   if name == "lstm":
     return make_lstm(**kwargs)
+  kwargs.pop("seq_len", None)
+  small = {"tiny_mlp": make_tiny_mlp, "small_cnn": make_small_cnn,
+           "attn64": make_attn64}
+  if name in small:
+    return small[name](**kwargs)
   raise ValueError(f"Unknown model {name!r}; expected one of {MODEL_NAMES}.")

@@ -30,7 +30,13 @@ TARGETS = (
      1.3, "<="),
     ("LM DP all-layer temp memory / plain", "lm", "dp_all", "temp_ratio",
      1.3, "<="),
-)
+    # Shared modules in loops (issue "performance round 2").
+    ("LSTM full Gram step / plain", "lstm", "gram", "ratio", 3.0, "<="),
+    ("LSTM norms step / plain", "lstm", "norms", "ratio", 1.3, "<="),
+) + tuple(
+    # Never slower than naive vmap(grad) + F F^T, on every model.
+    (f"{m} naive vmap(grad) / full Gram", m, "naive", "naive_speedup", 1.0,
+     ">=") for m in ("cnn", "lm", "lstm", "tiny_mlp", "small_cnn", "attn64"))
 MLP_DESCRIPTION = "MLP 784-512-512-10"
 #: Scaling target: norms temp memory at the largest B.
 SCALING_TARGET = ("MLP B=4096 norms temp memory / plain", 4096, 2.0)

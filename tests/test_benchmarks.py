@@ -76,3 +76,17 @@ def test_unsupported_method_is_reported_not_raised(tmp_path, monkeypatch):
   assert recs["gram"]["status"] == (
       "unsupported: NotImplementedError: no Gram rule for this layer yet")
   assert recs["plain"]["time"]["median_s"] > 0
+
+
+def test_small_models_are_checked_against_naive(tmp_path):
+  """The small models (where per-layer overheads decide) build, and their
+  tracked Gram passes the runner's check against ``vmap(grad)``."""
+  out = tmp_path / "bench"
+  rc = cli.main([*_TINY[2:], "--model", "small_cnn,attn64", "--batch_size",
+                 "4", "--method", "plain,gram", "--no_torch", "--out",
+                 str(out)])
+  assert rc == 0
+  recs = {(r["model"], r["method"]): r for r in _load(out)["records"]}
+  assert set(recs) == {(m, k) for m in ("small_cnn", "attn64")
+                       for k in ("plain", "gram")}
+  assert all(r["status"] == "ok" for r in recs.values()), recs

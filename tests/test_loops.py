@@ -16,9 +16,14 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from conformance.plugin import thorough
+from gram_haiku._src import bookkeeping
+from gram_haiku._src import reweight
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import weighted_sum
 from tests import problems
 
 B, T, F, H = 5, 4, 3, 8
@@ -49,8 +54,9 @@ def _unrolled(core_fn, unroll="dynamic"):
 
 
 def _run(model, x, y, mode="gram", return_state=False):
-  """Tracked pass and reference; returns (grams, the slot counts,
-  new state or None)."""
+  """Tracked pass against the reference ``F`` of the untracked model (its
+  Gram, norms and column sum, the plain gradient); returns (grams, the slot
+  counts chosen, new state or None, the initial state)."""
   def tracked(x, y):
     with gram_haiku.track(mode=mode):
       return _sq(model(x), y)
@@ -64,14 +70,15 @@ def _run(model, x, y, mode="gram", return_state=False):
   value, grads, grams = fn(params, state, None, x, y)
   if return_state:
     value, new_state = value
-  ref = reference_gram(g.apply, params, x, y)
+  ref_f = np.asarray(jax.jit(lambda p: per_example_grads(g.apply, p, x, y))(
+      params), np.float64)
+  ref = ref_f @ ref_f.T
   if mode == "gram":
     assert_gram_close(grams.total, ref)
   np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-4)
-  np.testing.assert_allclose(value, jax.jit(g.apply)(params, x, y),
-                             rtol=1e-6)
-  chex.assert_trees_all_close(grads, jax.jit(jax.grad(g.apply))(params, x, y),
-                              rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(
+      grads, weighted_sum(ref_f, np.ones(len(ref)), params), rtol=1e-4,
+      atol=1e-5 * np.abs(ref_f).max())
   t = vgg.trace_loss(f.apply, False, params, state, None, (x, y), {}, ())
   slots = vgg.slotted_modules(t.found, (), params)
   return grams, slots, (new_state if return_state else None), state
@@ -87,8 +94,20 @@ CORES = {
 }
 
 
-@pytest.mark.parametrize("unroll", ["dynamic", "static", "reverse"])
-@pytest.mark.parametrize("core", sorted(CORES))
+def _core_cases():
+  """Every core under every unroll nightly; by default each core under
+  ``hk.dynamic_unroll``, plus a reversed scan (LSTM) and a Python loop of
+  separate applications (GRU: a rule rebuilt per call)."""
+  out = []
+  for core in sorted(CORES):
+    for unroll in ("dynamic", "static", "reverse"):
+      if thorough() or unroll == "dynamic" or (core, unroll) in (
+          ("lstm", "reverse"), ("gru", "static")):
+        out.append(pytest.param(core, unroll, id=f"{core}-{unroll}"))
+  return out
+
+
+@pytest.mark.parametrize("core,unroll", _core_cases())
 def test_cores_in_loops_match_reference(core, unroll):
   make, want = CORES[core]
   x, y = _data(zlib.crc32(f"{core}/{unroll}".encode()) % 1000)
@@ -202,7 +221,6 @@ def test_slot_count_mismatch_is_nan_not_a_partial_gram():
   t = vgg.trace_loss(f.apply, False, params, state, None, (x, y), {}, ())
   op = t.found.ops["lstm/linear"].in_mode("factors")
   leaves = jax.tree_util.tree_leaves(params)
-  from gram_haiku._src import bookkeeping
   ps = bookkeeping.op_params(op, leaves, t.found.param_leaves["lstm/linear"])
   f_ = problems.normal(jax.random.PRNGKey(1), (T, B, op.factor_width()))
   good = vgg.from_slots(op, f_, ps, "gram", jnp.int32(T), T)
@@ -260,10 +278,6 @@ def test_clipped_and_reweighted_grads_from_slots(core):
   """DP-SGD's clipped sum and a Gram-weighted gradient of a core unrolled
   over T: the gates keep their factors in slots (no per-example gradient
   accumulator) and re-contract them after the pass."""
-  from gram_haiku._src import reweight
-  from gram_haiku._src.reference import clip_reference
-  from gram_haiku._src.reference import per_example_grads
-  from gram_haiku._src.reference import weighted_sum
   make, want = CORES[core]
   x, y = _data(11)
   model = _unrolled(make)
@@ -273,7 +287,8 @@ def test_clipped_and_reweighted_grads_from_slots(core):
   f = hk.transform_with_state(tracked)
   plain = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  ref = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  ref = np.asarray(jax.jit(lambda p: per_example_grads(plain.apply, p, x, y))(
+      params), np.float64)
   norms = np.sqrt(np.sum(ref * ref, axis=1))
   c_norm = float(np.median(norms))
   grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
@@ -299,5 +314,78 @@ def test_clipped_and_reweighted_grads_from_slots(core):
                      weight_fn=lambda g: jnp.ones_like(g.sq_norms))
     modes.update(r.modes)
     return r.grads
-  jax.jit(go)(params, state)
+  jax.eval_shape(go, params, state)  # traced, not run: what each kept
   assert {m: modes[m] for m in want} == {m: "slots" for m in want}
+
+
+def _dead_last_step(x):
+  # A Python loop whose last application's output the loss never uses.
+  lin = hk.Linear(H, name="cell")
+  h, hs = jnp.zeros((x.shape[0], H)), []
+  for t in range(T):
+    h = jnp.tanh(lin(jnp.concatenate([x[:, t], h], -1)))
+    hs.append(h)
+  return hk.Linear(2, name="head")(sum(hs[:-1]))
+
+
+def _dead_warm_up(x):
+  # A call whose output is dropped, then the same module in a scan.
+  lin = hk.Linear(H, name="cell")
+  lin(jnp.zeros((x.shape[0], F + H)))
+  def step(h, xt):
+    return jnp.tanh(lin(jnp.concatenate([xt, h], -1))), None
+  h, _ = hk.scan(step, jnp.zeros((x.shape[0], H)), jnp.swapaxes(x, 0, 1))
+  return hk.Linear(2, name="head")(h)
+
+
+@pytest.mark.parametrize("model,slots", [(_dead_last_step, T),
+                                         (_dead_warm_up, T + 1)],
+                         ids=["last-step-unused", "warm-up-call"])
+def test_applications_the_loss_does_not_use_still_take_a_slot(model, slots):
+  """Slots are counted on the program before dead-code elimination: every
+  traced application advances the counter, and a dead one's slot stays
+  zero (its factors get no cotangent). Counted on the live program, two
+  live applications would share a slot."""
+  x, y = _data(12)
+  _, got, _, _ = _run(model, x, y)
+  assert got == {"cell": slots}
+
+
+def test_dropped_state_updates_fall_back_to_accumulation():
+  """A wrapper that returns the state it was given, or ``hk.lift_with_state``
+  with ``ignore_update()``: the slot counters do not come back, so the
+  pass is traced again with per-example accumulation (exact)."""
+  x, y = _data(13)
+  model = _unrolled(CORES["lstm"][0])
+  def tracked(x, y):
+    with gram_haiku.track():
+      return _sq(model(x), y)
+  f = hk.transform_with_state(tracked)
+  plain = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  ref_f = np.asarray(jax.jit(lambda p: per_example_grads(plain.apply, p, x,
+                                                         y))(params),
+                     np.float64)
+  ref = ref_f @ ref_f.T
+  def keeps_given(params, state, rng, *args):
+    return f.apply(params, state, rng, *args)[0], state
+  def keeps_original(params, state_, rng, *args):
+    return f.apply(params, state_, rng, *args)[0], state
+  for apply in (keeps_given, keeps_original):
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(apply))(
+        params, state, None, x, y)
+    assert_gram_close(grams.total, ref)
+    g, _ = jax.jit(gram_haiku.clipped_grad(apply, 1e9))(params, state,
+                                                       None, x, y)
+    chex.assert_trees_all_close(g, weighted_sum(ref_f, np.ones(B), params),
+                                rtol=1e-4, atol=1e-5 * np.abs(ref_f).max())
+
+  def lifted(x):
+    inner = hk.transform_with_state(model)
+    init, updater = hk.lift_with_state(inner.init, name="inner")
+    p, s = init(hk.next_rng_key() if hk.running_init() else None, x)
+    out, _ = inner.apply(p, s, None, x)
+    updater.ignore_update()  # the only state is the read-only probe
+    return out
+  grams, slots, _, _ = _run(lifted, x, y)
+  assert slots == {"inner/lstm/linear": T}  # found, then not trusted

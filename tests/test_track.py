@@ -45,7 +45,7 @@ def _setup(model_apply, x, y, **track_kw):
   return f, g, params, state
 
 
-def _check(model_apply, x, y, jit=False, **track_kw):
+def _check(model_apply, x, y, jit=True, **track_kw):
   f, g, params, state = _setup(model_apply, x, y, **track_kw)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   if jit:
@@ -105,8 +105,8 @@ def test_batch_size_at_apply_differs_from_init():
   x, y = _data(5, (6, 4, 5), 3)
   model = hk.vmap(_mlp, split_rng=False)
   f, g, params, state = _setup(model, x[:2], y[:2])
-  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
-                                                         x, y)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
 
 
@@ -131,8 +131,8 @@ def test_bf16_params_parity_and_f32_gram():
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   assert all(l.dtype == jnp.bfloat16 for l in jax.tree.leaves(params))
-  _, grads, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state,
-                                                           None, x, y)
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
   assert grams.total.dtype == jnp.float32
   def plain32(p, x, y):
@@ -378,8 +378,8 @@ def test_norms_mode_with_shared_module():
     lin = hk.Linear(4)
     return jnp.tanh(lin(x)) + lin(x ** 2 / 5)
   f, g, params, state = _setup(model, x, y, mode="norms")
-  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
-                                                         x, y)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
   ref = reference_gram(g.apply, params, x, y)
   np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4)
 
@@ -405,10 +405,10 @@ def test_mean_loss_scales_by_one_over_b_squared(b):
   params, state = jax.jit(f_sum.init)(jax.random.PRNGKey(0), x, y)
   g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
   ref = reference_gram(g.apply, params, x, y)
-  _, _, gs = gram_haiku.value_grad_and_gram(f_sum.apply)(params, state, None,
-                                                         x, y)
-  _, _, gm = gram_haiku.value_grad_and_gram(f_mean.apply)(params, state,
-                                                          None, x, y)
+  _, _, gs = jax.jit(gram_haiku.value_grad_and_gram(f_sum.apply))(
+      params, state, None, x, y)
+  _, _, gm = jax.jit(gram_haiku.value_grad_and_gram(f_mean.apply))(
+      params, state, None, x, y)
   assert_gram_close(gs.total, ref)
   assert_gram_close(gm.total, ref / b ** 2)
   if b == 1:
@@ -477,13 +477,13 @@ def test_return_state_gives_the_updated_state():
       return _sq(_mlp(x), y)
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  (value, new_state), grads, grams = gram_haiku.value_grad_and_gram(
-      f.apply, return_state=True)(params, state, None, x, y)
+  (value, new_state), grads, grams = jax.jit(gram_haiku.value_grad_and_gram(
+      f.apply, return_state=True))(params, state, None, x, y)
   assert int(new_state["~"]["count"]) == int(state["~"]["count"]) + 1
-  want_value, _ = f.apply(params, state, None, x, y)
+  want_value, _ = jax.jit(f.apply)(params, state, None, x, y)
   np.testing.assert_allclose(value, want_value, rtol=1e-6)
-  plain_value, plain_grads, plain_grams = gram_haiku.value_grad_and_gram(
-      f.apply)(params, state, None, x, y)
+  plain_value, plain_grads, plain_grams = jax.jit(
+      gram_haiku.value_grad_and_gram(f.apply))(params, state, None, x, y)
   np.testing.assert_allclose(value, plain_value, rtol=1e-6)
   chex.assert_trees_all_close(grads, plain_grads)
   np.testing.assert_allclose(grams.total, plain_grams.total, rtol=1e-6)
@@ -517,7 +517,9 @@ def test_cost_model_consulted_once_per_application(monkeypatch):
   for mode in ("gram", "norms"):
     calls.clear()
     f, _, params, state = _setup(_mlp, x, y, mode=mode)
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+    # Traced, not run: the backward rules consult the model while tracing.
+    jax.eval_shape(gram_haiku.value_grad_and_gram(f.apply), params, state,
+                   None, x, y)
     assert calls == [mode, mode], calls  # two layers, once each
 
 

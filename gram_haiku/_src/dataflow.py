@@ -317,7 +317,8 @@ class _Walk:
 
 
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
-             probe_names: list[str], gram_op_type) -> Discovery:
+             probe_names: list[str], gram_op_type,
+             full_jaxpr=None) -> Discovery:
   """Reads a tracked loss's program: ``jaxpr(params, probes) -> loss``.
 
   Args:
@@ -330,6 +331,10 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
       are keyed by the module whose probe it reads (under ``hk.layer_stack``
       a module's own name lacks the stack's prefix).
     gram_op_type: the base class of Gram ops.
+    full_jaxpr: the same program before dead-code elimination, where the
+      slots are counted (:attr:`Discovery.slot_counts`): an application
+      whose output the loss does not use still takes its module's next
+      slot when the model runs (its slot then stays zero).
 
   Returns:
     A :class:`Discovery`, keyed by module (state) name.
@@ -418,13 +423,18 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     if len(modules) > 1:
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
           leaf=leaf_names[leaf], modules=sorted(modules)))
+  slot_apps = walk.applications
+  if full_jaxpr is not None:
+    full = _Walk(gram_op_type)
+    full.run(full_jaxpr, ins)
+    slot_apps = full.applications
   slotted = {}
   for module in shared:
     if (module in specs or module not in probe_names or
         len(layer_names[ops[module].name]) != 1):
       continue
     uses = _slot_count(
-        [a for a in walk.applications if module_of(a) == module],
+        [a for a in slot_apps if module_of(a) == module],
         num_param_leaves + probe_names.index(module))
     if uses is not None:
       slotted[module] = uses

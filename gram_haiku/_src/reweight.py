@@ -265,37 +265,47 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   slotted = {m: u for m, u in vgg.slotted_modules(found, axes,
                                                     params).items()
              if m in live}
-  modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted)
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
-  diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
-                 for m in live}
-  fixed_probes = {m: p for m, p in t.probes.items() if m not in diff_probes}
-  # Only the parameters of layers that clip inside their backward rule are
-  # differentiated: every other gradient is re-contracted after the pass.
-  diff_idx = sorted({k for m in live if modes[m] == "clip"
-                     for k in found.param_leaves[m] if k is not None})
 
-  def loss(diff_leaves, diff_probes):
-    full = list(leaves)
-    for k, v in zip(diff_idx, diff_leaves):
-      full[k] = v
-    p = jax.tree_util.tree_unflatten(treedef, full)
-    return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args, kwargs,
-                     slots)
+  def run_pass(slotted):
+    modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted)
+    diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
+                   for m in live}
+    fixed_probes = {m: p for m, p in t.probes.items()
+                    if m not in diff_probes}
+    # Only the parameters of layers that clip inside their backward rule
+    # are differentiated: every other gradient is re-contracted after the
+    # pass.
+    diff_idx = sorted({k for m in live if modes[m] == "clip"
+                       for k in found.param_leaves[m] if k is not None})
+    slots = vgg.slot_state(slotted)
 
-  slots = vgg.slot_state(slotted)
-  pass_plan = ambient.PassPlan(
-      column_axes=axes,
-      modes={found.ops[m].name: "factors" if modes[m] == "slots"
-             else modes[m] for m in live},
-      clips={found.ops[m].name: layer_clips[m] for m in live
-             if modes[m] == "clip"},
-      slotted=frozenset(found.ops[m].name for m in slotted))
-  with ambient.running(pass_plan):
-    (value, (aux, new_state)), (clip_grads, stores) = jax.value_and_grad(
-        loss, argnums=(0, 1), has_aux=True)([leaves[k] for k in diff_idx],
-                                            diff_probes)
+    def loss(diff_leaves, diff_probes):
+      full = list(leaves)
+      for k, v in zip(diff_idx, diff_leaves):
+        full[k] = v
+      p = jax.tree_util.tree_unflatten(treedef, full)
+      return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args,
+                       kwargs, slots)
+
+    pass_plan = ambient.PassPlan(
+        column_axes=axes,
+        modes={found.ops[m].name: "factors" if modes[m] == "slots"
+               else modes[m] for m in live},
+        clips={found.ops[m].name: layer_clips[m] for m in live
+               if modes[m] == "clip"},
+        slotted=frozenset(found.ops[m].name for m in slotted))
+    with ambient.running(pass_plan):
+      out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+          [leaves[k] for k in diff_idx], diff_probes)
+    return modes, diff_idx, out, vgg.unthreaded(out[0][1][1], slots)
+
+  modes, diff_idx, out, lost = run_pass(slotted)
+  if lost:  # Their counters did not come back: per-example stores instead.
+    slotted = {m: u for m, u in slotted.items() if m not in lost}
+    modes, diff_idx, out, _ = run_pass(slotted)
+  (value, (aux, new_state)), (clip_grads, stores) = out
   if has_aux:
     value = (value, aux)
   new_state, slots_used = vgg.restore_state(new_state, t.probes, slotted)
@@ -315,6 +325,10 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                     layer_clips[m]) * mask for m in live}
   grads = _recontract(t, live, modes, stores, factors, weights, leaves,
                       diff_idx, clip_grads)
+  for m in slotted:  # NaN, never a sum missing some applications.
+    for k in found.param_leaves[m]:
+      if k is not None:
+        grads[k] = vgg.guard_slots(grads[k], slots_used[m], slotted[m])
   return PassResult(value, new_state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, modes)

@@ -241,7 +241,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   n_params = len(jax.tree_util.tree_leaves(params))
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
   found = dataflow.discover(live, n_params, leaf_names(params),
-                            probe_names, base.GramOp)
+                            probe_names, base.GramOp,
+                            full_jaxpr=closed.jaxpr)
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
@@ -406,17 +407,32 @@ def slot_state(slotted: Mapping[str, int]) -> dict:
   return {m: {SLOT_NAME: jnp.zeros((), jnp.int32)} for m in slotted}
 
 
+def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
+  """The modules whose slot counter did not come back advanced in the
+  model's new state (a wrapper that returns the state it was given,
+  ``hk.lift_with_state`` with ``ignore_update()``): their slots cannot be
+  trusted, and the pass is traced again with those modules accumulating
+  per-example gradients instead."""
+  out = set()
+  for m, entry in slots.items():
+    mine = new_state.get(m) if isinstance(new_state, Mapping) else None
+    got = mine.get(SLOT_NAME) if isinstance(mine, Mapping) else None
+    if got is None or got is entry[SLOT_NAME]:
+      out.add(m)
+  return out
+
+
 def restore_state(new_state, probes: Mapping[str, Any],
                   slotted: Mapping[str, int]):
   """``(state, slots used)``: the pass's new state with the slot counters
-  removed and the slotted probes replaced by the caller's own ``probes``
-  (so that the state can be fed back as given)."""
-  if not slotted:
-    return new_state, {}
+  removed and every probe replaced by the caller's own (the pass sizes
+  probes to its stores: ``[U, B, K]`` slots, ``[B, P]`` per-example
+  gradients), so that the state can be fed back as given."""
   new_state = {m: dict(v) for m, v in new_state.items()}
-  used = {m: new_state[m].pop(SLOT_NAME) for m in slotted}
-  for m in slotted:
-    new_state[m][PROBE_NAME] = probes[m]
+  used = {m: new_state.get(m, {}).pop(SLOT_NAME, None) for m in slotted}
+  for m, p in probes.items():
+    if PROBE_NAME in new_state.get(m, {}):
+      new_state[m][PROBE_NAME] = p
   return new_state, used
 
 
@@ -483,36 +499,45 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes)
     found, size, n_devices = t.found, t.size, t.n_devices
 
-    probes, seen = t.probes, t.seen
-    slotted = slotted_modules(found, axes, params)
-    shapes, owns = {}, {}
-    for m, p in probes.items():
-      mode = "per_example" if m in found.shared else found.modes.get(m, "gram")
-      own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
-      if mode == "gram":
-        own = (size, size * n_devices)  # This device's rows.
-      if m in slotted:
-        own = (slotted[m], size,
-               found.ops[m].in_mode("factors").factor_width())
-      shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
-      owns[m] = len(own)
-    probes = {m: _rows_sharded(jnp.zeros(shapes[m],
-                                         found.probe_dtypes.get(m, p.dtype)),
-                               found.example_specs.get(m), owns[m])
-              for m, p in probes.items()}
-    if axes:  # Each device has its own rows: the probes vary over `axes`.
-      probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    shared = {n: "per_example" for n in found.shared_layer_names}
-    slotted_names = frozenset(found.ops[m].name for m in slotted)
-    shared.update({n: "factors" for n in slotted_names})
-    slots = slot_state(slotted)
+    seen = t.seen
 
-    def loss(params, probes):
-      return t.loss_of(params, probes, rng, args, kwargs, slots)
-    with ambient.running(ambient.PassPlan(column_axes=axes, modes=shared,
-                                          slotted=slotted_names)):
-      (value, (aux, new_state)), (grads, probe_grads) = jax.value_and_grad(
-          loss, argnums=(0, 1), has_aux=True)(params, probes)
+    def run_pass(slotted):
+      shapes, owns = {}, {}
+      for m, p in t.probes.items():
+        mode = ("per_example" if m in found.shared
+                else found.modes.get(m, "gram"))
+        own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
+        if mode == "gram":
+          own = (size, size * n_devices)  # This device's rows.
+        if m in slotted:
+          own = (slotted[m], size,
+                 found.ops[m].in_mode("factors").factor_width())
+        shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
+        owns[m] = len(own)
+      probes = {m: _rows_sharded(
+          jnp.zeros(shapes[m], found.probe_dtypes.get(m, p.dtype)),
+          found.example_specs.get(m), owns[m]) for m, p in t.probes.items()}
+      if axes:  # Each device has its own rows: the probes vary over `axes`.
+        probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
+      modes = {n: "per_example" for n in found.shared_layer_names}
+      slotted_names = frozenset(found.ops[m].name for m in slotted)
+      modes.update({n: "factors" for n in slotted_names})
+      slots = slot_state(slotted)
+
+      def loss(params, probes):
+        return t.loss_of(params, probes, rng, args, kwargs, slots)
+      with ambient.running(ambient.PassPlan(column_axes=axes, modes=modes,
+                                            slotted=slotted_names)):
+        out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            params, probes)
+      return out, unthreaded(out[0][1][1], slots)
+
+    slotted = slotted_modules(found, axes, params)
+    out, lost = run_pass(slotted)
+    if lost:  # Their counters did not come back: accumulate instead.
+      slotted = {m: u for m, u in slotted.items() if m not in lost}
+      out, _ = run_pass(slotted)
+    (value, (aux, new_state)), (grads, probe_grads) = out
     if has_aux:
       value = (value, aux)
     new_state, used = restore_state(new_state, t.probes, slotted)
