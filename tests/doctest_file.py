@@ -1,9 +1,11 @@
-"""Runs the ``>>>`` examples of one documentation file, in a process of its own.
+"""Runs the ``>>>`` examples of documentation files, in a process of their own.
 
-``python -m tests.doctest_file PATH``: for a Markdown file, the ```` ```pycon ````
-blocks; for reStructuredText, the whole file. Exits non-zero, printing each
-failure, if any example fails. A process of its own, because an example may
-configure JAX before it starts (``jax_num_cpu_devices`` for fake devices).
+``python -m tests.doctest_file PATH [PATH ...]``: for a Markdown file, the
+```` ```pycon ```` blocks; for reStructuredText, the whole file; each file
+with its own globals. Exits non-zero, printing each failure, if any example
+fails or a file has none. A process of their own, because an example may
+configure JAX before it starts (``jax_num_cpu_devices`` for fake devices):
+such a file runs alone (:func:`configures_jax`).
 """
 
 from __future__ import annotations
@@ -34,11 +36,20 @@ def run(path: str) -> doctest.TestResults:
   return runner.summarize(verbose=False)
 
 
+def configures_jax(path: str) -> bool:
+  """Whether the file's examples change JAX's set-up (then it runs alone)."""
+  return "jax.config.update(" in examples_text(path)
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  results = run(argv[0])
-  print(f"{argv[0]}: {results.attempted} examples, {results.failed} failed")
-  return 1 if results.failed or not results.attempted else 0
+  bad = 0
+  for path in argv:
+    results = run(path)
+    print(f"{path}: {results.attempted} examples, {results.failed} failed",
+          flush=True)
+    bad += bool(results.failed or not results.attempted)
+  return 1 if bad else 0
 
 
 if __name__ == "__main__":

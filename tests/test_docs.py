@@ -28,13 +28,23 @@ def _doc_files():
   return [f for f in files if ">>>" in doctest_file.examples_text(f)]
 
 
-@pytest.mark.parametrize("path", _doc_files(),
-                         ids=lambda p: os.path.relpath(p, ROOT))
-def test_doc_examples_run(path):
-  """Every ``>>>`` example of README.md and docs/*.rst, in its own process."""
+def _doc_groups():
+  """Files whose examples configure JAX run alone; the others share one
+  process (each file still gets its own globals)."""
+  alone = [(f,) for f in _doc_files() if doctest_file.configures_jax(f)]
+  rest = tuple(f for f in _doc_files() if not doctest_file.configures_jax(f))
+  return alone + ([rest] if rest else [])
+
+
+@pytest.mark.parametrize(
+    "paths", _doc_groups(),
+    ids=lambda ps: "+".join(os.path.relpath(p, ROOT) for p in ps))
+def test_doc_examples_run(paths):
+  """Every ``>>>`` example of README.md and docs/*.rst, in a process of
+  their own."""
   env = runner.child_environ()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-m", "tests.doctest_file", path],
+  proc = subprocess.run([sys.executable, "-m", "tests.doctest_file", *paths],
                         capture_output=True, text=True, env=env, cwd=ROOT,
                         timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

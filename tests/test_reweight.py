@@ -167,23 +167,54 @@ def _run(f, params, state, batch, **kw):
 def test_per_layer_runs_inside_the_backward_rule():
   f, params, state, batch, _ = _mlp()
   modes, _ = _run(f, params, state, batch,
-                  clips=lambda ms: {m: Clip(0.1) for m in ms})
+                  clips=lambda sizes: {m: Clip(0.1) for m in sizes})
   assert set(modes.values()) == {"clip"}
 
 
-def test_one_number_per_layer_is_split_equally():
+@pytest.mark.parametrize("split", ["equal", "by_size", "custom"])
+def test_one_number_per_layer_is_split(split):
   f, params, state, batch, ref = _mlp()
   groups = column_groups(params)
+  sizes = {m: cols.stop - cols.start for m, cols in groups.items()}
   c_total = 0.3
-  clipped = gram_haiku.clipped_grad(f.apply, c_total, clipping="per-layer")
-  grads, _ = jax.jit(clipped)(params, state, None, *batch)
+  if split == "custom":  # the last layer gets twice the others' share
+    last = max(sizes)
+    layer_split = lambda s: {m: 2.0 if m == last else 1.0 for m in s}
+    w = {m: 2.0 if m == last else 1.0 for m in sizes}
+  else:
+    layer_split = split
+    w = {m: 1.0 if split == "equal" else np.sqrt(n) for m, n in sizes.items()}
+  norm = np.sqrt(sum(v * v for v in w.values()))
+  clipped = gram_haiku.clipped_grad(f.apply, c_total, clipping="per-layer",
+                                    layer_split=layer_split)
+  grads, aux = jax.jit(clipped)(params, state, None, *batch)
   want = np.zeros(ref.shape[1])
+  clipped_any = np.zeros(ref.shape[0], bool)
   for m, cols in groups.items():
     n = np.sqrt(np.sum(ref[:, cols] ** 2, axis=1))
-    want[cols] = clip_reference(n, c_total / np.sqrt(len(groups))) @ ref[
-        :, cols]
+    c_l = c_total * w[m] / norm
+    want[cols] = clip_reference(n, c_l) @ ref[:, cols]
+    clipped_any |= n > c_l
   _assert_tree_close(grads, weighted_sum(want[None], [1.0], params), RTOL)
   assert clipped.sensitivity() == pytest.approx(c_total)
+  np.testing.assert_allclose(aux.fraction_clipped, clipped_any.mean())
+
+
+def test_bad_layer_splits_are_errors():
+  f, params, state, batch, _ = _mlp()
+  with pytest.raises(ValueError, match="layer_split='thirds'"):
+    gram_haiku.clipped_grad(f.apply, 1.0, clipping="per-layer",
+                            layer_split="thirds")
+  with pytest.raises(ValueError, match="with a dict of thresholds"):
+    gram_haiku.clipped_grad(f.apply, {"mlp/~/linear_0": 1.0},
+                            clipping="per-layer", layer_split="by_size")
+  for bad, match in [(lambda s: {}, "no weight for"),
+                     (lambda s: {m: -1.0 for m in s}, "finite number >= 0"),
+                     (lambda s: {m: 0.0 for m in s}, "only zero weights")]:
+    clipped = gram_haiku.clipped_grad(f.apply, 1.0, clipping="per-layer",
+                                      layer_split=bad)
+    with pytest.raises(ValueError, match=match):
+      jax.eval_shape(clipped, params, state, None, *batch)
 
 
 def test_cross_example_weight_fn():

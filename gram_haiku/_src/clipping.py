@@ -9,10 +9,11 @@ summed: ``sum_i c_i g_i / normalize_by``.
   (:func:`gram_haiku.reweighted_grad`).
 * ``clipping="per-layer"``: each tracked module ``l`` clips its own
   parameters' gradient to ``C_l`` inside its backward rule (no stored
-  factors; a module applied more than once keeps its per-example
+  factors; a module applied more than once keeps its slots or per-example
   gradients and is clipped after the pass). The sum then has norm at most
   ``sqrt(sum_l C_l^2)`` per example (McMahan et al. 2018, per-layer
-  clipping).
+  clipping). One number ``C`` is split over the layers by ``layer_split``
+  (:func:`split_threshold`).
 
 Clip functions: ``"abadi"``: ``c_i = min(1, C / |g_i|)``; ``"automatic"``:
 ``c_i = C / (|g_i| + gamma)`` (Bu et al. 2022, "Automatic clipping:
@@ -41,8 +42,54 @@ from gram_haiku._src.plan import Clip
 from gram_haiku._src.result import Grams
 
 CLIPPINGS = ("all-layer", "per-layer")
+LAYER_SPLITS = ("equal", "by_size")
 
 Thresholds = Union[float, Mapping[str, float]]
+#: How one per-layer threshold ``C`` is split over the tracked modules.
+LayerSplit = Union[str, Callable[[Mapping[str, int]], Mapping[str, float]]]
+
+
+def split_threshold(total: float, sizes: Mapping[str, int],
+                    split: LayerSplit) -> dict[str, float]:
+  """Per-layer thresholds ``C_l`` with ``sqrt(sum_l C_l^2) == total``.
+
+  Args:
+    total: ``C``, the bound of the whole clipped per-example gradient.
+    sizes: module name -> number of parameters it tracks.
+    split: ``"equal"`` (``C_l = C / sqrt(L)``, McMahan et al. 2018),
+      ``"by_size"`` (``C_l = C sqrt(P_l / P)``: each layer's share of the
+      squared bound is its share of the parameters), or a function
+      ``sizes -> {module: w_l}`` of non-negative weights, at least one
+      positive, giving ``C_l = C w_l / sqrt(sum_l w_l^2)``.
+
+  Raises:
+    ValueError: for an unknown split, or weights that miss a module, are
+      negative or not finite, or are all zero.
+  """
+  modules = sorted(sizes)
+  if split == "equal":
+    weights = {m: 1.0 for m in modules}
+  elif split == "by_size":
+    weights = {m: math.sqrt(sizes[m]) for m in modules}
+  elif callable(split):
+    got = dict(split(dict(sizes)))
+    missing = [m for m in modules if m not in got]
+    bad = {m: got[m] for m in modules if m in got and (
+        isinstance(got[m], bool) or not isinstance(got[m], (int, float)) or
+        not math.isfinite(got[m]) or got[m] < 0)}
+    if missing or bad or not any(got[m] > 0 for m in modules):
+      problem = (f"layer_split returned no weight for {missing}" if missing
+                 else f"layer_split returned weights {bad} (each must be a "
+                 "finite number >= 0)" if bad
+                 else "layer_split returned only zero weights")
+      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+          problem=problem, modules=modules))
+    weights = {m: float(got[m]) for m in modules}
+  else:
+    raise ValueError(f"gram_haiku.clipped_grad: layer_split={split!r}: "
+                     f"expected one of {LAYER_SPLITS} or a function.")
+  norm = math.sqrt(sum(w * w for w in weights.values())) or 1.0
+  return {m: total * w / norm for m, w in weights.items()}
 
 
 class ClippedGradAux(NamedTuple):
@@ -95,7 +142,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
                  gamma: float = 0.01, normalize_by: float = 1.0,
                  has_aux: bool = False,
                  mesh_axes: str | tuple[str, ...] | None = None,
-                 frozen: reweight.Frozen = None):
+                 frozen: reweight.Frozen = None,
+                 layer_split: LayerSplit = "equal"):
   """The sum of clipped per-example gradients, in one backward pass.
 
   Args:
@@ -104,8 +152,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       *sum* of per-example losses: a mean would clip ``g_i / B``).
     l2_clip_norm: ``C``. With ``clipping="per-layer"`` also a dict
       ``{module name: C_l}`` covering every tracked module; one number
-      ``C`` is then split equally, ``C_l = C / sqrt(L)`` over the ``L``
-      tracked modules, so that the bound is ``C`` either way.
+      ``C`` is then split over the ``L`` tracked modules by
+      ``layer_split``, so that the bound is ``C`` either way.
     clipping: ``"all-layer"`` (the global norm) or ``"per-layer"``.
     clip_fn: ``"abadi"`` (``min(1, C/|g|)``) or ``"automatic"``
       (``C / (|g| + gamma)``).
@@ -117,6 +165,11 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       ``shard_map``; the clipped sum is summed over devices).
     frozen: parameters with zero gradient (see
       :func:`gram_haiku.reweighted_grad`).
+    layer_split: per-layer clipping with one number ``C``: ``"equal"``
+      (``C_l = C / sqrt(L)``), ``"by_size"`` (``C_l = C sqrt(P_l / P)``)
+      or a function ``{module: number of parameters} -> {module: w_l}``
+      of non-negative weights (``C_l = C w_l / sqrt(sum w^2)``); see
+      :func:`split_threshold`.
 
   Returns:
     A ``jax_privacy.clipping.BoundedSensitivityCallable`` ``g`` with
@@ -153,10 +206,19 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
   total = float(bound)
   axes = example_sharding.normalize_axes(mesh_axes)
 
-  def layer_clips(modules: list[str]) -> dict[str, Clip]:
+  if not (callable(layer_split) or layer_split in LAYER_SPLITS):
+    raise ValueError(f"gram_haiku.clipped_grad: layer_split={layer_split!r}"
+                     f": expected one of {LAYER_SPLITS} or a function.")
+  if thresholds is not None and layer_split != "equal":
+    raise ValueError("gram_haiku.clipped_grad: layer_split splits one "
+                     "number l2_clip_norm; with a dict of thresholds, leave "
+                     "it out.")
+
+  def layer_clips(sizes: Mapping[str, int]) -> dict[str, Clip]:
+    modules = sorted(sizes)
     if thresholds is None:
-      each = total / math.sqrt(max(len(modules), 1))
-      return {m: Clip(each, clip_fn, gamma) for m in modules}
+      each = split_threshold(total, sizes, layer_split)
+      return {m: Clip(each[m], clip_fn, gamma) for m in modules}
     missing = [m for m in modules if m not in thresholds]
     if missing:
       raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
@@ -174,7 +236,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     if per_layer:
       r = reweight.run(apply_fn, params, state, rng, args, kwargs,
                        clips=layer_clips, **kw)
-      clips = layer_clips(sorted(r.weights))
+      clips = r.clips
       clipped = jnp.zeros(r.grams.sq_norms.shape, bool)
       for m, sq in r.grams.sq_norms_by_layer.items():
         clipped |= sq > clips[m].l2_clip_norm ** 2

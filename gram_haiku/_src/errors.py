@@ -338,9 +338,10 @@ WEIGHTS_SHAPE = (
 PER_LAYER_THRESHOLDS = (
     "gram_haiku.clipped_grad(clipping='per-layer'): {problem}. Tracked "
     "modules: {modules}.\n"
-    "What to do: pass l2_clip_norm as one number (split equally: C / sqrt(L) "
-    "per layer), a dict with a positive threshold for every tracked module, "
-    "or a function module_name -> threshold.")
+    "What to do: pass l2_clip_norm as one number C (split over the layers "
+    "by layer_split: 'equal', C / sqrt(L) each, 'by_size', or a function "
+    "{{module: number of parameters}} -> {{module: weight}}), or a dict with a "
+    "positive threshold for every tracked module.")
 
 NEEDS_JAX_PRIVACY = (
     "gram_haiku.clipped_grad returns jax-privacy's BoundedSensitivityCallable, "

@@ -54,6 +54,8 @@ class PassResult:
     modes: module name -> what the layer kept (``"factors"``,
       ``"slots"``: the factors of each of its applications, or
       ``"per_example"``) or ``"clip"``.
+    clips: module name -> its :class:`~gram_haiku._src.plan.Clip` under
+      per-layer clipping (empty otherwise).
   """
   value: Any
   state: Any
@@ -61,6 +63,7 @@ class PassResult:
   grams: Grams
   weights: Mapping[str, jax.Array]
   modes: Mapping[str, str]
+  clips: Mapping[str, Clip] = dataclasses.field(default_factory=dict)
 
 
 def frozen_leaves(frozen: Frozen, params) -> set[str]:
@@ -240,15 +243,16 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         needs: str, has_aux: bool, axes: tuple[str, ...], frozen: Frozen,
         weight_fn: Optional[Callable[[Grams], jax.Array]] = None,
-        clips: Optional[Callable[[list[str]], Mapping[str, Clip]]] = None,
+        clips: Optional[Callable[[Mapping[str, int]],
+                                 Mapping[str, Clip]]] = None,
         example_weights: Optional[jax.Array] = None,
         privacy: bool = False) -> PassResult:
   """One reweighted pass (see the module docstring).
 
   Exactly one of ``weight_fn`` (one ``c`` for every module, from the Grams)
-  and ``clips`` (per-layer clipping: ``clips(modules) -> {module: Clip}``)
-  is given. ``example_weights``: ``(B,)`` factors every ``c`` is multiplied
-  by (a padding mask), or None. ``privacy``: the completeness and
+  and ``clips`` (per-layer clipping: ``clips({module: number of
+  parameters}) -> {module: Clip}``) is given. ``example_weights``: ``(B,)``
+  factors every ``c`` is multiplied by (a padding mask), or None. ``privacy``: the completeness and
   example-flow checks a privacy guarantee needs.
   """
   t = vgg.trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs,
@@ -261,7 +265,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   _check_complete(fn_name, coverage, frozen_names, privacy)
   cold = _frozen_modules(found, names, frozen_names, fn_name)
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
-  layer_clips = dict(clips(live)) if clips is not None else {}
+  layer_clips = (dict(clips({m: found.ops[m].num_params() for m in live}))
+                 if clips is not None else {})
   slotted = {m: u for m, u in vgg.slotted_modules(found, axes,
                                                     params).items()
              if m in live}
@@ -331,7 +336,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         grads[k] = vgg.guard_slots(grads[k], slots_used[m], slotted[m])
   return PassResult(value, new_state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
-                    weights, modes)
+                    weights, modes, layer_clips)
 
 
 def check_needs(needs) -> None:
