@@ -53,18 +53,22 @@ def _unrolled(core_fn, unroll="dynamic"):
   return model
 
 
+def _tracked(model, x, y, mode="gram"):
+  """``model``'s squared loss inside ``track()``: transform, params, state."""
+  def tracked(x, y):
+    with gram_haiku.track(mode=mode):
+      return _sq(model(x), y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  return f, params, state
+
+
 def _run(model, x, y, mode="gram", return_state=False):
   """Tracked pass against the reference ``F`` of the untracked model (its
   Gram, norms and column sum, the plain gradient); returns (grams, the slot
   counts chosen, new state or None, the initial state)."""
-  def tracked(x, y):
-    with gram_haiku.track(mode=mode):
-      return _sq(model(x), y)
-  def plain(x, y):
-    return _sq(model(x), y)
-  f = hk.transform_with_state(tracked)
-  g = hk.without_apply_rng(hk.transform(plain))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  f, params, state = _tracked(model, x, y, mode)
+  g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
   fn = jax.jit(gram_haiku.value_grad_and_gram(f.apply,
                                               return_state=return_state))
   value, grads, grams = fn(params, state, None, x, y)
@@ -213,11 +217,7 @@ def test_slot_count_mismatch_is_nan_not_a_partial_gram():
   # from the program gives NaN, never a Gram missing applications.
   x, y = _data(9)
   model = _unrolled(CORES["lstm"][0])
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _sq(model(x), y)
-  f = hk.transform_with_state(tracked)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  f, params, state = _tracked(model, x, y)
   t = vgg.trace_loss(f.apply, False, params, state, None, (x, y), {}, ())
   op = t.found.ops["lstm/linear"].in_mode("factors")
   leaves = jax.tree_util.tree_leaves(params)
@@ -258,11 +258,7 @@ def test_loop_keeps_no_per_example_gradients():
   replace the accumulator, and the Gram is formed after the loops."""
   x, y = _data(10)
   model = _unrolled(CORES["lstm"][0])
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _sq(model(x), y)
-  f = hk.transform_with_state(tracked)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  f, params, state = _tracked(model, x, y)
   n, m = F + H, 4 * H
   fn = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
   hlo = fn.lower(params, state, None, x, y).compile().as_text()
@@ -281,12 +277,8 @@ def test_clipped_and_reweighted_grads_from_slots(core):
   make, want = CORES[core]
   x, y = _data(11)
   model = _unrolled(make)
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _sq(model(x), y)
-  f = hk.transform_with_state(tracked)
+  f, params, state = _tracked(model, x, y)
   plain = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   ref = np.asarray(jax.jit(lambda p: per_example_grads(plain.apply, p, x, y))(
       params), np.float64)
   norms = np.sqrt(np.sum(ref * ref, axis=1))
@@ -357,12 +349,8 @@ def test_dropped_state_updates_fall_back_to_accumulation():
   pass is traced again with per-example accumulation (exact)."""
   x, y = _data(13)
   model = _unrolled(CORES["lstm"][0])
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _sq(model(x), y)
-  f = hk.transform_with_state(tracked)
+  f, params, state = _tracked(model, x, y)
   plain = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   ref_f = np.asarray(jax.jit(lambda p: per_example_grads(plain.apply, p, x,
                                                          y))(params),
                      np.float64)
