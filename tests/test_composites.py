@@ -15,15 +15,23 @@ from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
 
+#: The one entry that runs eagerly (op by op) by default: eager dispatch
+#: compiles every operation on its own, about 5x a jitted case's time.
+EAGER_DEFAULT = "Bias"
+
+
 def _cases():
   """Every entry in every style with ``--conformance-thorough``; by default
-  each entry in one style, taken in turn, so that each style runs on about a
-  quarter of the entries (the conformance suite runs every op at every vmap
-  depth, and tests/test_track.py the eager and jitted paths side by side)."""
+  each entry in one jitted style, taken in turn, so that each style runs on
+  about a third of the entries, and one entry eagerly (the conformance
+  suite runs every op at every vmap depth, and tests/test_track.py the
+  eager and jitted paths side by side)."""
   cases = []
   for i, e in enumerate(layer_zoo.ENTRIES):
+    jitted = [s for s in e.styles if s != "eager"] or list(e.styles)
     for s in e.styles:
-      if thorough() or s == e.styles[i % len(e.styles)]:
+      if thorough() or s == jitted[i % len(jitted)] or (
+          s == "eager" and e.name == EAGER_DEFAULT):
         cases.append(pytest.param(e.name, s, id=f"{e.name}-{s}"))
   return cases
 
