@@ -108,3 +108,32 @@ def test_import_graph_is_one_directional():
         if module == "gram_haiku" or module.startswith(upper):
           offenders.append(f"{path.name}: {module}")
   assert not offenders, offenders
+
+
+def test_raw_jax_transform_is_told_from_haiku_lifted_ones():
+  """Haiku's trace levels: inside ``hk.scan``/``hk.vmap`` Haiku state may be
+  set (a slot counter); inside a raw ``jax.lax.scan``/``jax.vmap`` it may
+  not (``value_grad_and_gram`` then keeps no slots)."""
+  seen = {}
+
+  def f(x):
+    seen["top"] = hkc.inside_raw_jax_transform()
+    def step(c, xt):
+      seen.setdefault("hk_scan", hkc.inside_raw_jax_transform())
+      return c, xt
+    hk.scan(step, 0.0, x)
+    def row(key):
+      def record(r):
+        seen.setdefault(key, hkc.inside_raw_jax_transform())
+        return r
+      return record
+    hk.vmap(row("hk_vmap"), split_rng=False)(x)
+    def raw(c, xt):
+      seen.setdefault("lax_scan", hkc.inside_raw_jax_transform())
+      return c, xt
+    jax.lax.scan(raw, 0.0, x)
+    jax.vmap(row("jax_vmap"))(x)
+    return x
+  hk.transform(f).apply({}, None, jnp.ones((3, 2)))
+  assert seen == {"top": False, "hk_scan": False, "hk_vmap": False,
+                  "lax_scan": True, "jax_vmap": True}, seen

@@ -19,6 +19,7 @@ import gram_haiku
 from conformance.plugin import thorough
 from gram_haiku._src import bookkeeping
 from gram_haiku._src import reweight
+from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import clip_reference
@@ -84,7 +85,7 @@ def _run(model, x, y, mode="gram", return_state=False):
       grads, weighted_sum(ref_f, np.ones(len(ref)), params), rtol=1e-4,
       atol=1e-5 * np.abs(ref_f).max())
   t = vgg.trace_loss(f.apply, False, params, state, None, (x, y), {}, ())
-  slots = vgg.slotted_modules(t.found, (), params)
+  slots = slots_lib.slotted_modules(t.found, (), params)
   return grams, slots, (new_state if return_state else None), state
 
 
@@ -209,7 +210,7 @@ def test_returned_state_is_the_callers_and_can_be_fed_back():
   model = _unrolled(CORES["lstm"][0])
   _, _, new_state, state = _run(model, x, y, return_state=True)
   chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
-  assert not any(vgg.SLOT_NAME in v for v in new_state.values())
+  assert not any(slots_lib.SLOT_NAME in v for v in new_state.values())
 
 
 def test_slot_count_mismatch_is_nan_not_a_partial_gram():
@@ -223,8 +224,8 @@ def test_slot_count_mismatch_is_nan_not_a_partial_gram():
   leaves = jax.tree_util.tree_leaves(params)
   ps = bookkeeping.op_params(op, leaves, t.found.param_leaves["lstm/linear"])
   f_ = problems.normal(jax.random.PRNGKey(1), (T, B, op.factor_width()))
-  good = vgg.from_slots(op, f_, ps, "gram", jnp.int32(T), T)
-  bad = vgg.from_slots(op, f_, ps, "gram", jnp.int32(T - 1), T)
+  good = slots_lib.from_slots(op, f_, ps, "gram", jnp.int32(T), T)
+  bad = slots_lib.from_slots(op, f_, ps, "gram", jnp.int32(T - 1), T)
   assert np.all(np.isfinite(good)) and np.all(np.isnan(bad))
 
 

@@ -25,6 +25,7 @@ from gram_haiku._src import cost_model
 from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
@@ -194,7 +195,7 @@ def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
     if modes[m] == "factors":
       opened = (op, *op.split_factors(stores[m]))
     elif modes[m] == "slots":
-      opened = vgg.open_slots(op, stores[m])
+      opened = slots_lib.open_slots(op, stores[m])
     else:
       continue
     out[m] = (*opened, bk.op_params(op, leaves, t.found.param_leaves[m]))
@@ -211,7 +212,7 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
     if modes[m] in ("factors", "slots"):
       val = bk.from_factors(*factors[m], want)
       if modes[m] == "slots":
-        val = vgg.guard_slots(val, slots_used[m], slotted[m])
+        val = slots_lib.guard_slots(val, slots_used[m], slotted[m])
     elif modes[m] == "per_example":
       val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
     else:
@@ -267,7 +268,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
   layer_clips = (dict(clips({m: found.ops[m].num_params() for m in live}))
                  if clips is not None else {})
-  slotted = {m: u for m, u in vgg.slotted_modules(found, axes,
+  slotted = {m: u for m, u in slots_lib.slotted_modules(found, axes,
                                                     params).items()
              if m in live}
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
@@ -284,7 +285,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     # pass.
     diff_idx = sorted({k for m in live if modes[m] == "clip"
                        for k in found.param_leaves[m] if k is not None})
-    slots = vgg.slot_state(slotted)
+    slots = slots_lib.slot_state(slotted)
 
     def loss(diff_leaves, diff_probes):
       full = list(leaves)
@@ -304,7 +305,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
-    return modes, diff_idx, out, vgg.unthreaded(out[0][1][1], slots)
+    return modes, diff_idx, out, slots_lib.unthreaded(out[0][1][1], slots)
 
   modes, diff_idx, out, lost = run_pass(slotted)
   if lost:  # Their counters did not come back: per-example stores instead.
@@ -333,7 +334,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   for m in slotted:  # NaN, never a sum missing some applications.
     for k in found.param_leaves[m]:
       if k is not None:
-        grads[k] = vgg.guard_slots(grads[k], slots_used[m], slotted[m])
+        grads[k] = slots_lib.guard_slots(grads[k], slots_used[m], slotted[m])
   return PassResult(value, new_state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, modes, layer_clips)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Mapping
 
 import jax
@@ -19,8 +18,8 @@ from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
 from gram_haiku._src import plan as plan_lib
+from gram_haiku._src import slots as slots_lib
 from gram_haiku._src.coverage import ParamCoverage
-from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import base
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
@@ -328,100 +327,6 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   return TracedLoss(rest, probes, loss_of, found, seen, size, n_devices)
 
 
-def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
-                    params) -> dict:
-  """The shared modules that keep each application's factors in a slot of
-  a slotted probe: ``{module: number of slots}``.
-
-  A module applied at every step of ``hk.dynamic_unroll`` (or called several
-  times with the same input type) is shared, so its Gram needs the cross
-  terms between its applications. Accumulating its per-example gradients
-  (probe ``[B, P]``) adds a ``B x P`` buffer at every step. Instead, each of
-  its ``U`` applications writes its factors (input and output cotangent,
-  ``K`` entries per example; :meth:`GramOp.factor_matrix`) into its own slot
-  of a ``[U, B, K]`` probe, chosen by a counter in the module's state, and
-  the Gram is formed once after the pass, from all ``U`` applications taken
-  as one application with a within-example axis of size ``U`` (cross terms
-  exact: the rule sums over within-example axes). Chosen where the trip
-  counts are known (:attr:`Discovery.slot_counts`), the slots are smaller
-  than the per-example gradients (``U K < P``, as
-  :func:`gram_haiku._src.cost_model.bookkeeping_method` chooses stores), the
-  input survives the probe's float dtype, and on one device (no mesh axes,
-  no Explicit sharding of the examples).
-  """
-  if axes:
-    return {}
-  leaves = jax.tree_util.tree_leaves(params)
-  out = {}
-  for m, uses in found.slot_counts.items():
-    op = found.ops[m].in_mode("factors")
-    idx = found.param_leaves.get(m, ())
-    if any(a is not None and (k is None or k >= len(leaves))
-           for a, k in zip(op.param_avals, idx)):
-      continue
-    if not op.factors_exact(found.probe_dtypes.get(m, jnp.float32)):
-      continue
-    if uses * op.factor_width() < op.num_params():
-      out[m] = uses
-  return out
-
-
-def open_slots(op, f):
-  """The ``U`` applications kept in a slotted probe, as one application.
-
-  Args:
-    op: the module's op (its per-application input type).
-    f: ``[U, B, K]``, the slotted probe's cotangent: each application's
-      factors (:meth:`GramOp.factor_matrix`).
-
-  Returns:
-    ``(whole, x, g)``: the same rule for inputs ``x: [B, U, ...]`` (in the
-    op's input dtype) with output cotangents ``g: [B, U, ...]`` (in the
-    accumulation dtype), example axis first, then the applications as a
-    within-example axis (the rule sums over those, so the cross terms
-    between applications are exact).
-  """
-  e = op.example_axis.resolved_position()
-  rest = lambda shape: list(shape[:e]) + list(shape[e + 1:])
-  u, b = f.shape[:2]
-  n = math.prod(op.x_aval.shape) // max(b, 1)
-  x = f[..., :n].reshape([u, b] + rest(op.x_aval.shape))
-  g = f[..., n:].reshape([u, b] + rest(op.out_aval.shape))
-  x = jnp.swapaxes(x, 0, 1).astype(op.x_aval.dtype)
-  g = jnp.swapaxes(g, 0, 1)
-  whole = op.rebuild(op.x_aval.update(shape=x.shape, dtype=x.dtype),
-                     ExampleAxis.from_spec(0))
-  return whole, x, g
-
-
-def guard_slots(value, slots_used, slots: int):
-  """``value`` if the module's slot counter after the pass reached the
-  count read from the program, else NaN: never a Gram (or gradient) that
-  misses applications."""
-  return jnp.where(slots_used == slots, value,
-                   jnp.asarray(jnp.nan, value.dtype))
-
-
-def slot_state(slotted: Mapping[str, int]) -> dict:
-  """The slot counters a pass adds to the state (``loss_of``'s ``extra``)."""
-  return {m: {SLOT_NAME: jnp.zeros((), jnp.int32)} for m in slotted}
-
-
-def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
-  """The modules whose slot counter did not come back advanced in the
-  model's new state (a wrapper that returns the state it was given,
-  ``hk.lift_with_state`` with ``ignore_update()``): their slots cannot be
-  trusted, and the pass is traced again with those modules accumulating
-  per-example gradients instead."""
-  out = set()
-  for m, entry in slots.items():
-    mine = new_state.get(m) if isinstance(new_state, Mapping) else None
-    got = mine.get(SLOT_NAME) if isinstance(mine, Mapping) else None
-    if got is None or got is entry[SLOT_NAME]:
-      out.add(m)
-  return out
-
-
 def restore_state(new_state, probes: Mapping[str, Any],
                   slotted: Mapping[str, int]):
   """``(state, slots used)``: the pass's new state with the slot counters
@@ -434,16 +339,6 @@ def restore_state(new_state, probes: Mapping[str, Any],
     if PROBE_NAME in new_state.get(m, {}):
       new_state[m][PROBE_NAME] = p
   return new_state, used
-
-
-def from_slots(op, f, params, mode: str, slots_used, slots: int):
-  """The Gram (or squared norms) of a module from its slotted probe's
-  cotangent ``f: [U, B, K]`` (see :func:`slotted_modules`,
-  :func:`open_slots`); NaN unless ``slots_used == slots``
-  (:func:`guard_slots`)."""
-  whole, x, g = open_slots(op, f)
-  return guard_slots(bk.from_factors(whole, x, g, params, mode), slots_used,
-                     slots)
 
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
@@ -522,7 +417,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       modes = {n: "per_example" for n in found.shared_layer_names}
       slotted_names = frozenset(found.ops[m].name for m in slotted)
       modes.update({n: "factors" for n in slotted_names})
-      slots = slot_state(slotted)
+      slots = slots_lib.slot_state(slotted)
 
       def loss(params, probes):
         return t.loss_of(params, probes, rng, args, kwargs, slots)
@@ -530,9 +425,9 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                                             slotted=slotted_names)):
         out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, probes)
-      return out, unthreaded(out[0][1][1], slots)
+      return out, slots_lib.unthreaded(out[0][1][1], slots)
 
-    slotted = slotted_modules(found, axes, params)
+    slotted = slots_lib.slotted_modules(found, axes, params)
     out, lost = run_pass(slotted)
     if lost:  # Their counters did not come back: accumulate instead.
       slotted = {m: u for m, u in slotted.items() if m not in lost}
@@ -547,7 +442,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       mode = found.modes.get(m, "gram")
       if m in slotted:
         op = found.ops[m].in_mode("factors")
-        g = from_slots(op, g, bk.op_params(op, leaves,
+        g = slots_lib.from_slots(op, g, bk.op_params(op, leaves,
                                              found.param_leaves[m]),
                          mode, used[m], slotted[m])
       elif m in found.shared:
