@@ -269,27 +269,34 @@ def case_clipped(clipping, entry_name):
   if clipping == "all-layer":
     want = reference.weighted_sum(f, reference.clip_reference(norms, c_norm),
                                   params)
+    want_fraction = np.mean(norms > c_norm)
   else:
     groups = reference.column_groups(params)
     flat = np.zeros(f.shape[1])
+    clipped_any = np.zeros(f.shape[0], bool)
     for cols in groups.values():
       n = np.sqrt((f[:, cols] ** 2).sum(1))
-      flat[cols] = reference.clip_reference(
-          n, c_norm / math.sqrt(len(groups))) @ f[:, cols]
+      c_l = c_norm / math.sqrt(len(groups))
+      flat[cols] = reference.clip_reference(n, c_l) @ f[:, cols]
+      clipped_any |= n > c_l
     want = reference.weighted_sum(flat[None], [1.0], params)
+    want_fraction = np.mean(clipped_any)
   clipped = gram_haiku.clipped_grad(tracked.apply, c_norm, clipping=clipping,
                                     mesh_axes="data")
 
   def local(params, state, x):
     grads, aux = clipped(params, state, None, x)
-    return grads, aux.grad_norms
+    return grads, aux.grad_norms, aux.fraction_clipped
   mesh = jax.make_mesh((N_DEVICES,), ("data",),
                        axis_types=(jax.sharding.AxisType.Auto,))
   step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(),
                                                            P("data")),
-                               out_specs=(P(), P("data"))))
-  grads, got_norms = step(params, state, x)
+                               out_specs=(P(), P("data"), P())))
+  grads, got_norms, fraction = step(params, state, x)
   np.testing.assert_allclose(got_norms, norms, rtol=1e-4)
+  # Over every device's examples (and invariant over the mesh: P()).
+  np.testing.assert_allclose(fraction, want_fraction, rtol=1e-6)
+  assert 0 < want_fraction < 1
   _assert_grads(grads, want, _tolerance(entry))
   return {}
 

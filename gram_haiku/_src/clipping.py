@@ -105,7 +105,8 @@ class ClippedGradAux(NamedTuple):
       (over every parameter).
     fraction_clipped: ``f32[]``, the fraction of the real (non-padding)
       examples whose gradient was scaled down (``"per-layer"``: in any
-      layer).
+      layer); under ``shard_map`` (``mesh_axes``) over every device's
+      examples, the same on each device.
     weights: module name -> ``f32[B]``, the ``c_i`` each module's gradient
       was formed with (0 for padding rows).
     grams: the :class:`~gram_haiku.Grams` of the pass (per-layer squared
@@ -247,7 +248,10 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
                        **kw)
       clipped = r.grams.norms > total
     real = jnp.ones(clipped.shape) if mask is None else mask
-    fraction = jnp.sum(clipped * real) / jnp.maximum(jnp.sum(real), 1)
+    counts = jnp.stack([jnp.sum(clipped * real), jnp.sum(real)])
+    if axes:  # Every device's examples, as the clipped sum is.
+      counts = jax.lax.psum(counts, axes)
+    fraction = counts[0] / jnp.maximum(counts[1], 1)
     grads = r.grads
     if normalize_by != 1.0:
       grads = jax.tree_util.tree_map(lambda g: g / normalize_by, grads)
