@@ -4,10 +4,10 @@
 ``w_h`` and ``b`` into two matmuls each, so it has no ``hk.Linear`` for
 ``track()`` to intercept. The handler re-creates its parameters exactly and
 runs the whole cell as a :class:`GramFunction` (exact per-example gradients
-of ``w_i``, ``w_h`` and ``b``; the cell is usually inside
-``hk.dynamic_unroll``, where the per-example gradients are accumulated over
-steps anyway). ``hk.LSTM`` and ``hk.VanillaRNN`` need no handler: they are
-made of ``hk.Linear``.
+of ``w_i``, ``w_h`` and ``b``; inside ``hk.dynamic_unroll`` each step keeps
+its factors in a slot, and the per-example gradients are formed once after
+the pass, see :mod:`gram_haiku._src.slots`). ``hk.LSTM`` and
+``hk.VanillaRNN`` need no handler: they are made of ``hk.Linear``.
 """
 
 import functools
