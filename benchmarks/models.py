@@ -102,6 +102,26 @@ CNN_BLOCKS = ((32, 1), (64, 2), (128, 2))
 CNN_GROUPS = 8
 
 
+def _conv_problem(batch_size: int, image: int, cin: int, classes: int,
+                  blocks, seed: int, norms: bool):
+  """Images ``f32[B, image, image, cin]`` and labels, and the analytic layers
+  of 3x3 SAME convs ``blocks`` ((channels, stride), each followed by a
+  GroupNorm when ``norms``) and a linear head."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, image, image, cin), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  layers, side = [], image
+  for i, (channels, stride) in enumerate(blocks):
+    side = -(-side // stride)
+    layers.append(analytic.Layer("linear", side * side, 9 * cin, channels,
+                                 bias=True, input_grad=i > 0))
+    if norms:
+      layers.append(analytic.Layer("norm", side * side, channels, channels))
+    cin = channels
+  layers.append(analytic.Layer("linear", 1, cin, classes, bias=True))
+  return (jnp.asarray(x), jnp.asarray(y)), layers
+
+
 def make_cnn(batch_size: int = 64, image: int = 32, classes: int = 10,
              seed: int = 0) -> Bench:
   def net(x, y):
@@ -113,18 +133,9 @@ def make_cnn(batch_size: int = 64, image: int = 32, classes: int = 10,
     h = h.mean(axis=(1, 2))
     return xent(hk.Linear(classes)(h), y)
 
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((batch_size, image, image, 3), np.float32)
-  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
-  layers, side, cin = [], image, 3
-  for i, (channels, stride) in enumerate(CNN_BLOCKS):
-    side = -(-side // stride)
-    layers.append(analytic.Layer("linear", side * side, 9 * cin, channels,
-                                 bias=True, input_grad=i > 0))
-    layers.append(analytic.Layer("norm", side * side, channels, channels))
-    cin = channels
-  layers.append(analytic.Layer("linear", 1, cin, classes, bias=True))
-  return Bench("cnn", net, (jnp.asarray(x), jnp.asarray(y)), layers,
+  batch, layers = _conv_problem(batch_size, image, 3, classes, CNN_BLOCKS,
+                                seed, norms=True)
+  return Bench("cnn", net, batch, layers,
                batch_size, None,
                "CNN 32x32x3, 3x(conv3x3+GroupNorm+ReLU) 32/64/128, pool, 10")
 
@@ -235,17 +246,9 @@ def make_small_cnn(batch_size: int = 32, image: int = 8, classes: int = 10,
       h = jax.nn.relu(hk.Conv2D(channels, 3, stride=stride)(h))
     return xent(hk.Linear(classes)(h.mean(axis=(1, 2))), y)
 
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal((batch_size, image, image, 1), np.float32)
-  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
-  layers, side, cin = [], image, 1
-  for i, (channels, stride) in enumerate(blocks):
-    side = -(-side // stride)
-    layers.append(analytic.Layer("linear", side * side, 9 * cin, channels,
-                                 bias=True, input_grad=i > 0))
-    cin = channels
-  layers.append(analytic.Layer("linear", 1, cin, classes, bias=True))
-  return Bench("small_cnn", net, (jnp.asarray(x), jnp.asarray(y)), layers,
+  batch, layers = _conv_problem(batch_size, image, 1, classes, blocks, seed,
+                                norms=False)
+  return Bench("small_cnn", net, batch, layers,
                batch_size, None,
                f"CNN {image}x{image}x1, conv3x3 8, conv3x3/2 16, pool, 10")
 
