@@ -46,7 +46,7 @@ class PassPlan:
     slotted: layer names whose ``"factors"`` probe is a stack of slots, one
       per application, picked by a counter in the module's state (a module
       applied at every step of a loop; see
-      :func:`gram_haiku._src.value_grad_and_gram.slotted_modules`).
+      :func:`gram_haiku._src.slots.slotted_modules`).
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None

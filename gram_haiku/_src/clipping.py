@@ -49,6 +49,12 @@ Thresholds = Union[float, Mapping[str, float]]
 LayerSplit = Union[str, Callable[[Mapping[str, int]], Mapping[str, float]]]
 
 
+def _check_split(split) -> None:
+  if not (callable(split) or split in LAYER_SPLITS):
+    raise ValueError(f"gram_haiku.clipped_grad: layer_split={split!r}: "
+                     f"expected one of {LAYER_SPLITS} or a function.")
+
+
 def split_threshold(total: float, sizes: Mapping[str, int],
                     split: LayerSplit) -> dict[str, float]:
   """Per-layer thresholds ``C_l`` with ``sqrt(sum_l C_l^2) == total``.
@@ -86,8 +92,7 @@ def split_threshold(total: float, sizes: Mapping[str, int],
           problem=problem, modules=modules))
     weights = {m: float(got[m]) for m in modules}
   else:
-    raise ValueError(f"gram_haiku.clipped_grad: layer_split={split!r}: "
-                     f"expected one of {LAYER_SPLITS} or a function.")
+    _check_split(split)
   norm = math.sqrt(sum(w * w for w in weights.values())) or 1.0
   return {m: total * w / norm for m, w in weights.items()}
 
@@ -207,9 +212,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
   total = float(bound)
   axes = example_sharding.normalize_axes(mesh_axes)
 
-  if not (callable(layer_split) or layer_split in LAYER_SPLITS):
-    raise ValueError(f"gram_haiku.clipped_grad: layer_split={layer_split!r}"
-                     f": expected one of {LAYER_SPLITS} or a function.")
+  _check_split(layer_split)
   if thresholds is not None and layer_split != "equal":
     raise ValueError("gram_haiku.clipped_grad: layer_split splits one "
                      "number l2_clip_norm; with a dict of thresholds, leave "

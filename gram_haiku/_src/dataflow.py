@@ -424,7 +424,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
           leaf=leaf_names[leaf], modules=sorted(modules)))
   slot_apps = walk.applications
-  if full_jaxpr is not None:
+  if full_jaxpr is not None and shared:  # (only shared modules get slots)
     full = _Walk(gram_op_type)
     full.run(full_jaxpr, ins)
     slot_apps = full.applications

@@ -148,7 +148,7 @@ def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
 
   ``slotted``: modules applied several times that keep each application's
   factors in a slot of a ``[U, B, K]`` probe (mode ``"slots"``; see
-  :func:`gram_haiku._src.value_grad_and_gram.slotted_modules`).
+  :func:`gram_haiku._src.slots.slotted_modules`).
   """
   found = t.found
   by_name: dict[str, set] = {}
@@ -188,7 +188,7 @@ def _fresh_probe(t: vgg.TracedLoss, m: str, mode: str, shape, mask, axes):
 def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
   """``{module: (rule, x, g, op params)}`` of the modules that kept
   factors; a slotted module's ``U`` applications are one application of
-  ``rule`` (:func:`gram_haiku._src.value_grad_and_gram.open_slots`)."""
+  ``rule`` (:func:`gram_haiku._src.slots.open_slots`)."""
   out = {}
   for m in live:
     op = t.found.ops[m]
@@ -253,8 +253,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   Exactly one of ``weight_fn`` (one ``c`` for every module, from the Grams)
   and ``clips`` (per-layer clipping: ``clips({module: number of
   parameters}) -> {module: Clip}``) is given. ``example_weights``: ``(B,)``
-  factors every ``c`` is multiplied by (a padding mask), or None. ``privacy``: the completeness and
-  example-flow checks a privacy guarantee needs.
+  factors every ``c`` is multiplied by (a padding mask), or None.
+  ``privacy``: the completeness and example-flow checks a privacy
+  guarantee needs.
   """
   t = vgg.trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs,
                      axes, strict=privacy)
@@ -268,9 +269,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
   layer_clips = (dict(clips({m: found.ops[m].num_params() for m in live}))
                  if clips is not None else {})
-  slotted = {m: u for m, u in slots_lib.slotted_modules(found, axes,
-                                                    params).items()
-             if m in live}
+  slotted = {m: u for m, u in slots_lib.slotted_modules(
+      found, axes, params).items() if m in live}
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
 
@@ -305,12 +305,10 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
-    return modes, diff_idx, out, slots_lib.unthreaded(out[0][1][1], slots)
+    return (modes, diff_idx, out), slots_lib.unthreaded(out[0][1][1], slots)
 
-  modes, diff_idx, out, lost = run_pass(slotted)
-  if lost:  # Their counters did not come back: per-example stores instead.
-    slotted = {m: u for m, u in slotted.items() if m not in lost}
-    modes, diff_idx, out, _ = run_pass(slotted)
+  slotted, (modes, diff_idx, out) = slots_lib.pass_with_slots(run_pass,
+                                                              slotted)
   (value, (aux, new_state)), (clip_grads, stores) = out
   if has_aux:
     value = (value, aux)

@@ -113,6 +113,22 @@ def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
   return out
 
 
+def pass_with_slots(run_pass, slotted: Mapping[str, int]):
+  """``(slotted, result)`` of a pass that trusts only counters that came
+  back.
+
+  ``run_pass(slotted) -> (result, modules)``: traces the pass with those
+  modules slotted and names the ones whose counter did not come back
+  advanced (:func:`unthreaded`). The pass is then traced once more with
+  those modules accumulating per-example gradients instead.
+  """
+  result, lost = run_pass(slotted)
+  if lost:
+    slotted = {m: u for m, u in slotted.items() if m not in lost}
+    result, _ = run_pass(slotted)
+  return slotted, result
+
+
 def from_slots(op, f, params, mode: str, slots_used, slots: int):
   """The Gram (or squared norms) of a module from its slotted probe's
   cotangent ``f: [U, B, K]`` (see :func:`slotted_modules`,

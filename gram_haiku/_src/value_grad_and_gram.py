@@ -427,11 +427,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
             params, probes)
       return out, slots_lib.unthreaded(out[0][1][1], slots)
 
-    slotted = slots_lib.slotted_modules(found, axes, params)
-    out, lost = run_pass(slotted)
-    if lost:  # Their counters did not come back: accumulate instead.
-      slotted = {m: u for m, u in slotted.items() if m not in lost}
-      out, _ = run_pass(slotted)
+    slotted, out = slots_lib.pass_with_slots(
+        run_pass, slots_lib.slotted_modules(found, axes, params))
     (value, (aux, new_state)), (grads, probe_grads) = out
     if has_aux:
       value = (value, aux)
