@@ -17,8 +17,13 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src import example_flow
+from gram_haiku._src.reference import ATOL_F32
+from gram_haiku._src.reference import RTOL_F32
 from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import weighted_sum
 from tests import problems
 
 B, T, F = 4, 4, 6  # T == B on purpose: sizes cannot tell the axes apart.
@@ -102,7 +107,56 @@ def _contrastive_loss(x, y):
   return -jnp.sum(jnp.diag(jax.nn.log_softmax(sim, axis=1)))
 
 
+# A layer applied to a value that does not depend on the examples (a
+# learned memory, positions) whose rows are then combined before they meet
+# the examples: its parameters' per-example gradients flow through a value
+# every example shares, which no row of the layer holds.
+M = 5  # memory rows; B == T == 4 beside it
+
+
+def _memory_rows(size=M):
+  return hk.get_parameter("memory", [size, F], init=jnp.ones) + jnp.arange(
+      size * F, dtype=jnp.float32).reshape(size, F) / 10
+
+
+def _shared_sum_scales(x, y):
+  scale = jnp.sum(hk.Linear(3)(_memory_rows(B)))
+  return _sq(hk.Linear(3)(x) * scale, y)
+
+
+def _shared_mean_added(x, y):
+  return _sq(hk.Linear(3)(x) + jnp.mean(hk.Linear(3)(_memory_rows()), 0), y)
+
+
+def _shared_max_added(x, y):
+  return _sq(hk.Linear(3)(x) + jnp.max(hk.Linear(3)(_memory_rows()), 0), y)
+
+
+def _shared_contracted(x, y):
+  pooled = jnp.ones((M,)) @ hk.Linear(3)(_memory_rows())
+  return _sq(hk.Linear(3)(x) + pooled, y)
+
+
+def _shared_cumsum(x, y):  # rows of a length-B memory, prefix-summed
+  mem = jnp.cumsum(hk.Linear(3)(_memory_rows(B)), axis=0)
+  return _sq(hk.Linear(3)(x) + mem[:, None, :], y)
+
+
+def _shared_regulariser(x, y):  # never meets the examples
+  penalty = jnp.sum(hk.Linear(3)(_memory_rows()) ** 2)
+  return _sq(hk.Linear(3)(x), y) + 1e-2 * penalty
+
+
+_COMBINED = "summed, reduced or contracted over that axis"
+
+
 @pytest.mark.parametrize("body,match", [
+    (_shared_sum_scales, _COMBINED),
+    (_shared_mean_added, _COMBINED),
+    (_shared_max_added, _COMBINED),
+    (_shared_contracted, _COMBINED),
+    (_shared_cumsum, _COMBINED),
+    (_shared_regulariser, _COMBINED),
     (_positions_late, "meets them along another axis"),
     (_time_major, "along axis 1"),
     (_memory, "meets them along another axis"),
@@ -148,6 +202,101 @@ def _stack_and_scan(x, y):
 def _per_example_vmap(x, y):
   h = hk.vmap(lambda xi: jnp.tanh(hk.Linear(F)(xi)), split_rng=False)(x)
   return _sq(hk.Conv1D(3, 2)(h), y)
+
+
+# Per-example code under hk.vmap whose tracked layers take inputs that do
+# not depend on the example (positions, a learned memory): every example
+# applies its own copy, so each has its own gradient through its own output
+# cotangent, and the Gram is exact (the op broadcasts the input along the
+# examples' vmap). Explicitly batched, the same layers are refused above.
+def _vmapped_positions(xi, yi):  # xi: (T, F)
+  return _sq(hk.Linear(3)(xi + hk.Embed(T, F)(jnp.arange(T))), yi)
+
+
+def _vmapped_memory_mean(xi, yi):
+  pooled = jnp.mean(jnp.tanh(hk.Linear(F)(_memory_rows())), axis=0)
+  return _sq(hk.Linear(3)(xi * pooled), yi)
+
+
+def _vmapped_cross_attention(xi, yi):
+  memory = _memory_rows()
+  # No bias: the key bias's gradient is zero (softmax is shift invariant),
+  # so only rounding would be compared.
+  attn = hk.MultiHeadAttention(2, 3, w_init=hk.initializers.VarianceScaling(
+      1.0), model_size=3, with_bias=False)
+  return _sq(attn(xi, memory, memory), yi)
+
+
+def _vmapped_penalty(xi, yi):  # every example's loss carries the penalty
+  penalty = jnp.sum(hk.Linear(3)(_memory_rows()) ** 2)
+  return _sq(hk.Linear(3)(xi), yi) + 1e-2 * penalty
+
+
+@pytest.mark.parametrize("mode", ["gram", "norms"])
+@pytest.mark.parametrize("named", [False, True], ids=["default", "named"])
+@pytest.mark.parametrize("body", [
+    _vmapped_positions, _vmapped_memory_mean, _vmapped_cross_attention,
+    _vmapped_penalty], ids=lambda f: f.__name__)
+def test_example_independent_inputs_under_hk_vmap_are_exact(body, named,
+                                                            mode):
+  x, y = _data(5)
+  kw = dict(example_axis="batch") if named else {}
+  def tracked(x, y):
+    with gram_haiku.track(mode=mode, **kw):
+      per_example = hk.vmap(body, split_rng=False,
+                            axis_name="batch" if named else None)
+      return jnp.sum(per_example(x, y))
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda x, y: jnp.sum(hk.vmap(body, split_rng=False)(x, y))))
+  tracked_params = {m: p for m, p in params.items() if m != "~"}
+  ref = reference_gram(lambda p, x, y: plain.apply({**params, **p}, x, y),
+                       tracked_params, x, y)
+  if mode == "gram":
+    assert_gram_close(grams.total, ref)
+  np.testing.assert_allclose(grams.sq_norms, np.diag(ref), rtol=1e-4,
+                             atol=1e-6 * np.abs(ref).max())
+  # The tracked layers sum B broadcast copies: float32 sums in another
+  # order, so the table's float32 row (atol a fraction of the largest).
+  want = jax.grad(plain.apply)(params, x, y)
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))
+  chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
+                              atol=ATOL_F32 * scale)
+
+
+@pytest.mark.parametrize("body", [_vmapped_positions, _vmapped_memory_mean],
+                         ids=lambda f: f.__name__)
+def test_clipping_example_independent_inputs_under_hk_vmap(body):
+  x, y = _data(6)
+  def tracked(x, y):
+    with gram_haiku.track():
+      return jnp.sum(hk.vmap(body, split_rng=False)(x, y))
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda x, y: jnp.sum(hk.vmap(body, split_rng=False)(x, y))))
+  ref = per_example_grads(plain.apply, params, x, y)
+  norms = np.linalg.norm(np.asarray(ref, np.float64), axis=1)
+  clip = float(np.median(norms))
+  frozen = ["~/memory"] if "~" in params else None
+  if frozen:  # frozen: zero gradient, so not in the clipped norm either
+    keep = jax.tree.map(lambda _: True, params)
+    keep["~"] = {"memory": False}
+    mask = np.concatenate([np.full(np.size(l), k) for k, l in zip(
+        jax.tree.leaves(keep), jax.tree.leaves(params))])
+    ref = np.where(mask[None], np.asarray(ref), 0.0)
+    norms = np.linalg.norm(ref, axis=1)
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, clip,
+                                               frozen=frozen))(
+      params, state, None, x, y)
+  want = weighted_sum(ref, clip_reference(norms, clip), params)
+  assert 0 < float(aux.fraction_clipped) < 1
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
+  chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
+                              atol=ATOL_F32 * scale)
 
 
 @pytest.mark.parametrize("body", [

@@ -447,18 +447,19 @@ def test_c12_explicit_operands_match_unswapped_linear():
   assert list(grams.by_layer) == ["linear"]
 
 
-def test_layer_input_without_example_axis_under_vmap_is_an_error():
-  # Position "ids" from jnp.arange do not depend on the example: under
-  # hk.vmap over examples that layer has no example axis. An error, never
-  # a Gram over the wrong axis (even with T == B).
+@pytest.mark.parametrize("jit", [False, True])
+def test_layer_input_without_example_axis_under_vmap_is_exact(jit):
+  # Position "ids" from jnp.arange do not depend on the example, but under
+  # hk.vmap over examples each example's copy of the layer has its own
+  # output cotangent, so its own gradient: exact (T == B on purpose). More
+  # of this class: tests/test_example_flow.py.
   b = t = 4
   x, y = _data(24, (b, t, 3), 5)
   def per_example(xe):  # (T, 3)
     pos = hk.Linear(5, name="pos")(jax.nn.one_hot(jnp.arange(t), t))
     return hk.Linear(5)(xe) + pos
-  f, _, params, state = _setup(hk.vmap(per_example, split_rng=False), x, y)
-  with pytest.raises(ValueError, match="does not depend on the example"):
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  grams = _check(hk.vmap(per_example, split_rng=False), x, y, jit=jit)
+  assert set(grams.by_layer) == {"pos", "linear"}
 
 
 def test_track_outside_a_transform_says_where_it_belongs():

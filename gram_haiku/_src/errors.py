@@ -241,8 +241,10 @@ EXAMPLE_AXIS_NOT_EXAMPLES = (
     "positions, an unbatched memory), silently wrong.\n"
     "What to do: give the layer its input with the examples along that axis "
     "(broadcast shared inputs such as positions to the batch: "
-    "jnp.broadcast_to(pos, (B,) + pos.shape); keep sequences batch-major), "
-    "or apply the layer outside gram_haiku.track(). Under an inner vmap "
+    "jnp.broadcast_to(pos, (B,) + pos.shape), or apply the layer inside "
+    "per-example code under hk.vmap over the examples, where such layers "
+    "are exact; keep sequences batch-major), or apply the layer outside "
+    "gram_haiku.track(). Under an inner vmap "
     "(over heads or set elements) track(example_axis=0) takes the explicit "
     "batch axis instead, and track(example_axis='<axis_name>') a named "
     "vmap over the examples.")

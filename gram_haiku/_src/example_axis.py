@@ -83,6 +83,14 @@ class ExampleAxis:
       return dataclasses.replace(self, vmapped=True)
     return dataclasses.replace(self, position=self.position + 1, vmapped=True)
 
+  def may_be_examples(self, vmap_axis_name: Hashable) -> bool:
+    """Whether the vmap now batching the op may be the examples' own: any
+    vmap under the default rule (the outermost one is), the named one under
+    ``named``, none under ``leading``."""
+    if self.kind == "default":
+      return True
+    return self.kind == "named" and vmap_axis_name == self.name
+
   def resolved_position(self) -> Optional[int]:
     """Where the example axis is now; None for a named axis not found."""
     if self.position is None and not self.vmapped:

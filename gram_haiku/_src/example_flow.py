@@ -126,6 +126,7 @@ class _Flow:
     self.strict = strict
     self.findings: list[tuple[Any, State]] = []
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
+    self.combined: set[int] = set()  # candidates whose rows were combined
     self._deps: list[bool] = []  # the current equation's input dependences
 
   def join(self, a: State, b: State) -> State:
@@ -313,12 +314,25 @@ class _Flow:
                                     outer=new[k] // (inner * size))]
     return [MIXED]
 
+  def _combined(self, s: Ex, state: State) -> State:
+    """``state``, for rows of ``s`` combined with each other (a sum, a
+    maximum, a contraction over the axis). For a candidate (``s.tag``) that
+    settles it as wrong: the rows its layer took for examples were merged
+    before meeting any, so its parameters' per-example gradients flow
+    through a value every example shares, which no row of that layer
+    holds. What is left does not depend on the examples."""
+    if s.tag is None:
+      return state
+    self.verdicts[s.tag] = False
+    self.combined.add(s.tag)
+    return CONST
+
   def _reduce(self, eqn, ins, linear: bool):
     s = ins[0]
     axes = tuple(eqn.params["axes"])
     if isinstance(s, Ex):
       if s.dim in axes:
-        return [SUM if linear else MIXED]
+        return [self._combined(s, SUM if linear else MIXED)]
       return [dataclasses.replace(s, dim=s.dim - sum(a < s.dim for a in axes))]
     if s == SUM and not linear:
       return [MIXED]
@@ -346,7 +360,8 @@ class _Flow:
     axes = eqn.params[axis_param]
     axes = axes if isinstance(axes, (tuple, list)) else (axes,)
     ndim = len(_shape(eqn.invars[0]))
-    out = on_examples(s) if s.dim in [a % ndim for a in axes] else s
+    out = (self._combined(s, on_examples(s))
+           if s.dim in [a % ndim for a in axes] else s)
     return [out] * len(eqn.outvars)
 
   def _cumsum(self, eqn, ins):
@@ -462,7 +477,7 @@ class _Flow:
     if len(ex) == 1:
       kind, pos, s = ex[0]
       if kind == "contracted":
-        return [SUM]
+        return [self._combined(s, SUM)]
       if kind == "batch":
         return [dataclasses.replace(s, dim=pos)]
       return [dataclasses.replace(s, dim=pos)]
@@ -677,10 +692,13 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       if flow.verdicts.get(state.tag, True):
         verified = verified and state.tag in flow.verdicts
         continue  # A shared input broadcast along the examples (or unmet).
+      found = ("does not depend on the examples, and its output is "
+               "summed, reduced or contracted over that axis before it "
+               "meets them" if state.tag in flow.combined else
+               "does not depend on the examples, and its output meets "
+               "them along another axis")
       raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-          module=module, shape=shape, position=position,
-          found=("does not depend on the examples, and its output meets "
-                 "them along another axis")))
+          module=module, shape=shape, position=position, found=found))
     if state in (MIXED, SUM):
       raise ValueError(errors.EXAMPLES_COUPLED.format(module=module,
                                                       shape=shape))

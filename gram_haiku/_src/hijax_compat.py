@@ -136,6 +136,11 @@ def axis_name(axis_data: Any) -> Any:
   return getattr(axis_data, "name", None)
 
 
+def axis_size(axis_data: Any) -> int:
+  """The size of the vmap whose batching rule is running."""
+  return int(axis_data.size)
+
+
 def varying_axes(x: Any) -> frozenset:
   """Mesh axes along which ``x`` varies inside ``shard_map`` (its VMA type).
 

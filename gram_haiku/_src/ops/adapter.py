@@ -255,11 +255,18 @@ class Adapter(hx.VJPHiPrimitive):
       raise NotImplementedError(errors.PARAMS_BATCHED.format(
           module=self.name, params=batched_params))
     if x_dim is None:
-      # The input does not vary along this vmap's axis: the output does not
-      # either. Fine for a within-example vmap (its cotangent then sums over
-      # that axis); for the examples' own vmap the layer has no example axis,
-      # which value_grad_and_gram reports (AMBIGUOUS_EXAMPLE_AXIS).
-      return self(x, *params, probe), None
+      if not self.example_axis.may_be_examples(hx.axis_name(axis_data)):
+        # A within-example vmap along which the input does not vary: neither
+        # does the output, and its cotangent sums over the axis.
+        return self(x, *params, probe), None
+      # Perhaps the examples' own vmap (the default rule cannot tell until
+      # the outermost one has fired), and the input is the same for every
+      # example (positions from jnp.arange, a learned memory): each example
+      # still has its own gradient, through its own output cotangent. The
+      # input is broadcast along the axis so that the layer has one; along a
+      # within-example axis the broadcast is exact too (the cotangents sum).
+      x = jnp.broadcast_to(x, (hx.axis_size(axis_data),) + tuple(x.shape))
+      x_dim = 0
     x = jnp.moveaxis(x, x_dim, 0)
     op = self.rebuild(jax.typeof(x),
                       self.example_axis.after_vmap(hx.axis_name(axis_data)))
