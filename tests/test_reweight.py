@@ -237,6 +237,21 @@ def test_cross_example_weight_fn():
 
 
 @pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_an_example_with_a_non_finite_loss_gets_weight_zero(clipping):
+  # Without padding, an example whose label is NaN has a NaN output
+  # cotangent (its inputs are finite): it gets weight 0 and adds nothing,
+  # and the others are clipped as without it.
+  f, params, state, (x, y), _ = _mlp(seed=5, b=6)
+  bad = y.at[2].set(jnp.nan)
+  clipped = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5, clipping=clipping))
+  grads, aux = clipped(params, state, None, x, bad)
+  keep = np.arange(6) != 2
+  want, _ = clipped(params, state, None, x[keep], y[keep])
+  assert np.asarray(aux.weights[next(iter(aux.weights))])[2] == 0
+  chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
 def test_padding_rows_contribute_nothing(clipping):
   f, params, state, (x, y), ref = _mlp(seed=4, b=7)
   pad = np.array([0, 1, 0, 0, 1, 1, 0], bool)

@@ -56,11 +56,13 @@ def from_factors(op, x, g, params, mode: str) -> jax.Array:
   return rule.probe_cotangent_and_grads(x, g, params, (), KernelConfig())[0]
 
 
-def recontract_factors(op, x, g, params, c) -> dict:
+def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
   """``{k: sum_i c_i g_i}`` for each present parameter operand ``k``, from
-  the factors ``(x, g)`` of one application."""
+  the factors ``(x, g)`` of one application; ``mask_inputs``: rows with
+  ``c_i = 0`` may hold anything (padding), so their inputs are zeroed too
+  (see ``GramOp.reweighted_param_grads``)."""
   wanted = [k for k, p in enumerate(params) if p is not None]
-  return op.reweighted_param_grads(x, g, params, c, wanted)
+  return op.reweighted_param_grads(x, g, params, c, wanted, mask_inputs)
 
 
 def recontract_per_example(op, f, c) -> dict:

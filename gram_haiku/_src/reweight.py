@@ -222,15 +222,16 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
 
 
 def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
-                leaves, diff_idx, clip_grads) -> list:
-  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones)."""
+                leaves, diff_idx, clip_grads, padded: bool) -> list:
+  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones).
+  ``padded``: some rows may be padding, whose values may be anything."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in zip(diff_idx, clip_grads):
     grads[k] = ct  # Clipped inside the backward rule.
   for m in live:
     op, g, idx = t.found.ops[m], stores[m], t.found.param_leaves[m]
     if modes[m] in ("factors", "slots"):
-      cts = bk.recontract_factors(*factors[m], weights[m])
+      cts = bk.recontract_factors(*factors[m], weights[m], padded)
     elif modes[m] == "per_example":
       cts = bk.recontract_per_example(op, g, weights[m])
     else:
@@ -328,7 +329,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     weights = {m: base.clip_weights(grams.sq_norms_by_layer[m],
                                     layer_clips[m]) * mask for m in live}
   grads = _recontract(t, live, modes, stores, factors, weights, leaves,
-                      diff_idx, clip_grads)
+                      diff_idx, clip_grads, example_weights is not None)
   for m in slotted:  # NaN, never a sum missing some applications.
     for k in found.param_leaves[m]:
       if k is not None:

@@ -383,13 +383,20 @@ class GramOp(adapter.Adapter):
     c = c.reshape(shape)
     return jnp.where(c != 0, g * c.astype(g.dtype), jnp.zeros((), g.dtype))
 
-  def reweighted_param_grads(self, x, g, params, c, wanted) -> dict:
+  def reweighted_param_grads(self, x, g, params, c, wanted,
+                             mask_inputs: bool = True) -> dict:
     """``{i: sum_e c_e g_e}`` for the parameters ``params[i]``, ``i`` in
     ``wanted``: the layer's own weight VJP with its output cotangent
     scaled per example (exact for every rule: the per-example gradient is
-    linear in the example's output cotangent)."""
+    linear in the example's output cotangent).
+
+    Rows with ``c_e == 0`` have their output cotangent zeroed, even where
+    it is not finite. ``mask_inputs``: zero those rows of the input too (a
+    padded row may hold anything, even NaN, and ``NaN * 0`` is NaN), at the
+    cost of a masked copy of ``x``; without padding every row is a real
+    example, whose input is what ``jax.grad`` would see as well."""
     gs = self.scale_examples(g.astype(self.accumulation_dtype()), c)
-    if is_float(x.dtype):  # A row with c_i = 0 adds nothing, even a NaN.
+    if mask_inputs and is_float(x.dtype):
       x = self.scale_examples(x, (c != 0).astype(x.dtype))
     cts = self.forward_vjp(x, params, gs, False, list(wanted))
     return dict(zip(wanted, cts))
