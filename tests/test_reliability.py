@@ -309,3 +309,93 @@ def test_linearize_of_a_tracked_loss(jit):
   sized = gram_haiku.resize_probes(state, 3)
   with pytest.raises(ValueError, match="linearized in forward mode"):
     jax.linearize(lambda s: f.apply(params, s, None, x, y, ids)[0], sized)
+
+
+# -- parameters mapped at init, probes mapped by control flow -----------------
+
+
+def _init_errors(body, x, y):
+  """The init error of ``body`` tracked and untracked: (tracked, plain)."""
+  out = []
+  for f in _transforms(body):
+    with pytest.raises(Exception) as info:
+      f.init(jax.random.PRNGKey(0), x, y)
+    out.append(info.value)
+  return out
+
+
+def _split_rng_at_init(x, y):
+  return _sq(hk.vmap(lambda xi: hk.Linear(2)(xi), split_rng=True)(x), y)
+
+
+def _created_in_per_example_cond(x, y):
+  def per(xi):
+    lin = hk.Linear(2)
+    return hk.cond(xi[0] > 0, lin, lambda v: -lin(v), xi)
+  return _sq(hk.vmap(per, split_rng=False)(x), y)
+
+
+@pytest.mark.parametrize("body", [_split_rng_at_init,
+                                  _created_in_per_example_cond],
+                         ids=lambda f: f.__name__)
+def test_parameters_mapped_at_init_get_haikus_own_error(body):
+  # Haiku refuses both at init with its own advice; inside track() the same
+  # error must come through, not one about vmapped parameters.
+  x, y = _data(16, (4, 3), 2)
+  tracked, plain = _init_errors(body, x, y)
+  assert type(tracked) is type(plain)
+  assert str(tracked) == str(plain)
+  assert "gram_haiku" not in str(tracked)
+
+
+def _per_example_branches(select):
+  def body(x, y):
+    def per(xi):
+      lin, head = hk.Linear(3), hk.Linear(2)
+      h = jnp.tanh(lin(xi))
+      if select:  # both branches, picked per example: exact
+        return jnp.where(xi[0] > 0, head(h), -2.0 * head(h))
+      if hk.running_init():
+        head(h)  # parameters created outside the per-example cond
+      return hk.cond(xi[0] > 0, head, lambda v: -2.0 * head(v), h)
+    return _sq(hk.vmap(per, split_rng=False)(x), y)
+  return body
+
+
+def test_per_example_cond_under_hk_vmap_says_to_select():
+  x, y = _data(17, (5, 3), 2)
+  f, _ = _transforms(_per_example_branches(select=False))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match=r"(?s)hk.cond or hk.switch whose "
+                     r"predicate.*jnp.where\(pred, a, b\)"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
+@pytest.mark.parametrize("jit", problems.JIT_CASES)
+def test_per_example_branches_by_select_are_exact(jit):
+  x, y = _data(18, (5, 3), 2)
+  assert 0 < int(jnp.sum(x[:, 0] > 0)) < 5, "both branches are taken"
+  f, g = _transforms(_per_example_branches(select=True))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, grads, grams = (jax.jit(fn) if jit else fn)(params, state, None, x, y)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+
+
+def test_a_jax_vmap_over_groups_with_mapped_state_gives_each_its_gram():
+  # value_grad_and_gram makes its own probes, so a jax.vmap over groups of
+  # examples that maps the state (probes included) gives each group its
+  # own Gram, as separate calls do.
+  x, y = _data(19, (2, 4, 3), 2)  # two groups of four examples
+  f, _ = _transforms(lambda x, y: _sq(hk.Linear(2)(x), y))
+  params, state = f.init(jax.random.PRNGKey(0), x[0], y[0])
+  states = jax.tree.map(lambda a: jnp.stack([a, a]), state)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, grams = jax.vmap(lambda s, x, y: fn(params, s, None, x, y))(
+      states, x, y)
+  for k in range(2):
+    np.testing.assert_allclose(grams.total[k],
+                               fn(params, state, None, x[k], y[k])[2].total,
+                               rtol=1e-5)

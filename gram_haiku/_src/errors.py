@@ -31,9 +31,15 @@ NO_EXAMPLE_AXIS = (
 PROBE_BATCHED = (
     "gram_haiku: the Gram probe of module '{module}' (shape {shape}) is "
     "batched by vmap (mapped axis {dim}). The probe is one (B, B) matrix for "
-    "the whole batch and must not be mapped.\n"
+    "the whole batch and must not be mapped. Two things map it: a jax.vmap "
+    "that maps the Haiku state, and, under hk.vmap over the examples, an "
+    "hk.cond or hk.switch whose predicate or index differs per example "
+    "(vmap then runs every branch and maps every operand, the state "
+    "included).\n"
     "What to do: pass the Haiku state with in_axes=None to jax.vmap, or use "
-    "hk.vmap, which never maps state.")
+    "hk.vmap, which never maps state; for a per-example branch, compute the "
+    "branches and pick per example with jnp.where(pred, a, b) (what vmap of "
+    "a cond computes anyway), which is exact.")
 
 PARAMS_BATCHED = (
     "gram_haiku: the parameters {params} of module '{module}' are mapped by "

@@ -24,6 +24,7 @@ __all__ = [
     "current_frame",
     "inside_transform",
     "inside_raw_jax_transform",
+    "running_init",
     "module_scope",
     "compute_adjusted_padding",
     "calculate_bias_shape",
@@ -52,6 +53,12 @@ def current_frame():
 def inside_transform() -> bool:
   """Whether the caller runs inside ``hk.transform`` (a Haiku frame)."""
   return _base.inside_transform()
+
+
+def running_init() -> bool:
+  """Whether the caller runs inside a transformed function's ``init``
+  (False outside every Haiku transform)."""
+  return _base.inside_transform() and hk.running_init()
 
 
 def inside_raw_jax_transform() -> bool:

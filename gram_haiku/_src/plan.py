@@ -120,6 +120,9 @@ class Plan:
     clip: in ``"clip"`` mode, the per-example clipping rule applied to this
       layer's own parameter gradients inside its backward rule; None in
       every other mode.
+    at_init: the op runs inside a Haiku ``init``, where nothing is
+      differentiated: parameters mapped by a vmap (which Haiku itself
+      refuses there, with its own advice) are let through.
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
@@ -128,6 +131,7 @@ class Plan:
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
   refusal: Optional[str] = None
   clip: Optional[Clip] = None
+  at_init: bool = False
 
   def __post_init__(self):
     check_mode(self.mode)

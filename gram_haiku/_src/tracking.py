@@ -282,6 +282,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     name = module.module_name
     present = [p for p in params if p is not None]
     plan = self._resolve_plan(name, present)
+    if hkc.running_init():
+      plan = plan.replace(at_init=True)
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
     if self._pass is not None and self._pass.raw_traced is not None and (

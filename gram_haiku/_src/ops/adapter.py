@@ -246,6 +246,17 @@ class Adapter(hx.VJPHiPrimitive):
   def batch(self, axis_data, args, dims):
     x, *params, probe = args
     x_dim, *param_dims, probe_dim = dims
+    if self.plan.at_init and (probe_dim is not None or any(
+        d is not None for d in param_dims)):
+      # At init nothing is differentiated, so the layer runs plainly: a
+      # probe mapped by a per-example hk.cond is refused when the Gram is
+      # taken (below), and parameters mapped by hk.vmap(split_rng=True) or
+      # created under a per-example hk.cond are refused by Haiku itself,
+      # after the layer has run, with the advice that fits.
+      if x_dim is None and all(d is None for d in param_dims):
+        return self.forward(x, *params), None
+      return jax.vmap(self.forward, in_axes=(x_dim, *param_dims))(
+          x, *params), 0
     if probe_dim is not None:
       raise ValueError(errors.PROBE_BATCHED.format(
           module=self.name, shape=tuple(probe.shape), dim=probe_dim))
