@@ -24,6 +24,7 @@ from gram_haiku._src.clipping import ClippedGradAux
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.coverage import UntrackedParameterWarning
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.example_flow import ExampleFlowWarning
 from gram_haiku._src.ops.base import GramOp
 from gram_haiku._src.ops.function import GramFunction
 from gram_haiku._src.ops.affine import gram_affine
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = (
     "ClippedGradAux",
     "ExampleAxis",
+    "ExampleFlowWarning",
     "GramFunction",
     "GramOp",
     "Grams",

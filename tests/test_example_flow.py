@@ -8,6 +8,8 @@ inputs broadcast over the batch, statistics of the input data, attention,
 recurrences, stacks) are exact against the reference.
 """
 
+import warnings
+
 import chex
 import haiku as hk
 import jax
@@ -476,3 +478,164 @@ def test_coupling_after_gathers_and_pools_is_refused(body, match):
   x, y = _data(6)
   with pytest.raises(ValueError, match=match):
     _run(body, x, y)
+
+
+# -- writes, transforms and loops over the batch ------------------------------
+# Found by an outside check: each of these once returned a wrong Gram with
+# no error (the operation was not modelled, so nothing was concluded).
+
+_PERM = np.array([2, 0, 3, 1])
+
+
+def _two_layers(between):
+  def body(x, y):
+    h = jnp.tanh(hk.Linear(F, name="first")(x))
+    return _sq(hk.Linear(3, name="second")(between(h)), y)
+  body.__name__ = between.__name__
+  return body
+
+
+def _scatter_permuted(h):
+  return jnp.zeros_like(h).at[_PERM].set(h)
+
+
+def _scatter_added(h):
+  return jnp.zeros_like(h).at[_PERM].add(h)
+
+
+def _rows_overwritten(h):
+  return jax.lax.dynamic_update_slice(h, h[:1], (2, 0, 0))
+
+
+def _fft_over_batch(h):
+  return jnp.fft.fft(h, axis=0).real
+
+
+def _ema_over_batch(h):
+  step = lambda c, hi: (0.5 * c + hi, 0.5 * c + hi)
+  return jax.lax.scan(step, jnp.zeros(h.shape[1:]), h)[1]
+
+
+def _branch_on_one_example(h):
+  return jax.lax.cond(h[0, 0, 0] > 0, lambda a: 2 * a, lambda a: -a, h)
+
+
+def _constant_query(x, y):  # its (1, F) rows broadcast over the batch
+  q = hk.Linear(3, name="q")(jnp.ones((1, 1, F)))
+  return _sq(x[..., :3] * q, y)
+
+
+def _one_example_per_scan_step(x, y):
+  lin = hk.Linear(3)
+  def step(c, xi):
+    return c, lin(xi[None])[0]
+  return _sq(hk.scan(step, 0.0, x)[1], y)
+
+
+def _positions_scanned_with_time(x, y):  # T == B: rows of a (T, F) input
+  pos = hk.Linear(F, name="pos")(jnp.eye(T, F))
+  h = hk.Linear(F, name="inp")(x)
+  def step(c, inp):
+    ht, pt = inp
+    return jnp.tanh(c + ht + pt), c
+  _, hs = jax.lax.scan(step, jnp.zeros((x.shape[0], F)),
+                       (jnp.swapaxes(h, 0, 1), pos))
+  return _sq(hk.Linear(3, name="out")(jnp.swapaxes(hs, 0, 1)), y)
+
+
+def _per_example_losses(x, y):
+  return 0.5 * jnp.sum((hk.Linear(3)(x) - y) ** 2, axis=(1, 2))
+
+
+def _sorted_max_loss(x, y):
+  return jnp.sort(_per_example_losses(x, y))[-1]
+
+
+def _sorted_top2_loss(x, y):
+  return jnp.sort(_per_example_losses(x, y))[-2:].sum()
+
+
+def _scanned_product_loss(x, y):
+  step = lambda c, li: (c * li, None)
+  return jax.lax.scan(step, 1.0, _per_example_losses(x, y))[0]
+
+
+def _looped_product_loss(x, y):
+  l = _per_example_losses(x, y)
+  return jax.lax.fori_loop(0, l.shape[0], lambda i, c: c * l[i], 1.0)
+
+
+@pytest.mark.parametrize("body,match", [
+    (_two_layers(_scatter_permuted), "depends on several examples"),
+    (_two_layers(_scatter_added), "depends on several examples"),
+    (_two_layers(_rows_overwritten), "depends on several examples"),
+    (_two_layers(_fft_over_batch), "depends on several examples"),
+    (_two_layers(_ema_over_batch), "depends on several examples"),
+    (_two_layers(_branch_on_one_example), "depends on several examples"),
+    (_constant_query, _COMBINED),
+    (_one_example_per_scan_step, "depends on several examples|"
+     "summed, reduced or contracted"),
+    (_positions_scanned_with_time, _COMBINED),
+    (_sorted_max_loss, "not a sum"),
+    (_sorted_top2_loss, "not a sum"),
+    (_scanned_product_loss, "not a sum"),
+    (_looped_product_loss, "not a sum"),
+], ids=lambda v: getattr(v, "__name__", "")[:24])
+def test_writes_transforms_and_loops_over_the_batch_are_refused(body, match):
+  x, y = _data(7)
+  with pytest.raises(ValueError, match=match):
+    _run(body, x, y)
+
+
+def _feature_column_zeroed(h):
+  return h.at[:, :, 1].set(0.0)
+
+
+def _features_padded(h):
+  return jnp.zeros(h.shape[:-1] + (F + 2,)).at[..., :F].set(h)[..., 1:F + 1]
+
+
+def _first_step_shifted(h):  # a constant added at every example's step 0
+  return h.at[:, 0].add(1.0)
+
+
+def _feature_fft(h):  # an FFT within each example
+  return jnp.fft.fft(h, axis=-1).real
+
+
+def _steps_unstacked_and_stacked(h):
+  return jnp.stack([jnp.tanh(s) for s in jnp.unstack(h, axis=1)], axis=1)
+
+
+@pytest.mark.parametrize("between", [
+    _feature_column_zeroed, _features_padded, _first_step_shifted, _feature_fft,
+    _steps_unstacked_and_stacked], ids=lambda f: f.__name__)
+def test_writes_and_transforms_within_examples_are_exact(between):
+  body = _two_layers(between)
+  x, y = _data(8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gram_haiku.ExampleFlowWarning)
+    params, (_, _, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+def _solve_over_batch(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  m = jnp.eye(B) + 0.1 * jnp.arange(B * B, dtype=jnp.float32).reshape(B, B)
+  h = jnp.linalg.solve(m, h.reshape(B, -1)).reshape(h.shape)
+  return _sq(hk.Linear(3, name="second")(h), y)
+
+
+def test_unmodelled_primitives_warn_and_clipping_refuses():
+  x, y = _data(9)
+  with pytest.warns(gram_haiku.ExampleFlowWarning,
+                    match=r"(?s)could not be followed.*to second.*verify"):
+    _run(_solve_over_batch, x, y, jit=False)
+  def tracked(x, y):
+    with gram_haiku.track():
+      return _solve_over_batch(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="privacy guarantee cannot rest"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)

@@ -255,6 +255,22 @@ EXAMPLE_AXIS_NOT_EXAMPLES = (
     "batch axis instead, and track(example_axis='<axis_name>') a named "
     "vmap over the examples.")
 
+EXAMPLES_NOT_FOLLOWED = (
+    "gram_haiku: the examples could not be followed through the traced "
+    "program to {where}: they pass through {primitives}, which the example "
+    "flow analysis does not model. If that mixes or reorders the examples "
+    "(a scatter or dynamic_update_slice along the batch, an FFT or solve "
+    "over it, a custom_vjp whose backward mixes rows), the Gram is wrong.\n"
+    "What to do: run gram_haiku.verify(...) once on this model with a real "
+    "batch; if the operation acts within each example only, this warning "
+    "can be ignored (warnings.filterwarnings('ignore', "
+    "category=gram_haiku.ExampleFlowWarning)).")
+
+EXAMPLES_NOT_FOLLOWED_PRIVACY = (
+    " A privacy guarantee cannot rest on an unchecked flow, so clipping "
+    "refuses it: write that operation with primitives that act within each "
+    "example (or outside the differentiated function).")
+
 EXAMPLES_MERGED = (
     "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
     "input (shape {shape}) as the example axis, but that axis merges the "

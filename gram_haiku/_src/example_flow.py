@@ -31,10 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Optional, Sequence, Union
 
 from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
+
+
+class ExampleFlowWarning(UserWarning):
+  """The examples could not be followed to a tracked layer or the loss
+  through a primitive this analysis does not model: the Gram is not
+  verified there (see :func:`gram_haiku.verify`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,14 @@ def _untagged(s: State) -> State:
   return dataclasses.replace(s, tag=None) if isinstance(s, Ex) else s
 
 
+def _value_ordered(order) -> bool:
+  """Whether a reordering key (:func:`_reordered`) includes a sort: an
+  order that depends on the values."""
+  if not isinstance(order, tuple):
+    return False
+  return order[:1] == ("sort",) or any(_value_ordered(o) for o in order)
+
+
 def _reordered(s: Ex, key) -> Ex:
   """``s`` with its rows reordered (or a subset) by the operation ``key``."""
   return dataclasses.replace(s, order=(s.order, key) if s.order else key)
@@ -127,6 +142,7 @@ class _Flow:
     self.findings: list[tuple[Any, State]] = []
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
     self.combined: set[int] = set()  # candidates whose rows were combined
+    self.unknown: set[str] = set()  # primitives not modelled, met by examples
     self._deps: list[bool] = []  # the current equation's input dependences
 
   def join(self, a: State, b: State) -> State:
@@ -162,6 +178,9 @@ class _Flow:
                 state="a value computed from several examples' data"))
         ins_now.append(s)
       outs = self.eqn(eqn, ins_now, in_deps)
+      if (UNKNOWN in outs and UNKNOWN not in ins_now and
+          not hx.jaxprs_of(eqn)):
+        self.unknown.add(eqn.primitive.name)
       out_dep = any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None
       for v, s in zip(eqn.outvars, outs):
         env[v] = s
@@ -188,8 +207,10 @@ class _Flow:
     if all(s == CONST for s in ins) and not hx.jaxprs_of(eqn):
       return [CONST] * n_out
     name = eqn.primitive.name
-    rule = getattr(self, "_" + name, None)
+    rule = getattr(self, "_" + name.replace("-", "_"), None)
     self._deps = deps
+    if name in _ELEMENTWISE:
+      ins = self._implicit_broadcasts(eqn, ins)
     if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
       ins = self._data_as_constant(ins, deps)
     if rule is not None:
@@ -211,6 +232,21 @@ class _Flow:
     if MIXED in ins:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
+
+  def _implicit_broadcasts(self, eqn, ins):
+    """Elementwise operands whose length-1 axes are broadcast to the
+    output's (``lax.mul`` of ``[B, F]`` and ``[1, F]``): along the examples'
+    axis that is :meth:`_broadcast_in_dim`'s repeat of one row."""
+    out_shape = _shape(eqn.outvars[0])
+    fixed = []
+    for v, s in zip(eqn.invars, ins):
+      shape = _shape(v)
+      if (isinstance(s, Ex) and len(shape) == len(out_shape) and
+          shape[s.dim] != out_shape[s.dim]):
+        s = (self._combined(s, CONST) if s.tag is not None else
+             _reordered(s, ("broadcast", id(eqn))))
+      fixed.append(s)
+    return fixed
 
   def _data_as_constant(self, ins, deps):
     """Input data met by values of the parameters: constant for them.
@@ -267,8 +303,17 @@ class _Flow:
   def _broadcast_in_dim(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex):
-      return [dataclasses.replace(
-          s, dim=eqn.params["broadcast_dimensions"][s.dim])]
+      dim = eqn.params["broadcast_dimensions"][s.dim]
+      before = _shape(eqn.invars[0])[s.dim]
+      after = _shape(eqn.outvars[0])[dim]
+      if before != after:
+        # A length-1 example axis repeated (``q[None]`` of one row met with
+        # a batch): every row is that one row's.
+        if s.tag is not None:
+          return [self._combined(s, CONST)]
+        return [_reordered(dataclasses.replace(s, dim=dim),
+                           ("broadcast", id(eqn)))]
+      return [dataclasses.replace(s, dim=dim)]
     return [s]
 
   def _transpose(self, eqn, ins):
@@ -282,6 +327,10 @@ class _Flow:
     s = ins[0]
     if isinstance(s, Ex):
       dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
+      if s.dim in dims:
+        # One example's values (``h[0]``) with no example axis left: a
+        # linear combination of the examples, like a sum over them.
+        return [self._combined(s, SUM)]
       return [dataclasses.replace(s, dim=s.dim - sum(d < s.dim for d in dims))]
     return [s]
 
@@ -389,9 +438,90 @@ class _Flow:
   def _split(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex) and s.dim == eqn.params["axis"]:
-      return [_reordered(s, ("split", id(eqn), k))
+      return [self._subset(s, ("split", id(eqn), k))
               for k in range(len(eqn.outvars))]
     return [s] * len(eqn.outvars)
+
+  def _stack(self, eqn, ins):
+    axis = eqn.params["axis"]
+    out = CONST
+    for x in ins:
+      out = self.join(out, x)
+    if isinstance(out, Ex) and out.dim >= axis:
+      out = dataclasses.replace(out, dim=out.dim + 1)
+    return [out]
+
+  def _unstack(self, eqn, ins):
+    s = ins[0]
+    axis = eqn.params["axis"] % len(_shape(eqn.invars[0]))
+    n = len(eqn.outvars)
+    if isinstance(s, Ex):
+      if s.dim == axis:  # One example per output.
+        return [self._combined(s, SUM)] * n
+      return [dataclasses.replace(s, dim=s.dim - (s.dim > axis))] * n
+    return [s] * n
+
+  def _fft(self, eqn, ins):
+    s = ins[0]
+    ndim = len(_shape(eqn.invars[0]))
+    transformed = range(ndim - len(eqn.params["fft_lengths"]), ndim)
+    if isinstance(s, Ex) and s.dim in transformed:
+      return [self._combined(s, MIXED)]
+    return [s if s != SUM else MIXED]
+
+  def _dynamic_update_slice(self, eqn, ins):
+    operand, update, *index = ins
+    if any(i != CONST for i in index):
+      return [MIXED if MIXED in ins else UNKNOWN]
+    return [self._write(eqn, operand, update, [
+        _shape(eqn.invars[1])[d] == _shape(eqn.invars[0])[d]
+        for d in range(len(_shape(eqn.invars[0])))], list(range(
+            len(_shape(eqn.invars[0])))))]
+
+  def _scatter(self, eqn, ins, add: bool = False):
+    operand, indices, updates = ins[:3]
+    if indices != CONST or len(ins) != 3:
+      return [MIXED if MIXED in ins else UNKNOWN]
+    dn = eqn.params["dimension_numbers"]
+    if getattr(dn, "operand_batching_dims", ()):
+      return [UNKNOWN]
+    ndim = len(_shape(eqn.invars[0]))
+    indexed = set(dn.scatter_dims_to_operand_dims) | set(
+        dn.inserted_window_dims)
+    window = [k for k in range(ndim) if k not in dn.inserted_window_dims]
+    # Operand axis -> update axis, for the axes written whole (window axes
+    # that no index selects).
+    full = [k not in indexed for k in range(ndim)]
+    to_update = [dn.update_window_dims[window.index(k)] if k in window
+                 else None for k in range(ndim)]
+    del add  # A set and an add of rows aligned with the operand's: alike.
+    return [self._write(eqn, operand, updates, full, to_update)]
+
+  def _scatter_add(self, eqn, ins):
+    return self._scatter(eqn, ins, add=True)
+
+  _scatter_mul = _scatter_min = _scatter_max = _scatter_add
+
+  def _write(self, eqn, operand, update, full, to_update):
+    """``operand`` with ``update`` written into part of it (a scatter, a
+    dynamic_update_slice). ``full[k]``: operand axis ``k`` is written whole
+    (no index selects along it); ``to_update[k]``: the update's axis that
+    fills operand axis ``k`` (None if none)."""
+    del eqn
+    if update == CONST:
+      # Constants written into some rows: each row is still its own
+      # example's (or constant); into all rows of an axis the same.
+      return operand
+    if not isinstance(update, Ex):
+      return MIXED if update in (MIXED, SUM) else UNKNOWN
+    dims = [k for k, u in enumerate(to_update) if u == update.dim]
+    if len(dims) != 1 or not full[dims[0]]:
+      # The examples written at selected rows (a permutation, a subset).
+      return MIXED
+    written = dataclasses.replace(update, dim=dims[0])
+    if operand == CONST:
+      return written
+    return self.join(operand, written)
 
   def _concatenate(self, eqn, ins):
     dim = eqn.params["dimension"]
@@ -414,6 +544,14 @@ class _Flow:
       return [MIXED]
     return [self.join(s, ins[1]) if ins[1] != CONST else s]
 
+  def _subset(self, s: Ex, key) -> State:
+    """Rows ``s`` reduced to a subset (``key``). Of rows sorted by their
+    values (``jnp.sort(l)[-1]``, the largest), a subset depending on the
+    parameters is a choice among the examples, like a maximum."""
+    if _value_ordered(s.order) and any(self._deps):
+      return MIXED
+    return _reordered(s, key)
+
   def _slice(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex):
@@ -424,7 +562,7 @@ class _Flow:
       size = _shape(eqn.invars[0])[s.dim]
       if (start, limit, step) != (0, size, 1):
         # A subset of the examples, or reordered.
-        return [_reordered(s, ("slice", start, limit, step))]
+        return [self._subset(s, ("slice", start, limit, step))]
     return [s]
 
   def _dynamic_slice(self, eqn, ins):
@@ -433,7 +571,7 @@ class _Flow:
       return [MIXED if MIXED in ins else UNKNOWN]  # data-dependent start
     if isinstance(s, Ex):
       full = _shape(eqn.invars[0])[s.dim] == eqn.params["slice_sizes"][s.dim]
-      return [s if full else _reordered(s, ("dynamic_slice", id(eqn)))]
+      return [s if full else self._subset(s, ("dynamic_slice", id(eqn)))]
     return [s]
 
   def _dot_general(self, eqn, ins):
@@ -552,7 +690,11 @@ class _Flow:
       return [MIXED]
     # Constant indices.
     if operand.dim in op_batching:
-      return [UNKNOWN]
+      # Batched along the examples (take_along_axis with constant indices):
+      # each example indexes its own row.
+      out = idx_out(idx_batching[op_batching.index(operand.dim)])
+      return [UNKNOWN if out is None else
+              dataclasses.replace(operand, dim=out)]
     if operand.dim in dn.start_index_map or operand.dim in collapsed:
       if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
           operand.dim in collapsed):
@@ -612,8 +754,11 @@ class _Flow:
     sliced = []
     for s in xs:
       if isinstance(s, Ex):
-        # Scanning over the examples (one per step) is not modelled.
-        sliced.append(UNKNOWN if s.dim == 0 else
+        # Scanning over the examples, one per step: each step sees one
+        # example's values, a linear combination of the examples (so a
+        # carry that accumulates them, or a layer applied to them, mixes
+        # the examples).
+        sliced.append(self._combined(s, SUM) if s.dim == 0 else
                       dataclasses.replace(s, dim=s.dim - 1))
       else:
         sliced.append(s)
@@ -681,15 +826,19 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   outs = flow.run(jaxpr, list(in_states), deps)
   names = names or {}
   verified = True
+  unfollowed = []  # modules the examples could not be followed to
   for op, state in flow.findings:
     module = names.get(op.name, op.name)
     position = op.example_axis.resolved_position()
     shape = tuple(op.x_aval.shape)
     if state == UNKNOWN:
       verified = False
+      unfollowed.append(module)
       continue
     if isinstance(state, Ex) and state.tag is not None:
       if flow.verdicts.get(state.tag, True):
+        if state.tag not in flow.verdicts and flow.unknown:
+          unfollowed.append(module)  # Met the examples only past the unknown.
         verified = verified and state.tag in flow.verdicts
         continue  # A shared input broadcast along the examples (or unmet).
       found = ("does not depend on the examples, and its output is "
@@ -718,4 +867,13 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
     raise ValueError(errors.LOSS_COUPLED)
+  if outs and outs[0] == UNKNOWN and flow.last_deps[0]:
+    unfollowed.append("the loss")
+  if unfollowed:
+    message = errors.EXAMPLES_NOT_FOLLOWED.format(
+        primitives=", ".join(sorted(flow.unknown)) or "(none recorded)",
+        where=", ".join(dict.fromkeys(unfollowed)))
+    if strict:
+      raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
+    warnings.warn(message, ExampleFlowWarning, stacklevel=3)
   return verified and bool(flow.findings)
