@@ -7,35 +7,40 @@ and if the loss is a sum of per-example terms. Sizes cannot tell (a sequence
 of length ``T == B``, positions from ``jnp.arange``, an unbatched memory of
 length ``B``); the program can. :func:`check` follows the example axis of the
 batch through the traced loss (``jax.make_jaxpr``, after every ``vmap`` has
-been batched) with a small abstract interpretation:
-
-* :class:`Ex` ``(dim, inner)``: the value holds the examples along ``dim``,
-  each row depending on its own example only, in order; ``inner > 1`` when
-  that axis merges the examples with ``inner`` positions each (``(B, T) ->
-  (B T)``, as ``hk.BatchApply`` does), ``outer > 1`` when it merges them
-  after other positions;
-* ``CONST``: does not depend on the examples (parameters, ``iota``);
-* ``SUM``: a linear combination over the examples (after a sum over them);
-  the loss must be ``SUM`` (or ``CONST``);
-* ``MIXED``: depends on several examples in another way (batch statistics,
-  a softmax over the batch, rows reordered or subset): the examples are
-  coupled;
-* ``UNKNOWN``: a primitive this analysis does not model; nothing is
-  concluded from it (no error).
+been batched) with a small abstract interpretation: this module holds the
+interpreter and :func:`check`; the states (``Ex``, ``CONST``, ``SUM``,
+``MIXED``, ``UNKNOWN``) are :mod:`gram_haiku._src.flow_states`', the rules
+per primitive :mod:`gram_haiku._src.flow_rules`'.
 
 Each Gram op's input must be ``Ex`` at the op's example-axis position with
 nothing merged into it; otherwise :func:`check` raises a teaching error.
+Where the examples reach a tracked layer or the loss only through a
+primitive without a rule, :func:`check` warns (:class:`ExampleFlowWarning`)
+or, under ``strict``, raises.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 from gram_haiku._src import errors
+from gram_haiku._src import flow_rules
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src.flow_states import ELEMENTWISE as _ELEMENTWISE
+from gram_haiku._src.flow_states import LINEAR as _LINEAR
+from gram_haiku._src.flow_states import CONST
+from gram_haiku._src.flow_states import Ex
+from gram_haiku._src.flow_states import join
+from gram_haiku._src.flow_states import MIXED
+from gram_haiku._src.flow_states import reordered as _reordered
+from gram_haiku._src.flow_states import shape as _shape
+from gram_haiku._src.flow_states import State
+from gram_haiku._src.flow_states import SUM
+from gram_haiku._src.flow_states import UNKNOWN
+
+__all__ = ["CONST", "Ex", "ExampleFlowWarning", "MIXED", "State", "SUM",
+           "UNKNOWN", "check", "join"]
 
 
 class ExampleFlowWarning(UserWarning):
@@ -44,96 +49,12 @@ class ExampleFlowWarning(UserWarning):
   verified there (see :func:`gram_haiku.verify`)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Ex:
-  """The examples lie along axis ``dim`` (``size = outer * B * inner``).
-
-  ``tag``: not the examples yet, but the output of tracked layers whose
-  input does not depend on them (positions, a learned query): a
-  *candidate*, right if it meets the examples along the same axis (a
-  broadcast shared input), wrong if along another one (``arange(T)``
-  embedded and broadcast over the batch).
-  """
-  dim: int
-  inner: int = 1
-  outer: int = 1
-  tag: Optional[int] = None
-  #: None: the rows are the examples in the batch's order. Otherwise a key
-  #: of the reordering (a slice, a reversal, rows picked by index): each row
-  #: is still one example's, so sums over them are sums of per-example
-  #: terms, but a layer taking them as its example axis would not be.
-  order: Any = None
 
 
-CONST = "const"
-SUM = "sum"
-MIXED = "mixed"
-UNKNOWN = "unknown"
-State = Union[Ex, str]
-
-_ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
-convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
-exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
-logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem
-round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan
-tanh xor
-pvary device_put optimization_barrier
-""".split())
-#: Elementwise primitives that are linear in each argument (a SUM stays one).
-_LINEAR = frozenset("add sub neg convert_element_type copy copy_p "
-                    "reduce_precision stop_gradient pvary device_put".split())
-
-
-def _untagged(s: State) -> State:
-  return dataclasses.replace(s, tag=None) if isinstance(s, Ex) else s
-
-
-def _value_ordered(order) -> bool:
-  """Whether a reordering key (:func:`_reordered`) includes a sort: an
-  order that depends on the values."""
-  if not isinstance(order, tuple):
-    return False
-  return order[:1] == ("sort",) or any(_value_ordered(o) for o in order)
-
-
-def _reordered(s: Ex, key) -> Ex:
-  """``s`` with its rows reordered (or a subset) by the operation ``key``."""
-  return dataclasses.replace(s, order=(s.order, key) if s.order else key)
-
-
-def join(a: State, b: State, verdicts: Optional[dict] = None) -> State:
-  """The least state covering both; settles candidates (``Ex.tag``) met by
-  the examples, recording ``verdicts[tag] = right`` when given."""
-  if isinstance(a, Ex) and isinstance(b, Ex) and a.order != b.order:
-    return MIXED  # rows of different examples meet
-  if isinstance(a, Ex) and isinstance(b, Ex) and a.tag != b.tag:
-    if a.tag is not None and b.tag is not None:
-      return a if a.dim == b.dim else MIXED
-    cand, real = (a, b) if a.tag is not None else (b, a)
-    if verdicts is not None:
-      right = _untagged(cand) == real
-      verdicts[cand.tag] = verdicts.get(cand.tag, True) and right
-    return real
-  if a == b:
-    return a
-  if MIXED in (a, b):
-    return MIXED
-  if UNKNOWN in (a, b):
-    return UNKNOWN
-  if a == CONST:
-    return b
-  if b == CONST:
-    return a
-  return MIXED  # Ex vs another Ex, or Ex vs SUM
-
-
-def _shape(v):
-  return tuple(getattr(v.aval, "shape", ()))
-
-
-class _Flow:
-  """The abstract interpreter (one instance per check)."""
+class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
+            flow_rules.ContractionRules, flow_rules.ControlFlowRules):
+  """The abstract interpreter (one instance per check); the rules per
+  primitive are :mod:`flow_rules`'."""
 
   def __init__(self, batch: int, gram_op_type, strict: bool = False):
     self.batch = batch
@@ -298,71 +219,6 @@ class _Flow:
       return SUM  # a sum scaled by a constant
     return MIXED  # a nonlinear function of a sum over the examples
 
-  # -- shape and layout -------------------------------------------------------
-
-  def _broadcast_in_dim(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex):
-      dim = eqn.params["broadcast_dimensions"][s.dim]
-      before = _shape(eqn.invars[0])[s.dim]
-      after = _shape(eqn.outvars[0])[dim]
-      if before != after:
-        # A length-1 example axis repeated (``q[None]`` of one row met with
-        # a batch): every row is that one row's.
-        if s.tag is not None:
-          return [self._combined(s, CONST)]
-        return [_reordered(dataclasses.replace(s, dim=dim),
-                           ("broadcast", id(eqn)))]
-      return [dataclasses.replace(s, dim=dim)]
-    return [s]
-
-  def _transpose(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex):
-      return [dataclasses.replace(
-          s, dim=list(eqn.params["permutation"]).index(s.dim))]
-    return [s]
-
-  def _squeeze(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex):
-      dims = [d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"]]
-      if s.dim in dims:
-        # One example's values (``h[0]``) with no example axis left: a
-        # linear combination of the examples, like a sum over them.
-        return [self._combined(s, SUM)]
-      return [dataclasses.replace(s, dim=s.dim - sum(d < s.dim for d in dims))]
-    return [s]
-
-  def _expand_dims(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex):
-      dim = s.dim
-      for d in sorted(eqn.params["dimensions"]):
-        if d <= dim:
-          dim += 1
-      return [dataclasses.replace(s, dim=dim)]
-    return [s]
-
-  def _reshape(self, eqn, ins):
-    s = ins[0]
-    if not isinstance(s, Ex):
-      return [s]
-    old, new = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    # Row-major: the example factor (B, or a candidate's own size) has
-    # stride `stride`.
-    size = old[s.dim] // (s.inner * s.outer)
-    stride = s.inner * math.prod(old[s.dim + 1:])
-    if size == 0 or stride == 0:
-      return [UNKNOWN]  # Empty: nothing to follow.
-    for k in range(len(new)):
-      suffix = math.prod(new[k + 1:])
-      if stride % suffix == 0 and (suffix * new[k]) % (stride * size) == 0:
-        inner = stride // suffix
-        return [dataclasses.replace(s, dim=k, inner=inner,
-                                    outer=new[k] // (inner * size))]
-    return [MIXED]
-
   def _combined(self, s: Ex, state: State) -> State:
     """``state``, for rows of ``s`` combined with each other (a sum, a
     maximum, a contraction over the axis). For a candidate (``s.tag``) that
@@ -375,421 +231,6 @@ class _Flow:
     self.verdicts[s.tag] = False
     self.combined.add(s.tag)
     return CONST
-
-  def _reduce(self, eqn, ins, linear: bool):
-    s = ins[0]
-    axes = tuple(eqn.params["axes"])
-    if isinstance(s, Ex):
-      if s.dim in axes:
-        return [self._combined(s, SUM if linear else MIXED)]
-      return [dataclasses.replace(s, dim=s.dim - sum(a < s.dim for a in axes))]
-    if s == SUM and not linear:
-      return [MIXED]
-    return [s]
-
-  def _reduce_sum(self, eqn, ins):
-    return self._reduce(eqn, ins, linear=True)
-
-  def _reduce_max(self, eqn, ins):
-    return self._reduce(eqn, ins, linear=False)
-
-  _reduce_min = _reduce_max
-  _reduce_prod = _reduce_max
-  _reduce_and = _reduce_max
-  _reduce_or = _reduce_max
-  _argmax = _reduce_max
-  _argmin = _reduce_max
-
-  def _along(self, eqn, ins, axis_param, on_examples):
-    """Ops acting along one axis: ``on_examples(s)`` when it is the
-    examples' axis."""
-    s = ins[0]
-    if not isinstance(s, Ex):
-      return [s if s != SUM else MIXED] * len(eqn.outvars)
-    axes = eqn.params[axis_param]
-    axes = axes if isinstance(axes, (tuple, list)) else (axes,)
-    ndim = len(_shape(eqn.invars[0]))
-    out = (self._combined(s, on_examples(s))
-           if s.dim in [a % ndim for a in axes] else s)
-    return [out] * len(eqn.outvars)
-
-  def _cumsum(self, eqn, ins):
-    # Prefix sums over the examples: linear combinations of them.
-    return self._along(eqn, ins, "axis", lambda s: SUM)
-
-  def _cumprod(self, eqn, ins):
-    return self._along(eqn, ins, "axis", lambda s: MIXED)
-
-  _cummax = _cummin = _cumlogsumexp = _cumprod
-
-  def _rev(self, eqn, ins):
-    return self._along(eqn, ins, "dimensions",
-                       lambda s: _reordered(s, ("rev",)))
-
-  def _sort(self, eqn, ins):
-    states = [s for s in ins if s != CONST]
-    out = states[0]
-    for s in states[1:]:
-      out = self.join(out, s)
-    if isinstance(out, Ex) and out.dim == eqn.params["dimension"]:
-      out = _reordered(out, ("sort", id(eqn)))
-    return [out] * len(eqn.outvars)
-
-  def _split(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex) and s.dim == eqn.params["axis"]:
-      return [self._subset(s, ("split", id(eqn), k))
-              for k in range(len(eqn.outvars))]
-    return [s] * len(eqn.outvars)
-
-  def _stack(self, eqn, ins):
-    axis = eqn.params["axis"]
-    out = CONST
-    for x in ins:
-      out = self.join(out, x)
-    if isinstance(out, Ex) and out.dim >= axis:
-      out = dataclasses.replace(out, dim=out.dim + 1)
-    return [out]
-
-  def _unstack(self, eqn, ins):
-    s = ins[0]
-    axis = eqn.params["axis"] % len(_shape(eqn.invars[0]))
-    n = len(eqn.outvars)
-    if isinstance(s, Ex):
-      if s.dim == axis:  # One example per output.
-        return [self._combined(s, SUM)] * n
-      return [dataclasses.replace(s, dim=s.dim - (s.dim > axis))] * n
-    return [s] * n
-
-  def _fft(self, eqn, ins):
-    s = ins[0]
-    ndim = len(_shape(eqn.invars[0]))
-    transformed = range(ndim - len(eqn.params["fft_lengths"]), ndim)
-    if isinstance(s, Ex) and s.dim in transformed:
-      return [self._combined(s, MIXED)]
-    return [s if s != SUM else MIXED]
-
-  def _dynamic_update_slice(self, eqn, ins):
-    operand, update, *index = ins
-    if any(i != CONST for i in index):
-      return [MIXED if MIXED in ins else UNKNOWN]
-    return [self._write(eqn, operand, update, [
-        _shape(eqn.invars[1])[d] == _shape(eqn.invars[0])[d]
-        for d in range(len(_shape(eqn.invars[0])))], list(range(
-            len(_shape(eqn.invars[0])))))]
-
-  def _scatter(self, eqn, ins, add: bool = False):
-    operand, indices, updates = ins[:3]
-    if indices != CONST or len(ins) != 3:
-      return [MIXED if MIXED in ins else UNKNOWN]
-    dn = eqn.params["dimension_numbers"]
-    if getattr(dn, "operand_batching_dims", ()):
-      return [UNKNOWN]
-    ndim = len(_shape(eqn.invars[0]))
-    indexed = set(dn.scatter_dims_to_operand_dims) | set(
-        dn.inserted_window_dims)
-    window = [k for k in range(ndim) if k not in dn.inserted_window_dims]
-    # Operand axis -> update axis, for the axes written whole (window axes
-    # that no index selects).
-    full = [k not in indexed for k in range(ndim)]
-    to_update = [dn.update_window_dims[window.index(k)] if k in window
-                 else None for k in range(ndim)]
-    del add  # A set and an add of rows aligned with the operand's: alike.
-    return [self._write(eqn, operand, updates, full, to_update)]
-
-  def _scatter_add(self, eqn, ins):
-    return self._scatter(eqn, ins, add=True)
-
-  _scatter_mul = _scatter_min = _scatter_max = _scatter_add
-
-  def _write(self, eqn, operand, update, full, to_update):
-    """``operand`` with ``update`` written into part of it (a scatter, a
-    dynamic_update_slice). ``full[k]``: operand axis ``k`` is written whole
-    (no index selects along it); ``to_update[k]``: the update's axis that
-    fills operand axis ``k`` (None if none)."""
-    del eqn
-    if update == CONST:
-      # Constants written into some rows: each row is still its own
-      # example's (or constant); into all rows of an axis the same.
-      return operand
-    if not isinstance(update, Ex):
-      return MIXED if update in (MIXED, SUM) else UNKNOWN
-    dims = [k for k, u in enumerate(to_update) if u == update.dim]
-    if len(dims) != 1 or not full[dims[0]]:
-      # The examples written at selected rows (a permutation, a subset).
-      return MIXED
-    written = dataclasses.replace(update, dim=dims[0])
-    if operand == CONST:
-      return written
-    return self.join(operand, written)
-
-  def _concatenate(self, eqn, ins):
-    dim = eqn.params["dimension"]
-    if any(isinstance(s, Ex) and s.dim == dim for s in ins):
-      if any(s in (MIXED, SUM) for s in ins):
-        return [MIXED]
-      if any(s == UNKNOWN for s in ins):
-        return [UNKNOWN]
-      ex = next(s for s in ins if isinstance(s, Ex))
-      return [_reordered(ex, ("concat", id(eqn)))]
-    out = CONST
-    for s in ins:
-      out = self.join(out, s)
-    return [out]
-
-  def _pad(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex) and tuple(eqn.params["padding_config"][s.dim]) != (
-        0, 0, 0):
-      return [MIXED]
-    return [self.join(s, ins[1]) if ins[1] != CONST else s]
-
-  def _subset(self, s: Ex, key) -> State:
-    """Rows ``s`` reduced to a subset (``key``). Of rows sorted by their
-    values (``jnp.sort(l)[-1]``, the largest), a subset depending on the
-    parameters is a choice among the examples, like a maximum."""
-    if _value_ordered(s.order) and any(self._deps):
-      return MIXED
-    return _reordered(s, key)
-
-  def _slice(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex):
-      start = eqn.params["start_indices"][s.dim]
-      limit = eqn.params["limit_indices"][s.dim]
-      strides = eqn.params["strides"]
-      step = strides[s.dim] if strides else 1
-      size = _shape(eqn.invars[0])[s.dim]
-      if (start, limit, step) != (0, size, 1):
-        # A subset of the examples, or reordered.
-        return [self._subset(s, ("slice", start, limit, step))]
-    return [s]
-
-  def _dynamic_slice(self, eqn, ins):
-    s = ins[0]
-    if any(i != CONST for i in ins[1:]):
-      return [MIXED if MIXED in ins else UNKNOWN]  # data-dependent start
-    if isinstance(s, Ex):
-      full = _shape(eqn.invars[0])[s.dim] == eqn.params["slice_sizes"][s.dim]
-      return [s if full else self._subset(s, ("dynamic_slice", id(eqn)))]
-    return [s]
-
-  def _dot_general(self, eqn, ins):
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lhs, rhs = ins
-    lnd, rnd = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
-    lfree = [d for d in range(lnd) if d not in lc and d not in lb]
-    rfree = [d for d in range(rnd) if d not in rc and d not in rb]
-
-    def out_dim(side, d):
-      if side == 0:
-        if d in lb:
-          return list(lb).index(d)
-        return len(lb) + lfree.index(d)
-      if d in rb:
-        return list(rb).index(d)
-      return len(lb) + len(lfree) + rfree.index(d)
-
-    states = []
-    for side, s, contract, batch in ((0, lhs, lc, lb), (1, rhs, rc, rb)):
-      if not isinstance(s, Ex):
-        states.append(("plain", s))
-      elif s.dim in contract:
-        states.append(("contracted", list(contract).index(s.dim), s))
-      elif s.dim in batch:
-        states.append(("batch", list(batch).index(s.dim), s))
-      else:
-        states.append(("free", out_dim(side, s.dim), s))
-    plain = [st[1] for st in states if st[0] == "plain"]
-    if MIXED in plain:
-      return [MIXED]
-    if UNKNOWN in plain:
-      return [UNKNOWN]
-    if SUM in plain:
-      # A sum over the examples times constants is still one; times one
-      # example's values (or another sum) it is not.
-      return [SUM if plain.count(CONST) == 1 else MIXED]
-    ex = [st for st in states if st[0] != "plain"]
-    if not ex:
-      return [CONST]
-    if len(ex) == 1:
-      kind, pos, s = ex[0]
-      if kind == "contracted":
-        return [self._combined(s, SUM)]
-      if kind == "batch":
-        return [dataclasses.replace(s, dim=pos)]
-      return [dataclasses.replace(s, dim=pos)]
-    (k1, p1, s1), (k2, p2, s2) = ex
-    if (s1.tag is None) != (s2.tag is None):
-      # A candidate meets the examples: right only along a shared batch dim.
-      cand, real = (ex[0], ex[1]) if s1.tag is not None else (ex[1], ex[0])
-      right = cand[0] == real[0] == "batch" and cand[1] == real[1]
-      self.verdicts[cand[2].tag] = self.verdicts.get(cand[2].tag,
-                                                     True) and right
-      kind, pos, s = real
-      return [SUM if kind == "contracted" else
-              dataclasses.replace(s, dim=pos)]
-    if k1 == k2 == "batch" and p1 == p2 and s1 == s2:
-      return [dataclasses.replace(s1, dim=p1)]
-    if k1 == k2 == "contracted" and p1 == p2 and s1 == s2:
-      return [SUM]  # sum_i f(x_i) g(x_i)
-    return [MIXED]  # e.g. x x^T over the batch: pairs of examples
-
-  def _conv_general_dilated(self, eqn, ins):
-    lhs, rhs = ins[0], ins[1]
-    if rhs not in (CONST,):
-      return [MIXED if rhs == MIXED or isinstance(rhs, Ex) else UNKNOWN]
-    if not isinstance(lhs, Ex):
-      return [lhs]
-    dn = eqn.params["dimension_numbers"]
-    if lhs.dim != dn.lhs_spec[0] or eqn.params.get("batch_group_count", 1) != 1:
-      return [MIXED]
-    return [dataclasses.replace(lhs, dim=dn.out_spec[0])]
-
-  def _gather(self, eqn, ins):
-    operand, indices = ins[0], ins[1]
-    if MIXED in (operand, indices):
-      return [MIXED]
-    if UNKNOWN in (operand, indices) or SUM in (operand, indices):
-      return [UNKNOWN if SUM not in (operand, indices) else MIXED]
-    dn = eqn.params["dimension_numbers"]
-    out_ndim = len(_shape(eqn.outvars[0]))
-    idx_ndim = len(_shape(eqn.invars[1]))
-    # Output dims not in offset_dims follow the indices' dims (but the last,
-    # the index vector), in order.
-    batch_dims = [d for d in range(out_ndim) if d not in dn.offset_dims]
-    collapsed = tuple(getattr(dn, "collapsed_slice_dims", ()))
-    op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
-    idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-
-    def idx_out(d):  # output position of an indices dim
-      return batch_dims[d] if d < idx_ndim - 1 and d < len(batch_dims) else None
-
-    if isinstance(indices, Ex):
-      out = idx_out(indices.dim)
-      if out is None:
-        return [MIXED]
-      if operand == CONST:  # a table looked up by per-example ids
-        return [dataclasses.replace(indices, dim=out)]
-      e = operand.dim
-      aligned = (e in op_batching and
-                 idx_batching[op_batching.index(e)] == indices.dim and
-                 operand.order == indices.order)
-      if operand.tag is not None and indices.tag is None:
-        # A candidate meets the examples (indices): settled here.
-        self.verdicts[operand.tag] = self.verdicts.get(operand.tag,
-                                                       True) and aligned
-        return [dataclasses.replace(indices, dim=out)]
-      if aligned:  # take_along_axis: each example indexes its own row.
-        return [dataclasses.replace(operand, dim=out)]
-      if e in dn.start_index_map:
-        # Rows picked by per-example indices (x[perm], o[arange(B), t]):
-        # one example each, in an order the program does not show.
-        return [_reordered(dataclasses.replace(operand, dim=out),
-                           ("gather", id(eqn.invars[1])))]
-      return [MIXED]
-    # Constant indices.
-    if operand.dim in op_batching:
-      # Batched along the examples (take_along_axis with constant indices):
-      # each example indexes its own row.
-      out = idx_out(idx_batching[op_batching.index(operand.dim)])
-      return [UNKNOWN if out is None else
-              dataclasses.replace(operand, dim=out)]
-    if operand.dim in dn.start_index_map or operand.dim in collapsed:
-      if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
-          operand.dim in collapsed):
-        return [_reordered(dataclasses.replace(operand, dim=batch_dims[0]),
-                           ("gather", id(eqn.invars[1])))]
-      return [MIXED]
-    full = eqn.params["slice_sizes"][operand.dim] == _shape(
-        eqn.invars[0])[operand.dim]
-    if not full:
-      return [MIXED]
-    kept = [d for d in range(len(_shape(eqn.invars[0])))
-            if d not in collapsed and d not in op_batching]
-    return [dataclasses.replace(operand,
-                                dim=dn.offset_dims[kept.index(operand.dim)])]
-
-  def _reduce_window(self, eqn, ins):
-    s = ins[0]
-    if not isinstance(s, Ex):
-      return [s if s != SUM else MIXED] * len(eqn.outvars)
-    d = s.dim
-    window = eqn.params["window_dimensions"][d]
-    stride = eqn.params["window_strides"][d]
-    pad = tuple(eqn.params["padding"][d])
-    if (window, stride, pad) != (1, 1, (0, 0)):
-      return [MIXED] * len(eqn.outvars)  # pooling across examples
-    return [s] * len(eqn.outvars)
-
-  _reduce_window_sum = _reduce_window_max = _reduce_window_min = _reduce_window
-
-  def _top_k(self, eqn, ins):
-    s = ins[0]
-    if isinstance(s, Ex) and s.dim == len(_shape(eqn.invars[0])) - 1:
-      return [MIXED] * len(eqn.outvars)  # the top examples of the batch
-    return [s if s != SUM else MIXED] * len(eqn.outvars)
-
-  # -- control flow ---------------------------------------------------------------
-
-  def _cond(self, eqn, ins):
-    index, ops = ins[0], ins[1:]
-    outs = None
-    for branch in eqn.params["branches"]:
-      res = self.run(branch.jaxpr, ops, self._deps[1:])
-      outs = (res if outs is None else
-              [self.join(a, b) for a, b in zip(outs, res)])
-    if index in (SUM, MIXED):
-      # One branch for the whole batch, chosen from values that depend on
-      # the parameters and on several examples: each example alone could
-      # take another one.
-      outs = [MIXED if o != CONST else o for o in outs]
-    return outs
-
-  def _scan(self, eqn, ins):
-    body = eqn.params["jaxpr"].jaxpr
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    consts, carry, xs = (ins[:n_consts], ins[n_consts:n_consts + n_carry],
-                         ins[n_consts + n_carry:])
-    sliced = []
-    for s in xs:
-      if isinstance(s, Ex):
-        # Scanning over the examples, one per step: each step sees one
-        # example's values, a linear combination of the examples (so a
-        # carry that accumulates them, or a layer applied to them, mixes
-        # the examples).
-        sliced.append(self._combined(s, SUM) if s.dim == 0 else
-                      dataclasses.replace(s, dim=s.dim - 1))
-      else:
-        sliced.append(s)
-    for _ in range(4):  # Fixed point of the carry (a short lattice).
-      deps = self._deps
-      outs = self.run(body, list(consts) + list(carry) + sliced,
-                      list(deps[:n_consts]) + [True] * n_carry +
-                      list(deps[n_consts + n_carry:]))
-      new = [self.join(a, b) for a, b in zip(carry, outs[:n_carry])]
-      if new == list(carry):
-        break
-      carry = new
-    ys = [dataclasses.replace(s, dim=s.dim + 1) if isinstance(s, Ex) else s
-          for s in outs[n_carry:]]
-    return list(carry) + ys
-
-  def _while(self, eqn, ins):
-    cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    body = eqn.params["body_jaxpr"].jaxpr
-    consts, carry = ins[cond_n:cond_n + body_n], ins[cond_n + body_n:]
-    for _ in range(4):
-      deps = self._deps
-      outs = self.run(body, list(consts) + list(carry),
-                      list(deps[cond_n:cond_n + body_n]) + [True] * len(carry))
-      new = [self.join(a, b) for a, b in zip(carry, outs)]
-      if new == list(carry):
-        break
-      carry = new
-    if any(s != CONST for s in ins[:cond_n]):
-      carry = [UNKNOWN if s == CONST else s for s in carry]
-    return list(carry)
 
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
