@@ -639,3 +639,97 @@ def test_unmodelled_primitives_warn_and_clipping_refuses():
   params, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="privacy guarantee cannot rest"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+
+
+# -- a second outside check: loops, sorts and candidates -----------------------
+
+
+def _h_and_mean(x):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  return h, h.mean(0)
+
+
+def _centred_in_second_branch(x, y):  # the mean is met in branch 2 of 2
+  h, m = _h_and_mean(x)
+  z = jax.lax.cond(jnp.sum(x) > -1e9, lambda h, m: h - m,
+                   lambda h, m: h * 1.0, h, m)
+  return _sq(hk.Linear(3, name="second")(z), y)
+
+
+def _centred_in_a_later_scan_round(x, y):
+  h, m = _h_and_mean(x)
+  def step(c, t):
+    return h * t, (h - m, x * 2.0)
+  c, (ys, _) = jax.lax.scan(step, jnp.zeros_like(h), jnp.arange(3.0))
+  return _sq(hk.Linear(3, name="second")(ys[1] + c), y)
+
+
+def _centred_through_a_delay_line(x, y):  # reached after five rounds
+  h, _ = _h_and_mean(x)
+  def step(c, _):
+    return c[1:] + (h,), None
+  c, _ = jax.lax.scan(step, (jnp.zeros_like(h),) * 5, None, length=6)
+  return _sq(hk.Linear(3, name="second")(h - c[0].mean(0)), y)
+
+
+def _max_by_sort_and_mask(x, y):
+  return jnp.sort(_per_example_losses(x, y)) @ (jnp.arange(B) == B - 1)
+
+
+def _max_by_sort_and_index(x, y):
+  return jnp.sort(_per_example_losses(x, y))[jnp.array([B - 1])].sum()
+
+
+def _max_by_sort_and_cumsum(x, y):
+  return jnp.cumsum(jnp.sort(_per_example_losses(x, y)))[1:2].sum()
+
+
+def _candidate_rows_permuted(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  q = jnp.tanh(hk.Linear(F, name="q")(jnp.ones((B, T, 2))))
+  q = q[jnp.array([1, 2, 3, 0])]
+  return _sq(hk.Linear(3)(q * 0.0 + jnp.einsum("btf,btf->bt", q, h)[
+      ..., None]), y)
+
+
+def _candidate_concatenated_first(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  c = hk.Linear(F, name="c")(jnp.ones((B, T, 2)))
+  z = jnp.concatenate([c, h[::-1]], 0)[B:]  # == h[::-1]
+  return _sq(hk.Linear(3, name="second")(z), y)
+
+
+@pytest.mark.parametrize("body,match", [
+    (_centred_in_second_branch, "depends on several examples"),
+    (_centred_in_a_later_scan_round, "depends on several examples"),
+    (_centred_through_a_delay_line, "depends on several examples"),
+    (_max_by_sort_and_mask, "not a sum"),
+    (_max_by_sort_and_index, "not a sum"),
+    (_max_by_sort_and_cumsum, "not a sum"),
+    (_candidate_rows_permuted, _COMBINED),
+    (_candidate_concatenated_first, _COMBINED),
+], ids=lambda v: getattr(v, "__name__", "")[:24])
+def test_loops_sorts_and_candidates_are_refused(body, match):
+  x, y = _data(10)
+  with pytest.raises(ValueError, match=match):
+    _run(body, x, y)
+
+
+def test_one_hot_labels_written_by_scatter_are_data():
+  x, y = _data(11)
+  labels = jnp.argmax(y[:, 0], axis=-1)
+
+  def xent(x, onehot):
+    return -jnp.sum(jax.nn.log_softmax(hk.Linear(3)(x.mean(1))) * onehot)
+
+  def body(x, y):
+    del y
+    rows = jnp.arange(x.shape[0])
+    return xent(x, jnp.zeros((x.shape[0], 3)).at[rows, labels].set(1.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gram_haiku.ExampleFlowWarning)
+    params, (_, _, grams) = _run(body, x, y)
+  # Each example's one-hot row is its own label's.
+  plain = hk.without_apply_rng(hk.transform(xent))
+  ref = reference_gram(plain.apply, params, x, jax.nn.one_hot(labels, 3))
+  assert_gram_close(grams.total, ref)

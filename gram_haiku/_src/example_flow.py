@@ -100,7 +100,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         ins_now.append(s)
       outs = self.eqn(eqn, ins_now, in_deps)
       if (UNKNOWN in outs and UNKNOWN not in ins_now and
-          not hx.jaxprs_of(eqn)):
+          (not hx.jaxprs_of(eqn) or
+           hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
         self.unknown.add(eqn.primitive.name)
       out_dep = any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None
       for v, s in zip(eqn.outvars, outs):
@@ -153,6 +154,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if MIXED in ins:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
+
+  def _reorder(self, s: Ex, key) -> State:
+    """``s`` with its rows reordered or subset (``key``). For a candidate
+    (``s.tag``) that settles it as wrong: its layer's row ``i`` would then
+    meet another example than ``i``."""
+    if s.tag is not None:
+      return self._combined(s, CONST)
+    return _reordered(s, key)
 
   def _implicit_broadcasts(self, eqn, ins):
     """Elementwise operands whose length-1 axes are broadcast to the

@@ -16,11 +16,8 @@ from gram_haiku._src.flow_states import CONST
 from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import MIXED
 from gram_haiku._src.flow_states import SUM
-from gram_haiku._src.flow_states import State
 from gram_haiku._src.flow_states import UNKNOWN
-from gram_haiku._src.flow_states import reordered as _reordered
 from gram_haiku._src.flow_states import shape as _shape
-from gram_haiku._src.flow_states import value_ordered as _value_ordered
 
 
 class ShapeRules:
@@ -39,8 +36,8 @@ class ShapeRules:
         # a batch): every row is that one row's.
         if s.tag is not None:
           return [self._combined(s, CONST)]
-        return [_reordered(dataclasses.replace(s, dim=dim),
-                           ("broadcast", id(eqn)))]
+        return [self._reorder(dataclasses.replace(s, dim=dim),
+                              ("broadcast", id(eqn)))]
       return [dataclasses.replace(s, dim=dim)]
     return [s]
 
@@ -139,7 +136,7 @@ class ShapeRules:
 
   def _rev(self, eqn, ins):
     return self._along(eqn, ins, "dimensions",
-                       lambda s: _reordered(s, ("rev",)))
+                       lambda s: self._reorder(s, ("rev",)))
 
   def _sort(self, eqn, ins):
     states = [s for s in ins if s != CONST]
@@ -147,13 +144,18 @@ class ShapeRules:
     for s in states[1:]:
       out = self.join(out, s)
     if isinstance(out, Ex) and out.dim == eqn.params["dimension"]:
-      out = _reordered(out, ("sort", id(eqn)))
+      if any(self._deps[:eqn.params["num_keys"]]):
+        # Rows ordered by values that depend on the parameters: what
+        # follows (the last row, a weighted sum) is a choice among the
+        # examples, like a maximum (jnp.sort(l)[-1]); refused as one.
+        return [MIXED] * len(eqn.outvars)
+      out = self._reorder(out, ("sort", id(eqn)))  # by the data alone
     return [out] * len(eqn.outvars)
 
   def _split(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex) and s.dim == eqn.params["axis"]:
-      return [self._subset(s, ("split", id(eqn), k))
+      return [self._reorder(s, ("split", id(eqn), k))
               for k in range(len(eqn.outvars))]
     return [s] * len(eqn.outvars)
 
@@ -191,8 +193,14 @@ class ShapeRules:
         return [MIXED]
       if any(s == UNKNOWN for s in ins):
         return [UNKNOWN]
-      ex = next(s for s in ins if isinstance(s, Ex))
-      return [_reordered(ex, ("concat", id(eqn)))]
+      real = None
+      for x in ins:
+        if isinstance(x, Ex) and x.tag is not None:
+          self._combined(x, CONST)  # A candidate's rows among others.
+        elif isinstance(x, Ex) and real is None:
+          real = x
+      return [CONST if real is None else
+              self._reorder(real, ("concat", id(eqn)))]
     out = CONST
     for s in ins:
       out = self.join(out, s)
@@ -228,6 +236,11 @@ class IndexRules:
   def _scatter(self, eqn, ins, add: bool = False):
     operand, indices, updates = ins[:3]
     if indices != CONST or len(ins) != 3:
+      if not any(self._deps):
+        # Input data written by per-example indices (one-hot labels with
+        # .at[arange(B), labels].set(1.0)): data of several examples, which
+        # the interpreter treats as data (and refuses under ``strict``).
+        return [MIXED]
       return [MIXED if MIXED in ins else UNKNOWN]
     dn = eqn.params["dimension_numbers"]
     if getattr(dn, "operand_batching_dims", ()):
@@ -270,14 +283,6 @@ class IndexRules:
       return written
     return self.join(operand, written)
 
-  def _subset(self, s: Ex, key) -> State:
-    """Rows ``s`` reduced to a subset (``key``). Of rows sorted by their
-    values (``jnp.sort(l)[-1]``, the largest), a subset depending on the
-    parameters is a choice among the examples, like a maximum."""
-    if _value_ordered(s.order) and any(self._deps):
-      return MIXED
-    return _reordered(s, key)
-
   def _slice(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex):
@@ -288,7 +293,7 @@ class IndexRules:
       size = _shape(eqn.invars[0])[s.dim]
       if (start, limit, step) != (0, size, 1):
         # A subset of the examples, or reordered.
-        return [self._subset(s, ("slice", start, limit, step))]
+        return [self._reorder(s, ("slice", start, limit, step))]
     return [s]
 
   def _dynamic_slice(self, eqn, ins):
@@ -297,7 +302,7 @@ class IndexRules:
       return [MIXED if MIXED in ins else UNKNOWN]  # data-dependent start
     if isinstance(s, Ex):
       full = _shape(eqn.invars[0])[s.dim] == eqn.params["slice_sizes"][s.dim]
-      return [s if full else self._subset(s, ("dynamic_slice", id(eqn)))]
+      return [s if full else self._reorder(s, ("dynamic_slice", id(eqn)))]
     return [s]
 
   def _gather(self, eqn, ins):
@@ -339,7 +344,7 @@ class IndexRules:
       if e in dn.start_index_map:
         # Rows picked by per-example indices (x[perm], o[arange(B), t]):
         # one example each, in an order the program does not show.
-        return [_reordered(dataclasses.replace(operand, dim=out),
+        return [self._reorder(dataclasses.replace(operand, dim=out),
                            ("gather", id(eqn.invars[1])))]
       return [MIXED]
     # Constant indices.
@@ -352,7 +357,7 @@ class IndexRules:
     if operand.dim in dn.start_index_map or operand.dim in collapsed:
       if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
           operand.dim in collapsed):
-        return [_reordered(dataclasses.replace(operand, dim=batch_dims[0]),
+        return [self._reorder(dataclasses.replace(operand, dim=batch_dims[0]),
                            ("gather", id(eqn.invars[1])))]
       return [MIXED]
     full = eqn.params["slice_sizes"][operand.dim] == _shape(
@@ -456,15 +461,23 @@ class ContractionRules:
   _reduce_window_sum = _reduce_window_max = _reduce_window_min = _reduce_window
 
 
+def _rounds(carry) -> int:
+  """Rounds enough for a loop's carries to reach their fixed point: each
+  round that changes something moves a carry up the lattice (``CONST`` <
+  ``Ex`` < ``SUM``/``UNKNOWN`` < ``MIXED``, at most four steps each)."""
+  return 4 * len(carry) + 2
+
+
 class ControlFlowRules:
   """``cond``, ``scan`` and ``while``: branches joined, loop carries to a
   fixed point."""
 
   def _cond(self, eqn, ins):
     index, ops = ins[0], ins[1:]
+    deps = list(self._deps)  # run() below moves self._deps on
     outs = None
     for branch in eqn.params["branches"]:
-      res = self.run(branch.jaxpr, ops, self._deps[1:])
+      res = self.run(branch.jaxpr, ops, deps[1:])
       outs = (res if outs is None else
               [self.join(a, b) for a, b in zip(outs, res)])
     if index in (SUM, MIXED):
@@ -490,8 +503,8 @@ class ControlFlowRules:
                       dataclasses.replace(s, dim=s.dim - 1))
       else:
         sliced.append(s)
-    for _ in range(4):  # Fixed point of the carry (a short lattice).
-      deps = self._deps
+    deps = list(self._deps)  # run() below moves self._deps on
+    for _ in range(_rounds(carry)):  # The carries' fixed point.
       outs = self.run(body, list(consts) + list(carry) + sliced,
                       list(deps[:n_consts]) + [True] * n_carry +
                       list(deps[n_consts + n_carry:]))
@@ -499,6 +512,8 @@ class ControlFlowRules:
       if new == list(carry):
         break
       carry = new
+    else:
+      carry = [MIXED] * n_carry  # Not reached (see _rounds).
     ys = [dataclasses.replace(s, dim=s.dim + 1) if isinstance(s, Ex) else s
           for s in outs[n_carry:]]
     return list(carry) + ys
@@ -507,14 +522,16 @@ class ControlFlowRules:
     cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     body = eqn.params["body_jaxpr"].jaxpr
     consts, carry = ins[cond_n:cond_n + body_n], ins[cond_n + body_n:]
-    for _ in range(4):
-      deps = self._deps
+    deps = list(self._deps)  # run() below moves self._deps on
+    for _ in range(_rounds(carry)):  # The carries' fixed point.
       outs = self.run(body, list(consts) + list(carry),
                       list(deps[cond_n:cond_n + body_n]) + [True] * len(carry))
       new = [self.join(a, b) for a, b in zip(carry, outs)]
       if new == list(carry):
         break
       carry = new
+    else:
+      carry = [MIXED] * len(carry)  # Not reached (see _rounds).
     if any(s != CONST for s in ins[:cond_n]):
       carry = [UNKNOWN if s == CONST else s for s in carry]
     return list(carry)

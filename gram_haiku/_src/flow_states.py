@@ -68,14 +68,6 @@ def untagged(s: State) -> State:
   return dataclasses.replace(s, tag=None) if isinstance(s, Ex) else s
 
 
-def value_ordered(order) -> bool:
-  """Whether a reordering key (:func:`reordered`) includes a sort: an
-  order that depends on the values."""
-  if not isinstance(order, tuple):
-    return False
-  return order[:1] == ("sort",) or any(value_ordered(o) for o in order)
-
-
 def reordered(s: Ex, key) -> Ex:
   """``s`` with its rows reordered (or a subset) by the operation ``key``."""
   return dataclasses.replace(s, order=(s.order, key) if s.order else key)
