@@ -521,6 +521,19 @@ def case_errors():
     assert "not bound" in str(e) and "shard_map" in str(e), str(e)
   else:
     raise AssertionError("no error for mesh_axes outside shard_map")
+  # mesh_axes with a replicated batch: every device would count the same
+  # examples again.
+  def claimed(params, state, x):
+    return gram_haiku.value_grad_and_gram(tracked.apply, mesh_axes="data")(
+        params, state, None, x)[2].total
+  try:
+    jax.jit(jax.shard_map(claimed, mesh=mesh, in_specs=(P(), P(), P()),
+                          out_specs=P("data", None)))(params, state, x)
+  except ValueError as e:
+    assert "no batch input varies" in str(e) and str(tuple(x.shape)) in str(
+        e), str(e)
+  else:
+    raise AssertionError("no error for mesh_axes with a replicated batch")
   # An Explicit mesh without jax.set_mesh: ours, not JAX's reshard error.
   # Under an Auto mesh nothing needs to be set.
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top

@@ -157,6 +157,16 @@ MESH_AXES_UNBOUND = (
     "mesh=mesh, in_specs=...) whose batch in_spec is P({axes}, ...), or drop "
     "mesh_axes outside shard_map (jit with NamedSharding needs none).")
 
+BATCH_NOT_SPLIT = (
+    "gram_haiku.value_grad_and_gram(mesh_axes={axes}): the examples are to "
+    "be split over these mesh axes, but no batch input varies over them "
+    "(inputs {shapes}, varying over {varying}): every device holds the same "
+    "examples, and the assembled Gram would count each of them once per "
+    "device.\n"
+    "What to do: give the batch the in_spec P({axes}, ...) in jax.shard_map, "
+    "or drop mesh_axes if the batch is meant to be replicated (each device "
+    "then computes the whole Gram).")
+
 EXPLICIT_MESH_NOT_SET = (
     "gram_haiku: an input of a tracked layer ({shape}, {dtype}) is sharded "
     "as {spec} over a mesh with Explicit axes {axes}, but no mesh is set: "

@@ -165,6 +165,22 @@ def _check_mesh_axes(axes: tuple[str, ...]) -> int:
                                                      error=e)) from None
 
 
+def _check_batch_split(axes: tuple[str, ...], probes, batch) -> None:
+  """Inside ``shard_map`` with VMA checking (the probes then vary over
+  ``axes``), some batch input must vary over every axis of ``axes``;
+  otherwise a teaching error. Without VMA checking nothing can tell."""
+  if not probes or not set(axes) <= hx.varying_axes(
+      next(iter(probes.values()))):
+    return
+  arrays = [a for a in jax.tree.leaves(batch) if jnp.ndim(a)]
+  if not arrays or any(set(axes) <= hx.varying_axes(a) for a in arrays):
+    return
+  raise ValueError(errors.BATCH_NOT_SPLIT.format(
+      axes=axes if len(axes) > 1 else repr(axes[0]),
+      shapes=[tuple(jnp.shape(a)) for a in arrays],
+      varying=sorted({ax for a in arrays for ax in hx.varying_axes(a)})))
+
+
 def _coverage(params, seen: Mapping[str, ParamCoverage],
               found: dataflow.Discovery) -> dict:
   """Coverage of every trainable parameter (see :attr:`Grams.coverage`).
@@ -318,6 +334,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
 
   if axes:  # Each device has its own rows: the probes vary over `axes`.
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
+    _check_batch_split(axes, probes, (args, kwargs))
   found, seen, check_examples = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
   if not found.sizes:
