@@ -144,9 +144,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       outs = None
       for sub in subs:
         if len(sub.invars) != len(ins):
+          self.unknown.add(name)  # A call whose operands are not its body's.
           return [UNKNOWN] * n_out
         res = self.run(sub, ins, deps)
         if len(res) != n_out:
+          self.unknown.add(name)
           return [UNKNOWN] * n_out
         outs = (res if outs is None else
                 [self.join(a, b) for a, b in zip(outs, res)])
