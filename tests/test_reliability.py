@@ -157,6 +157,38 @@ def _embed(ids, y):
   return _sq(hk.LayerNorm(-1, True, True)(h).sum(1), y)
 
 
+def _shared_twice(x, y):
+  lin = hk.Linear(6)
+  return _sq(lin(jnp.tanh(lin(x)))[:, :3], y)
+
+
+def _lstm_unrolled(x, y):
+  core = hk.LSTM(3)
+  out, _ = hk.dynamic_unroll(core, jnp.stack([x, -x]),
+                             core.initial_state(x.shape[0]))
+  return _sq(out[-1], y)
+
+
+@pytest.mark.parametrize("body", [_shared_twice, _lstm_unrolled],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("clipping", [None, "all-layer", "per-layer"])
+def test_empty_batch_of_shared_modules_and_clipping(body, clipping):
+  # Poisson sampling draws B = 0 now and then: zero gradients, empty Grams.
+  x, y = _data(6, (4, 6), 3)
+  f, _ = _transforms(body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  if clipping is None:
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, x[:0], y[:0])
+    assert grams.total.shape == (0, 0) and grams.norms.shape == (0,)
+  else:
+    grads, aux = jax.jit(gram_haiku.clipped_grad(
+        f.apply, 1.0, clipping=clipping))(params, state, None, x[:0], y[:0])
+    assert aux.grad_norms.shape == (0,)
+  for leaf in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+
+
 @pytest.mark.parametrize("name", ["mlp", "conv", "embed"])
 @pytest.mark.parametrize("jit", problems.JIT_CASES)
 def test_empty_batch_gives_empty_grams_and_zero_grads(name, jit):

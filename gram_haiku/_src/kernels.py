@@ -91,13 +91,20 @@ def accumulation_dtype(*dtypes) -> jnp.dtype:
   return out
 
 
+def rows(a: jax.Array, *tail: int) -> jax.Array:
+  """``a: (B, ...)`` as ``(B, n, *tail)``: ``reshape(B, -1, *tail)`` that
+  also holds for an empty batch (``B = 0``), where ``-1`` is undefined."""
+  n = math.prod(a.shape[1:]) // max(math.prod(tail), 1)
+  return a.reshape((a.shape[0], n) + tuple(tail))
+
+
 def to_example_major(a: jax.Array, example_dim: int) -> jax.Array:
   """``(..., F)`` with the example axis at ``example_dim`` -> ``(B, T, F)``.
 
   ``T`` is the product of every other leading axis (the within-example axes).
   """
   a = jnp.moveaxis(a, example_dim, 0)
-  return a.reshape(a.shape[0], -1, a.shape[-1])
+  return rows(a, a.shape[-1])
 
 
 
@@ -172,6 +179,8 @@ def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
   budget = cfg.memory_budget_bytes
   col_arrays = tuple(cfg.columns(a) for a in col_arrays)
   c = col_arrays[0].shape[0]  # B; more than b under shard_map
+  if b == 0 or c == 0:  # An empty batch: nothing to block.
+    return fn(*row_arrays, *col_arrays)
   per_pair = max(per_pair_bytes, 1)
   if c * per_pair <= budget:
     rows = max(1, min(b, budget // (c * per_pair)))
@@ -252,7 +261,7 @@ def materialized_gram(x: jax.Array, d: jax.Array,
   ``cfg.memory_budget_bytes``.
   """
   g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
-  g = g.reshape(g.shape[0], -1)
+  g = rows(g)
   return gram_matmul(g, g, cfg)
 
 

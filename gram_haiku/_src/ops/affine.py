@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.ops import base
@@ -104,15 +105,14 @@ def _reduce_to(a, param_shape, feature_ndim):
   Sums over every axis between the example axis and the ``feature_ndim``
   trailing axes, and over feature axes where the parameter has size 1.
   """
-  b = a.shape[0]
   feat = a.shape[a.ndim - feature_ndim:] if feature_ndim else ()
-  a = a.reshape((b, -1) + feat).sum(axis=1)
+  a = kernels.rows(a, *feat).sum(axis=1)
   padded = (1,) * (feature_ndim - len(param_shape)) + tuple(param_shape)
   axes = tuple(1 + k for k, (p, n) in enumerate(zip(padded, feat))
                if p == 1 and n != 1)
   if axes:
     a = a.sum(axis=axes, keepdims=True)
-  return a.reshape((b,) + tuple(param_shape))
+  return a.reshape((a.shape[0],) + tuple(param_shape))
 
 
 class GramAffine(base.GramOp):

@@ -267,8 +267,7 @@ class GramOp(adapter.Adapter):
 
   def _flat_per_example(self, x, g, params, example_dim):
     grads = self.per_example_grads(x, g, params, example_dim)
-    b = grads[0].shape[0]
-    return jnp.concatenate([a.reshape(b, -1) for a in grads], axis=1)
+    return jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
 
   def example_size(self, x_shape=None) -> int:
     """Size of the example axis in ``x`` (default: the op's input type).
@@ -357,9 +356,8 @@ class GramOp(adapter.Adapter):
     acc = self.accumulation_dtype()
     xm = jnp.moveaxis(x, e, 0)
     gm = jnp.moveaxis(g, e, 0)
-    b = xm.shape[0]
-    return jnp.concatenate([xm.reshape(b, -1).astype(acc),
-                            gm.reshape(b, -1).astype(acc)], axis=1)
+    return jnp.concatenate([kernels.rows(xm).astype(acc),
+                            kernels.rows(gm).astype(acc)], axis=1)
 
   def split_factors(self, f):
     """Inverse of :meth:`factor_matrix`: ``(x, g)`` in the op's layout

@@ -360,13 +360,12 @@ class GramConv(base.GramOp):
     layout (see :meth:`_patch_matrix`) and ``db: [B, O]`` for the bias
     (channel ``o = f m + j``), or None without a bias.
     """
-    bsz, groups, n, m = (p.shape[example_dim], p.shape[-2], p.shape[-1],
-                         d.shape[-1])
-    pm = jnp.moveaxis(p, example_dim, 0).reshape((bsz, -1, groups, n))
-    dm = jnp.moveaxis(d, example_dim, 0).reshape((bsz, -1, groups, m))
+    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+    pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
+    dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
     per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
                      precision=lax.Precision.HIGHEST)
-    db = dm.sum(axis=1).reshape(bsz, -1) if with_bias else None
+    db = kernels.rows(dm.sum(axis=1)) if with_bias else None
     return per, db
 
   def _to_kernel_layout(self, w, like):
@@ -392,13 +391,12 @@ class GramConv(base.GramOp):
     method = self.method(p, d, e, cfg)
     if method != "materialize":
       return self._grouped(p, d, e, b is not None, method, cfg), {}
-    bsz = p.shape[e]
     per, db = self._per_example(p, d, e, b is not None)
     flat = per
     if self.mode == "per_example":
       # In the kernel's own layout, like every op's per-example gradients.
       flat = jax.vmap(self._to_kernel_layout(w, per))(per)
-    f = flat.reshape(bsz, -1)
+    f = kernels.rows(flat)
     if db is not None:
       f = jnp.concatenate([f, db], axis=1)
     value = self.probe_value(f, cfg)

@@ -256,8 +256,7 @@ def _key_weights(num_keys, vocab_size, lookup_style, ids_dtype, acc):
 def dense_gram(key, d, key_weights, cfg: KernelConfig):
   f = dense_per_example(key, d, key_weights.shape[0])
   fw = f * key_weights[None, :, None]
-  b = f.shape[0]
-  return kernels.gram_matmul(fw.reshape(b, -1), f.reshape(b, -1), cfg)
+  return kernels.gram_matmul(kernels.rows(fw), kernels.rows(f), cfg)
 
 
 def segment_rows(key, weight, d):
@@ -346,9 +345,9 @@ class GramEmbed(base.GramOp):
   def _keys_and_rows(self, ids, g, embeddings, example_dim):
     acc = kernels.accumulation_dtype(embeddings.dtype, g.dtype)
     ids = jnp.moveaxis(ids, example_dim, 0)
-    b = ids.shape[0]
-    ids = ids.reshape(b, -1)
-    d = jnp.moveaxis(g, example_dim, 0).reshape(b, ids.shape[1], -1)
+    ids = kernels.rows(ids)
+    d = jnp.moveaxis(g, example_dim, 0)
+    d = kernels.rows(d, d.shape[-1])  # (B, T, M): one row per id
     key, weight, num_keys = lookup_keys(ids, embeddings.shape[0],
                                         self.lookup_style, self.scalar_ids)
     # A dropped lookup's cotangent never reaches the embeddings (even a NaN).

@@ -109,7 +109,7 @@ class GramLinear(base.GramOp):
       return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
     folded = kernels.per_example_linear_grads(xm, dm, with_bias)
     grads = _split_folded(folded, xm.shape[-1], with_bias)
-    value = self.probe_value(folded.reshape(size, -1), cfg)
+    value = self.probe_value(kernels.rows(folded), cfg)
     if positions == 1:
       # One position: the per-example gradients are outer products, and
       # JAX's own weight-gradient matmul beats summing them.
