@@ -175,8 +175,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       shape = _shape(v)
       if (isinstance(s, Ex) and len(shape) == len(out_shape) and
           shape[s.dim] != out_shape[s.dim]):
-        s = (self._combined(s, CONST) if s.tag is not None else
-             _reordered(s, ("broadcast", id(eqn))))
+        s = self._reorder(s, ("broadcast", id(eqn)))
       fixed.append(s)
     return fixed
 

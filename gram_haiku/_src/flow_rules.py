@@ -34,8 +34,6 @@ class ShapeRules:
       if before != after:
         # A length-1 example axis repeated (``q[None]`` of one row met with
         # a batch): every row is that one row's.
-        if s.tag is not None:
-          return [self._combined(s, CONST)]
         return [self._reorder(dataclasses.replace(s, dim=dim),
                               ("broadcast", id(eqn)))]
       return [dataclasses.replace(s, dim=dim)]
