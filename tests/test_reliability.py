@@ -431,3 +431,22 @@ def test_a_jax_vmap_over_groups_with_mapped_state_gives_each_its_gram():
     np.testing.assert_allclose(grams.total[k],
                                fn(params, state, None, x[k], y[k])[2].total,
                                rtol=1e-5)
+
+
+def test_empty_batch_that_leaves_no_layer_says_so():
+  # At B = 0 a gather of the (empty) labels leaves nothing of the tied
+  # output layer in the traced loss: an error about the empty batch, not
+  # one about layers used only inside jax.grad.
+  tokens = jnp.array([[0, 1, 2], [3, 1, 0]])
+  labels = jnp.array([1, 2])
+  def body(tokens, labels):
+    embed = hk.Embed(5, 3)
+    logits = gram_haiku.unembed(embed, jnp.tanh(embed(tokens).sum(1)))
+    picked = jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), labels]
+    return -jnp.sum(picked)
+  f, _ = _transforms(body)
+  params, state = f.init(jax.random.PRNGKey(0), tokens, labels)
+  with pytest.raises(ValueError,
+                     match=r"(?s)batch is empty.*x.shape\[0\] == 0"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                            tokens[:0], labels[:0])

@@ -242,6 +242,15 @@ NO_FORWARD_USE = (
     "What to do: apply the tracked layers in the loss itself; a gradient "
     "penalty's own Gram is not supported.")
 
+EMPTY_BATCH_NO_LAYERS = (
+    "gram_haiku.value_grad_and_gram: the batch is empty (inputs {shapes}) "
+    "and no tracked layer is left in the traced loss: with no examples the "
+    "loss does not depend on them (a gather of an empty batch's labels, as "
+    "after gram_haiku.unembed, leaves nothing to differentiate). Every "
+    "per-example gradient, Gram and clipped sum of an empty batch is zero.\n"
+    "What to do: skip the step when x.shape[0] == 0 (the shape is static, "
+    "so a Python if works under jit), or use zero gradients for it.")
+
 SHARED_NAME_CLASH = (
     "gram_haiku: the layer name '{name}' belongs to modules whose parameters "
     "are used more than once ({shared}) and to modules whose are not "

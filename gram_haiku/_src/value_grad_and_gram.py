@@ -338,6 +338,10 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   found, seen, check_examples = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
   if not found.sizes:
+    arrays = [a for a in jax.tree.leaves((args, kwargs)) if jnp.ndim(a)]
+    if arrays and all(jnp.shape(a)[0] == 0 for a in arrays):
+      raise ValueError(errors.EMPTY_BATCH_NO_LAYERS.format(
+          shapes=[tuple(jnp.shape(a)) for a in arrays]))
     raise ValueError(errors.NO_FORWARD_USE.format(
         modules=", ".join(sorted(probes))))
   size = _check_example_axes(found, check_examples(strict))
