@@ -226,12 +226,11 @@ class IndexRules:
     operand, update, *index = ins
     if any(i != CONST for i in index):
       return [MIXED if MIXED in ins else UNKNOWN]
-    return [self._write(eqn, operand, update, [
-        _shape(eqn.invars[1])[d] == _shape(eqn.invars[0])[d]
-        for d in range(len(_shape(eqn.invars[0])))], list(range(
-            len(_shape(eqn.invars[0])))))]
+    shape, update_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    full = [u == n for u, n in zip(update_shape, shape)]
+    return [self._write(operand, update, full, list(range(len(shape))))]
 
-  def _scatter(self, eqn, ins, add: bool = False):
+  def _scatter(self, eqn, ins):
     operand, indices, updates = ins[:3]
     if indices != CONST or len(ins) != 3:
       if not any(self._deps):
@@ -252,20 +251,17 @@ class IndexRules:
     full = [k not in indexed for k in range(ndim)]
     to_update = [dn.update_window_dims[window.index(k)] if k in window
                  else None for k in range(ndim)]
-    del add  # A set and an add of rows aligned with the operand's: alike.
-    return [self._write(eqn, operand, updates, full, to_update)]
+    return [self._write(operand, updates, full, to_update)]
 
-  def _scatter_add(self, eqn, ins):
-    return self._scatter(eqn, ins, add=True)
+  # A set and an add (or product, min, max) of rows aligned with the
+  # operand's are alike for the examples.
+  _scatter_add = _scatter_mul = _scatter_min = _scatter_max = _scatter
 
-  _scatter_mul = _scatter_min = _scatter_max = _scatter_add
-
-  def _write(self, eqn, operand, update, full, to_update):
+  def _write(self, operand, update, full, to_update):
     """``operand`` with ``update`` written into part of it (a scatter, a
     dynamic_update_slice). ``full[k]``: operand axis ``k`` is written whole
     (no index selects along it); ``to_update[k]``: the update's axis that
     fills operand axis ``k`` (None if none)."""
-    del eqn
     if update == CONST:
       # Constants written into some rows: each row is still its own
       # example's (or constant); into all rows of an axis the same.
