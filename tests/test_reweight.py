@@ -328,13 +328,6 @@ def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
   assert aux.grams.complete
 
 
-def test_partly_frozen_module_is_an_error():
-  f, params, state, batch, _ = _mlp()
-  with pytest.raises(ValueError, match="frozen parameter.*trainable"):
-    gram_haiku.clipped_grad(f.apply, 1.0, frozen=["mlp/~/linear_0/w"])(
-        params, state, None, *batch)
-
-
 def test_coupled_examples_are_an_error():
   x, y = problems.data(7, (6, 4), 2)
 

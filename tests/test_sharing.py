@@ -198,11 +198,14 @@ def test_layer_stack_is_not_sharing():
   assert all(g.shape == (4, 4) for g in grams.by_layer.values())
 
 
-@pytest.mark.parametrize("getter", ["stop_gradient", "scaled"])
+@pytest.mark.parametrize("getter", ["scaled", "weight_norm", "low_rank"])
 def test_transformed_parameter_is_an_error(getter):
+  # (stop_gradient is a frozen weight, exact: see tests/test_frozen.py)
   x, y = _data(12, (5, 4), 3)
-  fn = {"stop_gradient": lambda n, v, c: jax.lax.stop_gradient(n(v)),
-        "scaled": lambda n, v, c: 2.0 * n(v)}[getter]
+  fn = {"scaled": lambda n, v, c: 2.0 * n(v),
+        "weight_norm": lambda n, v, c: n(v) / jnp.linalg.norm(n(v)),
+        "low_rank": lambda n, v, c: n(v) + jax.lax.stop_gradient(
+            jnp.ones_like(v)) @ jnp.diag(jnp.ones(v.shape[-1]))}[getter]
   def body(x, y):
     with hk.custom_getter(fn):
       return _sq(hk.Linear(3, name="lin")(x), y)

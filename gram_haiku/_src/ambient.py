@@ -47,6 +47,9 @@ class PassPlan:
       per application, picked by a counter in the module's state (a module
       applied at every step of a loop; see
       :func:`gram_haiku._src.slots.slotted_modules`).
+    frozen: layer name -> indices of its op's parameters that have no
+      gradient (``Plan.frozen``; see
+      :attr:`gram_haiku._src.dataflow.Discovery.frozen`).
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
@@ -55,6 +58,7 @@ class PassPlan:
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   raw_traced: Optional[set] = None
   slotted: frozenset = frozenset()
+  frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,15 +53,17 @@ def from_factors(op, x, g, params, mode: str) -> jax.Array:
   application, by the op's own rule."""
   rule = op.in_mode(mode).with_plan(
       strategy=op.from_factors_strategy(mode, x, g))
-  return rule.probe_cotangent_and_grads(x, g, params, (), KernelConfig())[0]
+  return rule.products(x, g, params, (), KernelConfig())[0]
 
 
 def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
-  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k``, from
-  the factors ``(x, g)`` of one application; ``mask_inputs``: rows with
-  ``c_i = 0`` may hold anything (padding), so their inputs are zeroed too
-  (see ``GramOp.reweighted_param_grads``)."""
-  wanted = [k for k, p in enumerate(params) if p is not None]
+  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k`` that is
+  not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one
+  application; ``mask_inputs``: rows with ``c_i = 0`` may hold anything
+  (padding), so their inputs are zeroed too (see
+  ``GramOp.reweighted_param_grads``)."""
+  wanted = [k for k, p in enumerate(params)
+            if p is not None and k not in op.plan.frozen]
   return op.reweighted_param_grads(x, g, params, c, wanted, mask_inputs)
 
 
@@ -78,7 +80,8 @@ def recontract_per_example(op, f, c) -> dict:
     if aval is None:
       continue
     size = math.prod(aval.shape)
-    out[k] = weighted[..., start:start + size].reshape(lead + aval.shape)
+    if k not in op.plan.frozen:  # (a frozen one's columns are zero)
+      out[k] = weighted[..., start:start + size].reshape(lead + aval.shape)
     start += size
   return out
 

@@ -61,7 +61,7 @@ def split_threshold(total: float, sizes: Mapping[str, int],
 
   Args:
     total: ``C``, the bound of the whole clipped per-example gradient.
-    sizes: module name -> number of parameters it tracks.
+    sizes: module name -> number of trainable (not frozen) parameters it tracks.
     split: ``"equal"`` (``C_l = C / sqrt(L)``, McMahan et al. 2018),
       ``"by_size"`` (``C_l = C sqrt(P_l / P)``: each layer's share of the
       squared bound is its share of the parameters), or a function
@@ -188,7 +188,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
   Raises:
     ValueError: for a bad option or threshold; from the pass, for a
       trainable parameter no Gram rule covers, an example coupling (e.g.
-      ``hk.BatchNorm`` in training mode), a partly frozen module, and the
+      ``hk.BatchNorm`` in training mode), and the
       errors of :func:`gram_haiku.value_grad_and_gram`. Each would silently
       break the privacy guarantee.
     ImportError: without jax-privacy (``pip install 'gram_haiku[dp]'``).

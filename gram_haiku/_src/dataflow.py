@@ -126,6 +126,13 @@ class Discovery:
       (absent, or not computed from a parameter).
     applications: module name -> number of op equations that read its
       probe (a loop body counts once).
+    frozen: module name -> the indices of its op's present parameter
+      operands that no parameter leaf reaches (closed over, e.g. the frozen
+      part of ``hk.data_structures.partition``, read through
+      ``stop_gradient``, or computed from the data): their gradient is zero
+      and their terms are left out of the Gram (``Plan.frozen``). Only
+      modules with such operands are listed.
+    frozen_layers: the same, keyed by layer name (as the ops see them).
     slot_counts: shared module name -> how many times per pass its op
       runs (every step of every enclosing ``scan`` counted), for the shared
       modules whose every application is the same op (same input type and
@@ -148,6 +155,9 @@ class Discovery:
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slot_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  frozen_layers: Mapping[str, tuple] = dataclasses.field(
+      default_factory=dict)
 
 
 def _signature(op) -> tuple:
@@ -271,8 +281,11 @@ class _Walk:
         if known:
           return outs
         return [_not_exact(o, name) for o in outs]
-    if name != "stop_gradient":  # (no gradient flows through it)
-      self._other_use(union, name)
+    if name == "stop_gradient":
+      # No gradient flows through it: what it gives is a constant for the
+      # differentiated parameters (a frozen weight, see Discovery.frozen).
+      return [frozenset()] * n_out
+    self._other_use(union, name)
     return [_not_exact(union, name)] * n_out
 
   def scan(self, eqn, ins):
@@ -361,10 +374,16 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
 
   ops, leaves_of, n_apps = {}, {}, collections.Counter()
+  frozen_of: dict[str, set] = collections.defaultdict(set)  # layer name
   for app in walk.applications:
     op = app.op
     module = module_of(app)
     n_apps[module] += 1
+    frozen_of[op.name].add(tuple(
+        k for k, (sources, aval) in enumerate(zip(app.param_sources,
+                                                  op.param_avals))
+        if aval is not None and
+        not any(s.leaf < num_param_leaves for s in sources)))
     if module not in ops:
       ops[module] = op
       leaves = []
@@ -410,6 +429,16 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
             name=name, shared=sorted(keys & shared),
             unshared=sorted(keys - shared)))
       shared_names.add(name)
+  for name, kinds in frozen_of.items():
+    if len(kinds) > 1:
+      raise ValueError(errors.FROZEN_IN_SOME_USES.format(
+          name=name, params=[[ops_param_names(walk, name)[k] for k in ks]
+                             for ks in sorted(kinds)]))
+  frozen_layers = {n: next(iter(ks)) for n, ks in frozen_of.items()
+                   if next(iter(ks))}
+  frozen = {m: frozen_layers[op.name] for m, op in ops.items()
+            if op.name in frozen_layers}
+  ops = {m: op.with_plan(frozen=frozen.get(m, ())) for m, op in ops.items()}
   untracked = {}
   for leaf, use in walk.other_uses.items():
     if leaf >= num_param_leaves:
@@ -443,4 +472,11 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                    probe_dtypes=dtypes,
                    shared_layer_names=frozenset(shared_names),
                    untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
-                   applications=dict(n_apps), slot_counts=slotted)
+                   applications=dict(n_apps), slot_counts=slotted,
+                   frozen=frozen, frozen_layers=frozen_layers)
+
+
+def ops_param_names(walk: _Walk, name: str) -> tuple[str, ...]:
+  """The parameter names of the op applied under layer name ``name``."""
+  return next(a.op.param_names for a in walk.applications
+              if a.op.name == name)

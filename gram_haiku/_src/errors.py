@@ -211,6 +211,14 @@ PARAM_TRANSFORMED = (
     "Casts (mixed-precision policies), reshapes and hk.layer_stack slices "
     "are supported.")
 
+FROZEN_IN_SOME_USES = (
+    "gram_haiku: the tracked layer '{name}' is applied with different "
+    "parameters frozen in different uses ({params}: read through "
+    "stop_gradient or not given as parameters in some uses only). Each "
+    "use would need its own Gram terms, which one layer name cannot say.\n"
+    "What to do: freeze the same parameters in every use of the layer, or "
+    "give the uses different module names.")
+
 PARAM_IN_TWO_MODULES = (
     "gram_haiku: parameter '{leaf}' reaches tracked layers of several "
     "modules: {modules}. Each module's Gram covers its own uses only, so the "
@@ -365,12 +373,6 @@ REWEIGHT_UNTRACKED = (
     "supported layer (or write a rule: gram_haiku.GramOp + "
     "gram_haiku.register_layer), or declare them frozen (frozen=...) to give "
     "them a zero gradient.")
-
-PARTIALLY_FROZEN = (
-    "gram_haiku.{fn}: module '{module}' has frozen parameter(s) {frozen} and "
-    "trainable one(s) {trainable} in one tracked layer. Its per-example "
-    "gradient norm would include the frozen ones.\n"
-    "What to do: freeze the whole module, or none of it.")
 
 WEIGHTS_SHAPE = (
     "gram_haiku.reweighted_grad: weight_fn returned {got}, expected one "

@@ -123,6 +123,11 @@ class Plan:
     at_init: the op runs inside a Haiku ``init``, where nothing is
       differentiated: parameters mapped by a vmap (which Haiku itself
       refuses there, with its own advice) are let through.
+    frozen: indices (into the op's ``param_names``) of parameters that no
+      differentiated parameter reaches (a frozen weight: closed over, read
+      through ``stop_gradient``, or declared ``frozen=``). Their gradient is
+      zero, so their terms are left out of the Gram, the norms and the
+      per-example gradients (whose columns for them are zero).
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
@@ -132,6 +137,7 @@ class Plan:
   refusal: Optional[str] = None
   clip: Optional[Clip] = None
   at_init: bool = False
+  frozen: tuple[int, ...] = ()
 
   def __post_init__(self):
     check_mode(self.mode)
@@ -148,6 +154,10 @@ class Plan:
         all(isinstance(a, str) for a in self.column_axes)):
       raise TypeError(f"Plan.column_axes must be None or a tuple of mesh axis "
                       f"names, got {self.column_axes!r}.")
+    if not (isinstance(self.frozen, tuple) and all(
+        isinstance(i, int) and i >= 0 for i in self.frozen)):
+      raise TypeError(f"Plan.frozen must be a tuple of parameter indices, "
+                      f"got {self.frozen!r}.")
 
   def replace(self, **changes) -> "Plan":
     return dataclasses.replace(self, **changes)

@@ -115,6 +115,10 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
     return "per_example"
   if per_layer:
     return "clip"
+  if not set(op.plan.frozen) <= set(op.droppable):
+    # After the pass only the parameter leaves are known, not the values
+    # of frozen operands the rule reads: keep per-example gradients.
+    return "per_example"
   if axes and needs == "gram":
     return "per_example"  # The Gram's columns are gathered from F rows.
   exact = op.factors_exact(dtype)
@@ -126,20 +130,40 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
                                        exact)
 
 
-def _frozen_modules(found, names, frozen_names: set, fn_name: str) -> set:
-  """Tracked modules whose parameters are all frozen (or that have none);
-  a teaching error for one that is only partly frozen."""
-  out = set()
+def _frozen(found, names, frozen_names: set) -> tuple[set, dict]:
+  """``(cold, frozen)``: the tracked modules whose parameters are all
+  frozen (or that have none), which keep nothing; and for the others,
+  module -> the indices of their op's frozen parameter operands: declared
+  ``frozen=``, or reached by no parameter leaf (``Discovery.frozen``)."""
+  cold, frozen = set(), {}
   for m, idx in found.param_leaves.items():
-    mine = [names[k] for k in idx if k is not None]
-    cold = [n for n in mine if n in frozen_names]
-    if cold and len(cold) < len(mine):
-      raise ValueError(errors.PARTIALLY_FROZEN.format(
-          fn=fn_name, module=m, frozen=cold,
-          trainable=[n for n in mine if n not in frozen_names]))
-    if cold or not mine:
-      out.add(m)
-  return out
+    op = found.ops[m]
+    mine = {k for k, a in enumerate(op.param_avals) if a is not None}
+    off = set(found.frozen.get(m, ())) | {
+        k for k in mine if idx[k] is not None and names[idx[k]] in
+        frozen_names}
+    if not mine - off:
+      cold.add(m)
+    elif off:
+      frozen[m] = tuple(sorted(off))
+  return cold, frozen
+
+
+def _with_frozen(found, frozen: dict, live):
+  """``found`` with the ops of the ``live`` modules planned with their
+  frozen operands, and those operands by layer name."""
+  layers: dict = {}
+  for m in live:
+    name = found.ops[m].name
+    mine = frozen.get(m, ())
+    if layers.setdefault(name, mine) != mine:
+      raise ValueError(errors.FROZEN_IN_SOME_USES.format(
+          name=name, params=[[found.ops[m].param_names[k] for k in ks]
+                             for ks in sorted({layers[name], mine})]))
+  ops = {m: op.with_plan(frozen=frozen.get(m, ()))
+         for m, op in found.ops.items()}
+  return dataclasses.replace(found, ops=ops, frozen_layers={
+      n: ks for n, ks in layers.items() if ks})
 
 
 def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
@@ -266,9 +290,12 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   frozen_names = frozen_leaves(frozen, params)
   coverage = vgg._coverage(params, t.seen, found)  # pylint: disable=protected-access
   _check_complete(fn_name, coverage, frozen_names, privacy)
-  cold = _frozen_modules(found, names, frozen_names, fn_name)
+  cold, frozen_ops = _frozen(found, names, frozen_names)
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
-  layer_clips = (dict(clips({m: found.ops[m].num_params() for m in live}))
+  found = _with_frozen(found, frozen_ops, live)
+  t = dataclasses.replace(t, found=found)
+  layer_clips = (dict(clips({m: found.ops[m].num_trainable_params()
+                             for m in live}))
                  if clips is not None else {})
   slotted = {m: u for m, u in slots_lib.slotted_modules(
       found, axes, params).items() if m in live}
@@ -285,7 +312,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     # are differentiated: every other gradient is re-contracted after the
     # pass.
     diff_idx = sorted({k for m in live if modes[m] == "clip"
-                       for k in found.param_leaves[m] if k is not None})
+                       for k in found.param_leaves[m]
+                       if k is not None and names[k] not in frozen_names})
     slots = slots_lib.slot_state(slotted)
 
     def loss(diff_leaves, diff_probes):
@@ -302,7 +330,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                else modes[m] for m in live},
         clips={found.ops[m].name: layer_clips[m] for m in live
                if modes[m] == "clip"},
-        slotted=frozenset(found.ops[m].name for m in slotted))
+        slotted=frozenset(found.ops[m].name for m in slotted),
+        frozen=found.frozen_layers)
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
@@ -379,8 +408,9 @@ def reweighted_grad(apply_fn: Callable[..., Any],
       weights; the gradients are summed over devices.
     frozen: parameters with zero gradient that need no Gram rule:
       ``"module/name"`` or module names, or a predicate
-      ``(module_name, name, value) -> bool``. A tracked module must be
-      frozen whole.
+      ``(module_name, name, value) -> bool``. Parameters the loss does not
+      differentiate (closed over, read through ``stop_gradient``) are
+      frozen as well. Frozen parameters have no term in the Grams.
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams, c)``
@@ -389,7 +419,7 @@ def reweighted_grad(apply_fn: Callable[..., Any],
 
   Raises:
     ValueError: for a trainable parameter no Gram rule covers (its
-      per-example gradient is unknown), a partly frozen tracked module, a
+      per-example gradient is unknown), a
       ``weight_fn`` result that is not ``(B,)`` floats, and every error of
       :func:`gram_haiku.value_grad_and_gram`.
   """

@@ -271,7 +271,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         return self._plan.replace(
             refusal=errors.LOOP_BODY.format(module=name))
       return self._plan
-    plan = self._plan.replace(column_axes=self._pass.column_axes)
+    plan = self._plan.replace(column_axes=self._pass.column_axes,
+                              frozen=self._pass.frozen.get(name, ()))
     mode = self._pass.modes.get(name)
     if mode is not None:
       plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)

@@ -443,7 +443,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       def loss(params, probes):
         return t.loss_of(params, probes, rng, args, kwargs, slots)
       with ambient.running(ambient.PassPlan(column_axes=axes, modes=modes,
-                                            slotted=slotted_names)):
+                                            slotted=slotted_names,
+                                            frozen=found.frozen_layers)):
         out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, probes)
       return out, slots_lib.unthreaded(out[0][1][1], slots)

@@ -203,7 +203,10 @@ class Adapter(hx.VJPHiPrimitive):
     gets; under ``jit`` the recomputed primal output is dead code.
     """
     idx = ([0] if want_x else []) + [i + 1 for i in wanted]
-    args = [x, *params]
+    # A frozen parameter known only as absent (after the pass, see
+    # GramOp.droppable) is held at zero: no wanted cotangent reads it.
+    args = [x, *[jnp.zeros(a.shape, a.dtype) if p is None and a is not None
+                 else p for p, a in zip(params, self.param_avals)]]
 
     def f(*live):
       full = list(args)

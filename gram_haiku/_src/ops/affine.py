@@ -127,6 +127,7 @@ class GramAffine(base.GramOp):
   """
 
   param_names = ("scale", "offset")
+  droppable = (0, 1)  # Each term is its own (see per_example_grads).
 
   def forward(self, x, scale, offset):
     return affine_forward(x, scale, offset, self.offset_multiplier)

@@ -144,6 +144,16 @@ class GramOp(adapter.Adapter):
   #: memory), and ``gram`` only ever sees one device's whole batch.
   sharding_aware: bool = False
 
+  #: Parameters (indices into ``param_names``) whose terms :meth:`gram`,
+  #: :meth:`sq_norms`, :meth:`per_example_grads` and
+  #: :meth:`probe_cotangent_and_grads` leave out, exactly, when given None
+  #: for them, and whose values the VJP of every other parameter does not
+  #: read (``x @ w + b``: both). A frozen parameter (``Plan.frozen``) among
+  #: them costs nothing; for any other, the Gram of the layer's trainable
+  #: parameters is formed from their exact per-example gradients instead
+  #: (``B x P`` memory for those parameters). Default: none.
+  droppable: tuple[int, ...] = ()
+
   def gram(self, x, g, params, example_dim: int,
            cfg: KernelConfig) -> jax.Array:
     """``(B, B)`` Gram of the per-example parameter gradients.
@@ -178,9 +188,15 @@ class GramOp(adapter.Adapter):
     (within-example axes included, so they are summed over). Computed in the
     accumulation dtype.
     """
+    return self._vjp_per_example(
+        x, g, params, example_dim,
+        [i for i, p in enumerate(params) if p is not None])
+
+  def _vjp_per_example(self, x, g, params, example_dim: int, which):
+    """:meth:`per_example_grads` (by ``vmap`` of the VJP) of the parameters
+    ``params[i]``, ``i`` in ``which``; the others are held fixed."""
     acc = self.accumulation_dtype()
-    present = [hx.vary_like(p.astype(acc), x, g) for p in params
-               if p is not None]
+    live = [hx.vary_like(params[i].astype(acc), x, g) for i in which]
     xm = jnp.moveaxis(x, example_dim, 0)
     if is_float(xm.dtype):
       xm = xm.astype(acc)
@@ -188,10 +204,12 @@ class GramOp(adapter.Adapter):
 
     def one(xi, gi):
       def fwd(*ps):
-        it = iter(ps)
-        full = [None if p is None else next(it) for p in params]
+        full = list(params)
+        for i, p in zip(which, ps):
+          full[i] = p
+        full = [None if p is None else p.astype(acc) for p in full]
         return self.forward(xi, *full).astype(acc)
-      _, vjp = jax.vjp(fwd, *present)
+      _, vjp = jax.vjp(fwd, *live)
       return vjp(gi)
     return jax.vmap(one)(xm, gm)
 
@@ -255,6 +273,11 @@ class GramOp(adapter.Adapter):
 
   def num_params(self) -> int:
     return sum(math.prod(a.shape) for a in self.param_avals if a is not None)
+
+  def num_trainable_params(self) -> int:
+    """:meth:`num_params` less the frozen ones (``Plan.frozen``)."""
+    return sum(math.prod(a.shape) for i, a in enumerate(self.param_avals)
+               if a is not None and i not in self.plan.frozen)
 
   def lead_shape(self, x_shape) -> tuple[int, ...]:
     return tuple(x_shape[:len(x_shape) - self.feature_ndim])
@@ -399,6 +422,49 @@ class GramOp(adapter.Adapter):
     cts = self.forward_vjp(x, params, gs, False, list(wanted))
     return dict(zip(wanted, cts))
 
+  def products(self, x, g, params, wanted, cfg: KernelConfig):
+    """:meth:`probe_cotangent_and_grads` of the trainable parameters only:
+    those in ``Plan.frozen`` have no gradient, so they have no term in the
+    Gram or the norms, and zero columns among the per-example gradients.
+    ``params[i]`` may be None for a frozen one when :attr:`droppable` holds
+    it (after the pass, where only the parameter leaves are known)."""
+    frozen = [i for i in self.plan.frozen if self.param_avals[i] is not None]
+    if not frozen:
+      return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
+    wanted = [i for i in wanted if i not in frozen]
+    keep = [i for i, a in enumerate(self.param_avals)
+            if a is not None and i not in frozen]
+    e = self.example_axis.resolved_position()
+    acc = self.accumulation_dtype()
+    if not keep:  # A frozen layer: no term at all.
+      b = x.shape[e]
+      shape = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(
+          self.mode, (b, self.num_params()))
+      return hx.vary_like(jnp.zeros(shape, acc), x, g), {}
+    if set(frozen) <= set(self.droppable):
+      masked = [None if i in frozen else p for i, p in enumerate(params)]
+      if self.mode != "per_example":
+        return self.probe_cotangent_and_grads(x, g, masked, wanted, cfg)
+      f = self._flat_per_example(x, g, masked, e)
+    else:
+      grads = self._vjp_per_example(x, g, params, e, keep)
+      f = jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
+      if self.mode != "per_example":
+        return self.probe_value(f, cfg), {}
+    # Zero columns for the frozen parameters, so that the store keeps the
+    # layout of every parameter (see :meth:`probe_width`).
+    cols, start = [], 0
+    for i, a in enumerate(self.param_avals):
+      if a is None:
+        continue
+      n = math.prod(a.shape)
+      if i in frozen:
+        cols.append(jnp.zeros((f.shape[0], n), f.dtype))
+      else:
+        cols.append(f[:, start:start + n])
+        start += n
+    return jnp.concatenate(cols, axis=1), {}
+
   def backward_products(self, x, g, params, wanted, cfg: KernelConfig,
                         weights=None):
     """The probe's cotangent and parameter cotangents, by mode (the
@@ -406,13 +472,13 @@ class GramOp(adapter.Adapter):
     if self.mode == "factors":
       return self.factor_matrix(x, g), {}
     if self.mode == "clip":
-      sq = self.in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
-                                                          cfg)[0]
+      sq = self.in_mode("norms").products(x, g, params, (), cfg)[0]
       c = clip_weights(sq, self.plan.clip) * weights.astype(sq.dtype)
+      wanted = [i for i in wanted if i not in self.plan.frozen]
       provided = self.reweighted_param_grads(x, g, params, c, wanted)
       return sq, {i: hx.reduce_to_type_of(ct, params[i]).astype(
           params[i].dtype) for i, ct in provided.items()}
-    return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
+    return self.products(x, g, params, wanted, cfg)
 
   def probe_value(self, f, cfg: KernelConfig) -> jax.Array:
     """The probe's cotangent from flattened per-example gradients ``[B, P]``:

@@ -222,6 +222,7 @@ class GramConv(base.GramOp):
   """
 
   param_names = ("w", "b")
+  droppable = (1,)  # A None bias is no bias.
 
   def __init__(self, x_aval, param_avals, probe_aval, **kwargs):
     self.feature_ndim = kwargs["num_spatial_dims"] + 1

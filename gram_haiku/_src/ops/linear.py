@@ -73,17 +73,32 @@ class GramLinear(base.GramOp):
         b, t, n, dm.shape[-1], jnp.dtype(xm.dtype).itemsize,
         self.plan.memory_budget_bytes)
 
+  # A None ``w`` (frozen, see GramOp.droppable) leaves the bias's term:
+  # per example ``sum_t d_t``. Neither gradient reads the other parameter.
+  droppable = (0, 1)
+
+  def _bias_grads(self, x, g, example_dim):
+    """``(B, M)`` per-example bias gradients (``w`` frozen)."""
+    return self._factors(x, g, example_dim)[1].sum(axis=1)
+
   def gram(self, x, g, params, example_dim, cfg):
+    if params[0] is None:
+      db = self._bias_grads(x, g, example_dim)
+      return kernels.gram_matmul(db, db, cfg)
     xm, dm = self._factors(x, g, example_dim)
     return kernels.linear_gram(xm, dm, with_bias=params[1] is not None,
                                method=self.method(xm, dm, cfg), cfg=cfg)
 
   def sq_norms(self, x, g, params, example_dim, cfg):
+    if params[0] is None:
+      return jnp.sum(self._bias_grads(x, g, example_dim) ** 2, axis=-1)
     xm, dm = self._factors(x, g, example_dim)
     return kernels.linear_sq_norms(xm, dm, with_bias=params[1] is not None,
                                    method=self.method(xm, dm, cfg), cfg=cfg)
 
   def per_example_grads(self, x, g, params, example_dim):
+    if params[0] is None:
+      return (self._bias_grads(x, g, example_dim),)
     xm, dm = self._factors(x, g, example_dim)
     with_bias = params[1] is not None
     return _split_folded(kernels.per_example_linear_grads(xm, dm, with_bias),
@@ -99,6 +114,9 @@ class GramLinear(base.GramOp):
     of running the weight's VJP as well.
     """
     w, b = params
+    if w is None:  # Frozen: the bias's own, small, per-example gradients.
+      db = self._bias_grads(x, g, self.example_axis.resolved_position())
+      return self.probe_value(db, cfg), {}
     with_bias = b is not None
     xm, dm = self._factors(x, g, self.example_axis.resolved_position())
     size, positions = xm.shape[:2]
