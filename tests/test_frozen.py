@@ -95,11 +95,11 @@ def _problem(name: str, kind: str, way: str):
            if is_frozen(m, n)]
   if not names or len(names) == sum(len(v) for v in init_params.values()):
     pytest.skip(f"{kind} freezes none or all of {name}'s parameters")
-  body = fn
-  if way == "stop_gradient":
-    def body(x):
-      with hk.custom_getter(_getter(is_frozen)):
-        return fn(x)
+  def body(x):
+    if way != "stop_gradient":
+      return fn(x)
+    with hk.custom_getter(_getter(is_frozen)):
+      return fn(x)
   tracked = hk.transform_with_state(layer_zoo._tracked(body, entry))  # pylint: disable=protected-access
   plain = hk.transform_with_state(lambda x: layer_zoo._tail(body(x)))  # pylint: disable=protected-access
   params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)

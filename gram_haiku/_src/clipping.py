@@ -29,7 +29,7 @@ read), with the conventions of ``jax_privacy.clipping.clipped_grad``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp

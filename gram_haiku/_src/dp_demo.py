@@ -28,7 +28,6 @@ import os
 import time
 from typing import Any
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
