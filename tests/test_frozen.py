@@ -280,3 +280,37 @@ def test_a_rule_that_reads_the_frozen_parameter(param):
   np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
   _assert_tree_close(grads, weighted_sum(fr, clip_reference(norms, c_norm),
                                          train), 5 * RTOL)
+
+
+@pytest.mark.parametrize("how", ["partition", "stop_gradient"])
+def test_raw_path_refuses_a_partly_differentiated_layer(how):
+  # Without the traced program nothing says which parameters are frozen:
+  # the raw path's Gram covers every parameter, so a layer whose
+  # parameters are differentiated only in part is refused; differentiating
+  # the probes alone gives the Gram of all of them.
+  x, y = problems.data(9, (6, 4), 3)
+  freeze = lambda m, n: m == "l1" and n == "w"
+
+  def model(x, y):
+    h = jnp.tanh(hk.Linear(5, name="l1")(x))
+    return problems.sq(hk.Linear(3, name="l2")(h), y)
+
+  def tracked(x, y):
+    with gram_haiku.track():
+      if how == "partition":
+        return model(x, y)
+      with hk.custom_getter(_getter(freeze)):
+        return model(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  cold, train = hk.data_structures.partition(
+      lambda m, n, v: how == "partition" and freeze(m, n), params)
+  loss = lambda p, s: f.apply(hk.data_structures.merge(p, cold), s, None,
+                              x, y)[0]
+  with pytest.raises(ValueError, match="'l1'.*only its parameter.*'b'"):
+    jax.grad(loss, argnums=(0, 1))(train, state)
+  probes = jax.grad(loss, argnums=1)(train, state)
+  plain = hk.without_apply_rng(hk.transform(model))
+  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  assert_gram_close(probes["l1"]["gram_probe"] + probes["l2"]["gram_probe"],
+                    fr @ fr.T)

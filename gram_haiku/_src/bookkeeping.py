@@ -63,7 +63,7 @@ def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
   (padding), so their inputs are zeroed too (see
   ``GramOp.reweighted_param_grads``)."""
   wanted = [k for k, p in enumerate(params)
-            if p is not None and k not in op.plan.frozen]
+            if p is not None and k not in (op.plan.frozen or ())]
   return op.reweighted_param_grads(x, g, params, c, wanted, mask_inputs)
 
 
@@ -80,7 +80,7 @@ def recontract_per_example(op, f, c) -> dict:
     if aval is None:
       continue
     size = math.prod(aval.shape)
-    if k not in op.plan.frozen:  # (a frozen one's columns are zero)
+    if k not in (op.plan.frozen or ()):  # (a frozen one's are zero)
       out[k] = weighted[..., start:start + size].reshape(lead + aval.shape)
     start += size
   return out

@@ -211,6 +211,17 @@ PARAM_TRANSFORMED = (
     "Casts (mixed-precision policies), reshapes and hk.layer_stack slices "
     "are supported.")
 
+PARTLY_DIFFERENTIATED = (
+    "gram_haiku: the Gram of the tracked layer '{module}' is taken, but only "
+    "its parameter(s) {wanted} are differentiated, not {others} (frozen: "
+    "closed over or read through stop_gradient?). Here nothing says which "
+    "parameters train, so the Gram covers them all and would hold the "
+    "frozen ones' terms.\n"
+    "What to do: use gram_haiku.value_grad_and_gram (or reweighted_grad, "
+    "clipped_grad), which reads the frozen parameters from the traced "
+    "program and leaves them out, or differentiate every parameter of the "
+    "layer.")
+
 FROZEN_IN_SOME_USES = (
     "gram_haiku: the tracked layer '{name}' is applied with different "
     "parameters frozen in different uses ({params}: read through "

@@ -125,9 +125,13 @@ class Plan:
       refuses there, with its own advice) are let through.
     frozen: indices (into the op's ``param_names``) of parameters that no
       differentiated parameter reaches (a frozen weight: closed over, read
-      through ``stop_gradient``, or declared ``frozen=``). Their gradient is
-      zero, so their terms are left out of the Gram, the norms and the
-      per-example gradients (whose columns for them are zero).
+      through ``stop_gradient``, or declared ``frozen=``), as read from the
+      traced program by :func:`gram_haiku.value_grad_and_gram`. Their
+      gradient is zero, so their terms are left out of the Gram, the norms
+      and the per-example gradients (whose columns for them are zero).
+      None where nothing says (the raw ``jax.grad`` path, the ``gram_*``
+      binders): the Gram then covers every parameter, and a layer whose
+      parameters are differentiated only in part is refused.
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
@@ -137,7 +141,7 @@ class Plan:
   refusal: Optional[str] = None
   clip: Optional[Clip] = None
   at_init: bool = False
-  frozen: tuple[int, ...] = ()
+  frozen: Optional[tuple[int, ...]] = None
 
   def __post_init__(self):
     check_mode(self.mode)
@@ -154,10 +158,11 @@ class Plan:
         all(isinstance(a, str) for a in self.column_axes)):
       raise TypeError(f"Plan.column_axes must be None or a tuple of mesh axis "
                       f"names, got {self.column_axes!r}.")
-    if not (isinstance(self.frozen, tuple) and all(
-        isinstance(i, int) and i >= 0 for i in self.frozen)):
-      raise TypeError(f"Plan.frozen must be a tuple of parameter indices, "
-                      f"got {self.frozen!r}.")
+    if self.frozen is not None and not (
+        isinstance(self.frozen, tuple) and all(
+            isinstance(i, int) and i >= 0 for i in self.frozen)):
+      raise TypeError(f"Plan.frozen must be None or a tuple of parameter "
+                      f"indices, got {self.frozen!r}.")
 
   def replace(self, **changes) -> "Plan":
     return dataclasses.replace(self, **changes)

@@ -167,6 +167,7 @@ class Adapter(hx.VJPHiPrimitive):
               if p is not None and hx.wants_cotangent(acc)]
     want_x = is_float(x.dtype) and hx.wants_cotangent(x_acc)
     if facts.wanted and hx.wants_cotangent(probe_acc):
+      self._check_wholly_differentiated(params, wanted)
       dtype = jnp.dtype(facts.dtype)
       self._check_probe_ref(probe_acc, facts.shape, dtype)
       cfg = KernelConfig(column_axes=facts.column_axes,
@@ -186,6 +187,20 @@ class Adapter(hx.VJPHiPrimitive):
     if wanted or want_x:
       self._accumulate_cotangents(x, params, g, want_x, wanted, x_acc,
                                   param_accs)
+
+  def _check_wholly_differentiated(self, params, wanted) -> None:
+    """Where nothing says which parameters are frozen (``Plan.frozen`` is
+    None), the Gram covers all of them: refuse a layer whose parameters are
+    differentiated only in part, whose Gram would hold the others' terms."""
+    if self.plan.frozen is not None or not wanted:
+      return
+    floats = [i for i, p in enumerate(params)
+              if p is not None and is_float(p.dtype)]
+    if len(wanted) < len(floats):
+      raise ValueError(errors.PARTLY_DIFFERENTIATED.format(
+          module=self.name,
+          wanted=[self.param_names[i] for i in wanted],
+          others=[self.param_names[i] for i in floats if i not in wanted]))
 
   def _accumulate_cotangents(self, x, params, g, want_x, wanted, x_acc,
                              param_accs):

@@ -277,7 +277,7 @@ class GramOp(adapter.Adapter):
   def num_trainable_params(self) -> int:
     """:meth:`num_params` less the frozen ones (``Plan.frozen``)."""
     return sum(math.prod(a.shape) for i, a in enumerate(self.param_avals)
-               if a is not None and i not in self.plan.frozen)
+               if a is not None and i not in (self.plan.frozen or ()))
 
   def lead_shape(self, x_shape) -> tuple[int, ...]:
     return tuple(x_shape[:len(x_shape) - self.feature_ndim])
@@ -428,7 +428,8 @@ class GramOp(adapter.Adapter):
     Gram or the norms, and zero columns among the per-example gradients.
     ``params[i]`` may be None for a frozen one when :attr:`droppable` holds
     it (after the pass, where only the parameter leaves are known)."""
-    frozen = [i for i in self.plan.frozen if self.param_avals[i] is not None]
+    frozen = [i for i in self.plan.frozen or ()
+              if self.param_avals[i] is not None]
     if not frozen:
       return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
     wanted = [i for i in wanted if i not in frozen]
@@ -474,7 +475,7 @@ class GramOp(adapter.Adapter):
     if self.mode == "clip":
       sq = self.in_mode("norms").products(x, g, params, (), cfg)[0]
       c = clip_weights(sq, self.plan.clip) * weights.astype(sq.dtype)
-      wanted = [i for i in wanted if i not in self.plan.frozen]
+      wanted = [i for i in wanted if i not in (self.plan.frozen or ())]
       provided = self.reweighted_param_grads(x, g, params, c, wanted)
       return sq, {i: hx.reduce_to_type_of(ct, params[i]).astype(
           params[i].dtype) for i, ct in provided.items()}
