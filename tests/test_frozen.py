@@ -314,3 +314,24 @@ def test_raw_path_refuses_a_partly_differentiated_layer(how):
   fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
   assert_gram_close(probes["l1"]["gram_probe"] + probes["l2"]["gram_probe"],
                     fr @ fr.T)
+
+
+def test_an_untracked_parameter_read_through_stop_gradient_needs_no_rule():
+  x, y = problems.data(10, (5, 4), 4)
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="ignore"):
+      h = hk.Linear(4, name="l1")(x)
+      alpha = jax.lax.stop_gradient(hk.get_parameter(
+          "alpha", (4,), init=hk.initializers.Constant(0.2)))
+      h = jnp.where(h > 0, h, alpha * h)  # a PReLU with a frozen slope
+      return problems.sq(hk.Linear(4, name="l2")(h), y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+      params, state, None, x, y)
+  assert grams.complete and grams.coverage["~/alpha"].rule == "frozen"
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))(
+      params, state, None, x, y)
+  assert not np.any(grads["~"]["alpha"])
+  np.testing.assert_allclose(aux.grad_norms ** 2, grams.sq_norms, rtol=RTOL)

@@ -198,22 +198,8 @@ def test_layer_stack_is_not_sharing():
   assert all(g.shape == (4, 4) for g in grams.by_layer.values())
 
 
-@pytest.mark.parametrize("getter", ["scaled", "weight_norm", "low_rank"])
-def test_transformed_parameter_is_an_error(getter):
-  # (stop_gradient is a frozen weight, exact: see tests/test_frozen.py)
-  x, y = _data(12, (5, 4), 3)
-  fn = {"scaled": lambda n, v, c: 2.0 * n(v),
-        "weight_norm": lambda n, v, c: n(v) / jnp.linalg.norm(n(v)),
-        "low_rank": lambda n, v, c: n(v) + jax.lax.stop_gradient(
-            jnp.ones_like(v)) @ jnp.diag(jnp.ones(v.shape[-1]))}[getter]
-  def body(x, y):
-    with hk.custom_getter(fn):
-      return _sq(hk.Linear(3, name="lin")(x), y)
-  f = hk.transform_with_state(_tracked(body))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  with pytest.raises(ValueError, match="changes its values") as e:
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
-  assert "lin/w" in str(e.value) and "'lin'" in str(e.value)
+# A parameter transformed on its way to its layer: tests/test_reparam.py
+# (exact) and tests/test_frozen.py (stop_gradient).
 
 
 def test_error_messages_are_formatted():

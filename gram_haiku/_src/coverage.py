@@ -27,8 +27,12 @@ class ParamCoverage:
   """How one parameter is covered by the Gram.
 
   Attributes:
-    tracked: whether every use of the parameter is inside a Gram op.
-    rule: the layer handler that tracks it (e.g. ``"linear"``), or None.
+    tracked: whether every use of the parameter is inside a Gram op (or it
+      has no gradient at all).
+    rule: the layer handler that tracks it (e.g. ``"linear"``); ``"unused"``
+      for a parameter the loss does not read; ``"frozen"`` for one with
+      zero gradient that no rule covers (read only through
+      ``stop_gradient``, or declared ``frozen=``); or None.
     module_type: the Haiku module class that reads it (``"(none)"`` for a
       bare ``hk.get_parameter`` outside any module).
   """

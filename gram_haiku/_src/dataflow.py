@@ -51,6 +51,12 @@ _CALLS = frozenset({
     "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
     "shard_map", "named_call",
 })
+#: ... of which these differentiate by their own rule, not their program's:
+#: even an identity changes the gradient (a gradient scale, a frozen
+#: weight by a zero VJP), so what they give is never exact.
+_CUSTOM_DERIVATIVES = frozenset({
+    "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +96,13 @@ class Application:
       for an absent one), the parameter leaves it comes from (a set of
       :class:`Source`).
     probe_sources: the probe leaves its probe operand comes from.
+    eqn: its equation, if it is one of the program's own (not inside a
+      call, loop or branch); None otherwise.
   """
   op: Any
   param_sources: tuple[Sources, ...]
   probe_sources: Sources
+  eqn: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +142,10 @@ class Discovery:
       and their terms are left out of the Gram (``Plan.frozen``). Only
       modules with such operands are listed.
     frozen_layers: the same, keyed by layer name (as the ops see them).
+    pullbacks: module name -> its :class:`PullBack`, for the modules whose
+      operands are computed from parameters (a reparametrising getter).
+    no_gradient: names of the parameter leaves that the loss reads only
+      through ``stop_gradient``, or not at all: their gradient is zero.
     slot_counts: shared module name -> how many times per pass its op
       runs (every step of every enclosing ``scan`` counted), for the shared
       modules whose every application is the same op (same input type and
@@ -158,6 +171,78 @@ class Discovery:
   frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   frozen_layers: Mapping[str, tuple] = dataclasses.field(
       default_factory=dict)
+  pullbacks: Mapping[str, "PullBack"] = dataclasses.field(
+      default_factory=dict)
+  no_gradient: frozenset = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class PullBack:
+  """How a reparametrised layer's operands are computed from parameters.
+
+  A layer whose parameter operands are a function ``W' = fn(theta)`` of
+  parameter leaves (weight normalisation, a scale, weight
+  standardisation, ``W0 + A B``: a custom getter) accumulates per-example
+  gradients with respect to ``W'`` in the pass (it is listed as shared);
+  the per-example gradients with respect to ``theta`` are their pull-back
+  ``J_fn(theta)^T`` (exact: each example's gradient is linear in its
+  cotangent). See :mod:`gram_haiku._src.reparam`.
+
+  Attributes:
+    leaves: the indices of the parameter leaves ``theta``, in the order
+      ``fn`` takes them.
+    fn: ``fn(*theta) -> [W'...]``: the op's present parameter operands, in
+      order (the program's own equations that compute them).
+  """
+  leaves: tuple[int, ...]
+  fn: Any
+
+
+def _pullback(jaxpr, consts: Mapping[Any, Any], app: Application,
+              num_param_leaves: int, gram_op_type):
+  """``(PullBack, None)`` for an application whose operands the program
+  computes from parameter leaves alone, used nowhere else; else ``(None,
+  why)``."""
+  if app.eqn is None:
+    return None, ("the layer runs inside a call, loop or branch (jax.jit, "
+                  "hk.remat, a scan), where its operands cannot be "
+                  "recomputed")
+  eqns = list(jaxpr.eqns)
+  at = next(k for k, e in enumerate(eqns) if e is app.eqn)
+  targets = [v for v in app.eqn.invars[1:-1]]
+  needed = {v for v in targets if not isinstance(v, hx.Literal)}
+  chosen = []
+  for e in reversed(eqns[:at]):
+    if any(v in needed for v in e.outvars):
+      if hx.gram_op_of(e, gram_op_type) is not None:
+        return None, "an operand is computed by another tracked layer"
+      chosen.append(e)
+      needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
+  chosen.reverse()
+  position = {v: k for k, v in enumerate(jaxpr.invars)}
+  inputs = sorted(position[v] for v in needed if v in position)
+  if any(k >= num_param_leaves for k in inputs):
+    return None, "an operand is computed from the data or a probe"
+  derived = {jaxpr.invars[k] for k in inputs}
+  in_slice = {id(e) for e in chosen}
+  for e in eqns:
+    reads = [k for k, v in enumerate(e.invars)
+             if not isinstance(v, hx.Literal) and v in derived]
+    if not reads:
+      continue
+    if e is app.eqn:
+      if any(k == 0 or k == len(e.invars) - 1 for k in reads):
+        return None, "it is also the layer's input"
+    elif id(e) in in_slice:
+      derived |= set(e.outvars)
+    else:
+      return None, f"it is also read by `{e.primitive.name}`"
+  if any(v in derived for v in jaxpr.outvars
+         if not isinstance(v, hx.Literal)):
+    return None, "it is also an output of the loss"
+  fn = hx.sub_program(jaxpr, consts, [jaxpr.invars[k] for k in inputs],
+                      targets, chosen)
+  return PullBack(tuple(inputs), fn), None
 
 
 def _signature(op) -> tuple:
@@ -220,6 +305,10 @@ class _Walk:
     # leaf -> the first primitive outside every Gram op's parameters that
     # reads it unchanged (its gradient then has a part no Gram holds).
     self.other_uses: dict[int, str] = {}
+    self.depth = 0  # 1 while reading the program's own equations
+    # Leaves read by any equation but stop_gradient: the others have no
+    # gradient (read only through stop_gradient, or not at all).
+    self.read: set = set()
 
   def _other_use(self, sources, name: str) -> None:
     for s in sources:
@@ -232,17 +321,23 @@ class _Walk:
       env[v] = s
     read = lambda v: (frozenset() if isinstance(v, hx.Literal)
                       else env.get(v, frozenset()))
-    for eqn in jaxpr.eqns:
-      ins = [read(v) for v in eqn.invars]
-      outs = self.eqn(eqn, ins)
-      for v, s in zip(eqn.outvars, outs):
-        env[v] = s
+    self.depth += 1
+    try:
+      for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = self.eqn(eqn, ins)
+        for v, s in zip(eqn.outvars, outs):
+          env[v] = s
+    finally:
+      self.depth -= 1
     return [read(v) for v in jaxpr.outvars]
 
   def eqn(self, eqn, ins: list) -> list:
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
     union = frozenset().union(*ins) if ins else frozenset()
+    if name != "stop_gradient":
+      self.read.update(s.leaf for s in union)
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
       # Absent parameters (None, e.g. no scale) are not operands of the
@@ -250,7 +345,8 @@ class _Walk:
       present = iter(ins[1:-1])
       sources = tuple(frozenset() if aval is None else next(present)
                       for aval in op.param_avals)
-      self.applications.append(Application(op, sources, ins[-1]))
+      self.applications.append(Application(
+          op, sources, ins[-1], eqn if self.depth == 1 else None))
       self._other_use(ins[0], f"the input of {op.name}")
       for s in frozenset().union(*sources) if sources else ():
         self.uses[(s.leaf, s.sliced)] += 2 if s.repeated else 1
@@ -278,7 +374,9 @@ class _Walk:
         if len(res) == n_out:
           outs = res if outs is None else [a | b for a, b in zip(outs, res)]
       if outs is not None:
-        if known:
+        if name in _CUSTOM_DERIVATIVES:
+          self._other_use(union, name)
+        if known and name not in _CUSTOM_DERIVATIVES:
           return outs
         return [_not_exact(o, name) for o in outs]
     if name == "stop_gradient":
@@ -331,7 +429,8 @@ class _Walk:
 
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
              probe_names: list[str], gram_op_type,
-             full_jaxpr=None) -> Discovery:
+             full_jaxpr=None, consts: Mapping[Any, Any] = None
+             ) -> Discovery:
   """Reads a tracked loss's program: ``jaxpr(params, probes) -> loss``.
 
   Args:
@@ -348,15 +447,18 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
       slots are counted (:attr:`Discovery.slot_counts`): an application
       whose output the loss does not use still takes its module's next
       slot when the model runs (its slot then stays zero).
+    consts: the program's constants, by constant variable (for
+      :attr:`Discovery.pullbacks`).
 
   Returns:
     A :class:`Discovery`, keyed by module (state) name.
 
   Raises:
     ValueError: for a parameter that reaches a tracked op through a
-      computation that changes its values (``stop_gradient``, a
-      reparametrisation), one that reaches the ops of two modules, a module
-      applied under two modes, or an example axis that cannot be found.
+      computation that changes its values (a reparametrisation) where that
+      computation cannot be pulled back (see :class:`PullBack`), one that
+      reaches the ops of two modules, a module applied under two modes, or
+      an example axis that cannot be found.
   """
   walk = _Walk(gram_op_type)
   n_probes = len(probe_names)
@@ -374,6 +476,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
 
   ops, leaves_of, n_apps = {}, {}, collections.Counter()
+  transformed = {}  # module -> (application, param name, Source)
   frozen_of: dict[str, set] = collections.defaultdict(set)  # layer name
   for app in walk.applications:
     op = app.op
@@ -413,11 +516,22 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
           continue  # Computed from a probe (a generated weight): no use.
         modules_of_leaf[s.leaf].add(module)
         if not s.exact:
-          raise ValueError(errors.PARAM_TRANSFORMED.format(
-              module=module, param=pname, leaf=leaf_names[s.leaf],
-              via=s.via))
-        if walk.uses[(s.leaf, s.sliced)] > 1:
+          transformed.setdefault(module, (app, pname, s))
+        elif walk.uses[(s.leaf, s.sliced)] > 1:
           shared.add(module)
+  pullbacks = {}
+  for module, (app, pname, s) in transformed.items():
+    why = "it is applied more than once"
+    pb = None
+    if n_apps[module] == 1:
+      pb, why = _pullback(jaxpr, consts or {}, app, num_param_leaves,
+                          gram_op_type)
+    if pb is None:
+      raise ValueError(errors.PARAM_TRANSFORMED.format(
+          module=module, param=pname, leaf=leaf_names[s.leaf], via=s.via,
+          why=why))
+    pullbacks[module] = pb
+    shared.add(module)  # Per-example gradients of its operands.
   layer_names = collections.defaultdict(set)  # op name -> module names
   for app in walk.applications:
     layer_names[app.op.name].add(module_of(app))
@@ -439,10 +553,11 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   frozen = {m: frozen_layers[op.name] for m, op in ops.items()
             if op.name in frozen_layers}
   ops = {m: op.with_plan(frozen=frozen.get(m, ())) for m, op in ops.items()}
+  pulled = {k for pb in pullbacks.values() for k in pb.leaves}
   untracked = {}
   for leaf, use in walk.other_uses.items():
-    if leaf >= num_param_leaves:
-      continue
+    if leaf >= num_param_leaves or leaf in pulled:
+      continue  # (a pulled-back leaf's every use is its getter's)
     if leaf in modules_of_leaf:
       raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
           leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
@@ -459,7 +574,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     slot_apps = full.applications
   slotted = {}
   for module in shared:
-    if (module in specs or module not in probe_names or
+    if (module in specs or module not in probe_names or module in pullbacks or
         len(layer_names[ops[module].name]) != 1):
       continue
     uses = _slot_count(
@@ -473,7 +588,11 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                    shared_layer_names=frozenset(shared_names),
                    untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
                    applications=dict(n_apps), slot_counts=slotted,
-                   frozen=frozen, frozen_layers=frozen_layers)
+                   frozen=frozen, frozen_layers=frozen_layers,
+                   pullbacks=pullbacks,
+                   no_gradient=frozenset(
+                       leaf_names[k] for k in range(num_param_leaves)
+                       if k not in walk.read))
 
 
 def ops_param_names(walk: _Walk, name: str) -> tuple[str, ...]:

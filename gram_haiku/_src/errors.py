@@ -200,16 +200,18 @@ PROBE_AXES_ORDER = (
 
 PARAM_TRANSFORMED = (
     "gram_haiku: parameter '{leaf}' reaches the tracked layer '{module}' "
-    "(its {param!r}) through `{via}`, which changes its values. The layer's "
-    "Gram would be taken with respect to what it receives, not with respect "
-    "to the parameter you differentiate, and would be wrong.\n"
-    "What to do: for a frozen weight (stop_gradient), leave it out of the "
-    "parameters you differentiate, or apply that module outside "
-    "gram_haiku.track(); for a reparametrised weight (weight norm, scaling, "
-    "low-rank adapters), apply the layer outside gram_haiku.track() or write "
-    "a Gram rule for the whole reparametrised layer (gram_haiku.GramOp). "
-    "Casts (mixed-precision policies), reshapes and hk.layer_stack slices "
-    "are supported.")
+    "(its {param!r}) through `{via}`, which changes its values, and that "
+    "computation cannot be pulled back here: {why}. The layer's Gram would "
+    "be taken with respect to what it receives, not with respect to the "
+    "parameter you differentiate, and would be wrong.\n"
+    "What to do: a reparametrisation (weight norm, scaling, low-rank "
+    "adapters) is exact when the layer is applied once, outside jax.jit, "
+    "hk.remat and loops inside the loss, and the parameter is read by that "
+    "layer's getter alone; otherwise apply the layer outside "
+    "gram_haiku.track() or write a Gram rule for the whole reparametrised "
+    "layer (gram_haiku.GramOp). Frozen weights (stop_gradient), casts "
+    "(mixed-precision policies), reshapes and hk.layer_stack slices are "
+    "supported everywhere.")
 
 PARTLY_DIFFERENTIATED = (
     "gram_haiku: the Gram of the tracked layer '{module}' is taken, but only "

@@ -253,6 +253,20 @@ def is_differentiated(x: Any) -> bool:
   return isinstance(x, (_ad.JVPTracer, _ad.LinearizeTracer))
 
 
+def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
+                eqns: list):
+  """``fn(*inputs) -> list``: the equations ``eqns`` of ``jaxpr`` (in
+  order) as a function of ``invars``, giving ``outvars``; its constant
+  variables take their values from ``consts`` (by variable)."""
+  used = {v for e in eqns for v in e.invars if not isinstance(v, Literal)}
+  used |= {v for v in outvars if not isinstance(v, Literal)}
+  constvars = [v for v in jaxpr.constvars if v in used]
+  sub = jax.extend.core.Jaxpr(constvars, list(invars), list(outvars),
+                              list(eqns))
+  closed = jax.extend.core.ClosedJaxpr(sub, [consts[v] for v in constvars])
+  return jax.extend.core.jaxpr_as_fun(closed)
+
+
 def live_part(jaxpr: Any) -> Any:
   """``jaxpr`` without the equations its outputs do not depend on (JAX's
   dead-code elimination; every input is kept, so input positions hold)."""

@@ -25,6 +25,7 @@ from gram_haiku._src import cost_model
 from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import reparam
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
@@ -227,8 +228,9 @@ def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
 
 
 def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
-           axes, coverage, slots_used, slotted) -> Grams:
-  """Each live module's Gram (or squared norms) from what it kept."""
+           axes, coverage, slots_used, slotted, leaves, skip) -> Grams:
+  """Each live module's Gram (or squared norms) from what it kept; ``skip``:
+  frozen leaves (of reparametrised layers, whose operands mix leaves)."""
   want = "gram" if needs == "gram" else "norms"
   full, diag = {}, {}
   for m in live:
@@ -238,7 +240,8 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
       if modes[m] == "slots":
         val = slots_lib.guard_slots(val, slots_used[m], slotted[m])
     elif modes[m] == "per_example":
-      val = vgg._from_per_example(g, want, axes)  # pylint: disable=protected-access
+      val = vgg._from_per_example(  # pylint: disable=protected-access
+          vgg.per_example_of(t.found, m, g, leaves, skip), want, axes)
     else:
       val = g  # "clip": the squared norms.
     (full if want == "gram" and modes[m] != "clip" else diag)[m] = val
@@ -246,8 +249,9 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
 
 
 def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
-                leaves, diff_idx, clip_grads, padded: bool) -> list:
-  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones).
+                leaves, diff_idx, clip_grads, padded: bool, skip) -> list:
+  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
+  the frozen leaves ``skip`` of reparametrised layers).
   ``padded``: some rows may be padding, whose values may be anything."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in zip(diff_idx, clip_grads):
@@ -258,6 +262,12 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
       cts = bk.recontract_factors(*factors[m], weights[m], padded)
     elif modes[m] == "per_example":
       cts = bk.recontract_per_example(op, g, weights[m])
+      pb = t.found.pullbacks.get(m)
+      if pb is not None:  # With respect to the leaves its getter reads.
+        for k, ct in reparam.summed(op, pb, cts, leaves).items():
+          if k not in skip:
+            grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
+        continue
     else:
       continue
     for k, ct in cts.items():
@@ -346,8 +356,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
   factors = _open_factors(t, live, modes, stores, leaves)
+  skip = frozenset(k for k, n in enumerate(names) if n in frozen_names)
   grams = _grams(t, live, modes, stores, factors, needs, axes, coverage,
-                 slots_used, slotted)
+                 slots_used, slotted, leaves, skip)
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
     if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
@@ -358,7 +369,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     weights = {m: base.clip_weights(grams.sq_norms_by_layer[m],
                                     layer_clips[m]) * mask for m in live}
   grads = _recontract(t, live, modes, stores, factors, weights, leaves,
-                      diff_idx, clip_grads, example_weights is not None)
+                      diff_idx, clip_grads, example_weights is not None, skip)
   for m in slotted:  # NaN, never a sum missing some applications.
     for k in found.param_leaves[m]:
       if k is not None:

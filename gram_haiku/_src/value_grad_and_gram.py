@@ -18,6 +18,7 @@ from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
 from gram_haiku._src import plan as plan_lib
+from gram_haiku._src import reparam
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
@@ -128,6 +129,18 @@ def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
   return next(iter(found.sizes.values()))
 
 
+def per_example_of(found: dataflow.Discovery, m: str, f, leaves,
+                   skip=frozenset()):
+  """A shared module's accumulated per-example gradients ``f``, with respect
+  to its parameter leaves: pulled back through its getter where its
+  operands are a function of them (:mod:`gram_haiku._src.reparam`; leaves
+  in ``skip`` get zeros)."""
+  pb = found.pullbacks.get(m)
+  if pb is None:
+    return f
+  return reparam.per_example(found.ops[m], pb, f, leaves, skip)
+
+
 def _from_per_example(f, mode: str, axes: tuple[str, ...]):
   """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``.
 
@@ -193,7 +206,11 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
   for module, entries in params.items():
     for name in entries:
       full = f"{module}/{name}"
-      if full in seen:
+      if full in seen and not seen[full].tracked and (
+          full in found.no_gradient):
+        # Read only through stop_gradient: frozen, so it needs no rule.
+        out[full] = ParamCoverage(True, "frozen", seen[full].module_type)
+      elif full in seen:
         out[full] = seen[full]
       elif full in found.untracked_uses:
         out[full] = ParamCoverage(False, None, "(outside track())")
@@ -257,7 +274,9 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
   found = dataflow.discover(live, n_params, leaf_names(params),
                             probe_names, base.GramOp,
-                            full_jaxpr=closed.jaxpr)
+                            full_jaxpr=closed.jaxpr,
+                            consts=dict(zip(closed.jaxpr.constvars,
+                                            closed.consts)))
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
@@ -402,8 +421,10 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
   Raises:
     ValueError: if ``state`` holds no probe, if the loss is not a scalar, if
       ``mesh_axes`` are not axes of an enclosing ``shard_map``; from the
-      traced program: a parameter transformed on its way to its layer or
-      also used outside every tracked layer, a layer input whose example
+      traced program: a parameter transformed on its way to its layer
+      where the transformation cannot be pulled back (see the "Weight
+      sharing" section of the semantics docs) or also used outside every
+      tracked layer, a layer input whose example
       axis is not the examples (or merges, reorders or mixes them), a loss
       that couples the examples, a tracked layer differentiated inside the
       loss; or from the tracked layers (see :class:`gram_haiku.track`).
@@ -465,7 +486,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                                              found.param_leaves[m]),
                          mode, used[m], slotted[m])
       elif m in found.shared:
-        g = _from_per_example(g, mode, axes)
+        g = _from_per_example(per_example_of(found, m, g, leaves), mode, axes)
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g

@@ -1,0 +1,257 @@
+"""Reparametrised layers (a custom getter between a parameter and its
+tracked layer): exact by pulling each example's gradient back through the
+getter, or a ``ValueError`` saying why not.
+
+Each model is checked against ``F @ F.T`` of the same model untracked
+(getter included), its clipped sum against the reference, and its
+reweighted sum against ``jax.grad``.
+"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import weighted_sum
+from tests import problems
+from tests.test_reweight import _assert_tree_close
+
+RTOL = 1e-4
+
+
+def _only(name, fn):
+  """A getter applying ``fn`` to the parameters called ``name``."""
+  return lambda nxt, v, c: fn(nxt(v)) if c.name == name else nxt(v)
+
+
+def _lora(nxt, v, c):
+  # W0 (frozen by stop_gradient) + A B, with A and B parameters of their own.
+  if c.name != "w":
+    return nxt(v)
+  a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
+                       init=hk.initializers.RandomNormal())
+  b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
+                       init=hk.initializers.RandomNormal())
+  return jax.lax.stop_gradient(nxt(v)) + a @ b
+
+
+def _standardise(w):
+  return (w - w.mean(axis=tuple(range(w.ndim - 1)))) / (
+      w.std(axis=tuple(range(w.ndim - 1))) + 1e-2)
+
+
+@jax.custom_vjp
+def _zero_grad(w):
+  return w
+
+
+_zero_grad.defvjp(lambda w: (w, None), lambda _, g: (jnp.zeros_like(g),))
+
+
+@jax.custom_vjp
+def _double_grad(w):
+  return w
+
+
+_double_grad.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g,))
+
+
+@jax.custom_jvp
+def _no_tangent(w):
+  return w
+
+
+_no_tangent.defjvp(lambda p, t: (p[0], jnp.zeros_like(t[0])))
+
+
+#: name -> (getter, layer, input shape). Custom derivatives count: an
+#: identity whose rule scales or zeroes the gradient is a reparametrisation.
+CASES = {
+    "scaled-linear": (lambda n, v, c: 2.0 * n(v), "linear", (4,)),
+    "weight-norm": (_only("w", lambda w: w / jnp.linalg.norm(w, axis=0)),
+                    "linear", (3, 4)),
+    "lora": (_lora, "linear", (4,)),
+    "standardised-conv": (_only("w", _standardise), "conv", (5, 5, 2)),
+    "scaled-embedding": (_only("embeddings", lambda e: e * 3.0), "embed",
+                         (5,)),
+    "layer-norm-scale-plus-one": (_only("scale", lambda s: 1.0 + s),
+                                  "layer_norm", (3, 4)),
+    "custom-vjp-zero-gradient": (_only("w", _zero_grad), "linear", (4,)),
+    "custom-vjp-doubled-gradient": (_only("b", _double_grad), "linear",
+                                    (3, 4)),
+    "custom-jvp-zero-tangent": (_only("w", _no_tangent), "linear", (4,)),
+}
+
+
+def _layer(kind):
+  return {"linear": lambda: hk.Linear(3, name="target"),
+          "conv": lambda: hk.Conv2D(3, 3, name="target"),
+          "embed": lambda: hk.Embed(7, 3, name="target"),
+          "layer_norm": lambda: hk.LayerNorm(-1, True, True, name="target"),
+          }[kind]()
+
+
+def _problem(name, vmapped=False):
+  getter, kind, shape = CASES[name]
+  kx, ky = jax.random.split(jax.random.PRNGKey(zlib_seed(name)))
+  b = 6
+  if kind == "embed":
+    x = problems.randint(kx, (b,) + shape, 0, 7)
+  else:
+    x = problems.normal(kx, (b,) + shape)
+
+  def model(x, y):
+    with hk.custom_getter(getter):
+      h = _layer(kind)(x)
+    h = jnp.tanh(h.reshape(h.shape[0], -1) if h.ndim > 1 else h)
+    return problems.sq(hk.Linear(2, name="head")(h), y)
+
+  def per_example_model(x, y):
+    return model(x[None], y[None])
+  body = per_example_model if vmapped else model
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="error"):
+      if vmapped:
+        return hk.vmap(body, split_rng=False)(x, y).sum()
+      return body(x, y)
+  y = problems.normal(ky, (b, 2))
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, y)
+  params = jax.tree.map(  # Away from the initial values (LayerNorm's 1, 0).
+      lambda p: p + 0.3 * problems.normal(jax.random.PRNGKey(2), p.shape),
+      params)
+  plain = hk.without_apply_rng(hk.transform(model))
+  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  return f, params, state, x, y, fr
+
+
+def zlib_seed(name):
+  return sum(map(ord, name)) % 997
+
+
+@pytest.mark.parametrize("vmapped", [False, True], ids=["explicit", "hk.vmap"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reparametrised_layer_is_exact(name, vmapped):
+  if vmapped and name != "weight-norm" and name != "lora":
+    pytest.skip("hk.vmap: one getter of one and of several leaves")
+  f, params, state, x, y, fr = _problem(name, vmapped)
+  value, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  plain = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
+  _assert_tree_close(grads, plain, RTOL)
+  norms = np.sqrt(np.sum(fr * fr, 1))
+  c_norm = float(np.median(norms))
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+  _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
+                                           params), RTOL)
+  del value
+
+
+def test_reparametrised_layer_with_gram_weights_and_frozen_leaves():
+  f, params, state, x, y, fr = _problem("lora")
+  c = problems.uniform(jax.random.PRNGKey(4), (x.shape[0],), 0.5, 2.0)
+  frozen = ["target/lora_a"]  # given, but not trained
+  start = 0
+  for m in sorted(params):
+    for n in sorted(params[m]):
+      size = int(np.prod(params[m][n].shape))
+      if f"{m}/{n}" in frozen:
+        fr[:, start:start + size] = 0
+      start += size
+  _, grads, grams, _ = jax.jit(gram_haiku.reweighted_grad(
+      f.apply, lambda g: c, needs="gram", frozen=frozen))(
+          params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  _assert_tree_close(grads, weighted_sum(fr, np.asarray(c), params), RTOL)
+  assert not np.any(grads["target"]["lora_a"])
+
+
+def _refused(body, match):
+  x, y = problems.data(3, (5, 4), 3)
+
+  def tracked(x, y):
+    with gram_haiku.track():
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match=match) as e:
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  assert "changes its values" in str(e.value)
+
+
+SCALE = lambda n, v, c: 2.0 * n(v)
+
+
+def test_reparametrised_layer_applied_twice_is_refused():
+  def body(x, y):
+    with hk.custom_getter(SCALE):
+      lin = hk.Linear(4)
+      return problems.sq(lin(jnp.tanh(lin(x))), y[:, :1] * jnp.ones(4))
+  _refused(body, "applied more than once")
+
+
+def test_reparametrised_parameter_read_elsewhere_is_refused():
+  def body(x, y):
+    with hk.custom_getter(SCALE):
+      lin = hk.Linear(3, name="lin")
+      out = lin(x)
+    # A weight-decay term reads the raw parameter again, outside the getter.
+    return problems.sq(out, y) + jnp.sum(lin.params_dict()["lin/w"] ** 2)
+  _refused(body, "also read by")
+
+
+@pytest.mark.parametrize("where", ["cond", "remat", "dynamic_unroll"])
+def test_reparametrised_layer_inside_a_call_or_loop_is_refused(where):
+  def body(x, y):
+    with hk.custom_getter(SCALE):
+      if where == "dynamic_unroll":
+        core = hk.VanillaRNN(3)
+        out, _ = hk.dynamic_unroll(core, x[:, :, None].swapaxes(0, 1),
+                                   core.initial_state(x.shape[0]))
+        return problems.sq(out[-1], y)
+      lin = hk.Linear(3)
+      if where == "cond":
+        out = hk.cond(jnp.sum(x) > 0, lin, lambda a: lin(-a), x)
+      else:
+        out = hk.remat(lin)(x)
+      return problems.sq(out, y)
+  _refused(body, "inside a call, loop or branch|more than once")
+
+
+def test_parameters_transformed_outside_haiku():
+  # The apply wrapper (not a getter) transforms the parameters: a custom
+  # VJP on one leaf and a scale on another, then the tracked model.
+  x, y = problems.data(5, (6, 4), 3)
+
+  def model(x, y):
+    h = jnp.tanh(hk.Linear(5, name="l1")(x))
+    return problems.sq(hk.Linear(3, name="l2")(h), y)
+
+  def tracked(x, y):
+    with gram_haiku.track():
+      return model(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+
+  def reparametrise(p):
+    return {"l1": {"w": _zero_grad(p["l1"]["w"]), "b": p["l1"]["b"]},
+            "l2": {"w": 3.0 * p["l2"]["w"], "b": p["l2"]["b"]}}
+  apply = lambda p, *a: f.apply(reparametrise(p), *a)
+  plain = hk.without_apply_rng(hk.transform(model))
+  fr = np.asarray(per_example_grads(
+      lambda p, a, b: plain.apply(reparametrise(p), a, b), params, x, y),
+      np.float64)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
