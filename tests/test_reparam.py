@@ -255,3 +255,25 @@ def test_parameters_transformed_outside_haiku():
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(apply))(
       params, state, None, x, y)
   assert_gram_close(grams.total, fr @ fr.T)
+
+
+@pytest.mark.parametrize("getter", ["scale", "stop_gradient"])
+def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter):
+  x, y = problems.data(6, (5, 4), 3)
+  fn = {"scale": SCALE,
+        "stop_gradient": lambda n, v, c: jax.lax.stop_gradient(n(v))}[getter]
+
+  def tracked(x, y, plain_getter=False):
+    with gram_haiku.track():
+      with hk.custom_getter(fn if not plain_getter else
+                            lambda n, v, c: n(v).astype(jnp.bfloat16)):
+        return problems.sq(hk.Linear(3, name="lin")(x), y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError,
+                     match="(?s)getter.*'lin'.*value_grad_and_gram"):
+    jax.grad(lambda p, s: f.apply(p, s, None, x, y)[0], argnums=(0, 1))(
+        params, state)
+  # A cast (a mixed-precision policy) is not refused.
+  jax.grad(lambda p, s: f.apply(p, s, None, x, y, plain_getter=True)[0],
+           argnums=(0, 1))(params, state)

@@ -57,6 +57,9 @@ class Coverage:
     self.policy = untracked
     self._active = active
     self.seen: dict[str, ParamCoverage] = {}
+    # Modules whose tracked parameters a getter entered inside the context
+    # replaced by a new value of the same dtype (not a cast).
+    self.transformed: set[str] = set()
     self._rule: Optional[str] = None
 
   @contextlib.contextmanager
@@ -87,7 +90,11 @@ class Coverage:
             param=name, module_type=module_type))
       self.seen[name] = ParamCoverage(False, None, module_type)
       self._report_untracked(name, module_type)
-    return next_getter(value)
+    out = next_getter(value)
+    if self._rule is not None and out is not value and (
+        getattr(out, "dtype", None) == getattr(value, "dtype", None)):
+      self.transformed.add(context.module_name)
+    return out
 
   def _report_untracked(self, name: str, module_type: str) -> None:
     if self.policy == "ignore":

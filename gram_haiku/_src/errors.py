@@ -213,6 +213,17 @@ PARAM_TRANSFORMED = (
     "(mixed-precision policies), reshapes and hk.layer_stack slices are "
     "supported everywhere.")
 
+RAW_GETTER = (
+    "gram_haiku: a custom getter entered inside gram_haiku.track() hands "
+    "the tracked layer '{module}' a new value of its parameters, of the "
+    "same dtype (a scale, a reparametrisation, stop_gradient, a copy). On "
+    "the raw jax.grad path nothing says what it computes, so the layer's "
+    "Gram would be taken with respect to what it receives, which may not "
+    "be the parameter you differentiate.\n"
+    "What to do: use gram_haiku.value_grad_and_gram (or reweighted_grad, "
+    "clipped_grad): it reads the getter from the traced program and is "
+    "exact for frozen and reparametrised weights.")
+
 PARTLY_DIFFERENTIATED = (
     "gram_haiku: the Gram of the tracked layer '{module}' is taken, but only "
     "its parameter(s) {wanted} are differentiated, not {others} (frozen: "

@@ -270,6 +270,9 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       if hx.inside_loop_trace():
         return self._plan.replace(
             refusal=errors.LOOP_BODY.format(module=name))
+      if name in self._coverage.transformed:
+        return self._plan.replace(
+            refusal=errors.RAW_GETTER.format(module=name))
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes,
                               frozen=self._pass.frozen.get(name, ()))
