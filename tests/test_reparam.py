@@ -90,6 +90,12 @@ CASES = {
 }
 
 
+#: The cases whose clipped sum is checked too (one pull-back, per kind of
+#: rule: factors of a linear layer and a conv, a custom derivative).
+CLIPPED = ("lora", "standardised-conv", "custom-vjp-doubled-gradient",
+           "scaled-embedding")
+
+
 def _layer(kind):
   return {"linear": lambda: hk.Linear(3, name="target"),
           "conv": lambda: hk.Conv2D(3, 3, name="target"),
@@ -148,6 +154,8 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   assert_gram_close(grams.total, fr @ fr.T)
   plain = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
   _assert_tree_close(grads, plain, RTOL)
+  if name not in CLIPPED and not vmapped:
+    return
   norms = np.sqrt(np.sum(fr * fr, 1))
   c_norm = float(np.median(norms))
   clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
