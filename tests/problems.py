@@ -1,5 +1,6 @@
 """Random problems shared by the model-level tests."""
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,3 +44,10 @@ def data(seed, shape, out_dim):
 def sq(out, y):
   """The summed squared error (a sum of per-example losses)."""
   return 0.5 * jnp.sum((out - y) ** 2)
+
+
+def two_layers(x, y, names=("l1", "l2"), width=5):
+  """``sq(Linear(tanh(Linear(x))), y)``: a small MLP loss (inside a Haiku
+  transform), its two layers named ``names``."""
+  h = jnp.tanh(hk.Linear(width, name=names[0])(x))
+  return sq(hk.Linear(y.shape[-1], name=names[1])(h), y)

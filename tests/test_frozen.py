@@ -206,8 +206,7 @@ def test_norms_mode_and_hk_vmap_with_a_partitioned_frozen_module():
   x, y = problems.data(5, (6, 4), 3)
 
   def model(x, y):
-    h = jnp.tanh(hk.Linear(5, name="backbone")(x))
-    return problems.sq(hk.Linear(3, name="head")(h), y)
+    return problems.two_layers(x, y, ("backbone", "head"))
 
   def tracked(x, y):
     with gram_haiku.track(mode="norms"):
@@ -291,9 +290,7 @@ def test_raw_path_refuses_a_partly_differentiated_layer(how):
   x, y = problems.data(9, (6, 4), 3)
   freeze = lambda m, n: m == "l1" and n == "w"
 
-  def model(x, y):
-    h = jnp.tanh(hk.Linear(5, name="l1")(x))
-    return problems.sq(hk.Linear(3, name="l2")(h), y)
+  model = problems.two_layers
 
   def tracked(x, y):
     with gram_haiku.track():

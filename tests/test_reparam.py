@@ -242,9 +242,7 @@ def test_parameters_transformed_outside_haiku():
   # VJP on one leaf and a scale on another, then the tracked model.
   x, y = problems.data(5, (6, 4), 3)
 
-  def model(x, y):
-    h = jnp.tanh(hk.Linear(5, name="l1")(x))
-    return problems.sq(hk.Linear(3, name="l2")(h), y)
+  model = problems.two_layers
 
   def tracked(x, y):
     with gram_haiku.track():
