@@ -201,12 +201,50 @@ def _refused(body, match):
 SCALE = lambda n, v, c: 2.0 * n(v)
 
 
-def test_reparametrised_layer_applied_twice_is_refused():
+@pytest.mark.parametrize("model", ["called-twice", "static-unroll-lstm"])
+def test_reparametrised_layer_applied_several_times_is_exact(model):
+  # Each use runs the getter again; the uses' per-example gradients sum
+  # into one store, pulled back once (the getter computes alike each time).
+  x, y = problems.data(7, (6, 3, 4), 3)
+  getter = _only("w", lambda w: w / jnp.linalg.norm(w, axis=0))
+
   def body(x, y):
+    with hk.custom_getter(getter):
+      if model == "called-twice":
+        lin = hk.Linear(4, name="lin")
+        h = lin(jnp.tanh(lin(x[..., :4])))
+      else:
+        core = hk.LSTM(4)
+        out, _ = hk.static_unroll(core, jnp.swapaxes(x, 0, 1),
+                                  core.initial_state(x.shape[0]))
+        h = jnp.swapaxes(out, 0, 1)
+    return problems.sq(hk.Linear(3, name="head")(h), y)
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="error"):
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  norms = np.sqrt(np.sum(fr * fr, 1))
+  clipped, _ = jax.jit(gram_haiku.clipped_grad(f.apply, float(np.median(
+      norms))))(params, state, None, x, y)
+  _assert_tree_close(clipped, weighted_sum(
+      fr, clip_reference(norms, float(np.median(norms))), params), RTOL)
+
+
+def test_reparametrised_layer_applied_twice_differently_is_refused():
+  def body(x, y):
+    lin = hk.Linear(4)
     with hk.custom_getter(SCALE):
-      lin = hk.Linear(4)
-      return problems.sq(lin(jnp.tanh(lin(x))), y[:, :1] * jnp.ones(4))
-  _refused(body, "applied more than once")
+      h = jnp.tanh(lin(x))
+    with hk.custom_getter(lambda n, v, c: 3.0 * n(v)):
+      return problems.sq(lin(h), y[:, :1] * jnp.ones(4))
+  _refused(body, "computed differently")
 
 
 def test_reparametrised_parameter_read_elsewhere_is_refused():

@@ -182,8 +182,9 @@ class PullBack:
 
   A layer whose parameter operands are a function ``W' = fn(theta)`` of
   parameter leaves (weight normalisation, a scale, weight
-  standardisation, ``W0 + A B``: a custom getter) accumulates per-example
-  gradients with respect to ``W'`` in the pass (it is listed as shared);
+  standardisation, ``W0 + A B``: a custom getter; the same ``fn`` at every
+  use) accumulates per-example gradients with respect to ``W'`` in the
+  pass (it is listed as shared);
   the per-example gradients with respect to ``theta`` are their pull-back
   ``J_fn(theta)^T`` (exact: each example's gradient is linear in its
   cotangent). See :mod:`gram_haiku._src.reparam`.
@@ -198,39 +199,60 @@ class PullBack:
   fn: Any
 
 
-def _pullback(jaxpr, consts: Mapping[Any, Any], app: Application,
-              num_param_leaves: int, gram_op_type):
-  """``(PullBack, None)`` for an application whose operands the program
-  computes from parameter leaves alone, used nowhere else; else ``(None,
-  why)``."""
+def _slice(jaxpr, eqns: list, app: Application, gram_op_type):
+  """The equations (in order) that compute ``app``'s parameter operands, or
+  a string saying why there are none to read."""
   if app.eqn is None:
-    return None, ("the layer runs inside a call, loop or branch (jax.jit, "
-                  "hk.remat, a scan), where its operands cannot be "
-                  "recomputed")
-  eqns = list(jaxpr.eqns)
+    return ("the layer runs inside a call, loop or branch (jax.jit, "
+            "hk.remat, hk.cond, a scan), where its operands cannot be "
+            "recomputed")
   at = next(k for k, e in enumerate(eqns) if e is app.eqn)
-  targets = [v for v in app.eqn.invars[1:-1]]
-  needed = {v for v in targets if not isinstance(v, hx.Literal)}
+  needed = {v for v in app.eqn.invars[1:-1] if not isinstance(v, hx.Literal)}
   chosen = []
   for e in reversed(eqns[:at]):
     if any(v in needed for v in e.outvars):
       if hx.gram_op_of(e, gram_op_type) is not None:
-        return None, "an operand is computed by another tracked layer"
+        return "an operand is computed by another tracked layer"
       chosen.append(e)
       needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
   chosen.reverse()
+  return chosen, needed
+
+
+def _pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
+              num_param_leaves: int, gram_op_type):
+  """``(PullBack, None)`` when the program computes every application's
+  parameter operands from parameter leaves alone, by the same equations,
+  and uses those leaves nowhere else; else ``(None, why)``."""
+  eqns = list(jaxpr.eqns)
   position = {v: k for k, v in enumerate(jaxpr.invars)}
-  inputs = sorted(position[v] for v in needed if v in position)
-  if any(k >= num_param_leaves for k in inputs):
-    return None, "an operand is computed from the data or a probe"
-  derived = {jaxpr.invars[k] for k in inputs}
-  in_slice = {id(e) for e in chosen}
+  slices = []
+  for app in apps:
+    found = _slice(jaxpr, eqns, app, gram_op_type)
+    if isinstance(found, str):
+      return None, found
+    chosen, needed = found
+    inputs = sorted(position[v] for v in needed if v in position)
+    if any(k >= num_param_leaves for k in inputs):
+      return None, "an operand is computed from the data or a probe"
+    fn, key = hx.sub_program(jaxpr, consts,
+                             [jaxpr.invars[k] for k in inputs],
+                             list(app.eqn.invars[1:-1]), chosen)
+    slices.append((chosen, tuple(inputs), fn, key))
+  if len({(inputs, key) for _, inputs, _, key in slices}) > 1:
+    # Its uses sum into one store of per-example gradients, which one
+    # pull-back maps to the parameters only if they all compute alike.
+    return None, ("it is applied more than once, with its operands "
+                  "computed differently")
+  derived = {jaxpr.invars[k] for k in slices[0][1]}
+  in_slice = {id(e) for chosen, *_ in slices for e in chosen}
+  layers = {id(app.eqn) for app in apps}
   for e in eqns:
     reads = [k for k, v in enumerate(e.invars)
              if not isinstance(v, hx.Literal) and v in derived]
     if not reads:
       continue
-    if e is app.eqn:
+    if id(e) in layers:
       if any(k == 0 or k == len(e.invars) - 1 for k in reads):
         return None, "it is also the layer's input"
     elif id(e) in in_slice:
@@ -240,9 +262,7 @@ def _pullback(jaxpr, consts: Mapping[Any, Any], app: Application,
   if any(v in derived for v in jaxpr.outvars
          if not isinstance(v, hx.Literal)):
     return None, "it is also an output of the loss"
-  fn = hx.sub_program(jaxpr, consts, [jaxpr.invars[k] for k in inputs],
-                      targets, chosen)
-  return PullBack(tuple(inputs), fn), None
+  return PullBack(slices[0][1], slices[0][2]), None
 
 
 def _signature(op) -> tuple:
@@ -521,11 +541,10 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
           shared.add(module)
   pullbacks = {}
   for module, (app, pname, s) in transformed.items():
-    why = "it is applied more than once"
-    pb = None
-    if n_apps[module] == 1:
-      pb, why = _pullback(jaxpr, consts or {}, app, num_param_leaves,
-                          gram_op_type)
+    pb, why = _pullback(jaxpr, consts or {},
+                        [a for a in walk.applications
+                         if module_of(a) == module],
+                        num_param_leaves, gram_op_type)
     if pb is None:
       raise ValueError(errors.PARAM_TRANSFORMED.format(
           module=module, param=pname, leaf=leaf_names[s.leaf], via=s.via,

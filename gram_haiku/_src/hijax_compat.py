@@ -255,16 +255,20 @@ def is_differentiated(x: Any) -> bool:
 
 def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
                 eqns: list):
-  """``fn(*inputs) -> list``: the equations ``eqns`` of ``jaxpr`` (in
-  order) as a function of ``invars``, giving ``outvars``; its constant
-  variables take their values from ``consts`` (by variable)."""
+  """``(fn, key)``: ``fn(*inputs) -> list`` runs the equations ``eqns`` of
+  ``jaxpr`` (in order) as a function of ``invars``, giving ``outvars``; its
+  constant variables take their values from ``consts`` (by variable).
+  ``key`` is equal for two sub-programs that compute alike (the printed
+  program, and the identities of the constants it reads)."""
   used = {v for e in eqns for v in e.invars if not isinstance(v, Literal)}
   used |= {v for v in outvars if not isinstance(v, Literal)}
   constvars = [v for v in jaxpr.constvars if v in used]
   sub = jax.extend.core.Jaxpr(constvars, list(invars), list(outvars),
                               list(eqns))
-  closed = jax.extend.core.ClosedJaxpr(sub, [consts[v] for v in constvars])
-  return jax.extend.core.jaxpr_as_fun(closed)
+  values = [consts[v] for v in constvars]
+  closed = jax.extend.core.ClosedJaxpr(sub, values)
+  key = (str(sub), tuple(id(c) for c in values))
+  return jax.extend.core.jaxpr_as_fun(closed), key
 
 
 def live_part(jaxpr: Any) -> Any:
