@@ -12,6 +12,7 @@ from __future__ import annotations
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import pytest
 
@@ -301,16 +302,48 @@ def test_parameters_transformed_outside_haiku():
   assert_gram_close(grams.total, fr @ fr.T)
 
 
-@pytest.mark.parametrize("getter", ["scale", "stop_gradient"])
+def test_a_parameter_read_by_the_getter_alone_is_covered():
+  # A gain created outside the layer and applied to its weight by a getter:
+  # its per-example gradient is pulled back too (complete, clippable).
+  x, y = problems.data(8, (6, 4), 3)
+
+  def body(x, y):
+    s = hk.get_parameter("s", (), init=hk.initializers.Constant(1.5))
+    with hk.custom_getter(_only("w", lambda w: s * w)):
+      h = jnp.tanh(hk.Linear(5, name="l1")(x))
+    return problems.sq(hk.Linear(3, name="l2")(h), y)
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="ignore"):
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert grams.complete and grams.coverage["~/s"].rule == "reparametrised"
+  assert_gram_close(grams.total, fr @ fr.T)
+  norms = np.sqrt(np.sum(fr * fr, 1))
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+
+
+@pytest.mark.parametrize("getter", ["scale", "stop_gradient", "scale-cast"])
 def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter):
   x, y = problems.data(6, (5, 4), 3)
   fn = {"scale": SCALE,
-        "stop_gradient": lambda n, v, c: jax.lax.stop_gradient(n(v))}[getter]
+        "stop_gradient": lambda n, v, c: jax.lax.stop_gradient(n(v)),
+        # A new dtype but no mixed-precision policy: not a policy's cast.
+        "scale-cast": lambda n, v, c: (2.0 * n(v)).astype(jnp.bfloat16)
+        }[getter]
 
   def tracked(x, y, plain_getter=False):
     with gram_haiku.track():
-      with hk.custom_getter(fn if not plain_getter else
-                            lambda n, v, c: n(v).astype(jnp.bfloat16)):
+      if plain_getter:
+        return problems.sq(hk.Linear(3, name="lin")(x), y)
+      with hk.custom_getter(fn):
         return problems.sq(hk.Linear(3, name="lin")(x), y)
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
@@ -318,6 +351,11 @@ def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter):
                      match="(?s)getter.*'lin'.*value_grad_and_gram"):
     jax.grad(lambda p, s: f.apply(p, s, None, x, y)[0], argnums=(0, 1))(
         params, state)
-  # A cast (a mixed-precision policy) is not refused.
-  jax.grad(lambda p, s: f.apply(p, s, None, x, y, plain_getter=True)[0],
-           argnums=(0, 1))(params, state)
+  # A mixed-precision policy's cast is not refused.
+  hk.mixed_precision.set_policy(hk.Linear, jmp.get_policy(
+      "params=float32,compute=bfloat16,output=float32"))
+  try:
+    jax.grad(lambda p, s: f.apply(p, s, None, x, y, plain_getter=True)[0],
+             argnums=(0, 1))(params, state)
+  finally:
+    hk.mixed_precision.clear_policy(hk.Linear)

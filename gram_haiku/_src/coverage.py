@@ -14,6 +14,8 @@ import dataclasses
 import warnings
 from typing import Callable, Optional
 
+import haiku as hk
+
 from gram_haiku._src import errors
 
 UNTRACKED_POLICIES = ("warn", "error", "ignore")
@@ -32,13 +34,27 @@ class ParamCoverage:
     rule: the layer handler that tracks it (e.g. ``"linear"``); ``"unused"``
       for a parameter the loss does not read; ``"frozen"`` for one with
       zero gradient that no rule covers (read only through
-      ``stop_gradient``, or declared ``frozen=``); or None.
+      ``stop_gradient``, or declared ``frozen=``); ``"reparametrised"``
+      for one read outside the layers but only by a tracked layer's
+      reparametrising getter; or None.
     module_type: the Haiku module class that reads it (``"(none)"`` for a
       bare ``hk.get_parameter`` outside any module).
   """
   tracked: bool
   rule: Optional[str]
   module_type: str
+
+
+def _policy_cast(module, value, out) -> bool:
+  """Whether ``out`` may be ``value`` cast by the module's mixed-precision
+  policy (``hk.mixed_precision.set_policy``): a new dtype, the policy's
+  compute dtype. (A getter that also changes the values cannot be told
+  from it here.)"""
+  policy = (hk.mixed_precision.get_policy(type(module))
+            if module is not None else None)
+  dtype = getattr(out, "dtype", None)
+  return (policy is not None and dtype != getattr(value, "dtype", None) and
+          dtype == policy.compute_dtype)
 
 
 class UntrackedParameterWarning(UserWarning):
@@ -91,8 +107,8 @@ class Coverage:
       self.seen[name] = ParamCoverage(False, None, module_type)
       self._report_untracked(name, module_type)
     out = next_getter(value)
-    if self._rule is not None and out is not value and (
-        getattr(out, "dtype", None) == getattr(value, "dtype", None)):
+    if self._rule is not None and out is not value and not _policy_cast(
+        context.module, value, out):
       self.transformed.add(context.module_name)
     return out
 

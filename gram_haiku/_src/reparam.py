@@ -14,7 +14,8 @@ exact because ``g_i`` is linear in ``f_i`` (the chain rule, one example at a
 time); for a weighted sum ``sum_i c_i g_i = J^T (sum_i c_i f_i)`` one
 pull-back suffices. ``fn`` is the program's own equations that compute the
 operands (:class:`gram_haiku._src.dataflow.PullBack`). Cost: ``B`` VJPs of
-``fn`` (``vmap``), and ``B x P`` memory for the layer.
+``fn`` (one per example, in sequence), and ``B x P`` memory for the
+layer.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
     n = math.prod(a.shape)
     cts.append(f[:, start:start + n].reshape((f.shape[0],) + a.shape))
     start += n
-  per = jax.vmap(lambda *c: vjp(list(c)))(*cts)
+  # One VJP per example in sequence: vmap of a getter's VJP can leave a
+  # reduction fused into the [B, P] loop that recomputes it per entry (a
+  # weight norm of 1024 x 1024 at B = 8: 1.4 s against 0.03 s).
+  per = jax.lax.map(lambda c: vjp(list(c)), cts)
   cols = []
   for k, g in zip(pb.leaves, per):
     g = kernels.rows(g).astype(acc)

@@ -202,6 +202,8 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
   did not see but that the loss uses (a module outside every ``track()``
   block) is untracked, not unused.
   """
+  names = leaf_names(params)
+  pulled = {names[k] for pb in found.pullbacks.values() for k in pb.leaves}
   out = {}
   for module, entries in params.items():
     for name in entries:
@@ -210,6 +212,12 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
           full in found.no_gradient):
         # Read only through stop_gradient: frozen, so it needs no rule.
         out[full] = ParamCoverage(True, "frozen", seen[full].module_type)
+      elif full in pulled and not (full in seen and seen[full].tracked):
+        # Read outside the layer, but only by its reparametrising getter:
+        # its gradient is pulled back through the getter.
+        out[full] = ParamCoverage(
+            True, "reparametrised",
+            seen[full].module_type if full in seen else "(none)")
       elif full in seen:
         out[full] = seen[full]
       elif full in found.untracked_uses:
