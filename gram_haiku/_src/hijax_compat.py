@@ -263,8 +263,13 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
   used = {v for e in eqns for v in e.invars if not isinstance(v, Literal)}
   used |= {v for v in outvars if not isinstance(v, Literal)}
   constvars = [v for v in jaxpr.constvars if v in used]
+  info = jaxpr.debug_info
+  if info is not None and hasattr(info, "with_unknown_names"):
+    info = info.with_unknown_names()  # (other inputs and outputs)
+  effects = frozenset().union(*(e.effects for e in eqns)) if eqns else (
+      frozenset())
   sub = jax.extend.core.Jaxpr(constvars, list(invars), list(outvars),
-                              list(eqns))
+                              list(eqns), effects, info)
   values = [consts[v] for v in constvars]
   closed = jax.extend.core.ClosedJaxpr(sub, values)
   key = (str(sub), tuple(id(c) for c in values))
