@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional
 from gram_haiku._src import errors
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import reparam
 
 #: Primitives that keep every value of a parameter (so its Gram): casts,
 #: copies and reshapes.
@@ -142,7 +143,8 @@ class Discovery:
       and their terms are left out of the Gram (``Plan.frozen``). Only
       modules with such operands are listed.
     frozen_layers: the same, keyed by layer name (as the ops see them).
-    pullbacks: module name -> its :class:`PullBack`, for the modules whose
+    pullbacks: module name -> its :class:`~gram_haiku._src.reparam.PullBack`,
+      for the modules whose
       operands are computed from parameters (a reparametrising getter).
     no_gradient: names of the parameter leaves that the loss reads only
       through ``stop_gradient``, or not at all: their gradient is zero.
@@ -171,98 +173,9 @@ class Discovery:
   frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   frozen_layers: Mapping[str, tuple] = dataclasses.field(
       default_factory=dict)
-  pullbacks: Mapping[str, "PullBack"] = dataclasses.field(
+  pullbacks: Mapping[str, reparam.PullBack] = dataclasses.field(
       default_factory=dict)
   no_gradient: frozenset = frozenset()
-
-
-@dataclasses.dataclass(frozen=True)
-class PullBack:
-  """How a reparametrised layer's operands are computed from parameters.
-
-  A layer whose parameter operands are a function ``W' = fn(theta)`` of
-  parameter leaves (weight normalisation, a scale, weight
-  standardisation, ``W0 + A B``: a custom getter; the same ``fn`` at every
-  use) accumulates per-example gradients with respect to ``W'`` in the
-  pass (it is listed as shared);
-  the per-example gradients with respect to ``theta`` are their pull-back
-  ``J_fn(theta)^T`` (exact: each example's gradient is linear in its
-  cotangent). See :mod:`gram_haiku._src.reparam`.
-
-  Attributes:
-    leaves: the indices of the parameter leaves ``theta``, in the order
-      ``fn`` takes them.
-    fn: ``fn(*theta) -> [W'...]``: the op's present parameter operands, in
-      order (the program's own equations that compute them).
-  """
-  leaves: tuple[int, ...]
-  fn: Any
-
-
-def _slice(jaxpr, eqns: list, app: Application, gram_op_type):
-  """The equations (in order) that compute ``app``'s parameter operands, or
-  a string saying why there are none to read."""
-  if app.eqn is None:
-    return ("the layer runs inside a call, loop or branch (jax.jit, "
-            "hk.remat, hk.cond, a scan), where its operands cannot be "
-            "recomputed")
-  at = next(k for k, e in enumerate(eqns) if e is app.eqn)
-  needed = {v for v in app.eqn.invars[1:-1] if not isinstance(v, hx.Literal)}
-  chosen = []
-  for e in reversed(eqns[:at]):
-    if any(v in needed for v in e.outvars):
-      if hx.gram_op_of(e, gram_op_type) is not None:
-        return "an operand is computed by another tracked layer"
-      chosen.append(e)
-      needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
-  chosen.reverse()
-  return chosen, needed
-
-
-def _pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
-              num_param_leaves: int, gram_op_type):
-  """``(PullBack, None)`` when the program computes every application's
-  parameter operands from parameter leaves alone, by the same equations,
-  and uses those leaves nowhere else; else ``(None, why)``."""
-  eqns = list(jaxpr.eqns)
-  position = {v: k for k, v in enumerate(jaxpr.invars)}
-  slices = []
-  for app in apps:
-    found = _slice(jaxpr, eqns, app, gram_op_type)
-    if isinstance(found, str):
-      return None, found
-    chosen, needed = found
-    inputs = sorted(position[v] for v in needed if v in position)
-    if any(k >= num_param_leaves for k in inputs):
-      return None, "an operand is computed from the data or a probe"
-    fn, key = hx.sub_program(jaxpr, consts,
-                             [jaxpr.invars[k] for k in inputs],
-                             list(app.eqn.invars[1:-1]), chosen)
-    slices.append((chosen, tuple(inputs), fn, key))
-  if len({(inputs, key) for _, inputs, _, key in slices}) > 1:
-    # Its uses sum into one store of per-example gradients, which one
-    # pull-back maps to the parameters only if they all compute alike.
-    return None, ("it is applied more than once, with its operands "
-                  "computed differently")
-  derived = {jaxpr.invars[k] for k in slices[0][1]}
-  in_slice = {id(e) for chosen, *_ in slices for e in chosen}
-  layers = {id(app.eqn) for app in apps}
-  for e in eqns:
-    reads = [k for k, v in enumerate(e.invars)
-             if not isinstance(v, hx.Literal) and v in derived]
-    if not reads:
-      continue
-    if id(e) in layers:
-      if any(k == 0 or k == len(e.invars) - 1 for k in reads):
-        return None, "it is also the layer's input"
-    elif id(e) in in_slice:
-      derived |= set(e.outvars)
-    else:
-      return None, f"it is also read by `{e.primitive.name}`"
-  if any(v in derived for v in jaxpr.outvars
-         if not isinstance(v, hx.Literal)):
-    return None, "it is also an output of the loss"
-  return PullBack(slices[0][1], slices[0][2]), None
 
 
 def _signature(op) -> tuple:
@@ -476,7 +389,8 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   Raises:
     ValueError: for a parameter that reaches a tracked op through a
       computation that changes its values (a reparametrisation) where that
-      computation cannot be pulled back (see :class:`PullBack`), one that
+      computation cannot be pulled back (see
+      :class:`~gram_haiku._src.reparam.PullBack`), one that
       reaches the ops of two modules, a module applied under two modes, or
       an example axis that cannot be found.
   """
@@ -541,7 +455,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
           shared.add(module)
   pullbacks = {}
   for module, (app, pname, s) in transformed.items():
-    pb, why = _pullback(jaxpr, consts or {},
+    pb, why = reparam.read_pullback(jaxpr, consts or {},
                         [a for a in walk.applications
                          if module_of(a) == module],
                         num_param_leaves, gram_op_type)

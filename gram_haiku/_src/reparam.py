@@ -13,13 +13,14 @@ example's gradient with respect to the parameters is the pull-back
 exact because ``g_i`` is linear in ``f_i`` (the chain rule, one example at a
 time); for a weighted sum ``sum_i c_i g_i = J^T (sum_i c_i f_i)`` one
 pull-back suffices. ``fn`` is the program's own equations that compute the
-operands (:class:`gram_haiku._src.dataflow.PullBack`). Cost: ``B`` VJPs of
+operands, read from the traced program (:func:`read_pullback`). Cost: ``B`` VJPs of
 ``fn`` (one per example, in sequence), and ``B x P`` memory for the
 layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
@@ -28,6 +29,98 @@ import jax.numpy as jnp
 
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class PullBack:
+  """How a reparametrised layer's operands are computed from parameters.
+
+  A layer whose parameter operands are a function ``W' = fn(theta)`` of
+  parameter leaves (weight normalisation, a scale, weight
+  standardisation, ``W0 + A B``: a custom getter; the same ``fn`` at every
+  use) accumulates per-example gradients with respect to ``W'`` in the
+  pass (it is listed as shared); the per-example gradients with respect to
+  ``theta`` are their pull-back ``J_fn(theta)^T`` (see the module
+  docstring).
+
+  Attributes:
+    leaves: the indices of the parameter leaves ``theta``, in the order
+      ``fn`` takes them.
+    fn: ``fn(*theta) -> [W'...]``: the op's present parameter operands, in
+      order (the program's own equations that compute them).
+  """
+  leaves: tuple[int, ...]
+  fn: Any
+
+
+def _slice(jaxpr, eqns: list, app, gram_op_type):
+  """The equations (in order) that compute ``app``'s parameter operands, or
+  a string saying why there are none to read."""
+  if app.eqn is None:
+    return ("the layer runs inside a call, loop or branch (jax.jit, "
+            "hk.remat, hk.cond, a scan), where its operands cannot be "
+            "recomputed")
+  at = next(k for k, e in enumerate(eqns) if e is app.eqn)
+  needed = {v for v in app.eqn.invars[1:-1] if not isinstance(v, hx.Literal)}
+  chosen = []
+  for e in reversed(eqns[:at]):
+    if any(v in needed for v in e.outvars):
+      if hx.gram_op_of(e, gram_op_type) is not None:
+        return "an operand is computed by another tracked layer"
+      chosen.append(e)
+      needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
+  chosen.reverse()
+  return chosen, needed
+
+
+def read_pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
+                  num_param_leaves: int, gram_op_type):
+  """Reads ``fn`` for the applications ``apps`` of one module
+  (:class:`gram_haiku._src.dataflow.Application`, in the top-level program
+  ``jaxpr`` with its constants ``consts``, by constant variable).
+
+  ``(PullBack, None)`` when the program computes every application's
+  parameter operands from parameter leaves alone, by the same equations,
+  and uses those leaves nowhere else; else ``(None, why)``."""
+  eqns = list(jaxpr.eqns)
+  position = {v: k for k, v in enumerate(jaxpr.invars)}
+  slices = []
+  for app in apps:
+    found = _slice(jaxpr, eqns, app, gram_op_type)
+    if isinstance(found, str):
+      return None, found
+    chosen, needed = found
+    inputs = sorted(position[v] for v in needed if v in position)
+    if any(k >= num_param_leaves for k in inputs):
+      return None, "an operand is computed from the data or a probe"
+    fn, key = hx.sub_program(jaxpr, consts,
+                             [jaxpr.invars[k] for k in inputs],
+                             list(app.eqn.invars[1:-1]), chosen)
+    slices.append((chosen, tuple(inputs), fn, key))
+  if len({(inputs, key) for _, inputs, _, key in slices}) > 1:
+    # Its uses sum into one store of per-example gradients, which one
+    # pull-back maps to the parameters only if they all compute alike.
+    return None, ("it is applied more than once, with its operands "
+                  "computed differently")
+  derived = {jaxpr.invars[k] for k in slices[0][1]}
+  in_slice = {id(e) for chosen, *_ in slices for e in chosen}
+  layers = {id(app.eqn) for app in apps}
+  for e in eqns:
+    reads = [k for k, v in enumerate(e.invars)
+             if not isinstance(v, hx.Literal) and v in derived]
+    if not reads:
+      continue
+    if id(e) in layers:
+      if any(k == 0 or k == len(e.invars) - 1 for k in reads):
+        return None, "it is also the layer's input"
+    elif id(e) in in_slice:
+      derived |= set(e.outvars)
+    else:
+      return None, f"it is also read by `{e.primitive.name}`"
+  if any(v in derived for v in jaxpr.outvars
+         if not isinstance(v, hx.Literal)):
+    return None, "it is also an output of the loss"
+  return PullBack(slices[0][1], slices[0][2]), None
 
 
 def _operands(op, pb, leaves, acc):
