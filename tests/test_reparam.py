@@ -202,6 +202,21 @@ def _refused(body, match):
 SCALE = lambda n, v, c: 2.0 * n(v)
 
 
+def _body_problem(body, x, y, untracked="error"):
+  """``(f, params, state, F, grams)`` for a loss ``body`` run inside
+  ``track()``: ``F`` of ``body`` untracked, ``grams`` of the tracked one."""
+  def tracked(x, y):
+    with gram_haiku.track(untracked=untracked):
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  return f, params, state, fr, grams
+
+
 @pytest.mark.parametrize("model", ["called-twice", "static-unroll-lstm"])
 def test_reparametrised_layer_applied_several_times_is_exact(model):
   # Each use runs the getter again; the uses' per-example gradients sum
@@ -220,16 +235,7 @@ def test_reparametrised_layer_applied_several_times_is_exact(model):
                                   core.initial_state(x.shape[0]))
         h = jnp.swapaxes(out, 0, 1)
     return problems.sq(hk.Linear(3, name="head")(h), y)
-
-  def tracked(x, y):
-    with gram_haiku.track(untracked="error"):
-      return body(x, y)
-  f = hk.transform_with_state(tracked)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  plain = hk.without_apply_rng(hk.transform(body))
-  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
-  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
-      params, state, None, x, y)
+  f, params, state, fr, grams = _body_problem(body, x, y)
   assert_gram_close(grams.total, fr @ fr.T)
   norms = np.sqrt(np.sum(fr * fr, 1))
   clipped, _ = jax.jit(gram_haiku.clipped_grad(f.apply, float(np.median(
@@ -312,16 +318,7 @@ def test_a_parameter_read_by_the_getter_alone_is_covered():
     with hk.custom_getter(_only("w", lambda w: s * w)):
       h = jnp.tanh(hk.Linear(5, name="l1")(x))
     return problems.sq(hk.Linear(3, name="l2")(h), y)
-
-  def tracked(x, y):
-    with gram_haiku.track(untracked="ignore"):
-      return body(x, y)
-  f = hk.transform_with_state(tracked)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  plain = hk.without_apply_rng(hk.transform(body))
-  fr = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
-  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
-      params, state, None, x, y)
+  f, params, state, fr, grams = _body_problem(body, x, y, "ignore")
   assert grams.complete and grams.coverage["~/s"].rule == "reparametrised"
   assert_gram_close(grams.total, fr @ fr.T)
   norms = np.sqrt(np.sum(fr * fr, 1))
