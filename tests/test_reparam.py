@@ -107,7 +107,7 @@ def _layer(kind):
 
 def _problem(name, vmapped=False):
   getter, kind, shape = CASES[name]
-  kx, ky = jax.random.split(jax.random.PRNGKey(zlib_seed(name)))
+  kx, ky = jax.random.split(jax.random.PRNGKey(_seed(name)))
   b = 6
   if kind == "embed":
     x = problems.randint(kx, (b,) + shape, 0, 7)
@@ -140,7 +140,7 @@ def _problem(name, vmapped=False):
   return f, params, state, x, y, fr
 
 
-def zlib_seed(name):
+def _seed(name):
   return sum(map(ord, name)) % 997
 
 

@@ -49,7 +49,7 @@ class PassPlan:
       :func:`gram_haiku._src.slots.slotted_modules`).
     frozen: layer name -> indices of its op's parameters that have no
       gradient (``Plan.frozen``; see
-      :attr:`gram_haiku._src.dataflow.Discovery.frozen`).
+      :attr:`gram_haiku._src.dataflow.Discovery.frozen_layers`).
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None

@@ -136,13 +136,13 @@ class Discovery:
       (absent, or not computed from a parameter).
     applications: module name -> number of op equations that read its
       probe (a loop body counts once).
-    frozen: module name -> the indices of its op's present parameter
-      operands that no parameter leaf reaches (closed over, e.g. the frozen
-      part of ``hk.data_structures.partition``, read through
-      ``stop_gradient``, or computed from the data): their gradient is zero
-      and their terms are left out of the Gram (``Plan.frozen``). Only
-      modules with such operands are listed.
-    frozen_layers: the same, keyed by layer name (as the ops see them).
+    frozen_layers: layer name (as the ops see them) -> the indices of its
+      op's present parameter operands that no parameter leaf reaches
+      (closed over, e.g. the frozen part of ``hk.data_structures.partition``,
+      read through ``stop_gradient``, or computed from the data): their
+      gradient is zero and their terms are left out of the Gram. Only
+      layers with such operands are listed; each module's op in ``ops``
+      carries its own as ``Plan.frozen``.
     pullbacks: module name -> its :class:`~gram_haiku._src.reparam.PullBack`,
       for the modules whose
       operands are computed from parameters (a reparametrising getter).
@@ -170,7 +170,6 @@ class Discovery:
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slot_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   frozen_layers: Mapping[str, tuple] = dataclasses.field(
       default_factory=dict)
   pullbacks: Mapping[str, reparam.PullBack] = dataclasses.field(
@@ -314,7 +313,8 @@ class _Walk:
         return [_not_exact(o, name) for o in outs]
     if name == "stop_gradient":
       # No gradient flows through it: what it gives is a constant for the
-      # differentiated parameters (a frozen weight, see Discovery.frozen).
+      # differentiated parameters (a frozen weight; see
+      # Discovery.frozen_layers).
       return [frozenset()] * n_out
     self._other_use(union, name)
     return [_not_exact(union, name)] * n_out
@@ -478,14 +478,13 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
       shared_names.add(name)
   for name, kinds in frozen_of.items():
     if len(kinds) > 1:
+      names = next(op.param_names for op in ops.values() if op.name == name)
       raise ValueError(errors.FROZEN_IN_SOME_USES.format(
-          name=name, params=[[ops_param_names(walk, name)[k] for k in ks]
-                             for ks in sorted(kinds)]))
+          name=name, params=[[names[k] for k in ks] for ks in sorted(kinds)]))
   frozen_layers = {n: next(iter(ks)) for n, ks in frozen_of.items()
                    if next(iter(ks))}
-  frozen = {m: frozen_layers[op.name] for m, op in ops.items()
-            if op.name in frozen_layers}
-  ops = {m: op.with_plan(frozen=frozen.get(m, ())) for m, op in ops.items()}
+  ops = {m: op.with_plan(frozen=frozen_layers.get(op.name, ()))
+         for m, op in ops.items()}
   pulled = {k for pb in pullbacks.values() for k in pb.leaves}
   untracked = {}
   for leaf, use in walk.other_uses.items():
@@ -521,14 +520,9 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                    shared_layer_names=frozenset(shared_names),
                    untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
                    applications=dict(n_apps), slot_counts=slotted,
-                   frozen=frozen, frozen_layers=frozen_layers,
+                   frozen_layers=frozen_layers,
                    pullbacks=pullbacks,
                    no_gradient=frozenset(
                        leaf_names[k] for k in range(num_param_leaves)
                        if k not in walk.read))
 
-
-def ops_param_names(walk: _Walk, name: str) -> tuple[str, ...]:
-  """The parameter names of the op applied under layer name ``name``."""
-  return next(a.op.param_names for a in walk.applications
-              if a.op.name == name)

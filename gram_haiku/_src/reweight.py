@@ -135,12 +135,13 @@ def _frozen(found, names, frozen_names: set) -> tuple[set, dict]:
   """``(cold, frozen)``: the tracked modules whose parameters are all
   frozen (or that have none), which keep nothing; and for the others,
   module -> the indices of their op's frozen parameter operands: declared
-  ``frozen=``, or reached by no parameter leaf (``Discovery.frozen``)."""
+  ``frozen=``, or reached by no parameter leaf (the discovered op's
+  ``Plan.frozen``)."""
   cold, frozen = set(), {}
   for m, idx in found.param_leaves.items():
     op = found.ops[m]
     mine = {k for k, a in enumerate(op.param_avals) if a is not None}
-    off = set(found.frozen.get(m, ())) | {
+    off = set(op.plan.frozen or ()) | {
         k for k in mine if idx[k] is not None and names[idx[k]] in
         frozen_names}
     if not mine - off:
