@@ -10,7 +10,10 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import weighted_sum
 from tests import problems
 
 
@@ -94,14 +97,73 @@ def test_untracked_warns_once_per_parameter():
   assert all("no Gram rule covers it" in m for m in msgs)
 
 
-def test_untracked_error():
+@pytest.mark.parametrize("path", ["value_grad_and_gram", "raw"])
+def test_untracked_error(path):
+  # `init` computes no Gram: the first apply is where the error is raised.
   x, y = _data(4)
   def loss(x, y):
     with gram_haiku.track(untracked="error"):
       return 0.5 * jnp.sum((_model(x) - y) ** 2)
   f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
-    f.init(jax.random.PRNGKey(0), x, y)
+    if path == "raw":
+      f.apply(params, state, None, x, y)
+    else:
+      gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
+def _stopped_model(x, also_direct):
+  # `Scale` and the bare temperature have no Gram rule; read only through
+  # stop_gradient they have no gradient, so the Gram misses nothing.
+  h = jnp.tanh(hk.Linear(6)(x))
+  s = Scale()
+  h = jax.lax.stop_gradient(s(h)) + (s(h) if also_direct else 0.0)
+  t = hk.get_parameter("temperature", [], jnp.float32, init=jnp.ones)
+  return hk.Linear(3)(h) * jax.lax.stop_gradient(t)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("untracked", ["error", "warn"])
+def test_untracked_read_only_through_stop_gradient_is_not_reported(
+    untracked, jit):
+  x, y = _data(5)
+  def loss(x, y):
+    with gram_haiku.track(untracked=untracked):
+      return 0.5 * jnp.sum((_stopped_model(x, False) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  g = hk.without_apply_rng(hk.transform(
+      lambda x, y: 0.5 * jnp.sum((_stopped_model(x, False) - y) ** 2)))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gram_haiku.UntrackedParameterWarning)
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    fn = gram_haiku.value_grad_and_gram(f.apply)
+    _, grads, grams = (jax.jit(fn) if jit else fn)(params, state, None, x, y)
+  assert grams.complete, grams.untracked
+  for name in ("scale/s", "~/temperature"):
+    assert grams.coverage[name].rule == "frozen"
+  np.testing.assert_array_equal(grads["scale"]["s"], 0.0)
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+  # And the clipped sum (its completeness check reads the same coverage).
+  f_ref = np.asarray(per_example_grads(g.apply, params, x, y), np.float64)
+  norms = np.sqrt(np.sum(f_ref ** 2, axis=1))
+  c_norm = float(np.median(norms))
+  clip = gram_haiku.clipped_grad(f.apply, c_norm)
+  clipped, _ = (jax.jit(clip) if jit else clip)(params, state, None, x, y)
+  want = weighted_sum(f_ref, clip_reference(norms, c_norm), params)
+  for got, ref in zip(jax.tree.leaves(clipped), jax.tree.leaves(want)):
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_untracked_read_also_with_a_gradient_is_still_reported():
+  x, y = _data(6)
+  def loss(x, y):
+    with gram_haiku.track(untracked="error"):
+      return 0.5 * jnp.sum((_stopped_model(x, True) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
 
 
 def test_bad_untracked_policy():

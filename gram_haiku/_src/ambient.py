@@ -30,6 +30,10 @@ class PassPlan:
       ``()`` on one device.
     coverage: where ``track()`` contexts report which parameters they saw
       (a dict, filled in the discovery trace), or None.
+    untracked: where ``track()`` contexts put the untracked parameter
+      reads they saw in the discovery trace (name -> (policy, module
+      type)), for the pass to report once it knows which of them have a
+      gradient; or None.
     disabled: every ``track()`` context is inert: the model runs as plain
       Haiku (:func:`gram_haiku.verify`'s reference).
     modes: layer name -> the mode its op runs in for this pass, in place
@@ -53,6 +57,7 @@ class PassPlan:
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
+  untracked: Optional[dict] = None
   disabled: bool = False
   modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -64,9 +64,13 @@ class UntrackedParameterWarning(UserWarning):
 class Coverage:
   """The parameters one ``track()`` context has seen, and how."""
 
-  def __init__(self, untracked: str, active: Callable[[], bool] = lambda: True):
+  def __init__(self, untracked: str, active: Callable[[], bool] = lambda: True,
+               defer: bool = False):
     """``active()``: whether reads are this context's to record (the
-    innermost of nested ``track()`` contexts records them)."""
+    innermost of nested ``track()`` contexts records them). ``defer``:
+    untracked reads are kept in :attr:`deferred` instead of reported, for
+    :func:`report_untracked` to report once the traced program tells which
+    of them have a gradient at all."""
     if untracked not in UNTRACKED_POLICIES:
       raise ValueError(f"track(untracked={untracked!r}): expected one of "
                        f"{UNTRACKED_POLICIES}.")
@@ -76,6 +80,9 @@ class Coverage:
     # Modules whose tracked parameters a getter entered inside the context
     # replaced by a new value of the same dtype (not a cast).
     self.transformed: set[str] = set()
+    self._defer = defer
+    #: Untracked reads not yet reported: name -> (policy, module type).
+    self.deferred: dict[str, tuple[str, str]] = {}
     self._rule: Optional[str] = None
 
   @contextlib.contextmanager
@@ -113,12 +120,22 @@ class Coverage:
     return out
 
   def _report_untracked(self, name: str, module_type: str) -> None:
-    if self.policy == "ignore":
-      return
-    message = errors.UNTRACKED_PARAM.format(param=name,
-                                            module_type=module_type)
-    if self.policy == "error":
-      raise ValueError(message)
-    if name not in _WARNED:
-      _WARNED.add(name)
-      warnings.warn(message, UntrackedParameterWarning, stacklevel=4)
+    if self._defer:
+      self.deferred[name] = (self.policy, module_type)
+    else:
+      report_untracked(name, self.policy, module_type, stacklevel=5)
+
+
+def report_untracked(name: str, policy: str, module_type: str,
+                     stacklevel: int = 2) -> None:
+  """Reports an untracked read of parameter ``name`` by ``policy``: raises
+  ``ValueError`` (``"error"``), warns once per name (``"warn"``) or does
+  nothing (``"ignore"``)."""
+  if policy == "ignore":
+    return
+  message = errors.UNTRACKED_PARAM.format(param=name, module_type=module_type)
+  if policy == "error":
+    raise ValueError(message)
+  if name not in _WARNED:
+    _WARNED.add(name)
+    warnings.warn(message, UntrackedParameterWarning, stacklevel=stacklevel)

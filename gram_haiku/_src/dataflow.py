@@ -146,8 +146,9 @@ class Discovery:
     pullbacks: module name -> its :class:`~gram_haiku._src.reparam.PullBack`,
       for the modules whose
       operands are computed from parameters (a reparametrising getter).
-    no_gradient: names of the parameter leaves that the loss reads only
-      through ``stop_gradient``, or not at all: their gradient is zero.
+    no_gradient: names of the parameter leaves that the loss's value is not
+      computed from except through ``stop_gradient`` (or not at all): their
+      gradient is zero.
     slot_counts: shared module name -> how many times per pass its op
       runs (every step of every enclosing ``scan`` counted), for the shared
       modules whose every application is the same op (same input type and
@@ -238,9 +239,6 @@ class _Walk:
     # reads it unchanged (its gradient then has a part no Gram holds).
     self.other_uses: dict[int, str] = {}
     self.depth = 0  # 1 while reading the program's own equations
-    # Leaves read by any equation but stop_gradient: the others have no
-    # gradient (read only through stop_gradient, or not at all).
-    self.read: set = set()
 
   def _other_use(self, sources, name: str) -> None:
     for s in sources:
@@ -268,8 +266,6 @@ class _Walk:
     name = eqn.primitive.name
     n_out = len(eqn.outvars)
     union = frozenset().union(*ins) if ins else frozenset()
-    if name != "stop_gradient":
-      self.read.update(s.leaf for s in union)
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
       # Absent parameters (None, e.g. no scale) are not operands of the
@@ -398,7 +394,9 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   n_probes = len(probe_names)
   ins = [frozenset({Source(k)}) if k < num_param_leaves + n_probes
          else frozenset() for k in range(len(jaxpr.invars))]
-  walk.run(jaxpr, ins)
+  # The leaves the loss's value is computed from, not only through
+  # stop_gradient: the others have no gradient.
+  reaching = {s.leaf for out in walk.run(jaxpr, ins) for s in out}
 
   sizes, counts, vmapped, modes, specs, dtypes = {}, {}, {}, {}, {}, {}
   modules_of_leaf: dict[int, set] = collections.defaultdict(set)
@@ -524,5 +522,5 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                    pullbacks=pullbacks,
                    no_gradient=frozenset(
                        leaf_names[k] for k in range(num_param_leaves)
-                       if k not in walk.read))
+                       if k not in reaching))
 

@@ -158,7 +158,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       outside every tracked layer (its module has no Gram rule, or a bare
       ``hk.get_parameter``): ``"warn"`` (default, once per parameter),
       ``"error"`` or ``"ignore"``. Either way it is listed as untracked in
-      :attr:`Grams.coverage` and :attr:`Grams.complete` is False.
+      :attr:`Grams.coverage` and :attr:`Grams.complete` is False. Under
+      :func:`gram_haiku.value_grad_and_gram` (and the reweighting
+      functions) a parameter the loss reads only through
+      ``stop_gradient`` has no gradient: it is covered as ``"frozen"`` and
+      not reported. Nothing is reported during ``init``.
     memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
       builds at once (default 256 MiB); larger Grams are computed in blocks.
 
@@ -166,7 +170,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     ValueError: for a bad option; when a tracked parameter is also used
       outside its tracked layer (e.g. ``h @ embed.embeddings.T``: use
       :func:`gram_haiku.unembed`); with ``untracked="error"``, at the first
-      untracked parameter; on the raw path, when a tracked module is applied
+      untracked parameter of an apply (after tracing, under
+      :func:`gram_haiku.value_grad_and_gram`); on the raw path, when a tracked module is applied
       more than once; from the backward pass, when a probe does not match the
       example axis.
   """
@@ -205,7 +210,12 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
     self._pass = ambient.current().pass_plan
     self._used = {}
-    self._coverage = Coverage(self._untracked, active=self._innermost)
+    # Under value_grad_and_gram the traced program tells which untracked
+    # reads matter (those with a gradient): it reports them (see
+    # PassPlan.untracked). `init` computes no Gram: the first apply reports.
+    self._coverage = Coverage(
+        self._untracked, active=self._innermost,
+        defer=self._pass is not None or hkc.running_init())
     self._stack = contextlib.ExitStack()
     ambient.push_tracker(self)
     if self._pass is not None and self._pass.disabled:
@@ -219,6 +229,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     stack, self._stack = self._stack, None
     if self._pass is not None and self._pass.coverage is not None:
       self._pass.coverage.update(self._coverage.seen)
+      if self._pass.untracked is not None:
+        self._pass.untracked.update(self._coverage.deferred)
     self._pass = None
     return stack.__exit__(*exc)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from gram_haiku._src import ambient
 from gram_haiku._src import bookkeeping as bk
+from gram_haiku._src import coverage as coverage_lib
 from gram_haiku._src import dataflow
 from gram_haiku._src import errors
 from gram_haiku._src import example_flow
@@ -268,12 +269,14 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   """
   arrays, rebuild = _split_batch((rng, *args), kwargs)
   seen: dict = {}
+  untracked: dict = {}
 
   def traced(p, q, a):
     (rng_, *args_), kwargs_ = rebuild(a)
     return loss(p, q, rng_, tuple(args_), kwargs_)
   raw_traced: set = set()
   with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen,
+                                        untracked=untracked,
                                         raw_traced=raw_traced)):
     closed = jax.make_jaxpr(traced)(params, probes, arrays)
   live = hx.live_part(closed.jaxpr)  # what the loss depends on (no aux)
@@ -288,6 +291,9 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
+  for name, (policy, module_type) in sorted(untracked.items()):
+    if name not in found.no_gradient:  # stop_gradient only: nothing to miss
+      coverage_lib.report_untracked(name, policy, module_type, stacklevel=6)
 
   def check_examples(strict: bool = False) -> bool:
     """Follows the examples; True when every layer was verified
