@@ -22,7 +22,6 @@ the table of max relative errors (layer x style).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 import zlib
 
@@ -30,7 +29,6 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import jmp
-import numpy as np
 
 import gram_haiku
 from gram_haiku._src.reference import reference_gram
