@@ -155,6 +155,30 @@ def test_untracked_read_only_through_stop_gradient_is_not_reported(
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
+@jax.custom_vjp
+def _stopped_forward_passed_gradient(h):
+  return jax.lax.stop_gradient(h)
+
+
+_stopped_forward_passed_gradient.defvjp(
+    lambda h: (jax.lax.stop_gradient(h), None), lambda _, g: (g,))
+
+
+def test_untracked_read_through_a_custom_vjp_that_passes_the_gradient():
+  # The forward stops the gradient, the custom rule passes it on: the
+  # untracked parameter has a gradient, so it is reported.
+  x, y = _data(7)
+  def loss(x, y):
+    with gram_haiku.track(untracked="error"):
+      h = jnp.tanh(hk.Linear(6)(x))
+      h = _stopped_forward_passed_gradient(Scale()(h))
+      return 0.5 * jnp.sum((hk.Linear(3)(h) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
 def test_untracked_read_also_with_a_gradient_is_still_reported():
   x, y = _data(6)
   def loss(x, y):

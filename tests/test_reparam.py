@@ -64,6 +64,16 @@ def _double_grad(w):
 _double_grad.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g,))
 
 
+@jax.custom_vjp
+def _stopped_forward_passed_gradient(w):
+  # The forward stops the gradient; the rule passes it on, doubled.
+  return jax.lax.stop_gradient(w)
+
+
+_stopped_forward_passed_gradient.defvjp(
+    lambda w: (jax.lax.stop_gradient(w), None), lambda _, g: (2.0 * g,))
+
+
 @jax.custom_jvp
 def _no_tangent(w):
   return w
@@ -88,6 +98,9 @@ CASES = {
     "custom-vjp-doubled-gradient": (_only("b", _double_grad), "linear",
                                     (3, 4)),
     "custom-jvp-zero-tangent": (_only("w", _no_tangent), "linear", (4,)),
+    # Not frozen: a forward's stop_gradient says nothing of the rule's.
+    "custom-vjp-stopped-forward": (
+        _only("w", _stopped_forward_passed_gradient), "linear", (4,)),
 }
 
 

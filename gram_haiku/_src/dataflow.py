@@ -303,8 +303,13 @@ class _Walk:
           outs = res if outs is None else [a | b for a, b in zip(outs, res)]
       if outs is not None:
         if name in _CUSTOM_DERIVATIVES:
+          # Its own derivative rule may send any output's cotangent to any
+          # input, whatever the forward reads (a forward that stops the
+          # gradient and a backward that passes it on): every output
+          # depends on every input.
           self._other_use(union, name)
-        if known and name not in _CUSTOM_DERIVATIVES:
+          return [_not_exact(union, name)] * n_out
+        if known:
           return outs
         return [_not_exact(o, name) for o in outs]
     if name == "stop_gradient":
