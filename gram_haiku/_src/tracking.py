@@ -171,9 +171,9 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       outside its tracked layer (e.g. ``h @ embed.embeddings.T``: use
       :func:`gram_haiku.unembed`); with ``untracked="error"``, at the first
       untracked parameter of an apply (after tracing, under
-      :func:`gram_haiku.value_grad_and_gram`); on the raw path, when a tracked module is applied
-      more than once; from the backward pass, when a probe does not match the
-      example axis.
+      :func:`gram_haiku.value_grad_and_gram`); on the raw path, when a
+      tracked module is applied more than once; from the backward pass,
+      when a probe does not match the example axis.
   """
 
   def __init__(self, *, example_axis: ExampleAxisSpec = None,
