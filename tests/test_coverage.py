@@ -179,6 +179,68 @@ def test_untracked_read_through_a_custom_vjp_that_passes_the_gradient():
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
 
 
+class _Delay(hk.RNNCore):
+  """A two-step delay line whose initial state is learned (no Gram rule)."""
+
+  def __call__(self, x, state):
+    a, b = state
+    return a, (b, x)
+
+  def initial_state(self, batch_size):
+    w = hk.get_parameter("init", [3], jnp.float32, init=jnp.ones)
+    return (jnp.zeros((batch_size, 3)), jnp.broadcast_to(w, (batch_size, 3)))
+
+
+def _rotate(c):
+  return (c[1], c[2], c[0])
+
+
+def _delayed(x, loop):
+  # The parameter reaches the loss only after two steps of the loop's carry.
+  h = hk.Linear(3)(x)
+  if loop == "dynamic_unroll":
+    delay = _Delay()
+    ys, _ = hk.dynamic_unroll(delay, jnp.stack([h, h, h]),
+                              delay.initial_state(x.shape[0]))
+    return h + jnp.sum(ys, 0)
+  w = hk.get_parameter("w", [3], jnp.float32, init=jnp.ones)
+  carry = (h, h, jnp.broadcast_to(w, h.shape))
+  if loop == "scan":
+    carry = jax.lax.scan(lambda c, _: (_rotate(c), None), carry, None,
+                         length=2)[0]
+  else:
+    carry = jax.lax.fori_loop(0, 2, lambda _, c: _rotate(c), carry)
+  return carry[0]
+
+
+@pytest.mark.parametrize("loop", ["dynamic_unroll", "scan", "fori_loop"])
+def test_untracked_read_through_a_loop_carry_is_reported(loop):
+  # A carry feeds the next step: the leaf is found after any number of steps.
+  x, y = _data(8)
+  x, y = x[:, 0], y[:, 0]
+  def loss(x, y):
+    with gram_haiku.track(untracked="error"):
+      return 0.5 * jnp.sum((_delayed(x, loop) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="is read inside gram_haiku.track"):
+    jax.jit(gram_haiku.value_grad_and_gram(f.apply))(params, state, None, x, y)
+
+
+def test_untracked_reads_in_two_blocks_keep_the_strictest_policy():
+  x, y = _data(9)
+  def loss(x, y):
+    scale = Scale()  # read in both blocks: the later "ignore" wins nothing
+    for policy in ("error", "ignore"):
+      with gram_haiku.track(untracked=policy):
+        x = scale(hk.Linear(4)(x))
+    return 0.5 * jnp.sum((hk.Linear(3)(x) - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
 def test_untracked_read_also_with_a_gradient_is_still_reported():
   x, y = _data(6)
   def loss(x, y):

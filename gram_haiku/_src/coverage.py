@@ -126,6 +126,17 @@ class Coverage:
       report_untracked(name, self.policy, module_type, stacklevel=5)
 
 
+def merge_deferred(into: dict, deferred: dict) -> None:
+  """Adds one context's :attr:`Coverage.deferred` reads to ``into``; a
+  parameter read in several ``track()`` blocks keeps the strictest policy
+  (``"error"``, then ``"warn"``, then ``"ignore"``)."""
+  strictness = {"ignore": 0, "warn": 1, "error": 2}
+  for name, (policy, module_type) in deferred.items():
+    old = into.get(name)
+    if old is None or strictness[policy] > strictness[old[0]]:
+      into[name] = (policy, module_type)
+
+
 def report_untracked(name: str, policy: str, module_type: str,
                      stacklevel: int = 2) -> None:
   """Reports an untracked read of parameter ``name`` by ``policy``: raises

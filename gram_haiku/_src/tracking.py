@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src import ambient
+from gram_haiku._src import coverage as coverage_lib
 from gram_haiku._src import errors
 from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src import hijax_compat as hx
@@ -230,7 +231,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     if self._pass is not None and self._pass.coverage is not None:
       self._pass.coverage.update(self._coverage.seen)
       if self._pass.untracked is not None:
-        self._pass.untracked.update(self._coverage.deferred)
+        coverage_lib.merge_deferred(self._pass.untracked,
+                                    self._coverage.deferred)
     self._pass = None
     return stack.__exit__(*exc)
 
