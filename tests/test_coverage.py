@@ -241,6 +241,25 @@ def test_untracked_reads_in_two_blocks_keep_the_strictest_policy():
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
 
 
+def test_untracked_parameter_only_compared_has_no_gradient():
+  # A comparison's boolean carries no gradient: nothing to report.
+  x, y = _data(10)
+  def body(x, y):
+    h = hk.Linear(4)(x)
+    h = jnp.where(Scale()(h) > 0, h, -h)
+    return 0.5 * jnp.sum((hk.Linear(3)(h) - y) ** 2)
+  def loss(x, y):
+    with gram_haiku.track(untracked="error"):
+      return body(x, y)
+  f = hk.transform_with_state(loss)
+  g = hk.without_apply_rng(hk.transform(body))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+      params, state, None, x, y)
+  assert grams.complete and grams.coverage["scale/s"].rule == "frozen"
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
 def test_untracked_read_also_with_a_gradient_is_still_reported():
   x, y = _data(6)
   def loss(x, y):

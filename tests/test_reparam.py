@@ -98,6 +98,11 @@ CASES = {
     "custom-vjp-doubled-gradient": (_only("b", _double_grad), "linear",
                                     (3, 4)),
     "custom-jvp-zero-tangent": (_only("w", _no_tangent), "linear", (4,)),
+    # Frozen: an integer value carries no gradient (a cast to int and back
+    # is no reparametrisation, though each cast alone keeps the values).
+    "int-cast-round-trip": (
+        _only("w", lambda w: w.astype(jnp.int32).astype(w.dtype)),
+        "linear", (4,)),
     # Not frozen: a forward's stop_gradient says nothing of the rule's.
     "custom-vjp-stopped-forward": (
         _only("w", _stopped_forward_passed_gradient), "linear", (4,)),
