@@ -123,6 +123,16 @@ def _stopped_model(x, also_direct):
   return hk.Linear(3)(h) * jax.lax.stop_gradient(t)
 
 
+def _assert_reported(loss, x, y, jit=False,
+                     match="'scale/s' .*module type Scale"):
+  """``value_grad_and_gram`` of ``loss(x, y)`` raises the untracked error."""
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  with pytest.raises(ValueError, match=match):
+    (jax.jit(fn) if jit else fn)(params, state, None, x, y)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("untracked", ["error", "warn"])
 def test_untracked_read_only_through_stop_gradient_is_not_reported(
@@ -173,10 +183,7 @@ def test_untracked_read_through_a_custom_vjp_that_passes_the_gradient():
       h = jnp.tanh(hk.Linear(6)(x))
       h = _stopped_forward_passed_gradient(Scale()(h))
       return 0.5 * jnp.sum((hk.Linear(3)(h) - y) ** 2)
-  f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  _assert_reported(loss, x, y)
 
 
 class _Delay(hk.RNNCore):
@@ -221,10 +228,8 @@ def test_untracked_read_through_a_loop_carry_is_reported(loop):
   def loss(x, y):
     with gram_haiku.track(untracked="error"):
       return 0.5 * jnp.sum((_delayed(x, loop) - y) ** 2)
-  f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  with pytest.raises(ValueError, match="is read inside gram_haiku.track"):
-    jax.jit(gram_haiku.value_grad_and_gram(f.apply))(params, state, None, x, y)
+  _assert_reported(loss, x, y, jit=True,
+                   match="is read inside gram_haiku.track")
 
 
 def test_untracked_reads_in_two_blocks_keep_the_strictest_policy():
@@ -235,10 +240,7 @@ def test_untracked_reads_in_two_blocks_keep_the_strictest_policy():
       with gram_haiku.track(untracked=policy):
         x = scale(hk.Linear(4)(x))
     return 0.5 * jnp.sum((hk.Linear(3)(x) - y) ** 2)
-  f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  _assert_reported(loss, x, y)
 
 
 def test_untracked_parameter_only_compared_has_no_gradient():
@@ -265,10 +267,7 @@ def test_untracked_read_also_with_a_gradient_is_still_reported():
   def loss(x, y):
     with gram_haiku.track(untracked="error"):
       return 0.5 * jnp.sum((_stopped_model(x, True) - y) ** 2)
-  f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  with pytest.raises(ValueError, match="'scale/s' .*module type Scale"):
-    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  _assert_reported(loss, x, y)
 
 
 def test_bad_untracked_policy():

@@ -347,8 +347,7 @@ class _Walk:
       else:  # A scanned input: each step reads its own slice.
         inner.append(frozenset(_sub(x, sliced=True, trips=times(x))
                                for x in s))
-    inner = self._carry_fixpoint(body, inner, n_consts, n_carry)
-    outs = self.run(body, inner)
+    outs = self._run_loop_body(body, inner, n_consts, n_carry)
     return [_not_exact(o, "scan") for o in outs]
 
   def while_loop(self, eqn, ins):
@@ -357,27 +356,28 @@ class _Walk:
     body = eqn.params["body_jaxpr"].jaxpr
     inner = [frozenset(_sub(x, repeated=True, trips=None) for x in s)
              for s in ins[cond_n:]]
-    inner = self._carry_fixpoint(body, inner, body_n, len(inner) - body_n)
-    outs = self.run(body, inner)
+    outs = self._run_loop_body(body, inner, body_n, len(inner) - body_n)
     return [_not_exact(o, "while") for o in outs]
 
-  def _carry_fixpoint(self, body, inner: list, n_consts: int,
-                      n_carry: int) -> list:
-    """``inner`` with each carry's sources grown by what the body's later
-    steps feed into it, to the fixed point: a leaf may reach a carry only
-    after several steps (a delay line, a rotation of the carries).
+  def _run_loop_body(self, body, inner: list, n_consts: int,
+                     n_carry: int) -> list:
+    """Runs a loop body with each carry's sources grown by what the body's
+    later steps feed into it, to the fixed point (a leaf may reach a carry
+    only after several steps: a delay line, a rotation of the carries).
+    Returns the body's output sources.
 
-    Rounds run on a scratch walk (no applications or uses counted). A leaf
-    fed back is marked read by every step, how often unknown; one already
-    in that carry in the same form (an unchanged carry) is left as it is,
-    so the rounds end (at most one per carry and form of a leaf).
+    A leaf fed back is marked read by every step, how often unknown; one
+    already in that carry in the same form (an unchanged carry) is left as
+    it is, so the rounds end (at most one per carry and form of a leaf).
+    Most loops need one round; a round that grows a carry is undone
+    (applications and uses) before the next.
     """
     inner = list(inner)
     carries = range(n_consts, n_consts + n_carry)
     for _ in range(4 * n_carry + 4):  # A bound the lattice never reaches.
-      scratch = _Walk(self.gram_op_type)
-      scratch.depth = self.depth
-      outs = scratch.run(body, inner)
+      mark = (len(self.applications), collections.Counter(self.uses),
+              dict(self.other_uses))
+      outs = self.run(body, inner)
       changed = False
       for k, out in zip(carries, outs[:n_carry]):
         forms = {(x.leaf, x.exact, x.via, x.sliced) for x in inner[k]}
@@ -387,7 +387,9 @@ class _Walk:
           inner[k] = inner[k] | new
           changed = True
       if not changed:
-        return inner
+        return outs
+      del self.applications[mark[0]:]
+      self.uses, self.other_uses = mark[1], mark[2]
     raise AssertionError("gram_haiku internal error: the sources of a loop "
                          "carry did not reach a fixed point.")
 
