@@ -47,8 +47,15 @@ def test_haiku_private_attributes_exist():
     seen["group_shape"] = gn.group_shape
     seen["inside"] = hkc.inside_transform()
     seen["frame"] = hkc.current_frame() is not None
+    outer = hkc.outermost_frame()
+    seen["lifted"] = hk.remat(lambda a: (
+        hkc.outermost_frame() is outer and hkc.current_frame() is not outer,
+        a))(x)[0]
+    w = hk.get_parameter("w", (3,), init=jnp.ones)
+    seen["stored"] = [p is w for p in hkc.stored_parameters("~")]
     return x
   hk.transform(f).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+  assert seen["lifted"] and seen["stored"] == [True]
   assert seen["param_axis"] is False
   assert seen["inside"] and seen["frame"]
   assert tuple(seen["group_shape"])[-2:] == (2, 2)

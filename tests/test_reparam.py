@@ -345,20 +345,30 @@ def test_a_parameter_read_by_the_getter_alone_is_covered():
   np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
 
 
-@pytest.mark.parametrize("getter", ["scale", "scale-cast"])
-def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter):
+@pytest.mark.parametrize("where", ["inside", "outside"])
+@pytest.mark.parametrize("getter", ["scale", "scale-first", "scale-cast"])
+def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter,
+                                                               where):
+  # Entered inside or outside track(), changing the value before or after
+  # the next getter: the layer gets other values than Haiku's parameters.
   x, y = problems.data(6, (5, 4), 3)
   fn = {"scale": SCALE,
+        "scale-first": lambda n, v, c: n(2.0 * v),
         # A new dtype but no mixed-precision policy: not a policy's cast.
         "scale-cast": lambda n, v, c: (2.0 * n(v)).astype(jnp.bfloat16)
         }[getter]
 
   def tracked(x, y, plain_getter=False):
-    with gram_haiku.track():
-      if plain_getter:
-        return problems.sq(hk.Linear(3, name="lin")(x), y)
-      with hk.custom_getter(fn):
-        return problems.sq(hk.Linear(3, name="lin")(x), y)
+    def loss():
+      return problems.sq(hk.Linear(3, name="lin")(x), y)
+    if plain_getter:
+      with gram_haiku.track():
+        return loss()
+    if where == "inside":
+      with gram_haiku.track(), hk.custom_getter(fn):
+        return loss()
+    with hk.custom_getter(fn), gram_haiku.track():
+      return loss()
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError,

@@ -17,6 +17,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src import errors
+from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram
 from tests import problems
@@ -26,8 +27,15 @@ _data = problems.data
 _sq = problems.sq
 
 
-def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
-  """``tracked_loss`` (with ``track()`` inside) against the reference."""
+def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32",
+           raw="refused"):
+  """``tracked_loss`` (with ``track()`` inside) against the reference.
+
+  Also the raw ``jax.grad`` path (``f.apply`` alone, no traced program):
+  the forward pass and the parameters' gradients equal the untracked
+  model's, and differentiating the probes is refused (``raw="refused"``,
+  a shared module) or gives the reference Gram (``raw="exact"``).
+  """
   f = hk.transform_with_state(tracked_loss)
   g = hk.without_apply_rng(hk.transform(plain_loss))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
@@ -45,7 +53,32 @@ def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32"):
                               jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   assert grams.complete
+  _check_raw_path(f, g, params, state, x, y, ref, raw, dtype)
   return grams
+
+
+def _check_raw_path(f, g, params, state, x, y, ref, raw, dtype):
+  state = gram_haiku.resize_probes(state, x.shape[0])
+  rest, probes = gram_haiku_vgg.split_probes(state)
+  def loss(params, probes):
+    return f.apply(params, gram_haiku_vgg.merge_probes(rest, probes), None,
+                   x, y)[0]
+  np.testing.assert_allclose(jax.jit(loss)(params, probes),
+                             jax.jit(g.apply)(params, x, y), rtol=1e-5)
+  chex.assert_trees_all_close(jax.jit(jax.grad(loss))(params, probes),
+                              jax.jit(jax.grad(g.apply))(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  probe_grad = jax.jit(jax.grad(loss, argnums=1))
+  if raw == "refused":
+    # A shared module, or (for the getters) a new value of its parameters.
+    with pytest.raises(ValueError,
+                       match="more than once|loop body|a new value"):
+      probe_grad(params, probes)
+  else:
+    dprobes = probe_grad(params, probes)
+    b = x.shape[0]  # hk.layer_stack's probes are stacked: [L, B, B].
+    assert_gram_close(sum(d.reshape(-1, b, b).sum(0)
+                          for d in jax.tree.leaves(dprobes)), ref, dtype)
 
 
 def _tracked(body):
@@ -78,10 +111,26 @@ def test_track_decorator_on_a_function_called_twice():
   def block(h):
     return jnp.tanh(hk.Linear(4, name="block")(h))
   tracked_block = gram_haiku.track()(block)
-  # Haiku re-creates "block" by name on the second call: one module, two
-  # track() contexts.
-  _check(lambda x, y: _sq(tracked_block(tracked_block(x)), y),
-         lambda x, y: _sq(block(block(x)), y), x, y)
+  # Each call creates its own module ("block", then "block_1"): two
+  # modules, no sharing, and the raw path is exact too.
+  grams = _check(lambda x, y: _sq(tracked_block(tracked_block(x)), y),
+                 lambda x, y: _sq(block(block(x)), y), x, y, raw="exact")
+  assert sorted(grams.by_layer) == ["block", "block_1"]
+
+
+def test_track_decorator_on_a_function_of_one_module_called_twice():
+  x, y = _data(1, (6, 4), 4)
+
+  def body(x, y, tracked):
+    lin = hk.Linear(4, name="lin")
+    def block(h):
+      return jnp.tanh(lin(h))
+    if tracked:
+      block = gram_haiku.track()(block)
+    return _sq(block(block(x)), y)
+  grams = _check(lambda x, y: body(x, y, True), lambda x, y: body(x, y, False),
+                 x, y)
+  assert list(grams.by_layer) == ["lin"]
 
 
 def test_shared_block_under_remat_and_outside():
@@ -121,6 +170,7 @@ def test_same_module_in_both_cond_branches_is_used_once():
     # A predicate that every example (and the batch) agrees on.
     h = hk.cond(jnp.sum(x) < 1e9, lambda a: lin(2. * a), lambda a: lin(a), x)
     return _sq(h, y)
+  # The raw path cannot tell alternatives from two uses: it refuses.
   grams = _check(_tracked(body), body, x, y)
   assert grams.by_layer["lin"].shape == (5, 5)
 
@@ -185,7 +235,9 @@ def test_unembed_inside_remat():
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, y)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, ids, y)
-  assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
+  ref = reference_gram(g.apply, params, ids, y)
+  assert_gram_close(grams.total, ref)
+  _check_raw_path(f, g, params, state, ids, y, ref, "refused", "float32")
 
 
 def test_layer_stack_is_not_sharing():
@@ -193,7 +245,7 @@ def test_layer_stack_is_not_sharing():
   def body(x, y):
     stack = hk.layer_stack(3)(lambda h: jnp.tanh(hk.Linear(5)(h)))
     return _sq(stack(x), y)
-  grams = _check(_tracked(body), body, x, y)
+  grams = _check(_tracked(body), body, x, y, raw="exact")
   # One stacked probe per layer, each a Gram, summed: no per-example probe.
   assert all(g.shape == (4, 4) for g in grams.by_layer.values())
 

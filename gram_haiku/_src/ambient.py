@@ -1,12 +1,14 @@
 """The ambient state of gram_haiku: the only thread-local state it keeps.
 
-Two things cannot travel as arguments through user code: the active
+Three things cannot travel as arguments through user code: the active
 ``track()`` contexts (a layer handler, or :func:`gram_haiku.unembed`, must
-find its tracker from inside the user's Haiku modules), and the pass that
+find its tracker from inside the user's Haiku modules), the pass that
 :func:`gram_haiku.value_grad_and_gram` is running (which modules accumulate
-per-example gradients, over which mesh axes the examples are split). Both
-live here. They are read when a ``track()`` context is entered and by
-:func:`gram_haiku.unembed`, and turned into each op's
+per-example gradients, over which mesh axes the examples are split), and,
+on the raw ``jax.grad`` path, the modules already applied in the current
+call of the transformed function (:func:`raw_uses`). All live here. They
+are read when a ``track()`` context is entered or a layer is applied, and
+by :func:`gram_haiku.unembed`, and turned into each op's
 :class:`~gram_haiku._src.plan.Plan` before the op is bound; no op, rule or
 kernel reads them.
 """
@@ -107,3 +109,19 @@ def running(pass_plan: PassPlan) -> Iterator[None]:
     yield
   finally:
     _LOCAL.pass_plan = previous
+
+
+def raw_uses(outermost_frame) -> set:
+  """The names of the modules applied so far in this call of a transformed
+  function (raw ``jax.grad`` path), across ``track()`` contexts and Haiku's
+  lifted transforms.
+
+  ``outermost_frame`` is the Haiku frame of that call (the bottom of the
+  frame stack, which ``hk.remat``, ``hk.vmap`` and ``hk.cond`` push their
+  frames above); a new call starts an empty set.
+  """
+  held = getattr(_LOCAL, "raw_uses", None)
+  if held is None or held[0] is not outermost_frame:
+    held = (outermost_frame, set())
+    _LOCAL.raw_uses = held
+  return held[1]

@@ -45,7 +45,7 @@ class ParamCoverage:
   module_type: str
 
 
-def _policy_cast(module, value, out) -> bool:
+def policy_cast(module, value, out) -> bool:
   """Whether ``out`` may be ``value`` cast by the module's mixed-precision
   policy (``hk.mixed_precision.set_policy``): a new dtype, the policy's
   compute dtype. (A getter that also changes the values cannot be told
@@ -77,9 +77,6 @@ class Coverage:
     self.policy = untracked
     self._active = active
     self.seen: dict[str, ParamCoverage] = {}
-    # Modules whose tracked parameters a getter entered inside the context
-    # replaced by a new value of the same dtype (not a cast).
-    self.transformed: set[str] = set()
     self._defer = defer
     #: Untracked reads not yet reported: name -> (policy, module type).
     self.deferred: dict[str, tuple[str, str]] = {}
@@ -114,9 +111,6 @@ class Coverage:
       self.seen[name] = ParamCoverage(False, None, module_type)
       self._report_untracked(name, module_type)
     out = next_getter(value)
-    if self._rule is not None and out is not value and not _policy_cast(
-        context.module, value, out):
-      self.transformed.add(context.module_name)
     return out
 
   def _report_untracked(self, name: str, module_type: str) -> None:

@@ -49,8 +49,10 @@ PARAMS_BATCHED = (
     "the inputs and keep the parameters shared.")
 
 SHARED_LAYER = (
-    "gram_haiku: module '{module}' was called more than once inside one "
-    "gram_haiku.track() context. Its per-example gradient is the sum over "
+    "gram_haiku: module '{module}' was called more than once in one call of "
+    "the transformed function (twice in a row, in two gram_haiku.track() "
+    "contexts, or under hk.remat, hk.vmap or in an hk.cond branch and again "
+    "elsewhere). Its per-example gradient is the sum over "
     "the calls, so its Gram needs the cross terms between calls; on the raw "
     "jax.grad path nothing accumulates per-example gradients, and the sum "
     "of per-call Grams would be silently wrong.\n"
@@ -215,9 +217,9 @@ PARAM_TRANSFORMED = (
     "supported everywhere.")
 
 RAW_GETTER = (
-    "gram_haiku: a custom getter entered inside gram_haiku.track() hands "
-    "the tracked layer '{module}' a new value of its parameters, of the "
-    "same dtype (a scale, a reparametrisation, stop_gradient, a copy). On "
+    "gram_haiku: a custom getter hands the tracked layer '{module}' a new "
+    "value of its parameters (a scale, a reparametrisation, stop_gradient, "
+    "a copy; anything but the cast of the module's mixed-precision policy). On "
     "the raw jax.grad path nothing says what it computes, so the layer's "
     "Gram would be taken with respect to what it receives, which may not "
     "be the parameter you differentiate.\n"

@@ -22,6 +22,8 @@ from haiku._src import utils as _utils
 
 __all__ = [
     "current_frame",
+    "outermost_frame",
+    "stored_parameters",
     "inside_transform",
     "inside_raw_jax_transform",
     "running_init",
@@ -48,6 +50,19 @@ assert_minimum_rank = _utils.assert_minimum_rank
 def current_frame():
   """Haiku's current frame (one per call of a transformed function)."""
   return _base.current_frame()
+
+
+def outermost_frame():
+  """The frame of the outermost running transformed function: Haiku's
+  lifted transforms (``hk.remat``, ``hk.vmap``, ``hk.cond``, ...) and
+  nested transforms push their frames above it."""
+  return list(_base.frame_stack)[-1]  # The stack iterates from the top.
+
+
+def stored_parameters(module_name: str) -> list:
+  """The values Haiku holds for module ``module_name``'s parameters in the
+  current frame: what ``hk.get_parameter`` hands to the custom getters."""
+  return list(_base.current_frame().params.get(module_name, {}).values())
 
 
 def inside_transform() -> bool:

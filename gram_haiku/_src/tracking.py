@@ -97,6 +97,20 @@ class LayerCall:
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
 
 
+def _handed_new_values(module: hk.Module, params) -> bool:
+  """Raw path: whether the layer gets other values than the parameters
+  Haiku holds for its module (or their cast by the module's mixed-precision
+  policy), from a custom getter entered inside ``track()`` or outside it,
+  before or after the next getter."""
+  stored = hkc.stored_parameters(module.module_name)
+  for p in params:
+    if not any(p is s or (p.shape == s.shape and
+                          coverage_lib.policy_cast(module, s, p))
+               for s in stored):
+      return True
+  return False
+
+
 def _next_slot() -> jax.Array:
   """This application's slot ``[B, K]`` of the module's slotted probe
   ``[U, B, K]``; advances the module's slot counter. Inside ``hk.scan``
@@ -189,10 +203,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     self._untracked = untracked
     self._coverage = Coverage(untracked)
     self._pass: Optional[ambient.PassPlan] = None
-    # Raw path only: (id(Haiku frame), id(parameter)) -> (frame, parameter)
-    # for parameters already used by a tracked layer in this context
-    # (holding the objects keeps their ids unique).
-    self._used: dict[tuple[int, int], tuple[object, jax.Array]] = {}
     self._stack: Optional[contextlib.ExitStack] = None
 
   @property
@@ -210,7 +220,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     if not hkc.inside_transform():
       raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
     self._pass = ambient.current().pass_plan
-    self._used = {}
     # Under value_grad_and_gram the traced program tells which untracked
     # reads matter (those with a gradient): it reports them (see
     # PassPlan.untracked). `init` computes no Gram: the first apply reports.
@@ -253,38 +262,37 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     """Parameters read inside this block are tracked by ``rule``."""
     return self._coverage.tracking_rule(rule)
 
-  def _raw_shared_use(self, params) -> bool:
-    """Raw path: whether this application reuses parameters (or is in a loop).
+  def _raw_shared_use(self, name: str) -> bool:
+    """Raw path: whether module ``name`` was applied before in this call.
 
-    Keyed by the parameter value, not the module: Haiku re-creates modules
-    by name (``hk.static_unroll``), while ``hk.layer_stack`` traces one
-    module many times with a fresh parameter slice each time (no sharing),
-    and runs nested init and apply transforms (one Haiku frame each). Only
-    the raw ``jax.grad`` path needs this; ``value_grad_and_gram`` reads
-    sharing from the traced program.
+    Keyed by the module's name within the outermost Haiku frame, so that a
+    second use is seen across ``track()`` contexts, Haiku's lifted
+    transforms (``hk.remat``, ``hk.vmap``, ``hk.cond`` push frames of their
+    own, and pass the parameters as new values) and getters that hand out
+    a new array per read. ``hk.static_unroll`` re-creates its modules under
+    the same names, so it is seen too; ``hk.layer_stack`` traces its body
+    once. Only the raw ``jax.grad`` path needs this; ``value_grad_and_gram``
+    reads sharing from the traced program.
     """
-    frame = hkc.current_frame()
-    shared = False
-    for p in params:
-      key = (id(frame), id(p))
-      if key in self._used:
-        shared = True
-      self._used[key] = (frame, p)
+    uses = ambient.raw_uses(hkc.outermost_frame())
+    shared = name in uses
+    uses.add(name)
     return shared
 
-  def _resolve_plan(self, name: str, present) -> Plan:
+  def _resolve_plan(self, module: hk.Module, present) -> Plan:
     """The op's plan: this context's options, and the running pass's."""
+    name = module.module_name
     if self._pass is None:  # The raw jax.grad path.
       # A module whose parameters are reused has no Gram here: the error is
       # the op's, raised only if its probe is differentiated, so that the
       # forward pass and gradients of the parameters alone still work.
-      if self._raw_shared_use(present):
+      if self._raw_shared_use(name):
         return self._plan.replace(
             refusal=errors.SHARED_LAYER.format(module=name))
       if hx.inside_loop_trace():
         return self._plan.replace(
             refusal=errors.LOOP_BODY.format(module=name))
-      if name in self._coverage.transformed:
+      if _handed_new_values(module, present):
         return self._plan.replace(
             refusal=errors.RAW_GETTER.format(module=name))
       return self._plan
@@ -299,7 +307,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def _apply(self, op, module: hk.Module, x, params):
     name = module.module_name
     present = [p for p in params if p is not None]
-    plan = self._resolve_plan(name, present)
+    plan = self._resolve_plan(module, present)
     if hkc.running_init():
       plan = plan.replace(at_init=True)
     # The probe lives in the module's own state, also when the op runs from
