@@ -400,9 +400,30 @@ def _vmapped_and_outside(x, y):
   return 0.5 * jnp.sum((a + lin(x[:, 1:4]) - y) ** 2)
 
 
+def _unused_output_weight_read_directly(x, y):
+  # The tracked application's output is discarded: only the direct read
+  # reaches the loss.
+  with gram_haiku.track():
+    lin, other = hk.Linear(3), hk.Linear(3, name="other")
+    h = lin(x[:, :3])
+    other(x[:, :3])
+  w = other.params_dict()["other/w"]
+  return 0.5 * jnp.sum((h + x[:, :3] @ w - y) ** 2)
+
+
+def _tied_read_with_embedding_stopped(x, y):
+  ids = jnp.argmax(x, axis=-1) % 7
+  with gram_haiku.track():
+    embed = hk.Embed(7, 3)
+    h = jax.lax.stop_gradient(embed(ids))
+  return 0.5 * jnp.sum(((h @ embed.embeddings.T)[:, :3] - y) ** 2)
+
+
 @pytest.mark.parametrize("body", [_used_again_after_block, _used_first_outside,
                                   _tied_read_after_block,
-                                  _vmapped_and_outside],
+                                  _vmapped_and_outside,
+                                  _unused_output_weight_read_directly,
+                                  _tied_read_with_embedding_stopped],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("jit", [False, True])
 def test_tracked_parameter_also_used_outside_is_an_error(body, jit):

@@ -291,6 +291,12 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
+  for name, use in sorted(found.untracked_uses.items()):
+    if name in seen and seen[name].tracked:
+      # Read by a tracked layer whose output the loss does not use, and
+      # used by the loss elsewhere (module.params_dict(), a closure).
+      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
+          leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
   for name, (policy, module_type) in sorted(untracked.items()):
     if name not in found.no_gradient:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type, stacklevel=6)
