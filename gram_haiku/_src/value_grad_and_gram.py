@@ -291,12 +291,6 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
-  for name, use in sorted(found.untracked_uses.items()):
-    if name in seen and seen[name].tracked:
-      # Read by a tracked layer whose output the loss does not use, and
-      # used by the loss elsewhere (module.params_dict(), a closure).
-      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
-          leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
   for name, (policy, module_type) in sorted(untracked.items()):
     if name not in found.no_gradient:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type, stacklevel=6)
@@ -383,6 +377,12 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
           shapes=[tuple(jnp.shape(a)) for a in arrays]))
     raise ValueError(errors.NO_FORWARD_USE.format(
         modules=", ".join(sorted(probes))))
+  for name, use in sorted(found.untracked_uses.items()):
+    if name in seen and seen[name].tracked:
+      # Read by a tracked layer whose output the loss does not use, and
+      # used by the loss elsewhere (module.params_dict(), a closure).
+      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
+          leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
   size = _check_example_axes(found, check_examples(strict))
   return TracedLoss(rest, probes, loss_of, found, seen, size, n_devices)
 
