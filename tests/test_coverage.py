@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src import coverage as coverage_lib
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import clip_reference
 from gram_haiku._src.reference import per_example_grads
@@ -95,6 +96,31 @@ def test_untracked_warns_once_per_parameter():
     # this process: then zero, never more than one.
     assert sum(f"'{name}'" in m for m in msgs) <= 1
   assert all("no Gram rule covers it" in m for m in msgs)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("path", ["value_grad_and_gram", "raw"])
+def test_untracked_warning_points_at_the_users_code(path, jit, monkeypatch):
+  # Not into JAX or Haiku, under jit or not: value_grad_and_gram reports
+  # after tracing, at the user's call; the raw path at the read itself.
+  monkeypatch.setattr(coverage_lib, "_WARNED", set())
+  x, y = problems.data(40, (4, 3), 2)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      s = hk.get_parameter("stray", (), init=jnp.ones)
+      return jnp.sum((hk.Linear(2)(x) * s - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = (gram_haiku.value_grad_and_gram(f.apply) if path != "raw"
+        else f.apply)
+  fn = jax.jit(fn) if jit else fn
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn(params, state, None, x, y)
+  (w,) = [w for w in caught
+          if issubclass(w.category, gram_haiku.UntrackedParameterWarning)]
+  assert w.filename == __file__, (w.filename, w.lineno)
 
 
 @pytest.mark.parametrize("path", ["value_grad_and_gram", "raw"])

@@ -630,8 +630,12 @@ def _solve_over_batch(x, y):
 def test_unmodelled_primitives_warn_and_clipping_refuses():
   x, y = _data(9)
   with pytest.warns(gram_haiku.ExampleFlowWarning,
-                    match=r"(?s)could not be followed.*to second.*verify"):
+                    match=r"(?s)could not be followed.*to second.*verify"
+                    ) as caught:
     _run(_solve_over_batch, x, y, jit=False)
+  # It points at the user's code (here, the test's helper), not into JAX.
+  assert {w.filename for w in caught
+          if w.category is gram_haiku.ExampleFlowWarning} == {__file__}
   def tracked(x, y):
     with gram_haiku.track():
       return _solve_over_batch(x, y)

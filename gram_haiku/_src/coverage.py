@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import haiku as hk
 
 from gram_haiku._src import errors
+from gram_haiku._src import warning_site
 
 UNTRACKED_POLICIES = ("warn", "error", "ignore")
 
@@ -117,7 +118,7 @@ class Coverage:
     if self._defer:
       self.deferred[name] = (self.policy, module_type)
     else:
-      report_untracked(name, self.policy, module_type, stacklevel=5)
+      report_untracked(name, self.policy, module_type)
 
 
 def merge_deferred(into: dict, deferred: dict) -> None:
@@ -131,8 +132,7 @@ def merge_deferred(into: dict, deferred: dict) -> None:
       into[name] = (policy, module_type)
 
 
-def report_untracked(name: str, policy: str, module_type: str,
-                     stacklevel: int = 2) -> None:
+def report_untracked(name: str, policy: str, module_type: str) -> None:
   """Reports an untracked read of parameter ``name`` by ``policy``: raises
   ``ValueError`` (``"error"``), warns once per name (``"warn"``) or does
   nothing (``"ignore"``)."""
@@ -143,4 +143,5 @@ def report_untracked(name: str, policy: str, module_type: str,
     raise ValueError(message)
   if name not in _WARNED:
     _WARNED.add(name)
-    warnings.warn(message, UntrackedParameterWarning, stacklevel=stacklevel)
+    warnings.warn(message, UntrackedParameterWarning,
+                  stacklevel=warning_site.user_stacklevel())

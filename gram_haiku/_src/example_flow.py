@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Optional, Sequence
 
 from gram_haiku._src import errors
+from gram_haiku._src import warning_site
 from gram_haiku._src import flow_rules
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.flow_states import ELEMENTWISE as _ELEMENTWISE
@@ -326,5 +327,6 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
         where=", ".join(dict.fromkeys(unfollowed)))
     if strict:
       raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
-    warnings.warn(message, ExampleFlowWarning, stacklevel=3)
+    warnings.warn(message, ExampleFlowWarning,
+                  stacklevel=warning_site.user_stacklevel())
   return verified and bool(flow.findings)

@@ -293,7 +293,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
       if found.ops[m].name not in raw_traced})
   for name, (policy, module_type) in sorted(untracked.items()):
     if name not in found.no_gradient:  # stop_gradient only: nothing to miss
-      coverage_lib.report_untracked(name, policy, module_type, stacklevel=6)
+      coverage_lib.report_untracked(name, policy, module_type)
 
   def check_examples(strict: bool = False) -> bool:
     """Follows the examples; True when every layer was verified

@@ -1,0 +1,36 @@
+"""Where a gram_haiku warning points: the user's line, not a library's.
+
+A warning is raised while the user's function is traced, deep inside JAX
+(``jax.jit``, ``jax.make_jaxpr``), Haiku (``transform``, interceptors) and
+gram_haiku itself, at a depth that differs between those paths; a fixed
+``stacklevel`` points into one of them. :func:`user_stacklevel` counts the
+frames up to the first one outside them instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import haiku
+import jax
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules[__name__.split(".")[0]], jax, haiku, contextlib))
+
+
+def _in_library(filename: str) -> bool:
+  return (filename.startswith("<") or  # <frozen ...>, generated code
+          os.path.abspath(filename).startswith(_LIBRARY_DIRS))
+
+
+def user_stacklevel() -> int:
+  """The ``warnings.warn`` ``stacklevel``, for a warning raised by the
+  caller of this function, of the innermost frame outside gram_haiku, JAX,
+  Haiku and the standard library."""
+  level, frame = 1, sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None and _in_library(frame.f_code.co_filename):
+    frame, level = frame.f_back, level + 1
+  return level
