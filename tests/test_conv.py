@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src import cost_model
 from gram_haiku._src.layers import conv as conv_layers
 from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku._src.ops.conv import gram_conv
@@ -200,6 +201,51 @@ def test_op_explicit_batch(name):
   np.testing.assert_allclose(grams["norms"], np.diag(ref), rtol=1e-4)
   # The forward pass is the plain convolution, bit for bit.
   np.testing.assert_array_equal(out, plain_out)
+
+
+def test_patch_block_sizes():
+  # Patches that fit the input: one block; else the largest block whose
+  # patches fit, a divisor of B where one is at least half of it.
+  assert cost_model.patch_block(64, 100, 100) == 64
+  assert cost_model.patch_block(64, 9 * 64, 64) == 4  # largest 7, divisor 4
+  assert cost_model.patch_block(64, 9 * 64, 28 * 9) == 16  # largest 28
+  assert cost_model.patch_block(61, 9 * 61, 61) == 6  # 61 is prime
+  assert cost_model.patch_block(8, 1000 * 8, 8) == 1
+  assert cost_model.patch_block(1, 1000, 1) == 1
+
+
+@pytest.mark.parametrize("block", ["all", 2, 3])
+@pytest.mark.parametrize("name", ["2d_nhwc_s2_groups2", "1dT_nwc_s2_same",
+                                  "3d_ncdhw_groups2_nobias"])
+def test_per_example_gradients_by_blocks_of_examples(name, block, monkeypatch):
+  """The materialised per-example gradients formed a block of examples at
+  a time (B = 7: 2 and 3 leave a remainder block) equal the reference, in
+  every mode, with the parameter gradients they also give."""
+  monkeypatch.setattr(cost_model, "patch_block",
+                      lambda b, *_: b if block == "all" else block)
+  case = CASES[name]
+  p, x = case.make(_seed(name) + 2, lead=(7,))
+  ref = _ref(case, p, x)
+
+  def loss(p, probe, mode):
+    return _head(case.tracked(p, probe, x, mode=mode, strategy="materialize"))
+  want = jax.grad(lambda p: _head(case.plain(p, x)))(p)
+  for mode, probe in (("gram", jnp.zeros((7, 7))), ("norms", jnp.zeros(7)),
+                      ("per_example", None)):
+    if mode == "per_example":
+      f = per_example_grads(lambda p, x: _head(case.plain(p, x)), p, x)
+      probe = jnp.zeros(f.shape)
+    got, value = jax.jit(jax.grad(loss, argnums=(0, 1)),
+                         static_argnums=2)(p, probe, mode)
+    if mode == "gram":
+      assert_gram_close(value, ref)
+    elif mode == "norms":
+      np.testing.assert_allclose(value, np.diag(ref), rtol=1e-4)
+    else:
+      assert_gram_close(value @ value.T, ref)
+    for k in want:
+      chex.assert_trees_all_close(got[k], want[k], rtol=1e-5, atol=1e-6 * (
+          float(jnp.abs(want[k]).max())), custom_message=f"{mode}: {k}")
 
 
 @pytest.mark.parametrize("name", STRATEGY_CASES)

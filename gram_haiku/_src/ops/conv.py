@@ -48,8 +48,10 @@ are built from exactly the arguments the output was computed with.
 
 Cost (``B`` examples, ``T`` within-example positions including output
 positions, ``Cg nK`` patch features and ``Og`` outputs per group): the
-patches take ``B T C nK`` memory (im2col); ghost ~``F B^2 T^2 (Cg nK + Og)``
-multiply-adds in row blocks bounded by the plan's memory budget;
+patches take ``B T C nK`` memory (im2col; the materialised method forms
+them a block of examples at a time, no larger than the layer's input, see
+:func:`gram_haiku._src.cost_model.patch_block`); ghost ~``F B^2 T^2 (Cg nK +
+Og)`` multiply-adds in row blocks bounded by the plan's memory budget;
 materialised ~``B T C nK Og + B^2 C nK Og`` with ``B x P`` memory. ``"auto"``
 picks the cheaper by :func:`gram_haiku._src.cost_model.conv_method`. The diagonal
 (``mode="norms"``) costs ~``B T^2 (C nK + O)`` (ghost) or ``B T C nK Og``.
@@ -369,6 +371,18 @@ class GramConv(base.GramOp):
     db = kernels.rows(dm.sum(axis=1)) if with_bias else None
     return per, db
 
+  def _example_block(self, x, p, example_dim):
+    """Examples per block of the per-example gradients, or None for all at
+    once (see :func:`gram_haiku._src.cost_model.patch_block`). Blocked only
+    with the examples as the one leading axis, outside explicit sharding."""
+    if (example_dim != 0 or len(self.lead_shape(x.shape)) != 1 or
+        explicit_mesh.explicit_spec(x) is not None):
+      return None
+    block = cost_model.patch_block(
+        x.shape[0], p.size * jnp.dtype(p.dtype).itemsize,
+        x.size * jnp.dtype(x.dtype).itemsize)
+    return None if block >= x.shape[0] else block
+
   def _to_kernel_layout(self, w, like):
     """The map from patch layout ``[F, n, m]`` back to ``w``'s layout: the
     VJP of :meth:`_patch_matrix` (varying like ``like`` in shard_map)."""
@@ -392,7 +406,15 @@ class GramConv(base.GramOp):
     method = self.method(p, d, e, cfg)
     if method != "materialize":
       return self._grouped(p, d, e, b is not None, method, cfg), {}
-    per, db = self._per_example(p, d, e, b is not None)
+    block = self._example_block(x, p, e)
+    if block is None:
+      per, db = self._per_example(p, d, e, b is not None)
+    else:
+      def one(xg):  # One example: its patches, its gradient (under vmap).
+        pe, de = self._patches_and_cotangents(xg[0][None], xg[1][None], w)
+        per_e, db_e = self._per_example(pe, de, 0, b is not None)
+        return per_e[0], None if db_e is None else db_e[0]
+      per, db = lax.map(one, (x, g), batch_size=block)
     flat = per
     if self.mode == "per_example":
       # In the kernel's own layout, like every op's per-example gradients.
