@@ -240,6 +240,42 @@ def test_unembed_inside_remat():
   _check_raw_path(f, g, params, state, ids, y, ref, "refused", "float32")
 
 
+@pytest.mark.parametrize("threaded", [True, False],
+                         ids=["state-threaded", "same-state-twice"])
+def test_lifted_transform_applied_twice(threaded):
+  # hk.experimental.lift_with_state: an inner transform's module applied
+  # twice, its state threaded from the first apply to the second or the
+  # same state given to both (both applications then read one slot
+  # counter value: per-example accumulation, not one shared slot).
+  x, y = _data(12, (4, 5), 4)
+  inner = hk.transform_with_state(lambda z: hk.Linear(4, name="il")(z))
+
+  def body(x, y):
+    init, updater = hk.experimental.lift_with_state(
+        inner.init, allow_reuse=True, name="lifted")
+    p, st = init(hk.next_rng_key() if hk.running_init() else None, x)
+    h1, st1 = inner.apply(p, st, None, x)
+    h2, st2 = inner.apply(p, st1 if threaded else st, None, -x)
+    updater.update(st2)
+    return _sq(h1 + jnp.tanh(h2), y)
+
+  f = hk.transform_with_state(_tracked(body))
+  g = hk.transform_with_state(body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  _, plain_state = g.init(jax.random.PRNGKey(0), x, y)
+  per_example = lambda p, x, y: g.apply(p, plain_state, None, x, y)[0]
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, reference_gram(per_example, params, x, y))
+  chex.assert_trees_all_close(
+      grads, jax.grad(lambda p: per_example(p, x, y))(params),
+      rtol=1e-5, atol=1e-6)
+  assert grams.complete
+  # The lift's outer names are covered by the inner module's rule.
+  assert {k: c.rule for k, c in grams.coverage.items()} == {
+      "lifted/il/w": "linear", "lifted/il/b": "linear"}
+
+
 def test_layer_stack_is_not_sharing():
   x, y = _data(11, (4, 5), 5)
   def body(x, y):

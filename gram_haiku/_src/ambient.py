@@ -56,6 +56,9 @@ class PassPlan:
     frozen: layer name -> indices of its op's parameters that have no
       gradient (``Plan.frozen``; see
       :attr:`gram_haiku._src.dataflow.Discovery.frozen_layers`).
+    slot_reads: in a pass with slots, where each slotted layer records the
+      slot counter values its applications read (layer name -> values; see
+      :func:`gram_haiku._src.slots.collided`), or None.
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
@@ -66,6 +69,7 @@ class PassPlan:
   raw_traced: Optional[set] = None
   slotted: frozenset = frozenset()
   frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  slot_reads: Optional[dict] = None
 
 
 @dataclasses.dataclass(frozen=True)

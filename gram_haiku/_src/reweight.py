@@ -342,11 +342,13 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         clips={found.ops[m].name: layer_clips[m] for m in live
                if modes[m] == "clip"},
         slotted=frozenset(found.ops[m].name for m in slotted),
-        frozen=found.frozen_layers)
+        frozen=found.frozen_layers, slot_reads={})
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
-    return (modes, diff_idx, out), slots_lib.unthreaded(out[0][1][1], slots)
+    twice = slots_lib.collided(pass_plan.slot_reads)
+    return (modes, diff_idx, out), slots_lib.unthreaded(out[0][1][1], slots) | {
+        m for m in slotted if found.ops[m].name in twice}
 
   slotted, (modes, diff_idx, out) = slots_lib.pass_with_slots(run_pass,
                                                               slotted)

@@ -113,13 +113,26 @@ def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
   return out
 
 
+def collided(slot_reads: Mapping[str, list]) -> set:
+  """The layer names two of whose applications read the same slot counter
+  value in the traced pass (one traced value, e.g. a lifted transform's
+  apply given the same Haiku state twice): they would write one slot, so
+  the pass is traced again with those modules accumulating per-example
+  gradients instead."""
+  out = set()
+  for name, reads in slot_reads.items():
+    if any(a is b for i, a in enumerate(reads) for b in reads[:i]):
+      out.add(name)
+  return out
+
+
 def pass_with_slots(run_pass, slotted: Mapping[str, int]):
   """``(slotted, result)`` of a pass that trusts only counters that came
   back.
 
   ``run_pass(slotted) -> (result, modules)``: traces the pass with those
   modules slotted and names the ones whose counter did not come back
-  advanced (:func:`unthreaded`). The pass is then traced once more with
+  advanced (:func:`unthreaded`) or was read twice (:func:`collided`). The pass is then traced once more with
   those modules accumulating per-example gradients instead.
   """
   result, lost = run_pass(slotted)

@@ -111,13 +111,16 @@ def _handed_new_values(module: hk.Module, params) -> bool:
   return False
 
 
-def _next_slot() -> jax.Array:
+def _next_slot(reads: Optional[list]) -> jax.Array:
   """This application's slot ``[B, K]`` of the module's slotted probe
   ``[U, B, K]``; advances the module's slot counter. Inside ``hk.scan``
   (``hk.dynamic_unroll``) the counter is part of the carried state, so every
-  step gets its own slot."""
+  step gets its own slot. The counter value read is appended to ``reads``
+  (two applications reading the same one would share a slot)."""
   stack = hk.get_state(PROBE_NAME)
   slot = hk.get_state(SLOT_NAME)
+  if reads is not None:
+    reads.append(slot)
   hk.set_state(SLOT_NAME, slot + 1)
   return jax.lax.dynamic_index_in_dim(stack, slot, 0, keepdims=False)
 
@@ -317,7 +320,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       self._pass.raw_traced.add(name)
     with hkc.module_scope(module):
       if self._pass is not None and name in self._pass.slotted:
-        probe = _next_slot()
+        probe = _next_slot(None if self._pass.slot_reads is None else
+                           self._pass.slot_reads.setdefault(name, []))
       else:
         probe = self._probe(x, plan.mode,
                             sum(math.prod(p.shape) for p in present),

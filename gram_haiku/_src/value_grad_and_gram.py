@@ -209,6 +209,12 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
   for module, entries in params.items():
     for name in entries:
       full = f"{module}/{name}"
+      if full not in seen:
+        # Read inside a lifted transform (hk.experimental.lift*): the
+        # getters saw the inner name, which the lift's prefix extends.
+        inner = [k for k in seen if full.endswith("/" + k)]
+        if inner:
+          seen = {**seen, full: seen[max(inner, key=len)]}
       if full in seen and not seen[full].tracked and (
           full in found.no_gradient):
         # Read only through stop_gradient: frozen, so it needs no rule.
@@ -483,12 +489,16 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
 
       def loss(params, probes):
         return t.loss_of(params, probes, rng, args, kwargs, slots)
+      reads: dict = {}
       with ambient.running(ambient.PassPlan(column_axes=axes, modes=modes,
                                             slotted=slotted_names,
-                                            frozen=found.frozen_layers)):
+                                            frozen=found.frozen_layers,
+                                            slot_reads=reads)):
         out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, probes)
-      return out, slots_lib.unthreaded(out[0][1][1], slots)
+      twice = slots_lib.collided(reads)
+      return out, slots_lib.unthreaded(out[0][1][1], slots) | {
+          m for m in slotted if found.ops[m].name in twice}
 
     slotted, out = slots_lib.pass_with_slots(
         run_pass, slots_lib.slotted_modules(found, axes, params))
