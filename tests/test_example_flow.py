@@ -8,6 +8,7 @@ inputs broadcast over the batch, statistics of the input data, attention,
 recurrences, stacks) are exact against the reference.
 """
 
+import functools
 import warnings
 
 import chex
@@ -376,6 +377,94 @@ def test_losses_that_reorder_or_weight_examples_are_exact(body):
       lambda x, y, w: w[0] * _sq(hk.Linear(3)(x), y)))
   ref = reference_gram(per_example.apply, params, x, y, w)
   assert_gram_close(grams.total, ref)
+
+
+def _two_layer_losses(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  return 0.5 * jnp.sum((hk.Linear(3, name="second")(h) - y) ** 2, (1, 2))
+
+
+def _stopped_batch_softmax_weights(l):
+  return jnp.sum(l * jax.lax.stop_gradient(jax.nn.softmax(l)))
+
+
+def _stopped_normaliser(l):
+  return jnp.sum(l) / jax.lax.stop_gradient(jnp.sum(l))
+
+
+def _stopped_count(l):
+  return jnp.sum(l) / jax.lax.stop_gradient(jnp.sum(l > jnp.median(l)) + 1.)
+
+
+def _stopped_centring_between_layers(x, y, per_example=False):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  h = h - jax.lax.stop_gradient(h.mean(0))
+  l = 0.5 * jnp.sum((hk.Linear(3, name="second")(h) - y) ** 2, (1, 2))
+  return l if per_example else jnp.sum(l)
+
+
+_STOPPED = {
+    "softmax_weights": lambda x, y: _stopped_batch_softmax_weights(
+        _two_layer_losses(x, y)),
+    "normaliser": lambda x, y: _stopped_normaliser(_two_layer_losses(x, y)),
+    "count": lambda x, y: _stopped_count(_two_layer_losses(x, y)),
+    "centring": _stopped_centring_between_layers,
+}
+
+
+def _jacrev_gram(loss_terms, params, x, y):
+  """``J J^T``, ``J`` the Jacobian of the per-example terms of the loss
+  (``loss = sum_i terms_i``) with respect to the parameters."""
+  jac = jax.jacrev(lambda p: loss_terms(p, x, y))(params)
+  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                      for l in jax.tree.leaves(jac)], axis=1)
+  return f @ f.T
+
+
+@pytest.mark.parametrize("name", sorted(_STOPPED))
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_values_under_stop_gradient_are_constants(name, jit):
+  # What the model stops the gradient of is data for differentiation: the
+  # Gram is of the loss's per-example terms with those values held fixed
+  # (rows of jacrev of the terms), and clipping (one example's gradient
+  # reads others' data) refuses.
+  x, y = _data(21)
+  body = _STOPPED[name]
+  params, (_, grads, grams) = _run(body, x, y, jit=jit)
+  plain = hk.without_apply_rng(hk.transform(body))
+  if name == "centring":
+    terms = hk.without_apply_rng(hk.transform(functools.partial(
+        _stopped_centring_between_layers, per_example=True))).apply
+  else:
+    l_of = hk.without_apply_rng(hk.transform(_two_layer_losses)).apply
+    total = {"softmax_weights": lambda l: jax.nn.softmax(l),
+             "normaliser": lambda l: 1. / jnp.sum(l),
+             "count": lambda l: 1. / (jnp.sum(l > jnp.median(l)) + 1.)}[name]
+
+    def terms(p, x, y):
+      l = l_of(p, x, y)
+      return l * jax.lax.stop_gradient(total(l))
+  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+  chex.assert_trees_all_close(grads, jax.grad(plain.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+  def tracked(x, y):
+    with gram_haiku.track():
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  _, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+
+
+@pytest.mark.parametrize("coupling", [
+    lambda l: jnp.sum(l * jax.nn.softmax(l)),
+    lambda l: jnp.sum(l) / jnp.sum(l),
+    lambda l: jnp.sum(l * (l > jnp.median(l))),
+], ids=["softmax_weights", "normaliser", "comparison"])
+def test_the_same_values_without_stop_gradient_are_refused(coupling):
+  x, y = _data(22)
+  with pytest.raises(ValueError, match="not a sum"):
+    _run(lambda x, y: coupling(_two_layer_losses(x, y)), x, y)
 
 
 def _hidden_reversed_then_layer(x, y):

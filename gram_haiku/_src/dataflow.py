@@ -33,8 +33,6 @@ import dataclasses
 import functools
 from typing import Any, Mapping, Optional
 
-import jax.numpy as jnp
-
 from gram_haiku._src import errors
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
@@ -229,14 +227,6 @@ def _not_exact(sources: Sources, via: str) -> Sources:
                    for s in sources)
 
 
-def _may_carry_gradient(v) -> bool:
-  """Whether jaxpr variable ``v`` may have a nonzero cotangent: a float or
-  complex value (or one whose type is not known)."""
-  dtype = getattr(getattr(v, "aval", None), "dtype", None)
-  # jnp's, not numpy's: bfloat16 and the float8 types are inexact there.
-  return dtype is None or jnp.issubdtype(dtype, jnp.inexact)
-
-
 class _Walk:
   """Follows parameter leaves through a jaxpr (and its sub-jaxprs)."""
 
@@ -269,7 +259,7 @@ class _Walk:
         for v, s in zip(eqn.outvars, outs):
           # An integer or boolean value carries no gradient (a comparison,
           # a cast to int and back): nothing reaches through it.
-          env[v] = s if _may_carry_gradient(v) else frozenset()
+          env[v] = s if hx.may_carry_gradient(v) else frozenset()
     finally:
       self.depth -= 1
     return [read(v) for v in jaxpr.outvars]

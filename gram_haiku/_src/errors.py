@@ -341,8 +341,10 @@ EXAMPLES_COUPLED = (
     "softmax over the batch, rows reordered or subset). Per-example "
     "gradients are not defined when examples are coupled, so no Gram is.\n"
     "What to do: compute the batch statistic outside the differentiated "
-    "function (or with jax.lax.stop_gradient and a per-example form), or "
-    "apply the coupled part outside gram_haiku.track().")
+    "function, or wrap it in jax.lax.stop_gradient (a constant for "
+    "differentiation, as input data are: each example's gradient is then "
+    "that of its own row, the statistic held fixed), or apply the coupled "
+    "part outside gram_haiku.track().")
 
 LOSS_COUPLED = (
     "gram_haiku.value_grad_and_gram: the loss is not a sum (or mean) of "
@@ -350,7 +352,11 @@ LOSS_COUPLED = (
     "logsumexp over the batch, a contrastive loss, a function of a batch "
     "sum). Per-example gradients, and so the Gram, are not defined.\n"
     "What to do: write the loss as a sum of per-example losses, or compute "
-    "the coupled part outside the differentiated function.")
+    "the coupled part outside the differentiated function. A weight that "
+    "is computed from the batch but must not be differentiated (a "
+    "normaliser, a batch softmax of the losses) goes in "
+    "jax.lax.stop_gradient: the loss is then a weighted sum of per-example "
+    "terms, and the Gram is of the weighted terms.")
 
 PROBE_LINEARIZED = (
     "gram_haiku: the Gram probe of module '{module}' is linearized in "

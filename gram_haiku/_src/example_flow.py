@@ -104,7 +104,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
           (not hx.jaxprs_of(eqn) or
            hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
         self.unknown.add(eqn.primitive.name)
-      out_dep = any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None
+      # What the user stops the gradient of is a constant for
+      # differentiation, like input data (an explicit opt-in: a comparison
+      # or count of the parameters' values still couples the examples).
+      out_dep = eqn.primitive.name != "stop_gradient" and (
+          any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None)
       for v, s in zip(eqn.outvars, outs):
         env[v] = s
         dep[v] = out_dep

@@ -69,6 +69,7 @@ __all__ = [
     "Literal",
     "gram_op_of",
     "jaxprs_of",
+    "may_carry_gradient",
     "inside_loop_trace",
     "is_differentiated",
     "live_part",
@@ -202,6 +203,14 @@ def gram_op_of(eqn: Any, op_type: type):
   """
   op = eqn.params.get("_prim") if hasattr(eqn, "params") else None
   return op if isinstance(op, op_type) else None
+
+
+def may_carry_gradient(v: Any) -> bool:
+  """Whether jaxpr variable ``v`` may have a nonzero cotangent: a float or
+  complex value (or one whose type is not known)."""
+  dtype = getattr(getattr(v, "aval", None), "dtype", None)
+  # jnp's, not numpy's: bfloat16 and the float8 types are inexact there.
+  return dtype is None or jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
 def jaxprs_of(eqn: Any) -> list:
