@@ -204,14 +204,18 @@ def test_op_explicit_batch(name):
 
 
 def test_patch_block_sizes():
-  # Patches that fit the input: one block; else the largest block whose
-  # patches fit, a divisor of B where one is at least half of it.
-  assert cost_model.patch_block(64, 100, 100) == 64
-  assert cost_model.patch_block(64, 9 * 64, 64) == 4  # largest 7, divisor 4
-  assert cost_model.patch_block(64, 9 * 64, 28 * 9) == 16  # largest 28
-  assert cost_model.patch_block(61, 9 * 61, 61) == 6  # 61 is prime
-  assert cost_model.patch_block(8, 1000 * 8, 8) == 1
-  assert cost_model.patch_block(1, 1000, 1) == 1
+  # Patches that fit the input (or are small): one block; else the largest
+  # block whose patches fit, a divisor of B where one is at least half of it.
+  mb = 2**20
+  assert cost_model.patch_block(64, 100 * mb, 100 * mb) == 64
+  assert cost_model.patch_block(64, 9 * 64 * mb, 64 * mb) == 4  # largest 7
+  assert cost_model.patch_block(64, 9 * 64 * mb, 28 * 9 * mb) == 16
+  assert cost_model.patch_block(61, 9 * 61 * mb, 61 * mb) == 6  # B prime
+  assert cost_model.patch_block(8, 1000 * 8 * mb, 8 * mb) == 1
+  assert cost_model.patch_block(1, 1000 * mb, 1 * mb) == 1
+  small = cost_model.PATCH_BLOCK_MIN_BYTES
+  assert cost_model.patch_block(64, small, 1) == 64
+  assert cost_model.patch_block(64, 2 * small, small // 2) == 16
 
 
 @pytest.mark.parametrize("block", ["all", 2, 3])
