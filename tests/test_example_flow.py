@@ -467,6 +467,34 @@ def test_the_same_values_without_stop_gradient_are_refused(coupling):
     _run(lambda x, y: coupling(_two_layer_losses(x, y)), x, y)
 
 
+def test_a_layer_on_an_unbatched_memory_of_another_size_is_refused():
+  # Keys computed by a tracked layer from a (6, F) memory next to a batch
+  # of 4: the error names the sizes and says to broadcast the memory.
+  x, y = _data(23)
+  memory = problems.normal(jax.random.PRNGKey(24), (6, F))
+
+  def body(x, y):
+    q = hk.Linear(3, name="q")(x)  # (B, T, 3)
+    k = hk.Linear(3, name="k")(memory)  # (6, 3)
+    return _sq(jax.nn.softmax(q @ k.T) @ k, y)
+  with pytest.raises(ValueError, match=r"(?s)'k'.*broadcast"):
+    _run(body, x, y)
+  # Given as an argument of the batch (a memory of another leading size),
+  # the sizes differ: that error says the same.
+  def as_argument(x, m, y):
+    q = hk.Linear(3, name="q")(x)
+    k = hk.Linear(3, name="k")(m)
+    return _sq(jax.nn.softmax(q @ k.T) @ k, y)
+  def tracked(x, m, y):
+    with gram_haiku.track():
+      return as_argument(x, m, y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, memory, y)
+  with pytest.raises(ValueError, match=r"(?s)'k': 6.*broadcast"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, memory,
+                                            y)
+
+
 def _hidden_reversed_then_layer(x, y):
   h = jnp.tanh(hk.Linear(F, name="first")(x))[::-1]
   return _sq(hk.Linear(3, name="second")(h), y)

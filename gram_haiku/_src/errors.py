@@ -90,9 +90,15 @@ BAD_BATCH_SIZE = (
 MIXED_EXAMPLE_SIZES = (
     "gram_haiku.value_grad_and_gram: the tracked layers see example axes of "
     "different sizes {sizes} (module: size). One Gram needs one set of "
-    "examples.\n"
-    "What to do: check which axis each layer takes as the example axis; "
-    "choose it with gram_haiku.track(example_axis=...).")
+    "examples: every tracked layer must see the batch's examples along its "
+    "example axis, and a layer whose input does not hold them (keys and "
+    "values computed from an unbatched memory, a learned query, a slice or "
+    "a reshape of the batch) sees another size there.\n"
+    "What to do: broadcast such an input to the batch first "
+    "(jnp.broadcast_to(memory, (B,) + memory.shape), which is exact), apply "
+    "that layer outside gram_haiku.track(), or, if an inner vmap's axis was "
+    "taken for the examples, choose the axis with "
+    "gram_haiku.track(example_axis=...).")
 
 PROBE_REF_TYPE = (
     "gram_haiku: the reference given to jax.vjp(...).with_refs(...) for the "
