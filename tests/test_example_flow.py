@@ -523,6 +523,53 @@ def test_reordered_layer_inputs_are_refused(body, match):
     _run(body, x, y)
 
 
+def _between(reorder, terms=False):
+  def body(x, y):
+    h = jnp.tanh(hk.Linear(F, name="first")(x))
+    out = hk.Linear(3, name="second")(reorder(h))
+    l = 0.5 * jnp.sum((out - y) ** 2, (1, 2))
+    return l if terms else jnp.sum(l)
+  return body
+
+
+#: Rows taken apart and put back in the batch's order: exact.
+_ROWS_PUT_BACK = {
+    "halves": lambda h: jnp.concatenate([h[:2], h[2:]]),
+    "flip_flip": lambda h: jnp.flip(jnp.flip(h, 0), 0),
+    "reversed_twice": lambda h: h[::-1][::-1],
+    "split": lambda h: jnp.concatenate(jnp.split(h, [1, 3])),
+    "first_copy": lambda h: jnp.concatenate([h, h])[:h.shape[0]],
+    "halves_of_two_values": lambda h: jnp.concatenate([h[:2], 2. * h[2:]]),
+    "odd_even": lambda h: jnp.stack([h[0::2], h[1::2]], 1).reshape(h.shape),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ROWS_PUT_BACK))
+def test_rows_put_back_in_order_are_exact(name):
+  x, y = _data(25)
+  if name == "odd_even":  # interleaving merges two axes: still refused
+    with pytest.raises(ValueError, match="reordered|merges|several"):
+      _run(_between(_ROWS_PUT_BACK[name]), x, y)
+    return
+  params, (_, _, grams) = _run(_between(_ROWS_PUT_BACK[name]), x, y)
+  # The model depends on row positions: rows of jacrev, not a batch of one.
+  terms = hk.without_apply_rng(hk.transform(
+      _between(_ROWS_PUT_BACK[name], terms=True))).apply
+  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+
+
+@pytest.mark.parametrize("reorder", [
+    lambda h: jnp.concatenate([h[2:], h[:2]]),
+    lambda h: jnp.flip(h, 0),
+    lambda h: jnp.concatenate([h[:2], h[:2]]),
+    lambda h: jnp.concatenate([h, h])[1:h.shape[0] + 1],
+], ids=["rotated", "flipped", "repeated", "shifted_copy"])
+def test_rows_put_back_in_another_order_are_refused(reorder):
+  x, y = _data(26)
+  with pytest.raises(ValueError, match="reordered, repeated or a subset"):
+    _run(_between(reorder), x, y)
+
+
 def test_reordered_input_data_are_refused():
   # Rows of the input data reordered before the first layer: the Gram would
   # come back in the model's row order, not the batch's.

@@ -34,6 +34,7 @@ from gram_haiku._src.flow_states import CONST
 from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import join
 from gram_haiku._src.flow_states import MIXED
+from gram_haiku._src.flow_states import pick_rows as _pick_rows
 from gram_haiku._src.flow_states import reordered as _reordered
 from gram_haiku._src.flow_states import shape as _shape
 from gram_haiku._src.flow_states import State
@@ -169,6 +170,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if s.tag is not None:
       return self._combined(s, CONST)
     return _reordered(s, key)
+
+  def _pick(self, s: Ex, positions, size: int) -> State:
+    """``s`` with the rows at ``positions`` of its ``size`` kept, in that
+    order (:func:`~gram_haiku._src.flow_states.pick_rows`); a candidate is
+    settled as wrong, as by :meth:`_reorder`."""
+    if s.tag is not None:
+      return self._combined(s, CONST)
+    return _pick_rows(s, positions, size, self.batch)
 
   def _implicit_broadcasts(self, eqn, ins):
     """Elementwise operands whose length-1 axes are broadcast to the

@@ -10,6 +10,7 @@ primitive without a rule gives ``UNKNOWN`` where the examples reach it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from gram_haiku._src.flow_states import CONST
@@ -17,6 +18,7 @@ from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import MIXED
 from gram_haiku._src.flow_states import SUM
 from gram_haiku._src.flow_states import UNKNOWN
+from gram_haiku._src.flow_states import rows_of as _rows_of
 from gram_haiku._src.flow_states import shape as _shape
 
 
@@ -133,8 +135,9 @@ class ShapeRules:
   _cummax = _cummin = _cumlogsumexp = _cumprod
 
   def _rev(self, eqn, ins):
-    return self._along(eqn, ins, "dimensions",
-                       lambda s: self._reorder(s, ("rev",)))
+    size = lambda s: _shape(eqn.invars[0])[s.dim]
+    return self._along(eqn, ins, "dimensions", lambda s: self._pick(
+        s, range(size(s) - 1, -1, -1), size(s)))
 
   def _sort(self, eqn, ins):
     states = [s for s in ins if s != CONST]
@@ -153,7 +156,9 @@ class ShapeRules:
   def _split(self, eqn, ins):
     s = ins[0]
     if isinstance(s, Ex) and s.dim == eqn.params["axis"]:
-      return [self._reorder(s, ("split", id(eqn), k))
+      size = _shape(eqn.invars[0])[s.dim]
+      starts = (0,) + tuple(itertools.accumulate(eqn.params["sizes"]))
+      return [self._pick(s, range(starts[k], starts[k + 1]), size)
               for k in range(len(eqn.outvars))]
     return [s] * len(eqn.outvars)
 
@@ -191,6 +196,16 @@ class ShapeRules:
         return [MIXED]
       if any(s == UNKNOWN for s in ins):
         return [UNKNOWN]
+      rows = [_rows_of(x, _shape(v)[dim]) if isinstance(x, Ex) and
+              x.dim == dim else None for x, v in zip(ins, eqn.invars)]
+      first = ins[0]
+      if all(r is not None for r in rows) and all(
+          (x.dim, x.inner, x.outer) == (first.dim, first.inner, first.outer)
+          for x in ins):
+        # Pieces whose rows are known, put back together (h[:2], h[2:]).
+        whole = tuple(r for piece in rows for r in piece)
+        return [self._pick(dataclasses.replace(first, order=None), whole,
+                           self.batch)]
       real = None
       for x in ins:
         if isinstance(x, Ex) and x.tag is not None:
@@ -287,7 +302,7 @@ class IndexRules:
       size = _shape(eqn.invars[0])[s.dim]
       if (start, limit, step) != (0, size, 1):
         # A subset of the examples, or reordered.
-        return [self._reorder(s, ("slice", start, limit, step))]
+        return [self._pick(s, range(start, limit, step), size)]
     return [s]
 
   def _dynamic_slice(self, eqn, ins):
