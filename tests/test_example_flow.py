@@ -901,3 +901,115 @@ def test_one_hot_labels_written_by_scatter_are_data():
   plain = hk.without_apply_rng(hk.transform(xent))
   ref = reference_gram(plain.apply, params, x, jax.nn.one_hot(labels, 3))
   assert_gram_close(grams.total, ref)
+
+
+# -- example_axes: where the examples start --------------------------------------
+
+
+def _time_major_lstm(x, y):  # x: (T, B, F), y: (B, 3)
+  core = hk.LSTM(5)
+  out, _ = hk.dynamic_unroll(core, x, core.initial_state(x.shape[1]))
+  return _sq(hk.Linear(3, name="head")(out[-1]), y)
+
+
+def _time_major_vmapped(x, y):  # x: (T, B, F), mapped over its axis 1
+  def per_example(xe):  # (T, F)
+    return jnp.tanh(hk.Linear(3, name="step")(xe)).sum(0)
+  return _sq(hk.vmap(per_example, in_axes=1, split_rng=False)(x), y)
+
+
+def _attends_to_a_memory(x, memory, y):  # memory: (B, F), read by all
+  attn = hk.MultiHeadAttention(
+      2, 3, w_init=hk.initializers.VarianceScaling(1.0), model_size=3)
+  return _sq(attn(x, memory[None].repeat(x.shape[0], 0),
+                  memory[None].repeat(x.shape[0], 0)), y)
+
+
+def _axes_reference(plain, params, batch, axes):
+  """``F F^T``, ``F`` from ``vmap(grad)`` over each argument's example axis
+  (``axes``: int or None per argument), one example at a time."""
+  def one(p, *example):
+    return plain(p, *(e if ax is None else jnp.expand_dims(e, ax)
+                      for e, ax in zip(example, axes)))
+  grads = jax.vmap(jax.grad(one), in_axes=(None, *axes))(params, *batch)
+  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                      for l in jax.tree.leaves(grads)], axis=1)
+  return f @ f.T
+
+
+def _with_axes_problem(name):
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(31), 3)
+  if name in ("time_major_lstm", "time_major_vmapped"):
+    # T == B: by size alone axis 0 (time) would be taken for the examples.
+    batch = (problems.normal(k1, (T, B, F)), problems.normal(k2, (B, 3)))
+    body = (_time_major_lstm if name == "time_major_lstm" else
+            _time_major_vmapped)
+    return body, batch, (1, 0)
+  batch = (problems.normal(k1, (B, T, F)), problems.normal(k2, (B, F)),
+           problems.normal(k3, (B, T, 3)))
+  return _attends_to_a_memory, batch, (0, None, 0)
+
+
+@pytest.mark.parametrize("name", ["time_major_lstm", "time_major_vmapped",
+                                  "memory_of_b_rows"])
+def test_example_axes_say_where_the_examples_are(name):
+  body, batch, axes = _with_axes_problem(name)
+
+  def tracked(*a):
+    with gram_haiku.track():
+      return body(*a)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
+  plain = hk.without_apply_rng(hk.transform(body)).apply
+  if name != "time_major_lstm":  # (there axis 0 is never a layer's rows)
+    # Sizes alone cannot tell (T == B, a memory of B rows): refused.
+    with pytest.raises(ValueError, match="example"):
+      gram_haiku.value_grad_and_gram(f.apply)(params, state, None, *batch)
+  fn = jax.jit(gram_haiku.value_grad_and_gram(f.apply, example_axes=axes))
+  _, grads, grams = fn(params, state, None, *batch)
+  ref = _axes_reference(plain, params, batch, axes)
+  assert_gram_close(grams.total, ref)
+  chex.assert_trees_all_close(grads, jax.grad(plain)(params, *batch),
+                              rtol=1e-5, atol=1e-6)
+  # The clipped gradient and verify take the same axes.
+  clipped, aux = gram_haiku.clipped_grad(f.apply, 1.0, example_axes=axes)(
+      params, state, None, *batch)
+  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.diag(ref)),
+                             rtol=1e-4)
+  report = gram_haiku.verify(f.apply, params, state, None, *batch,
+                             example_axes=axes)
+  assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("axes,match", [
+    ((1,), "one entry per positional batch argument"),
+    ((1, "0"), "one entry per positional batch argument"),
+    ((3, 0), "axis 3 for batch argument 0"),
+    ((2, 0), "axis 2 of a batch array of shape"),
+])
+def test_bad_example_axes_are_teaching_errors(axes, match):
+  body, batch, _ = _with_axes_problem("time_major_lstm")
+
+  def tracked(*a):
+    with gram_haiku.track():
+      return body(*a)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
+  with pytest.raises(ValueError, match=match):
+    gram_haiku.value_grad_and_gram(f.apply, example_axes=axes)(
+        params, state, None, *batch)
+
+
+def test_example_axes_still_refuse_a_layer_over_the_wrong_axis():
+  # Told that axis 1 holds the examples, a layer applied to the time-major
+  # input directly (its example axis 0 is time) is refused, not trusted.
+  _, batch, axes = _with_axes_problem("time_major_lstm")
+
+  def tracked(x, y):
+    with gram_haiku.track():
+      return _sq(jnp.tanh(hk.Linear(3)(x)).sum(0), y)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
+  with pytest.raises(ValueError, match="along axis 1"):
+    gram_haiku.value_grad_and_gram(f.apply, example_axes=axes)(
+        params, state, None, *batch)

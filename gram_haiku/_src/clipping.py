@@ -29,7 +29,7 @@ read), with the conventions of ``jax_privacy.clipping.clipped_grad``
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -149,7 +149,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
                  has_aux: bool = False,
                  mesh_axes: str | tuple[str, ...] | None = None,
                  frozen: reweight.Frozen = None,
-                 layer_split: LayerSplit = "equal"):
+                 layer_split: LayerSplit = "equal",
+                 example_axes: Optional[Sequence[Optional[int]]] = None):
   """The sum of clipped per-example gradients, in one backward pass.
 
   Args:
@@ -176,6 +177,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       or a function ``{module: number of parameters} -> {module: w_l}``
       of non-negative weights (``C_l = C w_l / sqrt(sum w^2)``); see
       :func:`split_threshold`.
+    example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
 
   Returns:
     A ``jax_privacy.clipping.BoundedSensitivityCallable`` ``g`` with
@@ -236,7 +238,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     if is_padding_example is not None:
       mask = 1.0 - jnp.asarray(is_padding_example).astype(jnp.float32)
     kw = dict(fn_name="clipped_grad", needs="norms", has_aux=has_aux,
-              axes=axes, frozen=frozen, example_weights=mask, privacy=True)
+              axes=axes, frozen=frozen, example_weights=mask, privacy=True,
+              example_axes=example_axes)
     if per_layer:
       r = reweight.run(apply_fn, params, state, rng, args, kwargs,
                        clips=layer_clips, **kw)

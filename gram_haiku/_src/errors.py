@@ -441,3 +441,23 @@ DATA_COUPLED = (
     "privacy guarantee would silently break.\n"
     "What to do: compute each example's loss from its own row only (a "
     "normalisation with fixed, data-independent statistics is fine).")
+
+BAD_EXAMPLE_AXES = (
+    "gram_haiku: example_axes={got!r} does not match the batch: it needs one "
+    "entry per positional batch argument ({n} given after rng), each an int "
+    "(the axis of that argument's arrays that holds the examples) or None "
+    "(the argument holds no examples, e.g. a memory every example reads).\n"
+    "What to do: pass a tuple of {n} ints or Nones, e.g. example_axes=(1, 0) "
+    "for a time-major input and batch-major labels.")
+
+EXAMPLE_AXIS_OUT_OF_RANGE = (
+    "gram_haiku: example_axes gives axis {axis} for batch argument {k}, but "
+    "an array of that argument has shape {shape}.\n"
+    "What to do: give an axis of every array in that argument, or None.")
+
+EXAMPLE_AXIS_SIZE = (
+    "gram_haiku: example_axes says that axis {axis} of a batch array of "
+    "shape {shape} holds the examples, but it has {size} entries and the "
+    "tracked layers see {batch} examples.\n"
+    "What to do: give the axis that holds the examples (or None for an "
+    "array that holds none).")

@@ -14,7 +14,7 @@ re-contracted from the same stores.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -283,7 +283,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         clips: Optional[Callable[[Mapping[str, int]],
                                  Mapping[str, Clip]]] = None,
         example_weights: Optional[jax.Array] = None,
-        privacy: bool = False) -> PassResult:
+        privacy: bool = False, example_axes=None) -> PassResult:
   """One reweighted pass (see the module docstring).
 
   Exactly one of ``weight_fn`` (one ``c`` for every module, from the Grams)
@@ -294,7 +294,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   guarantee needs.
   """
   t = vgg.trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs,
-                     axes, strict=privacy)
+                     axes, strict=privacy, example_axes=example_axes)
   found = t.found
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = vgg.leaf_names(params)
@@ -392,7 +392,9 @@ def reweighted_grad(apply_fn: Callable[..., Any],
                     needs: str = "norms", has_aux: bool = False,
                     return_state: bool = False,
                     mesh_axes: str | tuple[str, ...] | None = None,
-                    frozen: Frozen = None) -> Callable[..., Any]:
+                    frozen: Frozen = None,
+                    example_axes: Optional[Sequence[Optional[int]]] = None
+                    ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning ``sum_i c_i g_i``.
 
   ``c = weight_fn(grams)`` is computed from the Grams of the same backward
@@ -425,6 +427,7 @@ def reweighted_grad(apply_fn: Callable[..., Any],
       ``(module_name, name, value) -> bool``. Parameters the loss does not
       differentiate (closed over, read through ``stop_gradient``) are
       frozen as well. Frozen parameters have no term in the Grams.
+    example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams, c)``
@@ -443,7 +446,8 @@ def reweighted_grad(apply_fn: Callable[..., Any],
   def fn(params, state, rng, *args, **kwargs):
     r = run(apply_fn, params, state, rng, args, kwargs,
             fn_name="reweighted_grad", needs=needs, has_aux=has_aux,
-            axes=axes, frozen=frozen, weight_fn=weight_fn)
+            axes=axes, frozen=frozen, weight_fn=weight_fn,
+            example_axes=example_axes)
     c = next(iter(r.weights.values())) if r.weights else None
     value = (r.value, r.state) if return_state else r.value
     return value, r.grads, r.grams, c

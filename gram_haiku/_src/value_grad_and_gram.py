@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -243,28 +243,84 @@ def leaf_names(params) -> list[str]:
   return names
 
 
-def _split_batch(args, kwargs):
-  """The batch's arrays, and ``rebuild(arrays) -> (args, kwargs)``.
+#: An array whose examples lie along axis 0 if its leading size is the
+#: batch's (the default rule of ``example_axes``).
+AUTO = "auto"
+
+
+def leaf_example_axes(args, kwargs, example_axes) -> list:
+  """Per leaf of ``(args, kwargs)``: its example axis (an int,
+  normalised), None (no examples), or :data:`AUTO`.
+
+  ``args`` are the positional batch arguments after ``rng``, and
+  ``example_axes`` one int or None per argument (see
+  :func:`value_grad_and_gram`), or None (:data:`AUTO` for every leaf).
+  Raises a teaching error for anything else.
+  """
+  if example_axes is not None:
+    ok = isinstance(example_axes, (tuple, list)) and all(
+        a is None or (isinstance(a, int) and not isinstance(a, bool))
+        for a in example_axes)
+    if not ok or len(example_axes) != len(args):
+      raise ValueError(errors.BAD_EXAMPLE_AXES.format(
+          got=example_axes, n=len(args)))
+  out = []
+  for k, arg in enumerate(args):
+    for leaf in jax.tree_util.tree_leaves(arg):
+      ax = AUTO if example_axes is None else example_axes[k]
+      if isinstance(ax, int):
+        ndim = np.ndim(leaf)
+        if not -ndim <= ax < ndim:
+          raise ValueError(errors.EXAMPLE_AXIS_OUT_OF_RANGE.format(
+              k=k, axis=ax, shape=np.shape(leaf)))
+        ax %= ndim
+      out.append(ax)
+  out.extend(AUTO for _ in jax.tree_util.tree_leaves(kwargs))
+  return out
+
+
+def example_size(a, axis):
+  """The size of array ``a``'s example axis ``axis`` (see
+  :func:`leaf_example_axes`), or None."""
+  if axis is None or not np.ndim(a):
+    return None
+  return np.shape(a)[0 if axis == AUTO else axis]
+
+
+def _split_batch(args, kwargs, example_axes=None):
+  """The batch's arrays, their example axes (:func:`leaf_example_axes`),
+  and ``rebuild(arrays) -> (args, kwargs)``.
 
   Arrays become inputs of the discovery trace (so that the examples can be
   followed through it); everything else (flags, Python numbers) stays as
-  given. ``args`` includes the ``rng`` position, which
+  given. ``args`` starts with the ``rng`` position, which
   ``hk.without_apply_rng`` transforms fill with the first batch argument.
   """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  if example_axes is not None and len(example_axes) == len(args):
+    # hk.without_apply_rng: the rng position holds the first argument.
+    leaf_axes = leaf_example_axes(args, kwargs, example_axes)
+  else:
+    # The rng (or, under hk.without_apply_rng, the first argument when
+    # example_axes does not name it) follows the default rule.
+    leaf_axes = ([AUTO if example_axes is None else None] *
+                 len(jax.tree_util.tree_leaves(args[0])) +
+                 leaf_example_axes(args[1:], kwargs, example_axes))
   is_array = [isinstance(l, (jax.Array, np.ndarray)) and not
               jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
               for l in leaves]
   arrays = [l for l, a in zip(leaves, is_array) if a]
+  axes = [ax for ax, a in zip(leaf_axes, is_array) if a]
 
   def rebuild(new_arrays):
     it = iter(new_arrays)
     full = [next(it) if a else l for l, a in zip(leaves, is_array)]
     return jax.tree_util.tree_unflatten(treedef, full)
-  return arrays, rebuild
+  return arrays, axes, rebuild
 
 
-def _discover(loss, params, probes, rng, args, kwargs, axes):
+def _discover(loss, params, probes, rng, args, kwargs, axes,
+              example_axes=None):
   """One abstract trace of the loss (no FLOPs), read.
 
   ``loss(params, probes, rng, args, kwargs)``. Returns the
@@ -273,7 +329,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   examples (axis 0 of the batch's arrays) through the program
   (:func:`gram_haiku._src.example_flow.check`).
   """
-  arrays, rebuild = _split_batch((rng, *args), kwargs)
+  arrays, array_axes, rebuild = _split_batch((rng, *args), kwargs,
+                                             example_axes)
   seen: dict = {}
   untracked: dict = {}
 
@@ -304,7 +361,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
   def check_examples(strict: bool = False) -> bool:
     """Follows the examples; True when every layer was verified
     (``strict``: see :func:`gram_haiku._src.example_flow.check`)."""
-    leading = {np.shape(a)[0] for a in arrays if np.ndim(a)}
+    leading = {example_size(a, ax) for a, ax in zip(arrays, array_axes)
+               } - {None}
     sizes = set(found.sizes.values())
     if len(sizes) == 1 and sizes <= leading:
       batch = next(iter(sizes))
@@ -312,9 +370,14 @@ def _discover(loss, params, probes, rng, args, kwargs, axes):
       batch = next(iter(leading))
     else:
       return False  # No one size of the batch: nothing to follow.
-    states = ([example_flow.CONST] * (n_params + len(probe_names)) +
-              [example_flow.Ex(0) if np.ndim(a) and np.shape(a)[0] == batch
-               else example_flow.CONST for a in arrays])
+    states = [example_flow.CONST] * (n_params + len(probe_names))
+    for a, ax in zip(arrays, array_axes):
+      size = example_size(a, ax)
+      if isinstance(ax, int) and size != batch:
+        raise ValueError(errors.EXAMPLE_AXIS_SIZE.format(
+            shape=np.shape(a), axis=ax, size=size, batch=batch))
+      states.append(example_flow.Ex(0 if ax == AUTO else ax)
+                    if size == batch else example_flow.CONST)
     return example_flow.check(live, states, batch, base.GramOp,
                               strict=strict)
   return found, seen, check_examples
@@ -346,7 +409,8 @@ class TracedLoss:
 
 
 def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
-               axes: tuple[str, ...], *, strict: bool = False) -> TracedLoss:
+               axes: tuple[str, ...], *, strict: bool = False,
+               example_axes=None) -> TracedLoss:
   """Traces the tracked loss of one call and checks what it says.
 
   ``strict``: refuse losses that read other examples' data (a privacy
@@ -375,10 +439,14 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     _check_batch_split(axes, probes, (args, kwargs))
   found, seen, check_examples = _discover(
-      lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes)
+      lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
+      example_axes)
   if not found.sizes:
-    arrays = [a for a in jax.tree.leaves((args, kwargs)) if jnp.ndim(a)]
-    if arrays and all(jnp.shape(a)[0] == 0 for a in arrays):
+    arrays, array_axes, _ = _split_batch((None, *args), kwargs,
+                                         example_axes)
+    sizes = [example_size(a, ax) for a, ax in zip(arrays, array_axes)]
+    if any(n is not None for n in sizes) and all(
+        n == 0 for n in sizes if n is not None):
       raise ValueError(errors.EMPTY_BATCH_NO_LAYERS.format(
           shapes=[tuple(jnp.shape(a)) for a in arrays]))
     raise ValueError(errors.NO_FORWARD_USE.format(
@@ -409,7 +477,8 @@ def restore_state(new_state, probes: Mapping[str, Any],
 
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                         return_state: bool = False,
-                        mesh_axes: str | tuple[str, ...] | None = None
+                        mesh_axes: str | tuple[str, ...] | None = None,
+                        example_axes: Optional[Sequence[Optional[int]]] = None
                         ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
 
@@ -431,6 +500,16 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       same ``shard_map``: with replicated parameters and VMA checking on,
       the gradients are all-reduced exactly as JAX's own AD does. See the
       "Distributed" docs page for layouts and communication cost.
+    example_axes: where the examples lie in the positional batch arguments
+      (those after ``rng``): one entry per argument, an int (that axis of
+      every array in it, e.g. 1 for a time-major ``(T, B, F)`` input) or
+      None (an argument that holds no examples: a memory of ``B`` rows
+      that every example reads). Default: axis 0 of every array whose
+      leading size is the batch's, which cannot tell a time-major input or
+      such a memory from the examples when the sizes agree (``T == B``).
+      The tracked layers take their own example axis from ``track()``
+      (``hk.vmap(..., in_axes=1)`` over a time-major input); this says
+      where the check that follows the examples starts.
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams)``:
@@ -459,7 +538,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
   axes = example_sharding.normalize_axes(mesh_axes)
 
   def fn(params, state, rng, *args, **kwargs):
-    t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes)
+    t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes,
+                   example_axes=example_axes)
     found, size, n_devices = t.found, t.size, t.n_devices
 
     seen = t.seen

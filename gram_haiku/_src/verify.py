@@ -14,7 +14,7 @@ examples, and no per-example Gram exists for it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,8 +66,12 @@ class VerifyReport:
     return "\n".join(lines)
 
 
-def _take(tree, n):
-  return jax.tree.map(lambda a: a[:n], tree)
+def _take(args, axes, n):
+  """The first ``n`` examples of each batch argument (``axes[k]``: its
+  example axis, or None for an argument without examples)."""
+  return tuple(arg if ax is None else jax.tree.map(
+      lambda a, ax=ax: jax.lax.slice_in_dim(a, 0, n, axis=ax), arg)
+               for arg, ax in zip(args, axes))
 
 
 def _tolerance(params) -> float:
@@ -78,6 +82,7 @@ def _tolerance(params) -> float:
 
 def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
            max_examples: int = 8, rtol: Optional[float] = None,
+           example_axes: Optional[Sequence[Optional[int]]] = None,
            **kwargs) -> VerifyReport:
   """Checks a tracked model's Grams against the reference on a few examples.
 
@@ -89,10 +94,13 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
       its model inside ``gram_haiku.track()`` and returns a scalar loss
       that is the sum or the mean of per-example losses.
     params, state, rng: as for ``apply_fn`` (``state`` from its ``init``).
-    *args: the batch; every array's axis 0 is the example axis.
+    *args: the batch; every array's axis 0 is the example axis, unless
+      ``example_axes`` says otherwise.
     max_examples: how many examples (the first ones) to check.
     rtol: the relative tolerance (default: 1e-3 for float32 parameters,
       0.2 with bfloat16 or float16 ones).
+    example_axes: as in :func:`gram_haiku.value_grad_and_gram`: per
+      argument, the axis that holds the examples, or None.
     **kwargs: passed to ``apply_fn``.
 
   Returns:
@@ -105,17 +113,22 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   Raises:
     ValueError: when the batch has no example axis.
   """
-  leaves = jax.tree.leaves(args)
-  if not leaves or any(jnp.ndim(a) == 0 for a in leaves):
-    raise ValueError("gram_haiku.verify: every array of the batch needs a "
-                     "leading example axis.")
-  n = min(max_examples, min(jnp.shape(a)[0] for a in leaves))
-  batch = _take(args, n)
+  axes = [0] * len(args)
+  if example_axes is not None:
+    vgg.leaf_example_axes(args, {}, example_axes)  # a teaching error if bad
+    axes = list(example_axes)
+  leaves = [(a, ax) for arg, ax in zip(args, axes) if ax is not None
+            for a in jax.tree.leaves(arg)]
+  if not leaves or any(jnp.ndim(a) == 0 for a, _ in leaves):
+    raise ValueError("gram_haiku.verify: every array of the batch needs an "
+                     "example axis (axis 0, or the one example_axes gives).")
+  n = min(max_examples, min(jnp.shape(a)[ax] for a, ax in leaves))
+  batch = _take(args, axes, n)
   tol = rtol if rtol is not None else _tolerance(params)
 
   try:
-    _, _, grams = vgg.value_grad_and_gram(apply_fn)(params, state, rng,
-                                                    *batch, **kwargs)
+    _, _, grams = vgg.value_grad_and_gram(apply_fn, example_axes=example_axes)(
+        params, state, rng, *batch, **kwargs)
   except ValueError as e:  # A model value_grad_and_gram refuses: say why.
     return VerifyReport(ok=False, examples=n, loss_scale=None,
                         layer_errors={}, total_error=float("nan"),
@@ -127,12 +140,13 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
       out, _ = apply_fn(p, state, rng, *example, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
-  def one(p, *example):
-    return plain(p, *jax.tree.map(lambda a: a[None], example))
-  per_loss = jax.vmap(one, in_axes=(None,) + (0,) * len(batch))(params,
-                                                                 *batch)
-  per_grad = jax.vmap(jax.jacrev(one), in_axes=(None,) + (0,) * len(batch))(
-      params, *batch)
+  def one(p, *example):  # One example, its example axes of size 1 again.
+    return plain(p, *(e if ax is None else jax.tree.map(
+        lambda a, ax=ax: jnp.expand_dims(a, ax), e)
+                      for e, ax in zip(example, axes)))
+  in_axes = (None, *axes)
+  per_loss = jax.vmap(one, in_axes=in_axes)(params, *batch)
+  per_grad = jax.vmap(jax.jacrev(one), in_axes=in_axes)(params, *batch)
   batch_loss = float(plain(params, *batch))
   total_loss = float(jnp.sum(per_loss))
   problems = []
