@@ -276,6 +276,36 @@ def test_lifted_transform_applied_twice(threaded):
       "lifted/il/w": "linear", "lifted/il/b": "linear"}
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_raw_path_two_calls_on_one_state_are_refused(jit):
+  # A siamese loss of two f.apply calls given the same probes: each call
+  # sees the module once, but the probe's gradient would miss the cross
+  # terms. value_grad_and_gram of the same loss as one apply is exact.
+  x, y = _data(13, (5, 4), 3)
+
+  def model(x):
+    return hk.nets.MLP([6, 3])(x)
+
+  def tracked(x):
+    with gram_haiku.track():
+      return model(x)
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
+  state = gram_haiku.resize_probes(state, 5)
+
+  def loss(state):
+    return jnp.sum((f.apply(params, state, None, x)[0] -
+                    f.apply(params, state, None, jnp.tanh(x))[0]) ** 2)
+  grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+  with pytest.raises(ValueError, match="two calls given the same state"):
+    grad(state)
+  # One call per state is the raw path's normal use: exact.
+  g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
+  probes = jax.grad(lambda s: _sq(f.apply(params, s, None, x)[0], y))(state)
+  assert_gram_close(sum(p[gram_haiku.PROBE_NAME] for p in probes.values()),
+                    reference_gram(g.apply, params, x, y))
+
+
 def test_layer_stack_is_not_sharing():
   x, y = _data(11, (4, 5), 5)
   def body(x, y):

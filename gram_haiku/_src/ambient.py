@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Any, Iterator, Mapping, Optional
 
 _LOCAL = threading.local()
@@ -129,3 +130,20 @@ def raw_uses(outermost_frame) -> set:
     held = (outermost_frame, set())
     _LOCAL.raw_uses = held
   return held[1]
+
+
+def probe_seen_before(probe) -> bool:
+  """Raw ``jax.grad`` path: whether this very probe value (one traced value)
+  was handed to a tracked op before, e.g. by another call of the
+  transformed function on the same state (a siamese loss ``f.apply(...,
+  x1) - f.apply(..., x2)``); records it. Held weakly: a value no longer
+  alive cannot be seen again."""
+  seen = getattr(_LOCAL, "probes", None)
+  if seen is None:
+    seen = _LOCAL.probes = weakref.WeakValueDictionary()
+  try:
+    before = seen.get(id(probe)) is probe
+    seen[id(probe)] = probe
+  except TypeError:  # not weakly referenceable: nothing to tell
+    return False
+  return before

@@ -326,6 +326,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         probe = self._probe(x, plan.mode,
                             sum(math.prod(p.shape) for p in present),
                             [p.dtype for p in present])
+    if (self._pass is None and plan.refusal is None and
+        not hkc.running_init() and ambient.probe_seen_before(probe)):
+      # Raw path: the same probe value reaches a second application (two
+      # calls of the transformed function on one state): no cross terms.
+      plan = plan.replace(refusal=errors.SHARED_LAYER.format(module=name))
     return op(x, *params, probe, name=name, plan=plan)
 
   def _probe(self, x: jax.Array, mode: str, num_params: int, dtypes):
