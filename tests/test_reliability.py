@@ -295,6 +295,29 @@ def test_verify_reports_untracked_parameters():
   assert not report.ok and report.untracked == ("~/gain",), str(report)
 
 
+def test_verify_with_aux_and_without_examples():
+  x, y = _data(13, (5, 4), 2)
+
+  def body(x, y):
+    out = hk.Linear(2)(x)
+    return _sq(out, y), {"out": out}
+  f, _ = _transforms(body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  report = gram_haiku.verify(f.apply, params, state, None, x, y,
+                             has_aux=True)
+  assert report.ok, str(report)
+  # Without has_aux: the report says to pass it (not an internal error).
+  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  assert not report.ok and "has_aux=True" in report.problems[0]
+  with pytest.raises(ValueError, match="has_aux=True"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+  with pytest.raises(ValueError, match="has_aux=True"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
+  with pytest.raises(ValueError, match="no examples"):
+    gram_haiku.verify(f.apply, params, state, None, x[:0], y[:0],
+                      has_aux=True)
+
+
 def _track_ignoring(body, *a):
   with gram_haiku.track(untracked="ignore"):
     return body(*a)

@@ -251,6 +251,21 @@ def test_an_example_with_a_non_finite_loss_gets_weight_zero(clipping):
   chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("pad,match", [
+    (np.zeros(8, bool), r"shape \(8,\).*7 examples"),
+    (np.zeros((7, 1), bool), r"shape \(7, 1\)"),
+    (np.ones((), bool), r"shape \(\)"),
+    (np.full(7, 0.5, np.float32), "boolean array"),
+    (np.zeros(7, np.int32), "boolean array"),
+])
+def test_a_bad_padding_mask_is_a_teaching_error(pad, match):
+  # Not broadcast, not a weight: a mask of one bool per example.
+  f, params, state, (x, y), _ = _mlp(seed=4, b=7)
+  with pytest.raises(ValueError, match=match):
+    gram_haiku.clipped_grad(f.apply, 0.5)(params, state, None, x, y,
+                                          is_padding_example=pad)
+
+
 @pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
 def test_padding_rows_contribute_nothing(clipping):
   f, params, state, (x, y), ref = _mlp(seed=4, b=7)

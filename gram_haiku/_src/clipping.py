@@ -236,7 +236,10 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
   def fun(params, state, rng, *args, is_padding_example=None, **kwargs):
     mask = None
     if is_padding_example is not None:
-      mask = 1.0 - jnp.asarray(is_padding_example).astype(jnp.float32)
+      pad = jnp.asarray(is_padding_example)
+      if pad.dtype != jnp.bool_:
+        raise ValueError(errors.PADDING_MASK_DTYPE.format(dtype=pad.dtype))
+      mask = 1.0 - pad.astype(jnp.float32)
     kw = dict(fn_name="clipped_grad", needs="norms", has_aux=has_aux,
               axes=axes, frozen=frozen, example_weights=mask, privacy=True,
               example_axes=example_axes)

@@ -463,3 +463,23 @@ EXAMPLE_AXIS_SIZE = (
     "tracked layers see {batch} examples.\n"
     "What to do: give the axis that holds the examples (or None for an "
     "array that holds none).")
+
+PADDING_MASK_DTYPE = (
+    "gram_haiku.clipped_grad: is_padding_example must be a boolean array "
+    "(True for a padded row), got dtype {dtype}.\n"
+    "What to do: pass a bool[B] mask, e.g. jnp.arange(B) >= num_real; to "
+    "weight examples, use gram_haiku.reweighted_grad.")
+
+PADDING_MASK_SHAPE = (
+    "gram_haiku.clipped_grad: is_padding_example has shape {shape}, but "
+    "the tracked layers see {size} examples (inside shard_map: this "
+    "device's).\n"
+    "What to do: pass one bool per example, shape ({size},), split over the "
+    "mesh like the batch (in_specs).")
+
+LOSS_IS_A_TUPLE = (
+    "gram_haiku: the transformed function returns a tuple of {n} values, "
+    "not a scalar loss.\n"
+    "What to do: for (loss, aux) pass has_aux=True (value_grad_and_gram, "
+    "reweighted_grad, clipped_grad and verify all take it), or return the "
+    "loss alone.")

@@ -75,9 +75,11 @@ class Grams:
     if self.sq_norms_by_layer:
       raise ValueError(
           "Grams.total: layers " + ", ".join(sorted(self.sq_norms_by_layer))
-          + " were tracked with track(mode='norms'), so only the diagonal of "
-          "their Gram exists. Use grams.norms / grams.sq_norms, or track them "
-          "with mode='gram' for the full matrix.")
+          + " computed only the diagonal of their Gram (tracked with "
+          "track(mode='norms'), or in a reweighted_grad or clipped_grad pass "
+          "with needs='norms'). Use grams.norms / grams.sq_norms, or track "
+          "them with mode='gram' (reweighted_grad(..., needs='gram')) for the "
+          "full matrix.")
     return _sum(list(self.by_layer.values()))
 
   @property

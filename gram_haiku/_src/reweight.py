@@ -310,6 +310,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                  if clips is not None else {})
   slotted = {m: u for m, u in slots_lib.slotted_modules(
       found, axes, params).items() if m in live}
+  if example_weights is not None and jnp.shape(example_weights) != (t.size,):
+    raise ValueError(errors.PADDING_MASK_SHAPE.format(
+        shape=jnp.shape(example_weights), size=t.size))
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
 

@@ -429,6 +429,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     for m, entries in (extra or {}).items():
       state.setdefault(m, {}).update(entries)
     out, new_state = apply_fn(params, state, rng, *args, **kwargs)
+    if not has_aux and isinstance(out, (tuple, list)):
+      raise ValueError(errors.LOSS_IS_A_TUPLE.format(n=len(out)))
     value, aux = out if has_aux else (out, None)
     if jnp.shape(value) != ():
       raise ValueError(errors.NOT_SCALAR.format(

@@ -83,7 +83,7 @@ def _tolerance(params) -> float:
 def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
            max_examples: int = 8, rtol: Optional[float] = None,
            example_axes: Optional[Sequence[Optional[int]]] = None,
-           **kwargs) -> VerifyReport:
+           has_aux: bool = False, **kwargs) -> VerifyReport:
   """Checks a tracked model's Grams against the reference on a few examples.
 
   Run it once on a new architecture, with a real batch: it costs one
@@ -101,6 +101,7 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
       0.2 with bfloat16 or float16 ones).
     example_axes: as in :func:`gram_haiku.value_grad_and_gram`: per
       argument, the axis that holds the examples, or None.
+    has_aux: the function returns ``(loss, aux)``.
     **kwargs: passed to ``apply_fn``.
 
   Returns:
@@ -111,7 +112,7 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   that error's message.
 
   Raises:
-    ValueError: when the batch has no example axis.
+    ValueError: when the batch has no example axis, or no example.
   """
   axes = [0] * len(args)
   if example_axes is not None:
@@ -123,12 +124,16 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
     raise ValueError("gram_haiku.verify: every array of the batch needs an "
                      "example axis (axis 0, or the one example_axes gives).")
   n = min(max_examples, min(jnp.shape(a)[ax] for a, ax in leaves))
+  if n == 0:
+    raise ValueError("gram_haiku.verify: the batch has no examples; give it "
+                     "a batch of at least one (a few are best).")
   batch = _take(args, axes, n)
   tol = rtol if rtol is not None else _tolerance(params)
 
   try:
-    _, _, grams = vgg.value_grad_and_gram(apply_fn, example_axes=example_axes)(
-        params, state, rng, *batch, **kwargs)
+    _, _, grams = vgg.value_grad_and_gram(
+        apply_fn, example_axes=example_axes, has_aux=has_aux)(
+            params, state, rng, *batch, **kwargs)
   except ValueError as e:  # A model value_grad_and_gram refuses: say why.
     return VerifyReport(ok=False, examples=n, loss_scale=None,
                         layer_errors={}, total_error=float("nan"),
@@ -138,7 +143,7 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   def plain(p, *example):
     with ambient.running(ambient.PassPlan(disabled=True)):
       out, _ = apply_fn(p, state, rng, *example, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
+    return out[0] if has_aux else out
 
   def one(p, *example):  # One example, its example axes of size 1 again.
     return plain(p, *(e if ax is None else jax.tree.map(
