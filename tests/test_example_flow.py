@@ -42,11 +42,16 @@ def _sq(out, y):
   return 0.5 * jnp.sum((out - y) ** 2)
 
 
-def _run(body, x, y, jit=True):
-  def tracked(x, y):
+def _tracked_transform(body):
+  """``hk.transform_with_state`` of ``body`` run inside ``track()``."""
+  def tracked(*args):
     with gram_haiku.track():
-      return body(x, y)
-  f = hk.transform_with_state(tracked)
+      return body(*args)
+  return hk.transform_with_state(tracked)
+
+
+def _run(body, x, y, jit=True):
+  f = _tracked_transform(body)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
@@ -447,10 +452,7 @@ def test_batch_values_under_stop_gradient_are_constants(name, jit):
   assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
   chex.assert_trees_all_close(grads, jax.grad(plain.apply)(params, x, y),
                               rtol=1e-5, atol=1e-6)
-  def tracked(x, y):
-    with gram_haiku.track():
-      return body(x, y)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(body)
   _, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="reads data of other examples"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
@@ -485,10 +487,7 @@ def test_a_layer_on_an_unbatched_memory_of_another_size_is_refused():
     q = hk.Linear(3, name="q")(x)
     k = hk.Linear(3, name="k")(m)
     return _sq(jax.nn.softmax(q @ k.T) @ k, y)
-  def tracked(x, m, y):
-    with gram_haiku.track():
-      return as_argument(x, m, y)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(as_argument)
   params, state = f.init(jax.random.PRNGKey(0), x, memory, y)
   with pytest.raises(ValueError, match=r"(?s)'k': 6.*broadcast"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, memory,
@@ -800,10 +799,7 @@ def test_unmodelled_primitives_warn_and_clipping_refuses():
   # It points at the user's code (here, the test's helper), not into JAX.
   assert {w.filename for w in caught
           if w.category is gram_haiku.ExampleFlowWarning} == {__file__}
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _solve_over_batch(x, y)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(_solve_over_batch)
   params, state = f.init(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="privacy guarantee cannot rest"):
     gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x, y)
@@ -955,10 +951,7 @@ def _with_axes_problem(name):
 def test_example_axes_say_where_the_examples_are(name):
   body, batch, axes = _with_axes_problem(name)
 
-  def tracked(*a):
-    with gram_haiku.track():
-      return body(*a)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(body)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
   plain = hk.without_apply_rng(hk.transform(body)).apply
   if name != "time_major_lstm":  # (there axis 0 is never a layer's rows)
@@ -990,10 +983,7 @@ def test_example_axes_say_where_the_examples_are(name):
 def test_bad_example_axes_are_teaching_errors(axes, match):
   body, batch, _ = _with_axes_problem("time_major_lstm")
 
-  def tracked(*a):
-    with gram_haiku.track():
-      return body(*a)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(body)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
   with pytest.raises(ValueError, match=match):
     gram_haiku.value_grad_and_gram(f.apply, example_axes=axes)(
@@ -1005,10 +995,8 @@ def test_example_axes_still_refuse_a_layer_over_the_wrong_axis():
   # input directly (its example axis 0 is time) is refused, not trusted.
   _, batch, axes = _with_axes_problem("time_major_lstm")
 
-  def tracked(x, y):
-    with gram_haiku.track():
-      return _sq(jnp.tanh(hk.Linear(3)(x)).sum(0), y)
-  f = hk.transform_with_state(tracked)
+  f = _tracked_transform(
+      lambda x, y: _sq(jnp.tanh(hk.Linear(3)(x)).sum(0), y))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
   with pytest.raises(ValueError, match="along axis 1"):
     gram_haiku.value_grad_and_gram(f.apply, example_axes=axes)(
