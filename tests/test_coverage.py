@@ -462,6 +462,36 @@ def test_tracked_parameter_also_used_outside_is_an_error(body, jit):
     fn(params, state, None, x, y)
 
 
+@pytest.mark.parametrize("use", [
+    lambda w: jnp.mean((w > 0).astype(jnp.float32)),
+    lambda w: jnp.argmax(w.reshape(-1)).astype(jnp.float32) / w.size,
+    lambda w: jnp.all(jnp.isfinite(w)).astype(jnp.float32),
+], ids=["compared", "argmax", "isfinite"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_tracked_parameter_read_outside_without_a_gradient_is_exact(use, jit):
+  # Outside its layer the weight is only compared or indexed: no gradient
+  # flows back through that use, so the Gram misses nothing.
+  x, y = _outside_data(33)
+
+  def body(x, y, tracked):
+    lin = hk.Linear(3)
+    if tracked:
+      with gram_haiku.track():
+        h = lin(x[:, :3])
+    else:
+      h = lin(x[:, :3])
+    return 0.5 * jnp.sum((h * (1. + use(lin.params_dict()["linear/w"]))
+                          - y) ** 2)
+  f = hk.transform_with_state(lambda x, y: body(x, y, True))
+  g = hk.without_apply_rng(hk.transform(lambda x, y: body(x, y, False)))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  _, _, grams = fn(params, state, None, x, y)
+  assert grams.complete
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
 def test_untracked_use_in_aux_only_is_not_an_error():
   # A weight norm reported as aux does not reach the loss: no error.
   x, y = _outside_data(32)

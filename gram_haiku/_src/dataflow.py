@@ -319,7 +319,10 @@ class _Walk:
       # differentiated parameters (a frozen weight; see
       # Discovery.frozen_layers).
       return [frozenset()] * n_out
-    self._other_use(union, name)
+    if any(hx.may_carry_gradient(v) for v in eqn.outvars):
+      # (A comparison or an integer result passes no gradient back: not a
+      # use that the Gram would miss.)
+      self._other_use(union, name)
     return [_not_exact(union, name)] * n_out
 
   def scan(self, eqn, ins):
