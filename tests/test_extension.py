@@ -128,3 +128,122 @@ def test_gram_function_rule_is_two_functions(closed_form):
   assert_gram_close(gram, ref)
   jaxpr = str(jax.make_jaxpr(loss)(w, jnp.zeros((6, 6))))
   assert ("_bilinear_gram" in jaxpr) == closed_form
+
+
+# -- handlers and rules that go wrong: teaching errors -------------------------
+
+
+class _Gained(hk.Module):
+  """``g * (x @ w)``: two parameters, for handlers that misuse one."""
+
+  def __call__(self, x):
+    w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
+    g = hk.get_parameter("g", [], init=jnp.ones)
+    return g * jnp.dot(x, w)
+
+
+def _linear_op(x, w, probe, **kwargs):
+  return gram_haiku.gram_linear(x, w, None, probe, **kwargs)
+
+
+@pytest.mark.parametrize("misuse", ["gain_outside", "in_the_input"])
+def test_a_handler_that_applies_a_parameter_outside_its_op(misuse):
+  # The raw path refuses the probe's gradient (its Gram would miss g's);
+  # value_grad_and_gram reads the use from the traced program and refuses.
+  @gram_haiku.register_layer(_Gained)
+  def handler(call, module, x):
+    w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
+    g = hk.get_parameter("g", [], init=jnp.ones)
+    if misuse == "gain_outside":
+      return g * call.apply(_linear_op, x, (w,))
+    return call.apply(_linear_op, x + g, (w,))
+  del handler
+  x = problems.normal(jax.random.PRNGKey(1), (5, 4))
+
+  def tracked(x):
+    with gram_haiku.track():
+      return jnp.sum(jnp.tanh(_Gained()(x)))
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
+  state = gram_haiku.resize_probes(state, 5)
+  with pytest.raises(ValueError, match="does not give to its Gram op"):
+    jax.grad(lambda s: f.apply(params, s, None, x)[0])(state)
+  with pytest.raises(ValueError, match="outside every tracked layer"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
+
+
+class _TupleOut(scaled_linear.ScaledLinearOp):
+  def forward(self, x, w, s):
+    return s * jnp.dot(x, w), w
+
+
+class _NoForward(gram_haiku.GramOp):
+  param_names = ("w",)
+
+
+class _WrongShape(scaled_linear.ScaledLinearOp):
+  def gram(self, x, g, params, example_dim, cfg):
+    return super().gram(x, g, params, example_dim, cfg)[0]
+
+
+def test_sloppy_rules_get_errors_that_name_the_layer():
+  x = problems.normal(jax.random.PRNGKey(2), (4, 5))
+  w, s = jnp.ones((5, 3)), jnp.asarray(2.0)
+  with pytest.raises(TypeError,
+                     match=r"\(layer 'layer_a'\) must return one array"):
+    _TupleOut.apply(x, (w, s), jnp.zeros((4, 4)), name="layer_a")
+  with pytest.raises(NotImplementedError, match="must define forward"):
+    _NoForward.apply(x, (w,), jnp.zeros((4, 4)), name="layer_b")
+  with pytest.raises(ValueError, match=r"'layer_c' returned shape \(4,\), "
+                     r"expected \(4, 4\)"):
+    jax.grad(lambda p: jnp.sum(_WrongShape.apply(x, (w, s), p,
+                                                 name="layer_c")))(
+        jnp.zeros((4, 4)))
+
+
+def test_layer_call_takes_a_tuple_of_parameters():
+  @gram_haiku.register_layer(_Gained)
+  def handler(call, module, x):
+    del module
+    w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
+    return call.apply(_linear_op, x, {"w": w})
+  del handler
+  f = hk.transform_with_state(lambda x: _tracked_gained(x))
+  with pytest.raises(TypeError, match="params must be a tuple"):
+    f.init(jax.random.PRNGKey(0), jnp.ones((4, 5)))
+
+
+def _tracked_gained(x):
+  with gram_haiku.track():
+    return jnp.sum(_Gained()(x))
+
+
+class _Subclass(scaled_linear.ScaledLinear):
+  """Inherits ``__call__``: its own registered handler must run."""
+
+
+def test_a_registered_subclass_that_inherits_call_gets_its_handler():
+  seen = []
+
+  @gram_haiku.register_layer(_Subclass)
+  def handler(call, module, x):
+    seen.append(type(module))
+    return scaled_linear.scaled_linear_handler(call, module, x)
+  del handler
+  x, y = _problem(3, b=5)
+
+  def body(x, y):
+    return 0.5 * jnp.sum((_Subclass(3)(x) - y) ** 2)
+
+  def tracked(x, y):
+    with gram_haiku.track():
+      return body(x, y)
+  f = hk.transform_with_state(tracked)
+  g = hk.without_apply_rng(hk.transform(body))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                         x, y)
+  assert seen and all(t is _Subclass for t in seen)
+  (w_name,) = [k for k in grams.coverage if k.endswith("/w")]
+  assert grams.coverage[w_name].rule == "handler"
+  assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))

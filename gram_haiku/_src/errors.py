@@ -483,3 +483,12 @@ LOSS_IS_A_TUPLE = (
     "What to do: for (loss, aux) pass has_aux=True (value_grad_and_gram, "
     "reweighted_grad, clipped_grad and verify all take it), or return the "
     "loss alone.")
+
+RAW_PARAM_OUTSIDE_OP = (
+    "gram_haiku: module '{module}' holds parameters that its layer handler "
+    "does not give to its Gram op (it applies them outside the op, e.g. "
+    "s * op(x, w) or op(x + b, w)). On the raw jax.grad path nothing reads "
+    "that use, so the Gram would miss their per-example gradients.\n"
+    "What to do: give every parameter of the module to the op (call.apply("
+    "op, x, (w, s))), or use gram_haiku.value_grad_and_gram, which follows "
+    "such uses in the traced program.")

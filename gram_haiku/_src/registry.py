@@ -18,7 +18,10 @@ _HANDLERS: dict[type, Callable[..., Any]] = {}
 
 def register_layer(module_cls: type):
   """Decorator: ``handler(call, module, *args, **kwargs)`` replaces
-  ``module_cls.__call__`` inside ``track()`` (exact class match).
+  ``module_cls.__call__`` inside ``track()``. Looked up by the module's
+  own class first (exact match, also for a subclass that inherits
+  ``__call__``), then by the class that defines the ``__call__`` being
+  run (a subclass of a registered class that does not override it).
 
   The handler reads the module's parameters with ``hk.get_parameter`` (as
   the module's own ``__call__`` does, so that they are recorded as tracked)

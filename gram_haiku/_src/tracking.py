@@ -79,8 +79,9 @@ class LayerCall:
 
     Args:
       op: ``op(x, *params, probe, *, name, plan)``: a function that binds a
-        Gram op, e.g. ``functools.partial(MyOp.apply ...)`` through
-        :meth:`gram_haiku.GramOp.apply`, or a built-in binder such as
+        Gram op, e.g. ``lambda x, w, b, probe, **kw: MyOp.apply(x, (w, b),
+        probe, **kw)`` through :meth:`gram_haiku.GramOp.apply` (which takes
+        the parameters as one sequence), or a built-in binder such as
         :func:`gram_haiku.gram_linear` (both accept ``name`` and ``plan``).
       x: the layer input, example axis first (or under ``vmap``).
       params: the module's parameters in the op's order (None for absent
@@ -90,10 +91,17 @@ class LayerCall:
       ``op``'s output: the layer's output, exactly the untracked module's.
 
     Raises:
+      TypeError: if ``params`` is not a tuple or list of arrays and Nones.
       ValueError: on the raw ``jax.grad`` path, if the module's parameters
         are used more than once (weight sharing needs
         :func:`gram_haiku.value_grad_and_gram`).
     """
+    if not isinstance(params, (tuple, list)) or not all(
+        p is None or hasattr(p, "shape") for p in params):
+      raise TypeError(
+          f"LayerCall.apply for module {self.module.module_name!r}: params "
+          f"must be a tuple of the op's parameters (arrays, or None for an "
+          f"absent one), in the op's order; got {type(params).__name__}.")
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
 
 
@@ -109,6 +117,16 @@ def _handed_new_values(module: hk.Module, params) -> bool:
                for s in stored):
       return True
   return False
+
+
+def _hands_every_parameter(module: hk.Module, params) -> bool:
+  """Raw path: whether every parameter Haiku holds for the module reaches
+  the op (a handler that applies one outside the op, ``s * op(x, w)`` or
+  ``op(x + b, w)``, leaves its gradient out of every Gram)."""
+  return all(any(p is s or (p.shape == s.shape and
+                            coverage_lib.policy_cast(module, s, p))
+                 for p in params)
+             for s in hkc.stored_parameters(module.module_name))
 
 
 def _next_slot(reads: Optional[list]) -> jax.Array:
@@ -254,7 +272,10 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
 
   def _intercept(self, next_f, args, kwargs, context):
     if context.method_name == "__call__" and self._innermost():
-      handler = registry.handler_for(context.orig_class)
+      # The module's own class first: a registered subclass that inherits
+      # __call__ (context.orig_class is the class defining it).
+      handler = (registry.handler_for(type(context.module)) or
+                 registry.handler_for(context.orig_class))
       if handler is not None:
         with self._coverage.tracking_rule(handler.__name__):
           return handler(LayerCall(self, context.module), context.module,
@@ -298,6 +319,9 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       if _handed_new_values(module, present):
         return self._plan.replace(
             refusal=errors.RAW_GETTER.format(module=name))
+      if not _hands_every_parameter(module, present):
+        return self._plan.replace(
+            refusal=errors.RAW_PARAM_OUTSIDE_OP.format(module=name))
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes,
                               frozen=self._pass.frozen.get(name, ()))

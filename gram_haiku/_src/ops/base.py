@@ -114,6 +114,11 @@ class GramOp(adapter.Adapter):
     self.__dict__.update(layer_params)  # forward() reads its layer params
     out = jax.eval_shape(self.forward, struct(x_aval),
                          *[struct(a) for a in param_avals])
+    if not isinstance(out, jax.ShapeDtypeStruct):
+      raise TypeError(
+          f"{type(self).__name__}.forward (layer {name!r}) must return one "
+          f"array, got {jax.tree.structure(out)}. A Gram op has one output; "
+          "compute other results outside the op from its output.")
     self.out_aval = x_aval.update(shape=out.shape, dtype=out.dtype,
                                   weak_type=out.weak_type)
     super().__init__()
@@ -134,7 +139,9 @@ class GramOp(adapter.Adapter):
 
   def forward(self, x, *params):
     """The plain layer: the same ops as the Haiku module, any leading axes."""
-    raise NotImplementedError
+    raise NotImplementedError(
+        f"{type(self).__name__} must define forward(self, x, *params): the "
+        "layer's output from its input and parameters (see GramOp).")
 
   #: Whether :meth:`gram` handles a sharded example axis itself: gathering
   #: its column factors (``cfg.columns``) under ``shard_map`` and giving its
@@ -491,6 +498,22 @@ class GramOp(adapter.Adapter):
     return f
 
   def _probe_cotangent(self, x, g, params, cfg: KernelConfig):
+    value = self._rule_value(x, g, params, cfg)
+    b = self.example_size(x.shape)
+    want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(self.mode)
+    if want is not None and tuple(value.shape) != want:
+      method, what = (("gram", "(B, B) Gram") if self.mode == "gram" else
+                      ("sq_norms", "(B,) squared norms"))
+      raise ValueError(
+          f"gram_haiku: {type(self).__name__}.{method} for layer "
+          f"{self.name!r} returned shape {tuple(value.shape)}, expected "
+          f"{want} (B = {b} examples, input shape {tuple(x.shape)}).\n"
+          f"What to do: return the {what} of the per-example gradients; "
+          "the conformance suite (the conformance package) checks a "
+          "rule's shapes.")
+    return value
+
+  def _rule_value(self, x, g, params, cfg: KernelConfig):
     e = self.example_axis.resolved_position()
     if self.mode == "gram":
       if not self.sharding_aware and (
