@@ -59,7 +59,7 @@ class PassPlan:
       :attr:`gram_haiku._src.dataflow.Discovery.frozen_layers`).
     slot_reads: in a pass with slots, where each slotted layer records the
       slot counter values its applications read (layer name -> values; see
-      :func:`gram_haiku._src.slots.collided`), or None.
+      :func:`gram_haiku._src.slots.untrusted`), or None.
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None

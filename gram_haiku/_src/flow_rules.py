@@ -19,6 +19,7 @@ from gram_haiku._src.flow_states import MIXED
 from gram_haiku._src.flow_states import SUM
 from gram_haiku._src.flow_states import UNKNOWN
 from gram_haiku._src.flow_states import rows_of as _rows_of
+from gram_haiku._src.flow_states import with_rows as _with_rows
 from gram_haiku._src.flow_states import shape as _shape
 
 
@@ -203,8 +204,7 @@ class ShapeRules:
           (x.dim, x.inner, x.outer) == (first.dim, first.inner, first.outer)
           for x in ins):
         # Pieces whose rows are known, put back together (h[:2], h[2:]).
-        whole = tuple(r for piece in rows for r in piece)
-        return [self._pick(dataclasses.replace(first, order=None), whole,
+        return [_with_rows(first, (r for piece in rows for r in piece),
                            self.batch)]
       real = None
       for x in ins:

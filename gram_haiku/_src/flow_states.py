@@ -77,33 +77,39 @@ class Rows(tuple):
   """An :attr:`Ex.order` known row by row: the batch row each row holds."""
 
 
-def pick_rows(s: Ex, positions, size: int, batch: int) -> Ex:
-  """``s`` with the rows at ``positions`` (of its ``size`` rows along the
-  examples' axis) kept, in that order: a slice, a reversal, a split.
-
-  Where every row's example is known (the axis holds the examples alone,
-  in a known order), the order is followed row by row, so that putting
-  the rows back (``concatenate([h[:2], h[2:]])``, ``flip(flip(h))``) is
-  the batch's order again (``order=None``); else the key is opaque.
-  """
-  positions = tuple(positions)
-  if s.inner != 1 or s.outer != 1 or not (
-      s.order is None or isinstance(s.order, Rows)):
-    return reordered(s, ("rows", positions))
-  current = range(size) if s.order is None else s.order
-  rows = Rows(current[p] for p in positions)
-  return dataclasses.replace(
-      s, order=None if rows == tuple(range(batch)) else rows)
-
-
 def rows_of(s: Ex, size: int):
-  """The rows ``s`` holds along its ``size``-row examples' axis, where each
-  is known (see :func:`pick_rows`), else None."""
+  """The batch rows ``s`` holds along its ``size``-row examples' axis,
+  where each is known (the axis holds the examples alone, in the batch's
+  order or a :class:`Rows` order), else None."""
   if s.tag is not None or s.inner != 1 or s.outer != 1:
     return None
   if s.order is None:
     return tuple(range(size))
   return tuple(s.order) if isinstance(s.order, Rows) else None
+
+
+def with_rows(s: Ex, rows, batch: int) -> Ex:
+  """``s`` holding the batch rows ``rows`` in that order: the batch's own
+  order again (``order=None``) when they are ``0 .. batch - 1``."""
+  rows = Rows(rows)
+  return dataclasses.replace(
+      s, order=None if rows == tuple(range(batch)) else rows)
+
+
+def pick_rows(s: Ex, positions, size: int, batch: int) -> Ex:
+  """``s`` with the rows at ``positions`` (of its ``size`` rows along the
+  examples' axis) kept, in that order: a slice, a reversal, a split.
+
+  Where every row's example is known (:func:`rows_of`), the order is
+  followed row by row, so that putting the rows back
+  (``concatenate([h[:2], h[2:]])``, ``flip(flip(h))``) is the batch's
+  order again; else the key is opaque.
+  """
+  positions = tuple(positions)
+  current = rows_of(s, size)
+  if current is None:
+    return reordered(s, ("rows", positions))
+  return with_rows(s, (current[p] for p in positions), batch)
 
 
 def join(a: State, b: State, verdicts: Optional[dict] = None) -> State:

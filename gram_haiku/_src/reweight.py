@@ -349,9 +349,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
-    twice = slots_lib.collided(pass_plan.slot_reads)
-    return (modes, diff_idx, out), slots_lib.unthreaded(out[0][1][1], slots) | {
-        m for m in slotted if found.ops[m].name in twice}
+    return (modes, diff_idx, out), slots_lib.untrusted(
+        out[0][1][1], slots, pass_plan.slot_reads,
+        {m: found.ops[m].name for m in slots})
 
   slotted, (modes, diff_idx, out) = slots_lib.pass_with_slots(run_pass,
                                                               slotted)

@@ -113,17 +113,19 @@ def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
   return out
 
 
-def collided(slot_reads: Mapping[str, list]) -> set:
-  """The layer names two of whose applications read the same slot counter
-  value in the traced pass (one traced value, e.g. a lifted transform's
-  apply given the same Haiku state twice): they would write one slot, so
-  the pass is traced again with those modules accumulating per-example
-  gradients instead."""
-  out = set()
-  for name, reads in slot_reads.items():
-    if any(a is b for i, a in enumerate(reads) for b in reads[:i]):
-      out.add(name)
-  return out
+def untrusted(new_state, slots: Mapping[str, Any],
+              slot_reads: Mapping[str, list],
+              layer_names: Mapping[str, str]) -> set:
+  """The slotted modules whose slots a traced pass cannot trust: their
+  counter did not come back advanced (:func:`unthreaded`), or two of their
+  applications read one counter value (one traced value, e.g. a lifted
+  transform's apply given the same Haiku state twice: they would write one
+  slot). ``slot_reads``: layer name -> the counter values read (see
+  ``PassPlan.slot_reads``); ``layer_names``: module -> its layer name."""
+  twice = {name for name, reads in slot_reads.items()
+           if any(a is b for i, a in enumerate(reads) for b in reads[:i])}
+  return unthreaded(new_state, slots) | {
+      m for m in slots if layer_names[m] in twice}
 
 
 def pass_with_slots(run_pass, slotted: Mapping[str, int]):
@@ -131,9 +133,9 @@ def pass_with_slots(run_pass, slotted: Mapping[str, int]):
   back.
 
   ``run_pass(slotted) -> (result, modules)``: traces the pass with those
-  modules slotted and names the ones whose counter did not come back
-  advanced (:func:`unthreaded`) or was read twice (:func:`collided`). The pass is then traced once more with
-  those modules accumulating per-example gradients instead.
+  modules slotted and names the ones whose slots it cannot trust
+  (:func:`untrusted`). The pass is then traced once more with those
+  modules accumulating per-example gradients instead.
   """
   result, lost = run_pass(slotted)
   if lost:

@@ -105,27 +105,28 @@ class LayerCall:
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
 
 
+def _is_stored(module: hk.Module, p, stored) -> bool:
+  """Whether ``p`` is the parameter value Haiku holds, ``stored``, or its
+  cast by the module's mixed-precision policy."""
+  return p is stored or (p.shape == stored.shape and
+                         coverage_lib.policy_cast(module, stored, p))
+
+
 def _handed_new_values(module: hk.Module, params) -> bool:
   """Raw path: whether the layer gets other values than the parameters
-  Haiku holds for its module (or their cast by the module's mixed-precision
-  policy), from a custom getter entered inside ``track()`` or outside it,
-  before or after the next getter."""
+  Haiku holds for its module (or their policy cast), from a custom getter
+  entered inside ``track()`` or outside it, before or after the next
+  getter."""
   stored = hkc.stored_parameters(module.module_name)
-  for p in params:
-    if not any(p is s or (p.shape == s.shape and
-                          coverage_lib.policy_cast(module, s, p))
-               for s in stored):
-      return True
-  return False
+  return not all(any(_is_stored(module, p, s) for s in stored)
+                 for p in params)
 
 
 def _hands_every_parameter(module: hk.Module, params) -> bool:
   """Raw path: whether every parameter Haiku holds for the module reaches
   the op (a handler that applies one outside the op, ``s * op(x, w)`` or
   ``op(x + b, w)``, leaves its gradient out of every Gram)."""
-  return all(any(p is s or (p.shape == s.shape and
-                            coverage_lib.policy_cast(module, s, p))
-                 for p in params)
+  return all(any(_is_stored(module, p, s) for p in params)
              for s in hkc.stored_parameters(module.module_name))
 
 

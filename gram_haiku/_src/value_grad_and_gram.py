@@ -534,7 +534,9 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       tracked layer, a layer input whose example
       axis is not the examples (or merges, reorders or mixes them), a loss
       that couples the examples, a tracked layer differentiated inside the
-      loss; or from the tracked layers (see :class:`gram_haiku.track`).
+      loss, an ``example_axes`` that does not fit the batch, a loss
+      returned as a tuple without ``has_aux``; or from the tracked layers
+      (see :class:`gram_haiku.track`).
       Each message names the module or parameter and what to do.
   """
   axes = example_sharding.normalize_axes(mesh_axes)
@@ -578,9 +580,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                                             slot_reads=reads)):
         out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             params, probes)
-      twice = slots_lib.collided(reads)
-      return out, slots_lib.unthreaded(out[0][1][1], slots) | {
-          m for m in slotted if found.ops[m].name in twice}
+      return out, slots_lib.untrusted(
+          out[0][1][1], slots, reads, {m: found.ops[m].name for m in slots})
 
     slotted, out = slots_lib.pass_with_slots(
         run_pass, slots_lib.slotted_modules(found, axes, params))
