@@ -16,7 +16,13 @@ Cases:
   of most entries and the ``vmap1`` style of a few; ``--all`` every entry
   in both styles, and more layouts.
 * ``shard_map_2d/<entry>``: a ``(4, 2)`` mesh, examples split over both
-  axes, ``mesh_axes=("a", "b")``.
+  axes, ``value_grad_and_gram(mesh=mesh, mesh_axes=("a", "b"))`` (and
+  ``("b", "a")``), which builds the ``shard_map``.
+* ``mesh_argument/...``: ``mesh=`` on ``reweighted_grad`` and
+  ``clipped_grad`` (with padding), an ``aux``, a new state and an
+  unbatched argument; its teaching errors (several axes without a mesh,
+  axes the mesh lacks, a batch the devices cannot share, a call inside
+  ``shard_map``).
 * ``shard_map_norms``: ``track(mode="norms")``: the squared norms, and no
   all-gather in the compiled HLO.
 * ``collectives``: the compiled step of the Gram has the plain step's
@@ -157,9 +163,21 @@ def _tracked_or_skip(run_tracked, run_plain):
 
 
 def _shard_map_step(tracked, mesh, axes, check_vma=True):
+  """Several axes: ``value_grad_and_gram(mesh=...)`` builds the shard_map
+  (their order cannot be checked inside one built here)."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  if isinstance(axes, tuple) and len(axes) > 1:
+    assert check_vma
+    built = jax.jit(gram_haiku.value_grad_and_gram(
+        tracked.apply, mesh=mesh, mesh_axes=axes))
+
+    def step(params, state, x):
+      value, grads, grams = built(params, state, None, x)
+      return value, grads, grams.total, grams.sq_norms
+    return step
 
   def local(params, state, x):
     value, grads, grams = gram_haiku.value_grad_and_gram(
@@ -561,6 +579,137 @@ def case_errors():
   return {}
 
 
+def _mesh_problem():
+  """A two-layer model with an aux output, a state entry that differs per
+  device, and an unbatched memory argument; its untracked twin."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  def make(tracked):
+    def f(x, memory):  # x: (B, 4); memory: (3, 4), read by every example.
+      hk.set_state("seen", jnp.sum(jax.lax.stop_gradient(x)))
+      with (gram_haiku.track() if tracked else _nullcontext()):
+        h = jnp.tanh(hk.Linear(5)(x + memory.mean(0)))
+        out = hk.Linear(3)(h)
+      return 0.5 * jnp.sum(out ** 2), out
+    return hk.transform_with_state(f)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 4))
+  memory = jax.random.normal(jax.random.PRNGKey(3), (3, 4))
+  plain = make(False)
+  params, plain_state = plain.init(jax.random.PRNGKey(1), x, memory)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x, memory)[0][0]
+  tracked = make(True)
+  _, state = tracked.init(jax.random.PRNGKey(1), x, memory)
+  return tracked, params, state, x, memory, plain_loss
+
+
+def case_mesh_argument():
+  """``mesh=`` on every transform, a 2-D split in the order that is not the
+  mesh's: global Grams, weights and norms equal to the single-device
+  reference; ``aux`` and the per-device state with a leading device axis in
+  ``mesh_axes`` order; replicated state entries as given."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+
+  tracked, params, state, x, memory, plain_loss = _mesh_problem()
+  f = np.asarray(reference.per_example_grads(plain_loss, params, x),
+                 np.float64)
+  ref = f @ f.T
+  norms = np.sqrt(np.diag(ref))
+  mesh = jax.make_mesh((4, 2), ("a", "b"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  grads_ref = jax.grad(plain_loss)(params, x)
+  # Not the mesh's order ("a", "b", the shard_map_2d cases').
+  axes = ("b", "a")
+  # Entry k of a per-device output is the device that holds examples
+  # [2k, 2k + 2) (its index over `axes`, in this order).
+  (value, new_state), grads, grams = jax.jit(gram_haiku.value_grad_and_gram(
+      tracked.apply, has_aux=True, return_state=True, mesh=mesh,
+      mesh_axes=axes, example_axes=(0, None)))(
+          params, state, None, x, memory)
+  loss, aux = value
+  assert loss.shape == (8,) and aux.shape == (8, 2, 3), (loss.shape,
+                                                          aux.shape)
+  reference.assert_gram_close(grams.total, ref)
+  assert grams.mesh_axes == ()
+  np.testing.assert_allclose(grams.norms, norms, rtol=1e-5)
+  _assert_grads(grads, grads_ref, 1e-5)
+  np.testing.assert_allclose(float(loss.sum()), float(plain_loss(params, x)),
+                             rtol=1e-5)
+  want_seen = np.asarray(x).reshape(8, 2, 4).sum((1, 2))
+  np.testing.assert_allclose(new_state["~"]["seen"], want_seen, rtol=1e-5)
+  np.testing.assert_array_equal(
+      jax.tree.leaves(new_state["linear"]), jax.tree.leaves(state["linear"]))
+
+  _, grads, grams, c = jax.jit(gram_haiku.reweighted_grad(
+      tracked.apply, lambda g: 1.0 / (1.0 + g.norms), has_aux=True,
+      mesh=mesh, mesh_axes=axes, example_axes=(0, None)))(
+          params, state, None, x, memory)
+  want_c = 1.0 / (1.0 + norms)
+  np.testing.assert_allclose(c, want_c, rtol=1e-5)
+  _assert_grads(grads, reference.weighted_sum(f, want_c, params), 1e-5)
+
+  c_norm = float(np.median(norms))
+  pad = np.arange(B) >= B - 3
+  clipped = gram_haiku.clipped_grad(
+      tracked.apply, c_norm, has_aux=True, mesh=mesh, mesh_axes=axes,
+      example_axes=(0, None))
+  grads, caux = jax.jit(clipped)(params, state, None, x, memory,
+                                 is_padding_example=jnp.asarray(pad))
+  weights = reference.clip_reference(norms, c_norm) * ~pad
+  _assert_grads(grads, reference.weighted_sum(f, weights, params), 1e-5)
+  np.testing.assert_allclose(caux.grad_norms, norms, rtol=1e-5)
+  for w in caux.weights.values():
+    np.testing.assert_allclose(w, weights, rtol=1e-5)
+  want_fraction = np.sum((norms > c_norm) & ~pad) / np.sum(~pad)
+  np.testing.assert_allclose(caux.fraction_clipped, want_fraction,
+                             rtol=1e-6)
+  return {}
+
+
+def case_mesh_argument_errors():
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  tracked, params, state, x, memory, _ = _mesh_problem()
+  mesh = jax.make_mesh((4, 2), ("a", "b"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+  def expect(run, *fragments):
+    try:
+      run()
+    except ValueError as e:
+      assert all(f in str(e) for f in fragments), (fragments, str(e))
+    else:
+      raise AssertionError(f"no error; expected {fragments}")
+  for transform in (gram_haiku.value_grad_and_gram,
+                    lambda f, **kw: gram_haiku.reweighted_grad(
+                        f, lambda g: g.norms, **kw),
+                    lambda f, **kw: gram_haiku.clipped_grad(f, 1.0, **kw)):
+    expect(lambda t=transform: t(tracked.apply, mesh_axes=("a", "b")),
+           "several mesh axes", "mesh=mesh")
+    expect(lambda t=transform: t(tracked.apply, mesh=mesh,
+                                 mesh_axes=("a", "c")), "['c']")
+  step = gram_haiku.value_grad_and_gram(tracked.apply, has_aux=True,
+                                        mesh=mesh, example_axes=(0, None))
+  expect(lambda: step(params, state, None, x[:12], memory),
+         "(12, 4)", "8 devices", "is_padding_example")
+
+  def inside(params, state, x):
+    return step(params, state, None, x, memory)[2].total
+  inside_map = jax.shard_map(inside, mesh=mesh,
+                             in_specs=(P(), P(), P(("a", "b"))),
+                             out_specs=P(("a", "b")))
+  expect(lambda: inside_map(params, state, x), "called inside shard_map")
+  return {}
+
+
 def cases(everything: bool):
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
   out = []
@@ -594,6 +743,8 @@ def cases(everything: bool):
       out.append((f"jit/{axis_type}/{name}",
                   lambda a=axis_type, n=name: case_jit(a, n)))
   out.append(("errors", case_errors))
+  out.append(("mesh_argument/transforms", case_mesh_argument))
+  out.append(("mesh_argument/errors", case_mesh_argument_errors))
   for clipping in ("all-layer", "per-layer"):
     for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
         else ("MLP",):

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src import errors
-from gram_haiku._src import example_sharding
 from gram_haiku._src import reweight
+from gram_haiku._src import shard_examples
 from gram_haiku._src.ops import base
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.result import Grams
@@ -150,7 +150,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
                  mesh_axes: str | tuple[str, ...] | None = None,
                  frozen: reweight.Frozen = None,
                  layer_split: LayerSplit = "equal",
-                 example_axes: Optional[Sequence[Optional[int]]] = None):
+                 example_axes: Optional[Sequence[Optional[int]]] = None,
+                 mesh: Optional[jax.sharding.Mesh] = None):
   """The sum of clipped per-example gradients, in one backward pass.
 
   Args:
@@ -178,6 +179,10 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       of non-negative weights (``C_l = C w_l / sqrt(sum w^2)``); see
       :func:`split_threshold`.
     example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
+    mesh: as in :func:`gram_haiku.value_grad_and_gram`: ``g`` builds its
+      own ``shard_map`` and takes the whole batch (``is_padding_example``
+      split with it); ``grad_norms``, ``weights`` and ``grams`` come back
+      global, ``values`` with one entry per device.
 
   Returns:
     A ``jax_privacy.clipping.BoundedSensitivityCallable`` ``g`` with
@@ -212,7 +217,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     thresholds = None
     bound = _check_threshold(l2_clip_norm, "l2_clip_norm")
   total = float(bound)
-  axes = example_sharding.normalize_axes(mesh_axes)
+  axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")
 
   _check_split(layer_split)
   if thresholds is not None and layer_split != "equal":
@@ -268,5 +273,17 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     return grads, ClippedGradAux(values, aux, r.grams.norms, fraction,
                                  r.weights, r.grams, r.state)
 
+  if mesh is not None:
+    fun = shard_examples.shard_examples(
+        fun, mesh=mesh, axes=axes, example_axes=example_axes,
+        fn_name="clipped_grad", row_kwargs=("is_padding_example",),
+        rows=lambda out: (shard_examples.mark(out[0], False),
+                          out[1]._replace(**{
+                              k: shard_examples.mark(v, k in _ROWS)
+                              for k, v in out[1]._asdict().items()})))
   callable_type = _bounded_sensitivity_callable()
   return callable_type(fun, total / normalize_by, True)
+
+
+# The fields of ClippedGradAux with one row per example.
+_ROWS = ("grad_norms", "weights", "grams")

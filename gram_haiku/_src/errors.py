@@ -193,20 +193,55 @@ PROBE_NOT_VARYING = (
     "and its Gram cannot be summed across devices (that would be silently "
     "wrong).\n"
     "What to do: pass value_grad_and_gram(apply_fn, mesh_axes=...) naming "
-    "the mesh axes the examples are split over, in the order of the batch's "
-    "PartitionSpec entry (here perhaps mesh_axes={suggest}, listed in the "
-    "mesh's order; leave out axes that split features, not examples), so "
-    "that each device gets its rows f32[B_local, B] of the global Gram; on "
-    "the raw path give the probe the shape {raw}.")
+    "the mesh axes the examples are split over (here perhaps "
+    "mesh_axes={suggest}; leave out axes that split features, not "
+    "examples), so that each device gets its rows f32[B_local, B] of the "
+    "global Gram; for several axes pass mesh=mesh too and call it outside "
+    "shard_map, which fixes their order. On the raw path give the probe the "
+    "shape {raw}.")
 
 PROBE_AXES_ORDER = (
     "gram_haiku: the Gram probe of module '{module}' (shape {shape}) varies "
     "over several mesh axes {axes} inside shard_map. Its rows are split over "
     "all of them, but a probe cannot say in which order, and a guessed order "
     "would permute the Gram's columns.\n"
-    "What to do: use gram_haiku.value_grad_and_gram(apply_fn, mesh_axes=...) "
-    "with the axes in the order of the batch's PartitionSpec entry, or split "
-    "the examples over one mesh axis on the raw path.")
+    "What to do: use gram_haiku.value_grad_and_gram(apply_fn, mesh=mesh, "
+    "mesh_axes=...), which builds the shard_map and so fixes the order, or "
+    "split the examples over one mesh axis on the raw path.")
+
+MESH_AXES_ORDER = (
+    "gram_haiku.{fn}(mesh_axes={axes}): the examples are split over several "
+    "mesh axes, inside a jax.shard_map built elsewhere. Its body cannot see "
+    "in which order the batch's PartitionSpec entry splits them, and an "
+    "order other than {axes} would permute the Gram's columns with no "
+    "error.\n"
+    "What to do: pass the mesh as well, gram_haiku.{fn}(..., mesh=mesh, "
+    "mesh_axes={axes}), and call the result outside shard_map on the whole "
+    "batch: it builds the shard_map itself, splitting the examples with "
+    "PartitionSpec({axes}) and assembling the Gram in the same order. Or "
+    "split the examples over one mesh axis.")
+
+MESH_AXES_NOT_IN_MESH = (
+    "gram_haiku.{fn}(mesh=..., mesh_axes={axes}): the mesh has the axes "
+    "{names}, not {missing}.\n"
+    "What to do: name mesh axes of this mesh (the ones the examples are to "
+    "be split over), or leave mesh_axes out to split them over all of them.")
+
+MESH_SPLIT_SIZE = (
+    "gram_haiku.{fn}(mesh=..., mesh_axes={axes}): a batch array of shape "
+    "{shape} has {size} examples along axis {axis}, which {n} "
+    "devices cannot share equally.\n"
+    "What to do: give a batch whose size is a multiple of {n} (pad it, with "
+    "clipped_grad's is_padding_example marking the padding), or split it "
+    "over fewer devices.")
+
+MESH_INSIDE_SHARD_MAP = (
+    "gram_haiku.{fn}(mesh=...): the function it returns builds its own "
+    "jax.shard_map and takes the whole batch, but it was called inside "
+    "shard_map or with mesh axes {bound} already bound.\n"
+    "What to do: call it outside shard_map (under jax.jit if you like), or "
+    "drop mesh= and pass mesh_axes= inside your own shard_map (one mesh "
+    "axis).")
 
 PARAM_TRANSFORMED = (
     "gram_haiku: parameter '{leaf}' reaches the tracked layer '{module}' "

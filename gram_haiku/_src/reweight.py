@@ -23,9 +23,9 @@ from gram_haiku._src import ambient
 from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import cost_model
 from gram_haiku._src import errors
-from gram_haiku._src import example_sharding
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import reparam
+from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
@@ -358,7 +358,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   (value, (aux, new_state)), (clip_grads, stores) = out
   if has_aux:
     value = (value, aux)
-  new_state, slots_used = vgg.restore_state(new_state, t.probes, slotted)
+  new_state, slots_used = vgg.restore_state(new_state, t.given_probes, slotted)
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
   factors = _open_factors(t, live, modes, stores, leaves)
@@ -396,7 +396,8 @@ def reweighted_grad(apply_fn: Callable[..., Any],
                     return_state: bool = False,
                     mesh_axes: str | tuple[str, ...] | None = None,
                     frozen: Frozen = None,
-                    example_axes: Optional[Sequence[Optional[int]]] = None
+                    example_axes: Optional[Sequence[Optional[int]]] = None,
+                    mesh: Optional[jax.sharding.Mesh] = None
                     ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning ``sum_i c_i g_i``.
 
@@ -431,6 +432,8 @@ def reweighted_grad(apply_fn: Callable[..., Any],
       differentiate (closed over, read through ``stop_gradient``) are
       frozen as well. Frozen parameters have no term in the Grams.
     example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
+    mesh: as in :func:`gram_haiku.value_grad_and_gram` (the function builds
+      its ``shard_map``; ``c`` comes back as the global ``f32[B]``).
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams, c)``
@@ -444,7 +447,7 @@ def reweighted_grad(apply_fn: Callable[..., Any],
       :func:`gram_haiku.value_grad_and_gram`.
   """
   check_needs(needs)
-  axes = example_sharding.normalize_axes(mesh_axes)
+  axes = shard_examples.example_axes_of(mesh_axes, mesh, "reweighted_grad")
 
   def fn(params, state, rng, *args, **kwargs):
     r = run(apply_fn, params, state, rng, args, kwargs,
@@ -455,4 +458,10 @@ def reweighted_grad(apply_fn: Callable[..., Any],
     value = (r.value, r.state) if return_state else r.value
     return value, r.grads, r.grams, c
 
-  return fn
+  if mesh is None:
+    return fn
+  return shard_examples.shard_examples(
+      fn, mesh=mesh, axes=axes, example_axes=example_axes,
+      fn_name="reweighted_grad",
+      rows=lambda out: (shard_examples.mark(out[:2], False),
+                        shard_examples.mark(out[2:], True)))

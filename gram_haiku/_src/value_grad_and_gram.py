@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import ambient
+from gram_haiku._src import batch_args
 from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import coverage as coverage_lib
 from gram_haiku._src import dataflow
@@ -20,6 +21,7 @@ from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
 from gram_haiku._src import plan as plan_lib
 from gram_haiku._src import reparam
+from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
@@ -243,82 +245,6 @@ def leaf_names(params) -> list[str]:
   return names
 
 
-#: An array whose examples lie along axis 0 if its leading size is the
-#: batch's (the default rule of ``example_axes``).
-AUTO = "auto"
-
-
-def leaf_example_axes(args, kwargs, example_axes) -> list:
-  """Per leaf of ``(args, kwargs)``: its example axis (an int,
-  normalised), None (no examples), or :data:`AUTO`.
-
-  ``args`` are the positional batch arguments after ``rng``, and
-  ``example_axes`` one int or None per argument (see
-  :func:`value_grad_and_gram`), or None (:data:`AUTO` for every leaf).
-  Raises a teaching error for anything else.
-  """
-  if example_axes is not None:
-    ok = isinstance(example_axes, (tuple, list)) and all(
-        a is None or (isinstance(a, int) and not isinstance(a, bool))
-        for a in example_axes)
-    if not ok or len(example_axes) != len(args):
-      raise ValueError(errors.BAD_EXAMPLE_AXES.format(
-          got=example_axes, n=len(args)))
-  out = []
-  for k, arg in enumerate(args):
-    for leaf in jax.tree_util.tree_leaves(arg):
-      ax = AUTO if example_axes is None else example_axes[k]
-      if isinstance(ax, int):
-        ndim = np.ndim(leaf)
-        if not -ndim <= ax < ndim:
-          raise ValueError(errors.EXAMPLE_AXIS_OUT_OF_RANGE.format(
-              k=k, axis=ax, shape=np.shape(leaf)))
-        ax %= ndim
-      out.append(ax)
-  out.extend(AUTO for _ in jax.tree_util.tree_leaves(kwargs))
-  return out
-
-
-def example_size(a, axis):
-  """The size of array ``a``'s example axis ``axis`` (see
-  :func:`leaf_example_axes`), or None."""
-  if axis is None or not np.ndim(a):
-    return None
-  return np.shape(a)[0 if axis == AUTO else axis]
-
-
-def _split_batch(args, kwargs, example_axes=None):
-  """The batch's arrays, their example axes (:func:`leaf_example_axes`),
-  and ``rebuild(arrays) -> (args, kwargs)``.
-
-  Arrays become inputs of the discovery trace (so that the examples can be
-  followed through it); everything else (flags, Python numbers) stays as
-  given. ``args`` starts with the ``rng`` position, which
-  ``hk.without_apply_rng`` transforms fill with the first batch argument.
-  """
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  if example_axes is not None and len(example_axes) == len(args):
-    # hk.without_apply_rng: the rng position holds the first argument.
-    leaf_axes = leaf_example_axes(args, kwargs, example_axes)
-  else:
-    # The rng (or, under hk.without_apply_rng, the first argument when
-    # example_axes does not name it) follows the default rule.
-    leaf_axes = ([AUTO if example_axes is None else None] *
-                 len(jax.tree_util.tree_leaves(args[0])) +
-                 leaf_example_axes(args[1:], kwargs, example_axes))
-  is_array = [isinstance(l, (jax.Array, np.ndarray)) and not
-              jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
-              for l in leaves]
-  arrays = [l for l, a in zip(leaves, is_array) if a]
-  axes = [ax for ax, a in zip(leaf_axes, is_array) if a]
-
-  def rebuild(new_arrays):
-    it = iter(new_arrays)
-    full = [next(it) if a else l for l, a in zip(leaves, is_array)]
-    return jax.tree_util.tree_unflatten(treedef, full)
-  return arrays, axes, rebuild
-
-
 def _discover(loss, params, probes, rng, args, kwargs, axes,
               example_axes=None):
   """One abstract trace of the loss (no FLOPs), read.
@@ -329,8 +255,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   examples (axis 0 of the batch's arrays) through the program
   (:func:`gram_haiku._src.example_flow.check`).
   """
-  arrays, array_axes, rebuild = _split_batch((rng, *args), kwargs,
-                                             example_axes)
+  arrays, array_axes, rebuild = batch_args.split_batch(
+      (rng, *args), kwargs, example_axes)
   seen: dict = {}
   untracked: dict = {}
 
@@ -361,7 +287,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   def check_examples(strict: bool = False) -> bool:
     """Follows the examples; True when every layer was verified
     (``strict``: see :func:`gram_haiku._src.example_flow.check`)."""
-    leading = {example_size(a, ax) for a, ax in zip(arrays, array_axes)
+    leading = {batch_args.example_size(a, ax)
+               for a, ax in zip(arrays, array_axes)
                } - {None}
     sizes = set(found.sizes.values())
     if len(sizes) == 1 and sizes <= leading:
@@ -372,11 +299,11 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
       return False  # No one size of the batch: nothing to follow.
     states = [example_flow.CONST] * (n_params + len(probe_names))
     for a, ax in zip(arrays, array_axes):
-      size = example_size(a, ax)
+      size = batch_args.example_size(a, ax)
       if isinstance(ax, int) and size != batch:
         raise ValueError(errors.EXAMPLE_AXIS_SIZE.format(
             shape=np.shape(a), axis=ax, size=size, batch=batch))
-      states.append(example_flow.Ex(0 if ax == AUTO else ax)
+      states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
                     if size == batch else example_flow.CONST)
     return example_flow.check(live, states, batch, base.GramOp,
                               strict=strict)
@@ -391,6 +318,8 @@ class TracedLoss:
     rest: the Haiku state without its probes.
     probes: ``{module: probe}`` from the state (varying over the mesh axes
       inside ``shard_map``).
+    given_probes: the same as the caller gave them (what the new state
+      holds, so that it can be fed back as given).
     loss_of: ``loss_of(params, probes, rng, args, kwargs, extra=None) ->
       (value, (aux, new_state))``; ``extra``: more state entries, ``{module:
       {name: value}}`` (the slot counters of slotted probes).
@@ -401,6 +330,7 @@ class TracedLoss:
   """
   rest: dict
   probes: dict
+  given_probes: dict
   loss_of: Callable[..., Any]
   found: dataflow.Discovery
   seen: dict
@@ -437,6 +367,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
           shape=jnp.shape(value), dtype=jnp.result_type(value)))
     return value, (aux, new_state)
 
+  given_probes = probes
   if axes:  # Each device has its own rows: the probes vary over `axes`.
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     _check_batch_split(axes, probes, (args, kwargs))
@@ -444,9 +375,10 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
       example_axes)
   if not found.sizes:
-    arrays, array_axes, _ = _split_batch((None, *args), kwargs,
-                                         example_axes)
-    sizes = [example_size(a, ax) for a, ax in zip(arrays, array_axes)]
+    arrays, array_axes, _ = batch_args.split_batch(
+        (None, *args), kwargs, example_axes)
+    sizes = [batch_args.example_size(a, ax)
+             for a, ax in zip(arrays, array_axes)]
     if any(n is not None for n in sizes) and all(
         n == 0 for n in sizes if n is not None):
       raise ValueError(errors.EMPTY_BATCH_NO_LAYERS.format(
@@ -460,7 +392,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
           leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
   size = _check_example_axes(found, check_examples(strict))
-  return TracedLoss(rest, probes, loss_of, found, seen, size, n_devices)
+  return TracedLoss(rest, probes, given_probes, loss_of, found, seen, size,
+                    n_devices)
 
 
 def restore_state(new_state, probes: Mapping[str, Any],
@@ -480,7 +413,8 @@ def restore_state(new_state, probes: Mapping[str, Any],
 def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                         return_state: bool = False,
                         mesh_axes: str | tuple[str, ...] | None = None,
-                        example_axes: Optional[Sequence[Optional[int]]] = None
+                        example_axes: Optional[Sequence[Optional[int]]] = None,
+                        mesh: Optional[jax.sharding.Mesh] = None
                         ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into one returning loss, grads and Grams.
 
@@ -501,7 +435,9 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       ``value`` and ``grads`` are what ``jax.value_and_grad`` gives in the
       same ``shard_map``: with replicated parameters and VMA checking on,
       the gradients are all-reduced exactly as JAX's own AD does. See the
-      "Distributed" docs page for layouts and communication cost.
+      "Distributed" docs page for layouts and communication cost. Several
+      axes need ``mesh`` (inside a ``shard_map`` built elsewhere their
+      order cannot be checked).
     example_axes: where the examples lie in the positional batch arguments
       (those after ``rng``): one entry per argument, an int (that axis of
       every array in it, e.g. 1 for a time-major ``(T, B, F)`` input) or
@@ -512,6 +448,17 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       The tracked layers take their own example axis from ``track()``
       (``hk.vmap(..., in_axes=1)`` over a time-major input); this says
       where the check that follows the examples starts.
+    mesh: a ``jax.sharding.Mesh``: the returned function then builds the
+      ``jax.shard_map`` itself and is called outside it on the whole
+      batch. The examples (``example_axes``, default axis 0 of every array
+      of the batch arguments) are split over ``mesh_axes`` (default: every
+      axis of ``mesh``), in that order, and the Gram is assembled in the
+      same order; parameters, state and ``rng`` are replicated. The
+      outputs are global: ``grams`` ``f32[B, B]``, ``grads`` (of the sum of
+      the devices' losses) replicated, and ``value`` (each device's loss)
+      ``f32[n]``; whatever else differs per device (``aux``, BatchNorm
+      statistics in the new state) gains a leading axis of size ``n``, one
+      entry per device in the order of ``mesh_axes``.
 
   Returns:
     ``fn(params, state, rng, *args, **kwargs) -> (value, grads, grams)``:
@@ -527,7 +474,9 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
 
   Raises:
     ValueError: if ``state`` holds no probe, if the loss is not a scalar, if
-      ``mesh_axes`` are not axes of an enclosing ``shard_map``; from the
+      ``mesh_axes`` are not axes of an enclosing ``shard_map`` (or, with
+      ``mesh``, of the mesh), if there are several without ``mesh``, if
+      ``mesh``'s devices cannot share the batch equally; from the
       traced program: a parameter transformed on its way to its layer
       where the transformation cannot be pulled back (see the "Weight
       sharing" section of the semantics docs) or also used outside every
@@ -539,7 +488,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       (see :class:`gram_haiku.track`).
       Each message names the module or parameter and what to do.
   """
-  axes = example_sharding.normalize_axes(mesh_axes)
+  axes = shard_examples.example_axes_of(mesh_axes, mesh,
+                                       "value_grad_and_gram")
 
   def fn(params, state, rng, *args, **kwargs):
     t = trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs, axes,
@@ -588,7 +538,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     (value, (aux, new_state)), (grads, probe_grads) = out
     if has_aux:
       value = (value, aux)
-    new_state, used = restore_state(new_state, t.probes, slotted)
+    new_state, used = restore_state(new_state, t.given_probes, slotted)
     leaves = jax.tree_util.tree_leaves(params)
     full, diag = {}, {}
     for m, g in probe_grads.items():
@@ -606,4 +556,11 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     grams = Grams(full, diag, _coverage(params, seen, found), axes)
     return ((value, new_state) if return_state else value), grads, grams
 
-  return fn
+  if mesh is None:
+    return fn
+  return shard_examples.shard_examples(
+      fn, mesh=mesh, axes=axes, example_axes=example_axes,
+      fn_name="value_grad_and_gram",
+      rows=lambda out: (shard_examples.mark(out[0], False),
+                        shard_examples.mark(out[1], False),
+                        shard_examples.mark(out[2], True)))

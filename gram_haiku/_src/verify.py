@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import ambient
+from gram_haiku._src import batch_args
 from gram_haiku._src import reference
 from gram_haiku._src import value_grad_and_gram as vgg
 
@@ -116,7 +117,7 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   """
   axes = [0] * len(args)
   if example_axes is not None:
-    vgg.leaf_example_axes(args, {}, example_axes)  # a teaching error if bad
+    batch_args.leaf_example_axes(args, {}, example_axes)  # a teaching error if bad
     axes = list(example_axes)
   leaves = [(a, ax) for arg, ax in zip(args, axes) if ax is not None
             for a in jax.tree.leaves(arg)]

@@ -1,0 +1,90 @@
+"""The batch arguments of a pass, and where their examples lie.
+
+``example_axes`` (of :func:`gram_haiku.value_grad_and_gram` and the
+functions built on it) gives, per positional batch argument, the axis of
+every array in it that holds the examples, or None for an argument without
+examples. Without it every array follows :data:`AUTO`.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from gram_haiku._src import errors
+
+
+#: An array whose examples lie along axis 0 if its leading size is the
+#: batch's (the default rule of ``example_axes``).
+AUTO = "auto"
+
+
+def leaf_example_axes(args, kwargs, example_axes) -> list:
+  """Per leaf of ``(args, kwargs)``: its example axis (an int,
+  normalised), None (no examples), or :data:`AUTO`.
+
+  ``args`` are the positional batch arguments after ``rng``, and
+  ``example_axes`` one int or None per argument (see
+  :func:`value_grad_and_gram`), or None (:data:`AUTO` for every leaf).
+  Raises a teaching error for anything else.
+  """
+  if example_axes is not None:
+    ok = isinstance(example_axes, (tuple, list)) and all(
+        a is None or (isinstance(a, int) and not isinstance(a, bool))
+        for a in example_axes)
+    if not ok or len(example_axes) != len(args):
+      raise ValueError(errors.BAD_EXAMPLE_AXES.format(
+          got=example_axes, n=len(args)))
+  out = []
+  for k, arg in enumerate(args):
+    for leaf in jax.tree_util.tree_leaves(arg):
+      ax = AUTO if example_axes is None else example_axes[k]
+      if isinstance(ax, int):
+        ndim = np.ndim(leaf)
+        if not -ndim <= ax < ndim:
+          raise ValueError(errors.EXAMPLE_AXIS_OUT_OF_RANGE.format(
+              k=k, axis=ax, shape=np.shape(leaf)))
+        ax %= ndim
+      out.append(ax)
+  out.extend(AUTO for _ in jax.tree_util.tree_leaves(kwargs))
+  return out
+
+
+def example_size(a, axis):
+  """The size of array ``a``'s example axis ``axis`` (see
+  :func:`leaf_example_axes`), or None."""
+  if axis is None or not np.ndim(a):
+    return None
+  return np.shape(a)[0 if axis == AUTO else axis]
+
+
+def split_batch(args, kwargs, example_axes=None):
+  """The batch's arrays, their example axes (:func:`leaf_example_axes`),
+  and ``rebuild(arrays) -> (args, kwargs)``.
+
+  Arrays become inputs of the discovery trace (so that the examples can be
+  followed through it); everything else (flags, Python numbers) stays as
+  given. ``args`` starts with the ``rng`` position, which
+  ``hk.without_apply_rng`` transforms fill with the first batch argument.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  if example_axes is not None and len(example_axes) == len(args):
+    # hk.without_apply_rng: the rng position holds the first argument.
+    leaf_axes = leaf_example_axes(args, kwargs, example_axes)
+  else:
+    # The rng (or, under hk.without_apply_rng, the first argument when
+    # example_axes does not name it) follows the default rule.
+    leaf_axes = ([AUTO if example_axes is None else None] *
+                 len(jax.tree_util.tree_leaves(args[0])) +
+                 leaf_example_axes(args[1:], kwargs, example_axes))
+  is_array = [isinstance(l, (jax.Array, np.ndarray)) and not
+              jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)
+              for l in leaves]
+  arrays = [l for l, a in zip(leaves, is_array) if a]
+  axes = [ax for ax, a in zip(leaf_axes, is_array) if a]
+
+  def rebuild(new_arrays):
+    it = iter(new_arrays)
+    full = [next(it) if a else l for l, a in zip(leaves, is_array)]
+    return jax.tree_util.tree_unflatten(treedef, full)
+  return arrays, axes, rebuild
