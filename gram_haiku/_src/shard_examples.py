@@ -171,8 +171,8 @@ def shard_examples(fn: Callable[..., Any], *, mesh, axes: AxisNames,
     jax.eval_shape(jax.shard_map(first, mesh=mesh, in_specs=in_specs,
                                  out_specs=P(entry)), params, state, arrays)
     kinds = found["kinds"]
-    out_specs = [P(entry) if k == ROWS else P() if k == SAME else P(entry)
-                 for k in kinds]
+    # Rows are split along axis 0; per-device values along their new axis 0.
+    out_specs = [P() if k == SAME else P(entry) for k in kinds]
 
     def body(params, state, arrays):
       out_leaves, _, _ = call(params, state, arrays)
