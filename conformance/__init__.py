@@ -3,7 +3,7 @@
 A Gram op is described by an :class:`OpSpec` (how to build inputs, how to call
 the op, and the matching untracked per-example loss) and registered with
 :func:`register`. The check families in :mod:`conformance.checks` (parity,
-reference, vmap, transforms, sharded, properties) then run every registered
+reference, vmap, transforms, frozen, sharded, properties) then run every registered
 op.
 
 Run it with ``python -m conformance`` (in parallel, with a summary table),

@@ -11,6 +11,8 @@ Families (see ``docs/conformance.rst``):
 * **transforms**: checkpoint policies, ``lax.scan`` over stacked and over
   shared parameters, ``jax.vjp(...).with_refs``, ``has_aux``, grad of a
   jitted function, ``vmap(grad)``, norms-only mode.
+* **frozen**: :func:`check_frozen`: a parameter in ``Plan.frozen`` has no
+  term in the Gram or the norms, and zero per-example columns.
 * **sharded**: :mod:`conformance.sharded` (its own process).
 
 Every Gram is compared with the reference ``F @ F.T`` of the plain op
@@ -521,6 +523,112 @@ def check_vmap_of_grad(spec: OpSpec, seed=0):
   diag = jax.vmap(jax.grad(loss), in_axes=(None, 0))(_probe((1, 1)), x)
   chex.assert_shape(diag, (B, 1, 1))
   assert_close(diag[:, 0, 0], np.diag(ref), what="vmap(grad) 1x1 Grams")
+
+
+# -- frozen parameters -------------------------------------------------------
+
+
+def op_param_indices(spec: OpSpec, params, x) -> dict:
+  """Parameter key (its ``jax.tree_util.keystr``) -> index of the op
+  parameter it is bound to, read from the one Gram-op equation of
+  ``jax.make_jaxpr`` of ``spec.apply``. A parameter that ``apply`` passes
+  through another computation first (a broadcast, a reshape) is left out.
+
+  Raises:
+    NotApplicable: when ``spec.apply`` binds no Gram op or several, or
+      passes no parameter to it as it is.
+  """
+  from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops.base import GramOp  # pylint: disable=g-import-not-at-top
+  paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = [jax.tree_util.keystr(k) for k, _ in paths]
+  probe = _probe((B, B))
+  jaxpr = jax.make_jaxpr(lambda *leaves: spec.apply(
+      jax.tree.unflatten(treedef, leaves), probe, x))(
+          *[v for _, v in paths]).jaxpr
+  ops = [(eqn, hx.gram_op_of(eqn, GramOp)) for eqn in jaxpr.eqns]
+  ops = [(eqn, op) for eqn, op in ops if op is not None]
+  if len(ops) != 1:
+    raise NotApplicable(f"{spec.name}: apply binds {len(ops)} Gram ops, not "
+                        f"one (the frozen family reads one op's parameters)")
+  eqn, op = ops[0]
+  present = iter(eqn.invars[1:-1])
+  bound = {id(next(present)): i for i, a in enumerate(op.param_avals)
+           if a is not None}
+  found = {key: bound[id(var)] for key, var in zip(keys, jaxpr.invars)
+           if id(var) in bound}
+  if not found:
+    raise NotApplicable(f"{spec.name}: no parameter is passed to the op as "
+                        f"it is")
+  return found
+
+
+def check_frozen(spec: OpSpec, seed=0):
+  """``Plan(frozen=(i,))``: parameter ``i`` has no gradient, so its terms
+  leave the Gram and the norms (``F_rest F_rest^T`` over the other
+  parameters' columns) and its columns of the per-example gradients are
+  zero; freezing every parameter gives zeros.
+
+  This is what :func:`gram_haiku.value_grad_and_gram` binds for a frozen
+  weight (closed over, read through ``stop_gradient``, or ``frozen=``);
+  an op that keeps a frozen parameter's term returns a wrong Gram. The
+  plan reaches the op through ``spec.apply(..., plan=...)``.
+
+  Raises:
+    NotApplicable: for an ``apply`` that does not accept ``plan=``, or as
+      :func:`op_param_indices`.
+  """
+  from gram_haiku import Plan  # pylint: disable=g-import-not-at-top
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  index = op_param_indices(spec, params, x)
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  keys = [jax.tree_util.keystr(k) for k, _ in paths]
+  sizes = [int(np.size(v)) for _, v in paths]
+  f = per_example_grads(spec, params, x)
+  starts = np.cumsum([0] + sizes)
+  columns = {k: slice(starts[j], starts[j + 1]) for j, k in enumerate(keys)}
+  # The op's per-example columns follow its parameter order.
+  if len(index) < len(keys):  # Their order is not known then.
+    op_order = None
+  else:
+    op_order = sorted(keys, key=index.get)
+  op_columns = {}
+  if op_order is not None:
+    op_starts = np.cumsum([0] + [sizes[keys.index(k)] for k in op_order])
+    op_columns = {k: slice(op_starts[j], op_starts[j + 1])
+                  for j, k in enumerate(op_order)}
+  cases = [(k,) for k in keys if k in index]
+  if len(index) == len(keys) > 1:
+    cases.append(tuple(keys))
+
+  def run(plan, probe):
+    def loss(probe, x):
+      return _loss(spec.apply(params, probe, x, plan=plan))
+    try:
+      return np.asarray(jax.jit(jax.grad(loss))(probe, x), np.float64)
+    except TypeError as e:
+      if "plan" in str(e):
+        raise NotApplicable(f"{spec.name}: apply does not take plan= ({e})")
+      raise
+
+  for frozen in cases:
+    live = [columns[k] for k in keys if k not in frozen]
+    f_rest = (np.concatenate([f[:, c] for c in live], axis=1) if live
+              else np.zeros((B, 0)))
+    ref = f_rest @ f_rest.T
+    ids = tuple(sorted(index[k] for k in frozen))
+    label = f"frozen {', '.join(frozen)}"
+    gram = run(Plan(mode="gram", frozen=ids), _probe((B, B)))
+    assert_close(gram, ref, what=f"Gram ({label})")
+    sq = run(Plan(mode="norms", frozen=ids), _probe((B,)))
+    assert_close(sq, np.diag(ref), what=f"squared norms ({label})")
+    per = run(Plan(mode="per_example", frozen=ids), _probe((B, f.shape[1])))
+    for k in frozen if op_columns else ():
+      np.testing.assert_array_equal(
+          per[:, op_columns[k]], 0.,
+          err_msg=f"{spec.name}: per-example columns of frozen {k} not zero")
+    assert_close(per @ per.T, ref,
+                 what=f"Gram of the per-example gradients ({label})")
 
 
 TRANSFORM_CHECKS = {

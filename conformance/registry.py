@@ -24,9 +24,11 @@ class OpSpec:
       ``integer_input``, ``dtype`` is ignored and ``x`` holds integers.
     apply: ``(params, probe, x, **op_kwargs) -> y`` calling the Gram op.
       ``op_kwargs`` may hold ``example_axis`` (an
-      :class:`gram_haiku.ExampleAxis`) and ``mode`` (``"gram"``,
-      ``"norms"``); pass them on to the op. ``probe`` is the zero probe:
-      ``(B, B)`` for ``"gram"``, ``(B,)`` for ``"norms"``.
+      :class:`gram_haiku.ExampleAxis`), ``mode`` (``"gram"``,
+      ``"norms"``, ``"per_example"``) or ``plan`` (a
+      :class:`gram_haiku.Plan`, for the frozen family); pass them on to the
+      op. ``probe`` is the zero probe: ``(B, B)`` for ``"gram"``, ``(B,)``
+      for ``"norms"``, ``(B, P)`` for ``"per_example"``.
     plain: ``(params, x) -> y``, the same computation untracked; must
       accept ``x`` with any number of leading axes.
     integer_input: ``x`` is integer (ids): its cotangent must be ``float0``

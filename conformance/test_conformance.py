@@ -126,3 +126,9 @@ def test_checkpoint(conformance_op, conformance_platform, policy, vmapped):
 def test_transforms(conformance_op, conformance_platform, name):
   with checks.on_platform(conformance_platform):
     checks.TRANSFORM_CHECKS[name](conformance_op)
+
+
+@pytest.mark.conformance_family("frozen")
+def test_frozen(conformance_op, conformance_platform):
+  with checks.on_platform(conformance_platform):
+    _run(checks.check_frozen, conformance_op)

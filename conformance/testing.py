@@ -74,3 +74,7 @@ class GramOpTestMixin:
   def test_transforms(self):
     self._each("check", list(checks.TRANSFORM_CHECKS),
                lambda c: checks.TRANSFORM_CHECKS[c](self._spec()))
+
+  def test_frozen(self):
+    self._each("check", ["frozen"],
+               lambda _: checks.check_frozen(self._spec()))

@@ -20,10 +20,10 @@ from gram_haiku._src.ops.linear import GramLinear
 
 
 def _spec(op_cls, with_bias=True, apply=None):
-  def default_apply(p, probe, x, example_axis=None, mode="gram"):
+  def default_apply(p, probe, x, example_axis=None, mode="gram", plan=None):
     return op_cls.apply(x, (p["w"], p.get("b")), probe, name="broken",
                         example_axis=example_axis, strategy="ghost",
-                        mode=mode, precision=None)
+                        mode=mode, precision=None, plan=plan)
   return OpSpec(name="broken", make_params=_linear_params(with_bias),
                 make_example=lambda k, lead, dt: normal(k, lead + (5,), dt),
                 apply=apply or default_apply, plain=_linear_plain)
@@ -83,6 +83,23 @@ class PhantomBiasLinear(_BrokenGramLinear):
                                cfg=cfg)
 
 
+class KeepsFrozenTermsLinear(GramLinear):
+  """Ignores ``Plan.frozen``: a frozen weight's term stays in the Gram."""
+
+  def products(self, x, g, params, wanted, cfg):
+    return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
+
+
+class FreezesEverythingLinear(GramLinear):
+  """Treats one frozen parameter as the whole layer frozen."""
+
+  def products(self, x, g, params, wanted, cfg):
+    if self.plan.frozen:
+      return GramLinear.products(self.with_plan(frozen=(0, 1)), x, g, params,
+                                 wanted, cfg)
+    return super().products(x, g, params, wanted, cfg)
+
+
 def test_wrong_cotangent_dtype_fails_parity():
   spec = _spec(WrongDtypeLinear)
   with pytest.raises(AssertionError, match="cotangent dtype float32"):
@@ -127,6 +144,24 @@ def test_summing_per_application_grams_fails_sharing():
   checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
 
 
+@pytest.mark.parametrize("op_cls", [KeepsFrozenTermsLinear,
+                                    FreezesEverythingLinear])
+def test_mishandled_frozen_parameter_fails_frozen(op_cls):
+  spec = _spec(op_cls)
+  with pytest.raises(AssertionError, match="frozen"):
+    checks.check_frozen(spec)
+  checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
+
+
+def test_frozen_family_needs_plan_passed_on():
+  def apply(p, probe, x, example_axis=None, mode="gram"):
+    return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis,
+                       mode=mode)
+  spec = _spec(GramLinear, apply=apply)
+  with pytest.raises(checks.NotApplicable, match="plan"):
+    checks.check_frozen(spec)
+
+
 def test_good_op_passes_every_family():
   spec = _spec(GramLinear)
   for case in ("float32", "bfloat16", "mixed"):
@@ -137,6 +172,7 @@ def test_good_op_passes_every_family():
     checks.check_example_axis_selection(spec, case)
   for check in checks.TRANSFORM_CHECKS.values():
     check(spec)
+  checks.check_frozen(spec)
   assert jax.devices()
 
 
