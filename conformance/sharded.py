@@ -4,8 +4,10 @@ Runs in its own process, because the CPU device count must be set before any
 JAX backend starts: ``python -m conformance.sharded --json OUT`` sets
 ``jax_num_cpu_devices=8``, then for every registered op, every layout and
 every platform present computes the Gram sharded and on one device, and
-writes one record per case to ``OUT``. ``conformance/test_sharded.py``
-starts it once per pytest session and turns each record into a test.
+writes one record per case to ``OUT`` (``--cases op:layout,...`` runs
+only those pairs). ``conformance/test_sharded.py`` starts it once per pytest
+session, for the (op, layout) pairs the session's budget kept, and turns
+each record into a test.
 
 Layouts (see the Distributed page of the documentation):
 
@@ -125,6 +127,9 @@ def main(argv=None) -> int:
   parser.add_argument("--ops", default="", help="comma-separated op names")
   parser.add_argument("--modules", default="", help="comma-separated "
                       "modules to import first: they register ops")
+  parser.add_argument("--cases", default="", help="comma-separated "
+                      "op:layout pairs to run (default: every layout of "
+                      "every selected op)")
   args = parser.parse_args(argv)
   jax = _configure()
   import importlib  # pylint: disable=g-import-not-at-top
@@ -135,6 +140,7 @@ def main(argv=None) -> int:
   from conformance import checks  # pylint: disable=g-import-not-at-top
   from conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
   names = [n for n in args.ops.split(",") if n]
+  pairs = {tuple(c.split(":", 1)) for c in args.cases.split(",") if c}
   records = []
   for platform in checks.platforms_present():
     devices = jax.devices(platform)
@@ -142,6 +148,8 @@ def main(argv=None) -> int:
       if names and spec.name not in names:
         continue
       for layout in LAYOUTS:
+        if pairs and (spec.name, layout) not in pairs:
+          continue
         rec = {"op": spec.name, "layout": layout, "platform": platform,
                "devices": len(devices)}
         try:

@@ -15,8 +15,20 @@ from conformance import sharded
 pytestmark = pytest.mark.conformance
 
 
+def _kept_cases(session) -> str:
+  """``op:layout`` pairs of the session's (sampled) sharded tests, sorted:
+  every xdist worker collects the same items, so the one runner they share
+  gets the same arguments from each."""
+  pairs = set()
+  for item in session.items:
+    if item.originalname == "test_sharded_equals_single_device":
+      params = item.callspec.params
+      pairs.add(f"{params['conformance_op'].name}:{params['layout']}")
+  return ",".join(sorted(pairs))
+
+
 @pytest.fixture(scope="session")
-def sharded_records(tmp_path_factory, pytestconfig):
+def sharded_records(tmp_path_factory, pytestconfig, request):
   ops = [op.name for op in plugin.selected_ops(pytestconfig)]
   modules = sorted(set(registry.registering_modules(ops)) | set(
       plugin.extra_modules(pytestconfig)))
@@ -24,7 +36,8 @@ def sharded_records(tmp_path_factory, pytestconfig):
   return runner.run_once(
       "conformance-sharded",
       runner.python_cmd("conformance.sharded", "--ops", ",".join(ops),
-                        "--modules", ",".join(modules)),
+                        "--modules", ",".join(modules),
+                        "--cases", _kept_cases(request.session)),
       tmp_path_factory, env=env, cwd=str(pytestconfig.rootpath))
 
 

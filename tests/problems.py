@@ -1,9 +1,12 @@
 """Random problems shared by the model-level tests."""
 
+import itertools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conformance.plugin import thorough
 from conformance.registry import normal as _normal
@@ -15,6 +18,26 @@ from conformance.registry import numpy_rng
 #: batched MLP, tied embeddings, the refusal tests, the conformance
 #: ``jit_none`` layouts and the zoo's ``eager`` style.
 JIT_CASES = [False, True] if thorough() else [True]
+
+
+def spread(*axes):
+  """Combinations of parameter values for ``pytest.mark.parametrize``.
+
+  Each axis is a list of ``(id, value)`` pairs. With
+  ``--conformance-thorough``: the whole product. By default: the
+  combinations whose value indices sum to a multiple of the smallest
+  axis's length, so that every value of every axis still runs (each value
+  of the longest axis with every value of the smallest) at about
+  ``1 / min(len)`` of the product's cost.
+  """
+  m = min(len(a) for a in axes)
+  out = []
+  for idx in itertools.product(*(range(len(a)) for a in axes)):
+    if thorough() or sum(idx) % m == 0:
+      picked = [a[i] for a, i in zip(axes, idx)]
+      out.append(pytest.param(*(v for _, v in picked),
+                              id="-".join(str(k) for k, _ in picked)))
+  return out
 
 
 def normal(key, shape, dtype=jnp.float32):

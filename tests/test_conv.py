@@ -218,9 +218,10 @@ def test_patch_block_sizes():
   assert cost_model.patch_block(64, 2 * small, small // 2) == 16
 
 
-@pytest.mark.parametrize("block", ["all", 2, 3])
-@pytest.mark.parametrize("name", ["2d_nhwc_s2_groups2", "1dT_nwc_s2_same",
-                                  "3d_ncdhw_groups2_nobias"])
+@pytest.mark.parametrize("name,block", problems.spread(
+    [(n, n) for n in ("2d_nhwc_s2_groups2", "1dT_nwc_s2_same",
+                      "3d_ncdhw_groups2_nobias")],
+    [(b, b) for b in ("all", 2, 3)]))
 def test_per_example_gradients_by_blocks_of_examples(name, block, monkeypatch):
   """The materialised per-example gradients formed a block of examples at
   a time (B = 7: 2 and 3 leave a remainder block) equal the reference, in

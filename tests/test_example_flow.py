@@ -240,11 +240,11 @@ def _vmapped_penalty(xi, yi):  # every example's loss carries the penalty
   return _sq(hk.Linear(3)(xi), yi) + 1e-2 * penalty
 
 
-@pytest.mark.parametrize("mode", ["gram", "norms"])
-@pytest.mark.parametrize("named", [False, True], ids=["default", "named"])
-@pytest.mark.parametrize("body", [
-    _vmapped_positions, _vmapped_memory_mean, _vmapped_cross_attention,
-    _vmapped_penalty], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("body,named,mode", problems.spread(
+    [(f.__name__, f) for f in (_vmapped_positions, _vmapped_memory_mean,
+                               _vmapped_cross_attention, _vmapped_penalty)],
+    [("default", False), ("named", True)],
+    [("gram", "gram"), ("norms", "norms")]))
 def test_example_independent_inputs_under_hk_vmap_are_exact(body, named,
                                                             mode):
   x, y = _data(5)

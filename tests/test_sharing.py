@@ -199,9 +199,9 @@ def test_module_called_twice_under_a_custom_getter(getter):
   assert list(grams.by_layer) == ["lin"]
 
 
-@pytest.mark.parametrize("getter", [None, _copying_getter],
-                         ids=["plain", "copying_getter"])
-@pytest.mark.parametrize("unroll", ["static", "dynamic"])
+@pytest.mark.parametrize("unroll,getter", problems.spread(
+    [("static", "static"), ("dynamic", "dynamic")],
+    [("plain", None), ("copying_getter", _copying_getter)]))
 def test_unrolled_lstm(unroll, getter):
   x, y = _data(8, (3, 4, 2), 5)  # (B, T, F)
   run = hk.static_unroll if unroll == "static" else hk.dynamic_unroll
