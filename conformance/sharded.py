@@ -121,6 +121,12 @@ def failure_record(error: Exception) -> dict:
           "traceback": traceback.format_exc()[-4000:]}
 
 
+def parse_cases(text: str) -> set[tuple[str, str]]:
+  """``"op:layout,..."`` -> ``{(op, layout), ...}``. Layouts hold no
+  ``":"``; op names may (split at the last one)."""
+  return {tuple(c.rsplit(":", 1)) for c in text.split(",") if c}
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", required=True, help="output file")
@@ -140,7 +146,7 @@ def main(argv=None) -> int:
   from conformance import checks  # pylint: disable=g-import-not-at-top
   from conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
   names = [n for n in args.ops.split(",") if n]
-  pairs = {tuple(c.split(":", 1)) for c in args.cases.split(",") if c}
+  pairs = parse_cases(args.cases)
   records = []
   for platform in checks.platforms_present():
     devices = jax.devices(platform)

@@ -26,11 +26,11 @@ def spread(*axes):
   Each axis is a list of ``(id, value)`` pairs. With
   ``--conformance-thorough``: the whole product. By default: the
   combinations whose value indices sum to a multiple of the smallest
-  axis's length, so that every value of every axis still runs (each value
-  of the longest axis with every value of the smallest) at about
-  ``1 / min(len)`` of the product's cost.
+  axis's length, so that every value of every axis still runs, at about
+  ``1 / min(len)`` of the product's cost (for two axes of the same length
+  ``n``: ``n`` pairs, each value once). One axis runs whole.
   """
-  m = min(len(a) for a in axes)
+  m = min(len(a) for a in axes) if len(axes) > 1 else 1
   out = []
   for idx in itertools.product(*(range(len(a)) for a in axes)):
     if thorough() or sum(idx) % m == 0:

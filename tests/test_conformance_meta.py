@@ -162,6 +162,40 @@ def test_frozen_family_needs_plan_passed_on():
     checks.check_frozen(spec)
 
 
+def test_mixin_skips_the_frozen_family_that_cannot_apply():
+  import unittest  # pylint: disable=g-import-not-at-top
+  from conformance import testing  # pylint: disable=g-import-not-at-top
+
+  def apply(p, probe, x, example_axis=None, mode="gram"):  # no plan=
+    return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis,
+                       mode=mode)
+
+  class NoPlan(testing.GramOpTestMixin, unittest.TestCase):
+    op_spec = _spec(GramLinear, apply=apply)
+
+  class Good(testing.GramOpTestMixin, unittest.TestCase):
+    op_spec = _spec(GramLinear)
+
+  class Broken(testing.GramOpTestMixin, unittest.TestCase):
+    op_spec = _spec(KeepsFrozenTermsLinear)
+
+  outcomes = {}
+  for case in (NoPlan, Good, Broken):
+    result = unittest.TestResult()
+    case("test_frozen").run(result)
+    outcomes[case.__name__] = (len(result.skipped), len(result.failures),
+                               len(result.errors))
+  assert outcomes == {"NoPlan": (1, 0, 0), "Good": (0, 0, 0),
+                      "Broken": (0, 1, 0)}, outcomes
+
+
+def test_sharded_cases_parse_op_names_with_colons():
+  from conformance import sharded  # pylint: disable=g-import-not-at-top
+  assert sharded.parse_cases("ns:linear:jit_auto,conv2d:shard_map,") == {
+      ("ns:linear", "jit_auto"), ("conv2d", "shard_map")}
+  assert sharded.parse_cases("") == set()
+
+
 def test_good_op_passes_every_family():
   spec = _spec(GramLinear)
   for case in ("float32", "bfloat16", "mixed"):

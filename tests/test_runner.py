@@ -158,3 +158,19 @@ def test_default_budget_runs_every_family_on_every_op(n_ops, n_cases):
       assert on >= min(n_ops, plugin.OPS_PER_CASE), (name, case, on)
   if n_ops <= plugin.OPS_PER_CASE:
     assert not drop
+
+
+@pytest.mark.parametrize("sizes", [(4, 2, 2), (2, 2), (3, 3), (5,), (2, 3)])
+def test_spread_runs_every_value_of_every_axis(sizes):
+  import itertools  # pylint: disable=g-import-not-at-top
+  from tests import problems  # pylint: disable=g-import-not-at-top
+  axes = [[(f"a{k}v{i}", (k, i)) for i in range(n)]
+          for k, n in enumerate(sizes)]
+  picked = [p.values for p in problems.spread(*axes)]
+  for k, n in enumerate(sizes):  # every value of every axis runs
+    assert {v[k] for v in picked} == {(k, i) for i in range(n)}, (k, picked)
+  assert len(set(picked)) == len(picked)  # no combination twice
+  full = list(itertools.product(*[[v for _, v in a] for a in axes]))
+  assert set(picked) <= set(full)
+  if len(sizes) == 1:
+    assert len(picked) == sizes[0]
