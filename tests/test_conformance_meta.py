@@ -5,11 +5,15 @@ family meant to catch that defect fails, and that a family the defect does
 not touch still passes (so the failure is specific, not noise).
 """
 
+import unittest
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from conformance import checks
+from conformance import sharded
+from conformance import testing
 from conformance.ops.linear import _linear_params
 from conformance.ops.linear import _linear_plain
 from conformance.registry import normal
@@ -163,8 +167,6 @@ def test_frozen_family_needs_plan_passed_on():
 
 
 def test_mixin_skips_the_frozen_family_that_cannot_apply():
-  import unittest  # pylint: disable=g-import-not-at-top
-  from conformance import testing  # pylint: disable=g-import-not-at-top
 
   def apply(p, probe, x, example_axis=None, mode="gram"):  # no plan=
     return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis,
@@ -190,7 +192,6 @@ def test_mixin_skips_the_frozen_family_that_cannot_apply():
 
 
 def test_sharded_cases_parse_op_names_with_colons():
-  from conformance import sharded  # pylint: disable=g-import-not-at-top
   assert sharded.parse_cases("ns:linear:jit_auto,conv2d:shard_map,") == {
       ("ns:linear", "jit_auto"), ("conv2d", "shard_map")}
   assert sharded.parse_cases("") == set()
