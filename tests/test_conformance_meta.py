@@ -88,20 +88,25 @@ class PhantomBiasLinear(_BrokenGramLinear):
 
 
 class KeepsFrozenTermsLinear(GramLinear):
-  """Ignores ``Plan.frozen``: a frozen weight's term stays in the Gram."""
+  """Declares ``w`` and ``b`` droppable but keeps a dropped (frozen)
+  parameter's term: a zero stands in for it, and the per-example gradient
+  of ``x @ w + b`` does not depend on the value of ``w`` or ``b``."""
 
-  def products(self, x, g, params, wanted, cfg):
-    return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
+    full = [jnp.zeros(a.shape, a.dtype) if p is None else p
+            for p, a in zip(params, self.param_avals)]
+    return super().probe_cotangent_and_grads(x, g, full, wanted, cfg)
 
 
 class FreezesEverythingLinear(GramLinear):
-  """Treats one frozen parameter as the whole layer frozen."""
+  """Treats one frozen parameter as the whole layer frozen: no term at all."""
 
-  def products(self, x, g, params, wanted, cfg):
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
+    value, provided = super().probe_cotangent_and_grads(x, g, params, wanted,
+                                                        cfg)
     if self.plan.frozen:
-      return GramLinear.products(self.with_plan(frozen=(0, 1)), x, g, params,
-                                 wanted, cfg)
-    return super().products(x, g, params, wanted, cfg)
+      value = jnp.zeros_like(value)
+    return value, provided
 
 
 def test_wrong_cotangent_dtype_fails_parity():

@@ -21,6 +21,7 @@ from gram_haiku._src import bookkeeping
 from gram_haiku._src import reweight
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
+from gram_haiku._src.ops import factors
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import clip_reference
 from gram_haiku._src.reference import per_example_grads
@@ -223,7 +224,7 @@ def test_slot_count_mismatch_is_nan_not_a_partial_gram():
   op = t.found.ops["lstm/linear"].in_mode("factors")
   leaves = jax.tree_util.tree_leaves(params)
   ps = bookkeeping.op_params(op, leaves, t.found.param_leaves["lstm/linear"])
-  f_ = problems.normal(jax.random.PRNGKey(1), (T, B, op.factor_width()))
+  f_ = problems.normal(jax.random.PRNGKey(1), (T, B, factors.factor_width(op)))
   good = slots_lib.from_slots(op, f_, ps, "gram", jnp.int32(T), T)
   bad = slots_lib.from_slots(op, f_, ps, "gram", jnp.int32(T - 1), T)
   assert np.all(np.isfinite(good)) and np.all(np.isnan(bad))

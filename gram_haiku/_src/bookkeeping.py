@@ -29,6 +29,8 @@ import jax.numpy as jnp
 
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.ops import factors
+from gram_haiku._src.ops import modes
 
 
 def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
@@ -49,11 +51,12 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
 
 def from_factors(op, x, g, params, mode: str) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
-  factors (``op.split_factors`` of its ``[B, K]`` store) of one
+  factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
+  ``[B, K]`` store) of one
   application, by the op's own rule."""
   rule = op.in_mode(mode).with_plan(
       strategy=op.from_factors_strategy(mode, x, g))
-  return rule.products(x, g, params, (), KernelConfig())[0]
+  return modes.products(rule, x, g, params, (), KernelConfig())[0]
 
 
 def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
@@ -61,10 +64,11 @@ def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
   not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one
   application; ``mask_inputs``: rows with ``c_i = 0`` may hold anything
   (padding), so their inputs are zeroed too (see
-  ``GramOp.reweighted_param_grads``)."""
+  :func:`~gram_haiku._src.ops.factors.reweighted_param_grads`)."""
   wanted = [k for k, p in enumerate(params)
             if p is not None and k not in (op.plan.frozen or ())]
-  return op.reweighted_param_grads(x, g, params, c, wanted, mask_inputs)
+  return factors.reweighted_param_grads(op, x, g, params, c, wanted,
+                                        mask_inputs)
 
 
 def recontract_per_example(op, f, c) -> dict:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from gram_haiku._src import errors
 from gram_haiku._src import reweight
 from gram_haiku._src import shard_examples
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.result import Grams
 
@@ -257,7 +257,7 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
         clipped |= sq > clips[m].l2_clip_norm ** 2
     else:
       r = reweight.run(apply_fn, params, state, rng, args, kwargs,
-                       weight_fn=lambda g: base.clip_weights(g.sq_norms,
+                       weight_fn=lambda g: clip_weights(g.sq_norms,
                                                              global_clip),
                        **kw)
       clipped = r.grams.norms > total

@@ -91,6 +91,12 @@ def accumulation_dtype(*dtypes) -> jnp.dtype:
   return out
 
 
+def is_float(dtype) -> bool:
+  """Whether ``dtype`` is a floating (or complex) type: bfloat16 and float8
+  included, which numpy's own ``issubdtype`` does not count as inexact."""
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
 def rows(a: jax.Array, *tail: int) -> jax.Array:
   """``a: (B, ...)`` as ``(B, n, *tail)``: ``reshape(B, -1, *tail)`` that
   also holds for an empty batch (``B = 0``), where ``-1`` is undefined."""
@@ -278,6 +284,18 @@ def gram_matmul(a: jax.Array, b: jax.Array,
   return jnp.matmul(a, cfg.columns(b).T, precision=_HIGHEST,
                     out_sharding=rows_sharding(a, 2))
 
+
+
+def probe_value(mode: str, f: jax.Array, cfg: KernelConfig) -> jax.Array:
+  """A probe's cotangent from flattened per-example gradients ``f: [B, P]``:
+  their Gram ``[B, B]`` (``mode="gram"``; this device's rows ``[b, B]``
+  when ``cfg`` gathers columns), squared norms ``[B]`` (``"norms"``), or
+  ``f`` itself (``"per_example"``)."""
+  if mode == "norms":
+    return jnp.sum(f * f, axis=1)
+  if mode == "gram":
+    return gram_matmul(f, f, cfg)
+  return f
 
 
 def per_example_linear_grads(x: jax.Array, d: jax.Array,

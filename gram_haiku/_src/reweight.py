@@ -30,6 +30,8 @@ from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
+from gram_haiku._src.ops import factors as factors_lib
+from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.result import Grams
 
@@ -127,8 +129,8 @@ def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
     return "per_example"  # track(strategy=...) also chooses the store.
   if op.plan.strategy == "ghost":
     return "factors"
-  return cost_model.bookkeeping_method(op.num_params(), op.factor_width(),
-                                       exact)
+  return cost_model.bookkeeping_method(
+      op.num_params(), factors_lib.factor_width(op), exact)
 
 
 def _frozen(found, names, frozen_names: set) -> tuple[set, dict]:
@@ -188,12 +190,12 @@ def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
     dtype = found.probe_dtypes.get(m, p.dtype)
     if m in slotted:
       modes[m] = "slots"
-      shapes[m] = (slotted[m], t.size, op.factor_width())
+      shapes[m] = (slotted[m], t.size, factors_lib.factor_width(op))
       continue
     modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
                         m in layer_clips, dtype)
     width = op.num_params() if modes[m] == "per_example" else (
-        op.factor_width())
+        factors_lib.factor_width(op))
     shapes[m] = lead + base.probe_shape(modes[m], t.size, width)
   return modes, shapes
 
@@ -219,7 +221,7 @@ def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
   for m in live:
     op = t.found.ops[m]
     if modes[m] == "factors":
-      opened = (op, *op.split_factors(stores[m]))
+      opened = (op, *factors_lib.split_factors(op, stores[m]))
     elif modes[m] == "slots":
       opened = slots_lib.open_slots(op, stores[m])
     else:
@@ -372,7 +374,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
           got=f"{c.dtype}{list(c.shape)}", size=t.size))
     weights = {m: c * mask.astype(c.dtype) for m in live}
   else:
-    weights = {m: base.clip_weights(grams.sq_norms_by_layer[m],
+    weights = {m: clip_weights(grams.sq_norms_by_layer[m],
                                     layer_clips[m]) * mask for m in live}
   grads = _recontract(t, live, modes, stores, factors, weights, leaves,
                       diff_idx, clip_grads, example_weights is not None, skip)

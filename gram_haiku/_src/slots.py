@@ -7,12 +7,13 @@ has per-example gradient ``g_i = sum_u g_i^(u)`` over its applications
 per-example gradients adds a ``[B, P]`` buffer per application (at every
 step of a loop). Instead, where the program says how many applications
 there are, each writes its factors (input and output cotangent,
-:meth:`GramOp.factor_matrix`) into its own slot of a ``[U, B, K]`` probe,
-picked by a counter ``gram_slot`` in the module's Haiku state (which
-``hk.scan`` carries like any state), and after the pass the ``U``
-applications are one application of the same rule with a within-example
-axis of size ``U``: the rule sums over within-example axes, so the cross
-terms are exact, and its own ghost or materialised kernel applies.
+:func:`~gram_haiku._src.ops.factors.factor_matrix`) into its own slot of a
+``[U, B, K]`` probe, picked by a counter ``gram_slot`` in the module's Haiku
+state (which ``hk.scan`` carries like any state), and after the pass the
+``U`` applications are one application of the same rule with a
+within-example axis of size ``U``: the rule sums over within-example axes,
+so the cross terms are exact, and its own ghost or materialised kernel
+applies.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import dataflow
 from gram_haiku._src.example_axis import ExampleAxis
+from gram_haiku._src.ops import factors
 from gram_haiku._src.tracking import SLOT_NAME
 
 
@@ -52,7 +54,7 @@ def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
       continue
     if not op.factors_exact(found.probe_dtypes.get(m, jnp.float32)):
       continue
-    if uses * op.factor_width() < op.num_params():
+    if uses * factors.factor_width(op) < op.num_params():
       out[m] = uses
   return out
 
@@ -63,7 +65,7 @@ def open_slots(op, f):
   Args:
     op: the module's op (its per-application input type).
     f: ``[U, B, K]``, the slotted probe's cotangent: each application's
-      factors (:meth:`GramOp.factor_matrix`).
+      factors (:func:`~gram_haiku._src.ops.factors.factor_matrix`).
 
   Returns:
     ``(whole, x, g)``: the same rule for inputs ``x: [B, U, ...]`` (in the

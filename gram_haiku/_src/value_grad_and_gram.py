@@ -25,6 +25,7 @@ from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
+from gram_haiku._src.ops import factors
 from gram_haiku._src.result import Grams
 from gram_haiku._src.tracking import PROBE_NAME
 from gram_haiku._src.tracking import SLOT_NAME
@@ -508,7 +509,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
           own = (size, size * n_devices)  # This device's rows.
         if m in slotted:
           own = (slotted[m], size,
-                 found.ops[m].in_mode("factors").factor_width())
+                 factors.factor_width(found.ops[m].in_mode("factors")))
         shapes[m] = tuple(p.shape[:p.ndim - _probe_ndim(p, found, m)]) + own
         owns[m] = len(own)
       probes = {m: _rows_sharded(

@@ -22,7 +22,9 @@ from gram_haiku._src import errors
 from gram_haiku._src import example_sharding
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src.kernels import is_float
 from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.ops import modes
 
 
 def aval_of(x) -> Any:
@@ -34,10 +36,6 @@ def struct(aval) -> Optional[jax.ShapeDtypeStruct]:
   if aval is None:
     return None
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def probe_shape(mode: str, size: int, width: int) -> tuple[int, ...]:
@@ -141,7 +139,7 @@ class Adapter(hx.VJPHiPrimitive):
       columns = example_sharding.column_axes(probe, size, self.mode,
                                              self.plan.column_axes, self.name)
       self._check_probe_varies(x, probe)
-      expected = probe_shape(self.mode, size, self.probe_width())
+      expected = probe_shape(self.mode, size, modes.probe_width(self))
       if columns:  # shard_map: this device's rows of the global Gram.
         expected = (size, size * example_sharding.axes_size(columns))
       if tuple(probe.shape) != expected:
@@ -177,8 +175,8 @@ class Adapter(hx.VJPHiPrimitive):
         # parameters get their ordinary (zero) cotangents below.
         value, provided = jnp.zeros(facts.shape, dtype), {}
       else:
-        value, provided = self.backward_products(x, g, params, wanted, cfg,
-                                                 weights)
+        value, provided = modes.backward_products(self, x, g, params, wanted,
+                                                  cfg, weights)
       value = explicit_mesh.reshard_like(value.astype(dtype), facts.spec)
       probe_acc.accum(value)
       for i, ct in provided.items():

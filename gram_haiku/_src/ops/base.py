@@ -20,14 +20,19 @@ the probe, depending on ``mode``:
   backward pass.
 * ``"factors"``: probe ``[B, K]``, cotangent the layer's book-keeping
   factors: each example's input and output cotangent, flattened
-  (:meth:`GramOp.factor_matrix`). After the pass the Gram, the norms and any
-  reweighted gradient ``sum_i c_i g_i`` are formed from them by this rule
-  (:mod:`gram_haiku._src.bookkeeping`), with no second backward pass.
+  (:func:`~gram_haiku._src.ops.factors.factor_matrix`). After the pass the
+  Gram, the norms and any reweighted gradient ``sum_i c_i g_i`` are formed
+  from them by this rule (:mod:`gram_haiku._src.bookkeeping`), with no
+  second backward pass.
 * ``"clip"``: probe ``[B]`` holding each example's weight ``m_i`` (1, or 0
   for a padded row); cotangent the squared norms, while the parameters get
   ``sum_i m_i c_i g_i`` with ``c_i`` from the plan's
   :class:`~gram_haiku._src.plan.Clip` and this layer's own norm
   (per-layer clipping inside the backward rule: no stored factors).
+
+How each mode is formed from a rule's hooks (``gram``, ``sq_norms``,
+``per_example_grads``, ``probe_cotangent_and_grads``) is the same for every
+rule: :mod:`gram_haiku._src.ops.modes`.
 
 Under ``vmap`` the batching rule rebuilds the op with the mapped axis at the
 front of ``x``, so the backward rule sees every example at once (a
@@ -65,22 +70,6 @@ from gram_haiku._src.ops.adapter import probe_shape  # noqa: F401
 from gram_haiku._src.ops.adapter import struct
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
-
-
-def clip_weights(sq_norms, clip) -> jax.Array:
-  """``c_i`` of a :class:`~gram_haiku._src.plan.Clip` from squared norms.
-
-  ``"abadi"``: ``min(1, C / |g_i|)``; ``"automatic"``: ``C / (|g_i| +
-  gamma)``. A norm of zero gives 1 (``"abadi"``); a norm that is not finite
-  gives 0, so that such an example contributes nothing.
-  """
-  norm = jnp.sqrt(jnp.maximum(sq_norms, 0))
-  c = jnp.asarray(clip.l2_clip_norm, norm.dtype)
-  if clip.function == "automatic":
-    w = c / (norm + jnp.asarray(clip.gamma, norm.dtype))
-  else:
-    w = jnp.where(norm > c, c / jnp.where(norm > 0, norm, 1), 1)
-  return jnp.where(jnp.isfinite(norm), w, 0).astype(norm.dtype)
 
 
 class GramOp(adapter.Adapter):
@@ -195,11 +184,11 @@ class GramOp(adapter.Adapter):
     (within-example axes included, so they are summed over). Computed in the
     accumulation dtype.
     """
-    return self._vjp_per_example(
+    return self.vjp_per_example(
         x, g, params, example_dim,
         [i for i, p in enumerate(params) if p is not None])
 
-  def _vjp_per_example(self, x, g, params, example_dim: int, which):
+  def vjp_per_example(self, x, g, params, example_dim: int, which):
     """:meth:`per_example_grads` (by ``vmap`` of the VJP) of the parameters
     ``params[i]``, ``i`` in ``which``; the others are held fixed."""
     acc = self.accumulation_dtype()
@@ -338,7 +327,9 @@ class GramOp(adapter.Adapter):
     del wanted
     return self._probe_cotangent(x, g, params, cfg), {}
 
-  # -- the modes every rule gets (no subclass hook) ----------------------------
+  # -- the same op with another plan ------------------------------------------
+  # (What each mode computes from the hooks above is
+  # :mod:`gram_haiku._src.ops.modes`', for every rule alike.)
 
   def with_plan(self, **changes) -> "GramOp":
     """This op (same inputs) with its plan's fields changed."""
@@ -353,17 +344,7 @@ class GramOp(adapter.Adapter):
     return self.with_plan(mode=mode,
                           clip=self.plan.clip if mode == "clip" else None)
 
-  def probe_width(self) -> int:
-    """The second axis of a ``"per_example"`` (``P``) or ``"factors"``
-    (``K``) probe."""
-    if self.mode == "factors":
-      return self.factor_width()
-    return self.num_params()
-
-  def factor_width(self) -> int:
-    """``K``: entries per example of the input plus the output cotangent."""
-    total = math.prod(self.x_aval.shape) + math.prod(self.out_aval.shape)
-    return total // max(self.example_size(), 1)
+  # -- book-keeping hooks (see :mod:`gram_haiku._src.ops.factors`) -------------
 
   def from_factors_strategy(self, mode: str, x, g) -> str:
     """The strategy for this layer's Gram or norms formed from its kept
@@ -378,124 +359,6 @@ class GramOp(adapter.Adapter):
     ``"factors"`` probe: float inputs do; integer inputs only where a rule
     bounds them (an embedding's ids, by its vocabulary size)."""
     return is_float(self.x_aval.dtype)
-
-  def factor_matrix(self, x, g) -> jax.Array:
-    """``[B, K]``: per example, the flattened input then output cotangent,
-    in the accumulation dtype (the ``"factors"`` mode's cotangent)."""
-    e = self.example_axis.resolved_position()
-    acc = self.accumulation_dtype()
-    xm = jnp.moveaxis(x, e, 0)
-    gm = jnp.moveaxis(g, e, 0)
-    return jnp.concatenate([kernels.rows(xm).astype(acc),
-                            kernels.rows(gm).astype(acc)], axis=1)
-
-  def split_factors(self, f):
-    """Inverse of :meth:`factor_matrix`: ``(x, g)`` in the op's layout
-    (``x`` in its own dtype, ``g`` in the accumulation dtype)."""
-    e = self.example_axis.resolved_position()
-    xs = list(self.x_aval.shape)
-    gs = list(self.out_aval.shape)
-    b = xs[e]
-    moved = lambda s: [s[e]] + s[:e] + s[e + 1:]
-    n = math.prod(xs) // max(b, 1)
-    x = f[:, :n].reshape(moved(xs)).astype(self.x_aval.dtype)
-    g = f[:, n:].reshape(moved(gs))
-    return jnp.moveaxis(x, 0, e), jnp.moveaxis(g, 0, e)
-
-  def scale_examples(self, g, c):
-    """``c_i g_i`` along the example axis; rows with ``c_i == 0`` are exact
-    zeros (also where ``g_i`` is not finite)."""
-    e = self.example_axis.resolved_position()
-    shape = [1] * g.ndim
-    shape[e] = g.shape[e]
-    c = c.reshape(shape)
-    return jnp.where(c != 0, g * c.astype(g.dtype), jnp.zeros((), g.dtype))
-
-  def reweighted_param_grads(self, x, g, params, c, wanted,
-                             mask_inputs: bool = True) -> dict:
-    """``{i: sum_e c_e g_e}`` for the parameters ``params[i]``, ``i`` in
-    ``wanted``: the layer's own weight VJP with its output cotangent
-    scaled per example (exact for every rule: the per-example gradient is
-    linear in the example's output cotangent).
-
-    Rows with ``c_e == 0`` have their output cotangent zeroed, even where
-    it is not finite. ``mask_inputs``: zero those rows of the input too (a
-    padded row may hold anything, even NaN, and ``NaN * 0`` is NaN), at the
-    cost of a masked copy of ``x``; without padding every row is a real
-    example, whose input is what ``jax.grad`` would see as well."""
-    gs = self.scale_examples(g.astype(self.accumulation_dtype()), c)
-    if mask_inputs and is_float(x.dtype):
-      x = self.scale_examples(x, (c != 0).astype(x.dtype))
-    cts = self.forward_vjp(x, params, gs, False, list(wanted))
-    return dict(zip(wanted, cts))
-
-  def products(self, x, g, params, wanted, cfg: KernelConfig):
-    """:meth:`probe_cotangent_and_grads` of the trainable parameters only:
-    those in ``Plan.frozen`` have no gradient, so they have no term in the
-    Gram or the norms, and zero columns among the per-example gradients.
-    ``params[i]`` may be None for a frozen one when :attr:`droppable` holds
-    it (after the pass, where only the parameter leaves are known)."""
-    frozen = [i for i in self.plan.frozen or ()
-              if self.param_avals[i] is not None]
-    if not frozen:
-      return self.probe_cotangent_and_grads(x, g, params, wanted, cfg)
-    wanted = [i for i in wanted if i not in frozen]
-    keep = [i for i, a in enumerate(self.param_avals)
-            if a is not None and i not in frozen]
-    e = self.example_axis.resolved_position()
-    acc = self.accumulation_dtype()
-    if not keep:  # A frozen layer: no term at all.
-      b = x.shape[e]
-      shape = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(
-          self.mode, (b, self.num_params()))
-      return hx.vary_like(jnp.zeros(shape, acc), x, g), {}
-    if set(frozen) <= set(self.droppable):
-      masked = [None if i in frozen else p for i, p in enumerate(params)]
-      if self.mode != "per_example":
-        return self.probe_cotangent_and_grads(x, g, masked, wanted, cfg)
-      f = self._flat_per_example(x, g, masked, e)
-    else:
-      grads = self._vjp_per_example(x, g, params, e, keep)
-      f = jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
-      if self.mode != "per_example":
-        return self.probe_value(f, cfg), {}
-    # Zero columns for the frozen parameters, so that the store keeps the
-    # layout of every parameter (see :meth:`probe_width`).
-    cols, start = [], 0
-    for i, a in enumerate(self.param_avals):
-      if a is None:
-        continue
-      n = math.prod(a.shape)
-      if i in frozen:
-        cols.append(jnp.zeros((f.shape[0], n), f.dtype))
-      else:
-        cols.append(f[:, start:start + n])
-        start += n
-    return jnp.concatenate(cols, axis=1), {}
-
-  def backward_products(self, x, g, params, wanted, cfg: KernelConfig,
-                        weights=None):
-    """The probe's cotangent and parameter cotangents, by mode (the
-    adapter's one call into the rule in the backward pass)."""
-    if self.mode == "factors":
-      return self.factor_matrix(x, g), {}
-    if self.mode == "clip":
-      sq = self.in_mode("norms").products(x, g, params, (), cfg)[0]
-      c = clip_weights(sq, self.plan.clip) * weights.astype(sq.dtype)
-      wanted = [i for i in wanted if i not in (self.plan.frozen or ())]
-      provided = self.reweighted_param_grads(x, g, params, c, wanted)
-      return sq, {i: hx.reduce_to_type_of(ct, params[i]).astype(
-          params[i].dtype) for i, ct in provided.items()}
-    return self.products(x, g, params, wanted, cfg)
-
-  def probe_value(self, f, cfg: KernelConfig) -> jax.Array:
-    """The probe's cotangent from flattened per-example gradients ``[B, P]``:
-    their Gram (``"gram"``), squared norms (``"norms"``) or themselves."""
-    if self.mode == "norms":
-      return jnp.sum(f * f, axis=1)
-    if self.mode == "gram":
-      return kernels.gram_matmul(f, f, cfg)
-    return f
 
   def _probe_cotangent(self, x, g, params, cfg: KernelConfig):
     value = self._rule_value(x, g, params, cfg)

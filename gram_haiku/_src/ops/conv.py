@@ -422,7 +422,7 @@ class GramConv(base.GramOp):
     f = kernels.rows(flat)
     if db is not None:
       f = jnp.concatenate([f, db], axis=1)
-    value = self.probe_value(f, cfg)
+    value = kernels.probe_value(self.mode, f, cfg)
     provided = {}
     if 0 in wanted:
       # Varying like the sum inside shard_map (the caller all-reduces).

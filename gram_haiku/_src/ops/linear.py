@@ -116,7 +116,7 @@ class GramLinear(base.GramOp):
     w, b = params
     if w is None:  # Frozen: the bias's own, small, per-example gradients.
       db = self._bias_grads(x, g, self.example_axis.resolved_position())
-      return self.probe_value(db, cfg), {}
+      return kernels.probe_value(self.mode, db, cfg), {}
     with_bias = b is not None
     xm, dm = self._factors(x, g, self.example_axis.resolved_position())
     size, positions = xm.shape[:2]
@@ -127,7 +127,7 @@ class GramLinear(base.GramOp):
       return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
     folded = kernels.per_example_linear_grads(xm, dm, with_bias)
     grads = _split_folded(folded, xm.shape[-1], with_bias)
-    value = self.probe_value(kernels.rows(folded), cfg)
+    value = kernels.probe_value(self.mode, kernels.rows(folded), cfg)
     if positions == 1:
       # One position: the per-example gradients are outer products, and
       # JAX's own weight-gradient matmul beats summing them.
