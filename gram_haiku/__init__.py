@@ -34,11 +34,11 @@ from gram_haiku._src.ops.embed import gram_embed
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.result import Grams
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.probes import PROBE_NAME
 from gram_haiku._src.registry import register_layer
 from gram_haiku._src.reweight import reweighted_grad
 from gram_haiku._src.tied import unembed
 from gram_haiku._src.tracking import LayerCall
-from gram_haiku._src.tracking import PROBE_NAME
 from gram_haiku._src.tracking import track
 from gram_haiku._src.value_grad_and_gram import resize_probes
 from gram_haiku._src.value_grad_and_gram import value_grad_and_gram

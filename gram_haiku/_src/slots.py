@@ -28,7 +28,7 @@ from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import dataflow
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.ops import factors
-from gram_haiku._src.tracking import SLOT_NAME
+from gram_haiku._src.probes import SLOT_NAME
 
 
 def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],

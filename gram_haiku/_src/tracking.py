@@ -11,7 +11,9 @@ Each supported module class has a *layer handler* (see
 narrow object through which it applies its op: :meth:`LayerCall.apply`
 resolves the op's :class:`~gram_haiku._src.plan.Plan` (from the context's
 options and the running ``value_grad_and_gram`` pass), fetches or creates
-the probe and binds the op.
+the probe (:mod:`gram_haiku._src.probes`) and binds the op. On the raw
+``jax.grad`` path, where no traced program says how a module is used, the
+plan carries :mod:`gram_haiku._src.raw_path`'s refusals.
 """
 
 from __future__ import annotations
@@ -22,33 +24,20 @@ from typing import Callable, Optional
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 
 from gram_haiku._src import ambient
 from gram_haiku._src import coverage as coverage_lib
 from gram_haiku._src import errors
 from gram_haiku._src import haiku_compat as hkc
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src import kernels
+from gram_haiku._src import probes
+from gram_haiku._src import raw_path
 from gram_haiku._src import registry
 from gram_haiku._src.coverage import Coverage
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
-from gram_haiku._src.ops import base
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 
-#: Name of the probe entry in each tracked module's ``hk.State``.
-PROBE_NAME = "gram_probe"
-#: The slot counter of a slotted probe (only during a
-#: ``value_grad_and_gram`` pass, which adds and removes it).
-SLOT_NAME = "gram_slot"
-
 TRACK_MODES = ("gram", "norms")
-
-
-def probe_dtype(*dtypes) -> jnp.dtype:
-  """float32, or float64 for float64 inputs (under ``jax_enable_x64``)."""
-  return kernels.accumulation_dtype(*dtypes)
 
 
 def current_tracker() -> Optional["track"]:
@@ -103,45 +92,6 @@ class LayerCall:
           f"must be a tuple of the op's parameters (arrays, or None for an "
           f"absent one), in the op's order; got {type(params).__name__}.")
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
-
-
-def _is_stored(module: hk.Module, p, stored) -> bool:
-  """Whether ``p`` is the parameter value Haiku holds, ``stored``, or its
-  cast by the module's mixed-precision policy."""
-  return p is stored or (p.shape == stored.shape and
-                         coverage_lib.policy_cast(module, stored, p))
-
-
-def _handed_new_values(module: hk.Module, params) -> bool:
-  """Raw path: whether the layer gets other values than the parameters
-  Haiku holds for its module (or their policy cast), from a custom getter
-  entered inside ``track()`` or outside it, before or after the next
-  getter."""
-  stored = hkc.stored_parameters(module.module_name)
-  return not all(any(_is_stored(module, p, s) for s in stored)
-                 for p in params)
-
-
-def _hands_every_parameter(module: hk.Module, params) -> bool:
-  """Raw path: whether every parameter Haiku holds for the module reaches
-  the op (a handler that applies one outside the op, ``s * op(x, w)`` or
-  ``op(x + b, w)``, leaves its gradient out of every Gram)."""
-  return all(any(_is_stored(module, p, s) for p in params)
-             for s in hkc.stored_parameters(module.module_name))
-
-
-def _next_slot(reads: Optional[list]) -> jax.Array:
-  """This application's slot ``[B, K]`` of the module's slotted probe
-  ``[U, B, K]``; advances the module's slot counter. Inside ``hk.scan``
-  (``hk.dynamic_unroll``) the counter is part of the carried state, so every
-  step gets its own slot. The counter value read is appended to ``reads``
-  (two applications reading the same one would share a slot)."""
-  stack = hk.get_state(PROBE_NAME)
-  slot = hk.get_state(SLOT_NAME)
-  if reads is not None:
-    reads.append(slot)
-  hk.set_state(SLOT_NAME, slot + 1)
-  return jax.lax.dynamic_index_in_dim(stack, slot, 0, keepdims=False)
 
 
 class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
@@ -287,43 +237,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     """Parameters read inside this block are tracked by ``rule``."""
     return self._coverage.tracking_rule(rule)
 
-  def _raw_shared_use(self, name: str) -> bool:
-    """Raw path: whether module ``name`` was applied before in this call.
-
-    Keyed by the module's name within the outermost Haiku frame, so that a
-    second use is seen across ``track()`` contexts, Haiku's lifted
-    transforms (``hk.remat``, ``hk.vmap``, ``hk.cond`` push frames of their
-    own, and pass the parameters as new values) and getters that hand out
-    a new array per read. ``hk.static_unroll`` re-creates its modules under
-    the same names, so it is seen too; ``hk.layer_stack`` traces its body
-    once. Only the raw ``jax.grad`` path needs this; ``value_grad_and_gram``
-    reads sharing from the traced program.
-    """
-    uses = ambient.raw_uses(hkc.outermost_frame())
-    shared = name in uses
-    uses.add(name)
-    return shared
-
   def _resolve_plan(self, module: hk.Module, present) -> Plan:
     """The op's plan: this context's options, and the running pass's."""
     name = module.module_name
     if self._pass is None:  # The raw jax.grad path.
-      # A module whose parameters are reused has no Gram here: the error is
-      # the op's, raised only if its probe is differentiated, so that the
-      # forward pass and gradients of the parameters alone still work.
-      if self._raw_shared_use(name):
-        return self._plan.replace(
-            refusal=errors.SHARED_LAYER.format(module=name))
-      if hx.inside_loop_trace():
-        return self._plan.replace(
-            refusal=errors.LOOP_BODY.format(module=name))
-      if _handed_new_values(module, present):
-        return self._plan.replace(
-            refusal=errors.RAW_GETTER.format(module=name))
-      if not _hands_every_parameter(module, present):
-        return self._plan.replace(
-            refusal=errors.RAW_PARAM_OUTSIDE_OP.format(module=name))
-      return self._plan
+      return raw_path.refuse_before_probe(self._plan, module, present)
     plan = self._plan.replace(column_axes=self._pass.column_axes,
                               frozen=self._pass.frozen.get(name, ()))
     mode = self._pass.modes.get(name)
@@ -345,27 +263,12 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       self._pass.raw_traced.add(name)
     with hkc.module_scope(module):
       if self._pass is not None and name in self._pass.slotted:
-        probe = _next_slot(None if self._pass.slot_reads is None else
-                           self._pass.slot_reads.setdefault(name, []))
+        probe = probes.next_slot(None if self._pass.slot_reads is None else
+                                 self._pass.slot_reads.setdefault(name, []))
       else:
-        probe = self._probe(x, plan.mode,
-                            sum(math.prod(p.shape) for p in present),
-                            [p.dtype for p in present])
-    if (self._pass is None and plan.refusal is None and
-        not hkc.running_init() and ambient.probe_seen_before(probe)):
-      # Raw path: the same probe value reaches a second application (two
-      # calls of the transformed function on one state): no cross terms.
-      plan = plan.replace(refusal=errors.SHARED_LAYER.format(module=name))
+        probe = probes.module_probe(x, plan.mode,
+                                    sum(math.prod(p.shape) for p in present),
+                                    [p.dtype for p in present])
+    if self._pass is None:
+      plan = raw_path.refuse_seen_probe(plan, name, probe)
     return op(x, *params, probe, name=name, plan=plan)
-
-  def _probe(self, x: jax.Array, mode: str, num_params: int, dtypes):
-    # At init, per-example code under vmap cannot see B: the size here is a
-    # placeholder that value_grad_and_gram / resize_probes corrects.
-    size = x.shape[0] if x.ndim >= 2 else 1
-    shape = base.probe_shape(mode, size, num_params)
-    dtypes = [x.dtype, *dtypes] if base.is_float(x.dtype) else list(dtypes)
-    # Under hk.transform (no state) Haiku itself raises NonEmptyStateError
-    # after the function returns, telling the user to use
-    # hk.transform_with_state.
-    return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
-                        init=jnp.zeros)

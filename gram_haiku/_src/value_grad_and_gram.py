@@ -27,8 +27,8 @@ from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.ops import base
 from gram_haiku._src.ops import factors
 from gram_haiku._src.result import Grams
-from gram_haiku._src.tracking import PROBE_NAME
-from gram_haiku._src.tracking import SLOT_NAME
+from gram_haiku._src.probes import PROBE_NAME
+from gram_haiku._src.probes import SLOT_NAME
 
 State = Mapping[str, Mapping[str, Any]]
 
