@@ -401,6 +401,172 @@ class _Walk:
     return [_not_exact(o, "cond") for o in (outs or [])]
 
 
+@dataclasses.dataclass
+class _Reading:
+  """What :func:`discover` reads off the op applications, by module (its
+  state name); internal, filled in by :func:`_read_applications`."""
+  ops: dict = dataclasses.field(default_factory=dict)
+  leaves_of: dict = dataclasses.field(default_factory=dict)
+  n_apps: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  sizes: dict = dataclasses.field(default_factory=dict)
+  counts: dict = dataclasses.field(default_factory=dict)
+  dtypes: dict = dataclasses.field(default_factory=dict)
+  vmapped: dict = dataclasses.field(default_factory=dict)
+  modes: dict = dataclasses.field(default_factory=dict)
+  specs: dict = dataclasses.field(default_factory=dict)
+  # parameter leaf -> the modules whose ops it reaches
+  modules_of_leaf: dict = dataclasses.field(
+      default_factory=lambda: collections.defaultdict(set))
+  shared: set = dataclasses.field(default_factory=set)
+  # module -> (application, param name, Source) of its first operand
+  # computed from a parameter by something other than a cast or reshape
+  transformed: dict = dataclasses.field(default_factory=dict)
+  # layer name -> the sets of operand indices no parameter leaf reaches
+  frozen_of: dict = dataclasses.field(
+      default_factory=lambda: collections.defaultdict(set))
+
+
+def _read_applications(walk: "_Walk", module_of, num_param_leaves: int
+                       ) -> _Reading:
+  """Per module: its op, sizes, mode and sharding, and how each parameter
+  leaf reaches it (exactly, shared, transformed or not at all).
+
+  Raises:
+    ValueError: for a module applied under two modes.
+  """
+  r = _Reading()
+  for app in walk.applications:
+    op = app.op
+    module = module_of(app)
+    r.n_apps[module] += 1
+    r.frozen_of[op.name].add(tuple(
+        k for k, (sources, aval) in enumerate(zip(app.param_sources,
+                                                  op.param_avals))
+        if aval is not None and
+        not any(s.leaf < num_param_leaves for s in sources)))
+    if module not in r.ops:
+      r.ops[module] = op
+      leaves = []
+      for sources, aval in zip(app.param_sources, op.param_avals):
+        own = {s.leaf for s in sources if s.leaf < num_param_leaves}
+        leaves.append(own.pop() if aval is not None and len(own) == 1
+                      else None)
+      r.leaves_of[module] = tuple(leaves)
+    r.sizes[module] = op.example_size()
+    r.counts[module] = op.num_params()
+    r.dtypes[module] = op.accumulation_dtype()
+    if op.example_axis.kind == "default":
+      r.vmapped.setdefault(module, op.example_axis.vmapped)
+    if r.modes.setdefault(module, op.mode) != op.mode:
+      raise ValueError(errors.MIXED_MODES.format(
+          module=module, modes=sorted({r.modes[module], op.mode})))
+    spec = explicit_mesh.spec_of_type(op.x_aval)
+    position = op.example_axis.resolved_position()
+    if spec is not None and position < len(spec) and spec[position]:
+      r.specs[module] = spec[position]
+    for pname, sources, aval in zip(op.param_names, app.param_sources,
+                                    op.param_avals):
+      if aval is None:
+        continue
+      for s in sources:
+        if s.leaf >= num_param_leaves:
+          continue  # Computed from a probe (a generated weight): no use.
+        r.modules_of_leaf[s.leaf].add(module)
+        if not s.exact:
+          r.transformed.setdefault(module, (app, pname, s))
+        elif walk.uses[(s.leaf, s.sliced)] > 1:
+          r.shared.add(module)
+  return r
+
+
+def _read_pullbacks(jaxpr, consts, walk: "_Walk", module_of, r: _Reading,
+                    num_param_leaves: int, leaf_names: list[str],
+                    gram_op_type) -> dict:
+  """Module -> its :class:`~gram_haiku._src.reparam.PullBack`, for each
+  module with an operand computed from parameters (``r.transformed``).
+
+  Raises:
+    ValueError: where that computation cannot be pulled back.
+  """
+  pullbacks = {}
+  for module, (_, pname, s) in r.transformed.items():
+    pb, why = reparam.read_pullback(
+        jaxpr, consts, [a for a in walk.applications
+                        if module_of(a) == module],
+        num_param_leaves, gram_op_type)
+    if pb is None:
+      raise ValueError(errors.PARAM_TRANSFORMED.format(
+          module=module, param=pname, leaf=leaf_names[s.leaf], via=s.via,
+          why=why))
+    pullbacks[module] = pb
+  return pullbacks
+
+
+def _shared_layer_names(walk: "_Walk", module_of, shared: set):
+  """``(layer_names, shared_names)``: op (layer) name -> the modules applied
+  under it, and the layer names of the shared modules.
+
+  Raises:
+    ValueError: where one layer name is both a shared module and one that
+      is not (the real pass tells modules apart by layer name).
+  """
+  layer_names = collections.defaultdict(set)  # op name -> module names
+  for app in walk.applications:
+    layer_names[app.op.name].add(module_of(app))
+  shared_names = set()
+  for name, keys in layer_names.items():
+    if keys & shared:
+      if keys - shared:
+        raise ValueError(errors.SHARED_NAME_CLASH.format(
+            name=name, shared=sorted(keys & shared),
+            unshared=sorted(keys - shared)))
+      shared_names.add(name)
+  return layer_names, shared_names
+
+
+def _frozen_layers(frozen_of: Mapping[str, set], ops: Mapping[str, Any]
+                   ) -> dict:
+  """Layer name -> its frozen operand indices (only layers with some).
+
+  Raises:
+    ValueError: for a layer whose uses freeze different operands.
+  """
+  for name, kinds in frozen_of.items():
+    if len(kinds) > 1:
+      names = next(op.param_names for op in ops.values() if op.name == name)
+      raise ValueError(errors.FROZEN_IN_SOME_USES.format(
+          name=name, params=[[names[k] for k in ks] for ks in sorted(kinds)]))
+  return {n: next(iter(ks)) for n, ks in frozen_of.items() if next(iter(ks))}
+
+
+def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
+                    pulled: set, leaf_names: list[str],
+                    num_param_leaves: int) -> dict:
+  """Parameter name -> the primitive that reads it outside every Gram op,
+  for the parameters that reach no Gram op.
+
+  Raises:
+    ValueError: for a parameter read both by a tracked op and outside every
+      one (its Gram would miss the outside use), or one that reaches the
+      ops of two modules.
+  """
+  untracked = {}
+  for leaf, use in walk.other_uses.items():
+    if leaf >= num_param_leaves or leaf in pulled:
+      continue  # (a pulled-back leaf's every use is its getter's)
+    if leaf in modules_of_leaf:
+      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
+          leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
+          use=use))
+    untracked[leaf_names[leaf]] = use
+  for leaf, modules in modules_of_leaf.items():
+    if len(modules) > 1:
+      raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
+          leaf=leaf_names[leaf], modules=sorted(modules)))
+  return untracked
+
+
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
              probe_names: list[str], gram_op_type,
              full_jaxpr=None, consts: Mapping[Any, Any] = None
@@ -443,105 +609,24 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   # stop_gradient: the others have no gradient.
   reaching = {s.leaf for out in walk.run(jaxpr, ins) for s in out}
 
-  sizes, counts, vmapped, modes, specs, dtypes = {}, {}, {}, {}, {}, {}
-  modules_of_leaf: dict[int, set] = collections.defaultdict(set)
-  shared = set()
   def module_of(app) -> str:
     """The module whose probe the application reads (its state name)."""
     leaves = {s.leaf - num_param_leaves for s in app.probe_sources
               if s.leaf >= num_param_leaves}
     return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
 
-  ops, leaves_of, n_apps = {}, {}, collections.Counter()
-  transformed = {}  # module -> (application, param name, Source)
-  frozen_of: dict[str, set] = collections.defaultdict(set)  # layer name
-  for app in walk.applications:
-    op = app.op
-    module = module_of(app)
-    n_apps[module] += 1
-    frozen_of[op.name].add(tuple(
-        k for k, (sources, aval) in enumerate(zip(app.param_sources,
-                                                  op.param_avals))
-        if aval is not None and
-        not any(s.leaf < num_param_leaves for s in sources)))
-    if module not in ops:
-      ops[module] = op
-      leaves = []
-      for sources, aval in zip(app.param_sources, op.param_avals):
-        own = {s.leaf for s in sources if s.leaf < num_param_leaves}
-        leaves.append(own.pop() if aval is not None and len(own) == 1
-                      else None)
-      leaves_of[module] = tuple(leaves)
-    sizes[module] = op.example_size()
-    counts[module] = op.num_params()
-    dtypes[module] = op.accumulation_dtype()
-    if op.example_axis.kind == "default":
-      vmapped.setdefault(module, op.example_axis.vmapped)
-    if modes.setdefault(module, op.mode) != op.mode:
-      raise ValueError(errors.MIXED_MODES.format(
-          module=module, modes=sorted({modes[module], op.mode})))
-    spec = explicit_mesh.spec_of_type(op.x_aval)
-    position = op.example_axis.resolved_position()
-    if spec is not None and position < len(spec) and spec[position]:
-      specs[module] = spec[position]
-    for pname, sources, aval in zip(op.param_names, app.param_sources,
-                                    op.param_avals):
-      if aval is None:
-        continue
-      for s in sources:
-        if s.leaf >= num_param_leaves:
-          continue  # Computed from a probe (a generated weight): no use.
-        modules_of_leaf[s.leaf].add(module)
-        if not s.exact:
-          transformed.setdefault(module, (app, pname, s))
-        elif walk.uses[(s.leaf, s.sliced)] > 1:
-          shared.add(module)
-  pullbacks = {}
-  for module, (app, pname, s) in transformed.items():
-    pb, why = reparam.read_pullback(jaxpr, consts or {},
-                        [a for a in walk.applications
-                         if module_of(a) == module],
-                        num_param_leaves, gram_op_type)
-    if pb is None:
-      raise ValueError(errors.PARAM_TRANSFORMED.format(
-          module=module, param=pname, leaf=leaf_names[s.leaf], via=s.via,
-          why=why))
-    pullbacks[module] = pb
-    shared.add(module)  # Per-example gradients of its operands.
-  layer_names = collections.defaultdict(set)  # op name -> module names
-  for app in walk.applications:
-    layer_names[app.op.name].add(module_of(app))
-  shared_names = set()
-  for name, keys in layer_names.items():
-    if keys & shared:
-      if keys - shared:
-        raise ValueError(errors.SHARED_NAME_CLASH.format(
-            name=name, shared=sorted(keys & shared),
-            unshared=sorted(keys - shared)))
-      shared_names.add(name)
-  for name, kinds in frozen_of.items():
-    if len(kinds) > 1:
-      names = next(op.param_names for op in ops.values() if op.name == name)
-      raise ValueError(errors.FROZEN_IN_SOME_USES.format(
-          name=name, params=[[names[k] for k in ks] for ks in sorted(kinds)]))
-  frozen_layers = {n: next(iter(ks)) for n, ks in frozen_of.items()
-                   if next(iter(ks))}
+  r = _read_applications(walk, module_of, num_param_leaves)
+  pullbacks = _read_pullbacks(jaxpr, consts or {}, walk, module_of, r,
+                              num_param_leaves, leaf_names, gram_op_type)
+  # A pulled-back module keeps per-example gradients of its operands.
+  shared = r.shared | set(pullbacks)
+  layer_names, shared_names = _shared_layer_names(walk, module_of, shared)
+  frozen_layers = _frozen_layers(r.frozen_of, r.ops)
   ops = {m: op.with_plan(frozen=frozen_layers.get(op.name, ()))
-         for m, op in ops.items()}
+         for m, op in r.ops.items()}
   pulled = {k for pb in pullbacks.values() for k in pb.leaves}
-  untracked = {}
-  for leaf, use in walk.other_uses.items():
-    if leaf >= num_param_leaves or leaf in pulled:
-      continue  # (a pulled-back leaf's every use is its getter's)
-    if leaf in modules_of_leaf:
-      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
-          leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
-          use=use))
-    untracked[leaf_names[leaf]] = use
-  for leaf, modules in modules_of_leaf.items():
-    if len(modules) > 1:
-      raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
-          leaf=leaf_names[leaf], modules=sorted(modules)))
+  untracked = _untracked_uses(walk, r.modules_of_leaf, pulled, leaf_names,
+                              num_param_leaves)
   slot_apps = walk.applications
   if full_jaxpr is not None and shared:  # (only shared modules get slots)
     full = _Walk(gram_op_type)
@@ -549,20 +634,21 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     slot_apps = full.applications
   slotted = {}
   for module in shared:
-    if (module in specs or module not in probe_names or module in pullbacks or
-        len(layer_names[ops[module].name]) != 1):
+    if (module in r.specs or module not in probe_names or
+        module in pullbacks or len(layer_names[ops[module].name]) != 1):
       continue
     uses = _slot_count(
         [a for a in slot_apps if module_of(a) == module],
         num_param_leaves + probe_names.index(module))
     if uses is not None:
       slotted[module] = uses
-  return Discovery(sizes=sizes, param_counts=counts, shared=frozenset(shared),
-                   vmapped=vmapped, modes=modes, example_specs=specs,
-                   probe_dtypes=dtypes,
+  return Discovery(sizes=r.sizes, param_counts=r.counts,
+                   shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
+                   example_specs=r.specs, probe_dtypes=r.dtypes,
                    shared_layer_names=frozenset(shared_names),
-                   untracked_uses=untracked, ops=ops, param_leaves=leaves_of,
-                   applications=dict(n_apps), slot_counts=slotted,
+                   untracked_uses=untracked, ops=ops,
+                   param_leaves=r.leaves_of, applications=dict(r.n_apps),
+                   slot_counts=slotted,
                    frozen_layers=frozen_layers,
                    pullbacks=pullbacks,
                    no_gradient=frozenset(
