@@ -115,22 +115,8 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   Raises:
     ValueError: when the batch has no example axis, or no example.
   """
-  axes = [0] * len(args)
-  if example_axes is not None:
-    batch_args.leaf_example_axes(args, {}, example_axes)  # a teaching error if bad
-    axes = list(example_axes)
-  leaves = [(a, ax) for arg, ax in zip(args, axes) if ax is not None
-            for a in jax.tree.leaves(arg)]
-  if not leaves or any(jnp.ndim(a) == 0 for a, _ in leaves):
-    raise ValueError("gram_haiku.verify: every array of the batch needs an "
-                     "example axis (axis 0, or the one example_axes gives).")
-  n = min(max_examples, min(jnp.shape(a)[ax] for a, ax in leaves))
-  if n == 0:
-    raise ValueError("gram_haiku.verify: the batch has no examples; give it "
-                     "a batch of at least one (a few are best).")
-  batch = _take(args, axes, n)
+  axes, n, batch = _first_examples(args, example_axes, max_examples)
   tol = rtol if rtol is not None else _tolerance(params)
-
   try:
     _, _, grams = vgg.value_grad_and_gram(
         apply_fn, example_axes=example_axes, has_aux=has_aux)(
@@ -140,52 +126,24 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
                         layer_errors={}, total_error=float("nan"),
                         norms_error=float("nan"), untracked=(),
                         problems=(str(e),), tolerance=tol)
-
-  def plain(p, *example):
-    with ambient.running(ambient.PassPlan(disabled=True)):
-      out, _ = apply_fn(p, state, rng, *example, **kwargs)
-    return out[0] if has_aux else out
-
-  def one(p, *example):  # One example, its example axes of size 1 again.
-    return plain(p, *(e if ax is None else jax.tree.map(
-        lambda a, ax=ax: jnp.expand_dims(a, ax), e)
-                      for e, ax in zip(example, axes)))
-  in_axes = (None, *axes)
-  per_loss = jax.vmap(one, in_axes=in_axes)(params, *batch)
-  per_grad = jax.vmap(jax.jacrev(one), in_axes=in_axes)(params, *batch)
-  batch_loss = float(plain(params, *batch))
-  total_loss = float(jnp.sum(per_loss))
+  per_loss, per_grad, batch_loss = _per_example_reference(
+      apply_fn, params, state, rng, batch, axes, has_aux, kwargs)
   problems = []
-  scale = None
-  for name, c in (("sum", 1.0), ("mean", 1.0 / n)):
-    if np.isclose(batch_loss, c * total_loss, rtol=tol, atol=1e-12):
-      scale = (name, c)
-      break
+  scale = _loss_scale(batch_loss, per_loss, n, tol)
   if scale is None:
     problems.append(
         f"the loss of the batch ({batch_loss:.6g}) is neither the sum "
-        f"({total_loss:.6g}) nor the mean of the examples' losses: the "
-        "examples are coupled (batch statistics, a softmax over the batch, "
-        "a contrastive loss) and per-example gradients are not defined.")
-    c = 1.0
-  else:
-    c = scale[1]
-
+        f"({float(jnp.sum(per_loss)):.6g}) nor the mean of the examples' "
+        "losses: the examples are coupled (batch statistics, a softmax over "
+        "the batch, a contrastive loss) and per-example gradients are not "
+        "defined.")
+  c = 1.0 if scale is None else scale[1]
   names = vgg.leaf_names(per_grad)
   flat = [np.asarray(l, np.float64).reshape(n, -1) * c
           for l in jax.tree.leaves(per_grad)]
   f = np.concatenate(flat, axis=1)
   ref_total = f @ f.T
-  modules = {}
-  for name, block in zip(names, flat):
-    modules.setdefault(name.rsplit("/", 1)[0], []).append(block)
-  errors = {}
-  for module, g in grams.by_layer.items():
-    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
-    errors[module] = reference.relative_error(g, fm @ fm.T)
-  for module, g in grams.sq_norms_by_layer.items():
-    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
-    errors[module] = reference.relative_error(g, np.sum(fm * fm, axis=1))
+  errors = _layer_errors(grams, names, flat, n)
   for module, err in sorted(errors.items()):
     if not err <= tol:
       problems.append(f"layer {module!r}: its Gram differs from the "
@@ -208,3 +166,77 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
       ok=not problems, examples=n, loss_scale=scale[0] if scale else None,
       layer_errors=errors, total_error=total_err, norms_error=norms_err,
       untracked=untracked, problems=tuple(problems), tolerance=tol)
+
+
+def _first_examples(args, example_axes, max_examples: int):
+  """``(axes, n, batch)``: each argument's example axis (None: it has
+  none), the number ``n`` of examples to check, and the first ``n``
+  examples of the batch.
+
+  Raises:
+    ValueError: for malformed ``example_axes``, a batch with no example
+      axis, or no example.
+  """
+  axes = [0] * len(args)
+  if example_axes is not None:
+    batch_args.leaf_example_axes(args, {}, example_axes)  # a teaching error if bad
+    axes = list(example_axes)
+  leaves = [(a, ax) for arg, ax in zip(args, axes) if ax is not None
+            for a in jax.tree.leaves(arg)]
+  if not leaves or any(jnp.ndim(a) == 0 for a, _ in leaves):
+    raise ValueError("gram_haiku.verify: every array of the batch needs an "
+                     "example axis (axis 0, or the one example_axes gives).")
+  n = min(max_examples, min(jnp.shape(a)[ax] for a, ax in leaves))
+  if n == 0:
+    raise ValueError("gram_haiku.verify: the batch has no examples; give it "
+                     "a batch of at least one (a few are best).")
+  return axes, n, _take(args, axes, n)
+
+
+def _per_example_reference(apply_fn, params, state, rng, batch, axes,
+                           has_aux: bool, kwargs):
+  """``(per_loss [n], per_grad, batch_loss)`` of the model with every
+  ``track()`` switched off: each example's loss and gradient (a params
+  tree with a leading axis ``n``) on that example alone, and the loss of
+  the whole batch."""
+  def plain(p, *example):
+    with ambient.running(ambient.PassPlan(disabled=True)):
+      out, _ = apply_fn(p, state, rng, *example, **kwargs)
+    return out[0] if has_aux else out
+
+  def one(p, *example):  # One example, its example axes of size 1 again.
+    return plain(p, *(e if ax is None else jax.tree.map(
+        lambda a, ax=ax: jnp.expand_dims(a, ax), e)
+                      for e, ax in zip(example, axes)))
+  in_axes = (None, *axes)
+  per_loss = jax.vmap(one, in_axes=in_axes)(params, *batch)
+  per_grad = jax.vmap(jax.jacrev(one), in_axes=in_axes)(params, *batch)
+  return per_loss, per_grad, float(plain(params, *batch))
+
+
+def _loss_scale(batch_loss: float, per_loss, n: int, tol: float):
+  """``("sum", 1.0)`` or ``("mean", 1 / n)``: how the batch's loss combines
+  the examples' losses; None when it is neither (coupled examples)."""
+  total_loss = float(jnp.sum(per_loss))
+  for name, c in (("sum", 1.0), ("mean", 1.0 / n)):
+    if np.isclose(batch_loss, c * total_loss, rtol=tol, atol=1e-12):
+      return name, c
+  return None
+
+
+def _layer_errors(grams, names, flat, n: int) -> dict:
+  """Tracked module -> max relative error of its Gram (or squared norms)
+  against the reference from its parameters' per-example gradients
+  ``flat`` (one ``f64[n, size]`` block per parameter leaf, named
+  ``module/param`` in ``names``)."""
+  modules = {}
+  for name, block in zip(names, flat):
+    modules.setdefault(name.rsplit("/", 1)[0], []).append(block)
+  errors = {}
+  for module, g in grams.by_layer.items():
+    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
+    errors[module] = reference.relative_error(g, fm @ fm.T)
+  for module, g in grams.sq_norms_by_layer.items():
+    fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
+    errors[module] = reference.relative_error(g, np.sum(fm * fm, axis=1))
+  return errors
