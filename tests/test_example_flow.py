@@ -579,6 +579,102 @@ def test_reordered_input_data_are_refused():
     _run(body, x, y)
 
 
+def _after(reorder_out, reorder_y=lambda y: y, terms=False):
+  """A model whose loss reorders the last layer's rows and/or the labels'."""
+  def body(x, y):
+    out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+    l = 0.5 * jnp.sum((reorder_out(out) - reorder_y(y)) ** 2, (1, 2))
+    return l if terms else jnp.sum(l)
+  return body
+
+
+_SHUFFLE = lambda a: a[jnp.array([2, 0, 3, 1])]
+
+#: The loss pairs one example's outputs with another example's labels.
+_OUTPUTS_PAIRED_WITH_OTHERS_DATA = {
+    "reversed": (lambda o: o[::-1], lambda y: y),
+    "rolled": (lambda o: jnp.roll(o, 1, axis=0), lambda y: y),
+    "shuffled": (_SHUFFLE, lambda y: y),
+    "shifted": (lambda o: o[1:], lambda y: y[:-1]),
+    "reversed_and_rolled": (lambda o: o[::-1], lambda y: jnp.roll(y, 1, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OUTPUTS_PAIRED_WITH_OTHERS_DATA))
+def test_outputs_reordered_against_the_data_are_refused(name):
+  # Each loss term reads the outputs of one example and the labels of
+  # another: the Gram by the inputs' rows and the Gram by the terms' rows
+  # differ, and neither is the batch's (was silent: the first, rel. err.
+  # 0.9 against rows of jacrev of the terms).
+  x, y = _data(27)
+  body = _after(*_OUTPUTS_PAIRED_WITH_OTHERS_DATA[name])
+  with pytest.raises(ValueError, match="another example's data"):
+    _run(body, x, y)
+  f = _tracked_transform(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  reweighted = gram_haiku.reweighted_grad(f.apply, lambda g: g.norms)
+  with pytest.raises(ValueError, match="another example's data"):
+    reweighted(params, state, None, x, y)
+  clipped = gram_haiku.clipped_grad(f.apply, 1.0)
+  with pytest.raises(ValueError, match="another example's data|other examples"):
+    clipped(params, state, None, x, y)
+
+
+_PERM = jnp.array([2, 0, 3, 1])
+
+
+def test_outputs_and_data_picked_by_other_index_arrays_are_refused():
+  # Two index arrays, told apart by their contents (or their computation).
+  x, y = _data(29)
+  with pytest.raises(ValueError, match="another example's data"):
+    _run(_after(lambda o: o[_PERM], lambda y: y[_PERM[::-1]]), x, y)
+  with pytest.raises(ValueError, match="another example's data"):
+    _run(_after(lambda o: o[_PERM], lambda y: y[(_PERM + 1) % B]), x, y)
+  # A rolled copy of the same array.
+  with pytest.raises(ValueError, match="another example's data"):
+    _run(_after(lambda o: o[_PERM], lambda y: y[jnp.roll(_PERM, 1)]), x, y)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("name", ["both_reversed", "both_halves_swapped",
+                                  "both_by_one_index_array",
+                                  "both_by_equal_index_arrays",
+                                  "both_by_one_index_array_one_jitted",
+                                  "outputs_reversed_no_data",
+                                  "labels_rolled"])
+def test_outputs_reordered_with_their_own_data_are_exact(name, jit):
+  # Each term still reads one example's outputs and labels: the Gram is over
+  # the examples (rows of the model's inputs), whatever order the terms of
+  # the sum come in.
+  x, y = _data(28)
+  swap = lambda a: jnp.concatenate([a[2:], a[:2]])
+  per_y = y
+  if name == "both_reversed":
+    body = _after(lambda o: o[::-1], lambda y: y[::-1])
+  elif name == "both_halves_swapped":
+    body = _after(swap, swap)
+  elif name == "both_by_one_index_array":
+    body = _after(lambda o: o[_PERM], lambda y: y[_PERM])
+  elif name == "both_by_equal_index_arrays":  # two arrays, equal contents
+    body = _after(_SHUFFLE, _SHUFFLE)
+  elif name == "both_by_one_index_array_one_jitted":
+    body = _after(jax.jit(lambda o: o[_PERM]), lambda y: y[_PERM])
+  elif name == "outputs_reversed_no_data":
+    body = _after(lambda o: o[::-1], jnp.zeros_like)
+    per_y = jnp.zeros_like(y)
+  else:  # labels rolled: the terms' rows are the inputs' rows
+    body = _after(lambda o: o, lambda y: jnp.roll(y, 1, axis=0))
+    per_y = jnp.roll(y, 1, axis=0)
+  params, (_, grads, grams) = _run(body, x, y, jit=jit)
+  # One example alone: its input row and the label it is paired with.
+  plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
+  ref = reference_gram(plain.apply, params, x, per_y)
+  assert_gram_close(grams.total, ref)
+  want = jax.grad(lambda p: hk.without_apply_rng(hk.transform(body)).apply(
+      p, x, y))(params)
+  chex.assert_trees_all_close(grads, want, rtol=RTOL_F32, atol=ATOL_F32)
+
+
 def _last_step_take_along_axis(x, y):
   h = jnp.tanh(hk.Linear(F)(x))
   lengths = jnp.array([4, 2, 3, 1])

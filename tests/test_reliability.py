@@ -135,6 +135,39 @@ def test_penalty_alone_names_the_layers():
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
 
 
+def _tangent_prop(x, y, with_loss=True):
+  mlp = hk.nets.MLP([5, 3], activation=jnp.tanh)
+  out, tangent = jax.jvp(mlp, (x,), (jnp.ones_like(x),))
+  penalty = jnp.sum(tangent ** 2)
+  return (_sq(mlp(x) if with_loss else out, y) + penalty)
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_forward_mode_through_tracked_layers_is_refused(with_loss, jit):
+  # Tangent propagation: jax.jvp of the tracked model inside the loss. The
+  # layers run as their plain computation there, so that term's share of
+  # the Gram would be lost (was a silently zero Gram on the raw path).
+  x, y = _data(12, (4, 6), 3)
+  f, _ = _transforms(lambda x, y: _tangent_prop(x, y, with_loss))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(ValueError, match="jax.jvp|outside every tracked"):
+    fn(params, state, None, x, y)
+  sized = gram_haiku.resize_probes(state, x.shape[0])
+  raw = jax.grad(lambda s: f.apply(params, s, None, x, y)[0])
+  raw = jax.jit(raw) if jit else raw
+  with pytest.raises(ValueError, match="differentiated in forward mode"):
+    raw(sized)
+  # The parameters' own derivatives are JAX's, as untracked.
+  g = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda x, y: _tangent_prop(x, y, with_loss)))
+  chex.assert_trees_all_close(g, jax.grad(plain.apply)(params, x, y),
+                              rtol=1e-5, atol=1e-6)
+
+
 def test_hessian_of_a_tracked_loss_still_works():
   x, y = _data(4, (3, 4), 2)
   f, g = _transforms(lambda x, y: _sq(jnp.tanh(hk.Linear(2)(x)), y))
@@ -337,7 +370,8 @@ def test_verify_detects_coupled_examples():
 
 
 def test_new_error_messages_say_what_to_do():
-  for template in (errors.HIGHER_ORDER, errors.NO_FORWARD_USE):
+  for template in (errors.HIGHER_ORDER, errors.NO_FORWARD_USE,
+                   errors.FORWARD_MODE_INSIDE, errors.REORDERED_ROWS_MEET_DATA):
     assert "What to do" in template
 
 

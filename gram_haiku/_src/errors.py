@@ -313,12 +313,25 @@ HIGHER_ORDER = (
     "gram_haiku.track() (apply the same modules outside it), or leave the "
     "penalty out of the loss whose Gram you take.")
 
+FORWARD_MODE_INSIDE = (
+    "gram_haiku: the tracked layer '{module}' is differentiated in forward "
+    "mode (jax.jvp, jax.linearize or jax.jacfwd) inside the function whose "
+    "Gram probes are differentiated (tangent propagation, a Jacobian "
+    "penalty). There the layer runs as its plain computation, and the Gram "
+    "would miss that use's contribution to the per-example gradients.\n"
+    "What to do: compute the forward-mode derivative with a model that is "
+    "not inside gram_haiku.track() (apply the same modules outside it), or "
+    "leave that term out of the loss whose Gram you take.")
+
 NO_FORWARD_USE = (
     "gram_haiku.value_grad_and_gram: the Haiku state holds Gram probes for "
     "{modules}, but none of those layers is applied in the forward pass of "
-    "the loss (they may be used only inside jax.grad/hk.grad within it).\n"
-    "What to do: apply the tracked layers in the loss itself; a gradient "
-    "penalty's own Gram is not supported.")
+    "the loss (they may be used only inside jax.grad/hk.grad within it, or "
+    "inside jax.jvp/jax.linearize, where a tracked layer runs as its plain "
+    "computation).\n"
+    "What to do: apply the tracked layers in the loss itself; the Gram of "
+    "a gradient penalty or of a forward-mode derivative (tangent "
+    "propagation) is not supported.")
 
 EMPTY_BATCH_NO_LAYERS = (
     "gram_haiku.value_grad_and_gram: the batch is empty (inputs {shapes}) "
@@ -469,6 +482,21 @@ NEEDS_JAX_PRIVACY = (
     "and jax-privacy is not installed ({error}).\n"
     "What to do: pip install 'gram_haiku[dp]' (jax-privacy and "
     "dp-accounting).")
+
+REORDERED_ROWS_MEET_DATA = (
+    "gram_haiku: the loss takes rows of the tracked layers' outputs out of "
+    "the batch's order (a reversal, a roll, rows picked by index along the "
+    "example axis) and then combines them with input data whose rows are "
+    "in another order, or in one the program does not show to be the same "
+    "(rows picked by index arrays computed in the program) ({primitive} of "
+    "shapes {shapes}): "
+    "each term then pairs one example's outputs with another example's "
+    "data, so which example its gradient belongs to is not defined, and no "
+    "per-example Gram lines up with the batch.\n"
+    "What to do: reorder the data the same way by slices or flips "
+    "(out[::-1] with y[::-1]), or keep the outputs in the batch's order "
+    "and reorder the data instead (the Gram is then over the rows of the "
+    "model's inputs).")
 
 DATA_COUPLED = (
     "gram_haiku.clipped_grad: an example's loss reads data of other "

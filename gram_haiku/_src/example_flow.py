@@ -24,6 +24,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional, Sequence
 
+import jax
+import numpy as np
+
 from gram_haiku._src import errors
 from gram_haiku._src import warning_site
 from gram_haiku._src import flow_rules
@@ -45,6 +48,11 @@ __all__ = ["CONST", "Ex", "ExampleFlowWarning", "MIXED", "State", "SUM",
            "UNKNOWN", "check", "join"]
 
 
+#: Constants of at most this many entries (index arrays) are told apart by
+#: their contents; larger ones by identity.
+_CONTENT_KEY_MAX = 1 << 16
+
+
 class ExampleFlowWarning(UserWarning):
   """The examples could not be followed to a tracked layer or the loss
   through a primitive this analysis does not model: the Gram is not
@@ -58,7 +66,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
   """The abstract interpreter (one instance per check); the rules per
   primitive are :mod:`flow_rules`'."""
 
-  def __init__(self, batch: int, gram_op_type, strict: bool = False):
+  def __init__(self, batch: int, gram_op_type, strict: bool = False,
+               consts: Optional[dict] = None):
     self.batch = batch
     self.gram_op_type = gram_op_type
     self.strict = strict
@@ -66,13 +75,49 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
     self.combined: set[int] = set()  # candidates whose rows were combined
     self.unknown: set[str] = set()  # primitives not modelled, met by examples
+    # Where reordered rows of the parameters' values met data rows in
+    # another order: (primitive, operand shapes) of the first such equation.
+    self.paired_with_others: Optional[tuple[str, str]] = None
+    # A constant's origin (see origin()), so that two gathers by equal
+    # index arrays are known to pick the same rows.
+    self._origin: dict[int, Any] = {}
+    self.consts: dict[Any, Any] = dict(consts or {})
     self._deps: list[bool] = []  # the current equation's input dependences
 
   def join(self, a: State, b: State) -> State:
     return join(a, b, self.verdicts)
 
+  def origin(self, v) -> Any:
+    """A key equal for two variables that hold the same values by
+    construction: a small constant by its contents, a constant computed
+    from such by its computation (:meth:`_constant_origin`); else ``v``'s
+    own."""
+    if isinstance(v, hx.Literal):
+      return ("literal", str(v.aval.dtype), repr(np.asarray(v.val)))
+    if id(v) not in self._origin and v in self.consts:
+      value = self.consts[v]
+      # (A constant of this trace may be a value of an enclosing one.)
+      if (not isinstance(value, jax.core.Tracer) and
+          np.size(value) <= _CONTENT_KEY_MAX):
+        value = np.asarray(value)
+        self._origin[id(v)] = ("value", str(value.dtype), value.shape,
+                               value.tobytes())
+    return self._origin.get(id(v), id(v))
+
+  def _constant_origin(self, eqn) -> Any:
+    """The origin of a constant equation's one output: the primitive, its
+    parameters and its inputs' origins (a literal by its value). Equal
+    origins hold equal values: the same computation of equal inputs. None
+    (the output's own) for a call of a sub-program."""
+    if len(eqn.outvars) != 1 or hx.jaxprs_of(eqn):
+      return None
+    ins = tuple(self.origin(v) for v in eqn.invars)
+    params = tuple(sorted((k, repr(p)) for k, p in eqn.params.items()))
+    return ("eqn", eqn.primitive.name, params, ins)
+
   def run(self, jaxpr, ins: Sequence[State],
-          deps: Optional[Sequence[bool]] = None) -> list[State]:
+          deps: Optional[Sequence[bool]] = None,
+          origins: Optional[Sequence[int]] = None) -> list[State]:
     """Abstract states of ``jaxpr``'s outputs.
 
     ``deps``: per input, whether it depends on the parameters. A sum over,
@@ -86,6 +131,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     for v in jaxpr.constvars:
       env.setdefault(v, CONST)
       dep.setdefault(v, False)
+    for v, o in zip(jaxpr.invars, origins or ()):
+      self._origin[id(v)] = o
     literal = lambda v: isinstance(v, hx.Literal)
     read = lambda v: CONST if literal(v) else env.get(v, CONST)
     for eqn in jaxpr.eqns:
@@ -101,6 +148,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
                 state="a value computed from several examples' data"))
         ins_now.append(s)
       outs = self.eqn(eqn, ins_now, in_deps)
+      if all(s == CONST for s in ins_now):
+        origin = self._constant_origin(eqn)
+        if origin is not None:
+          self._origin[id(eqn.outvars[0])] = origin
       if (UNKNOWN in outs and UNKNOWN not in ins_now and
           (not hx.jaxprs_of(eqn) or
            hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
@@ -140,19 +191,21 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if name in _ELEMENTWISE:
       ins = self._implicit_broadcasts(eqn, ins)
     if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
-      ins = self._data_as_constant(ins, deps)
+      ins = self._data_as_constant(eqn, ins, deps)
     if rule is not None:
       return rule(eqn, ins)
     if name in _ELEMENTWISE:
       return [self._elementwise(name, ins)] * n_out
     subs = hx.jaxprs_of(eqn)
+    self.consts.update(hx.closed_consts_of(eqn))
     if subs and name not in ("scan", "while", "cond"):
       outs = None
       for sub in subs:
         if len(sub.invars) != len(ins):
           self.unknown.add(name)  # A call whose operands are not its body's.
           return [UNKNOWN] * n_out
-        res = self.run(sub, ins, deps)
+        res = self.run(sub, ins, deps,
+                       [self.origin(v) for v in eqn.invars])
         if len(res) != n_out:
           self.unknown.add(name)
           return [UNKNOWN] * n_out
@@ -193,7 +246,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       fixed.append(s)
     return fixed
 
-  def _data_as_constant(self, ins, deps):
+  def _data_as_constant(self, eqn, ins, deps):
     """Input data met by values of the parameters: constant for them.
 
     In ``(out - y) ** 2`` the labels ``y`` do not couple the examples'
@@ -202,11 +255,27 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     to be settled.) Under ``strict`` (a privacy guarantee: each example's
     gradient may depend on its own data only) data that mixes or reorders
     the examples is an error here.
+
+    Rows of the parameters' values taken out of the batch's order (a
+    reversal, rows picked by index) that meet data rows in another order
+    pair one example's outputs with another example's data
+    (``(out[::-1] - y) ** 2``): which example such a term belongs to is not
+    defined, so that is refused too.
     """
     param_rows = [s for s, d in zip(ins, deps)
                   if isinstance(s, Ex) and s.tag is None and d]
     if not param_rows:
       return ins
+    for s, d in zip(ins, deps):
+      if d or not isinstance(s, Ex) or s.tag is not None:
+        continue
+      for p in param_rows:
+        if (p.order is not None and p.order != s.order and
+            (p.dim, p.inner, p.outer) == (s.dim, s.inner, s.outer) and
+            self.paired_with_others is None):
+          self.paired_with_others = (
+              eqn.primitive.name,
+              ", ".join(str(_shape(v)) for v in eqn.invars))
     if self.strict:
       for s, d in zip(ins, deps):
         if d:
@@ -259,7 +328,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
           gram_op_type, names: Optional[dict] = None,
-          strict: bool = False) -> bool:
+          strict: bool = False, consts: Optional[dict] = None) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
   Args:
@@ -272,6 +341,8 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
     strict: also refuse data of other examples meeting an example's
       parameter-dependent values (a privacy guarantee needs each example's
       gradient to depend on its own data only; a Gram does not).
+    consts: the program's constants, by constant variable (rows picked by
+      equal index arrays are then known to be the same rows).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -286,7 +357,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   """
   if batch == 0:
     return False  # No examples: every Gram is empty.
-  flow = _Flow(batch, gram_op_type, strict)
+  flow = _Flow(batch, gram_op_type, strict, consts)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.run(jaxpr, list(in_states), deps)
   names = names or {}
@@ -332,6 +403,10 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
     raise ValueError(errors.LOSS_COUPLED)
+  if flow.paired_with_others is not None:
+    primitive, shapes = flow.paired_with_others
+    raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
+        primitive=primitive, shapes=shapes))
   if outs and outs[0] == UNKNOWN and flow.last_deps[0]:
     unfollowed.append("the loss")
   if unfollowed:

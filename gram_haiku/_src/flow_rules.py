@@ -354,7 +354,8 @@ class IndexRules:
         # Rows picked by per-example indices (x[perm], o[arange(B), t]):
         # one example each, in an order the program does not show.
         return [self._reorder(dataclasses.replace(operand, dim=out),
-                           ("gather", id(eqn.invars[1])))]
+                           ("gather", self.origin(eqn.invars[1]),
+                            str(eqn.params.get("mode"))))]
       return [MIXED]
     # Constant indices.
     if operand.dim in op_batching:
@@ -367,7 +368,8 @@ class IndexRules:
       if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
           operand.dim in collapsed):
         return [self._reorder(dataclasses.replace(operand, dim=batch_dims[0]),
-                           ("gather", id(eqn.invars[1])))]
+                           ("gather", self.origin(eqn.invars[1]),
+                            str(eqn.params.get("mode"))))]
       return [MIXED]
     full = eqn.params["slice_sizes"][operand.dim] == _shape(
         eqn.invars[0])[operand.dim]

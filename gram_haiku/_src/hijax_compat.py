@@ -213,6 +213,17 @@ def may_carry_gradient(v: Any) -> bool:
   return dtype is None or jax.numpy.issubdtype(dtype, jax.numpy.inexact)
 
 
+def closed_consts_of(eqn: Any) -> dict:
+  """The constants of the closed sub-jaxprs in a jaxpr equation's
+  parameters, by constant variable."""
+  out = {}
+  for value in eqn.params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, jax.extend.core.ClosedJaxpr):
+        out.update(zip(v.jaxpr.constvars, v.consts))
+  return out
+
+
 def jaxprs_of(eqn: Any) -> list:
   """The (open) sub-jaxprs in a jaxpr equation's parameters, in order."""
   out = []

@@ -307,6 +307,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
       states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
                     if size == batch else example_flow.CONST)
     return example_flow.check(live, states, batch, base.GramOp,
+                              consts=dict(zip(closed.jaxpr.constvars,
+                                              closed.consts)),
                               strict=strict)
   return found, seen, check_examples
 

@@ -90,6 +90,12 @@ class Adapter(hx.VJPHiPrimitive):
       # The probe is being differentiated: this JVP will be transposed (e.g.
       # by jax.checkpoint), and the Gram only exists in the backward rule.
       return hx.jvp_by_vjp(self, primals, tangents)
+    if hx.is_differentiated(primals[-1]):
+      # Forward mode inside a function whose probes an outer transform
+      # differentiates (jax.jvp within the loss, tangent propagation): the
+      # layer runs as its plain computation here, so this use's share of
+      # the Gram would be lost.
+      raise ValueError(errors.FORWARD_MODE_INSIDE.format(module=self.name))
     args, dots = list(primals[:-1]), tangents[:-1]
     live = [i for i, (a, t) in enumerate(zip(args, dots))
             if a is not None and not hx.is_zero(t)]

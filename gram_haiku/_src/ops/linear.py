@@ -45,7 +45,6 @@ class GramLinear(base.GramOp):
   """
 
   param_names = ("w", "b")
-  feature_ndim = 1
 
   def forward(self, x, w, b):
     return linear_forward(x, w, b, self.precision)
