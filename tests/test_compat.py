@@ -34,6 +34,22 @@ def test_hijax_names():
     assert hasattr(hx._ad, name), name  # pylint: disable=protected-access
 
 
+def test_custom_jvp_rules_are_read():
+  # The example flow reads custom_jvp rules through the equation's
+  # parameters (hijax_compat.custom_jvp_rule); None would make every
+  # jax.nn.relu an unfollowed primitive (a warning per model).
+  jaxpr = jax.make_jaxpr(jax.nn.relu)(jnp.ones((2, 3)))
+  eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_jvp_call"]
+  for e in jaxpr.jaxpr.eqns:
+    for sub in hx.jaxprs_of(e):
+      eqns += [q for q in sub.eqns if q.primitive.name == "custom_jvp_call"]
+  assert eqns
+  rule = hx.custom_jvp_rule(eqns[0])
+  assert rule is not None
+  rule_jaxpr, _, out_zeros = rule
+  assert len(rule_jaxpr.outvars) == 1 + out_zeros.count(False)
+
+
 def test_haiku_private_attributes_exist():
   """The module attributes the handlers read are still there."""
   seen = {}

@@ -48,6 +48,9 @@ __all__ = ["CONST", "Ex", "ExampleFlowWarning", "MIXED", "State", "SUM",
            "UNKNOWN", "check", "join"]
 
 
+#: Custom-derivative calls whose backward rule is Python code.
+_CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
 #: Constants of at most this many entries (index arrays) are told apart by
 #: their contents; larger ones by identity.
 _CONTENT_KEY_MAX = 1 << 16
@@ -82,6 +85,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # index arrays are known to pick the same rows.
     self._origin: dict[int, Any] = {}
     self.consts: dict[Any, Any] = dict(consts or {})
+    self._in_rule = 0  # inside a custom JVP rule's program (_custom_jvp)
     self._deps: list[bool] = []  # the current equation's input dependences
 
   def join(self, a: State, b: State) -> State:
@@ -199,22 +203,65 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     subs = hx.jaxprs_of(eqn)
     self.consts.update(hx.closed_consts_of(eqn))
     if subs and name not in ("scan", "while", "cond"):
-      outs = None
-      for sub in subs:
-        if len(sub.invars) != len(ins):
-          self.unknown.add(name)  # A call whose operands are not its body's.
-          return [UNKNOWN] * n_out
-        res = self.run(sub, ins, deps,
-                       [self.origin(v) for v in eqn.invars])
-        if len(res) != n_out:
-          self.unknown.add(name)
-          return [UNKNOWN] * n_out
-        outs = (res if outs is None else
-                [self.join(a, b) for a, b in zip(outs, res)])
+      outs = self._call(eqn, subs, ins, deps)
+      if name == "custom_jvp_call" and not self._in_rule:
+        outs = self._custom_jvp(eqn, ins, deps, outs)
+      elif (name in _CUSTOM_VJP and not self._in_rule and any(deps) and
+            any(isinstance(a, Ex) for a in ins)):
+        # Its backward rule is a Python function, not a program here: what
+        # it does with the examples' cotangents is not known.
+        self.unknown.add(name)
+        outs = [UNKNOWN if isinstance(o, Ex) else o for o in outs]
       return outs
     if MIXED in ins:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
+
+  def _call(self, eqn, subs, ins, deps) -> list[State]:
+    """A call of sub-programs on the equation's own operands (``jit``,
+    ``remat``, a custom derivative's forward program): their outputs'
+    states, joined over the sub-programs."""
+    n_out = len(eqn.outvars)
+    outs = None
+    for sub in subs:
+      if len(sub.invars) != len(ins):
+        self.unknown.add(eqn.primitive.name)  # Operands not its body's.
+        return [UNKNOWN] * n_out
+      res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars])
+      if len(res) != n_out:
+        self.unknown.add(eqn.primitive.name)
+        return [UNKNOWN] * n_out
+      outs = (res if outs is None else
+              [self.join(a, b) for a, b in zip(outs, res)])
+    return outs
+
+  def _custom_jvp(self, eqn, ins, deps, outs) -> list[State]:
+    """``outs`` (the forward program's) joined with the tangents of the
+    function's own JVP rule, which is what differentiation runs: a rule
+    that mixes the examples' tangents (a neighbour's row added) mixes their
+    gradients, whatever the forward program does. Where the rule cannot
+    be read, the outputs that carry examples are unknown."""
+    rule = hx.custom_jvp_rule(eqn)
+    if rule is None:
+      if any(isinstance(s, Ex) for s in ins):
+        self.unknown.add(eqn.primitive.name)
+        return [UNKNOWN if isinstance(s, Ex) else s for s in outs]
+      return outs
+    jaxpr, consts, out_zeros = rule
+    self.consts.update(zip(jaxpr.constvars, consts))
+    k = eqn.params.get("num_consts", 0)
+    primals, primal_deps = list(ins[k:]), list(deps[k:])
+    # Inside a JVP rule a custom-derivative call computes values only (its
+    # own rule is a second derivative's): its forward program is followed.
+    self._in_rule += 1
+    try:
+      res = self.run(jaxpr, primals + primals, primal_deps + primal_deps,
+                     [self.origin(v) for v in eqn.invars[k:]] * 2)
+    finally:
+      self._in_rule -= 1
+    tangents = iter(res[len(out_zeros):])
+    return [out if zero else self.join(out, next(tangents, UNKNOWN))
+            for out, zero in zip(outs, out_zeros)]
 
   def _reorder(self, s: Ex, key) -> State:
     """``s`` with its rows reordered or subset (``key``). For a candidate

@@ -69,6 +69,8 @@ __all__ = [
     "Literal",
     "gram_op_of",
     "jaxprs_of",
+    "closed_consts_of",
+    "custom_jvp_rule",
     "may_carry_gradient",
     "inside_loop_trace",
     "is_differentiated",
@@ -211,6 +213,33 @@ def may_carry_gradient(v: Any) -> bool:
   dtype = getattr(getattr(v, "aval", None), "dtype", None)
   # jnp's, not numpy's: bfloat16 and the float8 types are inexact there.
   return dtype is None or jax.numpy.issubdtype(dtype, jax.numpy.inexact)
+
+
+def custom_jvp_rule(eqn: Any) -> Any:
+  """The JVP rule of a ``custom_jvp_call`` equation as a program.
+
+  Returns:
+    ``(jaxpr, consts, out_zeros)``: ``jaxpr(*primals, *tangents) ->
+    (*primal_outs, *tangent_outs)`` for the equation's operands after its
+    ``num_consts`` constants, every input tangent nonzero, with a tangent
+    output for each ``False`` in ``out_zeros``; None for any other equation
+    or where this JAX's equation does not carry its rule as expected.
+  """
+  if eqn.primitive.name != "custom_jvp_call":
+    return None
+  fun = eqn.params.get("jvp_jaxpr_fun", eqn.params.get("jvp_jaxpr_thunk"))
+  if fun is None:
+    return None
+  n = len(eqn.invars) - eqn.params.get("num_consts", 0)
+  try:
+    jaxpr, consts, out_zeros = getattr(fun, "call_wrapped", fun)(
+        *([False] * n))
+  except Exception:  # pylint: disable=broad-except
+    return None
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # (a ClosedJaxpr in some releases)
+  if len(jaxpr.invars) != 2 * n:
+    return None
+  return jaxpr, list(consts), [bool(z) for z in out_zeros]
 
 
 def closed_consts_of(eqn: Any) -> dict:
