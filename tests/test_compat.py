@@ -34,6 +34,28 @@ def test_hijax_names():
     assert hasattr(hx._ad, name), name  # pylint: disable=protected-access
 
 
+def test_setup_cfg_pins_the_range_checked_at_import():
+  cfg = (SRC.parent / "setup.cfg").read_text()
+  low = ".".join(map(str, hx.MIN_JAX_VERSION))
+  high = ".".join(map(str, hx.MAX_JAX_VERSION_EXCLUSIVE[:2]))
+  for package in ("jax", "jaxlib"):
+    assert f"    {package}>={low},<{high}\n" in cfg, package
+  assert hx.MIN_JAX_VERSION <= hx.JAX_VERSION < hx.MAX_JAX_VERSION_EXCLUSIVE
+
+
+def test_scan_operand_counts_are_read():
+  def loop(c, xs, k, h):
+    def body(carry, x):
+      a, b = carry
+      return (a + x * k, b * h), a
+    return jax.lax.scan(body, (c, c), xs)
+  jaxpr = jax.make_jaxpr(loop)(1.0, jnp.arange(4.0), 2.0, 3.0)
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  n_consts, n_carry = hx.scan_counts(eqn)
+  assert (n_consts, n_carry) == (2, 2)
+  assert len(eqn.invars) == n_consts + n_carry + 1
+
+
 def test_custom_jvp_rules_are_read():
   # The example flow reads custom_jvp rules through the equation's
   # parameters (hijax_compat.custom_jvp_rule); None would make every

@@ -1187,3 +1187,96 @@ def test_example_axes_still_refuse_a_layer_over_the_wrong_axis():
   with pytest.raises(ValueError, match="along axis 1"):
     gram_haiku.value_grad_and_gram(f.apply, example_axes=axes)(
         params, state, None, *batch)
+
+
+def _token_losses(x, y):
+  h = jnp.tanh(hk.Linear(F, name="first")(x))
+  out = hk.Linear(3, name="second")(h)
+  return 0.5 * jnp.sum((out - y) ** 2, -1).reshape(-1)  # [B T]
+
+
+_TOKEN_IDS = np.repeat(np.arange(B), T)  # position -> its example
+
+
+def _segment_sum_loss(x, y):
+  per = jax.ops.segment_sum(_token_losses(x, y), jnp.asarray(_TOKEN_IDS),
+                            num_segments=B)
+  return jnp.sum(per)
+
+
+def _segment_ids_computed_mean(x, y):  # ids from iota; a mean over examples
+  ids = jnp.repeat(jnp.arange(B), T)
+  return jnp.mean(jax.ops.segment_sum(_token_losses(x, y), ids,
+                                      num_segments=B)) * B
+
+
+def _at_add_loss(x, y):
+  return jnp.sum(jnp.zeros(B).at[jnp.asarray(_TOKEN_IDS)].add(
+      _token_losses(x, y)))
+
+
+def _segments_of_other_examples(x, y):  # a segment may mix examples: a sum
+  ids = jnp.asarray((np.arange(B * T) * 3) % B)
+  return jnp.sum(jax.ops.segment_sum(_token_losses(x, y), ids,
+                                     num_segments=B))
+
+
+@pytest.mark.parametrize("body", [
+    _segment_sum_loss, _segment_ids_computed_mean, _at_add_loss,
+    _segments_of_other_examples], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("jit", [False, True])
+def test_per_token_losses_summed_by_segments_are_exact(body, jit):
+  """``segment_sum`` (a scatter-add at constant indices) of per-token
+  losses, then a sum: a sum of per-example terms, whatever the segments."""
+  x, y = _data(21)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gram_haiku.ExampleFlowWarning)
+    params, (value, _, grams) = _run(body, x, y, jit=jit)
+  per_example = hk.without_apply_rng(hk.transform(
+      lambda x, y: jnp.sum(_token_losses(x, y))))
+  np.testing.assert_allclose(value, per_example.apply(params, x, y),
+                             rtol=1e-5)
+  assert_gram_close(grams.total,
+                    reference_gram(per_example.apply, params, x, y))
+
+
+def _sqrt_of_segment_sums(x, y):
+  per = jax.ops.segment_sum(_token_losses(x, y), jnp.asarray(_TOKEN_IDS),
+                            num_segments=B)
+  return jnp.sum(jnp.sqrt(per))
+
+
+def _segment_sums_squared_across_examples(x, y):
+  ids = jnp.asarray((np.arange(B * T) * 3) % B)
+  return jnp.sum(jax.ops.segment_sum(_token_losses(x, y), ids,
+                                     num_segments=B) ** 2)
+
+
+@pytest.mark.parametrize("body", [_sqrt_of_segment_sums,
+                                  _segment_sums_squared_across_examples],
+                         ids=lambda f: f.__name__)
+def test_nonlinear_functions_of_segment_sums_are_refused(body):
+  """Not known to be per-example (the second couples examples): a teaching
+  error, never a number."""
+  x, y = _data(22)
+  with pytest.raises(ValueError, match="not a sum"):
+    _run(body, x, y)
+
+
+def test_clipping_per_token_losses_summed_by_segments():
+  x, y = _data(23)
+  f = _tracked_transform(_segment_sum_loss)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  per_example = hk.without_apply_rng(hk.transform(
+      lambda x, y: jnp.sum(_token_losses(x, y))))
+  g = per_example_grads(per_example.apply, params, x, y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  norms = np.sqrt(np.sum(flat * flat, 1))
+  c_norm = float(np.median(norms))
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
+  chex.assert_trees_all_close(
+      grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
+      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))

@@ -466,5 +466,5 @@ def test_per_example_gradients_in_a_loop_make_no_b_by_p_copy():
   want = np.asarray(per_example_grads(
       lambda p, x, y: unrolled(lambda h: h @ p["w"] + p["b"], x, y), p, x, y))
   got = np.asarray(fn(p, jnp.zeros((b, width)), x, y))
-  np.testing.assert_allclose(np.concatenate([got[:, -m:], got[:, :-m]], 1),
-                             want, rtol=1e-5, atol=1e-6)
+  assert_gram_close(np.concatenate([got[:, -m:], got[:, :-m]], 1), want,
+                    what="per-example gradients accumulated in a loop")

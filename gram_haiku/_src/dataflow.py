@@ -327,7 +327,7 @@ class _Walk:
 
   def scan(self, eqn, ins):
     body = eqn.params["jaxpr"].jaxpr
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = hx.scan_counts(eqn)
     length = eqn.params["length"]
     loops = length > 1
     times = lambda x: None if x.trips is None else x.trips * length

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import math
 
+from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.flow_states import CONST
 from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import MIXED
@@ -266,7 +267,16 @@ class IndexRules:
     full = [k not in indexed for k in range(ndim)]
     to_update = [dn.update_window_dims[window.index(k)] if k in window
                  else None for k in range(ndim)]
-    return [self._write(operand, updates, full, to_update)]
+    out = self._write(operand, updates, full, to_update)
+    if (out == MIXED and eqn.primitive.name == "scatter-add" and
+        operand == CONST and isinstance(updates, Ex)):
+      # Rows of the examples added into constant-indexed places
+      # (jax.ops.segment_sum of per-token losses into per-example ones): a
+      # linear combination of the examples' values, so a sum of it is a sum
+      # of per-example terms; a nonlinear function of it is not known to
+      # be one.
+      return [self._combined(updates, SUM)]
+    return [out]
 
   # A set and an add (or product, min, max) of rows aligned with the
   # operand's are alike for the examples.
@@ -500,7 +510,7 @@ class ControlFlowRules:
 
   def _scan(self, eqn, ins):
     body = eqn.params["jaxpr"].jaxpr
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = hx.scan_counts(eqn)
     consts, carry, xs = (ins[:n_consts], ins[n_consts:n_consts + n_carry],
                          ins[n_consts + n_carry:])
     sliced = []

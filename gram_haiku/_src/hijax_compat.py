@@ -6,7 +6,10 @@ backward rules receive (gradient accumulators, symbolic zeros, vmap axis
 data), is imported here and nowhere else, so that supporting a new JAX
 release means editing this module only.
 
-Supported range: see ``setup.cfg`` (``jax>=0.9.0,<0.11``). The oldest
+Supported range: see ``setup.cfg`` (``jax>=0.9.0,<0.12``; 0.11 needs
+Python 3.12). 0.11 renamed ``VJPHiPrimitive`` to ``HiPrim`` and changed
+``fake_linear_op``'s and ``scan``'s parameters; both spellings are read
+here. The oldest
 release with every name below is 0.9.0 (0.8.x lacks
 ``hijax.instantiate_zeros`` and its ``vjp_fwd`` takes no ``nzs_in``); :data:`MIN_JAX_VERSION` is checked at
 import time so that an unsupported JAX fails with a clear message instead of
@@ -15,6 +18,7 @@ an ``AttributeError`` deep inside a trace.
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from typing import Any
@@ -23,7 +27,7 @@ import jax
 import jax.extend.core  # noqa: F401
 
 MIN_JAX_VERSION = (0, 9, 0)
-MAX_JAX_VERSION_EXCLUSIVE = (0, 11, 0)
+MAX_JAX_VERSION_EXCLUSIVE = (0, 12, 0)
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -42,10 +46,11 @@ if not MIN_JAX_VERSION <= JAX_VERSION < MAX_JAX_VERSION_EXCLUSIVE:
       f"<{'.'.join(map(str, MAX_JAX_VERSION_EXCLUSIVE))} (the releases whose "
       "jax.experimental.hijax.VJPHiPrimitive API it is written against), but "
       f"jax {jax.__version__} is installed. Install a supported release, e.g. "
-      "`pip install 'jax>=0.9.0,<0.11'`.")
+      f"`pip install 'jax>={'.'.join(map(str, MIN_JAX_VERSION))},"
+      f"<{'.'.join(map(str, MAX_JAX_VERSION_EXCLUSIVE[:2]))}'`.")
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
-from jax.experimental.hijax import VJPHiPrimitive  # noqa: E402
+from jax.experimental import hijax as _public_hijax  # noqa: E402
 from jax.experimental.hijax import Zero  # noqa: E402
 from jax.experimental.hijax import instantiate_zeros  # noqa: E402
 from jax._src import hijax as _hijax  # noqa: E402
@@ -53,6 +58,12 @@ from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax.extend.core import Literal  # noqa: E402
 # pylint: enable=g-import-not-at-top,g-bad-import-order
+
+# 0.9 and 0.10 call the primitive base class VJPHiPrimitive; 0.11 HiPrim.
+_FAKE_LINEAR_OP_TAKES_OUT_NZS = "nz_out_flat" in inspect.signature(
+    _hijax.fake_linear_op).parameters
+VJPHiPrimitive = getattr(_public_hijax, "VJPHiPrimitive", None) or (
+    _public_hijax.HiPrim)
 
 __all__ = [
     "VJPHiPrimitive",
@@ -71,6 +82,7 @@ __all__ = [
     "jaxprs_of",
     "closed_consts_of",
     "custom_jvp_rule",
+    "scan_counts",
     "may_carry_gradient",
     "inside_loop_trace",
     "is_differentiated",
@@ -112,8 +124,13 @@ def jvp_by_vjp(prim: Any, primals: tuple, tangents: tuple):
   nzs = jax.tree_util.tree_map(lambda _: True, primals)
   out, residuals = prim.vjp_fwd(nzs, *primals)[:2]
   nz_flat = [True] * len(flat_tangents)
-  out_tangents = _hijax.fake_linear_op(prim, nz_flat, residuals,
-                                       *flat_tangents)
+  if _FAKE_LINEAR_OP_TAKES_OUT_NZS:  # 0.11: (prim, nz_in, nz_out, rs, sres)
+    nz_out = [True] * len(prim.out_avals_flat)
+    out_tangents = _hijax.fake_linear_op(prim, nz_flat, nz_out, residuals,
+                                         None, *flat_tangents)
+  else:
+    out_tangents = _hijax.fake_linear_op(prim, nz_flat, residuals,
+                                         *flat_tangents)
   return out, jax.tree_util.tree_unflatten(prim.out_tree, out_tangents)
 
 
@@ -240,6 +257,20 @@ def custom_jvp_rule(eqn: Any) -> Any:
   if len(jaxpr.invars) != 2 * n:
     return None
   return jaxpr, list(consts), [bool(z) for z in out_zeros]
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+  """``(num_consts, num_carry)`` of a ``scan`` equation's operands.
+
+  Its operands are the constants, then the initial carry, then the scanned
+  inputs. JAX 0.9 and 0.10 give the counts as parameters; 0.11 gives the
+  three groups as one ``ft_in`` tree instead.
+  """
+  params = eqn.params
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].update(list(eqn.invars)).unpack()
+  return len(list(consts)), len(list(carry))
 
 
 def closed_consts_of(eqn: Any) -> dict:
