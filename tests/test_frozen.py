@@ -331,3 +331,37 @@ def test_an_untracked_parameter_read_through_stop_gradient_needs_no_rule():
       params, state, None, x, y)
   assert not np.any(grads["~"]["alpha"])
   np.testing.assert_allclose(aux.grad_norms ** 2, grams.sq_norms, rtol=RTOL)
+
+
+def test_a_boolean_mask_freezes_what_its_names_freeze():
+  """``frozen=`` as a mask shaped like the parameters (optax's ``masked``
+  convention): True leaves are frozen, False and left-out ones are not."""
+  apply, params, state, x, f, names = _problem("MLP", "weights", "declared")
+  mask = {m: {n: f"{m}/{n}" in names for n in leaves}
+          for m, leaves in params.items()}
+  # A module wholly frozen may be given as one boolean; one left out is not.
+  whole = {m: True for m, leaves in params.items()
+           if all(f"{m}/{n}" in names for n in leaves)}
+  partial = {m: {n: True for n in leaves if f"{m}/{n}" in names}
+             for m, leaves in params.items()
+             if any(f"{m}/{n}" in names for n in leaves) and m not in whole}
+  c_norm = float(np.median(np.sqrt(np.sum(f * f, 1))))
+  want, _ = jax.jit(gram_haiku.clipped_grad(apply, c_norm, frozen=names))(
+      params, state, None, x)
+  for frozen in (mask, {**whole, **partial}):
+    got, aux = jax.jit(gram_haiku.clipped_grad(apply, c_norm,
+                                               frozen=frozen))(
+        params, state, None, x)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(f * f, 1)),
+                               rtol=RTOL)
+  module = next(iter(params))
+  leaf = next(iter(params[module]))
+  bad = [({"no_such_module": True}, "no_such_module"),
+         ({module: {"no_such_leaf": True}}, "no_such_leaf"),
+         ({module: {leaf: 1.0}}, "Python booleans"),
+         ({module: jnp.ones(())}, "Python booleans")]
+  for frozen, says in bad:
+    with pytest.raises(ValueError, match=says):
+      gram_haiku.clipped_grad(apply, c_norm, frozen=frozen)(
+          params, state, None, x)

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from gram_haiku._src import ambient
@@ -39,8 +40,9 @@ from gram_haiku._src.result import Grams
 Needs = Literal["norms", "gram"]
 NEEDS = ("norms", "gram")
 
-#: ``frozen=``: parameter names (``"module/name"``) or module names, or a
-#: Haiku-style predicate ``(module_name, name, value) -> bool``.
+#: ``frozen=``: parameter names (``"module/name"``) or module names, a
+#: Haiku-style predicate ``(module_name, name, value) -> bool``, or a
+#: boolean mask shaped like (a prefix of) the parameters.
 Frozen = Any
 
 
@@ -82,6 +84,8 @@ def frozen_leaves(frozen: Frozen, params) -> set[str]:
         if frozen(module, name, value):
           out.add(f"{module}/{name}")
     return out
+  if isinstance(frozen, Mapping):
+    return _frozen_mask_leaves(frozen, params)
   if isinstance(frozen, str):
     frozen = (frozen,)
   wanted = set(frozen)
@@ -92,6 +96,39 @@ def frozen_leaves(frozen: Frozen, params) -> set[str]:
     raise ValueError(f"gram_haiku: frozen={sorted(wanted)} names "
                      f"{unknown}, which are neither parameters nor modules "
                      f"of params (they are {names}).")
+  return out
+
+
+def _frozen_mask_leaves(mask: Mapping, params) -> set[str]:
+  """A boolean mask shaped like (a prefix of) ``params``, as optax's
+  ``masked`` takes: ``{module: True}`` or ``{module: {name: True}}``; True
+  is frozen, a module or leaf left out is not."""
+  out = set()
+  for module, entry in mask.items():
+    if module not in params:
+      raise ValueError(
+          f"gram_haiku: the frozen= mask names module {module!r}, which is "
+          f"not a module of params (they are {sorted(params)}).")
+    leaves = params[module]
+    if isinstance(entry, Mapping):
+      items = list(entry.items())
+    else:
+      items = [(name, entry) for name in leaves]
+    for name, flag in items:
+      if name not in leaves:
+        raise ValueError(
+            f"gram_haiku: the frozen= mask names {module}/{name}, which is "
+            f"not a parameter of params (module {module!r} has "
+            f"{sorted(leaves)}).")
+      if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(
+            f"gram_haiku: the frozen= mask holds {flag!r} "
+            f"({type(flag).__name__}) at {module}/{name}; a mask holds "
+            "Python booleans (True: frozen). To name parameters, pass "
+            "'module/name' strings; to decide from values, a predicate "
+            "(module_name, name, value) -> bool.")
+      if flag:
+        out.add(f"{module}/{name}")
   return out
 
 
@@ -429,8 +466,11 @@ def reweighted_grad(apply_fn: Callable[..., Any],
       ``weight_fn`` sees this device's rows and returns its ``(b,)``
       weights; the gradients are summed over devices.
     frozen: parameters with zero gradient that need no Gram rule:
-      ``"module/name"`` or module names, or a predicate
-      ``(module_name, name, value) -> bool``. Parameters the loss does not
+      ``"module/name"`` or module names, a predicate
+      ``(module_name, name, value) -> bool``, or a boolean mask shaped
+      like (a prefix of) ``params`` (``{module: True}`` or
+      ``{module: {name: True}}``, as ``optax.masked`` takes; left out
+      means not frozen). Parameters the loss does not
       differentiate (closed over, read through ``stop_gradient``) are
       frozen as well. Frozen parameters have no term in the Grams.
     example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
