@@ -635,36 +635,41 @@ def test_outputs_and_data_picked_by_other_index_arrays_are_refused():
     _run(_after(lambda o: o[_PERM], lambda y: y[jnp.roll(_PERM, 1)]), x, y)
 
 
+_REORDERED_WITH_OWN_DATA = [
+    "both_reversed", "both_halves_swapped", "both_by_one_index_array",
+    "both_by_equal_index_arrays", "both_by_one_index_array_one_jitted",
+    "outputs_reversed_no_data", "labels_rolled"]
+
+
+def _reordered_with_own_data(name, y):
+  """``(body, labels)``: a loss whose terms come in another order, and the
+  labels each input row is paired with."""
+  swap = lambda a: jnp.concatenate([a[2:], a[:2]])
+  if name == "both_reversed":
+    return _after(lambda o: o[::-1], lambda y: y[::-1]), y
+  if name == "both_halves_swapped":
+    return _after(swap, swap), y
+  if name == "both_by_one_index_array":
+    return _after(lambda o: o[_PERM], lambda y: y[_PERM]), y
+  if name == "both_by_equal_index_arrays":  # two arrays, equal contents
+    return _after(_SHUFFLE, _SHUFFLE), y
+  if name == "both_by_one_index_array_one_jitted":
+    return _after(jax.jit(lambda o: o[_PERM]), lambda y: y[_PERM]), y
+  if name == "outputs_reversed_no_data":
+    return _after(lambda o: o[::-1], jnp.zeros_like), jnp.zeros_like(y)
+  # Labels rolled: the terms' rows are the inputs' rows.
+  return (_after(lambda o: o, lambda y: jnp.roll(y, 1, axis=0)),
+          jnp.roll(y, 1, axis=0))
+
+
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("name", ["both_reversed", "both_halves_swapped",
-                                  "both_by_one_index_array",
-                                  "both_by_equal_index_arrays",
-                                  "both_by_one_index_array_one_jitted",
-                                  "outputs_reversed_no_data",
-                                  "labels_rolled"])
+@pytest.mark.parametrize("name", _REORDERED_WITH_OWN_DATA)
 def test_outputs_reordered_with_their_own_data_are_exact(name, jit):
   # Each term still reads one example's outputs and labels: the Gram is over
   # the examples (rows of the model's inputs), whatever order the terms of
   # the sum come in.
   x, y = _data(28)
-  swap = lambda a: jnp.concatenate([a[2:], a[:2]])
-  per_y = y
-  if name == "both_reversed":
-    body = _after(lambda o: o[::-1], lambda y: y[::-1])
-  elif name == "both_halves_swapped":
-    body = _after(swap, swap)
-  elif name == "both_by_one_index_array":
-    body = _after(lambda o: o[_PERM], lambda y: y[_PERM])
-  elif name == "both_by_equal_index_arrays":  # two arrays, equal contents
-    body = _after(_SHUFFLE, _SHUFFLE)
-  elif name == "both_by_one_index_array_one_jitted":
-    body = _after(jax.jit(lambda o: o[_PERM]), lambda y: y[_PERM])
-  elif name == "outputs_reversed_no_data":
-    body = _after(lambda o: o[::-1], jnp.zeros_like)
-    per_y = jnp.zeros_like(y)
-  else:  # labels rolled: the terms' rows are the inputs' rows
-    body = _after(lambda o: o, lambda y: jnp.roll(y, 1, axis=0))
-    per_y = jnp.roll(y, 1, axis=0)
+  body, per_y = _reordered_with_own_data(name, y)
   params, (_, grads, grams) = _run(body, x, y, jit=jit)
   # One example alone: its input row and the label it is paired with.
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
@@ -673,6 +678,35 @@ def test_outputs_reordered_with_their_own_data_are_exact(name, jit):
   want = jax.grad(lambda p: hk.without_apply_rng(hk.transform(body)).apply(
       p, x, y))(params)
   chex.assert_trees_all_close(grads, want, rtol=RTOL_F32, atol=ATOL_F32)
+
+
+@pytest.mark.parametrize("name", _REORDERED_WITH_OWN_DATA)
+def test_clipping_outputs_reordered_with_their_own_data(name):
+  """The clipped sum too: each term reads one example's outputs and its
+  own labels, so clipping per input row bounds each example. Labels paired
+  with another example's outputs (rolled) stay refused: an example's data
+  would move another one's gradient."""
+  x, y = _data(29)
+  body, per_y = _reordered_with_own_data(name, y)
+  f = _tracked_transform(body)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  clipped = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))
+  if name == "labels_rolled":
+    with pytest.raises(ValueError, match="reads data of other examples"):
+      clipped(params, state, None, x, y)
+    return
+  plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
+  g = per_example_grads(plain.apply, params, x, per_y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  norms = np.sqrt(np.sum(flat * flat, 1))
+  c_norm = float(np.median(norms))
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
+  chex.assert_trees_all_close(
+      grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
+      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
 
 
 @jax.custom_jvp

@@ -412,7 +412,10 @@ LOSS_COUPLED = (
     "is computed from the batch but must not be differentiated (a "
     "normaliser, a batch softmax of the losses) goes in "
     "jax.lax.stop_gradient: the loss is then a weighted sum of per-example "
-    "terms, and the Gram is of the weighted terms.")
+    "terms, and the Gram is of the weighted terms. If the examples are not "
+    "along axis 0 of the inputs (a time-major [T, B, ...] sequence, whose "
+    "recurrence couples the rows of axis 0), say where they are with "
+    "example_axes= (one entry per input, e.g. example_axes=(1, 1)).")
 
 PROBE_LINEARIZED = (
     "gram_haiku: the Gram probe of module '{module}' is linearized in "

@@ -300,8 +300,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     gradients, whatever their rows: only values that depend on the
     parameters do. (A candidate, ``Ex.tag``, still needs to meet the data
     to be settled.) Under ``strict`` (a privacy guarantee: each example's
-    gradient may depend on its own data only) data that mixes or reorders
-    the examples is an error here.
+    gradient may depend on its own data only) data that mixes the examples,
+    or meets the parameters' rows in another order, is an error here.
 
     Rows of the parameters' values taken out of the batch's order (a
     reversal, rows picked by index) that meet data rows in another order
@@ -327,9 +327,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       for s, d in zip(ins, deps):
         if d:
           continue
+        # Data rows meeting the parameters' rows in the same order (both
+        # in the batch's, or both reordered alike: out[::-1] with y[::-1])
+        # pair each example's outputs with its own data.
         if s in (MIXED, SUM) or (isinstance(s, Ex) and s.tag is None and (
-            s.order is not None or any(
-                (p.dim, p.inner, p.outer, p.order) !=
+            any((p.dim, p.inner, p.outer, p.order) !=
                 (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
           raise ValueError(errors.DATA_COUPLED.format(
               state="rows of other examples, or in another order"))
