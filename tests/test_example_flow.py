@@ -1314,3 +1314,112 @@ def test_clipping_per_token_losses_summed_by_segments():
   chex.assert_trees_all_close(
       grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
       rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
+
+
+# A helper called twice holds the same program (and variables) in both
+# calls: what it reads in each call must be told apart.
+_ROW = jax.jit(lambda a, i: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0))
+_ROW_REMAT = jax.checkpoint(
+    lambda a, i: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=0))
+_TAKE = jax.jit(lambda a, p: a[p])
+
+
+def _rows_by_helper(row, shift):
+  """Term ``i`` pairs output row ``i`` with label row ``i + shift``."""
+  def body(x, y):
+    out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+    return sum(0.5 * jnp.sum((row(out, i) - row(y, (i + shift) % B)) ** 2)
+               for i in range(B))
+  return body
+
+
+def _taken_by_data_indices(x, y, p, q):
+  out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+  return 0.5 * jnp.sum((_TAKE(out, p) - _TAKE(y, q)) ** 2)
+
+
+def _outer_product_with_labels(x, y):
+  out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+  return 0.5 * jnp.sum(jnp.einsum("btf,ctf->bc", out, y) ** 2)
+
+
+def _per_example_product_with_labels(x, y):
+  out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+  return 0.5 * jnp.sum(jnp.einsum("btf,btf->b", out, y) ** 2)
+
+
+def _largest_segment_sum(x, y):
+  return jnp.sort(jax.ops.segment_sum(
+      _token_losses(x, y), jnp.asarray(_TOKEN_IDS), num_segments=B))[-1]
+
+
+def _clipped_run(body, *batch):
+  f = _tracked_transform(body)
+  params, state = f.init(jax.random.PRNGKey(0), *batch)
+  return params, jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))(
+      params, state, None, *batch)
+
+
+@pytest.mark.parametrize("row", [_ROW, _ROW_REMAT], ids=["jit", "remat"])
+@pytest.mark.parametrize("shift", [1, B - 1])
+def test_a_helper_called_twice_is_told_apart(row, shift):
+  """``row(out, i)`` with ``row(y, i + 1)`` through one jitted helper: the
+  two calls read other rows, so outputs meet another example's labels."""
+  x, y = _data(41)
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    _clipped_run(_rows_by_helper(row, shift), x, y)
+  with pytest.raises(ValueError, match="another example's|another order"):
+    _run(_rows_by_helper(row, shift), x, y)
+
+
+@pytest.mark.parametrize("row", [_ROW, _ROW_REMAT], ids=["jit", "remat"])
+def test_a_helper_reading_equal_rows_is_exact(row):
+  x, y = _data(42)
+  params, (grads, aux) = _clipped_run(_rows_by_helper(row, 0), x, y)
+  plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
+  g = per_example_grads(plain.apply, params, x, y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  norms = np.sqrt(np.sum(flat * flat, 1))
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
+  chex.assert_trees_all_close(
+      grads, weighted_sum(flat, clip_reference(norms, 1.0), params),
+      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
+
+
+def test_data_index_arrays_through_a_helper_are_refused():
+  x, y = _data(43)
+  p = jnp.arange(B)
+  for q in (jnp.roll(p, 1), p):  # (p with itself: indices are data)
+    with pytest.raises(ValueError, match="reads data of other examples"):
+      _clipped_run(_taken_by_data_indices, x, y, p, q)
+
+
+def test_outer_products_of_outputs_with_every_label_are_refused():
+  """Each term of ``sum_bc (o_b . y_c)^2`` reads every example's labels:
+  a Gram over the outputs' rows, but no per-example privacy bound."""
+  x, y = _data(44)
+  params, (_, _, grams) = _run(_outer_product_with_labels, x, y)
+  terms = lambda p, x, y: 0.5 * jnp.sum(jnp.einsum(
+      "btf,ctf->bc", hk.without_apply_rng(hk.transform(
+          lambda x: hk.Linear(3, name="head")(jnp.tanh(
+              hk.Linear(F, name="first")(x))))).apply(p, x), y) ** 2, 1)
+  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+  with pytest.raises(ValueError, match="a product of every example"):
+    _clipped_run(_outer_product_with_labels, x, y)
+  # Paired rows (a batch axis of the product): each example's own labels.
+  params, (grads, aux) = _clipped_run(_per_example_product_with_labels, x, y)
+  one = hk.without_apply_rng(hk.transform(_per_example_product_with_labels))
+  g = per_example_grads(one.apply, params, x, y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
+                             rtol=RTOL_F32)
+
+
+def test_the_largest_segment_sum_is_refused():
+  x, y = _data(45)
+  with pytest.raises(ValueError, match="not a sum"):
+    _run(_largest_segment_sum, x, y)
+  with pytest.raises(ValueError, match="not a sum"):
+    _clipped_run(_largest_segment_sum, x, y)

@@ -365,3 +365,35 @@ def test_a_boolean_mask_freezes_what_its_names_freeze():
     with pytest.raises(ValueError, match=says):
       gram_haiku.clipped_grad(apply, c_norm, frozen=frozen)(
           params, state, None, x)
+
+
+def test_frozen_names_and_masks_hold_for_haiku_flatmap_params():
+  """Haiku's immutable FlatMap params: the same frozen leaves as the plain
+  dict of the same values."""
+  apply, params, state, x, f, names = _problem("MLP", "weights", "declared")
+  flat_map = hk.data_structures.to_immutable_dict(params)
+  mask = {m: {n: f"{m}/{n}" in names for n in leaves}
+          for m, leaves in params.items()}
+  c_norm = float(np.median(np.sqrt(np.sum(f * f, 1))))
+  for frozen in (names, mask):
+    want, want_aux = gram_haiku.clipped_grad(apply, c_norm, frozen=frozen)(
+        params, state, None, x)
+    got, aux = gram_haiku.clipped_grad(apply, c_norm, frozen=frozen)(
+        flat_map, state, None, x)
+    np.testing.assert_allclose(aux.grad_norms, want_aux.grad_norms,
+                               rtol=1e-6)
+    for full in names:
+      m, n = full.rsplit("/", 1)
+      assert not np.any(got[m][n]), full
+    chex.assert_trees_all_close(
+        hk.data_structures.to_mutable_dict(got), want, rtol=1e-6, atol=1e-7)
+
+
+def test_freezing_everything_or_passing_one_boolean_is_a_teaching_error():
+  apply, params, state, x, _, _ = _problem("MLP", "weights", "declared")
+  for frozen, says in [({m: True for m in params}, "freezes every"),
+                       (list(params), "freezes every"),
+                       (True, "not one boolean")]:
+    with pytest.raises(ValueError, match=says):
+      gram_haiku.clipped_grad(apply, 1.0, frozen=frozen)(
+          params, state, None, x)

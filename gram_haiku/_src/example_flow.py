@@ -64,6 +64,23 @@ class ExampleFlowWarning(UserWarning):
 
 
 
+def _rows_paired(eqn, ins, deps) -> bool:
+  """Whether a ``dot_general`` of the parameters' rows with data rows pairs
+  each example's row with its own: the two example axes are a batch pair,
+  or a contracting pair (a sum over examples of per-example products).
+  Otherwise (``einsum('bf,cf->bc', out, y)``) every output meets every
+  example's data."""
+  lhs, rhs = ins
+  if not (isinstance(lhs, Ex) and isinstance(rhs, Ex)) or deps[0] == deps[1]:
+    return True
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  for left, right in ((lb, rb), (lc, rc)):
+    if lhs.dim in left and rhs.dim in right and (
+        list(left).index(lhs.dim) == list(right).index(rhs.dim)):
+      return True
+  return False
+
+
 class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             flow_rules.ContractionRules, flow_rules.ControlFlowRules):
   """The abstract interpreter (one instance per check); the rules per
@@ -83,7 +100,12 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.paired_with_others: Optional[tuple[str, str]] = None
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
-    self._origin: dict[int, Any] = {}
+    # Keyed by (run, id(variable)): a sub-program called twice (a jitted
+    # helper) holds the same variable objects in both runs, which must not
+    # share a key unless their values are equal by construction.
+    self._origin: dict[tuple[int, int], Any] = {}
+    self._run = 0  # the current run() (a fresh number per call)
+    self._runs = 0
     self.consts: dict[Any, Any] = dict(consts or {})
     self._in_rule = 0  # inside a custom JVP rule's program (_custom_jvp)
     self._deps: list[bool] = []  # the current equation's input dependences
@@ -98,15 +120,20 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     own."""
     if isinstance(v, hx.Literal):
       return ("literal", str(v.aval.dtype), repr(np.asarray(v.val)))
-    if id(v) not in self._origin and v in self.consts:
+    key = (self._run, id(v))
+    if key not in self._origin and v in self.consts:
       value = self.consts[v]
       # (A constant of this trace may be a value of an enclosing one.)
       if (not isinstance(value, jax.core.Tracer) and
           np.size(value) <= _CONTENT_KEY_MAX):
         value = np.asarray(value)
-        self._origin[id(v)] = ("value", str(value.dtype), value.shape,
-                               value.tobytes())
-    return self._origin.get(id(v), id(v))
+        self._origin[key] = ("value", str(value.dtype), value.shape,
+                             value.tobytes())
+    return self._origin.get(key, key)
+
+  def eqn_key(self, eqn) -> tuple[int, int]:
+    """A key of one equation in this run (see ``_origin``)."""
+    return (self._run, id(eqn))
 
   def _constant_origin(self, eqn) -> Any:
     """The origin of a constant equation's one output: the primitive, its
@@ -129,6 +156,15 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     centring by the batch mean) is input data for every example's gradient
     and is treated as a constant; one that does couples the examples.
     """
+    outer = self._run
+    self._runs += 1
+    self._run = self._runs
+    try:
+      return self._run_body(jaxpr, ins, deps, origins)
+    finally:
+      self._run = outer
+
+  def _run_body(self, jaxpr, ins, deps, origins) -> list[State]:
     deps = list(deps) if deps is not None else [True] * len(ins)
     env = dict(zip(jaxpr.invars, ins))
     dep = dict(zip(jaxpr.invars, deps))
@@ -136,7 +172,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       env.setdefault(v, CONST)
       dep.setdefault(v, False)
     for v, o in zip(jaxpr.invars, origins or ()):
-      self._origin[id(v)] = o
+      self._origin[(self._run, id(v))] = o
     literal = lambda v: isinstance(v, hx.Literal)
     read = lambda v: CONST if literal(v) else env.get(v, CONST)
     for eqn in jaxpr.eqns:
@@ -155,7 +191,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if all(s == CONST for s in ins_now):
         origin = self._constant_origin(eqn)
         if origin is not None:
-          self._origin[id(eqn.outvars[0])] = origin
+          self._origin[(self._run, id(eqn.outvars[0]))] = origin
       if (UNKNOWN in outs and UNKNOWN not in ins_now and
           (not hx.jaxprs_of(eqn) or
            hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
@@ -289,7 +325,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       shape = _shape(v)
       if (isinstance(s, Ex) and len(shape) == len(out_shape) and
           shape[s.dim] != out_shape[s.dim]):
-        s = self._reorder(s, ("broadcast", id(eqn)))
+        s = self._reorder(s, ("broadcast", self.eqn_key(eqn)))
       fixed.append(s)
     return fixed
 
@@ -335,6 +371,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
                 (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
           raise ValueError(errors.DATA_COUPLED.format(
               state="rows of other examples, or in another order"))
+      if eqn.primitive.name == "dot_general" and not _rows_paired(
+          eqn, ins, deps):
+        raise ValueError(errors.DATA_COUPLED.format(
+            state="a product of every example's outputs with every "
+            "example's data"))
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
 

@@ -39,7 +39,7 @@ class ShapeRules:
         # A length-1 example axis repeated (``q[None]`` of one row met with
         # a batch): every row is that one row's.
         return [self._reorder(dataclasses.replace(s, dim=dim),
-                              ("broadcast", id(eqn)))]
+                              ("broadcast", self.eqn_key(eqn)))]
       return [dataclasses.replace(s, dim=dim)]
     return [s]
 
@@ -146,13 +146,17 @@ class ShapeRules:
     out = states[0]
     for s in states[1:]:
       out = self.join(out, s)
+    if out == SUM:
+      # Linear combinations of the examples (segment sums) in order of
+      # value: what follows (the largest) is a choice among them.
+      return [MIXED] * len(eqn.outvars)
     if isinstance(out, Ex) and out.dim == eqn.params["dimension"]:
       if any(self._deps[:eqn.params["num_keys"]]):
         # Rows ordered by values that depend on the parameters: what
         # follows (the last row, a weighted sum) is a choice among the
         # examples, like a maximum (jnp.sort(l)[-1]); refused as one.
         return [MIXED] * len(eqn.outvars)
-      out = self._reorder(out, ("sort", id(eqn)))  # by the data alone
+      out = self._reorder(out, ("sort", self.eqn_key(eqn)))  # by the data
     return [out] * len(eqn.outvars)
 
   def _split(self, eqn, ins):
@@ -214,7 +218,7 @@ class ShapeRules:
         elif isinstance(x, Ex) and real is None:
           real = x
       return [CONST if real is None else
-              self._reorder(real, ("concat", id(eqn)))]
+              self._reorder(real, ("concat", self.eqn_key(eqn)))]
     out = CONST
     for s in ins:
       out = self.join(out, s)
@@ -321,7 +325,14 @@ class IndexRules:
       return [MIXED if MIXED in ins else UNKNOWN]  # data-dependent start
     if isinstance(s, Ex):
       full = _shape(eqn.invars[0])[s.dim] == eqn.params["slice_sizes"][s.dim]
-      return [s if full else self._reorder(s, ("dynamic_slice", id(eqn)))]
+      if full:
+        return [s]
+      # The same rows wherever the start indices are equal by construction
+      # (equal constants; one value read twice).
+      return [self._reorder(s, (
+          "dynamic_slice", _shape(eqn.invars[0])[s.dim],
+          eqn.params["slice_sizes"][s.dim],
+          tuple(self.origin(v) for v in eqn.invars[1:])))]
     return [s]
 
   def _gather(self, eqn, ins):

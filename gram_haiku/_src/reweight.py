@@ -77,6 +77,12 @@ def frozen_leaves(frozen: Frozen, params) -> set[str]:
   names = vgg.leaf_names(params)
   if frozen is None:
     return set()
+  if isinstance(frozen, (bool, np.bool_)):
+    raise ValueError(
+        f"gram_haiku: frozen={frozen!r}: frozen= takes 'module/name' or "
+        "module names, a predicate (module_name, name, value) -> bool, or a "
+        "boolean mask shaped like the parameters ({module: True}), not one "
+        "boolean.")
   if callable(frozen):
     out = set()
     for module, entries in params.items():
@@ -338,6 +344,12 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = vgg.leaf_names(params)
   frozen_names = frozen_leaves(frozen, params)
+  if names and frozen_names >= set(names):
+    raise ValueError(
+        f"gram_haiku.{fn_name}: frozen= freezes every parameter "
+        f"({sorted(names)}): every gradient would be zero and there is no "
+        "per-example gradient to weight or clip.\nWhat to do: leave at "
+        "least one parameter unfrozen, or skip the update.")
   coverage = vgg._coverage(params, t.seen, found)  # pylint: disable=protected-access
   _check_complete(fn_name, coverage, frozen_names, privacy)
   cold, frozen_ops = _frozen(found, names, frozen_names)

@@ -238,7 +238,18 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
 
 
 def leaf_names(params) -> list[str]:
-  """``module/param`` names of the parameter leaves, in leaf order."""
+  """``module/param`` names of the parameter leaves, in leaf order.
+
+  Haiku's immutable ``FlatMap`` flattens without its keys in the path; it
+  is named through the plain dict of the same leaves (checked to flatten
+  in the same order).
+  """
+  if isinstance(params, Mapping) and not isinstance(params, dict):
+    plain = {m: dict(v) if isinstance(v, Mapping) else v
+             for m, v in params.items()}
+    if [id(a) for a in jax.tree.leaves(plain)] == [
+        id(a) for a in jax.tree.leaves(params)]:
+      params = plain
   names = []
   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
     names.append("/".join(str(getattr(k, "key", getattr(k, "idx", k)))
