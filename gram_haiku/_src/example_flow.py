@@ -148,7 +148,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
 
   def run(self, jaxpr, ins: Sequence[State],
           deps: Optional[Sequence[bool]] = None,
-          origins: Optional[Sequence[int]] = None) -> list[State]:
+          origins: Optional[Sequence[int]] = None,
+          site: Any = None) -> list[State]:
     """Abstract states of ``jaxpr``'s outputs.
 
     ``deps``: per input, whether it depends on the parameters. A sum over,
@@ -157,8 +158,13 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     and is treated as a constant; one that does couples the examples.
     """
     outer = self._run
-    self._runs += 1
-    self._run = self._runs
+    if site is None:
+      self._runs += 1
+      site = self._runs
+    # ``site``: the calling equation's key (eqn_key), so that a helper
+    # called from two places runs under two keys, and a loop body's rounds
+    # (one call site) under one.
+    self._run = site
     try:
       return self._run_body(jaxpr, ins, deps, origins)
     finally:
@@ -188,6 +194,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
                 state="a value computed from several examples' data"))
         ins_now.append(s)
       outs = self.eqn(eqn, ins_now, in_deps)
+      for v in eqn.outvars:  # (what an earlier round of a loop left)
+        self._origin.pop((self._run, id(v)), None)
       if all(s == CONST for s in ins_now):
         origin = self._constant_origin(eqn)
         if origin is not None:
@@ -263,7 +271,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if len(sub.invars) != len(ins):
         self.unknown.add(eqn.primitive.name)  # Operands not its body's.
         return [UNKNOWN] * n_out
-      res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars])
+      res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars],
+                     site=self.eqn_key(eqn))
       if len(res) != n_out:
         self.unknown.add(eqn.primitive.name)
         return [UNKNOWN] * n_out
@@ -292,7 +301,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self._in_rule += 1
     try:
       res = self.run(jaxpr, primals + primals, primal_deps + primal_deps,
-                     [self.origin(v) for v in eqn.invars[k:]] * 2)
+                     [self.origin(v) for v in eqn.invars[k:]] * 2,
+                     site=self.eqn_key(eqn))
     finally:
       self._in_rule -= 1
     tangents = iter(res[len(out_zeros):])

@@ -509,7 +509,7 @@ class ControlFlowRules:
     deps = list(self._deps)  # run() below moves self._deps on
     outs = None
     for branch in eqn.params["branches"]:
-      res = self.run(branch.jaxpr, ops, deps[1:])
+      res = self.run(branch.jaxpr, ops, deps[1:], site=self.eqn_key(eqn))
       outs = (res if outs is None else
               [self.join(a, b) for a, b in zip(outs, res)])
     if index in (SUM, MIXED):
@@ -539,7 +539,8 @@ class ControlFlowRules:
     for _ in range(_rounds(carry)):  # The carries' fixed point.
       outs = self.run(body, list(consts) + list(carry) + sliced,
                       list(deps[:n_consts]) + [True] * n_carry +
-                      list(deps[n_consts + n_carry:]))
+                      list(deps[n_consts + n_carry:]),
+                      site=self.eqn_key(eqn))
       new = [self.join(a, b) for a, b in zip(carry, outs[:n_carry])]
       if new == list(carry):
         break
@@ -557,7 +558,8 @@ class ControlFlowRules:
     deps = list(self._deps)  # run() below moves self._deps on
     for _ in range(_rounds(carry)):  # The carries' fixed point.
       outs = self.run(body, list(consts) + list(carry),
-                      list(deps[cond_n:cond_n + body_n]) + [True] * len(carry))
+                      list(deps[cond_n:cond_n + body_n]) + [True] * len(carry),
+                      site=self.eqn_key(eqn))
       new = [self.join(a, b) for a, b in zip(carry, outs)]
       if new == list(carry):
         break
