@@ -1423,3 +1423,43 @@ def test_the_largest_segment_sum_is_refused():
     _run(_largest_segment_sum, x, y)
   with pytest.raises(ValueError, match="not a sum"):
     _clipped_run(_largest_segment_sum, x, y)
+
+
+_PERM_NP = np.array([2, 0, 3, 1])  # int64 on the host
+_OTHER_NP = np.array([1, 0, 3, 2])
+
+
+@pytest.mark.parametrize("name", ["numpy_and_jnp", "jnp_and_numpy",
+                                  "negative_and_positive", "iota_built"])
+def test_equal_index_arrays_written_differently_are_one_order(name):
+  """Index arrays of equal contents, however written (a NumPy array, a jnp
+  one, negative indices, built from iota), pick the same rows."""
+  perm_j = jnp.asarray(_PERM_NP, jnp.int32)
+  if name == "numpy_and_jnp":
+    body = _after(lambda o: o[_PERM_NP], lambda y: y[perm_j])
+  elif name == "jnp_and_numpy":
+    body = _after(lambda o: o[perm_j], lambda y: y[_PERM_NP])
+  elif name == "negative_and_positive":
+    body = _after(lambda o: o[_PERM_NP - B], lambda y: y[perm_j])
+  else:
+    built = lambda: (jnp.arange(B) * 3 + 2) % B  # [2, 1, 0, 3]
+    body = _after(lambda o: o[built()], lambda y: y[np.array([2, 1, 0, 3])])
+  x, y = _data(46)
+  params, (_, _, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+  _, (_, aux) = _clipped_run(body, x, y)
+  g = per_example_grads(plain.apply, params, x, y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
+                             rtol=RTOL_F32)
+
+
+def test_index_arrays_of_other_contents_stay_apart():
+  body = _after(lambda o: o[_PERM_NP], lambda y: y[jnp.asarray(_OTHER_NP)])
+  x, y = _data(47)
+  with pytest.raises(ValueError, match="another example's|another order"):
+    _run(body, x, y)
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    _clipped_run(body, x, y)

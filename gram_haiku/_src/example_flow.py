@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import jax
 import numpy as np
 
+from gram_haiku._src import const_eval
 from gram_haiku._src import errors
 from gram_haiku._src import warning_site
 from gram_haiku._src import flow_rules
@@ -62,6 +63,11 @@ class ExampleFlowWarning(UserWarning):
   verified there (see :func:`gram_haiku.verify`)."""
 
 
+
+
+def _value_key(value: np.ndarray) -> tuple:
+  """The origin of a known value: equal for equal contents."""
+  return ("value", str(value.dtype), value.shape, value.tobytes())
 
 
 def _rows_paired(eqn, ins, deps) -> bool:
@@ -119,17 +125,30 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     from such by its computation (:meth:`_constant_origin`); else ``v``'s
     own."""
     if isinstance(v, hx.Literal):
-      return ("literal", str(v.aval.dtype), repr(np.asarray(v.val)))
+      return _value_key(np.asarray(v.val, v.aval.dtype))
     key = (self._run, id(v))
     if key not in self._origin and v in self.consts:
       value = self.consts[v]
       # (A constant of this trace may be a value of an enclosing one.)
       if (not isinstance(value, jax.core.Tracer) and
           np.size(value) <= _CONTENT_KEY_MAX):
-        value = np.asarray(value)
-        self._origin[key] = ("value", str(value.dtype), value.shape,
-                             value.tobytes())
+        self._origin[key] = _value_key(np.asarray(value))
     return self._origin.get(key, key)
+
+  def _value_of(self, v) -> Optional[np.ndarray]:
+    """``v``'s value where its origin holds it (a small constant, or one
+    computed from such by :mod:`const_eval`); else None."""
+    origin = self.origin(v)
+    if not (isinstance(origin, tuple) and origin and origin[0] == "value"):
+      return None
+    _, dtype, shape, data = origin
+    try:
+      dtype = np.dtype(dtype)
+    except TypeError:  # (a dtype NumPy does not name: not an index)
+      return None
+    if dtype.kind not in "iub":
+      return None
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
   def eqn_key(self, eqn) -> tuple[int, int]:
     """A key of one equation in this run (see ``_origin``)."""
@@ -142,6 +161,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     (the output's own) for a call of a sub-program."""
     if len(eqn.outvars) != 1 or hx.jaxprs_of(eqn):
       return None
+    values = [self._value_of(v) for v in eqn.invars]
+    if all(v is not None for v in values):
+      # Equal values however they were computed (a NumPy index array is
+      # normalised when traced, a jnp one in the program).
+      out = const_eval.evaluate(eqn.primitive.name, eqn.params, values,
+                                eqn.outvars[0].aval.dtype)
+      if out is not None:
+        return _value_key(out)
     ins = tuple(self.origin(v) for v in eqn.invars)
     params = tuple(sorted((k, repr(p)) for k, p in eqn.params.items()))
     return ("eqn", eqn.primitive.name, params, ins)
@@ -193,9 +220,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             raise ValueError(errors.DATA_COUPLED.format(
                 state="a value computed from several examples' data"))
         ins_now.append(s)
-      outs = self.eqn(eqn, ins_now, in_deps)
       for v in eqn.outvars:  # (what an earlier round of a loop left)
         self._origin.pop((self._run, id(v)), None)
+      outs = self.eqn(eqn, ins_now, in_deps)
       if all(s == CONST for s in ins_now):
         origin = self._constant_origin(eqn)
         if origin is not None:
@@ -214,6 +241,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         dep[v] = out_dep
     self.last_deps = [False if literal(v) else dep.get(v, False)
                       for v in jaxpr.outvars]
+    self.last_origins = [self.origin(v) for v in jaxpr.outvars]
     return [read(v) for v in jaxpr.outvars]
 
   # -- one equation -------------------------------------------------------------
@@ -273,6 +301,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         return [UNKNOWN] * n_out
       res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars],
                      site=self.eqn_key(eqn))
+      if len(subs) == 1:  # (a jit call: its known values are the caller's)
+        for v, o in zip(eqn.outvars, self.last_origins):
+          if isinstance(o, tuple) and o and o[0] == "value":
+            self._origin[(self._run, id(v))] = o
       if len(res) != n_out:
         self.unknown.add(eqn.primitive.name)
         return [UNKNOWN] * n_out

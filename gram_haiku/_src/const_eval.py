@@ -1,0 +1,110 @@
+"""Small constant computations evaluated on the host, to compare by value.
+
+The example-flow analysis (:mod:`gram_haiku._src.example_flow`) tells two
+index arrays apart by what they hold: ``out[perm]`` with ``y[perm]`` pairs
+each example with its own labels, ``out[perm]`` with ``y[other]`` does not.
+JAX writes the same index array in different programs (a NumPy array is
+normalised for negative indices when traced, a ``jnp`` array in the
+program), so the integer and boolean equations that build index arrays
+from constants are evaluated here with NumPy, and their results compared.
+Anything else is left to the program's own key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+#: Results up to this many entries are evaluated and compared by value.
+MAX_ENTRIES = 1 << 16
+
+
+def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
+  expanded = np.reshape(x, [x.shape[broadcast_dimensions.index(d)]
+                            if d in broadcast_dimensions else 1
+                            for d in range(len(shape))])
+  return np.broadcast_to(expanded, shape)
+
+
+def _iota(dtype, shape, dimension, **_):
+  ramp = np.arange(shape[dimension], dtype=dtype)
+  return np.broadcast_to(
+      np.reshape(ramp, [-1 if d == dimension else 1
+                        for d in range(len(shape))]), shape)
+
+
+def _rem(a, b):  # C's remainder: the sign of the dividend (lax.rem)
+  if np.any(b == 0):
+    raise ValueError("division by zero")
+  return np.fmod(a, b)
+
+
+def _div(a, b):  # rounded toward zero (lax.div of integers)
+  if np.any(b == 0):
+    raise ValueError("division by zero")
+  return np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
+
+
+def _select_n(which, *cases):
+  return np.choose(np.asarray(which, np.int64), cases)
+
+
+_ELEMENTWISE: dict[str, Callable[..., Any]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply,
+    "neg": np.negative, "max": np.maximum, "min": np.minimum,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
+    "rem": _rem, "div": _div, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+}
+
+
+def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
+             out_dtype: Any) -> Optional[np.ndarray]:
+  """The value of equation ``name(*values, **params)``, or None where it is
+  not one of the integer or boolean equations modelled here.
+
+  Args:
+    name: the primitive's name.
+    params: its parameters.
+    values: its operands' values (NumPy arrays).
+    out_dtype: the output's dtype; only integer and boolean ones are
+      evaluated (exact on the host as on a device).
+  """
+  out_dtype = np.dtype(out_dtype)
+  if out_dtype.kind not in "iub":
+    return None
+  if any(np.dtype(v.dtype).kind not in "iub" for v in values):
+    return None
+  try:
+    if name in _ELEMENTWISE:
+      out = _ELEMENTWISE[name](*values)
+    elif name == "select_n":
+      out = _select_n(*values)
+    elif name == "convert_element_type":
+      out = values[0]
+    elif name == "broadcast_in_dim":
+      out = _broadcast_in_dim(values[0], tuple(params["shape"]),
+                              tuple(params["broadcast_dimensions"]))
+    elif name == "iota":
+      out = _iota(out_dtype, tuple(params["shape"]), params["dimension"])
+    elif name == "reshape":
+      out = np.reshape(values[0], tuple(params["new_sizes"]))
+    elif name == "squeeze":
+      out = np.squeeze(values[0], tuple(params["dimensions"]))
+    elif name == "concatenate":
+      out = np.concatenate(values, axis=params["dimension"])
+    elif name == "stack":
+      out = np.stack(values, axis=params["axis"])
+    else:
+      return None
+  except (ValueError, TypeError, KeyError, IndexError):
+    return None
+  out = np.asarray(out)
+  if out.size > MAX_ENTRIES:
+    return None
+  if out_dtype.kind in "iu" and out.size and (
+      out.min() < np.iinfo(out_dtype).min or
+      out.max() > np.iinfo(out_dtype).max):
+    return None  # (it would wrap on the device)
+  return out.astype(out_dtype)
