@@ -20,6 +20,7 @@ _PROGRAMS = {
     "comparisons": lambda a, b: jnp.stack([a < b, a <= b, a > b, a >= b,
                                            a == b, a != b]),
     "logic": lambda a, b: jnp.logical_not((a < 0) & (b > 0) | (a == b)),
+    "integer_bits": lambda a, b: (~(a | 3) & b) ^ (a + 7),
     "negative_indices": lambda a, b: jax.lax.select_n(a < 0, a, a + 4),
     "remainder_by_a_literal": lambda a, b: jax.lax.rem(a, 3) - jax.lax.div(b, -2),
     "broadcast": lambda a, b: jnp.broadcast_to(a[:, None, :], (3, 2, 4)),

@@ -1463,3 +1463,50 @@ def test_index_arrays_of_other_contents_stay_apart():
     _run(body, x, y)
   with pytest.raises(ValueError, match="reads data of other examples"):
     _clipped_run(body, x, y)
+
+
+def _bits_identity():  # [0, 1, 2, 3] on the device, by integer bit ops
+  i = jnp.arange(B)
+  return ((i | 3) + i + 1) % B
+
+
+def test_index_arrays_built_with_bit_operations_are_read_bit_by_bit():
+  """``|``, ``&``, ``~`` of integers are bitwise: ``arange(4) | 3`` is
+  ``[3, 3, 3, 3]``. Read logically, this identity would look like
+  ``[2, 3, 0, 1]`` and pair outputs with other examples' labels."""
+  x, y = _data(48)
+  paired_with_others = _after(lambda o: o[_bits_identity()],
+                              lambda y: y[np.array([2, 3, 0, 1])])
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    _clipped_run(paired_with_others, x, y)
+  own = _after(lambda o: o[_bits_identity()], lambda y: y[np.arange(B)])
+  params, (_, aux) = _clipped_run(own, x, y)
+  plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
+  g = per_example_grads(plain.apply, params, x, y)
+  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
+                         for l in jax.tree.leaves(g)], axis=1)
+  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
+                             rtol=RTOL_F32)
+
+
+def _lagged_rows(x, y):
+  """Round ``t`` pairs the output row of round ``t - 1`` with ``y[t]``."""
+  out = hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+
+  def step(i, carry):
+    loss, prev = carry
+    loss = loss + 0.5 * jnp.sum(
+        (prev - jax.lax.dynamic_slice_in_dim(y, i, 1, 0)) ** 2)
+    return loss, jax.lax.dynamic_slice_in_dim(out, i, 1, 0)
+  init = (0.0, jnp.zeros((1,) + out.shape[1:]))
+  return jax.lax.fori_loop(0, B, step, init)[0]
+
+
+def test_a_row_carried_over_a_loop_round_is_another_order():
+  """Keyed alike within a round, the carried row and the next round's
+  labels are other examples' rows: refused (the loop's carries count as
+  parameter-dependent, so as values of several examples met)."""
+  x, y = _data(49)
+  with pytest.raises(ValueError,
+                     match="reads data of other examples|not a sum"):
+    _clipped_run(_lagged_rows, x, y)

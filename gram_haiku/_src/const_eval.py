@@ -55,7 +55,10 @@ _ELEMENTWISE: dict[str, Callable[..., Any]] = {
     "neg": np.negative, "max": np.maximum, "min": np.minimum,
     "lt": np.less, "le": np.less_equal, "gt": np.greater,
     "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal,
-    "rem": _rem, "div": _div, "and": np.logical_and, "or": np.logical_or, "not": np.logical_not,
+    "rem": _rem, "div": _div,
+    # Bit by bit on integers (lax.and_ of ints), logical on booleans.
+    "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "not": np.invert,
 }
 
 

@@ -19,6 +19,7 @@ from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import MIXED
 from gram_haiku._src.flow_states import SUM
 from gram_haiku._src.flow_states import UNKNOWN
+from gram_haiku._src.flow_states import Rows
 from gram_haiku._src.flow_states import rows_of as _rows_of
 from gram_haiku._src.flow_states import with_rows as _with_rows
 from gram_haiku._src.flow_states import shape as _shape
@@ -504,6 +505,21 @@ class ControlFlowRules:
   """``cond``, ``scan`` and ``while``: branches joined, loop carries to a
   fixed point."""
 
+  def _carried(self, eqn, outs):
+    """A loop body's carries as the next round reads them. Rows reordered
+    by a key of this round's values (``dynamic_slice`` at the loop counter,
+    rows picked by an index computed in the body) are not in the next
+    round's order of the same key: they get a key of their own, so that a
+    row carried over a round meets another round's data as another order
+    (``prev`` from round ``t - 1`` with ``y[t]``)."""
+    fixed = []
+    for k, s in enumerate(outs):
+      if (isinstance(s, Ex) and s.order is not None and
+          not isinstance(s.order, Rows)):
+        s = dataclasses.replace(s, order=("carried", self.eqn_key(eqn), k))
+      fixed.append(s)
+    return fixed
+
   def _cond(self, eqn, ins):
     index, ops = ins[0], ins[1:]
     deps = list(self._deps)  # run() below moves self._deps on
@@ -541,7 +557,8 @@ class ControlFlowRules:
                       list(deps[:n_consts]) + [True] * n_carry +
                       list(deps[n_consts + n_carry:]),
                       site=self.eqn_key(eqn))
-      new = [self.join(a, b) for a, b in zip(carry, outs[:n_carry])]
+      new = [self.join(a, b) for a, b in
+             zip(carry, self._carried(eqn, outs[:n_carry]))]
       if new == list(carry):
         break
       carry = new
@@ -560,7 +577,7 @@ class ControlFlowRules:
       outs = self.run(body, list(consts) + list(carry),
                       list(deps[cond_n:cond_n + body_n]) + [True] * len(carry),
                       site=self.eqn_key(eqn))
-      new = [self.join(a, b) for a, b in zip(carry, outs)]
+      new = [self.join(a, b) for a, b in zip(carry, self._carried(eqn, outs))]
       if new == list(carry):
         break
       carry = new
