@@ -109,8 +109,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # Keyed by (run, id(variable)): a sub-program called twice (a jitted
     # helper) holds the same variable objects in both runs, which must not
     # share a key unless their values are equal by construction.
-    self._origin: dict[tuple[int, int], Any] = {}
-    self._run = 0  # the current run() (a fresh number per call)
+    self._origin: dict[tuple[Any, int], Any] = {}
+    # The current run()'s key: its call site (an eqn_key), or a fresh
+    # number for a run of a program of its own.
+    self._run: Any = 0
     self._runs = 0
     self.consts: dict[Any, Any] = dict(consts or {})
     self._in_rule = 0  # inside a custom JVP rule's program (_custom_jvp)
@@ -150,7 +152,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       return None
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
-  def eqn_key(self, eqn) -> tuple[int, int]:
+  def eqn_key(self, eqn) -> tuple[Any, int]:
     """A key of one equation in this run (see ``_origin``)."""
     return (self._run, id(eqn))
 

@@ -60,10 +60,11 @@ from jax.extend.core import Literal  # noqa: E402
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 # 0.9 and 0.10 call the primitive base class VJPHiPrimitive; 0.11 HiPrim.
-_FAKE_LINEAR_OP_TAKES_OUT_NZS = "nz_out_flat" in inspect.signature(
-    _hijax.fake_linear_op).parameters
 VJPHiPrimitive = getattr(_public_hijax, "VJPHiPrimitive", None) or (
     _public_hijax.HiPrim)
+# 0.11's fake_linear_op also takes the output nonzeros and static residuals.
+_FAKE_LINEAR_OP_TAKES_OUT_NZS = "nz_out_flat" in inspect.signature(
+    _hijax.fake_linear_op).parameters
 
 __all__ = [
     "VJPHiPrimitive",

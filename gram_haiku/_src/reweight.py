@@ -17,8 +17,8 @@ import dataclasses
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from gram_haiku._src import ambient
 from gram_haiku._src import bookkeeping as bk
