@@ -688,25 +688,17 @@ def test_clipping_outputs_reordered_with_their_own_data(name):
   would move another one's gradient."""
   x, y = _data(29)
   body, per_y = _reordered_with_own_data(name, y)
-  f = _tracked_transform(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
-  clipped = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))
   if name == "labels_rolled":
     with pytest.raises(ValueError, match="reads data of other examples"):
-      clipped(params, state, None, x, y)
+      _clipped_run(body, x, y)
     return
+  params, _ = _tracked_transform(body).init(jax.random.PRNGKey(0), x, y)
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
-  g = per_example_grads(plain.apply, params, x, per_y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  norms = np.sqrt(np.sum(flat * flat, 1))
-  c_norm = float(np.median(norms))
-  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
-      params, state, None, x, y)
-  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
-  chex.assert_trees_all_close(
-      grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
-      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
+  flat = np.asarray(per_example_grads(plain.apply, params, x, per_y),
+                    np.float64)
+  c_norm = float(np.median(np.sqrt(np.sum(flat * flat, 1))))
+  _, (grads, aux) = _clipped_run(body, x, y, c_norm=c_norm)
+  _assert_clipped_like_reference(grads, aux, flat, c_norm, params)
 
 
 @jax.custom_jvp
@@ -1299,21 +1291,15 @@ def test_nonlinear_functions_of_segment_sums_are_refused(body):
 
 def test_clipping_per_token_losses_summed_by_segments():
   x, y = _data(23)
-  f = _tracked_transform(_segment_sum_loss)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, _ = _tracked_transform(_segment_sum_loss).init(
+      jax.random.PRNGKey(0), x, y)
   per_example = hk.without_apply_rng(hk.transform(
       lambda x, y: jnp.sum(_token_losses(x, y))))
-  g = per_example_grads(per_example.apply, params, x, y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  norms = np.sqrt(np.sum(flat * flat, 1))
-  c_norm = float(np.median(norms))
-  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
-      params, state, None, x, y)
-  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
-  chex.assert_trees_all_close(
-      grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
-      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
+  flat = np.asarray(per_example_grads(per_example.apply, params, x, y),
+                    np.float64)
+  c_norm = float(np.median(np.sqrt(np.sum(flat * flat, 1))))
+  _, (grads, aux) = _clipped_run(_segment_sum_loss, x, y, c_norm=c_norm)
+  _assert_clipped_like_reference(grads, aux, flat, c_norm, params)
 
 
 # A helper called twice holds the same program (and variables) in both
@@ -1353,11 +1339,21 @@ def _largest_segment_sum(x, y):
       _token_losses(x, y), jnp.asarray(_TOKEN_IDS), num_segments=B))[-1]
 
 
-def _clipped_run(body, *batch):
+def _clipped_run(body, *batch, c_norm=1.0):
   f = _tracked_transform(body)
   params, state = f.init(jax.random.PRNGKey(0), *batch)
-  return params, jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))(
+  return params, jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
       params, state, None, *batch)
+
+
+def _assert_clipped_like_reference(grads, aux, flat, c_norm, params):
+  """``clipped_grad``'s norms and clipped sum against the reference rows
+  ``flat`` (``per_example_grads``, float64)."""
+  norms = np.sqrt(np.sum(flat * flat, 1))
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
+  chex.assert_trees_all_close(
+      grads, weighted_sum(flat, clip_reference(norms, c_norm), params),
+      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
 
 
 @pytest.mark.parametrize("row", [_ROW, _ROW_REMAT], ids=["jit", "remat"])
@@ -1377,14 +1373,8 @@ def test_a_helper_reading_equal_rows_is_exact(row):
   x, y = _data(42)
   params, (grads, aux) = _clipped_run(_rows_by_helper(row, 0), x, y)
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
-  g = per_example_grads(plain.apply, params, x, y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  norms = np.sqrt(np.sum(flat * flat, 1))
-  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL_F32)
-  chex.assert_trees_all_close(
-      grads, weighted_sum(flat, clip_reference(norms, 1.0), params),
-      rtol=RTOL_F32, atol=ATOL_F32 * float(np.abs(flat).max()))
+  flat = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
 
 
 def test_data_index_arrays_through_a_helper_are_refused():
@@ -1410,11 +1400,8 @@ def test_outer_products_of_outputs_with_every_label_are_refused():
   # Paired rows (a batch axis of the product): each example's own labels.
   params, (grads, aux) = _clipped_run(_per_example_product_with_labels, x, y)
   one = hk.without_apply_rng(hk.transform(_per_example_product_with_labels))
-  g = per_example_grads(one.apply, params, x, y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
-                             rtol=RTOL_F32)
+  flat = np.asarray(per_example_grads(one.apply, params, x, y), np.float64)
+  _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
 
 
 def test_the_largest_segment_sum_is_refused():
@@ -1448,12 +1435,9 @@ def test_equal_index_arrays_written_differently_are_one_order(name):
   params, (_, _, grams) = _run(body, x, y)
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
   assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
-  _, (_, aux) = _clipped_run(body, x, y)
-  g = per_example_grads(plain.apply, params, x, y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
-                             rtol=RTOL_F32)
+  _, (grads, aux) = _clipped_run(body, x, y)
+  flat = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
 
 
 def test_index_arrays_of_other_contents_stay_apart():
@@ -1480,13 +1464,10 @@ def test_index_arrays_built_with_bit_operations_are_read_bit_by_bit():
   with pytest.raises(ValueError, match="reads data of other examples"):
     _clipped_run(paired_with_others, x, y)
   own = _after(lambda o: o[_bits_identity()], lambda y: y[np.arange(B)])
-  params, (_, aux) = _clipped_run(own, x, y)
+  params, (grads, aux) = _clipped_run(own, x, y)
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
-  g = per_example_grads(plain.apply, params, x, y)
-  flat = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                         for l in jax.tree.leaves(g)], axis=1)
-  np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.sum(flat * flat, 1)),
-                             rtol=RTOL_F32)
+  flat = np.asarray(per_example_grads(plain.apply, params, x, y), np.float64)
+  _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
 
 
 def _lagged_rows(x, y):

@@ -193,7 +193,8 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     that contribute nothing (Poisson sampling at a fixed shape).
 
   Raises:
-    ValueError: for a bad option or threshold; from the pass, for a
+    ValueError: for a bad option, threshold or ``frozen=`` (see
+      :func:`gram_haiku.reweighted_grad`); from the pass, for a
       trainable parameter no Gram rule covers, an example coupling (e.g.
       ``hk.BatchNorm`` in training mode), and the
       errors of :func:`gram_haiku.value_grad_and_gram`. Each would silently

@@ -496,7 +496,9 @@ def reweighted_grad(apply_fn: Callable[..., Any],
 
   Raises:
     ValueError: for a trainable parameter no Gram rule covers (its
-      per-example gradient is unknown), a
+      per-example gradient is unknown), a ``frozen=`` that names no
+      parameter, is one boolean, is a mask of anything but booleans or
+      freezes every parameter, a
       ``weight_fn`` result that is not ``(B,)`` floats, and every error of
       :func:`gram_haiku.value_grad_and_gram`.
   """
