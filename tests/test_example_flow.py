@@ -940,7 +940,7 @@ def _looped_product_loss(x, y):
 
 @pytest.mark.parametrize("body,match", [
     (_two_layers(_scatter_permuted), "depends on several examples"),
-    (_two_layers(_scatter_added), "depends on several examples"),
+    (_two_layers(_scatter_added), "reordered, repeated or a subset"),
     (_two_layers(_rows_overwritten), "depends on several examples"),
     (_two_layers(_fft_over_batch), "depends on several examples"),
     (_two_layers(_ema_over_batch), "depends on several examples"),
@@ -1266,10 +1266,92 @@ def test_per_token_losses_summed_by_segments_are_exact(body, jit):
                     reference_gram(per_example.apply, params, x, y))
 
 
+def _per_example(fn):
+  """The reference's per-example loss: ``fn`` of one example's token
+  losses ``[T]``, summed over the examples."""
+  return hk.without_apply_rng(hk.transform(lambda x, y: jnp.sum(jax.vmap(fn)(
+      _token_losses(x, y).reshape(x.shape[0], -1)))))
+
+
+def _data_weight(x):  # a per-example weight read from the input data
+  return jnp.abs(x[:, 0, 0]) + 0.5
+
+
 def _sqrt_of_segment_sums(x, y):
   per = jax.ops.segment_sum(_token_losses(x, y), jnp.asarray(_TOKEN_IDS),
                             num_segments=B)
   return jnp.sum(jnp.sqrt(per))
+
+
+def _data_weighted_segment_sums(x, y):
+  per = jax.ops.segment_sum(_token_losses(x, y), jnp.asarray(_TOKEN_IDS),
+                            num_segments=B)
+  return jnp.sum(_data_weight(x) * per)
+
+
+_SEGMENT_OF = np.array([1, 3, 0, 2])  # example e's tokens -> segment
+
+
+def _segments_in_another_order(x, y):
+  ids = jnp.asarray(_SEGMENT_OF[_TOKEN_IDS])
+  per = jax.ops.segment_sum(_token_losses(x, y), ids, num_segments=B)
+  return jnp.sum(per ** 1.5)
+
+
+def _time_major_segments(x, y):  # tokens flattened (T, B): outer positions
+  tokens = jnp.swapaxes(_token_losses(x, y).reshape(B, T), 0, 1).reshape(-1)
+  ids = jnp.tile(jnp.arange(B), T)
+  return jnp.sum(jnp.log1p(jax.ops.segment_sum(tokens, ids, num_segments=B)))
+
+
+_SEGMENT_BODIES = {
+    # body: (the per-example function of the token losses, data weight)
+    _sqrt_of_segment_sums: (lambda l: jnp.sqrt(jnp.sum(l)), False),
+    _data_weighted_segment_sums: (jnp.sum, True),
+    _segments_in_another_order: (lambda l: jnp.sum(l) ** 1.5, False),
+    _time_major_segments: (lambda l: jnp.log1p(jnp.sum(l)), False),
+}
+
+
+@pytest.mark.parametrize("body", list(_SEGMENT_BODIES),
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("jit", [False, True])
+def test_functions_of_one_example_segment_sums_are_exact(body, jit):
+  """Segments that each gather one example's tokens (ids known on the
+  host), one segment per example: the segment sums are the examples' rows,
+  so any function of a row, or a per-example weight from the data, keeps
+  the loss a sum of per-example terms."""
+  x, y = _data(22)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", gram_haiku.ExampleFlowWarning)
+    params, (_, _, grams) = _run(body, x, y, jit=jit)
+  fn, weighted = _SEGMENT_BODIES[body]
+  if weighted:
+    ref = hk.without_apply_rng(hk.transform(lambda x, y: jnp.sum(
+        _data_weight(x) * jax.vmap(fn)(
+            _token_losses(x, y).reshape(x.shape[0], -1)))))
+  else:
+    ref = _per_example(fn)
+  assert_gram_close(grams.total, reference_gram(ref.apply, params, x, y))
+
+
+def _segment_pooling(x, y):
+  """Per-token features pooled by a segment sum into per-example ones,
+  then a tracked head (graph pooling, packed sequences)."""
+  h = jnp.tanh(hk.Linear(F, name="token")(x))
+  b, t = h.shape[:2]
+  pooled = jax.ops.segment_sum(h.reshape(b * t, -1), jnp.repeat(
+      jnp.arange(b), t), num_segments=b)
+  return 0.5 * jnp.sum((hk.Linear(3, name="head")(pooled) - y[:, 0]) ** 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_segment_pooling_into_a_tracked_layer_is_exact(jit):
+  x, y = _data(24)
+  params, (_, _, grams) = _run(_segment_pooling, x, y, jit=jit)
+  ref = hk.without_apply_rng(hk.transform(_segment_pooling))
+  assert_gram_close(grams.total, reference_gram(ref.apply, params, x, y))
+  assert sorted(grams.by_layer) == ["head", "token"]
 
 
 def _segment_sums_squared_across_examples(x, y):
@@ -1278,27 +1360,45 @@ def _segment_sums_squared_across_examples(x, y):
                                      num_segments=B) ** 2)
 
 
-@pytest.mark.parametrize("body", [_sqrt_of_segment_sums,
-                                  _segment_sums_squared_across_examples],
+def _two_segments_per_example(x, y):  # halves of each example apart
+  ids = jnp.asarray(np.arange(B * T) // (T // 2))
+  return jnp.sum(jnp.sqrt(jax.ops.segment_sum(
+      _token_losses(x, y), ids, num_segments=2 * B)))
+
+
+def _segment_pooling_across_examples(x, y):
+  h = jnp.tanh(hk.Linear(F, name="token")(x)).reshape(B * T, -1)
+  pooled = jax.ops.segment_sum(h, jnp.asarray((np.arange(B * T) * 3) % B),
+                               num_segments=B)
+  return 0.5 * jnp.sum((hk.Linear(3, name="head")(pooled) - y[:, 0]) ** 2)
+
+
+@pytest.mark.parametrize("body", [_segment_sums_squared_across_examples,
+                                  _two_segments_per_example,
+                                  _segment_pooling_across_examples],
                          ids=lambda f: f.__name__)
-def test_nonlinear_functions_of_segment_sums_are_refused(body):
-  """Not known to be per-example (the second couples examples): a teaching
-  error, never a number."""
+def test_segments_that_are_not_one_example_each_are_refused(body):
+  """A segment mixing examples couples them; two segments of one example
+  are not known to be a per-example term once a nonlinear function is
+  taken of each: a teaching error, never a number."""
   x, y = _data(22)
-  with pytest.raises(ValueError, match="not a sum"):
+  with pytest.raises(ValueError, match="not a sum|several examples at once"):
     _run(body, x, y)
 
 
-def test_clipping_per_token_losses_summed_by_segments():
+@pytest.mark.parametrize("body", [_segment_sum_loss,
+                                  _data_weighted_segment_sums],
+                         ids=lambda f: f.__name__)
+def test_clipping_per_token_losses_summed_by_segments(body):
   x, y = _data(23)
-  params, _ = _tracked_transform(_segment_sum_loss).init(
-      jax.random.PRNGKey(0), x, y)
-  per_example = hk.without_apply_rng(hk.transform(
-      lambda x, y: jnp.sum(_token_losses(x, y))))
-  flat = np.asarray(per_example_grads(per_example.apply, params, x, y),
-                    np.float64)
+  params, _ = _tracked_transform(body).init(jax.random.PRNGKey(0), x, y)
+  ref = (hk.without_apply_rng(hk.transform(lambda x, y: jnp.sum(
+      _data_weight(x) * jnp.sum(_token_losses(x, y).reshape(
+          x.shape[0], -1), 1)))) if body is _data_weighted_segment_sums
+         else _per_example(jnp.sum))
+  flat = np.asarray(per_example_grads(ref.apply, params, x, y), np.float64)
   c_norm = float(np.median(np.sqrt(np.sum(flat * flat, 1))))
-  _, (grads, aux) = _clipped_run(_segment_sum_loss, x, y, c_norm=c_norm)
+  _, (grads, aux) = _clipped_run(body, x, y, c_norm=c_norm)
   _assert_clipped_like_reference(grads, aux, flat, c_norm, params)
 
 

@@ -99,6 +99,10 @@ def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
       out = np.concatenate(values, axis=params["dimension"])
     elif name == "stack":
       out = np.stack(values, axis=params["axis"])
+    elif name == "tile":
+      out = np.tile(values[0], tuple(params["reps"]))
+    elif name == "transpose":
+      out = np.transpose(values[0], tuple(params["permutation"]))
     else:
       return None
   except (ValueError, TypeError, KeyError, IndexError):

@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Optional
+
+import numpy as np
 
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.flow_states import CONST
@@ -275,6 +278,9 @@ class IndexRules:
     out = self._write(operand, updates, full, to_update)
     if (out == MIXED and eqn.primitive.name == "scatter-add" and
         operand == CONST and isinstance(updates, Ex)):
+      rows = self._segments_by_example(eqn, updates)
+      if rows is not None:
+        return [rows]
       # Rows of the examples added into constant-indexed places
       # (jax.ops.segment_sum of per-token losses into per-example ones): a
       # linear combination of the examples' values, so a sum of it is a sum
@@ -282,6 +288,54 @@ class IndexRules:
       # be one.
       return [self._combined(updates, SUM)]
     return [out]
+
+  def _segments_by_example(self, eqn, updates: Ex) -> Optional[Ex]:
+    """A segment sum whose every segment holds one example's rows.
+
+    ``jax.ops.segment_sum(per_token, ids, num_segments=B)`` (a scatter-add
+    into zeros) with ``ids`` known on the host (:mod:`const_eval`): where
+    each segment gathers rows of one example only, and each example fills
+    one segment, the result holds the examples along the segments' axis,
+    one row each (in the order the ids give), so a per-example weight or
+    any function of a row stays per-example. Else None (the caller keeps the
+    result a sum over the examples).
+    """
+    dn = eqn.params["dimension_numbers"]
+    ids = self._value_of(eqn.invars[1])
+    upd_shape = _shape(eqn.invars[2])
+    op_shape = _shape(eqn.invars[0])
+    if (ids is None or updates.tag is not None or updates.order is not None
+        or len(dn.scatter_dims_to_operand_dims) != 1
+        or tuple(dn.inserted_window_dims) != tuple(
+            dn.scatter_dims_to_operand_dims)
+        or getattr(dn, "operand_batching_dims", ())
+        or updates.dim in dn.update_window_dims):
+      return None
+    scatter_axes = [d for d in range(len(upd_shape))
+                    if d not in dn.update_window_dims]
+    if scatter_axes != [updates.dim] or ids.ndim != 2 or ids.shape[1] != 1:
+      return None
+    seg_axis = dn.scatter_dims_to_operand_dims[0]
+    num_segments = op_shape[seg_axis]
+    ids = ids[:, 0].astype(np.int64)
+    size = upd_shape[updates.dim]
+    if (num_segments != self.batch or ids.shape[0] != size or
+        size != updates.outer * self.batch * updates.inner):
+      return None
+    example = (np.arange(size) // updates.inner) % self.batch
+    owner = {}
+    if ids.min() < 0 or ids.max() >= num_segments:
+      return None  # dropped or clipped, by the scatter's mode
+    for seg, ex in zip(ids.tolist(), example.tolist()):
+      if owner.setdefault(seg, ex) != ex:
+        return None  # a segment mixing examples
+    if sorted(owner) != list(range(num_segments)) or sorted(
+        owner.values()) != list(range(self.batch)):
+      return None
+    # The operand's axes other than the segments' are the update's window
+    # axes, in order: the segments' axis takes the examples.
+    s = Ex(dim=seg_axis)
+    return _with_rows(s, (owner[k] for k in range(num_segments)), self.batch)
 
   # A set and an add (or product, min, max) of rows aligned with the
   # operand's are alike for the examples.
