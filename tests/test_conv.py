@@ -253,6 +253,49 @@ def test_per_example_gradients_by_blocks_of_examples(name, block, monkeypatch):
           float(jnp.abs(want[k]).max())), custom_message=f"{mode}: {k}")
 
 
+def test_patches_are_blocked_on_the_cpu_only(monkeypatch):
+  """Blocks of examples are a loop: kept on the CPU, where the loop is
+  free; on GPUs (one program lowered for each platform here, no GPU
+  needed) the patches are formed whole, unless they exceed the budget."""
+  seen = {}
+
+  def patch_block(b, patch_bytes, live_bytes):
+    del live_bytes
+    seen["patch_bytes"] = patch_bytes
+    return 2
+  chosen = cost_model.conv_method
+
+  def conv_method(*args, **kwargs):
+    seen["methods"].append(chosen(*args, **kwargs))
+    return seen["methods"][-1]
+  monkeypatch.setattr(cost_model, "patch_block", patch_block)
+  monkeypatch.setattr(cost_model, "conv_method", conv_method)
+  name = "2d_nhwc_s2_groups2"
+  case = CASES[name]
+  p, x = case.make(_seed(name) + 5, lead=(7,))
+
+  def gram(p, budget):
+    def loss(p, probe):
+      return _head(case.tracked(p, probe, x, mode="gram",
+                                strategy="materialize",
+                                memory_budget_bytes=budget))
+    return jax.grad(loss, argnums=1)(p, jnp.zeros((7, 7)))
+
+  def lowered(platform, budget):
+    seen["methods"] = []
+    fn = jax.jit(functools.partial(gram, budget=budget))
+    text = jax.export.export(fn, platforms=(platform,))(p).mlir_module()
+    # Every group's per-example gradients at once: no loop over groups.
+    assert seen["methods"] == ["materialize"], seen
+    return text
+
+  assert "stablehlo.while" in lowered("cpu", 2**28)
+  assert "stablehlo.while" not in lowered("cuda", 2**28)
+  over = seen["patch_bytes"] - 1  # The patches exceed it, not the gradients.
+  assert "stablehlo.while" in lowered("cuda", over)
+  assert_gram_close(gram(p, over), _ref(case, p, x))
+
+
 @pytest.mark.parametrize("name", STRATEGY_CASES)
 def test_parameter_gradients_from_per_example_sum(name):
   """Where the Gram's per-example gradients also give ``dw`` and ``db``
