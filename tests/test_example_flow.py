@@ -1591,3 +1591,94 @@ def test_a_row_carried_over_a_loop_round_is_another_order():
   with pytest.raises(ValueError,
                      match="reads data of other examples|not a sum"):
     _clipped_run(_lagged_rows, x, y)
+
+
+# Gathers whose index array holds data (the labels): x[rows, labels].
+_CLASSES = 5
+
+
+def _logits_picked(pick):
+  """``-sum(pick(log_softmax(out), labels))`` on ``x: [B, F]``."""
+  def body(x, labels, *extra):
+    out = hk.Linear(_CLASSES, name="head")(
+        jnp.tanh(hk.Linear(F, name="first")(x)))
+    return -jnp.sum(pick(jax.nn.log_softmax(out), labels, *extra))
+  return body
+
+
+def _label_data(seed):
+  kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+  return (jax.random.normal(kx, (B, F)),
+          jax.random.randint(ky, (B,), 0, _CLASSES))
+
+
+_OWN_ROWS = {
+    "arange": lambda lp, l: lp[jnp.arange(lp.shape[0]), l],
+    "numpy_arange": lambda lp, l: lp[np.arange(B), l],
+    "column_indices": lambda lp, l: lp[jnp.arange(lp.shape[0])[:, None],
+                                       l[:, None]],
+    "take_along_axis": lambda lp, l: jnp.take_along_axis(
+        lp, l[:, None], axis=1),
+    "each_row_twice": lambda lp, l: lp[jnp.arange(lp.shape[0])[:, None],
+                                       jnp.stack([l, (l + 1) % _CLASSES], 1)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OWN_ROWS))
+def test_rows_picked_with_their_own_labels_are_exact(name):
+  """``logp[arange(B), labels]`` reads each example's own row with its own
+  label: exact for the Gram and for clipped_grad."""
+  x, labels = _label_data(50)
+  body = _logits_picked(_OWN_ROWS[name])
+  params, (_, _, grams) = _run(body, x, labels)
+  plain = hk.without_apply_rng(hk.transform(body))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x,
+                                                labels))
+  flat = np.asarray(per_example_grads(plain.apply, params, x, labels),
+                    np.float64)
+  _, (grads, aux) = _clipped_run(body, x, labels)
+  _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
+
+
+_PAIRED_WITH_OTHERS = {
+    "rows_reversed": lambda lp, l: lp[jnp.arange(lp.shape[0])[::-1], l],
+    "rows_rolled": lambda lp, l: lp[(jnp.arange(lp.shape[0]) + 1) % B, l],
+    "outputs_reversed_first": lambda lp, l: lp[::-1][jnp.arange(B), l],
+    "flat_index": lambda lp, l: lp.ravel()[
+        jnp.arange(B)[::-1] * _CLASSES + l],
+    "rows_by_data": lambda lp, l, idx: lp[idx, l],
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PAIRED_WITH_OTHERS))
+def test_rows_picked_with_other_examples_labels_are_refused(name):
+  """Output rows picked in another order than the labels' (in the index
+  array itself) pair an example's outputs with another example's label: a
+  teaching error from both transforms, never a number."""
+  x, labels = _label_data(51)
+  batch = (x, labels)
+  if name == "rows_by_data":
+    batch += (jnp.asarray(np.arange(B)[::-1]),)
+  f = _tracked_transform(_logits_picked(_PAIRED_WITH_OTHERS[name]))
+  params, state = f.init(jax.random.PRNGKey(0), *batch)
+  with pytest.raises(ValueError, match="another example's data"):
+    jax.jit(gram_haiku.value_grad_and_gram(f.apply))(params, state, None,
+                                                     *batch)
+  with pytest.raises(ValueError, match="another example's data|reads data "
+                     "of other examples"):
+    jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))(params, state, None,
+                                                   *batch)
+
+
+def test_labels_reordered_inside_the_index_array():
+  """``logp[arange(B), labels[::-1]]``: each example's outputs with another
+  example's label. The Gram is over the model's input rows (labels are
+  data), so it is exact; clipped_grad refuses it (another example's data)."""
+  x, labels = _label_data(52)
+  body = _logits_picked(lambda lp, l: lp[jnp.arange(lp.shape[0]), l[::-1]])
+  params, (_, _, grams) = _run(body, x, labels)
+  plain = hk.without_apply_rng(hk.transform(body))
+  assert_gram_close(grams.total, reference_gram(
+      lambda p, x, l: plain.apply(p, x, l[::-1]), params, x, labels[::-1]))
+  with pytest.raises(ValueError, match="reads data of other examples"):
+    _clipped_run(body, x, labels)

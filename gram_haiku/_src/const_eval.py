@@ -99,6 +99,8 @@ def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
       out = np.concatenate(values, axis=params["dimension"])
     elif name == "stack":
       out = np.stack(values, axis=params["axis"])
+    elif name == "rev":
+      out = np.flip(values[0], tuple(params["dimensions"]))
     elif name == "tile":
       out = np.tile(values[0], tuple(params["reps"]))
     elif name == "transpose":

@@ -117,6 +117,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.consts: dict[Any, Any] = dict(consts or {})
     self._in_rule = 0  # inside a custom JVP rule's program (_custom_jvp)
     self._deps: list[bool] = []  # the current equation's input dependences
+    # Index arrays concatenated along their last axis (x[rows, cols]): per
+    # (run, id(variable)), (state, variable, width) of each piece.
+    self._pieces: dict[tuple[Any, int], list] = {}
 
   def join(self, a: State, b: State) -> State:
     return join(a, b, self.verdicts)
@@ -397,12 +400,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if d or not isinstance(s, Ex) or s.tag is not None:
         continue
       for p in param_rows:
-        if (p.order is not None and p.order != s.order and
-            (p.dim, p.inner, p.outer) == (s.dim, s.inner, s.outer) and
-            self.paired_with_others is None):
-          self.paired_with_others = (
-              eqn.primitive.name,
-              ", ".join(str(_shape(v)) for v in eqn.invars))
+        if (p.dim, p.inner, p.outer) == (s.dim, s.inner, s.outer):
+          self.check_pairing(eqn, p.order, s.order, strict=False)
     if self.strict:
       for s, d in zip(ins, deps):
         if d:
@@ -422,6 +421,39 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             "example's data"))
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
+
+  def check_pairing(self, eqn, param_order, data_order, strict=True):
+    """Rows of the parameters' values (in ``param_order``) meeting data rows
+    (in ``data_order``) in one equation: reordered outputs met by data in
+    another order pair one example's outputs with another example's data,
+    which is recorded (``paired_with_others``, refused after the pass);
+    under ``strict`` (and ``strict=True`` here) any other order than the
+    outputs' own is an error at once."""
+    if (param_order is not None and param_order != data_order and
+        self.paired_with_others is None):
+      self.paired_with_others = (
+          eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars))
+    if strict and self.strict and param_order != data_order:
+      raise ValueError(errors.DATA_COUPLED.format(
+          state="rows of other examples, or in another order"))
+
+  def index_columns(self, v, n: int):
+    """Per column of the index array ``v`` (its last axis, ``n`` wide): its
+    state and, where known on the host, its value (without that axis).
+    None where the columns cannot be told apart (not one column, and not
+    a concatenation along the last axis, as ``x[rows, cols]`` makes)."""
+    value = self._value_of(v)
+    if value is not None:
+      return [(CONST, value[..., j]) for j in range(n)]
+    pieces = self._pieces.get((self._run, id(v)))
+    if pieces is None:
+      return None
+    cols = []
+    for state, var, width in pieces:
+      piece = self._value_of(var)
+      for j in range(width):
+        cols.append((state, None if piece is None else piece[..., j]))
+    return cols if len(cols) == n else None
 
   def _elementwise(self, name, ins):
     states = [s for s in ins if s != CONST]

@@ -201,6 +201,10 @@ class ShapeRules:
 
   def _concatenate(self, eqn, ins):
     dim = eqn.params["dimension"]
+    if dim == len(_shape(eqn.outvars[0])) - 1:
+      # Perhaps an index array (x[rows, cols]): its columns' sources.
+      self._pieces[(self._run, id(eqn.outvars[0]))] = [
+          (s, v, _shape(v)[dim]) for s, v in zip(ins, eqn.invars)]
     if any(isinstance(s, Ex) and s.dim == dim for s in ins):
       if any(s in (MIXED, SUM) for s in ins):
         return [MIXED]
@@ -253,6 +257,36 @@ class IndexRules:
     shape, update_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
     full = [u == n for u, n in zip(update_shape, shape)]
     return [self._write(operand, update, full, list(range(len(shape))))]
+
+  def _rows_by_data_index(self, eqn, operand: Ex, indices: Ex, dn):
+    """A gather of the parameters' rows by an index array holding data
+    (``logp[rows, labels]``): does each index row pick its own example's
+    row? Returns True when the row column is known (on the host) to be
+    ``0 .. B - 1`` along the examples' axis: the output then holds the
+    operand's rows in the operand's order, each read with its own
+    example's data (its label). Otherwise each output row pairs a row of
+    the outputs picked by the index with the data of the index's own row
+    (``logp[arange(B)[::-1], labels]``, ``logp.ravel()[i * C + labels]``):
+    recorded as a pairing with other examples' data (refused), unless the
+    rows are picked by the index alone (``out[idx]``: rows in an order the
+    program does not show, checked where they meet data; returns None).
+    """
+    k = list(dn.start_index_map).index(operand.dim)
+    n = _shape(eqn.invars[1])[-1]
+    merged = operand.inner != 1 or operand.outer != 1
+    cols = self.index_columns(eqn.invars[1], n)
+    if cols is not None and not merged:
+      _, rows = cols[k]
+      if rows is not None and _picks_own_rows(rows, indices.dim, self.batch):
+        self.check_pairing(eqn, operand.order, indices.order)
+        return True
+      if len(cols) == 1 or all(s == CONST for j, (s, _) in enumerate(cols)
+                               if j != k):
+        return None  # Rows picked by the index alone: out[idx], x[idx, 0].
+    elif n == 1 and not merged:
+      return None
+    self.check_pairing(eqn, ("gather", self.eqn_key(eqn)), indices.order)
+    return None
 
   def _scatter(self, eqn, ins):
     operand, indices, updates = ins[:3]
@@ -416,6 +450,11 @@ class IndexRules:
       if operand == CONST:  # a table looked up by per-example ids
         return [dataclasses.replace(indices, dim=out)]
       e = operand.dim
+      if (self._deps[0] and not self._deps[1] and operand.tag is None and
+          indices.tag is None and e in dn.start_index_map):
+        own = self._rows_by_data_index(eqn, operand, indices, dn)
+        if own is not None:
+          return [dataclasses.replace(operand, dim=out)]
       aligned = (e in op_batching and
                  idx_batching[op_batching.index(e)] == indices.dim and
                  operand.order == indices.order)
@@ -640,3 +679,12 @@ class ControlFlowRules:
     if any(s != CONST for s in ins[:cond_n]):
       carry = [UNKNOWN if s == CONST else s for s in carry]
     return list(carry)
+
+
+def _picks_own_rows(rows, dim: int, batch: int) -> bool:
+  """Whether index values ``rows`` (the index array's batch shape) are
+  ``0 .. batch - 1`` along ``dim``, whatever the other axes."""
+  if rows.ndim <= dim or rows.shape[dim] != batch:
+    return False
+  want = np.arange(batch).reshape((batch,) + (1,) * (rows.ndim - dim - 1))
+  return bool(np.all(rows == want))
