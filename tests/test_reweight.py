@@ -18,7 +18,9 @@ from gram_haiku._src.plan import Clip
 from gram_haiku._src.reference import clip_reference
 from gram_haiku._src.reference import column_groups
 from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import ATOL_F32
 from gram_haiku._src.reference import RTOL_BF16
+from gram_haiku._src.reference import RTOL_F32
 from gram_haiku._src.reference import weighted_sum
 from tests import layer_zoo
 from tests import problems
@@ -393,6 +395,49 @@ def test_missing_per_layer_threshold_and_bad_weights_are_errors():
   with pytest.raises(ValueError, match=r"expected one weight per example"):
     gram_haiku.reweighted_grad(f.apply, lambda g: g.sq_norms[:2])(
         params, state, None, *batch)
+
+
+def test_a_threshold_for_an_untracked_module_is_an_error():
+  """A misspelt (or wholly frozen) module's threshold would count in the
+  sensitivity, so in the noise, while bounding no gradient."""
+  f, params, state, batch, _ = _mlp()
+  names = ("mlp/~/linear_0", "mlp/~/linear_1", "mlp/~/linear_2")
+  thresholds = {**{m: 1.0 for m in names}, "mlp/~/linear_9": 1.0}
+  with pytest.raises(ValueError, match=r"thresholds for \['mlp/~/linear_9'\]"):
+    gram_haiku.clipped_grad(f.apply, thresholds, clipping="per-layer")(
+        params, state, None, *batch)
+  frozen = {m: 1.0 for m in names}
+  with pytest.raises(ValueError, match=r"thresholds for \['mlp/~/linear_0'\]"):
+    gram_haiku.clipped_grad(f.apply, frozen, clipping="per-layer",
+                            frozen=("mlp/~/linear_0",))(
+                                params, state, None, *batch)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_thresholds_as_numpy_or_jax_scalars_and_no_clipping(clipping):
+  """A NumPy or concrete JAX scalar is a threshold like a float; ``inf``
+  (``"abadi"``) clips nothing: the plain sum of the per-example
+  gradients, with an infinite sensitivity."""
+  f, params, state, batch, ref = _mlp()
+  want = gram_haiku.clipped_grad(f.apply, 0.7, clipping=clipping)(
+      params, state, None, *batch)[0]
+  for c in (np.float32(0.7), jnp.asarray(0.7, jnp.float32), np.array(0.7)):
+    fn = gram_haiku.clipped_grad(f.apply, c, clipping=clipping)
+    got = fn(params, state, None, *batch)[0]
+    chex.assert_trees_all_close(got, want, rtol=1e-6)
+    assert fn.sensitivity() == pytest.approx(float(np.float32(0.7)))
+  unclipped = gram_haiku.clipped_grad(f.apply, np.inf, clipping=clipping)
+  assert unclipped.sensitivity() == np.inf
+  got, aux = unclipped(params, state, None, *batch)
+  assert float(aux.fraction_clipped) == 0.0
+  chex.assert_trees_all_close(
+      got, weighted_sum(ref, np.ones(len(ref)), params), rtol=RTOL_F32,
+      atol=ATOL_F32 * float(np.abs(ref).max()))
+  with pytest.raises(ValueError, match="positive, finite"):
+    gram_haiku.clipped_grad(f.apply, np.inf, clip_fn="automatic")
+  with pytest.raises(ValueError, match="traced"):
+    jax.jit(lambda c: gram_haiku.clipped_grad(f.apply, c)(
+        params, state, None, *batch)[0])(0.7)
 
 
 @pytest.mark.parametrize("target", ["batch_mean", "reversed", "summed"])

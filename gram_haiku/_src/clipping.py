@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gram_haiku._src import errors
 from gram_haiku._src import reweight
@@ -135,11 +136,22 @@ def _bounded_sensitivity_callable():
   return jp_clipping.BoundedSensitivityCallable
 
 
-def _check_threshold(value, what: str) -> float:
+def _check_threshold(value, what: str, allow_inf: bool = False) -> float:
+  """A positive number (a Python, NumPy or concrete 0-d JAX scalar), or
+  ``inf`` where ``allow_inf`` (no clipping); else a ``ValueError``."""
+  if isinstance(value, jax.core.Tracer):
+    raise ValueError(
+        f"gram_haiku.clipped_grad: {what} is a traced value. The thresholds "
+        "are static (each value compiles its own program): pass a number, "
+        "outside jit.")
+  if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(
+      value) == 0 and np.dtype(value.dtype).kind in "iuf":
+    value = value.item()
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-      value > 0) or not math.isfinite(value):
-    raise ValueError(f"gram_haiku.clipped_grad: {what} must be a positive, "
-                     f"finite number, got {value!r}.")
+      value > 0) or not (math.isfinite(value) or allow_inf):
+    finite = "" if allow_inf else ", finite"
+    raise ValueError(f"gram_haiku.clipped_grad: {what} must be a positive"
+                     f"{finite} number, got {value!r}.")
   return float(value)
 
 
@@ -211,12 +223,14 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       raise ValueError("gram_haiku.clipped_grad: a dict of thresholds is "
                        "per-layer clipping; pass clipping='per-layer', or "
                        "one number for all-layer clipping.")
-    thresholds = {k: _check_threshold(v, f"l2_clip_norm[{k!r}]")
+    thresholds = {k: _check_threshold(v, f"l2_clip_norm[{k!r}]",
+                                      allow_inf=clip_fn == "abadi")
                   for k, v in l2_clip_norm.items()}
     bound = math.sqrt(sum(v * v for v in thresholds.values()))
   else:
     thresholds = None
-    bound = _check_threshold(l2_clip_norm, "l2_clip_norm")
+    bound = _check_threshold(l2_clip_norm, "l2_clip_norm",
+                             allow_inf=clip_fn == "abadi")
   total = float(bound)
   axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")
 
@@ -235,6 +249,14 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     if missing:
       raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
           problem=f"no threshold for {missing}", modules=modules))
+    extra = sorted(k for k in thresholds if k not in sizes)
+    if extra:
+      # Their thresholds would count in the sensitivity (the noise) while
+      # bounding no gradient: a misspelt name, or a module all frozen.
+      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+          problem=f"thresholds for {extra}, which track no trainable "
+          "parameter (their thresholds would only inflate the sensitivity, "
+          "so the noise)", modules=modules))
     return {m: Clip(thresholds[m], clip_fn, gamma) for m in modules}
 
   global_clip = Clip(total, clip_fn, gamma)

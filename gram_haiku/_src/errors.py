@@ -478,7 +478,7 @@ PER_LAYER_THRESHOLDS = (
     "What to do: pass l2_clip_norm as one number C (split over the layers "
     "by layer_split: 'equal', C / sqrt(L) each, 'by_size', or a function "
     "{{module: number of parameters}} -> {{module: weight}}), or a dict with a "
-    "positive threshold for every tracked module.")
+    "positive threshold for every tracked module and for no other.")
 
 NEEDS_JAX_PRIVACY = (
     "gram_haiku.clipped_grad returns jax-privacy's BoundedSensitivityCallable, "
