@@ -106,13 +106,21 @@ CASES = {
     # Not frozen: a forward's stop_gradient says nothing of the rule's.
     "custom-vjp-stopped-forward": (
         _only("w", _stopped_forward_passed_gradient), "linear", (4,)),
+    # A module's own weight mask (w * mask before the op), no getter.
+    "masked-conv": (lambda n, v, c: n(v), "masked_conv", (5, 5, 2)),
+    "masked-conv-transpose": (lambda n, v, c: n(v), "masked_conv_transpose",
+                              (4, 4, 2)),
 }
+
+# Masks with zeros (pruned taps) and a scale.
+_MASK = np.random.default_rng(0).choice([0.0, 1.0, 0.5], (3, 3, 2, 3))
+_MASK_T = np.random.default_rng(1).choice([0.0, 1.0, 2.0], (3, 3, 3, 2))
 
 
 #: The cases whose clipped sum is checked too (one pull-back, per kind of
 #: rule: factors of a linear layer and a conv, a custom derivative).
 CLIPPED = ("lora", "standardised-conv", "custom-vjp-doubled-gradient",
-           "scaled-embedding")
+           "scaled-embedding", "masked-conv")
 
 
 def _layer(kind):
@@ -120,6 +128,9 @@ def _layer(kind):
           "conv": lambda: hk.Conv2D(3, 3, name="target"),
           "embed": lambda: hk.Embed(7, 3, name="target"),
           "layer_norm": lambda: hk.LayerNorm(-1, True, True, name="target"),
+          "masked_conv": lambda: hk.Conv2D(3, 3, mask=_MASK, name="target"),
+          "masked_conv_transpose": lambda: hk.Conv2DTranspose(
+              3, 3, stride=2, mask=_MASK_T, name="target"),
           }[kind]()
 
 

@@ -8,9 +8,11 @@ in case a Haiku release defines ``__call__`` there). Each handler re-creates
 the parameters exactly as the module's ``__call__`` does (names ``w``/``b``,
 shapes, dtypes, initialisers, creation order) and runs the Gram op.
 
-A weight ``mask`` is not supported: the gradient of the unmasked parameter is
-``mask * dL/d(w * mask)``, which the op does not model; such a module raises
-instead of returning a wrong Gram.
+A weight ``mask`` is applied as Haiku applies it, ``w * mask`` before the
+convolution: the op then receives a function of the parameter, so the
+parameter's per-example gradients are pulled back through it
+(:mod:`gram_haiku._src.reparam`: ``mask * dl_i / d(w * mask)``, exact, at
+``B x P`` memory for the layer).
 """
 
 import haiku as hk
@@ -21,14 +23,6 @@ from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
 from gram_haiku._src.registry import register_layer
-
-MASK_UNSUPPORTED = (
-    "gram_haiku.track(): module {module!r} ({cls}) has a weight `mask`, "
-    "which is not supported: the per-example gradients of a masked kernel "
-    "are not those of the convolution the Gram op computes. Build the module "
-    "without `mask` (e.g. mask the input, or zero the weights you do not "
-    "want), or call it outside gram_haiku.track().")
-
 
 def _check_rank(module, inputs, what):
   unbatched_rank = module.num_spatial_dims + 1
@@ -55,10 +49,14 @@ def _bias(module, dtype):
   return hk.get_parameter("b", bias_shape, dtype, init=module.b_init)
 
 
-def _no_mask(module):
-  if module.mask is not None:
-    raise NotImplementedError(MASK_UNSUPPORTED.format(
-        module=module.module_name, cls=type(module).__name__))
+def _masked(module, w):
+  """``w * module.mask`` as the module's ``__call__`` computes it."""
+  if module.mask is None:
+    return w
+  if module.mask.shape != w.shape:
+    raise ValueError("Mask needs to have the same shape as weights. "
+                     f"Shapes are: {module.mask.shape}, {w.shape}")
+  return w * module.mask
 
 
 @register_layer(hk.ConvND)
@@ -71,14 +69,14 @@ def conv_nd(call, module: hk.ConvND, inputs, *, precision=None):
   if channels % groups != 0:
     raise ValueError(f"Inputs channels {channels} should be a multiple of "
                      f"feature_group_count {groups}")
-  _no_mask(module)
   w_shape = tuple(module.kernel_shape) + (channels // groups,
                                           module.output_channels)
   w_init = module.w_init
   if w_init is None:
     fan_in_shape = np.prod(w_shape[:-1])
     w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(fan_in_shape))
-  w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
+  w = _masked(module, hk.get_parameter("w", w_shape, inputs.dtype,
+                                      init=w_init))
   b = _bias(module, inputs.dtype)
 
   def op(x, w, b, probe, **kwargs):
@@ -100,13 +98,13 @@ def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
   input_channels = inputs.shape[channel_axis]
   w_shape = tuple(module.kernel_shape) + (module.output_channels,
                                           input_channels)
-  _no_mask(module)
   w_init = module.w_init
   if w_init is None:
     fan_in_shape = tuple(module.kernel_shape) + (input_channels,)
     stddev = 1. / np.sqrt(np.prod(fan_in_shape))
     w_init = hk.initializers.TruncatedNormal(stddev=stddev)
-  w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
+  w = _masked(module, hk.get_parameter("w", w_shape, inputs.dtype,
+                                      init=w_init))
 
   padding = module.padding
   if module.output_shape is not None:
