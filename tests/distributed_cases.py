@@ -61,7 +61,8 @@ VMAP_ENTRIES = ("MLP",)
 # module over steps as GRU-static does; the single layers below are each a
 # registered op of the conformance suite, whose sharded family runs them
 # under shard_map and jit (Auto and Explicit) in every default run.
-ALL_ONLY = ("transformer-block", "GRU-dynamic", "LSTM-dynamic", "Conv1D",
+ALL_ONLY = ("DepthwiseConv2D", "SeparableDepthwiseConv2D",
+            "transformer-block", "GRU-dynamic", "LSTM-dynamic", "Conv1D",
             "Conv3D", "RMSNorm", "InstanceNorm", "LSTM-static",
             "mixed-precision-track-first", "ResNet-GroupNorm", "GRU-static",
             "Linear", "Conv2D", "Conv2D-grouped-dilated", "Conv2DTranspose",

@@ -54,6 +54,16 @@ def _conv(n, **kw):
   return lambda x: hk.ConvND(n, 3, 2, **kw)(x)
 
 
+def _unbatched_ok(module_fn):
+  """Modules whose convolution needs a batch axis (hk.DepthwiseConv*D):
+  one example gets one added and removed (under hk.vmap)."""
+  def fn(x, n=2):
+    if x.ndim == n + 1:
+      return module_fn()(x[None])[0]
+    return module_fn()(x)
+  return fn
+
+
 def _transformer_block(x):
   # x: (T, D) per example, or (B, T, D).
   t, d = x.shape[-2], x.shape[-1]
@@ -138,6 +148,11 @@ ENTRIES = [
     Entry("Conv3D", _conv(3, stride=1), (4, 4, 3, 2)),
     Entry("Conv2DTranspose", lambda x: hk.Conv2DTranspose(3, 3, stride=2)(x),
           (3, 3, 2)),
+    Entry("DepthwiseConv2D", _unbatched_ok(
+        lambda: hk.DepthwiseConv2D(2, 3, stride=2)), (5, 5, 3)),
+    Entry("SeparableDepthwiseConv2D", _unbatched_ok(
+        lambda: hk.SeparableDepthwiseConv2D(4, 3, 2, padding="VALID")),
+          (5, 5, 3)),
     Entry("Embed", lambda ids: hk.Embed(9, 4)(ids), (5,), ids=9),
     Entry("Embed-one-hot",
           lambda ids: hk.Embed(9, 4, lookup_style="ONE_HOT")(ids), (5,),

@@ -1,4 +1,5 @@
-"""``hk.Conv{1,2,3}D`` and ``hk.Conv{1,2,3}DTranspose`` inside ``track()``.
+"""``hk.Conv{1,2,3}D``, ``hk.Conv{1,2,3}DTranspose`` and
+``hk.DepthwiseConv{1,2,3}D`` inside ``track()``.
 
 ``hk.Conv1D/2D/3D`` inherit ``__call__`` from ``hk.ConvND`` and the
 transposed ones from ``hk.ConvNDTranspose``; ``hk.intercept_methods`` reports
@@ -127,6 +128,36 @@ def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
   return call.apply(op, inputs, (w, b))
 
 
+def depthwise_conv(call, module, inputs):
+  """``hk.DepthwiseConv{1,2,3}D.__call__`` with :func:`gram_conv`: one
+  feature group per input channel, ``channel_multiplier`` outputs each
+  (same parameters, same convolution)."""
+  inputs = jnp.asarray(inputs)
+  channel_index = hk.get_channel_index(module.data_format)
+  channels = inputs.shape[channel_index]
+  w_shape = tuple(module.kernel_shape) + (
+      1, module.channel_multiplier * channels)
+  w_init = module.w_init
+  if w_init is None:
+    fan_in_shape = np.prod(w_shape[:-1])
+    w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(fan_in_shape))
+  w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
+  b = None
+  if module.with_bias:
+    b_shape = ((module.channel_multiplier * channels,) if channel_index == -1
+               else (module.channel_multiplier * channels, 1, 1))
+    b = hk.get_parameter("b", b_shape, inputs.dtype, init=module.b_init)
+
+  def op(x, w, b, probe, **kwargs):
+    return gram_conv(x, w, b, probe, stride=module.stride,
+                     padding=module.padding, rate=module.rhs_dilation,
+                     feature_group_count=channels,
+                     data_format=module.data_format, **kwargs)
+  return call.apply(op, inputs, (w, b))
+
+
+for _cls in (hk.DepthwiseConv1D, hk.DepthwiseConv2D, hk.DepthwiseConv3D):
+  register_layer(_cls)(depthwise_conv)
 for _cls in (hk.Conv1D, hk.Conv2D, hk.Conv3D):
   register_layer(_cls)(conv_nd)
 for _cls in (hk.Conv1DTranspose, hk.Conv2DTranspose, hk.Conv3DTranspose):
