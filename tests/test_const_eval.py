@@ -27,6 +27,8 @@ _PROGRAMS = {
     "iota": lambda a, b: jnp.arange(4, dtype=jnp.int32)[None] + a,
     "reshape_squeeze": lambda a, b: a.reshape(12, 1).squeeze(1),
     "concatenate": lambda a, b: jnp.concatenate([a, b], axis=1),
+    "fortran_order": lambda a, b: a.reshape(4, 3, order="F") + jnp.ravel(
+        b, order="F").reshape(4, 3),
     "tile_transpose": lambda a, b: jnp.tile(a, (2, 1)).T + jnp.tile(b.T, 2),
     "convert": lambda a, b: (a > 0).astype(jnp.int32) + b.astype(jnp.int8),
 }

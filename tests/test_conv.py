@@ -27,6 +27,7 @@ from gram_haiku._src.ops.conv import gram_conv_transpose
 from gram_haiku._src.ops.conv import im2col
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import relative_error as rel_err
 from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
@@ -761,3 +762,51 @@ def test_im2col_equals_the_patches_convolution(n):
     np.testing.assert_array_equal(got, want)
     checked += 1
   assert checked == 8
+
+
+_DEPTHWISE = {
+    "1d": (lambda: hk.DepthwiseConv1D(2, 3, padding="VALID"), (7, 3)),
+    "2d_nchw_rate": (lambda: hk.DepthwiseConv2D(
+        3, (3, 2), rate=2, data_format="NCHW"), (2, 6, 6)),
+    "2d_stride_explicit": (lambda: hk.DepthwiseConv2D(
+        1, 3, stride=2, padding=((1, 0), (0, 2))), (6, 5, 3)),
+    "3d_no_bias_first": (lambda: hk.DepthwiseConv3D(
+        2, 2, with_bias=False, data_format="NCDHW"), (2, 3, 4, 3)),
+    "3d": (lambda: hk.DepthwiseConv3D(2, 2), (3, 4, 3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEPTHWISE))
+def test_depthwise_convolutions_match_the_reference(name):
+  make, shape = _DEPTHWISE[name]
+  kx, ky = jax.random.split(jax.random.PRNGKey(_seed(name)))
+  x = jax.random.normal(kx, (5,) + shape)
+  y = jax.random.normal(ky, (5, 2))
+
+  def model(x, y):
+    h = make()(x)
+    out = hk.Linear(2)(jnp.tanh(h.reshape(h.shape[0], -1)))
+    return 0.5 * jnp.sum((out - y) ** 2)
+
+  def tracked(x, y):
+    with gram_haiku.track(untracked="error"):
+      return model(x, y)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(1), x, y)
+  plain = hk.without_apply_rng(hk.transform(model))
+  chex.assert_trees_all_equal_shapes(params, plain.init(
+      jax.random.PRNGKey(1), x, y))
+  value, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(value, plain.apply(params, x, y), rtol=1e-5)
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+def test_depthwise_bias_with_channels_first_outside_2d_is_refused():
+  # Haiku's [O, 1, 1] bias broadcasts along a spatial axis there.
+  def tracked(x):
+    with gram_haiku.track():
+      return hk.DepthwiseConv3D(2, 2, data_format="NCDHW")(x).sum()
+  with pytest.raises(NotImplementedError, match="spatial axis"):
+    hk.transform_with_state(tracked).init(jax.random.PRNGKey(0),
+                                          jnp.ones((2, 3, 4, 4, 4)))

@@ -92,7 +92,11 @@ def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
     elif name == "iota":
       out = _iota(out_dtype, tuple(params["shape"]), params["dimension"])
     elif name == "reshape":
-      out = np.reshape(values[0], tuple(params["new_sizes"]))
+      # ``dimensions``: the operand's axes read in that order first
+      # (x.reshape(..., order="F")).
+      dims = params.get("dimensions")
+      v = values[0] if dims is None else np.transpose(values[0], dims)
+      out = np.reshape(v, tuple(params["new_sizes"]))
     elif name == "squeeze":
       out = np.squeeze(values[0], tuple(params["dimensions"]))
     elif name == "concatenate":

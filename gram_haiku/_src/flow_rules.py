@@ -80,6 +80,12 @@ class ShapeRules:
     if not isinstance(s, Ex):
       return [s]
     old, new = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    dims = eqn.params.get("dimensions")
+    if dims is not None:
+      # The operand's axes read in the order ``dims`` (order="F"): a
+      # transpose, then a row-major reshape.
+      s = dataclasses.replace(s, dim=list(dims).index(s.dim))
+      old = tuple(old[d] for d in dims)
     # Row-major: the example factor (B, or a candidate's own size) has
     # stride `stride`.
     size = old[s.dim] // (s.inner * s.outer)
@@ -450,6 +456,8 @@ class IndexRules:
       if operand == CONST:  # a table looked up by per-example ids
         return [dataclasses.replace(indices, dim=out)]
       e = operand.dim
+      if e in dn.start_index_map and eqn.params["slice_sizes"][e] != 1:
+        return [MIXED]  # Each index picks a window of several examples' rows.
       if (self._deps[0] and not self._deps[1] and operand.tag is None and
           indices.tag is None and e in dn.start_index_map):
         own = self._rows_by_data_index(eqn, operand, indices, dn)

@@ -25,6 +25,16 @@ from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
 from gram_haiku._src.registry import register_layer
 
+DEPTHWISE_BIAS = (
+    "gram_haiku.track(): module {module!r} ({cls}) has a bias with "
+    "data_format={data_format!r}. Haiku gives the bias the shape [O, 1, 1] "
+    "for every rank, so with the channels first in {n}-D it broadcasts "
+    "along a spatial axis instead of over the channels (a Haiku quirk), "
+    "which the Gram rule does not model.\n"
+    "What to do: use a channels-last data_format, or with_bias=False and "
+    "an hk.Bias after the convolution.")
+
+
 def _check_rank(module, inputs, what):
   unbatched_rank = module.num_spatial_dims + 1
   allowed_ranks = [unbatched_rank, unbatched_rank + 1]
@@ -144,6 +154,13 @@ def depthwise_conv(call, module, inputs):
   w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
   b = None
   if module.with_bias:
+    n = len(module.kernel_shape)
+    if channel_index != -1 and n != 2:
+      # Haiku's bias is [O, 1, 1] whatever the rank: channels first in 1-D
+      # or 3-D, it broadcasts along a spatial axis, not the channels.
+      raise NotImplementedError(DEPTHWISE_BIAS.format(
+          module=module.module_name, cls=type(module).__name__, n=n,
+          data_format=module.data_format))
     b_shape = ((module.channel_multiplier * channels,) if channel_index == -1
                else (module.channel_multiplier * channels, 1, 1))
     b = hk.get_parameter("b", b_shape, inputs.dtype, init=module.b_init)
