@@ -673,6 +673,89 @@ def case_mesh_argument():
   return {}
 
 
+def case_reparam_mesh():
+  """Reparametrised layers (a weight-norm getter, LoRA, a conv's weight
+  mask) under ``mesh=``: the getter's equations replayed for each device's
+  examples equal the single-device reference (Gram and clipped sum); a
+  getter with a custom derivative is a clear error."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+
+  def lora(nxt, v, c):
+    if c.name != "w":
+      return nxt(v)
+    a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
+                         init=hk.initializers.RandomNormal())
+    b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
+                         init=hk.initializers.RandomNormal())
+    return jax.lax.stop_gradient(nxt(v)) + a @ b
+
+  @jax.custom_vjp
+  def doubled(w):
+    return w
+  doubled.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g,))
+  mask = np.random.default_rng(0).choice([0.0, 1.0, 0.5], (3, 3, 2, 3))
+  getters = {
+      "weight_norm": lambda n, v, c: (n(v) / jnp.linalg.norm(n(v), axis=0)
+                                      if c.name == "w" else n(v)),
+      "lora": lora,
+      "conv_mask": None,
+      "custom_vjp": lambda n, v, c: doubled(n(v)) if c.name == "w" else n(v),
+  }
+  mesh = jax.make_mesh((N_DEVICES,), ("d",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 5, 2))
+  y = jax.random.normal(jax.random.PRNGKey(1), (B, 2))
+  for name, getter in getters.items():
+    def model(x, y, name=name, getter=getter):
+      if name == "conv_mask":
+        h = hk.Conv2D(3, 3, mask=mask)(x)
+      elif name == "lora":
+        h = hk.Conv2D(3, 3)(x)
+      else:
+        with hk.custom_getter(getter):
+          h = hk.Conv2D(3, 3)(x)
+      h = jnp.tanh(h).reshape(h.shape[0], -1)
+      if name == "lora":  # On the head's [N, M] weight.
+        with hk.custom_getter(getter):
+          return 0.5 * jnp.sum((hk.Linear(2)(h) - y) ** 2)
+      out = hk.Linear(2)(h)
+      return 0.5 * jnp.sum((out - y) ** 2)
+
+    def tracked(x, y, model=model):
+      with gram_haiku.track():
+        return model(x, y)
+    f = hk.transform_with_state(tracked)
+    params, state = f.init(jax.random.PRNGKey(2), x, y)
+    plain = hk.without_apply_rng(hk.transform(model)).apply
+    step = jax.jit(gram_haiku.value_grad_and_gram(f.apply, mesh=mesh,
+                                                  mesh_axes=("d",)))
+    if name == "custom_vjp":
+      try:
+        step(params, state, None, x, y)
+      except NotImplementedError as e:
+        assert "custom derivative" in str(e), str(e)
+        continue
+      raise AssertionError("custom_vjp getter under mesh=: no error")
+    fr = np.asarray(reference.per_example_grads(plain, params, x, y),
+                    np.float64)
+    _, _, grams = step(params, state, None, x, y)
+    reference.assert_gram_close(grams.total, fr @ fr.T)
+    norms = np.sqrt(np.sum(fr * fr, 1))
+    c_norm = float(np.median(norms))
+    grads, aux = jax.jit(gram_haiku.clipped_grad(
+        f.apply, c_norm, mesh=mesh, mesh_axes=("d",)))(params, state, None,
+                                                       x, y)
+    np.testing.assert_allclose(aux.grad_norms, norms, rtol=1e-4)
+    _assert_grads(grads, reference.weighted_sum(
+        fr, reference.clip_reference(norms, c_norm), params), 1e-4)
+  return {}
+
+
 def case_mesh_argument_errors():
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -750,6 +833,7 @@ def cases(everything: bool):
   out.append(("errors", case_errors))
   out.append(("mesh_argument/transforms", case_mesh_argument))
   out.append(("mesh_argument/errors", case_mesh_argument_errors))
+  out.append(("mesh_argument/reparametrised", case_reparam_mesh))
   for clipping in ("all-layer", "per-layer"):
     for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
         else ("MLP",):

@@ -419,13 +419,15 @@ def test_thresholds_as_numpy_or_jax_scalars_and_no_clipping(clipping):
   (``"abadi"``) clips nothing: the plain sum of the per-example
   gradients, with an infinite sensitivity."""
   f, params, state, batch, ref = _mlp()
-  want = gram_haiku.clipped_grad(f.apply, 0.7, clipping=clipping)(
-      params, state, None, *batch)[0]
-  for c in (np.float32(0.7), jnp.asarray(0.7, jnp.float32), np.array(0.7)):
+  for c in (np.float32(0.7), jnp.asarray(0.7, jnp.float32), np.array(0.7),
+            jnp.bfloat16(0.7)):
+    value = float(np.asarray(c, np.float64))
+    want = gram_haiku.clipped_grad(f.apply, value, clipping=clipping)(
+        params, state, None, *batch)[0]
     fn = gram_haiku.clipped_grad(f.apply, c, clipping=clipping)
     got = fn(params, state, None, *batch)[0]
     chex.assert_trees_all_close(got, want, rtol=1e-6)
-    assert fn.sensitivity() == pytest.approx(float(np.float32(0.7)))
+    assert fn.sensitivity() == value
   unclipped = gram_haiku.clipped_grad(f.apply, np.inf, clipping=clipping)
   assert unclipped.sensitivity() == np.inf
   got, aux = unclipped(params, state, None, *batch)
@@ -433,6 +435,13 @@ def test_thresholds_as_numpy_or_jax_scalars_and_no_clipping(clipping):
   chex.assert_trees_all_close(
       got, weighted_sum(ref, np.ones(len(ref)), params), rtol=RTOL_F32,
       atol=ATOL_F32 * float(np.abs(ref).max()))
+  if clipping == "per-layer":  # A zero weight is a zero threshold.
+    split = lambda sizes: {m: float(not m.endswith("_0")) for m in sizes}
+    got, _ = gram_haiku.clipped_grad(f.apply, np.inf, clipping=clipping,
+                                     layer_split=split)(params, state, None,
+                                                        *batch)
+    assert not np.any(got["mlp/~/linear_0"]["w"])
+    assert np.all(np.isfinite(got["mlp/~/linear_1"]["w"]))
   with pytest.raises(ValueError, match="positive, finite"):
     gram_haiku.clipped_grad(f.apply, np.inf, clip_fn="automatic")
   with pytest.raises(ValueError, match="traced"):

@@ -95,7 +95,8 @@ def split_threshold(total: float, sizes: Mapping[str, int],
   else:
     _check_split(split)
   norm = math.sqrt(sum(w * w for w in weights.values())) or 1.0
-  return {m: total * w / norm for m, w in weights.items()}
+  # (A zero weight is a zero threshold, also for C = inf: no clipping.)
+  return {m: total * w / norm if w else 0.0 for m, w in weights.items()}
 
 
 class ClippedGradAux(NamedTuple):
@@ -145,7 +146,8 @@ def _check_threshold(value, what: str, allow_inf: bool = False) -> float:
         "are static (each value compiles its own program): pass a number, "
         "outside jit.")
   if isinstance(value, (np.generic, np.ndarray, jax.Array)) and np.ndim(
-      value) == 0 and np.dtype(value.dtype).kind in "iuf":
+      value) == 0 and (jnp.issubdtype(value.dtype, jnp.integer) or
+                       jnp.issubdtype(value.dtype, jnp.floating)):
     value = value.item()
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
       value > 0) or not (math.isfinite(value) or allow_inf):

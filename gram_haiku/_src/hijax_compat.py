@@ -18,6 +18,7 @@ an ``AttributeError`` deep inside a trace.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -25,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.extend.core  # noqa: F401
+import jax.numpy as jnp
 
 MIN_JAX_VERSION = (0, 9, 0)
 MAX_JAX_VERSION_EXCLUSIVE = (0, 12, 0)
@@ -352,9 +354,56 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
   sub = jax.extend.core.Jaxpr(constvars, list(invars), list(outvars),
                               list(eqns), effects, info)
   values = [consts[v] for v in constvars]
-  closed = jax.extend.core.ClosedJaxpr(sub, values)
   key = (str(sub), tuple(id(c) for c in values))
-  return jax.extend.core.jaxpr_as_fun(closed), key
+  return functools.partial(_eval_varying, sub, values), key
+
+
+def _eval_varying(jaxpr: Any, consts: list, *args: Any) -> list:
+  """``jaxpr``'s outputs at ``args``, equation by equation, each
+  equation's operands first cast to vary over the same mesh axes.
+
+  Inside ``shard_map`` a replayed equation may meet a replicated constant
+  (a literal, a mask) and a value varying over the examples' axes; JAX's
+  own ops insert that cast (``pvary``) when traced, but a recorded
+  equation is bound as it was. Outside ``shard_map`` nothing varies and
+  this is JAX's ``eval_jaxpr``. Calls of sub-programs (``jit``) are
+  evaluated inline, the same way.
+  """
+  env = {}
+  read = lambda v: v.val if isinstance(v, Literal) else env[v]
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    axes = frozenset().union(*(varying_axes(x) for x in ins))
+    if axes:
+      ins = [vary_like(jnp.asarray(x), *ins) for x in ins]
+    inner = eqn.params.get("jaxpr") if eqn.primitive.name in (
+        "pjit", "jit") else None
+    if axes and inner is None and jaxprs_of(eqn):
+      # A custom derivative's rule was traced for replicated operands.
+      raise NotImplementedError(
+          f"gram_haiku: a parameter reaches a tracked layer through "
+          f"`{eqn.primitive.name}` (a function with a custom derivative, "
+          "e.g. in a custom getter), which cannot be replayed for one "
+          "device's examples inside shard_map.\n"
+          "What to do: run this model without mesh=/mesh_axes, or apply "
+          "the function inside the layer's own computation instead of a "
+          "getter.")
+    if axes and inner is not None:
+      outs = _eval_varying(inner.jaxpr, list(inner.consts), *ins)
+    else:
+      bind = eqn.primitive.get_bind_params(eqn.params)
+      # (A dict since JAX 0.10; (subfuns, params) before.)
+      subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+      with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*subfuns, *ins, **params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars]
 
 
 def live_part(jaxpr: Any) -> Any:

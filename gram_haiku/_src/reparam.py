@@ -165,7 +165,10 @@ def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any]) -> dict:
   ``cts`` (``{operand index: sum_i c_i f_i}``) to the leaves ``pb.leaves``."""
   present = [k for k, a in enumerate(op.param_avals) if a is not None]
   acc = next(iter(cts.values())).dtype if cts else jnp.float32
-  vjp, avals = _operands(op, pb, leaves, acc)
+  like = list(leaves)
+  for k in pb.leaves:  # (shard_map: each device's share; to_leaf sums them)
+    like[k] = hx.vary_like(leaves[k], *cts.values())
+  vjp, avals = _operands(op, pb, like, acc)
   full = [cts[k].astype(acc) if k in cts else jnp.zeros(a.shape, acc)
           for k, a in zip(present, avals)]
   return dict(zip(pb.leaves, vjp(full)))
