@@ -355,27 +355,31 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
                               list(eqns), effects, info)
   values = [consts[v] for v in constvars]
   key = (str(sub), tuple(id(c) for c in values))
-  return functools.partial(_eval_varying, sub, values), key
+  return functools.partial(_eval_varying, list(eqns), constvars, values,
+                           list(invars), list(outvars)), key
 
 
-def _eval_varying(jaxpr: Any, consts: list, *args: Any) -> list:
-  """``jaxpr``'s outputs at ``args``, equation by equation, each
-  equation's operands first cast to vary over the same mesh axes.
+def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
+                  outvars: list, *args: Any) -> list:
+  """The program ``eqns`` (with ``constvars`` bound to ``consts``) at
+  ``args``, equation by equation, each equation's operands first cast to
+  vary over the same mesh axes.
 
   Inside ``shard_map`` a replayed equation may meet a replicated constant
   (a literal, a mask) and a value varying over the examples' axes; JAX's
   own ops insert that cast (``pvary``) when traced, but a recorded
   equation is bound as it was. Outside ``shard_map`` nothing varies and
   this is JAX's ``eval_jaxpr``. Calls of sub-programs (``jit``) are
-  evaluated inline, the same way.
+  evaluated inline, the same way. (The parts are passed apart: JAX 0.11
+  folds a closed program's constants into its ``Jaxpr``.)
   """
   env = {}
   read = lambda v: v.val if isinstance(v, Literal) else env[v]
-  for v, c in zip(jaxpr.constvars, consts):
+  for v, c in zip(constvars, consts):
     env[v] = c
-  for v, a in zip(jaxpr.invars, args):
+  for v, a in zip(invars, args):
     env[v] = a
-  for eqn in jaxpr.eqns:
+  for eqn in eqns:
     ins = [read(v) for v in eqn.invars]
     axes = frozenset().union(*(varying_axes(x) for x in ins))
     if axes:
@@ -393,7 +397,10 @@ def _eval_varying(jaxpr: Any, consts: list, *args: Any) -> list:
           "the function inside the layer's own computation instead of a "
           "getter.")
     if axes and inner is not None:
-      outs = _eval_varying(inner.jaxpr, list(inner.consts), *ins)
+      body = getattr(inner, "jaxpr", inner)
+      outs = _eval_varying(list(body.eqns), list(body.constvars),
+                           list(inner.consts), list(body.invars),
+                           list(body.outvars), *ins)
     else:
       bind = eqn.primitive.get_bind_params(eqn.params)
       # (A dict since JAX 0.10; (subfuns, params) before.)
@@ -403,7 +410,7 @@ def _eval_varying(jaxpr: Any, consts: list, *args: Any) -> list:
       outs = outs if eqn.primitive.multiple_results else [outs]
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  return [read(v) for v in outvars]
 
 
 def live_part(jaxpr: Any) -> Any:
