@@ -684,15 +684,7 @@ def case_reparam_mesh():
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
   from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
-
-  def lora(nxt, v, c):
-    if c.name != "w":
-      return nxt(v)
-    a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
-                         init=hk.initializers.RandomNormal())
-    b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
-                         init=hk.initializers.RandomNormal())
-    return jax.lax.stop_gradient(nxt(v)) + a @ b
+  from tests import problems  # pylint: disable=g-import-not-at-top
 
   @jax.custom_vjp
   def doubled(w):
@@ -702,7 +694,7 @@ def case_reparam_mesh():
   getters = {
       "weight_norm": lambda n, v, c: (n(v) / jnp.linalg.norm(n(v), axis=0)
                                       if c.name == "w" else n(v)),
-      "lora": lora,
+      "lora": problems.lora,
       "conv_mask": None,
       "custom_vjp": lambda n, v, c: doubled(n(v)) if c.name == "w" else n(v),
   }

@@ -74,3 +74,15 @@ def two_layers(x, y, names=("l1", "l2"), width=5):
   transform), its two layers named ``names``."""
   h = jnp.tanh(hk.Linear(width, name=names[0])(x))
   return sq(hk.Linear(y.shape[-1], name=names[1])(h), y)
+
+
+def lora(nxt, v, c):
+  """A custom getter: ``w`` as ``W0 + A B`` (W0 frozen by stop_gradient;
+  A and B rank-2 parameters of their own), other parameters unchanged."""
+  if c.name != "w":
+    return nxt(v)
+  a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
+                       init=hk.initializers.RandomNormal())
+  b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
+                       init=hk.initializers.RandomNormal())
+  return jax.lax.stop_gradient(nxt(v)) + a @ b

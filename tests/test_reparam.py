@@ -32,17 +32,6 @@ def _only(name, fn):
   return lambda nxt, v, c: fn(nxt(v)) if c.name == name else nxt(v)
 
 
-def _lora(nxt, v, c):
-  # W0 (frozen by stop_gradient) + A B, with A and B parameters of their own.
-  if c.name != "w":
-    return nxt(v)
-  a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
-                       init=hk.initializers.RandomNormal())
-  b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
-                       init=hk.initializers.RandomNormal())
-  return jax.lax.stop_gradient(nxt(v)) + a @ b
-
-
 def _standardise(w):
   return (w - w.mean(axis=tuple(range(w.ndim - 1)))) / (
       w.std(axis=tuple(range(w.ndim - 1))) + 1e-2)
@@ -88,7 +77,7 @@ CASES = {
     "scaled-linear": (lambda n, v, c: 2.0 * n(v), "linear", (4,)),
     "weight-norm": (_only("w", lambda w: w / jnp.linalg.norm(w, axis=0)),
                     "linear", (3, 4)),
-    "lora": (_lora, "linear", (4,)),
+    "lora": (problems.lora, "linear", (4,)),
     "standardised-conv": (_only("w", _standardise), "conv", (5, 5, 2)),
     "scaled-embedding": (_only("embeddings", lambda e: e * 3.0), "embed",
                          (5,)),

@@ -362,10 +362,10 @@ class IndexRules:
     if (num_segments != self.batch or ids.shape[0] != size or
         size != updates.outer * self.batch * updates.inner):
       return None
-    example = (np.arange(size) // updates.inner) % self.batch
-    owner = {}
     if ids.min() < 0 or ids.max() >= num_segments:
       return None  # dropped or clipped, by the scatter's mode
+    example = (np.arange(size) // updates.inner) % self.batch
+    owner = {}
     for seg, ex in zip(ids.tolist(), example.tolist()):
       if owner.setdefault(seg, ex) != ex:
         return None  # a segment mixing examples

@@ -60,6 +60,12 @@ def _bias(module, dtype):
   return hk.get_parameter("b", bias_shape, dtype, init=module.b_init)
 
 
+def _default_w_init(fan_in_shape):
+  """Haiku's default kernel initialiser for a fan-in of that shape."""
+  return hk.initializers.TruncatedNormal(
+      stddev=1. / np.sqrt(np.prod(fan_in_shape)))
+
+
 def _masked(module, w):
   """``w * module.mask`` as the module's ``__call__`` computes it."""
   if module.mask is None:
@@ -82,10 +88,8 @@ def conv_nd(call, module: hk.ConvND, inputs, *, precision=None):
                      f"feature_group_count {groups}")
   w_shape = tuple(module.kernel_shape) + (channels // groups,
                                           module.output_channels)
-  w_init = module.w_init
-  if w_init is None:
-    fan_in_shape = np.prod(w_shape[:-1])
-    w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(fan_in_shape))
+  w_init = (_default_w_init(w_shape[:-1]) if module.w_init is None
+            else module.w_init)
   w = _masked(module, hk.get_parameter("w", w_shape, inputs.dtype,
                                       init=w_init))
   b = _bias(module, inputs.dtype)
@@ -109,11 +113,8 @@ def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
   input_channels = inputs.shape[channel_axis]
   w_shape = tuple(module.kernel_shape) + (module.output_channels,
                                           input_channels)
-  w_init = module.w_init
-  if w_init is None:
-    fan_in_shape = tuple(module.kernel_shape) + (input_channels,)
-    stddev = 1. / np.sqrt(np.prod(fan_in_shape))
-    w_init = hk.initializers.TruncatedNormal(stddev=stddev)
+  w_init = (_default_w_init(tuple(module.kernel_shape) + (input_channels,))
+            if module.w_init is None else module.w_init)
   w = _masked(module, hk.get_parameter("w", w_shape, inputs.dtype,
                                       init=w_init))
 
@@ -147,10 +148,8 @@ def depthwise_conv(call, module, inputs):
   channels = inputs.shape[channel_index]
   w_shape = tuple(module.kernel_shape) + (
       1, module.channel_multiplier * channels)
-  w_init = module.w_init
-  if w_init is None:
-    fan_in_shape = np.prod(w_shape[:-1])
-    w_init = hk.initializers.TruncatedNormal(stddev=1. / np.sqrt(fan_in_shape))
+  w_init = (_default_w_init(w_shape[:-1]) if module.w_init is None
+            else module.w_init)
   w = hk.get_parameter("w", w_shape, inputs.dtype, init=w_init)
   b = None
   if module.with_bias:
