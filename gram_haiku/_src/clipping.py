@@ -172,10 +172,13 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
     apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` runs
       its model inside ``gram_haiku.track()`` and returns ``sum_i l_i`` (a
       *sum* of per-example losses: a mean would clip ``g_i / B``).
-    l2_clip_norm: ``C``. With ``clipping="per-layer"`` also a dict
-      ``{module name: C_l}`` covering every tracked module; one number
-      ``C`` is then split over the ``L`` tracked modules by
-      ``layer_split``, so that the bound is ``C`` either way.
+    l2_clip_norm: ``C`` (units of the gradient norm), a positive number
+      known when the step is built (Python, NumPy or concrete JAX scalar;
+      ``inf`` with ``"abadi"``: no clipping, infinite sensitivity). With
+      ``clipping="per-layer"`` also a dict ``{module name: C_l}`` with
+      one entry per tracked module and no other; one number ``C`` is then
+      split over the ``L`` tracked modules by ``layer_split``, so that the
+      bound is ``C`` either way.
     clipping: ``"all-layer"`` (the global norm) or ``"per-layer"``.
     clip_fn: ``"abadi"`` (``min(1, C/|g|)``) or ``"automatic"``
       (``C / (|g| + gamma)``).
