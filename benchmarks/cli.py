@@ -90,6 +90,10 @@ def parser() -> argparse.ArgumentParser:
                  "lasts this long; 0: exactly --repeats")
   p.add_argument("--no_check", action="store_true",
                  help="skip the coverage and vmap(grad) check")
+  p.add_argument("--check_rtol", type=float, default=1e-3,
+                 help="tolerance of the correctness check, relative to the "
+                 "largest reference entry (a TPU's default matmul precision "
+                 "rounds float32 inputs to bfloat16: use about 3e-2 there)")
   p.add_argument("--allow_partial", action="store_true",
                  help="time tracked methods with untracked parameters too")
   p.add_argument("--no_torch", action="store_true",
@@ -219,7 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seq_len=args.seq_len, hidden=args.hidden, strategy=args.strategy,
         tied=args.tied,
         repeats=args.repeats, rounds=args.rounds, warmup=args.warmup,
-        min_block_s=args.min_block_s, check=not args.no_check, allow_partial=args.allow_partial,
+        min_block_s=args.min_block_s, check=not args.no_check,
+        check_rtol=args.check_rtol, allow_partial=args.allow_partial,
         progress=not args.no_progress)
     if args.repeats * args.rounds < 20:
       log(f"note: {args.repeats * args.rounds} timed steps per method "
