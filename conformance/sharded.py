@@ -133,6 +133,9 @@ def main(argv=None) -> int:
   parser.add_argument("--ops", default="", help="comma-separated op names")
   parser.add_argument("--modules", default="", help="comma-separated "
                       "modules to import first: they register ops")
+  parser.add_argument("--platforms", default="", help="comma-separated "
+                      "platforms to run on (default: every one present); "
+                      "one this process cannot open gets skip records")
   parser.add_argument("--cases", default="", help="comma-separated "
                       "op:layout pairs to run (default: every layout of "
                       "every selected op)")
@@ -148,8 +151,18 @@ def main(argv=None) -> int:
   names = [n for n in args.ops.split(",") if n]
   pairs = parse_cases(args.cases)
   records = []
-  for platform in checks.platforms_present():
-    devices = jax.devices(platform)
+  wanted = [p for p in args.platforms.split(",") if p]
+  for platform in wanted or checks.platforms_present():
+    try:
+      devices, why = jax.devices(platform), None
+    except RuntimeError as e:
+      # The test process may hold the platform's only device: a TPU chip
+      # is open in one process at a time.
+      devices, why = [], (
+          f"this runner's own process cannot open platform {platform!r} "
+          f"({str(e).splitlines()[0][:300]}); a TPU chip is held by one "
+          "process at a time, so on a one-chip TPU run `python -m "
+          "conformance.sharded --json OUT` in a process of its own")
     for spec in registered_ops():
       if names and spec.name not in names:
         continue
@@ -158,6 +171,10 @@ def main(argv=None) -> int:
           continue
         rec = {"op": spec.name, "layout": layout, "platform": platform,
                "devices": len(devices)}
+        if why is not None:
+          rec.update(status="skip", reason=why)
+          records.append(rec)
+          continue
         try:
           rec.update(run_case(spec, layout, devices))
         except Exception as e:  # pylint: disable=broad-except

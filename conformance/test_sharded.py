@@ -37,7 +37,8 @@ def sharded_records(tmp_path_factory, pytestconfig, request):
       "conformance-sharded",
       runner.python_cmd("conformance.sharded", "--ops", ",".join(ops),
                         "--modules", ",".join(modules),
-                        "--cases", _kept_cases(request.session)),
+                        "--cases", _kept_cases(request.session),
+                        "--platforms", ",".join(plugin.present_platforms())),
       tmp_path_factory, env=env, cwd=str(pytestconfig.rootpath))
 
 

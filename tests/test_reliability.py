@@ -507,3 +507,221 @@ def test_empty_batch_that_leaves_no_layer_says_so():
                      match=r"(?s)batch is empty.*x.shape\[0\] == 0"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
                                             tokens[:0], labels[:0])
+
+
+# -- coverage is read from the dataflow, not from names ------------------------
+
+
+class Encoder(hk.Module):
+
+  def __call__(self, x):
+    return jnp.tanh(hk.Linear(x.shape[-1])(x))  # 'encoder/linear'
+
+
+def _untracked_encoder(x, y):
+  h = Encoder()(x)  # outside track()
+  with gram_haiku.track():
+    return _sq(hk.Linear(3)(h), y)  # 'linear': a suffix of 'encoder/linear'
+
+
+def _untracked_mlp(x, y):
+  h = hk.nets.MLP([6, 6], activate_final=True)(x)  # 'mlp/~/linear_{0,1}'
+  with gram_haiku.track():
+    h = jnp.tanh(hk.Linear(6)(h))  # 'linear'
+    return _sq(hk.Linear(3)(h), y)  # 'linear_1'
+
+
+def _untracked_in_lift(x, y):
+  inner = hk.transform(lambda a: jnp.tanh(hk.Linear(a.shape[-1])(a)))
+  p = hk.lift(inner.init, name="enc")(
+      hk.next_rng_key() if hk.running_init() else None, x)
+  h = inner.apply(p, None, x)  # 'enc/linear', untracked
+  with gram_haiku.track():
+    return _sq(hk.Linear(3)(h), y)
+
+
+@pytest.mark.parametrize("body,untracked,frozen", [
+    (_untracked_encoder, ["encoder/linear/b", "encoder/linear/w"], None),
+    (_untracked_mlp, [f"mlp/~/linear_{k}/{p}" for k in (0, 1)
+                      for p in "bw"], "mlp/~/linear_0"),
+    (_untracked_in_lift, ["enc/linear/b", "enc/linear/w"], None),
+])
+def test_an_untracked_module_named_like_a_tracked_one_is_untracked(
+    body, untracked, frozen):
+  # An untracked module whose parameter names end like a tracked module's
+  # ('encoder/linear/w' and 'linear/w') used to borrow its coverage: the
+  # Gram left it out with complete=True, and clipped_grad gave it a zero
+  # gradient (also with the other untracked layer frozen, as in
+  # fine-tuning).
+  x, y = _data(1, (5, 6), 3)
+  f = hk.transform_with_state(body)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", gram_haiku.UntrackedParameterWarning)
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+        params, state, None, x, y)
+    assert not grams.complete
+    assert sorted(k for k, c in grams.coverage.items()
+                  if not c.tracked) == sorted(untracked)
+    with pytest.raises(ValueError, match="no Gram rule covers them"):
+      gram_haiku.clipped_grad(f.apply, 1.0, frozen=frozen)(
+          params, state, None, x, y)
+
+
+# -- the differentiated state's probes reach the layers ------------------------
+
+
+def _mlp_body(x, y):
+  with gram_haiku.track():
+    return _sq(hk.Linear(3)(jnp.tanh(hk.Linear(5)(x))), y)
+
+
+def _inner_tracked(x):
+  with gram_haiku.track():
+    return jnp.tanh(hk.Linear(4, name="inner")(x))
+
+
+def _nested_transform(x, y):
+  # Outer parameters fed to an inner tracked transform with its own state.
+  inner = hk.transform_with_state(_inner_tracked)
+  _, inner_state = inner.init(jax.random.PRNGKey(0), x)
+  w = hk.get_parameter("w", (x.shape[-1], 4), init=jnp.ones)
+  b = hk.get_parameter("b", (4,), init=jnp.zeros)
+  h, _ = inner.apply({"inner": {"w": w, "b": b}}, inner_state, None, x)
+  with gram_haiku.track():
+    return _sq(hk.Linear(3, name="head")(h), y)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("how", ["closed_over", "stop_gradient", "other_entry",
+                                 "scaled", "nested_transform"])
+def test_probes_not_taken_from_the_differentiated_state_are_refused(how, jit):
+  # The Gram is the gradient of the probes in `state`: a layer reading any
+  # other probe used to give a zero, partial or scaled Gram, complete=True.
+  x, y = _data(2, (5, 6), 3)
+  f = hk.transform_with_state(
+      _nested_transform if how == "nested_transform" else _mlp_body)
+  params, state0 = f.init(jax.random.PRNGKey(0), x, y)
+  state0 = gram_haiku.resize_probes(state0, x.shape[0])
+  apply = {
+      "closed_over": lambda p, s, r, *a: f.apply(p, state0, r, *a),
+      "stop_gradient": lambda p, s, r, *a: f.apply(
+          p, jax.lax.stop_gradient(s), r, *a),
+      "other_entry": lambda p, s, r, *a: f.apply(
+          p, {**s, "linear": state0["linear"]}, r, *a),
+      "scaled": lambda p, s, r, *a: f.apply(
+          p, jax.tree.map(lambda v: 2 * v, s), r, *a),
+      "nested_transform": f.apply,
+  }[how]
+  for fn in (gram_haiku.value_grad_and_gram(apply),
+             gram_haiku.clipped_grad(apply, 1.0)):
+    with pytest.raises(ValueError, match="not the probe of the `state`"):
+      (jax.jit(fn) if jit else fn)(params, state0, None, x, y)
+  if how != "nested_transform":  # Given the state unchanged: exact.
+    _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+        params, state0, None, x, y)
+    g = hk.without_apply_rng(hk.transform(
+        lambda x, y: _sq(hk.Linear(3)(jnp.tanh(hk.Linear(5)(x))), y)))
+    assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
+def _jacrev_gram(per_example_losses, params):
+  """``F F^T`` with ``F`` the Jacobian of the ``[B]`` per-example losses of
+  the whole batch (for models whose examples cannot be vmapped one at a
+  time: closed-over inputs, noise drawn for the batch)."""
+  jac = jax.jacrev(per_example_losses)(params)
+  f = jnp.concatenate([a.reshape(a.shape[0], -1)
+                       for a in jax.tree.leaves(jac)], axis=1)
+  return f @ f.T
+
+
+# -- a closed-over input whose rows were taken as the examples -----------------
+
+
+_XS = jax.random.normal(jax.random.PRNGKey(31), (4, 4, 3))  # T == B == 4
+
+
+def _closed_over_losses(move, back):
+  """Per-example losses: a layer on the closed-over ``_XS`` (its axis 0
+  taken as the examples), then one given that value with the axis moved
+  by ``move``, moved back by ``back`` before the head and the loss."""
+  def losses(y):
+    h = jnp.tanh(hk.Linear(3, name="pe")(_XS))
+    h = back(jnp.tanh(hk.Linear(3, name="moved")(move(h))))
+    out = hk.Linear(2, name="head")(h.sum(1))
+    return 0.5 * jnp.sum((out - y) ** 2, axis=-1)
+  return losses
+
+
+_MOVES = {
+    "time_major": (lambda h: jnp.swapaxes(h, 0, 1),
+                   lambda h: jnp.swapaxes(h, 0, 1),
+                   "holds the examples along axis 1"),
+    "merged": (lambda h: h.reshape(2, 8, 3), lambda h: h.reshape(4, 4, 3),
+               "depends on several examples|merge"),
+    # (Refused at 'pe': its candidate axis meets the examples reversed.)
+    "reversed": (lambda h: h[::-1], lambda h: h[::-1],
+                 "tracked layer '(pe|moved)'"),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("kind", sorted(_MOVES))
+def test_a_closed_over_input_moved_off_the_example_axis_is_refused(kind, jit):
+  # A later layer given the value with the axis moved (time-major with
+  # T == B) used to take axis 0 as the examples, silently.
+  move, back, error = _MOVES[kind]
+  losses = _closed_over_losses(move, back)
+  y = jax.random.normal(jax.random.PRNGKey(30), (4, 2))
+  f = hk.transform_with_state(_track_all(lambda y: jnp.sum(losses(y))))
+  params, state = f.init(jax.random.PRNGKey(0), y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  with pytest.raises(ValueError, match=error):
+    (jax.jit(fn) if jit else fn)(params, state, None, y)
+
+
+def _track_all(body):
+  def tracked(*a):
+    with gram_haiku.track():
+      return body(*a)
+  return tracked
+
+
+def test_a_closed_over_input_kept_on_the_example_axis_stays_exact():
+  losses = _closed_over_losses(lambda h: h, lambda h: h)
+  y = jax.random.normal(jax.random.PRNGKey(30), (4, 2))
+  f = hk.transform_with_state(_track_all(lambda y: jnp.sum(losses(y))))
+  params, state = f.init(jax.random.PRNGKey(0), y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+      params, state, None, y)
+  plain = hk.without_apply_rng(hk.transform(losses))
+  assert_gram_close(grams.total, _jacrev_gram(
+      lambda p: plain.apply(p, y), params))
+
+
+# -- PRNG keys made inside the loss ---------------------------------------------
+
+
+@pytest.mark.parametrize("noise", [
+    lambda x: jax.random.normal(jax.random.PRNGKey(9), x.shape, x.dtype),
+    lambda x: jax.random.uniform(jax.random.split(jax.random.key(3))[1],
+                                 x.shape, x.dtype),
+    lambda x: jax.random.bernoulli(jax.random.PRNGKey(4), 0.7,
+                                   x.shape).astype(x.dtype),
+])
+def test_noise_from_a_fixed_key_inside_the_loss_is_exact(noise):
+  # A key built in the loss is a constant of the traced program; reading
+  # its (key-typed) value used to crash the example analysis.
+  x, y = _data(3, (5, 6), 3)
+
+  def losses(x, y):
+    out = hk.Linear(3)(jnp.tanh(hk.Linear(4)(x + noise(x))))
+    return 0.5 * jnp.sum((out - y) ** 2, axis=-1)
+  f = hk.transform_with_state(_track_all(lambda x, y: jnp.sum(losses(x, y))))
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+      params, state, None, x, y)
+  assert grams.complete
+  plain = hk.without_apply_rng(hk.transform(losses))
+  assert_gram_close(grams.total, _jacrev_gram(
+      lambda p: plain.apply(p, x, y), params))

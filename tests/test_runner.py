@@ -2,6 +2,7 @@
 ``python -m conformance`` command line."""
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -174,3 +175,24 @@ def test_spread_runs_every_value_of_every_axis(sizes):
   assert set(picked) <= set(full)
   if len(sizes) == 1:
     assert len(picked) == sizes[0]
+
+
+def test_sharded_runner_skips_a_platform_its_process_cannot_open(tmp_path):
+  # On a one-chip TPU the test process holds the chip, so the runner's own
+  # process cannot open it: each case of that platform is a skip that says
+  # why, not a missing record (which failed every sharded test there). Here
+  # "tpu" is absent, which the runner meets the same way.
+  out = tmp_path / "records.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "conformance.sharded", "--json", str(out),
+       "--ops", "linear", "--platforms", "tpu"],
+      capture_output=True, text=True, check=False,
+      env=runner.child_environ(), timeout=300)
+  assert proc.returncode == 0, proc.stderr
+  records = json.loads(out.read_text())
+  assert {(r["op"], r["platform"]) for r in records} == {("linear", "tpu")}
+  assert sorted(r["layout"] for r in records) == sorted(
+      ("jit_auto", "jit_explicit", "shard_map"))
+  for r in records:
+    assert r["status"] == "skip"
+    assert "cannot open platform 'tpu'" in r["reason"]

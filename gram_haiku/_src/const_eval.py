@@ -74,10 +74,12 @@ def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
     out_dtype: the output's dtype; only integer and boolean ones are
       evaluated (exact on the host as on a device).
   """
-  out_dtype = np.dtype(out_dtype)
-  if out_dtype.kind not in "iub":
+  try:
+    out_dtype = np.dtype(out_dtype)
+    kinds = [np.dtype(v.dtype).kind for v in values]
+  except TypeError:  # A PRNG key or other extended dtype: not modelled.
     return None
-  if any(np.dtype(v.dtype).kind not in "iub" for v in values):
+  if out_dtype.kind not in "iub" or any(k not in "iub" for k in kinds):
     return None
   try:
     if name in _ELEMENTWISE:

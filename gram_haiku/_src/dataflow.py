@@ -567,6 +567,39 @@ def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
   return untracked
 
 
+def _check_probe(app: Application, num_param_leaves: int,
+                 probe_names: list[str]) -> None:
+  """Raises unless the op's probe operand is one probe leaf of the
+  differentiated state, unchanged (a cast, a reshape, a loop's slice of a
+  stacked probe): only then is the probe's gradient this layer's Gram.
+
+  Raises:
+    ValueError: for a probe that is a constant to the differentiated
+      function (closed over, read through ``stop_gradient``, taken from
+      another state), computed from the state's probe by other values
+      (scaled), or from several probes.
+  """
+  probes = [s for s in app.probe_sources if s.leaf >= num_param_leaves]
+  if len(probes) == 1 and probes[0].exact and (
+      len(app.probe_sources) == 1):
+    return
+  if not probes:
+    found = ("its probe does not depend on the state's probes (a state "
+             "closed over or stored, read through stop_gradient, or taken "
+             "from another state)")
+  elif len({s.leaf for s in probes}) > 1:
+    found = "its probe is computed from the probes of {} modules ({})".format(
+        len({s.leaf for s in probes}), ", ".join(sorted(
+            repr(probe_names[s.leaf - num_param_leaves]) for s in probes)))
+  else:
+    s = probes[0]
+    found = (f"its probe is computed from the state's probe of "
+             f"{probe_names[s.leaf - num_param_leaves]!r} through "
+             f"`{s.via or 'a parameter'}`, which changes its values")
+  raise ValueError(errors.PROBE_NOT_FROM_STATE.format(module=app.op.name,
+                                                      found=found))
+
+
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
              probe_names: list[str], gram_op_type,
              full_jaxpr=None, consts: Mapping[Any, Any] = None
@@ -608,6 +641,8 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   # The leaves the loss's value is computed from, not only through
   # stop_gradient: the others have no gradient.
   reaching = {s.leaf for out in walk.run(jaxpr, ins) for s in out}
+  for app in walk.applications:
+    _check_probe(app, num_param_leaves, probe_names)
 
   def module_of(app) -> str:
     """The module whose probe the application reads (its state name)."""

@@ -303,6 +303,19 @@ MIXED_MODES = (
     "{modes}. One module has one Gram (or one diagonal) per pass.\n"
     "What to do: apply the module inside track() contexts of one mode.")
 
+PROBE_NOT_FROM_STATE = (
+    "gram_haiku: the tracked layer '{module}' reads a Gram probe that is "
+    "not the probe of the `state` argument being differentiated: {found}. "
+    "The Gram is that probe's gradient, so this layer's Gram (and any "
+    "clipped or reweighted gradient) would be zero, partial or scaled, "
+    "silently wrong.\n"
+    "What to do: pass the `state` argument to `f.apply` unchanged (not a "
+    "closed-over or stored state, not jax.lax.stop_gradient(state), not "
+    "scaled, and not rebuilt from another state's entries). For a nested "
+    "hk.transform of tracked layers, lift it into the outer transform "
+    "(hk.experimental.lift_with_state) so that its state is the outer "
+    "state's, or apply its layers outside gram_haiku.track().")
+
 HIGHER_ORDER = (
     "gram_haiku: the tracked layer '{module}' is differentiated inside the "
     "differentiated function (jax.grad/hk.grad within the loss, e.g. a "

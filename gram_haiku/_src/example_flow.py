@@ -137,7 +137,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       # (A constant of this trace may be a value of an enclosing one.)
       if (not isinstance(value, jax.core.Tracer) and
           np.size(value) <= _CONTENT_KEY_MAX):
-        self._origin[key] = _value_key(np.asarray(value))
+        try:
+          self._origin[key] = _value_key(np.asarray(value))
+        except TypeError:  # (a PRNG key array: told apart by identity)
+          pass
     return self._origin.get(key, key)
 
   def _value_of(self, v) -> Optional[np.ndarray]:
@@ -542,14 +545,21 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
         if state.tag not in flow.verdicts and flow.unknown:
           unfollowed.append(module)  # Met the examples only past the unknown.
         verified = verified and state.tag in flow.verdicts
-        continue  # A shared input broadcast along the examples (or unmet).
-      found = ("does not depend on the examples, and its output is "
-               "summed, reduced or contracted over that axis before it "
-               "meets them" if state.tag in flow.combined else
-               "does not depend on the examples, and its output meets "
-               "them along another axis")
-      raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-          module=module, shape=shape, position=position, found=found))
+        if (state.dim, state.order, state.inner, state.outer) == (
+            position, None, 1, 1):
+          continue  # A shared input broadcast along the examples (or unmet).
+        # Computed from another layer's candidate (a closed-over input
+        # whose rows were taken as the examples) but moved off this op's
+        # example axis on the way (time-major with T == B): the checks
+        # below say how.
+      else:
+        found = ("does not depend on the examples, and its output is "
+                 "summed, reduced or contracted over that axis before it "
+                 "meets them" if state.tag in flow.combined else
+                 "does not depend on the examples, and its output meets "
+                 "them along another axis")
+        raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
+            module=module, shape=shape, position=position, found=found))
     if state in (MIXED, SUM):
       raise ValueError(errors.EXAMPLES_COUPLED.format(module=module,
                                                       shape=shape))
@@ -564,7 +574,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_MERGED.format(
           module=module, shape=shape, position=position, inner=state.inner,
           outer=state.outer))
-    if op.example_size() != batch:
+    if state.tag is None and op.example_size() != batch:
       raise ValueError(errors.EXAMPLES_SUBSET.format(
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:

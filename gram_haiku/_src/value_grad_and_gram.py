@@ -208,13 +208,19 @@ def _coverage(params, seen: Mapping[str, ParamCoverage],
   """
   names = leaf_names(params)
   pulled = {names[k] for pb in found.pullbacks.values() for k in pb.leaves}
+  # The leaves that some Gram op reads as a parameter (the dataflow's
+  # finding, whatever the getters saw).
+  reached = {names[k] for leaves in found.param_leaves.values()
+             for k in leaves if k is not None}
   out = {}
   for module, entries in params.items():
     for name in entries:
       full = f"{module}/{name}"
-      if full not in seen:
+      if full not in seen and full in reached:
         # Read inside a lifted transform (hk.experimental.lift*): the
         # getters saw the inner name, which the lift's prefix extends.
+        # (Only for a leaf that does reach a Gram op: an untracked module
+        # whose name merely ends like a tracked one's is not tracked.)
         inner = [k for k in seen if full.endswith("/" + k)]
         if inner:
           seen = {**seen, full: seen[max(inner, key=len)]}
