@@ -94,7 +94,7 @@ def check_rule(rule, x, params, example_dim, gram_methods, norm_methods,
       assert method in set(gram_methods) | set(norm_methods)
 
 
-# -- linear ----------------------------------------------------------------------
+# -- linear --------------------------------------------------------------------
 
 
 LINEAR_CASES = [
@@ -139,7 +139,7 @@ def test_linear_cost_follows_the_strategy():
                      mode="per_example") == "materialize"
 
 
-# -- affine (norm layers, hk.Bias) -------------------------------------------------
+# -- affine (norm layers, hk.Bias) ---------------------------------------------
 
 
 AFFINE_CASES = [
@@ -164,7 +164,7 @@ def test_affine_rule(shape, scale, offset, mult, example_dim):
   check_rule(rule, x, params, example_dim, (None,), (None,))
 
 
-# -- embed -------------------------------------------------------------------------
+# -- embed ---------------------------------------------------------------------
 
 
 EMBED_CASES = [
@@ -210,7 +210,7 @@ def test_embed_factors_exact_bounds_the_vocabulary():
   assert not rule.factors_exact(ids, large, jnp.float32)
 
 
-# -- conv ----------------------------------------------------------------------------
+# -- conv ----------------------------------------------------------------------
 
 
 CONV_CASES = [
@@ -250,7 +250,7 @@ def test_conv_rule(x_shape, w_shape, b_shape, fields, example_dim):
   check_rule(rule, x, params, example_dim, methods, methods)
 
 
-# -- a third party's rule: forward plus a Gram function ----------------------------
+# -- a third party's rule: forward plus a Gram function ------------------------
 
 
 def _gain_forward(x, w, s):

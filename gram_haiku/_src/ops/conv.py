@@ -330,7 +330,8 @@ def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
   gb = explicit_mesh.split_leading(gb, lead)
   patches = explicit_mesh.reshape_rows(
       patches, lead + (t, groups, patches.shape[-1] // groups))
-  gb = explicit_mesh.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
+  gb = explicit_mesh.reshape_rows(
+      gb, lead + (t, groups, gb.shape[-1] // groups))
   return patches, gb
 
 

@@ -235,7 +235,7 @@ def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
       (key, weight.astype(acc), d))
 
 
-# -- per-example rows ------------------------------------------------------------
+# -- per-example rows ----------------------------------------------------------
 
 
 def dense_per_example(key, d, num_keys):
@@ -324,7 +324,7 @@ def segment_sq_norms(key, weight, d):
                  axis=1)
 
 
-# -- the rule ----------------------------------------------------------------------
+# -- the rule ------------------------------------------------------------------
 
 
 def key_count(vocab_size: int, ids_dtype, lookup_style: str,
