@@ -10,11 +10,13 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
   Grams of the same backward pass, and :func:`clipped_grad`: DP-SGD's
   clipped sum (all-layer or per-layer), both in one backward pass.
 * :func:`gram_linear`: the linear-layer primitive itself.
-* :class:`GramOp`: base class for writing a Gram rule for your own layer
-  (:class:`GramFunction` for a layer given as a function), the
-  :class:`Plan` it is bound with, and :func:`register_layer` to route a
-  Haiku module to it in ``track()`` (its handler applies the op through a
-  :class:`LayerCall`).
+* :class:`Rule`: a Gram rule for your own layer as pure functions
+  (``forward``, optionally a Gram function), bound by :class:`GramFunction`
+  or, in a ``track()`` handler, by :meth:`LayerCall.apply`;
+  :class:`GramOp`, the base class of every Gram op (the lower-level way to
+  write one), the :class:`Plan` it is bound with, and
+  :func:`register_layer` to route a Haiku module to it in ``track()`` (its
+  handler applies the op through a :class:`LayerCall`).
 """
 
 # Registers the built-in layer handlers (hk.Linear, hk.Conv*, hk.Embed, ...).
@@ -36,6 +38,7 @@ from gram_haiku._src.result import Grams
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.probes import PROBE_NAME
 from gram_haiku._src.registry import register_layer
+from gram_haiku._src.rule import Rule
 from gram_haiku._src.reweight import reweighted_grad
 from gram_haiku._src.tied import unembed
 from gram_haiku._src.tracking import LayerCall
@@ -58,6 +61,7 @@ __all__ = (
     "PROBE_NAME",
     "ParamCoverage",
     "Plan",
+    "Rule",
     "UntrackedParameterWarning",
     "clipped_grad",
     "gram_affine",

@@ -1,6 +1,7 @@
-"""A third-party layer with its own Gram rule: the op, its Haiku module, the
-``track()`` handler that routes the module to the op, and its conformance
-spec."""
+"""A third-party layer with its own Gram rule: the rule (pure functions, so
+``scaled_linear_gram`` can be tested on plain arrays), the op that binds it,
+its Haiku module, the ``track()`` handler that routes the module to the op,
+and its conformance spec."""
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -11,30 +12,45 @@ import gram_haiku
 HI = jax.lax.Precision.HIGHEST
 
 
-class ScaledLinearOp(gram_haiku.GramOp):
-  """``y = s * (x @ w)``: a linear layer with a learned scalar gain ``s``."""
-  param_names = ("w", "s")
-  feature_ndim = 1  # x: [..., N]; every leading axis is example/within
+def scaled_linear_forward(x, w, s):
+  """``y = s * (x @ w)``: a linear layer with a learned scalar gain ``s``.
 
-  def forward(self, x, w, s):
-    return s * jnp.dot(x, w)
+  ``x: [..., N]``: every leading axis is the example axis or a
+  within-example axis."""
+  return s * jnp.dot(x, w)
 
-  def gram(self, x, g, params, example_dim, cfg):
-    del cfg  # Not sharding-aware: this rule always sees one device's batch.
-    # Accumulate in float32, or float64 for float64 inputs.
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    w, s = (p.astype(acc) for p in params)
-    x = jnp.moveaxis(x, example_dim, 0).astype(acc)
-    g = jnp.moveaxis(g, example_dim, 0).astype(acc)
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    g = g.reshape(g.shape[0], -1, g.shape[-1])
-    # dL_i/dw = s * sum_t x_it^T g_it  ->  ghost form of its Gram.
-    kx = jnp.einsum("itn,jsn->ijts", x, x, precision=HI)
-    kg = jnp.einsum("itm,jsm->ijts", g, g, precision=HI)
-    gram_w = s ** 2 * jnp.sum(kx * kg, axis=(2, 3))
-    # dL_i/ds = sum_t <x_it @ w, g_it>.
-    a = jnp.einsum("itn,nm,itm->i", x, w, g, precision=HI)
-    return gram_w + jnp.outer(a, a)
+
+def scaled_linear_gram(x, g, params, example_dim, cfg):
+  """``[B, B]`` Gram of the per-example gradients of ``w`` and ``s``, from
+  the input ``x`` and the output cotangent ``g`` (example axis at
+  ``example_dim``): a pure function of arrays."""
+  del cfg  # Not sharding-aware: this rule always sees one device's batch.
+  # Accumulate in float32, or float64 for float64 inputs.
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  w, s = (p.astype(acc) for p in params)
+  x = jnp.moveaxis(x, example_dim, 0).astype(acc)
+  g = jnp.moveaxis(g, example_dim, 0).astype(acc)
+  x = x.reshape(x.shape[0], -1, x.shape[-1])
+  g = g.reshape(g.shape[0], -1, g.shape[-1])
+  # dL_i/dw = s * sum_t x_it^T g_it  ->  ghost form of its Gram.
+  kx = jnp.einsum("itn,jsn->ijts", x, x, precision=HI)
+  kg = jnp.einsum("itm,jsm->ijts", g, g, precision=HI)
+  gram_w = s ** 2 * jnp.sum(kx * kg, axis=(2, 3))
+  # dL_i/ds = sum_t <x_it @ w, g_it>.
+  a = jnp.einsum("itn,nm,itm->i", x, w, g, precision=HI)
+  return gram_w + jnp.outer(a, a)
+
+
+#: The layer's rule: ``forward`` plus its Gram (norms and per-example
+#: gradients come from the rule's defaults).
+RULE = gram_haiku.Rule(forward=scaled_linear_forward, param_names=("w", "s"),
+                       feature_ndim=1, gram=scaled_linear_gram)
+
+
+class ScaledLinearOp(gram_haiku.GramFunction):
+  """The rule as an op class of its own (``GramFunction.apply(...,
+  rule=RULE)`` binds the same rule)."""
+  rule = RULE
 
 
 def scaled_linear(x, w, s, probe, **kwargs):
@@ -69,7 +85,8 @@ class ScaledLinear(hk.Module):
 def scaled_linear_handler(call, module, x):
   """Inside ``gram_haiku.track()``, ``ScaledLinear.__call__`` becomes this:
   the same parameters, applied by the Gram op with the module's probe
-  (``call`` is a :class:`gram_haiku.LayerCall`)."""
+  (``call`` is a :class:`gram_haiku.LayerCall`; given the rule itself,
+  ``call.apply(RULE, x, (w, s))`` binds it the same way)."""
   w, s = module.params(x)
   return call.apply(scaled_linear, x, (w, s))
 

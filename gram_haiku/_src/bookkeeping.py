@@ -52,11 +52,12 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
 def from_factors(op, x, g, params, mode: str) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
   factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
-  ``[B, K]`` store) of one
-  application, by the op's own rule."""
-  rule = op.in_mode(mode).with_plan(
-      strategy=op.from_factors_strategy(mode, x, g))
-  return modes.products(rule, x, g, params, (), KernelConfig())[0]
+  ``[B, K]`` store) of one application, by the op's own rule. Its cost
+  function is told that nothing reuses materialised per-example gradients
+  here (the weight gradient is re-contracted anyway)."""
+  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes)
+  return modes.products(op.in_mode(mode), x, g, params, (), cfg,
+                        reuse=False)[0]
 
 
 def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:

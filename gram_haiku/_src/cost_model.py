@@ -172,7 +172,7 @@ def patch_block(b: int, patch_bytes: int, live_bytes: int) -> int:
   layer's input, which is held at that point anyway. The blocks are a
   loop, so the convolution takes them on the CPU only (elsewhere only when
   the whole batch's patches exceed the memory budget; see
-  ``GramConv.probe_cotangent_and_grads``). Same multiply-adds; on
+  ``conv.probe_cotangent_and_grads``). Same multiply-adds; on
   the benchmarks' CNN the compiled temp memory went from 1.46x to 1.26x a
   plain step for the full Gram, and from 1.44x to 1.23x for the all-layer
   clipped gradient (3x3 kernels: patches 9 and 2.25 times the input of

@@ -139,7 +139,7 @@ UNTRACKED_PARAM = (
     "inside gram_haiku.track() but no Gram rule covers it, so the Gram leaves "
     "it out (grams.complete is False; grams.coverage lists it).\n"
     "What to do: use a supported layer, write a rule for this module "
-    "(gram_haiku.GramOp + gram_haiku.register_layer), or choose "
+    "(gram_haiku.Rule + gram_haiku.register_layer), or choose "
     "track(untracked='ignore' | 'error').")
 
 BATCHNORM_TRAINING = (
@@ -255,7 +255,7 @@ PARAM_TRANSFORMED = (
     "fine), every use computes it alike, and the parameter is read by that "
     "layer's getter alone; otherwise apply the layer outside "
     "gram_haiku.track() or write a Gram rule for the whole reparametrised "
-    "layer (gram_haiku.GramOp). Frozen weights (stop_gradient), casts "
+    "layer (gram_haiku.Rule). Frozen weights (stop_gradient), casts "
     "(mixed-precision policies), reshapes and hk.layer_stack slices are "
     "supported everywhere.")
 
@@ -475,7 +475,7 @@ REWEIGHT_UNTRACKED = (
     "covers them ({why}), so their per-example gradients are unknown and "
     "sum_i c_i g_i cannot be formed for them{privacy}.\n"
     "What to do: run their modules inside gram_haiku.track() with a "
-    "supported layer (or write a rule: gram_haiku.GramOp + "
+    "supported layer (or write a rule: gram_haiku.Rule + "
     "gram_haiku.register_layer), or declare them frozen (frozen=...) to give "
     "them a zero gradient.")
 

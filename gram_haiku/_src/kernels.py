@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +58,17 @@ class KernelConfig:
       the kernel returns this device's rows ``(b, B)``. ``()``: one device
       holds every example.
     memory_budget_bytes: the largest intermediate a kernel builds at once.
+    method: the method a rule's functions use (``"ghost"``,
+      ``"materialize"``, ...), as the rule's cost function decided it once
+      for this application (:mod:`gram_haiku._src.ops.modes`); None: not
+      decided yet (a rule's function then consults its cost function).
   """
   column_axes: tuple[str, ...] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+  method: Optional[str] = None
+
+  def replace(self, **changes) -> "KernelConfig":
+    return dataclasses.replace(self, **changes)
 
   def columns(self, a: jax.Array) -> jax.Array:
     """The column factor of a Gram: ``a`` (example axis 0) from every device.

@@ -19,7 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src.ops.function import GramFunction
+from gram_haiku._src.rule import Rule
 from gram_haiku._src.tracking import LayerCall
 from gram_haiku._src.tracking import current_tracker
 
@@ -50,10 +50,6 @@ def unembed(embed: hk.Embed, h: jax.Array, *,
     return _unembed(h, embed.embeddings, precision=precision)
   with tracker.tracking_rule("unembed"):
     embeddings = embed.embeddings
-  fn = functools.partial(_unembed, precision=precision)
-
-  def op(x, table, probe, **kwargs):
-    return GramFunction.apply(x, (table,), probe, fn=fn,
-                              param_names=("embeddings",), feature_ndim=1,
-                              **kwargs)
-  return LayerCall(tracker, embed).apply(op, h, (embeddings,))
+  rule = Rule(forward=functools.partial(_unembed, precision=precision),
+              param_names=("embeddings",), feature_ndim=1)
+  return LayerCall(tracker, embed).apply(rule, h, (embeddings,))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import haiku as hk
 import jax
@@ -34,8 +34,10 @@ from gram_haiku._src import raw_path
 from gram_haiku._src import registry
 from gram_haiku._src.coverage import Coverage
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
+from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.rule import Rule
 
 TRACK_MODES = ("gram", "norms")
 
@@ -62,15 +64,17 @@ class LayerCall:
     self._tracker = tracker
     self.module = module
 
-  def apply(self, op: Callable[..., jax.Array], x: jax.Array,
+  def apply(self, op: Union[Rule, Callable[..., jax.Array]], x: jax.Array,
             params) -> jax.Array:
     """Applies a Gram op for the module: what a layer handler returns.
 
     Args:
-      op: ``op(x, *params, probe, *, name, plan)``: a function that binds a
-        Gram op, e.g. ``lambda x, w, b, probe, **kw: MyOp.apply(x, (w, b),
-        probe, **kw)`` through :meth:`gram_haiku.GramOp.apply` (which takes
-        the parameters as one sequence), or a built-in binder such as
+      op: the layer's :class:`gram_haiku.Rule` (bound by
+        :class:`gram_haiku.GramFunction`), or ``op(x, *params, probe, *,
+        name, plan)``: a function that binds a Gram op, e.g. ``lambda x, w,
+        b, probe, **kw: MyOp.apply(x, (w, b), probe, **kw)`` through
+        :meth:`gram_haiku.GramOp.apply` (which takes the parameters as one
+        sequence), or a built-in binder such as
         :func:`gram_haiku.gram_linear` (both accept ``name`` and ``plan``).
       x: the layer input, example axis first (or under ``vmap``).
       params: the module's parameters in the op's order (None for absent
@@ -91,6 +95,8 @@ class LayerCall:
           f"LayerCall.apply for module {self.module.module_name!r}: params "
           f"must be a tuple of the op's parameters (arrays, or None for an "
           f"absent one), in the op's order; got {type(params).__name__}.")
+    if isinstance(op, Rule):
+      op = function.rule_binder(op)
     return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
 
 

@@ -3,8 +3,9 @@
 ``hk.GRU`` reads its weights with bare ``hk.get_parameter`` and slices
 ``w_h`` and ``b`` into two matmuls each, so it has no ``hk.Linear`` for
 ``track()`` to intercept. The handler re-creates its parameters exactly and
-runs the whole cell as a :class:`GramFunction` (exact per-example gradients
-of ``w_i``, ``w_h`` and ``b``; inside ``hk.dynamic_unroll`` each step keeps
+runs the whole cell as one :class:`~gram_haiku._src.rule.Rule` that is
+only a ``forward`` (exact per-example gradients of ``w_i``, ``w_h`` and
+``b`` by the rule's default; inside ``hk.dynamic_unroll`` each step keeps
 its factors in a slot, and the per-example gradients are formed once after
 the pass, see :mod:`gram_haiku._src.slots`). ``hk.LSTM`` and
 ``hk.VanillaRNN`` need no handler: they are made of ``hk.Linear``.
@@ -16,8 +17,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src.ops.function import GramFunction
 from gram_haiku._src.registry import register_layer
+from gram_haiku._src.rule import Rule
 
 
 def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int):
@@ -48,11 +49,8 @@ def gru(call, module: hk.GRU, inputs, state):
                          init=module.w_h_init)
   b = hk.get_parameter("b", [3 * hidden], inputs.dtype, init=module.b_init)
   xh = jnp.concatenate([inputs, state.astype(inputs.dtype)], axis=-1)
-  fn = functools.partial(gru_cell, input_size=input_size, hidden_size=hidden)
-
-  def op(x, *args, **kwargs):
-    return GramFunction.apply(x, args[:-1], args[-1], fn=fn,
-                              param_names=("w_i", "w_h", "b"),
-                              feature_ndim=1, **kwargs)
-  out = call.apply(op, xh, (w_i, w_h, b))
+  rule = Rule(forward=functools.partial(gru_cell, input_size=input_size,
+                                        hidden_size=hidden),
+              param_names=("w_i", "w_h", "b"), feature_ndim=1)
+  out = call.apply(rule, xh, (w_i, w_h, b))
   return out, out

@@ -22,10 +22,14 @@ than the layer's output cotangent), so they are materialised and the Gram is
 ``~B N + B^2 P`` for an output of ``B x N`` entries and ``P`` parameters;
 the diagonal is ``sum(F * F, axis=1)`` (``~B N``). A ghost form would cost
 more (``B^2 T^2 (C + 1)`` per parameter), so there is no strategy choice.
+
+The rule (:func:`affine_rule`) is these pure functions of arrays;
+:class:`GramAffine` binds it as a primitive.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Optional
 
@@ -34,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import kernels
+from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
-
+from gram_haiku._src.rule import Rule
 
 
 def affine_forward(x, scale, offset, offset_multiplier=None):
@@ -115,41 +120,60 @@ def _reduce_to(a, param_shape, feature_ndim):
   return a.reshape((a.shape[0],) + tuple(param_shape))
 
 
-class GramAffine(base.GramOp):
+def per_example_grads(x, g, params, example_dim: int, *, feature_ndim: int,
+                      offset_multiplier=None):
+  """``(dscale [B, *scale.shape], doffset [B, *offset.shape])`` per example
+  (absent ones left out), in the accumulation dtype; see the module
+  docstring. ``x`` is ``xhat``; its trailing ``feature_ndim`` axes are the
+  parameters' axes."""
+  acc = rule_lib.accumulation_dtype(x, params)
+  gm = jnp.moveaxis(g, example_dim, 0).astype(acc)
+  scale, offset = params
+  out = []
+  if scale is not None:
+    xm = jnp.moveaxis(x, example_dim, 0).astype(acc)
+    out.append(_reduce_to(gm * xm, scale.shape, feature_ndim))
+  if offset is not None:
+    go = _reduce_to(gm, offset.shape, feature_ndim)
+    if offset_multiplier is not None:
+      go = go * jnp.asarray(offset_multiplier, acc)
+    out.append(go)
+  return out
+
+
+def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
+  """The rule of ``xhat * scale + offset * offset_multiplier``.
+
+  Only ``per_example_grads``: the default Gram and norms (``F F^T`` and its
+  diagonal, :mod:`gram_haiku._src.rule`) are this layer's formulas, and
+  their ``gram_matmul`` gathers columns and shards rows (sharding-aware).
+  Each parameter's term is its own (both droppable).
+  """
+  return Rule(
+      forward=functools.partial(affine_forward,
+                                offset_multiplier=offset_multiplier),
+      param_names=("scale", "offset"), feature_ndim=feature_ndim,
+      per_example_grads=functools.partial(
+          per_example_grads, feature_ndim=feature_ndim,
+          offset_multiplier=offset_multiplier),
+      droppable=(0, 1), sharding_aware=True)
+
+
+class GramAffine(function.GramFunction):
   """Primitive for ``xhat * scale + offset``; the probe's cotangent is the Gram.
 
   Inputs: ``xhat`` (any float dtype; the example axis and within-example
   axes first, then ``feature_ndim`` parameter axes), ``scale`` and
   ``offset`` (each None or broadcastable to the trailing axes, without
   leading size-1 axes), ``probe``. Op params: ``feature_ndim``,
-  ``offset_multiplier``. Cotangents of ``xhat``, ``scale``, ``offset`` are
-  JAX's own; the probe gets ``F F^T`` (see the module docstring).
+  ``offset_multiplier`` (:func:`affine_rule`). Cotangents of ``xhat``,
+  ``scale``, ``offset`` are JAX's own; the probe gets ``F F^T`` (see the
+  module docstring).
   """
 
-  param_names = ("scale", "offset")
-  droppable = (0, 1)  # Each term is its own (see per_example_grads).
-
-  def forward(self, x, scale, offset):
-    return affine_forward(x, scale, offset, self.offset_multiplier)
-
-  def per_example_grads(self, x, g, params, example_dim):
-    acc = self.accumulation_dtype()
-    gm = jnp.moveaxis(g, example_dim, 0).astype(acc)
-    scale, offset = params
-    out = []
-    if scale is not None:
-      xm = jnp.moveaxis(x, example_dim, 0).astype(acc)
-      out.append(_reduce_to(gm * xm, scale.shape, self.feature_ndim))
-    if offset is not None:
-      go = _reduce_to(gm, offset.shape, self.feature_ndim)
-      if self.offset_multiplier is not None:
-        go = go * jnp.asarray(self.offset_multiplier, acc)
-      out.append(go)
-    return out
-
-  # The base class's gram and sq_norms (F F^T of per_example_grads) are this
-  # layer's formulas; its gram_matmul gathers columns and shards rows.
-  sharding_aware = True
+  @functools.cached_property
+  def rule(self) -> Rule:
+    return affine_rule(**self.layer_params)
 
 
 def gram_affine(x: jax.Array, scale: Optional[jax.Array],

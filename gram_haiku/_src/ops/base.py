@@ -30,22 +30,27 @@ the probe, depending on ``mode``:
   :class:`~gram_haiku._src.plan.Clip` and this layer's own norm
   (per-layer clipping inside the backward rule: no stored factors).
 
-How each mode is formed from a rule's hooks (``gram``, ``sq_norms``,
-``per_example_grads``, ``probe_cotangent_and_grads``) is the same for every
-rule: :mod:`gram_haiku._src.ops.modes`.
+How each mode is formed from the op's hooks (``gram``, ``sq_norms``,
+``per_example_grads``, ``probe_cotangent_and_grads``) or its rule's
+functions is the same for every op: :mod:`gram_haiku._src.ops.modes`.
 
 Under ``vmap`` the batching rule rebuilds the op with the mapped axis at the
 front of ``x``, so the backward rule sees every example at once (a
 ``custom_vjp`` would see one). :mod:`gram_haiku._src.example_axis` says which
 leading axis of ``x`` is the example axis.
 
-A subclass sets ``param_names`` and ``feature_ndim`` (the trailing axes of
-``x`` that one application consumes; the axes before them are the example
-axis and within-example axes) and implements ``forward``, which must accept
-any number of leading axes. The default Gram forms the per-example gradients
-by ``vmap`` over the example axis of the parameters' VJP: exact for any
-layer, at ``B x P`` memory; subclasses override :meth:`GramOp.gram` and
-:meth:`GramOp.sq_norms` with cheaper formulas where they have one.
+A layer's rule is best given as pure functions, a
+:class:`~gram_haiku._src.rule.Rule`, bound by
+:class:`~gram_haiku._src.ops.function.GramFunction` (every built-in layer
+is). This class is also the lower-level interface: a subclass sets
+``param_names`` and ``feature_ndim`` (the trailing axes of ``x`` that one
+application consumes; the axes before them are the example axis and
+within-example axes) and implements ``forward``, which must accept any
+number of leading axes. The default Gram forms the per-example gradients by
+``vmap`` over the example axis of the parameters' VJP (exact for any layer,
+at ``B x P`` memory; :mod:`gram_haiku._src.rule` holds that default, once,
+for rules and subclasses alike); subclasses override :meth:`GramOp.gram`
+and :meth:`GramOp.sq_norms` with cheaper formulas where they have one.
 """
 
 from __future__ import annotations
@@ -57,19 +62,20 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src import errors
-from gram_haiku._src import explicit_mesh
-from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import adapter
+from gram_haiku._src.ops import modes
 from gram_haiku._src.ops.adapter import aval_of  # noqa: F401
 from gram_haiku._src.ops.adapter import is_float
 from gram_haiku._src.ops.adapter import probe_shape  # noqa: F401
 from gram_haiku._src.ops.adapter import struct
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.rule import Rule
 
 
 class GramOp(adapter.Adapter):
@@ -83,6 +89,10 @@ class GramOp(adapter.Adapter):
   attributes in :meth:`forward`.
   """
 
+  #: The op's :class:`~gram_haiku._src.rule.Rule`, where it is bound from
+  #: one (:class:`~gram_haiku._src.ops.function.GramFunction`); None for a
+  #: subclass that implements the hooks below itself.
+  rule: Optional[Rule] = None
   #: Names of the parameter inputs, in order (used in error messages).
   param_names: tuple[str, ...] = ()
   #: Trailing axes of ``x`` consumed by one application of the layer.
@@ -90,6 +100,9 @@ class GramOp(adapter.Adapter):
 
   def __init__(self, x_aval, param_avals: Sequence[Any], probe_aval, *,
                name: str, plan: Plan, **layer_params):
+    # forward() and the rule read the layer params: set them first.
+    self.params = dict(name=name, plan=plan, **layer_params)
+    self.__dict__.update(layer_params)
     if len(param_avals) != len(self.param_names):
       raise TypeError(f"{type(self).__name__} takes parameters "
                       f"{self.param_names}, got {len(param_avals)}.")
@@ -97,10 +110,8 @@ class GramOp(adapter.Adapter):
       raise TypeError(f"{type(self).__name__}: plan must be a Plan, got "
                       f"{plan!r}.")
     self.in_avals = (x_aval, *param_avals, probe_aval)
-    self.params = dict(name=name, plan=plan, **layer_params)
     self.name = name
     self.plan = plan
-    self.__dict__.update(layer_params)  # forward() reads its layer params
     out = jax.eval_shape(self.forward, struct(x_aval),
                          *[struct(a) for a in param_avals])
     if not isinstance(out, jax.ShapeDtypeStruct):
@@ -111,6 +122,12 @@ class GramOp(adapter.Adapter):
     self.out_aval = x_aval.update(shape=out.shape, dtype=out.dtype,
                                   weak_type=out.weak_type)
     super().__init__()
+
+  @property
+  def layer_params(self) -> dict[str, Any]:
+    """The layer's own static parameters (every op param but ``name`` and
+    ``plan``): what a built-in layer builds its rule from."""
+    return {k: v for k, v in self.params.items() if k not in ("name", "plan")}
 
   @property
   def mode(self) -> str:
@@ -166,23 +183,23 @@ class GramOp(adapter.Adapter):
     Returns:
       The Gram in the accumulation dtype (float32, float64 for float64).
     """
-    f = self._flat_per_example(x, g, params, example_dim)
-    return kernels.gram_matmul(f, f, cfg)
+    return rule_lib.gram_from_per_example(self.per_example_grads, x, g,
+                                          params, example_dim, cfg)
 
   def sq_norms(self, x, g, params, example_dim: int,
                cfg: KernelConfig) -> jax.Array:
     """``(B,)`` squared norms of the per-example gradients (diag of Gram)."""
     del cfg
-    f = self._flat_per_example(x, g, params, example_dim)
-    return jnp.sum(f * f, axis=1)
+    return rule_lib.sq_norms_from_per_example(self.per_example_grads, x, g,
+                                              params, example_dim)
 
   def per_example_grads(self, x, g, params, example_dim: int):
     """Per-example gradients ``(B, *p.shape)`` for each present parameter.
 
     Exact for any layer: ``vmap`` over the example axis of the VJP of
     ``forward`` with respect to the parameters, at one example's input
-    (within-example axes included, so they are summed over). Computed in the
-    accumulation dtype.
+    (within-example axes included, so they are summed over). Computed in
+    the accumulation dtype.
     """
     return self.vjp_per_example(
         x, g, params, example_dim,
@@ -190,24 +207,11 @@ class GramOp(adapter.Adapter):
 
   def vjp_per_example(self, x, g, params, example_dim: int, which):
     """:meth:`per_example_grads` (by ``vmap`` of the VJP) of the parameters
-    ``params[i]``, ``i`` in ``which``; the others are held fixed."""
-    acc = self.accumulation_dtype()
-    live = [hx.vary_like(params[i].astype(acc), x, g) for i in which]
-    xm = jnp.moveaxis(x, example_dim, 0)
-    if is_float(xm.dtype):
-      xm = xm.astype(acc)
-    gm = jnp.moveaxis(g, example_dim, 0).astype(acc)
-
-    def one(xi, gi):
-      def fwd(*ps):
-        full = list(params)
-        for i, p in zip(which, ps):
-          full[i] = p
-        full = [None if p is None else p.astype(acc) for p in full]
-        return self.forward(xi, *full).astype(acc)
-      _, vjp = jax.vjp(fwd, *live)
-      return vjp(gi)
-    return jax.vmap(one)(xm, gm)
+    ``params[i]``, ``i`` in ``which``; the others are held fixed (see
+    :func:`gram_haiku._src.rule.per_example_grads_by_vjp`)."""
+    return rule_lib.per_example_grads_by_vjp(
+        self.forward, x, g, params, example_dim, which,
+        acc=self.accumulation_dtype())
 
   @classmethod
   def apply(cls, x, params: Sequence[Any], probe, *, name: str,
@@ -284,10 +288,6 @@ class GramOp(adapter.Adapter):
     kwargs["plan"] = self.plan.replace(example_axis=example_axis)
     return type(self)(x_aval, self.param_avals, self.probe_aval, **kwargs)
 
-  def _flat_per_example(self, x, g, params, example_dim):
-    grads = self.per_example_grads(x, g, params, example_dim)
-    return jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
-
   def example_size(self, x_shape=None) -> int:
     """Size of the example axis in ``x`` (default: the op's input type).
 
@@ -313,19 +313,22 @@ class GramOp(adapter.Adapter):
     """The probe's cotangent, and parameter cotangents found on the way.
 
     Args:
-      x, g, params, cfg: as in :meth:`gram`.
+      x, g, params, cfg: as in :meth:`gram`; ``cfg.method`` holds the
+        method the rule's cost function chose for this application.
       wanted: indices (into ``params``) of the parameters whose ordinary
         cotangent is needed.
 
     Returns:
       ``(value, provided)``: the probe's cotangent (Gram, squared norms or
       per-example gradients, by ``mode``) and ``{index: cotangent}`` for
-      parameters whose ordinary gradient the subclass computed anyway (the
-      sum of materialised per-example gradients), in the parameter's dtype,
-      so that it is not computed twice. The default provides none.
+      parameters whose ordinary gradient was computed anyway (the sum of
+      materialised per-example gradients), in the parameter's dtype, so
+      that it is not computed twice. By default
+      :func:`gram_haiku._src.ops.modes.rule_products`: the rule's fused
+      function where it has one, else :meth:`gram`, :meth:`sq_norms` or
+      :meth:`per_example_grads` by mode (providing none).
     """
-    del wanted
-    return self._probe_cotangent(x, g, params, cfg), {}
+    return modes.rule_products(self, x, g, params, wanted, cfg)
 
   # -- the same op with another plan ------------------------------------------
   # (What each mode computes from the hooks above is
@@ -346,47 +349,10 @@ class GramOp(adapter.Adapter):
 
   # -- book-keeping hooks (see :mod:`gram_haiku._src.ops.factors`) -------------
 
-  def from_factors_strategy(self, mode: str, x, g) -> str:
-    """The strategy for this layer's Gram or norms formed from its kept
-    factors after a reweighted pass (:mod:`gram_haiku._src.bookkeeping`),
-    where no materialised per-example gradient is reused for the weight
-    gradient. Default: the plan's."""
-    del mode, x, g
-    return self.strategy
-
   def factors_exact(self, dtype) -> bool:
     """Whether the input survives a cast to the float ``dtype`` of a
     ``"factors"`` probe: float inputs do; integer inputs only where a rule
     bounds them (an embedding's ids, by its vocabulary size)."""
+    if self.rule is not None and self.rule.factors_exact is not None:
+      return self.rule.factors_exact(self.x_aval, self.param_avals, dtype)
     return is_float(self.x_aval.dtype)
-
-  def _probe_cotangent(self, x, g, params, cfg: KernelConfig):
-    value = self._rule_value(x, g, params, cfg)
-    b = self.example_size(x.shape)
-    want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(self.mode)
-    if want is not None and tuple(value.shape) != want:
-      method, what = (("gram", "(B, B) Gram") if self.mode == "gram" else
-                      ("sq_norms", "(B,) squared norms"))
-      raise ValueError(
-          f"gram_haiku: {type(self).__name__}.{method} for layer "
-          f"{self.name!r} returned shape {tuple(value.shape)}, expected "
-          f"{want} (B = {b} examples, input shape {tuple(x.shape)}).\n"
-          f"What to do: return the {what} of the per-example gradients; "
-          "the conformance suite (the conformance package) checks a "
-          "rule's shapes.")
-    return value
-
-  def _rule_value(self, x, g, params, cfg: KernelConfig):
-    e = self.example_axis.resolved_position()
-    if self.mode == "gram":
-      if not self.sharding_aware and (
-          cfg.column_axes or explicit_mesh.explicit_spec(x) is not None):
-        # A subclass's own `gram` sees one device's examples and knows no
-        # mesh: use the exact per-example path, which gathers its columns
-        # (shard_map) and places its rows (Explicit meshes).
-        return GramOp.gram(self, x, g, params, e, cfg)
-      return self.gram(x, g, params, e, cfg)
-    if self.mode == "norms":
-      return self.sq_norms(x, g, params, e, cfg)
-    return self._flat_per_example(x, g, params, e)
-

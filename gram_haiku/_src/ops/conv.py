@@ -5,7 +5,9 @@ with Haiku's dimension numbers (for a transposed conv, the very call that
 ``lax.conv_transpose`` makes), then the bias.
 The probe's cotangent is the per-example gradient Gram of ``w`` and ``b`` (or
 its diagonal, or the per-example gradients; see
-:mod:`gram_haiku._src.ops.base`).
+:mod:`gram_haiku._src.ops.base`). The rule (:func:`conv_rule`) is pure
+functions of arrays and a static :class:`ConvSpec`; :class:`GramConv` binds
+it as a primitive.
 
 **Math.** A convolution is a linear layer applied to *im2col patches*. With kernel
 spatial shape ``K`` (``nK = prod(K)`` taps), ``C`` input and ``O`` output
@@ -66,6 +68,8 @@ unfolded inputs, and the ghost/materialise choice per layer).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -79,12 +83,14 @@ from gram_haiku._src import cost_model
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.rule import Rule
 
 Padding = Union[str, Sequence[tuple[int, int]]]
 
@@ -210,37 +216,44 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
   return patches.reshape(patches.shape[:-2] + (features,))
 
 
-class GramConv(base.GramOp):
-  """Primitive for ``hk.ConvND`` (``transpose=False``) or
-  ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
-  Gram of ``(w, b)``.
+@dataclasses.dataclass(frozen=True)
+class ConvSpec:
+  """A convolution's static configuration (hashable): the op's params.
 
-  Inputs: ``x: [..., *spatial, C]`` (channels last) or ``[..., C, *spatial]``
-  (channels first) with any leading axes, ``w`` with Haiku's layout
-  (``[*K, C / groups, O]``, transposed ``[*K, O, C]``), ``b`` (``[O]``, or
-  ``[O, 1, ...]`` channels first) or None, and the probe. Op parameters:
-  ``num_spatial_dims``, ``channels_last``, ``transpose``, ``stride``,
-  ``padding``, ``rate``, ``feature_group_count``, ``precision``.
+  Attributes:
+    num_spatial_dims: ``N``, the spatial axes.
+    channels_last: the data format (``N...C`` if True, else ``NC...``).
+    transpose: ``hk.ConvNDTranspose`` (kernel ``[*K, O, C]``) if True.
+    stride, padding, rate, feature_group_count, precision: as the Haiku
+      module (``stride`` and ``rate`` as ``N``-tuples; ``padding`` a string
+      or ``N`` pairs).
   """
+  num_spatial_dims: int
+  channels_last: bool = True
+  transpose: bool = False
+  stride: tuple[int, ...] = (1,)
+  padding: Padding = "SAME"
+  rate: tuple[int, ...] = (1,)
+  feature_group_count: int = 1
+  precision: Optional[lax.Precision] = None
 
-  param_names = ("w", "b")
-  droppable = (1,)  # A None bias is no bias.
+  @property
+  def feature_ndim(self) -> int:
+    return self.num_spatial_dims + 1
 
-  def __init__(self, x_aval, param_avals, probe_aval, **kwargs):
-    self.feature_ndim = kwargs["num_spatial_dims"] + 1
-    super().__init__(x_aval, param_avals, probe_aval, **kwargs)
-
-  # -- the convolution ---------------------------------------------------------
+  @property
+  def groups(self) -> int:
+    """Feature groups of the patch matrix (one for a transposed conv)."""
+    return 1 if self.transpose else self.feature_group_count
 
   @property
   def dn(self) -> lax.ConvDimensionNumbers:
     return dimension_numbers(self.num_spatial_dims, self.channels_last,
                              self.transpose)
 
-  def _conv_args(self, kernel_spatial):
+  def conv_args(self, kernel_spatial):
     """``conv_general_dilated`` arguments of the op as one plain conv."""
-    n = self.num_spatial_dims
-    ones = (1,) * n
+    ones = (1,) * self.num_spatial_dims
     if self.transpose:
       return dict(window_strides=ones,
                   padding=_transpose_pads(kernel_spatial, self.stride,
@@ -249,219 +262,294 @@ class GramConv(base.GramOp):
     return dict(window_strides=self.stride, padding=self.padding,
                 lhs_dilation=ones, rhs_dilation=self.rate)
 
-  def _flatten_lead(self, a):
-    lead = self.lead_shape(a.shape)
-    return explicit_mesh.merge_leading(a, len(lead)), lead
+  def lead_ndim(self, a) -> int:
+    """Leading axes of ``a`` (example and within-example axes)."""
+    return a.ndim - self.feature_ndim
 
-  def forward(self, x, w, b):
-    # For a transposed conv this is the conv_general_dilated call that
-    # lax.conv_transpose makes (Haiku calls conv_transpose with
-    # transpose_kernel=False); the Gram's patches use the same arguments.
-    xb, lead = self._flatten_lead(x)
-    n = self.num_spatial_dims
-    if xb.dtype != w.dtype:
-      # Haiku creates ``w`` in the input's dtype, so this never fires for a
-      # Haiku module; called directly with mixed dtypes (e.g. bfloat16
-      # parameters, float32 activations) the op promotes like ``jnp.dot``
-      # where lax.conv_general_dilated would refuse.
-      dtype = jnp.promote_types(xb.dtype, w.dtype)
-      xb, w = xb.astype(dtype), w.astype(dtype)
-    out = lax.conv_general_dilated(
-        xb, w, dimension_numbers=self.dn,
-        feature_group_count=1 if self.transpose else self.feature_group_count,
-        precision=self.precision, **self._conv_args(tuple(w.shape[:n])))
-    if b is not None:
-      out = out + jnp.broadcast_to(b, out.shape)
-    return explicit_mesh.split_leading(out, lead)
 
-  # -- the Gram ----------------------------------------------------------------
+def _flatten_lead(spec: ConvSpec, a):
+  lead = tuple(a.shape[:spec.lead_ndim(a)])
+  return explicit_mesh.merge_leading(a, len(lead)), lead
 
-  def _patches_and_cotangents(self, x, g, w):
-    """Patches ``(lead.., T, F, Cg|K|)`` and cotangents ``(lead.., T, F, Og)``.
 
-    ``T`` is the number of output positions, ``F`` the feature groups; both
-    in the accumulation dtype, channels last.
-    """
-    n = self.num_spatial_dims
-    acc = self.accumulation_dtype()
-    xb, lead = self._flatten_lead(x.astype(acc))
-    gb, _ = self._flatten_lead(g.astype(acc))
-    if not self.channels_last:
-      xb = jnp.moveaxis(xb, 1, -1)
-      gb = jnp.moveaxis(gb, 1, -1)
-    kernel = tuple(w.shape[:n])
-    patches = im2col(xb, kernel, **self._conv_args(kernel))
-    if patches.shape[:-1] != gb.shape[:-1]:
-      raise AssertionError(  # A bug here, never a silent Gram.
-          f"{self.name}: patches {patches.shape} do not match the output "
-          f"cotangent {gb.shape}.")
-    groups = 1 if self.transpose else self.feature_group_count
-    t = math.prod(patches.shape[1:-1])
-    # Split the merged leading axis first: under an Explicit mesh only that
-    # axis may be sharded, and the second reshape then leaves it alone.
-    patches = explicit_mesh.split_leading(patches, lead)
-    gb = explicit_mesh.split_leading(gb, lead)
-    patches = explicit_mesh.reshape_rows(
-        patches, lead + (t, groups, patches.shape[-1] // groups))
-    gb = explicit_mesh.reshape_rows(gb, lead + (t, groups, gb.shape[-1] // groups))
-    return patches, gb
+# -- the convolution -----------------------------------------------------------
 
-  def method(self, p, d, example_dim, cfg: KernelConfig) -> str:
-    """The cost model's method for patches ``p`` and cotangents ``d``."""
-    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
-    bsz = p.shape[example_dim]
-    t = math.prod(p.shape[:-2]) // bsz  # within-example x output positions
-    return cost_model.conv_method(
-        bsz, t, n, m, groups, jnp.dtype(p.dtype).itemsize, mode=self.mode,
-        strategy=self.strategy, cols=cfg.column_count(bsz),
-        budget=cfg.memory_budget_bytes)
 
-  def _grouped(self, p, d, example_dim, with_bias: bool, method: str,
-               cfg: KernelConfig):
-    """The Gram (or its diagonal) group by group (``method`` ghost or
-    ``materialize_by_group``), plus the bias term."""
-    norms = self.mode == "norms"
-    groups = p.shape[-2]
-    per_group = "ghost" if method == "ghost" else "materialize"
-    fn = kernels.linear_sq_norms if norms else kernels.linear_gram
+def conv_forward(x, w, b, *, spec: ConvSpec):
+  """The Haiku module's output: ``conv_general_dilated`` with Haiku's
+  dimension numbers over the merged leading axes, then the bias.
 
-    def one(pd):
-      xm, dm = kernels.linear_factors(pd[0], pd[1], example_dim)
-      return fn(xm, dm, with_bias=False, method=per_group, cfg=cfg)
-    if groups == 1:
-      out = one((p[..., 0, :], d[..., 0, :]))
-    else:
-      out = lax.map(one, (jnp.moveaxis(p, -2, 0),
-                          jnp.moveaxis(d, -2, 0))).sum(axis=0)
-    if with_bias:
-      db = kernels.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
-                                    example_dim).sum(axis=1)
-      out = out + (jnp.sum(db * db, axis=1) if norms else
-                   kernels.gram_matmul(db, db, cfg))
-    return out
+  For a transposed conv this is the ``conv_general_dilated`` call that
+  ``lax.conv_transpose`` makes (Haiku calls it with
+  ``transpose_kernel=False``); the Gram's patches use the same arguments.
+  """
+  xb, lead = _flatten_lead(spec, x)
+  n = spec.num_spatial_dims
+  if xb.dtype != w.dtype:
+    # Haiku creates ``w`` in the input's dtype, so this never fires for a
+    # Haiku module; called directly with mixed dtypes (e.g. bfloat16
+    # parameters, float32 activations) the op promotes like ``jnp.dot``
+    # where lax.conv_general_dilated would refuse.
+    dtype = jnp.promote_types(xb.dtype, w.dtype)
+    xb, w = xb.astype(dtype), w.astype(dtype)
+  out = lax.conv_general_dilated(
+      xb, w, dimension_numbers=spec.dn,
+      feature_group_count=1 if spec.transpose else spec.feature_group_count,
+      precision=spec.precision, **spec.conv_args(tuple(w.shape[:n])))
+  if b is not None:
+    out = out + jnp.broadcast_to(b, out.shape)
+  return explicit_mesh.split_leading(out, lead)
 
-  def _patch_matrix(self, w):
-    """The kernel as the matrix that multiplies the patches: ``[F, n, m]``.
 
-    ``conv(x, w) == patches(x) @ W`` per feature group ``f``, with the
-    patch features ordered (input channel, kernel position), as
-    ``conv_general_dilated_patches`` orders them; ``n = C/F * |K|``,
-    ``m = O/F``. Pure transposes and reshapes, so its VJP maps a sum of
-    per-example gradients in patch layout back to the kernel's layout.
-    """
-    rhs = self.dn.rhs_spec  # (out, in, *spatial) positions in w
-    wt = jnp.transpose(w, (rhs[1],) + tuple(rhs[2:]) + (rhs[0],))
-    groups = 1 if self.transpose else self.feature_group_count
-    out = wt.shape[-1]
-    wt = wt.reshape(-1, groups, out // groups)  # [(c, k), f, j]
-    return jnp.moveaxis(wt, 1, 0)
+# -- the Gram ------------------------------------------------------------------
 
-  def _per_example(self, p, d, example_dim, with_bias: bool):
-    """Per-example gradients from patches and cotangents, every group at once.
 
-    Returns ``(per, db)``: ``per: [B, F, n, m]`` for the kernel in patch
-    layout (see :meth:`_patch_matrix`) and ``db: [B, O]`` for the bias
-    (channel ``o = f m + j``), or None without a bias.
-    """
-    groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
-    pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
-    dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
-    per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
-                     precision=lax.Precision.HIGHEST)
-    db = kernels.rows(dm.sum(axis=1)) if with_bias else None
-    return per, db
+def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
+  """Patches ``(lead.., T, F, Cg|K|)`` and cotangents ``(lead.., T, F, Og)``.
 
-  def _example_block(self, x, p, example_dim):
-    """Examples per block of the per-example gradients, or None for all at
-    once (see :func:`gram_haiku._src.cost_model.patch_block`). Blocked only
-    with the examples as the one leading axis, outside explicit sharding."""
-    if (example_dim != 0 or len(self.lead_shape(x.shape)) != 1 or
-        explicit_mesh.explicit_spec(x) is not None):
-      return None
-    block = cost_model.patch_block(
-        x.shape[0], p.size * jnp.dtype(p.dtype).itemsize,
-        x.size * jnp.dtype(x.dtype).itemsize)
-    return None if block >= x.shape[0] else block
+  ``T`` is the number of output positions, ``F`` the feature groups; both
+  in the accumulation dtype ``acc``, channels last.
+  """
+  n = spec.num_spatial_dims
+  xb, lead = _flatten_lead(spec, x.astype(acc))
+  gb, _ = _flatten_lead(spec, g.astype(acc))
+  if not spec.channels_last:
+    xb = jnp.moveaxis(xb, 1, -1)
+    gb = jnp.moveaxis(gb, 1, -1)
+  kernel = tuple(w.shape[:n])
+  patches = im2col(xb, kernel, **spec.conv_args(kernel))
+  if patches.shape[:-1] != gb.shape[:-1]:
+    raise AssertionError(  # A bug here, never a silent Gram.
+        f"gram_haiku conv rule ({spec}): patches {patches.shape} do not "
+        f"match the output cotangent {gb.shape}.")
+  groups = spec.groups
+  t = math.prod(patches.shape[1:-1])
+  # Split the merged leading axis first: under an Explicit mesh only that
+  # axis may be sharded, and the second reshape then leaves it alone.
+  patches = explicit_mesh.split_leading(patches, lead)
+  gb = explicit_mesh.split_leading(gb, lead)
+  patches = explicit_mesh.reshape_rows(
+      patches, lead + (t, groups, patches.shape[-1] // groups))
+  gb = explicit_mesh.reshape_rows(
+      gb, lead + (t, groups, gb.shape[-1] // groups))
+  return patches, gb
 
-  def _to_kernel_layout(self, w, like):
-    """The map from patch layout ``[F, n, m]`` back to ``w``'s layout: the
-    VJP of :meth:`_patch_matrix` (varying like ``like`` in shard_map)."""
-    _, vjp = jax.vjp(self._patch_matrix, hx.vary_like(w.astype(like.dtype),
-                                                      like))
-    return lambda a: vjp(a)[0]
 
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    """Materialised per-example gradients also give ``dw`` and ``db``.
+def cost(x, g, params, example_dim: int, cfg: KernelConfig, *,
+         mode: str = "gram", strategy: str = "auto", reuse: bool = True,
+         spec: ConvSpec) -> str:
+  """The cost model's method (:func:`cost_model.conv_method`) for the
+  patches and cotangents of these shapes: ``B`` examples, ``T`` positions
+  (within-example times output positions), ``F`` groups of ``n = C/F |K|``
+  patch features and ``m = O/F`` outputs."""
+  del reuse  # A conv's diagonal never reuses (see conv_method).
+  w = params[0]
+  nd = spec.num_spatial_dims
+  lead = x.shape[:spec.lead_ndim(x)]
+  bsz = lead[example_dim]
+  if spec.channels_last:
+    c, o, out_spatial = x.shape[-1], g.shape[-1], g.shape[-nd - 1:-1]
+  else:
+    c, o, out_spatial = x.shape[-nd - 1], g.shape[-nd - 1], g.shape[-nd:]
+  groups = spec.groups
+  n = c * math.prod(w.shape[:nd]) // groups
+  m = o // groups
+  t = math.prod(lead) * math.prod(out_spatial) // max(bsz, 1)
+  acc = rule_lib.accumulation_dtype(x, params)
+  return cost_model.conv_method(
+      bsz, t, n, m, groups, jnp.dtype(acc).itemsize, mode=mode,
+      strategy=strategy, cols=cfg.column_count(bsz),
+      budget=cfg.memory_budget_bytes)
 
-    Where the cost model forms per-example gradients from the patches
-    (``B T n m`` multiply-adds, what the plain kernel gradient costs), their
-    sum is the kernel gradient: it is mapped back to the kernel's layout and
-    returned, and the op does not run the kernel's VJP as well. So a
-    materialised Gram or squared norm costs only ``B n m`` (or ``B^2 n m``)
-    on top of the plain backward pass.
-    """
-    e = self.example_axis.resolved_position()
-    w, b = params
-    p, d = self._patches_and_cotangents(x, g, w)
-    method = self.method(p, d, e, cfg)
-    if method != "materialize":
-      return self._grouped(p, d, e, b is not None, method, cfg), {}
-    block = self._example_block(x, p, e)
 
-    def whole(x, g, p, d):
-      del x, g
-      return self._per_example(p, d, e, b is not None)
+def _grouped(p, d, example_dim, with_bias: bool, method: str, mode: str,
+             cfg: KernelConfig):
+  """The Gram (or its diagonal) group by group (``method`` ghost or
+  ``materialize_by_group``), plus the bias term."""
+  norms = mode == "norms"
+  groups = p.shape[-2]
+  per_group = "ghost" if method == "ghost" else "materialize"
+  fn = kernels.linear_sq_norms if norms else kernels.linear_gram
 
-    def blocked(x, g, p, d):
-      del p, d
-      def one(xg):  # One example: its patches, its gradient (under vmap).
-        pe, de = self._patches_and_cotangents(xg[0][None], xg[1][None], w)
-        per_e, db_e = self._per_example(pe, de, 0, b is not None)
-        return per_e[0], None if db_e is None else db_e[0]
-      return lax.map(one, (x, g), batch_size=block)
+  def one(pd):
+    xm, dm = kernels.linear_factors(pd[0], pd[1], example_dim)
+    return fn(xm, dm, with_bias=False, method=per_group, cfg=cfg)
+  if groups == 1:
+    out = one((p[..., 0, :], d[..., 0, :]))
+  else:
+    out = lax.map(one, (jnp.moveaxis(p, -2, 0),
+                        jnp.moveaxis(d, -2, 0))).sum(axis=0)
+  if with_bias:
+    db = kernels.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
+                                  example_dim).sum(axis=1)
+    out = out + (jnp.sum(db * db, axis=1) if norms else
+                 kernels.gram_matmul(db, db, cfg))
+  return out
 
-    if block is None:
-      per, db = whole(x, g, p, d)
-    elif p.size * jnp.dtype(p.dtype).itemsize > cfg.memory_budget_bytes:
-      per, db = blocked(x, g, p, d)
-    else:
-      # Blocks save memory at the cost of a loop over them: on the CPU the
-      # loop is free (its steps are as large as the patches of the whole
-      # batch would be), on a GPU it serialises small kernels (the
-      # benchmarks' CNN on an H200: full Gram 1.84x a plain step blocked,
-      # 1.24x whole; DP step 1.58x and 1.26x). So the patches are blocked
-      # on the CPU only, unless they exceed the memory budget. Both
-      # branches are traced; the compiler keeps the one of its platform.
-      per, db = lax.platform_dependent(x, g, p, d, cpu=blocked,
-                                       default=whole)
-    flat = per
-    if self.mode == "per_example":
-      # In the kernel's own layout, like every op's per-example gradients.
-      flat = jax.vmap(self._to_kernel_layout(w, per))(per)
-    f = kernels.rows(flat)
-    if db is not None:
-      f = jnp.concatenate([f, db], axis=1)
-    value = kernels.probe_value(self.mode, f, cfg)
-    provided = {}
-    if 0 in wanted:
-      # Varying like the sum inside shard_map (the caller all-reduces).
-      total = kernels.example_sum(per)
-      provided[0] = self._to_kernel_layout(w, total)(total).astype(w.dtype)
-    if 1 in wanted and b is not None:
-      provided[1] = kernels.example_sum(db).reshape(b.shape).astype(b.dtype)
-    return value, provided
 
-  sharding_aware = True  # gathers columns, row-sharded contractions
+def _patch_matrix(spec: ConvSpec, w):
+  """The kernel as the matrix that multiplies the patches: ``[F, n, m]``.
 
-  def gram(self, x, g, params, example_dim, cfg):
-    del example_dim  # The op's own; probe_cotangent_and_grads reads it.
-    return self.in_mode("gram").probe_cotangent_and_grads(x, g, params, (),
-                                                          cfg)[0]
+  ``conv(x, w) == patches(x) @ W`` per feature group ``f``, with the
+  patch features ordered (input channel, kernel position), as
+  ``conv_general_dilated_patches`` orders them; ``n = C/F * |K|``,
+  ``m = O/F``. Pure transposes and reshapes, so its VJP maps a sum of
+  per-example gradients in patch layout back to the kernel's layout.
+  """
+  rhs = spec.dn.rhs_spec  # (out, in, *spatial) positions in w
+  wt = jnp.transpose(w, (rhs[1],) + tuple(rhs[2:]) + (rhs[0],))
+  out = wt.shape[-1]
+  wt = wt.reshape(-1, spec.groups, out // spec.groups)  # [(c, k), f, j]
+  return jnp.moveaxis(wt, 1, 0)
 
-  def sq_norms(self, x, g, params, example_dim, cfg):
-    del example_dim
-    return self.in_mode("norms").probe_cotangent_and_grads(x, g, params, (),
-                                                           cfg)[0]
+
+def _per_example(p, d, example_dim, with_bias: bool):
+  """Per-example gradients from patches and cotangents, every group at once.
+
+  Returns ``(per, db)``: ``per: [B, F, n, m]`` for the kernel in patch
+  layout (see :func:`_patch_matrix`) and ``db: [B, O]`` for the bias
+  (channel ``o = f m + j``), or None without a bias.
+  """
+  groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+  pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
+  dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
+  per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
+                   precision=lax.Precision.HIGHEST)
+  db = kernels.rows(dm.sum(axis=1)) if with_bias else None
+  return per, db
+
+
+def _example_block(spec: ConvSpec, x, p, example_dim):
+  """Examples per block of the per-example gradients, or None for all at
+  once (see :func:`gram_haiku._src.cost_model.patch_block`). Blocked only
+  with the examples as the one leading axis, outside explicit sharding."""
+  if (example_dim != 0 or spec.lead_ndim(x) != 1 or
+      explicit_mesh.explicit_spec(x) is not None):
+    return None
+  block = cost_model.patch_block(
+      x.shape[0], p.size * jnp.dtype(p.dtype).itemsize,
+      x.size * jnp.dtype(x.dtype).itemsize)
+  return None if block >= x.shape[0] else block
+
+
+def _to_kernel_layout(spec: ConvSpec, w, like):
+  """The map from patch layout ``[F, n, m]`` back to ``w``'s layout: the
+  VJP of :func:`_patch_matrix` (varying like ``like`` in shard_map)."""
+  _, vjp = jax.vjp(functools.partial(_patch_matrix, spec),
+                   hx.vary_like(w.astype(like.dtype), like))
+  return lambda a: vjp(a)[0]
+
+
+def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
+                              wanted, cfg: KernelConfig, *, spec: ConvSpec):
+  """The probe's value by ``mode``; materialised per-example gradients
+  also give ``dw`` and ``db``.
+
+  Where the cost model forms per-example gradients from the patches
+  (``B T n m`` multiply-adds, what the plain kernel gradient costs), their
+  sum is the kernel gradient: it is mapped back to the kernel's layout and
+  returned, and the op does not run the kernel's VJP as well. So a
+  materialised Gram or squared norm costs only ``B n m`` (or ``B^2 n m``)
+  on top of the plain backward pass.
+  """
+  e = example_dim
+  w, b = params
+  acc = rule_lib.accumulation_dtype(x, params)
+  p, d = _patches_and_cotangents(spec, x, g, w, acc)
+  method = cfg.method or cost(x, g, params, e, cfg, mode=mode, spec=spec)
+  if method != "materialize":
+    return _grouped(p, d, e, b is not None, method, mode, cfg), {}
+  block = _example_block(spec, x, p, e)
+
+  def whole(x, g, p, d):
+    del x, g
+    return _per_example(p, d, e, b is not None)
+
+  def blocked(x, g, p, d):
+    del p, d
+    def one(xg):  # One example: its patches, its gradient (under vmap).
+      pe, de = _patches_and_cotangents(spec, xg[0][None], xg[1][None], w,
+                                       acc)
+      per_e, db_e = _per_example(pe, de, 0, b is not None)
+      return per_e[0], None if db_e is None else db_e[0]
+    return lax.map(one, (x, g), batch_size=block)
+
+  if block is None:
+    per, db = whole(x, g, p, d)
+  elif p.size * jnp.dtype(p.dtype).itemsize > cfg.memory_budget_bytes:
+    per, db = blocked(x, g, p, d)
+  else:
+    # Blocks save memory at the cost of a loop over them: on the CPU the
+    # loop is free (its steps are as large as the patches of the whole
+    # batch would be), on a GPU it serialises small kernels (the
+    # benchmarks' CNN on an H200: full Gram 1.84x a plain step blocked,
+    # 1.24x whole; DP step 1.58x and 1.26x). So the patches are blocked
+    # on the CPU only, unless they exceed the memory budget. Both
+    # branches are traced; the compiler keeps the one of its platform.
+    per, db = lax.platform_dependent(x, g, p, d, cpu=blocked,
+                                     default=whole)
+  flat = per
+  if mode == "per_example":
+    # In the kernel's own layout, like every op's per-example gradients.
+    flat = jax.vmap(_to_kernel_layout(spec, w, per))(per)
+  f = kernels.rows(flat)
+  if db is not None:
+    f = jnp.concatenate([f, db], axis=1)
+  value = kernels.probe_value(mode, f, cfg)
+  provided = {}
+  if 0 in wanted:
+    # Varying like the sum inside shard_map (the caller all-reduces).
+    total = kernels.example_sum(per)
+    provided[0] = _to_kernel_layout(spec, w, total)(total).astype(w.dtype)
+  if 1 in wanted and b is not None:
+    provided[1] = kernels.example_sum(db).reshape(b.shape).astype(b.dtype)
+  return value, provided
+
+
+def gram(x, g, params, example_dim: int, cfg: KernelConfig, *,
+         spec: ConvSpec) -> jax.Array:
+  """``[B, B]`` Gram of the per-example gradients of ``w`` and ``b``, by
+  ``cfg.method`` (None: :func:`cost`'s)."""
+  return probe_cotangent_and_grads(x, g, params, example_dim, "gram", (),
+                                   cfg, spec=spec)[0]
+
+
+def sq_norms(x, g, params, example_dim: int, cfg: KernelConfig, *,
+             spec: ConvSpec) -> jax.Array:
+  """``[B]`` squared per-example gradient norms."""
+  return probe_cotangent_and_grads(x, g, params, example_dim, "norms", (),
+                                   cfg, spec=spec)[0]
+
+
+def conv_rule(**spec_fields) -> Rule:
+  """The rule of ``hk.ConvND``/``hk.ConvNDTranspose`` with this
+  :class:`ConvSpec` (its fields as keywords). Sharding-aware; the bias is
+  droppable (a None bias is no bias); per-example gradients of a frozen
+  bias's kernel by the default ``vmap`` of the VJP."""
+  spec = ConvSpec(**spec_fields)
+  bind = lambda fn: functools.partial(fn, spec=spec)
+  return Rule(forward=bind(conv_forward), param_names=("w", "b"),
+              feature_ndim=spec.feature_ndim, gram=bind(gram),
+              sq_norms=bind(sq_norms),
+              probe_cotangent_and_grads=bind(probe_cotangent_and_grads),
+              cost=bind(cost), droppable=(1,), sharding_aware=True)
+
+
+class GramConv(function.GramFunction):
+  """Primitive for ``hk.ConvND`` (``transpose=False``) or
+  ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
+  Gram of ``(w, b)``.
+
+  Inputs: ``x: [..., *spatial, C]`` (channels last) or ``[..., C, *spatial]``
+  (channels first) with any leading axes, ``w`` with Haiku's layout
+  (``[*K, C / groups, O]``, transposed ``[*K, O, C]``), ``b`` (``[O]``, or
+  ``[O, 1, ...]`` channels first) or None, and the probe. Op parameters:
+  the fields of :class:`ConvSpec` (:func:`conv_rule`).
+  """
+
+  @functools.cached_property
+  def rule(self) -> Rule:
+    return conv_rule(**self.layer_params)
 
 
 def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,

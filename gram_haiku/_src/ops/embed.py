@@ -61,13 +61,18 @@ embedding width ``D`` and (effective) vocabulary ``V``:
 above matmul multiply-adds; :func:`gram_haiku._src.cost_model.embed_method`). The diagonal (``mode="norms"``) is
 ``sum_{t,s} [key_it = key_is] w (d_it . d_is)`` (ghost, ``~B T^2 D``) or
 ``sum_u w_u |S_iu|^2`` over the segment sums (``~B T (D + log T)``).
-``mode="per_example"`` (a module applied more than once) uses the base
-class's ``vmap`` of the lookup's VJP: ``B x V x D``, the size of the probe
-that mode needs anyway.
+``mode="per_example"`` (a module applied more than once) uses the default
+``vmap`` of the lookup's VJP: ``B x V x D``, the size of the probe that mode
+needs anyway.
+
+The rule (:func:`embed_rule`) is pure functions of arrays;
+:class:`GramEmbed` binds it as a primitive.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any, Optional
 
 import jax
@@ -80,9 +85,10 @@ from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.rule import Rule
 
 LOOKUP_STYLES = ("ARRAY_INDEX", "ONE_HOT")
 
@@ -229,7 +235,7 @@ def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
       (key, weight.astype(acc), d))
 
 
-# -- per-example rows ------------------------------------------------------------
+# -- per-example rows ----------------------------------------------------------
 
 
 def dense_per_example(key, d, num_keys):
@@ -318,77 +324,143 @@ def segment_sq_norms(key, weight, d):
                  axis=1)
 
 
-class GramEmbed(base.GramOp):
+# -- the rule ------------------------------------------------------------------
+
+
+def key_count(vocab_size: int, ids_dtype, lookup_style: str,
+              scalar_ids: bool = False) -> int:
+  """``num_keys`` of :func:`lookup_keys`, from the ids' dtype alone."""
+  del scalar_ids  # (Scalar ids only change ARRAY_INDEX's keys, not V.)
+  v = int(vocab_size)
+  if lookup_style == "ONE_HOT":
+    info = jnp.iinfo(ids_dtype)
+    if v - 1 > info.max:  # iota(V) in the ids' dtype wraps.
+      return min(v, 2 ** info.bits)
+  return v
+
+
+def _sizes(ids, g, example_dim: int):
+  """``(B, T, D)``: examples, lookups per example, embedding width."""
+  b = ids.shape[example_dim]
+  others = ids.shape[:example_dim] + ids.shape[example_dim + 1:]
+  return b, math.prod(others), g.shape[-1]
+
+
+def cost(ids, g, params, example_dim: int, cfg: KernelConfig, *,
+         mode: str = "gram", strategy: str = "auto", reuse: bool = True,
+         lookup_style: str = "ARRAY_INDEX", scalar_ids: bool = False) -> str:
+  """``"ghost"``, ``"dense"`` or ``"segment"``: the cost model's form of (E)
+  for these shapes (:func:`cost_model.embed_method`)."""
+  del reuse  # Nothing reuses the per-example gradients of a lookup.
+  (embeddings,) = params
+  b, t, dim = _sizes(ids, g, example_dim)
+  acc = kernels.accumulation_dtype(embeddings.dtype, g.dtype)
+  num_keys = key_count(embeddings.shape[0], ids.dtype, lookup_style,
+                       scalar_ids)
+  return cost_model.embed_method(
+      b, t, dim, num_keys, jnp.dtype(acc).itemsize, mode=mode,
+      strategy=strategy, cols=cfg.column_count(b),
+      budget=cfg.memory_budget_bytes)
+
+
+def _keys_and_rows(ids, g, embeddings, example_dim, lookup_style,
+                   scalar_ids):
+  acc = kernels.accumulation_dtype(embeddings.dtype, g.dtype)
+  ids = jnp.moveaxis(ids, example_dim, 0)
+  ids = kernels.rows(ids)
+  d = jnp.moveaxis(g, example_dim, 0)
+  d = kernels.rows(d, d.shape[-1])  # (B, T, M): one row per id
+  key, weight, num_keys = lookup_keys(ids, embeddings.shape[0],
+                                      lookup_style, scalar_ids)
+  # A dropped lookup's cotangent never reaches the embeddings (even a NaN).
+  d = jnp.where((weight > 0)[:, :, None], d.astype(acc), 0)
+  return key, weight, d, num_keys, acc
+
+
+def gram(ids, g, params, example_dim: int, cfg: KernelConfig, *,
+         lookup_style: str = "ARRAY_INDEX",
+         scalar_ids: bool = False) -> jax.Array:
+  """``[B, B]`` Gram (E) of the embeddings' per-example gradients, by
+  ``cfg.method`` (``"ghost"``, ``"dense"`` or ``"segment"``; None:
+  :func:`cost`'s). ``ids``: integer ids, every axis leading."""
+  (embeddings,) = params
+  key, weight, d, num_keys, acc = _keys_and_rows(ids, g, embeddings,
+                                                 example_dim, lookup_style,
+                                                 scalar_ids)
+  b, t, _ = d.shape
+  if t == 0:
+    return jnp.zeros((b, cfg.column_count(b)), acc)
+  method = cfg.method or cost(ids, g, params, example_dim, cfg, mode="gram",
+                              lookup_style=lookup_style,
+                              scalar_ids=scalar_ids)
+  if method == "ghost":
+    return ghost_gram(key, weight, d, cfg)
+  if method == "dense":
+    w = _key_weights(num_keys, embeddings.shape[0], lookup_style, ids.dtype,
+                     acc)
+    return dense_gram(key, d, w, cfg)
+  return segment_gram(key, weight, d, cfg)
+
+
+def sq_norms(ids, g, params, example_dim: int, cfg: KernelConfig, *,
+             lookup_style: str = "ARRAY_INDEX",
+             scalar_ids: bool = False) -> jax.Array:
+  """``[B]`` diagonal of (E): ghost (``cfg.method == "ghost"``) or by the
+  segment sums (any other method)."""
+  (embeddings,) = params
+  key, weight, d, _, acc = _keys_and_rows(ids, g, embeddings, example_dim,
+                                          lookup_style, scalar_ids)
+  b, t, _ = d.shape
+  if t == 0:
+    return jnp.zeros((b,), acc)
+  method = cfg.method or cost(ids, g, params, example_dim, cfg, mode="norms",
+                              lookup_style=lookup_style,
+                              scalar_ids=scalar_ids)
+  if method == "ghost":
+    return ghost_sq_norms(key, weight, d, cfg)
+  return segment_sq_norms(key, weight, d)
+
+
+def factors_exact(ids, params, dtype) -> bool:
+  """Ids cast to a float ``dtype`` look up the same rows while the
+  vocabulary fits its mantissa: in-range ids are exact, and out-of-range
+  ones stay out of range (they round away from the table)."""
+  del ids
+  vocab = params[0].shape[0]
+  return vocab <= 2 ** (jnp.finfo(dtype).nmant + 1)
+
+
+def embed_rule(lookup_style: str = "ARRAY_INDEX", precision=None,
+               scalar_ids: bool = False) -> Rule:
+  """``hk.Embed``'s rule (see the module docstring): ``feature_ndim=0``
+  (every axis of the ids is leading), sharding-aware; per-example
+  gradients by the default ``vmap`` of the lookup's VJP (``B x V x D``,
+  the size of the ``"per_example"`` probe anyway)."""
+  style = dict(lookup_style=lookup_style, scalar_ids=scalar_ids)
+  return Rule(
+      forward=functools.partial(embed_forward, precision=precision, **style),
+      param_names=("embeddings",), feature_ndim=0,
+      gram=functools.partial(gram, **style),
+      sq_norms=functools.partial(sq_norms, **style),
+      cost=functools.partial(cost, **style), factors_exact=factors_exact,
+      sharding_aware=True)
+
+
+class GramEmbed(function.GramFunction):
   """Primitive for ``hk.Embed``'s lookup; the probe's cotangent is the Gram.
 
   Inputs: ``ids`` (any integer dtype, any shape: every axis is the example
-  axis or a within-example axis), ``embeddings: [V, D]``, ``probe``. Output:
-  exactly ``hk.Embed``'s. ``ids`` get a ``float0`` cotangent; the
-  embeddings JAX's own. The probe gets (E), accumulated in float32 (float64
-  for float64 inputs) and cast to the probe's dtype.
+  axis or a within-example axis), ``embeddings: [V, D]``, ``probe``. Op
+  params: ``lookup_style``, ``precision``, ``scalar_ids``
+  (:func:`embed_rule`). Output: exactly ``hk.Embed``'s. ``ids`` get a
+  ``float0`` cotangent; the embeddings JAX's own. The probe gets (E),
+  accumulated in float32 (float64 for float64 inputs) and cast to the
+  probe's dtype.
   """
 
-  param_names = ("embeddings",)
-  feature_ndim = 0
-
-  def factors_exact(self, dtype) -> bool:
-    """Ids cast to a float ``dtype`` look up the same rows while the
-    vocabulary fits its mantissa: in-range ids are exact, and out-of-range
-    ones stay out of range (they round away from the table)."""
-    vocab = self.param_avals[0].shape[0]
-    return vocab <= 2 ** (jnp.finfo(dtype).nmant + 1)
-
-  def forward(self, ids, embeddings):
-    return embed_forward(ids, embeddings, self.lookup_style, self.precision,
-                         self.scalar_ids)
-
-  def _keys_and_rows(self, ids, g, embeddings, example_dim):
-    acc = kernels.accumulation_dtype(embeddings.dtype, g.dtype)
-    ids = jnp.moveaxis(ids, example_dim, 0)
-    ids = kernels.rows(ids)
-    d = jnp.moveaxis(g, example_dim, 0)
-    d = kernels.rows(d, d.shape[-1])  # (B, T, M): one row per id
-    key, weight, num_keys = lookup_keys(ids, embeddings.shape[0],
-                                        self.lookup_style, self.scalar_ids)
-    # A dropped lookup's cotangent never reaches the embeddings (even a NaN).
-    d = jnp.where((weight > 0)[:, :, None], d.astype(acc), 0)
-    return key, weight, d, num_keys, acc
-
-  sharding_aware = True  # gathers columns, row-sharded contractions
-
-  def method(self, b, t, dim, num_keys, acc, cfg: KernelConfig) -> str:
-    """The cost model's form of (E) for these sizes (one consultation)."""
-    return cost_model.embed_method(
-        b, t, dim, num_keys, jnp.dtype(acc).itemsize, mode=self.mode,
-        strategy=self.strategy, cols=cfg.column_count(b),
-        budget=cfg.memory_budget_bytes)
-
-  def gram(self, x, g, params, example_dim, cfg):
-    (embeddings,) = params
-    key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
-                                                        example_dim)
-    b, t, dim = d.shape
-    if t == 0:
-      return jnp.zeros((b, cfg.column_count(b)), acc)
-    method = self.method(b, t, dim, num_keys, acc, cfg)
-    if method == "ghost":
-      return ghost_gram(key, weight, d, cfg)
-    if method == "dense":
-      w = _key_weights(num_keys, embeddings.shape[0], self.lookup_style,
-                       x.dtype, acc)
-      return dense_gram(key, d, w, cfg)
-    return segment_gram(key, weight, d, cfg)
-
-  def sq_norms(self, x, g, params, example_dim, cfg):
-    (embeddings,) = params
-    key, weight, d, num_keys, acc = self._keys_and_rows(x, g, embeddings,
-                                                        example_dim)
-    b, t, dim = d.shape
-    if t == 0:
-      return jnp.zeros((b,), acc)
-    if self.method(b, t, dim, num_keys, acc, cfg) == "ghost":
-      return ghost_sq_norms(key, weight, d, cfg)
-    return segment_sq_norms(key, weight, d)
+  @functools.cached_property
+  def rule(self) -> Rule:
+    return embed_rule(**self.layer_params)
 
 
 def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,

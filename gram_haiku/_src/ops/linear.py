@@ -1,15 +1,24 @@
-"""``y = x @ w (+ b)`` as a primitive whose backward pass also emits the Gram.
+"""``y = x @ w (+ b)``: the linear layer's rule, and its primitive.
 
-The forward pass is exactly ``hk.Linear.__call__``. The probe's cotangent is
-the per-example gradient Gram of ``w`` and ``b`` (or its diagonal, or the
-per-example gradients; see :mod:`gram_haiku._src.ops.base`), computed by the
-ghost or the materialised method of :mod:`gram_haiku._src.kernels`,
-whichever :func:`gram_haiku._src.cost_model.linear_method` says is cheaper
-(consulted once per application).
+The rule (:func:`linear_rule`) is pure functions of arrays: the forward
+pass, exactly ``hk.Linear.__call__``; the per-example gradient Gram of ``w``
+and ``b`` (or its diagonal, or the per-example gradients) by the ghost or
+the materialised method of :mod:`gram_haiku._src.kernels`, whichever
+:func:`cost` (:func:`gram_haiku._src.cost_model.linear_method`) says is
+cheaper. :class:`GramLinear` binds it as a primitive, consulting the cost
+once per application (:mod:`gram_haiku._src.ops.modes`).
+
+Shapes (see :mod:`gram_haiku._src.rule`): ``x: [..., N]``, ``g: [..., M]``
+(the output cotangent, same leading axes, example axis at ``example_dim``),
+``params = (w, b)`` with ``w: [N, M]`` and ``b: [M]``, either of which may
+be None (no bias, or a frozen weight whose term is left out). With ``T``
+within-example positions, ``g_i = (sum_t x_it^T d_it, sum_t d_it)``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional
 
 import jax
@@ -21,9 +30,10 @@ from gram_haiku._src import kernels
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.rule import Rule
 
 
 def linear_forward(x, w, b, precision=None):
@@ -34,114 +44,147 @@ def linear_forward(x, w, b, precision=None):
   return out
 
 
-class GramLinear(base.GramOp):
-  """Primitive for ``x @ w + b``; the probe's cotangent is the Gram of (w, b).
+def _sizes(x, g, example_dim: int):
+  """``(B, T, N, M)`` of :func:`kernels.linear_factors`' factors, from the
+  shapes alone."""
+  lead = tuple(x.shape[:-1])
+  others = lead[:example_dim] + lead[example_dim + 1:]
+  return lead[example_dim], math.prod(others), x.shape[-1], g.shape[-1]
 
-  Inputs: ``x: [..., N]`` (any float dtype), ``w: [N, M]``, ``b: [M]`` or
-  None, ``probe`` (``f32[B, B]`` in ``"gram"`` mode; float64 under x64).
-  Output: the same array as ``hk.Linear``. Cotangents of ``x``, ``w``, ``b``
-  are JAX's own; the probe gets the Gram, accumulated in float32 (float64)
-  at ``Precision.HIGHEST`` and cast to the probe's dtype.
-  """
 
-  param_names = ("w", "b")
+def cost(x, g, params, example_dim: int, cfg: KernelConfig, *,
+         mode: str = "gram", strategy: str = "auto",
+         reuse: bool = True) -> str:
+  """``"ghost"`` or ``"materialize"``: the cost model's method for these
+  shapes (:func:`cost_model.linear_method`; after the pass, without reuse,
+  the diagonal by :func:`cost_model.linear_norms_from_factors`)."""
+  del params
+  b, t, n, m = _sizes(x, g, example_dim)
+  acc_bytes = kernels.accumulation_dtype(x.dtype, g.dtype).itemsize
+  if not reuse and mode == "norms" and strategy == "auto":
+    return cost_model.linear_norms_from_factors(b, t, n, m, acc_bytes,
+                                                cfg.memory_budget_bytes)
+  return cost_model.linear_method(
+      b, t, n, m, acc_bytes, mode=mode, strategy=strategy,
+      cols=cfg.column_count(b), budget=cfg.memory_budget_bytes)
 
-  def forward(self, x, w, b):
-    return linear_forward(x, w, b, self.precision)
 
-  sharding_aware = True  # gathers columns, row-sharded contractions
+def _method(x, g, params, example_dim, cfg: KernelConfig, mode: str) -> str:
+  return cfg.method or cost(x, g, params, example_dim, cfg, mode=mode)
 
-  def _factors(self, x, g, example_dim):
-    """``(B, T, N)`` inputs and ``(B, T, M)`` cotangents, accumulation dtype."""
-    return kernels.linear_factors(x, g, example_dim)
 
-  def method(self, xm, dm, cfg: KernelConfig) -> str:
-    """The cost model's method for these factors (one consultation)."""
-    b, t, n = xm.shape
-    return cost_model.linear_method(
-        b, t, n, dm.shape[-1], jnp.dtype(xm.dtype).itemsize, mode=self.mode,
-        strategy=self.strategy, cols=cfg.column_count(b),
-        budget=cfg.memory_budget_bytes)
-
-  def from_factors_strategy(self, mode, x, g):
-    if mode != "norms" or self.strategy != "auto":
-      return self.strategy
-    xm, dm = self._factors(x, g, self.example_axis.resolved_position())
-    b, t, n = xm.shape
-    return cost_model.linear_norms_from_factors(
-        b, t, n, dm.shape[-1], jnp.dtype(xm.dtype).itemsize,
-        self.plan.memory_budget_bytes)
-
-  # A None ``w`` (frozen, see GramOp.droppable) leaves the bias's term:
-  # per example ``sum_t d_t``. Neither gradient reads the other parameter.
-  droppable = (0, 1)
-
-  def _bias_grads(self, x, g, example_dim):
-    """``(B, M)`` per-example bias gradients (``w`` frozen)."""
-    return self._factors(x, g, example_dim)[1].sum(axis=1)
-
-  def gram(self, x, g, params, example_dim, cfg):
-    if params[0] is None:
-      db = self._bias_grads(x, g, example_dim)
-      return kernels.gram_matmul(db, db, cfg)
-    xm, dm = self._factors(x, g, example_dim)
-    return kernels.linear_gram(xm, dm, with_bias=params[1] is not None,
-                               method=self.method(xm, dm, cfg), cfg=cfg)
-
-  def sq_norms(self, x, g, params, example_dim, cfg):
-    if params[0] is None:
-      return jnp.sum(self._bias_grads(x, g, example_dim) ** 2, axis=-1)
-    xm, dm = self._factors(x, g, example_dim)
-    return kernels.linear_sq_norms(xm, dm, with_bias=params[1] is not None,
-                                   method=self.method(xm, dm, cfg), cfg=cfg)
-
-  def per_example_grads(self, x, g, params, example_dim):
-    if params[0] is None:
-      return (self._bias_grads(x, g, example_dim),)
-    xm, dm = self._factors(x, g, example_dim)
-    with_bias = params[1] is not None
-    return _split_folded(kernels.per_example_linear_grads(xm, dm, with_bias),
-                         xm.shape[-1], with_bias)
-
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    """Materialised per-example gradients also give ``dw`` and ``db``.
-
-    When the Gram (or the squared norms) is formed from per-example
-    gradients (``"per_example"`` mode, or where the cost model picks
-    materialising) at more than one position, their sum over examples is
-    the ordinary weight (and bias) gradient: it is returned as such instead
-    of running the weight's VJP as well.
-    """
-    w, b = params
-    if w is None:  # Frozen: the bias's own, small, per-example gradients.
-      db = self._bias_grads(x, g, self.example_axis.resolved_position())
-      return kernels.probe_value(self.mode, db, cfg), {}
-    with_bias = b is not None
-    xm, dm = self._factors(x, g, self.example_axis.resolved_position())
-    size, positions = xm.shape[:2]
-    method = self.method(xm, dm, cfg)
-    if method == "ghost":
-      fn = (kernels.linear_sq_norms if self.mode == "norms"
-            else kernels.linear_gram)
-      return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
-    folded = kernels.per_example_linear_grads(xm, dm, with_bias)
-    grads = _split_folded(folded, xm.shape[-1], with_bias)
-    value = kernels.probe_value(self.mode, kernels.rows(folded), cfg)
-    if positions == 1:
-      # One position: the per-example gradients are outer products, and
-      # JAX's own weight-gradient matmul beats summing them.
-      return value, {}
-    provided = {}
-    for i, (p, pe) in enumerate(zip(params, grads)):
-      if i in wanted and p is not None:
-        provided[i] = kernels.example_sum(pe).astype(p.dtype)
-    return value, provided
+def _bias_grads(x, g, example_dim):
+  """``(B, M)`` per-example bias gradients (``w`` frozen)."""
+  return kernels.linear_factors(x, g, example_dim)[1].sum(axis=1)
 
 
 def _split_folded(folded, n: int, with_bias: bool):
   """``(dw,)`` or ``(dw, db)`` per example from
   :func:`kernels.per_example_linear_grads`' ``(B, N (+1), M)``."""
   return (folded[:, :n], folded[:, n]) if with_bias else (folded,)
+
+
+def gram(x, g, params, example_dim: int, cfg: KernelConfig) -> jax.Array:
+  """``[B, B]`` Gram of the per-example gradients of ``w`` and ``b``
+  (``cfg.method``: ``"ghost"`` or ``"materialize"``; None: :func:`cost`'s);
+  ``[b, B]`` rows when ``cfg`` gathers columns. Float32 (float64)."""
+  w, b = params
+  if w is None:
+    db = _bias_grads(x, g, example_dim)
+    return kernels.gram_matmul(db, db, cfg)
+  xm, dm = kernels.linear_factors(x, g, example_dim)
+  return kernels.linear_gram(xm, dm, with_bias=b is not None,
+                             method=_method(x, g, params, example_dim, cfg,
+                                            "gram"), cfg=cfg)
+
+
+def sq_norms(x, g, params, example_dim: int, cfg: KernelConfig) -> jax.Array:
+  """``[B]`` squared per-example gradient norms (the Gram's diagonal)."""
+  w, b = params
+  if w is None:
+    return jnp.sum(_bias_grads(x, g, example_dim) ** 2, axis=-1)
+  xm, dm = kernels.linear_factors(x, g, example_dim)
+  return kernels.linear_sq_norms(xm, dm, with_bias=b is not None,
+                                 method=_method(x, g, params, example_dim,
+                                                cfg, "norms"), cfg=cfg)
+
+
+def per_example_grads(x, g, params, example_dim: int):
+  """``(dw [B, N, M], db [B, M])`` per example (absent ones left out)."""
+  w, b = params
+  if w is None:
+    return (_bias_grads(x, g, example_dim),)
+  xm, dm = kernels.linear_factors(x, g, example_dim)
+  with_bias = b is not None
+  return _split_folded(kernels.per_example_linear_grads(xm, dm, with_bias),
+                       xm.shape[-1], with_bias)
+
+
+def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
+                              wanted, cfg: KernelConfig):
+  """The probe's value by ``mode``; materialised per-example gradients
+  also give ``dw`` and ``db``.
+
+  When the Gram (or the squared norms) is formed from per-example gradients
+  (``"per_example"`` mode, or where the cost model picks materialising) at
+  more than one position, their sum over examples is the ordinary weight
+  (and bias) gradient: it is returned as such for the indices in
+  ``wanted``, and the op does not run the weight's VJP as well.
+  """
+  w, b = params
+  if w is None:  # Frozen: the bias's own, small, per-example gradients.
+    db = _bias_grads(x, g, example_dim)
+    return kernels.probe_value(mode, db, cfg), {}
+  with_bias = b is not None
+  xm, dm = kernels.linear_factors(x, g, example_dim)
+  positions = xm.shape[1]
+  method = _method(x, g, params, example_dim, cfg, mode)
+  if method == "ghost":
+    fn = (kernels.linear_sq_norms if mode == "norms"
+          else kernels.linear_gram)
+    return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
+  folded = kernels.per_example_linear_grads(xm, dm, with_bias)
+  grads = _split_folded(folded, xm.shape[-1], with_bias)
+  value = kernels.probe_value(mode, kernels.rows(folded), cfg)
+  if positions == 1:
+    # One position: the per-example gradients are outer products, and
+    # JAX's own weight-gradient matmul beats summing them.
+    return value, {}
+  provided = {}
+  for i, (p, pe) in enumerate(zip(params, grads)):
+    if i in wanted and p is not None:
+      provided[i] = kernels.example_sum(pe).astype(p.dtype)
+  return value, provided
+
+
+def linear_rule(precision: lax.Precision | None = None) -> Rule:
+  """``hk.Linear``'s rule: ``x @ w + b`` with ``jnp.dot``'s ``precision``.
+
+  Sharding-aware (gathers columns, row-sharded contractions); ``w`` and
+  ``b`` are droppable (a None ``w`` leaves the bias's term, per example
+  ``sum_t d_t``; neither gradient reads the other parameter).
+  """
+  return Rule(forward=functools.partial(linear_forward, precision=precision),
+              param_names=("w", "b"), feature_ndim=1, gram=gram,
+              sq_norms=sq_norms, per_example_grads=per_example_grads,
+              probe_cotangent_and_grads=probe_cotangent_and_grads,
+              cost=cost, droppable=(0, 1), sharding_aware=True)
+
+
+class GramLinear(function.GramFunction):
+  """Primitive for ``x @ w + b``; the probe's cotangent is the Gram of (w, b).
+
+  Inputs: ``x: [..., N]`` (any float dtype), ``w: [N, M]``, ``b: [M]`` or
+  None, ``probe`` (``f32[B, B]`` in ``"gram"`` mode; float64 under x64).
+  Op param: ``precision``. Output: the same array as ``hk.Linear``.
+  Cotangents of ``x``, ``w``, ``b`` are JAX's own; the probe gets the Gram
+  (:func:`linear_rule`), accumulated in float32 (float64) at
+  ``Precision.HIGHEST`` and cast to the probe's dtype.
+  """
+
+  @functools.cached_property
+  def rule(self) -> Rule:
+    return linear_rule(**self.layer_params)
 
 
 def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],

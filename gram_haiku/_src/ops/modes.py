@@ -1,14 +1,17 @@
 """The probe modes every rule gets: what the backward pass writes, by mode.
 
-A rule (:class:`gram_haiku.GramOp`) says how to compute one layer's Gram,
+A rule (a :class:`~gram_haiku._src.rule.Rule`, or the hooks of a
+:class:`gram_haiku.GramOp` subclass) says how to compute one layer's Gram,
 squared norms and per-example gradients (``gram``, ``sq_norms``,
-``per_example_grads``, ``probe_cotangent_and_grads``). This module is the
-one place that turns the op's plan (:class:`~gram_haiku._src.plan.Plan`)
-into calls of those hooks, for every rule alike:
+``per_example_grads``, ``probe_cotangent_and_grads``) and which method they
+use (``cost``). This module is the one place that turns the op's plan
+(:class:`~gram_haiku._src.plan.Plan`) into calls of those functions, for
+every rule alike:
 
 * ``"gram"``, ``"norms"``, ``"per_example"``: the rule's own products, of
   its trainable parameters only (:func:`products`: a parameter in
-  ``Plan.frozen`` has no term);
+  ``Plan.frozen`` has no term), with the method its cost function chose,
+  consulted once per application (:func:`with_method`);
 * ``"factors"``: the layer's input and output cotangent per example
   (:mod:`gram_haiku._src.ops.factors`), for book-keeping after the pass;
 * ``"clip"``: the squared norms, while the parameters get the clipped sum
@@ -25,10 +28,16 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import factors
+
+#: The modes whose value the rule's own functions give (and whose method
+#: its cost function decides).
+RULE_MODES = ("gram", "norms", "per_example")
 
 
 def clip_weights(sq_norms, clip) -> jax.Array:
@@ -64,7 +73,89 @@ def probe_width(op) -> int:
   return op.num_params()
 
 
-def products(op, x, g, params, wanted, cfg: KernelConfig):
+def with_method(op, x, g, params, cfg: KernelConfig,
+                reuse: bool = True) -> KernelConfig:
+  """``cfg`` with ``method`` set by the op's rule's cost function: the one
+  consultation of the cost model for this application.
+
+  Args:
+    op: the Gram op (its plan gives the mode and the strategy).
+    x, g, params: the op's input, output cotangent and parameters (only
+      their shapes and dtypes are read).
+    cfg: the kernel configuration (columns, memory budget).
+    reuse: whether materialised per-example gradients also give the
+      ordinary parameter gradients (in the backward pass; not after it,
+      where a Gram is formed from kept factors).
+
+  Returns:
+    ``cfg`` itself for an op without a cost function (or outside the
+    rule's modes), else ``cfg.replace(method=...)``.
+  """
+  rule = op.rule
+  if rule is None or rule.cost is None or op.mode not in RULE_MODES:
+    return cfg
+  method = rule.cost(x, g, params, op.example_axis.resolved_position(), cfg,
+                     mode=op.mode, strategy=op.strategy, reuse=reuse)
+  return cfg.replace(method=method)
+
+
+def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
+  """The probe's cotangent in ``"gram"``, ``"norms"`` or ``"per_example"``
+  mode from the op's rule (``GramOp.probe_cotangent_and_grads`` by
+  default).
+
+  The rule's fused ``probe_cotangent_and_grads`` where it has one (which
+  may also give parameter cotangents); else, by mode, the op's ``gram``,
+  ``sq_norms`` or flattened ``per_example_grads``. A rule that is not
+  ``sharding_aware`` gets the Gram of a sharded example axis from exact
+  per-example gradients, which gather their columns (``shard_map``) and
+  place their rows (Explicit meshes).
+
+  Returns:
+    ``(value, provided)`` as ``GramOp.probe_cotangent_and_grads``.
+
+  Raises:
+    ValueError: when the rule's Gram or norms have the wrong shape.
+  """
+  rule = op.rule
+  e = op.example_axis.resolved_position()
+  if rule is not None and rule.probe_cotangent_and_grads is not None:
+    value, provided = rule.probe_cotangent_and_grads(x, g, params, e, op.mode,
+                                                     tuple(wanted), cfg)
+  elif op.mode == "gram":
+    if not op.sharding_aware and (
+        cfg.column_axes or explicit_mesh.explicit_spec(x) is not None):
+      value = rule_lib.gram_from_per_example(op.per_example_grads, x, g,
+                                             params, e, cfg)
+    else:
+      value = op.gram(x, g, params, e, cfg)
+    provided = {}
+  elif op.mode == "norms":
+    value, provided = op.sq_norms(x, g, params, e, cfg), {}
+  else:
+    value = rule_lib.flat(op.per_example_grads(x, g, params, e))
+    provided = {}
+  _check_shape(op, value, x, cfg)
+  return value, provided
+
+
+def _check_shape(op, value, x, cfg: KernelConfig) -> None:
+  b = op.example_size(x.shape)
+  want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(op.mode)
+  if want is not None and tuple(value.shape) != want:
+    method, what = (("gram", "(B, B) Gram") if op.mode == "gram" else
+                    ("sq_norms", "(B,) squared norms"))
+    raise ValueError(
+        f"gram_haiku: {type(op).__name__}.{method} for layer "
+        f"{op.name!r} returned shape {tuple(value.shape)}, expected "
+        f"{want} (B = {b} examples, input shape {tuple(x.shape)}).\n"
+        f"What to do: return the {what} of the per-example gradients; "
+        "the conformance suite (the conformance package) checks a "
+        "rule's shapes.")
+
+
+def products(op, x, g, params, wanted, cfg: KernelConfig,
+             reuse: bool = True):
   """The rule's ``probe_cotangent_and_grads``, of the trainable parameters
   only: those in ``Plan.frozen`` have no gradient, so they have no term in
   the Gram or the norms, and zero columns among the per-example gradients.
@@ -72,11 +163,13 @@ def products(op, x, g, params, wanted, cfg: KernelConfig):
   ``params[i]`` may be None for a frozen one when the rule's ``droppable``
   holds it (after the pass, where only the parameter leaves are known).
   A frozen parameter the rule cannot drop is handled by exact per-example
-  VJPs of the others (``B x P`` memory for those).
+  VJPs of the others (``B x P`` memory for those). ``reuse``: as
+  :func:`with_method` (whose method ``cfg`` then carries).
 
   Returns:
     ``(value, provided)`` as ``GramOp.probe_cotangent_and_grads``.
   """
+  cfg = with_method(op, x, g, params, cfg, reuse)
   frozen = [i for i in op.plan.frozen or ()
             if op.param_avals[i] is not None]
   if not frozen:
