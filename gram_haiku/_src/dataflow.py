@@ -580,8 +580,10 @@ def _check_probe(app: Application, num_param_leaves: int,
       (scaled), or from several probes.
   """
   probes = [s for s in app.probe_sources if s.leaf >= num_param_leaves]
-  if len(probes) == 1 and probes[0].exact and (
-      len(app.probe_sources) == 1):
+  # (One leaf may arrive along several paths: a loop's slice and a
+  # branch's copy of the same probe.)
+  if len({s.leaf for s in probes}) == 1 and all(s.exact for s in probes) and (
+      len(probes) == len(app.probe_sources)):
     return
   if not probes:
     found = ("its probe does not depend on the state's probes (a state "
