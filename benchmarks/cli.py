@@ -75,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
                  help="MLP hidden sizes (default 512,512)")
   p.add_argument("--strategy", choices=("auto", "ghost", "materialize"),
                  default="auto", help="track(strategy=...)")
+  p.add_argument("--gram_precision", choices=("highest", "high", "default"),
+                 default="highest",
+                 help="track(gram_precision=...): the Gram kernels' matmul "
+                      "precision (lower is faster on a TPU or GPU)")
   p.add_argument("--tied", choices=models.TIED_FORMS, default="auto",
                  help="lm output layer: gram_haiku.unembed(embed, h) "
                  "(auto: when available) or raw h @ embed.embeddings.T")
@@ -221,7 +225,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = runner.Options(
         models=args.model, methods=methods, batch_size=args.batch_size,
         seq_len=args.seq_len, hidden=args.hidden, strategy=args.strategy,
-        tied=args.tied,
+        gram_precision=args.gram_precision, tied=args.tied,
         repeats=args.repeats, rounds=args.rounds, warmup=args.warmup,
         min_block_s=args.min_block_s, check=not args.no_check,
         check_rtol=args.check_rtol, allow_partial=args.allow_partial,

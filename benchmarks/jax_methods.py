@@ -53,15 +53,17 @@ def _summed(net):
   return loss
 
 
-def _tracked(net, mode: str, strategy: str):
+def _tracked(net, mode: str, strategy: str, gram_precision: str):
   def loss(*batch):
-    with gram_haiku.track(mode=mode, strategy=strategy):
+    with gram_haiku.track(mode=mode, strategy=strategy,
+                          gram_precision=gram_precision):
       out = net(*batch)
     return out.sum()
   return loss
 
 
-def prepare(bench: Bench, strategy: str = "auto", seed: int = 0) -> Prepared:
+def prepare(bench: Bench, strategy: str = "auto", seed: int = 0,
+            gram_precision: str = "highest") -> Prepared:
   """Transforms the model plain and tracked; initialises the parameters.
 
   The parameters come from the plain model: ``track()`` creates the same
@@ -75,7 +77,7 @@ def prepare(bench: Bench, strategy: str = "auto", seed: int = 0) -> Prepared:
   tracked, states = {}, {}
   for mode in TRACKED:
     tracked[mode] = hk.without_apply_rng(hk.transform_with_state(
-        _tracked(bench.net, mode, strategy)))
+        _tracked(bench.net, mode, strategy, gram_precision)))
     try:
       _, states[mode] = tracked[mode].init(rng, *bench.batch)
     except Exception as e:  # pylint: disable=broad-except

@@ -29,6 +29,8 @@ class Options:
   seq_len: Optional[int] = None
   hidden: Optional[Sequence[int]] = None
   strategy: str = "auto"
+  #: ``track(gram_precision=...)`` of every tracked method.
+  gram_precision: str = "highest"
   tied: str = "auto"
   repeats: int = 4
   rounds: int = 8
@@ -104,7 +106,8 @@ def run_model(name: str, opts: Options, log=print) -> list[dict]:
   """Benchmarks every requested method on model ``name``; JSON records."""
   bench = models.make(name, opts.batch_size, opts.seq_len, opts.hidden,
                       opts.tied)
-  prep = jax_methods.prepare(bench, opts.strategy)
+  prep = jax_methods.prepare(bench, opts.strategy,
+                             gram_precision=opts.gram_precision)
   wanted_jax = [m for m in jax_methods.JAX_METHODS if m in opts.methods]
   if wanted_jax and "plain" not in wanted_jax:
     wanted_jax.insert(0, "plain")  # the baseline of every ratio

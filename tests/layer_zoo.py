@@ -207,12 +207,12 @@ def _styled(entry: Entry, style: str):
   return hk.vmap(inner, split_rng=False), (B, K)
 
 
-def _tracked(fn, entry):
+def _tracked(fn, entry, **track_kw):
   def loss(x):
     if getattr(entry.fn, "order", None) == "policy_first":
       hk.mixed_precision.set_policy(hk.Linear, POLICY)
     try:
-      with gram_haiku.track(untracked="error"):
+      with gram_haiku.track(untracked="error", **track_kw):
         return _tail(fn(x))
     finally:
       hk.mixed_precision.clear_policy(hk.Linear)
@@ -227,11 +227,12 @@ def _tail(out):
   return 0.5 * jnp.sum(jnp.tanh(out.astype(jnp.float32)) ** 2)
 
 
-def run(entry: Entry, style: str, seed=0):
-  """``(grams, reference, value, plain value, grads, plain grads)``."""
+def run(entry: Entry, style: str, seed=0, **track_kw):
+  """``(grams, reference, value, plain value, grads, plain grads)``;
+  ``track_kw``: options of the model's ``gram_haiku.track()``."""
   fn, lead = _styled(entry, style)
   x = _draw(entry, lead, seed)
-  tracked = hk.transform_with_state(_tracked(fn, entry))
+  tracked = hk.transform_with_state(_tracked(fn, entry, **track_kw))
   plain = hk.transform_with_state(lambda x: _tail(fn(x)))
   params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
   _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)

@@ -91,3 +91,18 @@ def test_small_models_are_checked_against_naive(tmp_path):
   assert set(recs) == {(m, k) for m in models.split(",")
                        for k in ("plain", "gram")}
   assert all(r["status"] == "ok" for r in recs.values()), recs
+
+
+def test_gram_precision_option_reaches_the_tracked_model():
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from benchmarks import jax_methods
+  from benchmarks import models
+  args = cli.parser().parse_args([*_TINY, "--gram_precision", "default"])
+  assert args.gram_precision == "default"
+  bench = models.make("mlp", 8, None, [16], "auto")
+  for precision in ("default", "highest"):
+    prep = jax_methods.prepare(bench, gram_precision=precision)
+    jaxpr = str(jax.make_jaxpr(prep.tracked["gram"].apply)(
+        prep.params, prep.states["gram"], *bench.batch))
+    assert f"precision=Precision.{precision.upper()})" in jaxpr

@@ -55,7 +55,8 @@ def from_factors(op, x, g, params, mode: str) -> jax.Array:
   ``[B, K]`` store) of one application, by the op's own rule. Its cost
   function is told that nothing reuses materialised per-example gradients
   here (the weight gradient is re-contracted anyway)."""
-  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes)
+  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
+                     precision=op.plan.precision)
   return modes.products(op.in_mode(mode), x, g, params, (), cfg,
                         reuse=False)[0]
 

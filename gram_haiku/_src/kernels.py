@@ -21,8 +21,9 @@ The bias gradient is ``sum_t d_it``, so its Gram is ``D_b D_b^T`` with
 ``D_b[i] = sum_t d_it``.
 
 Everything here accumulates in at least float32 (float64 for float64 inputs),
-whatever the input dtype, with ``Precision.HIGHEST`` so that float32 matmuls
-are not silently done in TF32/bf16 passes on accelerators.
+whatever the input dtype, at ``KernelConfig.precision``: ``HIGHEST`` by
+default, so that float32 matmuls are not silently done in TF32/bf16 passes
+on accelerators (``track(precision="default")`` trades that for speed).
 
 Every kernel takes what it needs as arguments: the shapes come from its
 inputs, the method from :mod:`gram_haiku._src.cost_model` (decided once per
@@ -44,8 +45,7 @@ from gram_haiku._src import example_sharding
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src.explicit_mesh import rows_sharding
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-
-_HIGHEST = lax.Precision.HIGHEST
+from gram_haiku._src.plan import DEFAULT_PRECISION
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,10 +62,13 @@ class KernelConfig:
       ``"materialize"``, ...), as the rule's cost function decided it once
       for this application (:mod:`gram_haiku._src.ops.modes`); None: not
       decided yet (a rule's function then consults its cost function).
+    precision: the ``lax.Precision`` of every product a kernel forms
+      (:attr:`gram_haiku._src.plan.Plan.precision`).
   """
   column_axes: tuple[str, ...] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
   method: Optional[str] = None
+  precision: lax.Precision = DEFAULT_PRECISION
 
   def replace(self, **changes) -> "KernelConfig":
     return dataclasses.replace(self, **changes)
@@ -123,35 +126,36 @@ def to_example_major(a: jax.Array, example_dim: int) -> jax.Array:
 
 
 
-def example_sum(a: jax.Array) -> jax.Array:
+def example_sum(a: jax.Array,
+                precision: lax.Precision = DEFAULT_PRECISION) -> jax.Array:
   """``a.sum(axis=0)`` (the example axis), as a matrix-vector product.
 
   Summing materialised per-example gradients gives the weight gradient. On
   XLA's CPU backend a reduction over the leading axis of ``(B, N, M)`` ran
   about 3x slower than the matmul that produced it (``benchmarks``, LM
-  layers), while ``ones(B) @ a`` runs at memory speed. ``HIGHEST``
-  precision, so the sum is exact in float32 on accelerators too.
+  layers), while ``ones(B) @ a`` runs at memory speed. At ``HIGHEST``
+  precision (default) the sum is exact in float32 on accelerators too.
   """
   b = a.shape[0]
   flat = explicit_mesh.reshape_rows(a, (b, math.prod(a.shape[1:])))
   ones = jnp.ones((b,), a.dtype)
   out_sharding = (None if explicit_mesh.explicit_spec(a) is None
                   else jax.sharding.PartitionSpec(None))
-  out = jnp.matmul(ones, flat, precision=_HIGHEST, out_sharding=out_sharding)
+  out = jnp.matmul(ones, flat, precision=precision, out_sharding=out_sharding)
   return out.reshape(a.shape[1:])
 
 
 
-def _ghost_rows(xi, di, x, d):
+def _ghost_rows(xi, di, x, d, precision):
   """Rows ``i`` of (1): ``xi: (R, T, N)``, ``x: (B, T, N)`` -> ``(R, B)``."""
   acc = x.dtype
-  kx = jnp.einsum("itn,jsn->itjs", xi, x, precision=_HIGHEST,
+  kx = jnp.einsum("itn,jsn->itjs", xi, x, precision=precision,
                   preferred_element_type=acc,
                   out_sharding=rows_sharding(xi, 4))
-  kd = jnp.einsum("itm,jsm->itjs", di, d, precision=_HIGHEST,
+  kd = jnp.einsum("itm,jsm->itjs", di, d, precision=precision,
                   preferred_element_type=acc,
                   out_sharding=rows_sharding(di, 4))
-  return jnp.einsum("itjs,itjs->ij", kx, kd, precision=_HIGHEST)
+  return jnp.einsum("itjs,itjs->ij", kx, kd, precision=precision)
 
 
 
@@ -210,7 +214,7 @@ def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
 
 
 
-def _ghost_time_blocked(xi, di, xj, dj, tau: int):
+def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
   """:func:`_ghost_rows` summed over pairs of ``tau``-position blocks.
 
   For ``T`` so long that even one pair's ``(1, T, 1, T)`` kernels exceed the
@@ -228,7 +232,7 @@ def _ghost_time_blocked(xi, di, xj, dj, tau: int):
 
   def body(acc, k):
     a, c = k // nt, k % nt
-    return acc + _ghost_rows(xib[a], dib[a], xjb[c], djb[c]), None
+    return acc + _ghost_rows(xib[a], dib[a], xjb[c], djb[c], precision), None
   init = jnp.zeros((xi.shape[0], xj.shape[0]), xi.dtype)
   out, _ = lax.scan(body, init, jnp.arange(nt * nt))
   return out
@@ -258,11 +262,15 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   per_pair = 2 * t * t * itemsize  # kx and kd for one pair (i, j)
+  precision = cfg.precision
   if per_pair <= budget:
-    return map_pair_blocks(_ghost_rows, (x, d), (x, d), per_pair, cfg)
+    return map_pair_blocks(
+        lambda xi, di, xj, dj: _ghost_rows(xi, di, xj, dj, precision),
+        (x, d), (x, d), per_pair, cfg)
   tau = max(1, math.isqrt(budget // (2 * itemsize)))
   return map_pair_blocks(
-      lambda xi, di, xj, dj: _ghost_time_blocked(xi, di, xj, dj, tau),
+      lambda xi, di, xj, dj: _ghost_time_blocked(xi, di, xj, dj, tau,
+                                                 precision),
       (x, d), (x, d), 2 * tau * tau * itemsize, cfg)
 
 
@@ -275,7 +283,7 @@ def materialized_gram(x: jax.Array, d: jax.Array,
   gradients; the cost model only picks this when they fit
   ``cfg.memory_budget_bytes``.
   """
-  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  g = jnp.einsum("itn,itm->inm", x, d, precision=cfg.precision)
   g = rows(g)
   return gram_matmul(g, g, cfg)
 
@@ -283,14 +291,14 @@ def materialized_gram(x: jax.Array, d: jax.Array,
 
 def gram_matmul(a: jax.Array, b: jax.Array,
                 cfg: KernelConfig = LOCAL) -> jax.Array:
-  """``a @ cfg.columns(b).T`` for ``(B, P)`` factors at ``HIGHEST``.
+  """``a @ cfg.columns(b).T`` for ``(B, P)`` factors at ``cfg.precision``.
 
   ``b`` holds the same examples as ``a``; under ``shard_map`` with examples
   split over ``cfg.column_axes`` its rows
   are gathered from every device, giving this device's rows ``(b, B)`` of
   the Gram. Under an Explicit mesh the rows are sharded like ``a``.
   """
-  return jnp.matmul(a, cfg.columns(b).T, precision=_HIGHEST,
+  return jnp.matmul(a, cfg.columns(b).T, precision=cfg.precision,
                     out_sharding=rows_sharding(a, 2))
 
 
@@ -307,8 +315,9 @@ def probe_value(mode: str, f: jax.Array, cfg: KernelConfig) -> jax.Array:
   return f
 
 
-def per_example_linear_grads(x: jax.Array, d: jax.Array,
-                             with_bias: bool) -> jax.Array:
+def per_example_linear_grads(x: jax.Array, d: jax.Array, with_bias: bool,
+                             precision: lax.Precision = DEFAULT_PRECISION
+                             ) -> jax.Array:
   """Per-example gradients of ``w`` and ``b`` as one ``(B, N (+1), M)`` array.
 
   ``x: (B, T, N)`` and ``d: (B, T, M)`` in the accumulation dtype. With a
@@ -325,7 +334,7 @@ def per_example_linear_grads(x: jax.Array, d: jax.Array,
     x = jnp.concatenate([x, jnp.ones_like(x[..., :1])], axis=-1)
   if x.shape[1] == 1:
     return x[:, 0, :, None] * d[:, 0, None, :]
-  return jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  return jnp.einsum("itn,itm->inm", x, d, precision=precision)
 
 
 def bias_gram(d: jax.Array, cfg: KernelConfig) -> jax.Array:
@@ -379,8 +388,8 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
     return jnp.sum(x[:, 0] ** 2, -1) * jnp.sum(d[:, 0] ** 2, -1)
 
   def rows(xi, di):
-    kx = jnp.einsum("itn,isn->its", xi, xi, precision=_HIGHEST)
-    kd = jnp.einsum("itm,ism->its", di, di, precision=_HIGHEST)
+    kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
+    kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
     return jnp.sum(kx * kd, axis=(1, 2))
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
@@ -388,15 +397,18 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
     return map_row_blocks(
-        lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau)[0], 1,
+        lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau,
+                                           cfg.precision)[0], 1,
         (x, d))
   n_rows = max(1, min(b, budget // max(per_row, 1)))
   return map_row_blocks(rows, n_rows, (x, d))
 
 
-def materialized_sq_norms(x: jax.Array, d: jax.Array) -> jax.Array:
+def materialized_sq_norms(x: jax.Array, d: jax.Array,
+                          precision: lax.Precision = DEFAULT_PRECISION
+                          ) -> jax.Array:
   """Diagonal of (1) from per-example gradients: cost ``~B T N M``."""
-  g = jnp.einsum("itn,itm->inm", x, d, precision=_HIGHEST)
+  g = jnp.einsum("itn,itm->inm", x, d, precision=precision)
   return jnp.sum(g * g, axis=(1, 2))
 
 
@@ -409,7 +421,7 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
   term, so its cost is linear in ``B``.
   """
   out = (ghost_sq_norms(x, d, cfg) if method == "ghost"
-         else materialized_sq_norms(x, d))
+         else materialized_sq_norms(x, d, cfg.precision))
   if with_bias:
     out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
   return out

@@ -287,7 +287,8 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
         val = slots_lib.guard_slots(val, slots_used[m], slotted[m])
     elif modes[m] == "per_example":
       val = vgg._from_per_example(  # pylint: disable=protected-access
-          vgg.per_example_of(t.found, m, g, leaves, skip), want, axes)
+          vgg.per_example_of(t.found, m, g, leaves, skip), want, axes,
+          t.found.ops[m].plan.precision)
     else:
       val = g  # "clip": the squared norms.
     (full if want == "gram" and modes[m] != "clip" else diag)[m] = val

@@ -36,7 +36,10 @@ from gram_haiku._src.coverage import Coverage
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
 from gram_haiku._src.ops import function
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.plan import DEFAULT_PRECISION
 from gram_haiku._src.plan import Plan
+from gram_haiku._src.plan import PrecisionSpec
+from gram_haiku._src.plan import to_precision
 from gram_haiku._src.rule import Rule
 
 TRACK_MODES = ("gram", "norms")
@@ -158,6 +161,13 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       not reported. Nothing is reported during ``init``.
     memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
       builds at once (default 256 MiB); larger Grams are computed in blocks.
+    gram_precision: the ``jax.lax.Precision`` (or its name) of the products
+      that form the Grams, the squared norms, the per-example gradients
+      and the weight gradients summed from them. ``"highest"`` (default):
+      float32-exact on every backend. ``"default"``: the backend's fastest
+      matmul (one bf16 pass on a TPU, TF32 on a recent GPU), relative error
+      about ``1e-3`` there; on a CPU both are the same. The layers' own
+      forward and backward products keep their ``precision`` argument.
 
   Raises:
     ValueError: for a bad option; when a tracked parameter is also used
@@ -172,12 +182,19 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def __init__(self, *, example_axis: ExampleAxisSpec = None,
                strategy: str = "auto", mode: str = "gram",
                untracked: str = "warn",
-               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES):
+               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+               gram_precision: PrecisionSpec = DEFAULT_PRECISION):
     if mode not in TRACK_MODES:
       raise ValueError(f"track(mode={mode!r}): expected one of {TRACK_MODES}.")
+    try:
+      precision = to_precision(gram_precision)
+    except ValueError as e:
+      raise ValueError(
+          f"track(gram_precision={gram_precision!r}): {e}") from None
     self._plan = Plan.make(mode=mode, strategy=strategy,
                            example_axis=example_axis,
-                           memory_budget_bytes=memory_budget_bytes)
+                           memory_budget_bytes=memory_budget_bytes,
+                           precision=precision)
     self._untracked = untracked
     self._coverage = Coverage(untracked)
     self._pass: Optional[ambient.PassPlan] = None

@@ -145,7 +145,8 @@ def per_example_of(found: dataflow.Discovery, m: str, f, leaves,
   return reparam.per_example(found.ops[m], pb, f, leaves, skip)
 
 
-def _from_per_example(f, mode: str, axes: tuple[str, ...]):
+def _from_per_example(f, mode: str, axes: tuple[str, ...],
+                      precision=kernels.DEFAULT_PRECISION):
   """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``.
 
   Under ``shard_map`` (``axes``), this device's rows ``[b, B]``: the other
@@ -154,7 +155,8 @@ def _from_per_example(f, mode: str, axes: tuple[str, ...]):
   f = _stacked_to_columns(f)
   if mode == "norms":
     return jnp.sum(f * f, axis=-1)
-  return kernels.gram_matmul(f, f, kernels.KernelConfig(column_axes=axes))
+  return kernels.gram_matmul(f, f, kernels.KernelConfig(column_axes=axes,
+                                                        precision=precision))
 
 
 def _rows_sharded(probe, example_spec, own_ndim: int):
@@ -569,7 +571,8 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                                              found.param_leaves[m]),
                          mode, used[m], slotted[m])
       elif m in found.shared:
-        g = _from_per_example(per_example_of(found, m, g, leaves), mode, axes)
+        g = _from_per_example(per_example_of(found, m, g, leaves), mode, axes,
+                              found.ops[m].plan.precision)
       else:
         g = _sum_leading(g, 2 if mode == "gram" else 1)
       (full if mode == "gram" else diag)[m] = g

@@ -175,7 +175,8 @@ class Adapter(hx.VJPHiPrimitive):
       dtype = jnp.dtype(facts.dtype)
       self._check_probe_ref(probe_acc, facts.shape, dtype)
       cfg = KernelConfig(column_axes=facts.column_axes,
-                         memory_budget_bytes=self.plan.memory_budget_bytes)
+                         memory_budget_bytes=self.plan.memory_budget_bytes,
+                         precision=self.plan.precision)
       if 0 in facts.shape:
         # No examples (an empty Poisson-sampled batch): an empty Gram; the
         # parameters get their ordinary (zero) cotangents below.

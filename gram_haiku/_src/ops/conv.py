@@ -403,7 +403,7 @@ def _patch_matrix(spec: ConvSpec, w):
   return jnp.moveaxis(wt, 1, 0)
 
 
-def _per_example(p, d, example_dim, with_bias: bool):
+def _per_example(p, d, example_dim, with_bias: bool, precision):
   """Per-example gradients from patches and cotangents, every group at once.
 
   Returns ``(per, db)``: ``per: [B, F, n, m]`` for the kernel in patch
@@ -414,7 +414,7 @@ def _per_example(p, d, example_dim, with_bias: bool):
   pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
   dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
   per = jnp.einsum("itfn,itfm->ifnm", pm, dm,
-                   precision=lax.Precision.HIGHEST)
+                   precision=precision)
   db = kernels.rows(dm.sum(axis=1)) if with_bias else None
   return per, db
 
@@ -463,14 +463,14 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
 
   def whole(x, g, p, d):
     del x, g
-    return _per_example(p, d, e, b is not None)
+    return _per_example(p, d, e, b is not None, cfg.precision)
 
   def blocked(x, g, p, d):
     del p, d
     def one(xg):  # One example: its patches, its gradient (under vmap).
       pe, de = _patches_and_cotangents(spec, xg[0][None], xg[1][None], w,
                                        acc)
-      per_e, db_e = _per_example(pe, de, 0, b is not None)
+      per_e, db_e = _per_example(pe, de, 0, b is not None, cfg.precision)
       return per_e[0], None if db_e is None else db_e[0]
     return lax.map(one, (x, g), batch_size=block)
 
@@ -499,10 +499,11 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   provided = {}
   if 0 in wanted:
     # Varying like the sum inside shard_map (the caller all-reduces).
-    total = kernels.example_sum(per)
+    total = kernels.example_sum(per, cfg.precision)
     provided[0] = _to_kernel_layout(spec, w, total)(total).astype(w.dtype)
   if 1 in wanted and b is not None:
-    provided[1] = kernels.example_sum(db).reshape(b.shape).astype(b.dtype)
+    provided[1] = kernels.example_sum(db, cfg.precision).reshape(
+        b.shape).astype(b.dtype)
   return value, provided
 
 

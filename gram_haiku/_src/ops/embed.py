@@ -92,7 +92,6 @@ from gram_haiku._src.rule import Rule
 
 LOOKUP_STYLES = ("ARRAY_INDEX", "ONE_HOT")
 
-_HIGHEST = lax.Precision.HIGHEST
 #: Key of a lookup with zero gradient; sorts before every real key.
 _INVALID_KEY = -1
 #: Key of the padding rows of the segment form; sorts after every real key.
@@ -209,7 +208,7 @@ def ghost_gram(key, weight, d, cfg: KernelConfig):
   acc = d.dtype
 
   def pairs(ki, wi, di, kj, dj):
-    kd = jnp.einsum("itd,jsd->itjs", di, dj, precision=_HIGHEST,
+    kd = jnp.einsum("itd,jsd->itjs", di, dj, precision=cfg.precision,
                     preferred_element_type=acc)
     match = ki[:, :, None, None] == kj[None, None, :, :]
     kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
@@ -225,7 +224,7 @@ def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
   acc = d.dtype
 
   def rows(ki, wi, di):
-    kd = jnp.einsum("itd,isd->its", di, di, precision=_HIGHEST,
+    kd = jnp.einsum("itd,isd->its", di, di, precision=cfg.precision,
                     preferred_element_type=acc)
     match = ki[:, :, None] == ki[:, None, :]
     return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
@@ -311,7 +310,7 @@ def segment_gram(key, weight, d, cfg: KernelConfig):
     found_key, other = jax.vmap(lambda k, rr, p: (k[p], rr[p]))(kj, rj, pos)
     hit = found_key == ki[None]  # (C, R, T)
     # other: (C, R, T, D), the rows of example j at those keys.
-    dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=_HIGHEST)
+    dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=cfg.precision)
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
   per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
   return kernels.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),

@@ -143,7 +143,8 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
     fn = (kernels.linear_sq_norms if mode == "norms"
           else kernels.linear_gram)
     return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
-  folded = kernels.per_example_linear_grads(xm, dm, with_bias)
+  folded = kernels.per_example_linear_grads(xm, dm, with_bias,
+                                            cfg.precision)
   grads = _split_folded(folded, xm.shape[-1], with_bias)
   value = kernels.probe_value(mode, kernels.rows(folded), cfg)
   if positions == 1:
@@ -153,7 +154,7 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   provided = {}
   for i, (p, pe) in enumerate(zip(params, grads)):
     if i in wanted and p is not None:
-      provided[i] = kernels.example_sum(pe).astype(p.dtype)
+      provided[i] = kernels.example_sum(pe, cfg.precision).astype(p.dtype)
   return value, provided
 
 
@@ -178,8 +179,9 @@ class GramLinear(function.GramFunction):
   None, ``probe`` (``f32[B, B]`` in ``"gram"`` mode; float64 under x64).
   Op param: ``precision``. Output: the same array as ``hk.Linear``.
   Cotangents of ``x``, ``w``, ``b`` are JAX's own; the probe gets the Gram
-  (:func:`linear_rule`), accumulated in float32 (float64) at
-  ``Precision.HIGHEST`` and cast to the probe's dtype.
+  (:func:`linear_rule`), accumulated in float32 (float64) at the plan's
+  precision (``Precision.HIGHEST`` by default) and cast to the probe's
+  dtype.
   """
 
   @functools.cached_property

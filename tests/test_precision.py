@@ -1,0 +1,120 @@
+"""``track(gram_precision=...)``: the precision of the Gram kernels' products.
+
+On a CPU every precision computes the same float32 products, so the values
+are checked against the reference for every layer of the zoo, and the
+option's effect is checked where it acts: in the lowered program, whose
+products the Gram kernels add are at ``HIGHEST`` by default and at the
+requested precision otherwise (a kernel that ignored the option would keep
+its ``HIGHEST``).
+"""
+
+import haiku as hk
+import jax
+import numpy as np
+import pytest
+from jax import lax
+
+import gram_haiku
+from gram_haiku._src import plan as plan_lib
+from gram_haiku._src.reference import assert_gram_close
+from tests import layer_zoo
+
+# Entries whose plain model has no Gram kernel of its own to check (their
+# Gram comes from JAX's VJP under vmap, at the layer's own precision).
+_NAMES = [e.name for e in layer_zoo.ENTRIES
+          if not layer_zoo.is_low_precision(e)]
+
+
+def _highest_products(text: str) -> int:
+  """Products (dots and convolutions) at ``HIGHEST`` in a lowered program."""
+  return sum(line.count("HIGHEST") for line in text.splitlines()
+             if "dot_general" in line or "convolution" in line)
+
+
+def _lowered(entry, **track_kw):
+  """``(tracked, plain)`` HIGHEST product counts of one zoo model (explicit
+  batch), tracked with ``track_kw`` and untracked."""
+  # pylint: disable=protected-access
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x = layer_zoo._draw(entry, lead, layer_zoo.seed_of(entry.name))
+  tracked = hk.transform_with_state(
+      layer_zoo._tracked(fn, entry, **track_kw))
+  plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  vgg = gram_haiku.value_grad_and_gram(tracked.apply)
+  plain_vg = jax.value_and_grad(
+      lambda p, x: plain.apply(p, plain_state, None, x)[0])
+  return (_highest_products(
+      jax.jit(vgg).lower(params, state, None, x).as_text()),
+          _highest_products(jax.jit(plain_vg).lower(params, x).as_text()))
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+@pytest.mark.parametrize("name", _NAMES)
+def test_every_kernel_takes_the_requested_precision(name, strategy):
+  entry = layer_zoo.BY_NAME[name]
+  default, plain = _lowered(entry, strategy=strategy,
+                            gram_precision="default")
+  highest, _ = _lowered(entry, strategy=strategy)
+  # The tracked program's own products are the plain model's (or fewer,
+  # where summed per-example gradients replace the weight's VJP), plus the
+  # kernels': none of those at HIGHEST when DEFAULT is asked for.
+  assert default <= plain, (name, default, plain)
+  assert highest > default, (name, highest, default)
+
+
+@pytest.mark.parametrize("precision",
+                         ["default", "HIGH", lax.Precision.DEFAULT])
+@pytest.mark.parametrize("name", ["MLP", "Conv2D-grouped-dilated",
+                                  "Embed-one-hot", "LSTM-dynamic",
+                                  "transformer-block", "tied-LM"])
+def test_grams_at_a_lower_precision_match_the_reference(name, precision):
+  entry = layer_zoo.BY_NAME[name]
+  grams, ref, value, plain_value, grads, plain_grads = layer_zoo.run(
+      entry, "explicit", layer_zoo.seed_of(name), gram_precision=precision)
+  assert_gram_close(grams.total, ref)
+  np.testing.assert_allclose(value, plain_value, rtol=1e-6)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+      grads, plain_grads)
+
+
+@pytest.mark.parametrize("mode", ["norms", "clip"])
+def test_norms_and_clipping_take_the_requested_precision(mode):
+  entry = layer_zoo.BY_NAME["Conv1D"]
+  # pylint: disable=protected-access
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x = layer_zoo._draw(entry, lead, 3)
+  texts = []
+  for precision in ("highest", "default"):
+    kw = dict(gram_precision=precision, strategy="materialize")
+    if mode == "norms":
+      kw["mode"] = "norms"
+    tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry, **kw))
+    params, state = tracked.init(jax.random.PRNGKey(1), x)
+    if mode == "norms":
+      f = gram_haiku.value_grad_and_gram(tracked.apply)
+    else:
+      f = gram_haiku.clipped_grad(tracked.apply, l2_clip_norm=0.1)
+    texts.append(jax.jit(f).lower(params, state, None, x).as_text())
+  assert _highest_products(texts[0]) > 0
+  assert _highest_products(texts[1]) == 0
+
+
+def test_the_precision_is_in_the_plan_and_the_jaxpr():
+  entry = layer_zoo.BY_NAME["Linear"]
+  fn, lead = layer_zoo._styled(entry, "explicit")  # pylint: disable=protected-access
+  x = layer_zoo._draw(entry, lead, 4)  # pylint: disable=protected-access
+  f = hk.transform_with_state(
+      layer_zoo._tracked(fn, entry, gram_precision="default"))  # pylint: disable=protected-access
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  jaxpr = str(jax.make_jaxpr(f.apply)(params, state, None, x))
+  assert f"frozen=None, precision={lax.Precision.DEFAULT!r})" in jaxpr, jaxpr
+  assert plan_lib.Plan().precision == lax.Precision.HIGHEST
+
+
+@pytest.mark.parametrize("bad", ["fast", 3, None, "tf32"])
+def test_a_bad_precision_is_a_clear_error(bad):
+  with pytest.raises(ValueError, match=r"track\(gram_precision=.*highest"):
+    gram_haiku.track(gram_precision=bad)
