@@ -156,6 +156,7 @@ def _shared_regulariser(x, y):  # never meets the examples
 
 
 _COMBINED = "summed, reduced or contracted over that axis"
+_REORDERED = "along that axis are reordered, repeated or subset"
 
 
 @pytest.mark.parametrize("body,match", [
@@ -945,7 +946,7 @@ def _looped_product_loss(x, y):
     (_two_layers(_fft_over_batch), "depends on several examples"),
     (_two_layers(_ema_over_batch), "depends on several examples"),
     (_two_layers(_branch_on_one_example), "depends on several examples"),
-    (_constant_query, _COMBINED),
+    (_constant_query, _REORDERED),
     (_one_example_per_scan_step, "depends on several examples|"
      "summed, reduced or contracted"),
     (_positions_scanned_with_time, _COMBINED),
@@ -1080,8 +1081,8 @@ def _candidate_concatenated_first(x, y):
     (_max_by_sort_and_mask, "not a sum"),
     (_max_by_sort_and_index, "not a sum"),
     (_max_by_sort_and_cumsum, "not a sum"),
-    (_candidate_rows_permuted, _COMBINED),
-    (_candidate_concatenated_first, _COMBINED),
+    (_candidate_rows_permuted, _REORDERED),
+    (_candidate_concatenated_first, _REORDERED),
 ], ids=lambda v: getattr(v, "__name__", "")[:24])
 def test_loops_sorts_and_candidates_are_refused(body, match):
   x, y = _data(10)
@@ -1716,3 +1717,33 @@ def test_labels_reordered_inside_the_index_array():
       lambda p, x, l: plain.apply(p, x, l[::-1]), params, x, labels[::-1]))
   with pytest.raises(ValueError, match="reads data of other examples"):
     _clipped_run(body, x, labels)
+
+
+# Sums of per-example terms written through a cross-example operation that
+# the check cannot prove separable, and truly coupled losses: refused, with
+# the operation that first combined the examples named so that the user can
+# rewrite it (each example's own term).
+@pytest.mark.parametrize("loss,primitive", [
+    (lambda out, y: jnp.trace(out[:, 0] @ out[:, 0].T), "dot_general"),
+    (lambda out, y: jnp.sum((out.reshape(3, B * T) -
+                             y.reshape(3, B * T)) ** 2), "reshape"),
+    (lambda out, y: jnp.sum(jnp.convolve(out.sum((1, 2)),
+                                         jnp.array([1., 2.]))),
+     "conv_general_dilated"),
+    (lambda out, y: jnp.sum(out) ** 2, "integer_pow"),
+], ids=["trace-of-output-gram", "reshape-alike", "convolve-losses",
+        "square-of-sum"])
+def test_a_loss_the_check_cannot_separate_names_where(loss, primitive):
+  x, y = _data(5)
+  with pytest.raises(ValueError, match=rf"not a sum(.|\n)*first combined by "
+                     rf"{primitive} \(operands \("):
+    _run(lambda x, y: loss(hk.Linear(3)(x), y), x, y)
+
+
+def test_the_rewritten_per_example_sum_is_exact():
+  # What the refusal above tells the user to write instead.
+  x, y = _data(6)
+  body = lambda x, y: jnp.sum(hk.Linear(3)(x)[:, 0] ** 2)
+  params, (_, _, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))

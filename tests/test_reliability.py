@@ -659,10 +659,19 @@ _MOVES = {
                    "holds the examples along axis 1"),
     "merged": (lambda h: h.reshape(2, 8, 3), lambda h: h.reshape(4, 4, 3),
                "depends on several examples|merge"),
-    # (Refused at 'pe': its candidate axis meets the examples reversed.)
-    "reversed": (lambda h: h[::-1], lambda h: h[::-1],
-                 "tracked layer '(pe|moved)'"),
 }
+# Rows reordered and put back: refused at 'pe' (whose rows reach the
+# examples only through the reordering), for that reason and not another.
+_REORDERED = "are reordered, repeated or subset"
+_PERM = jnp.array([2, 0, 3, 1])
+for _name, _there, _back in [
+    ("reversed", lambda h: h[::-1], lambda h: h[::-1]),
+    ("rolled", lambda h: jnp.roll(h, 1, 0), lambda h: jnp.roll(h, -1, 0)),
+    ("permuted", lambda h: h[_PERM], lambda h: h[jnp.argsort(_PERM)]),
+    ("rotated_pieces", lambda h: jnp.concatenate([h[1:], h[:1]]),
+     lambda h: jnp.concatenate([h[3:], h[:3]])),
+]:
+  _MOVES[_name] = (_there, _back, f"tracked layer 'pe'(.|\n)*{_REORDERED}")
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -346,3 +346,37 @@ def test_shared_module_without_its_first_parameter(name):
       return model(x, y)
   x, y = _data(11, (5, 3, 4), 4)
   _check(tracked, model, x, y)
+
+
+
+def _linear_then(second):
+  def body(x, y):
+    lin = hk.Linear(x.shape[-1], name="l1")
+    h = jnp.tanh(lin(x))
+    forced = hk.experimental.force_name(lin.module_name)
+    return _sq(hk.Linear(3)(second(forced)(h)), y)
+  return body
+
+
+@pytest.mark.parametrize("second", [
+    lambda name: hk.Bias(name=name),
+    lambda name: hk.Linear(6, with_bias=False, name=name),
+], ids=["bias", "linear-without-bias"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_two_layer_kinds_under_one_module_name_are_refused(second, jit):
+  # One probe per module name: it cannot hold two kinds of layer's Grams.
+  x, y = _data(14, (5, 6), 3)
+  f = hk.transform_with_state(_tracked(_linear_then(second)))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  fn = jax.jit(fn) if jit else fn
+  with pytest.raises(ValueError, match=r"module name 'l1' is used by two "
+                     r"different tracked layers: GramLinear\(w\[6, 6\], "
+                     r"b\[6\]\) and .*force_name"):
+    fn(params, state, None, x, y)
+
+
+def test_one_layer_kind_recreated_under_its_name_is_shared():
+  x, y = _data(15, (5, 6), 3)
+  body = _linear_then(lambda name: hk.Linear(6, name=name))
+  _check(_tracked(body), body, x, y)

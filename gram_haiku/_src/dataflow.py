@@ -427,13 +427,30 @@ class _Reading:
       default_factory=lambda: collections.defaultdict(set))
 
 
+def _param_set(op) -> tuple:
+  """The parameters (names and shapes) one application of a Gram op
+  reads: two applications under one module name share its probe, so they
+  must read the same ones (a tied embedding's lookup and ``unembed`` do)."""
+  return tuple((n, tuple(a.shape)) for n, a in zip(op.param_names,
+                                                   op.param_avals)
+               if a is not None)
+
+
+def _layer_kind(op) -> str:
+  """``GramLinear(w[6, 6], b[6])``: an op's type and parameters, for
+  messages."""
+  params = ", ".join(f"{n}{list(shape)}" for n, shape in _param_set(op))
+  return f"{type(op).__name__}({params})"
+
+
 def _read_applications(walk: "_Walk", module_of, num_param_leaves: int
                        ) -> _Reading:
   """Per module: its op, sizes, mode and sharding, and how each parameter
   leaf reaches it (exactly, shared, transformed or not at all).
 
   Raises:
-    ValueError: for a module applied under two modes.
+    ValueError: for a module applied under two modes, or a module name
+      used by two different tracked layers.
   """
   r = _Reading()
   for app in walk.applications:
@@ -445,6 +462,10 @@ def _read_applications(walk: "_Walk", module_of, num_param_leaves: int
                                                   op.param_avals))
         if aval is not None and
         not any(s.leaf < num_param_leaves for s in sources)))
+    if module in r.ops and _param_set(r.ops[module]) != _param_set(op):
+      raise ValueError(errors.MODULE_NAME_TWO_LAYERS.format(
+          module=module, first=_layer_kind(r.ops[module]),
+          second=_layer_kind(op)))
     if module not in r.ops:
       r.ops[module] = op
       leaves = []

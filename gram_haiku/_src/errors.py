@@ -303,6 +303,16 @@ MIXED_MODES = (
     "{modes}. One module has one Gram (or one diagonal) per pass.\n"
     "What to do: apply the module inside track() contexts of one mode.")
 
+MODULE_NAME_TWO_LAYERS = (
+    "gram_haiku: the module name '{module}' is used by two different tracked "
+    "layers: {first} and {second}. They share one Gram probe in hk.State, "
+    "which holds one layer's Gram (or per-example gradients), so neither "
+    "can be computed right (typically two modules given one name with "
+    "hk.experimental.force_name, or a custom module named like another).\n"
+    "What to do: give each layer its own module name. To share a "
+    "parameter between them, share the module itself (call the same "
+    "module twice) or read it once and pass it on.")
+
 PROBE_NOT_FROM_STATE = (
     "gram_haiku: the tracked layer '{module}' reads a Gram probe that is "
     "not the probe of the `state` argument being differentiated: {found}. "
@@ -419,9 +429,16 @@ LOSS_COUPLED = (
     "gram_haiku.value_grad_and_gram: the loss is not a sum (or mean) of "
     "per-example terms: it combines the examples nonlinearly (a softmax or "
     "logsumexp over the batch, a contrastive loss, a function of a batch "
-    "sum). Per-example gradients, and so the Gram, are not defined.\n"
+    "sum). Per-example gradients, and so the Gram, are not defined. The "
+    "examples, with the parameters' values, were first combined by "
+    "{primitive} (operands {shapes}).\n"
     "What to do: write the loss as a sum of per-example losses, or compute "
-    "the coupled part outside the differentiated function. A weight that "
+    "the coupled part outside the differentiated function. If it is a sum "
+    "of per-example terms written in a way this check cannot follow (the "
+    "Gram of the outputs: jnp.trace(out @ out.T); a reshape that moves the "
+    "examples off axis 0, applied alike to outputs and labels; a "
+    "convolution of the losses), write each example's term out: "
+    "jnp.sum(out * out), or the same on the unreshaped arrays. A weight that "
     "is computed from the batch but must not be differentiated (a "
     "normaliser, a batch softmax of the losses) goes in "
     "jax.lax.stop_gradient: the loss is then a weighted sum of per-example "

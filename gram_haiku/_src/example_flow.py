@@ -100,10 +100,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.findings: list[tuple[Any, State]] = []
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
     self.combined: set[int] = set()  # candidates whose rows were combined
+    self.reordered: set[int] = set()  # candidates whose rows were reordered
     self.unknown: set[str] = set()  # primitives not modelled, met by examples
     # Where reordered rows of the parameters' values met data rows in
     # another order: (primitive, operand shapes) of the first such equation.
     self.paired_with_others: Optional[tuple[str, str]] = None
+    # The first equation whose parameter-dependent output combines several
+    # examples: (primitive, operand shapes), for the loss's error.
+    self.first_combined: Optional[tuple[str, str]] = None
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
     # Keyed by (run, id(variable)): a sub-program called twice (a jitted
@@ -231,6 +235,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       for v in eqn.outvars:  # (what an earlier round of a loop left)
         self._origin.pop((self._run, id(v)), None)
       outs = self.eqn(eqn, ins_now, in_deps)
+      if (self.first_combined is None and any(in_deps) and
+          MIXED in outs and MIXED not in ins_now):
+        self.first_combined = (
+            eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars))
       if all(s == CONST for s in ins_now):
         origin = self._constant_origin(eqn)
         if origin is not None:
@@ -354,6 +362,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     (``s.tag``) that settles it as wrong: its layer's row ``i`` would then
     meet another example than ``i``."""
     if s.tag is not None:
+      self.reordered.add(s.tag)
       return self._combined(s, CONST)
     return _reordered(s, key)
 
@@ -362,6 +371,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     order (:func:`~gram_haiku._src.flow_states.pick_rows`); a candidate is
     settled as wrong, as by :meth:`_reorder`."""
     if s.tag is not None:
+      self.reordered.add(s.tag)
       return self._combined(s, CONST)
     return _pick_rows(s, positions, size, self.batch)
 
@@ -553,11 +563,22 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
         # example axis on the way (time-major with T == B): the checks
         # below say how.
       else:
-        found = ("does not depend on the examples, and its output is "
-                 "summed, reduced or contracted over that axis before it "
-                 "meets them" if state.tag in flow.combined else
-                 "does not depend on the examples, and its output meets "
-                 "them along another axis")
+        if state.tag in flow.reordered:
+          found = ("does not depend on the examples, and its output's rows "
+                   "along that axis are reordered, repeated or subset (a "
+                   "reversal, a roll, rows picked by index, one row "
+                   "broadcast to the batch) before they "
+                   "meet them, so no row can be told to be one example's "
+                   "(where a later step puts the rows back in order, the "
+                   "layer between sees them in another order: reorder the "
+                   "data instead)")
+        elif state.tag in flow.combined:
+          found = ("does not depend on the examples, and its output is "
+                   "summed, reduced or contracted over that axis before it "
+                   "meets them")
+        else:
+          found = ("does not depend on the examples, and its output meets "
+                   "them along another axis")
         raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
             module=module, shape=shape, position=position, found=found))
     if state in (MIXED, SUM):
@@ -578,7 +599,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_SUBSET.format(
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
-    raise ValueError(errors.LOSS_COUPLED)
+    primitive, shapes = flow.first_combined or ("(not recorded)", "")
+    raise ValueError(errors.LOSS_COUPLED.format(primitive=primitive,
+                                                shapes=shapes))
   if flow.paired_with_others is not None:
     primitive, shapes = flow.paired_with_others
     raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(

@@ -228,7 +228,8 @@ class ShapeRules:
       real = None
       for x in ins:
         if isinstance(x, Ex) and x.tag is not None:
-          self._combined(x, CONST)  # A candidate's rows among others.
+          self.reordered.add(x.tag)  # A candidate's rows among others.
+          self._combined(x, CONST)
         elif isinstance(x, Ex) and real is None:
           real = x
       return [CONST if real is None else
