@@ -24,6 +24,7 @@ from gram_haiku._src.reference import ATOL_F32
 from gram_haiku._src.reference import RTOL_F32
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import jacobian_gram
 from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
 from gram_haiku._src.reference import weighted_sum
@@ -418,14 +419,6 @@ _STOPPED = {
 }
 
 
-def _jacrev_gram(loss_terms, params, x, y):
-  """``J J^T``, ``J`` the Jacobian of the per-example terms of the loss
-  (``loss = sum_i terms_i``) with respect to the parameters."""
-  jac = jax.jacrev(lambda p: loss_terms(p, x, y))(params)
-  f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
-                      for l in jax.tree.leaves(jac)], axis=1)
-  return f @ f.T
-
 
 @pytest.mark.parametrize("name", sorted(_STOPPED))
 @pytest.mark.parametrize("jit", [False, True])
@@ -450,7 +443,7 @@ def test_batch_values_under_stop_gradient_are_constants(name, jit):
     def terms(p, x, y):
       l = l_of(p, x, y)
       return l * jax.lax.stop_gradient(total(l))
-  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+  assert_gram_close(grams.total, jacobian_gram(terms, params, x, y))
   chex.assert_trees_all_close(grads, jax.grad(plain.apply)(params, x, y),
                               rtol=1e-5, atol=1e-6)
   f = _tracked_transform(body)
@@ -555,7 +548,7 @@ def test_rows_put_back_in_order_are_exact(name):
   # The model depends on row positions: rows of jacrev, not a batch of one.
   terms = hk.without_apply_rng(hk.transform(
       _between(_ROWS_PUT_BACK[name], terms=True))).apply
-  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+  assert_gram_close(grams.total, jacobian_gram(terms, params, x, y))
 
 
 @pytest.mark.parametrize("reorder", [
@@ -787,7 +780,7 @@ def test_custom_jvp_rules_per_example_are_exact(fn):
       lambda x, y: 0.5 * jnp.sum(
           (hk.Linear(3, name="second")(fn(jnp.tanh(
               hk.Linear(F, name="first")(x)))) - y) ** 2, (1, 2))))
-  assert_gram_close(grams.total, _jacrev_gram(terms.apply, params, x, y))
+  assert_gram_close(grams.total, jacobian_gram(terms.apply, params, x, y))
 
 
 def _last_step_take_along_axis(x, y):
@@ -1515,7 +1508,7 @@ def test_outer_products_of_outputs_with_every_label_are_refused():
       "btf,ctf->bc", hk.without_apply_rng(hk.transform(
           lambda x: hk.Linear(3, name="head")(jnp.tanh(
               hk.Linear(F, name="first")(x))))).apply(p, x), y) ** 2, 1)
-  assert_gram_close(grams.total, _jacrev_gram(terms, params, x, y))
+  assert_gram_close(grams.total, jacobian_gram(terms, params, x, y))
   with pytest.raises(ValueError, match="a product of every example"):
     _clipped_run(_outer_product_with_labels, x, y)
   # Paired rows (a batch axis of the product): each example's own labels.

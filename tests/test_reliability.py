@@ -17,6 +17,7 @@ import gram_haiku
 from gram_haiku._src import errors
 from gram_haiku._src import value_grad_and_gram as vgg_lib
 from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import jacobian_gram
 from gram_haiku._src.reference import reference_gram
 from tests import problems
 
@@ -625,14 +626,6 @@ def test_probes_not_taken_from_the_differentiated_state_are_refused(how, jit):
     assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
 
 
-def _jacrev_gram(per_example_losses, params):
-  """``F F^T`` with ``F`` the Jacobian of the ``[B]`` per-example losses of
-  the whole batch (for models whose examples cannot be vmapped one at a
-  time: closed-over inputs, noise drawn for the batch)."""
-  jac = jax.jacrev(per_example_losses)(params)
-  f = jnp.concatenate([a.reshape(a.shape[0], -1)
-                       for a in jax.tree.leaves(jac)], axis=1)
-  return f @ f.T
 
 
 # -- a closed-over input whose rows were taken as the examples -----------------
@@ -704,7 +697,7 @@ def test_a_closed_over_input_kept_on_the_example_axis_stays_exact():
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
       params, state, None, y)
   plain = hk.without_apply_rng(hk.transform(losses))
-  assert_gram_close(grams.total, _jacrev_gram(
+  assert_gram_close(grams.total, jacobian_gram(
       lambda p: plain.apply(p, y), params))
 
 
@@ -732,5 +725,5 @@ def test_noise_from_a_fixed_key_inside_the_loss_is_exact(noise):
       params, state, None, x, y)
   assert grams.complete
   plain = hk.without_apply_rng(hk.transform(losses))
-  assert_gram_close(grams.total, _jacrev_gram(
+  assert_gram_close(grams.total, jacobian_gram(
       lambda p: plain.apply(p, x, y), params))

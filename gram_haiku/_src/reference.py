@@ -88,6 +88,29 @@ def reference_gram(per_example_loss: Callable[..., Any], params, *batch,
   return f @ f.T
 
 
+def jacobian_gram(per_example_losses: Callable[..., Any], params,
+                  *args) -> np.ndarray:
+  """``J @ J.T``: ``float64[B, B]`` numpy, ``J`` the Jacobian (by
+  ``jax.jacrev``) of the ``[B]`` per-example losses of the whole batch with
+  respect to the parameters, flattened in ``jax.tree.leaves`` order.
+
+  The reference for models whose examples cannot be run one at a time (a
+  closed-over input, noise drawn for the batch, rows indexed inside the
+  model); where they can, it equals :func:`reference_gram`.
+
+  Args:
+    per_example_losses: ``f(params, *args) -> [B]``; ``loss = sum`` of it.
+    params: the parameters (any pytree).
+    *args: passed to ``per_example_losses`` after ``params``.
+  """
+  jac = jax.jacrev(per_example_losses)(params, *args)
+  leaves = jax.tree.leaves(jac)
+  b = leaves[0].shape[0]
+  f = np.concatenate([np.asarray(l, np.float64).reshape(b, -1)
+                      for l in leaves], axis=1)
+  return f @ f.T
+
+
 def weighted_sum(f, c, params):
   """``sum_i c_i g_i`` in the structure of ``params``, from the reference
   ``F`` (:func:`per_example_grads`, columns in leaf order) and ``c: [B]``,
