@@ -431,3 +431,34 @@ def test_forward_matches_plain_module(name, rank_promotion):
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
   assert set(state) == {m for m in params}  # one probe per module with params
 
+
+
+_PER_EXAMPLE_PARAMS = {
+    "layer_norm": lambda: LN(-1, True, True, param_axis=0),
+    "rms_norm": lambda: hk.RMSNorm(-1, param_axis=0),
+}
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 6), (4, 6)])
+@pytest.mark.parametrize("name", sorted(_PER_EXAMPLE_PARAMS))
+def test_parameters_along_the_example_axis_say_so(name, shape):
+  # param_axis=0 on a batch: a scale per example, which no rule covers.
+  x, y = _data(5, shape)
+  norm = _PER_EXAMPLE_PARAMS[name]
+  def loss(x, y):
+    with gram_haiku.track():
+      return jnp.sum((norm()(x)[..., :3] - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match=rf"'{name}' has parameters "
+                     r"\(scale\[4, 1.*span the last \d axes.*param_axis"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
+@pytest.mark.parametrize("name", sorted(_PER_EXAMPLE_PARAMS))
+def test_parameters_along_axis_0_of_one_example_are_exact(name):
+  # The advice: under hk.vmap axis 0 is within the example.
+  x, y = _data(6, (4, 3, 6))
+  model = _chain([lambda: hk.vmap(_PER_EXAMPLE_PARAMS[name](),
+                                  split_rng=False)])
+  _check_model(model, x, y, [name])

@@ -28,6 +28,17 @@ NO_EXAMPLE_AXIS = (
     "What to do: pass a batch with a leading example axis, or vmap the "
     "per-example code inside the differentiated function.")
 
+PARAMS_SPAN_EXAMPLE_AXIS = (
+    "gram_haiku: module '{module}' has parameters ({params}) that span the "
+    "last {feature_ndim} axes of its input of shape {shape}, axis "
+    "{position} (the example axis) included: each example would be "
+    "scaled or shifted by its own entries (e.g. hk.LayerNorm or hk.RMSNorm "
+    "with param_axis=0 on a batch), which this layer's Gram rule does not "
+    "cover.\n"
+    "What to do: put the parameter axes after the example axis (param_axis "
+    "counted from the end, e.g. param_axis=-1), or apply the module to one "
+    "example at a time under hk.vmap, where axis 0 is within the example.")
+
 PROBE_BATCHED = (
     "gram_haiku: the Gram probe of module '{module}' (shape {shape}) is "
     "batched by vmap (mapped axis {dim}). The probe is one (B, B) matrix for "
@@ -302,6 +313,17 @@ MIXED_MODES = (
     "gram_haiku: module '{module}' is applied under two track() modes, "
     "{modes}. One module has one Gram (or one diagonal) per pass.\n"
     "What to do: apply the module inside track() contexts of one mode.")
+
+COMPLEX_OPERANDS = (
+    "gram_haiku: the tracked layer '{module}' has complex operands "
+    "({operands}). Its Gram rules are written for real parameters and "
+    "inputs: the per-example gradients of complex parameters need "
+    "conjugates that they do not take, so the Gram, the norms and any "
+    "clipped gradient would be silently wrong.\n"
+    "What to do: use real parameters (a complex weight as two real ones, "
+    "its real and imaginary parts), or apply the layer outside "
+    "gram_haiku.track(). Inference and plain gradients of this model are "
+    "not affected.")
 
 MODULE_NAME_TWO_LAYERS = (
     "gram_haiku: the module name '{module}' is used by two different tracked "

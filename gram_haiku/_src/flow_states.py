@@ -51,9 +51,9 @@ UNKNOWN = "unknown"
 State = Union[Ex, str]
 
 ELEMENTWISE = frozenset("""
-abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp
-convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp
-exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
+abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp complex
+conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv
+erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
 logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem
 round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan
 tanh xor
@@ -61,7 +61,8 @@ pvary device_put optimization_barrier
 """.split())
 #: Elementwise primitives that are linear in each argument (a SUM stays one).
 LINEAR = frozenset("add sub neg convert_element_type copy copy_p "
-                    "reduce_precision stop_gradient pvary device_put".split())
+                    "reduce_precision stop_gradient pvary device_put "
+                    "conj real imag".split())
 
 
 def untagged(s: State) -> State:

@@ -19,8 +19,9 @@ the same leading axes. ``params`` is a tuple with one entry per name in
 ``param_names``: an array, or None for an absent parameter (no bias) or one
 left out because it is frozen (see ``droppable``). ``cfg`` is a
 :class:`~gram_haiku._src.kernels.KernelConfig`: the method the cost
-function chose (``cfg.method``), the memory budget, and, for a
-``sharding_aware`` rule, the mesh axes the Gram's columns come from.
+function chose (``cfg.method``), the memory budget, the precision of its
+products (``cfg.precision``, from ``track(gram_precision=...)``) and, for
+a ``sharding_aware`` rule, the mesh axes the Gram's columns come from.
 Results are in the accumulation dtype: float32, or float64 where ``x`` or a
 present parameter is float64.
 

@@ -248,6 +248,14 @@ class GramOp(adapter.Adapter):
     if plan is None:
       plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
                        memory_budget_bytes=memory_budget_bytes)
+    complex_operands = [
+        f"{what} {jnp.dtype(a.dtype).name}{list(a.shape)}"
+        for what, a in [("input", x)] + [("parameter", p) for p in params]
+        if a is not None and jnp.issubdtype(a.dtype, jnp.complexfloating)]
+    if complex_operands and plan.refusal is None:
+      # The forward pass (inference, plain gradients) is unaffected.
+      plan = plan.replace(refusal=errors.COMPLEX_OPERANDS.format(
+          module=name, operands=", ".join(complex_operands)))
     op = cls(aval_of(x), tuple(aval_of(p) for p in params), aval_of(probe),
              name=name, plan=plan, **layer_params)
     return op(x, *params, probe)
@@ -302,6 +310,14 @@ class GramOp(adapter.Adapter):
       raise ValueError(errors.NAMED_AXIS_NOT_FOUND.format(
           module=self.name, axis=self.example_axis.name))
     lead = self.lead_shape(x_shape)
+    if position >= len(lead) and len(x_shape) >= 2 and any(
+        a is not None and len(a.shape) == len(x_shape)
+        for a in self.param_avals):
+      raise ValueError(errors.PARAMS_SPAN_EXAMPLE_AXIS.format(
+          module=self.name, shape=tuple(x_shape), position=position,
+          feature_ndim=self.feature_ndim,
+          params=", ".join(f"{n}{list(a.shape)}" for n, a in zip(
+              self.param_names, self.param_avals) if a is not None)))
     if position >= len(lead):
       raise ValueError(errors.NO_EXAMPLE_AXIS.format(
           module=self.name, shape=tuple(x_shape),
