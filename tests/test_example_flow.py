@@ -1740,3 +1740,50 @@ def test_the_rewritten_per_example_sum_is_exact():
   params, (_, _, grams) = _run(body, x, y)
   plain = hk.without_apply_rng(hk.transform(body))
   assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+def _loop_step(x_one, y_one):
+  out = hk.Linear(2, name="o")(jnp.tanh(hk.Linear(3, name="l")(x_one)))
+  return jnp.sum((out - y_one) ** 2)
+
+
+def _looped(loop):
+  """``loop(step, xs, ys)`` over the examples, with the layers made (and
+  initialised) before the loop as hk.scan and hk.map need."""
+  def body(x, y):
+    lin, out = hk.Linear(3, name="l"), hk.Linear(2, name="o")
+    out(lin(x[:1, 0]))
+    step = lambda xe, ye: jnp.sum((out(jnp.tanh(lin(xe[None]))) - ye) ** 2)
+    return jnp.sum(loop(step, x[:, 0], y[:, 0, :2]))
+  return body
+
+
+_scanned_examples = _looped(lambda step, xs, ys: hk.scan(
+    lambda c, xy: (c, step(*xy)), 0.0, (xs, ys))[1])
+_mapped_examples = _looped(
+    lambda step, xs, ys: hk.map(lambda xy: step(*xy), (xs, ys)))
+_scanned_examples.__name__ = "_scanned_examples"
+_mapped_examples.__name__ = "_mapped_examples"
+
+
+def _python_loop_over_examples(x, y):
+  return sum(_loop_step(x[i:i + 1, 0], y[i, 0, :2]) for i in range(B))
+
+
+@pytest.mark.parametrize("body", [_scanned_examples, _mapped_examples,
+                                  _python_loop_over_examples],
+                         ids=lambda f: f.__name__)
+def test_a_loop_over_the_examples_is_refused_with_the_vmap_advice(body):
+  x, y = _data(7, out=2)
+  with pytest.raises(ValueError, match="map the per-example code with "
+                     "hk.vmap instead"):
+    _run(body, x, y)
+
+
+def test_the_same_per_example_code_under_hk_vmap_is_exact():
+  x, y = _data(8, out=2)
+  body = lambda x, y: jnp.sum(hk.vmap(_loop_step, split_rng=False)(
+      x[:, 0], y[:, 0]))
+  params, (_, _, grams) = _run(body, x, y)
+  plain = hk.without_apply_rng(hk.transform(body))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))

@@ -395,6 +395,12 @@ SHARED_NAME_CLASH = (
     "What to do: give the modules distinct names (hk.Linear(..., "
     "name=...)).")
 
+_LOOP_OVER_EXAMPLES = (
+    "A loop over the examples (hk.scan, hk.map or hk.fori_loop over the "
+    "batch, or a Python loop applying the layer to one example at a time) "
+    "ends here too: map the per-example code with hk.vmap instead, which "
+    "is exact.")
+
 EXAMPLE_AXIS_NOT_EXAMPLES = (
     "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
     "input (shape {shape}) as the example axis, but in the traced program "
@@ -408,7 +414,7 @@ EXAMPLE_AXIS_NOT_EXAMPLES = (
     "gram_haiku.track(). Under an inner vmap "
     "(over heads or set elements) track(example_axis=0) takes the explicit "
     "batch axis instead, and track(example_axis='<axis_name>') a named "
-    "vmap over the examples.")
+    "vmap over the examples. " + _LOOP_OVER_EXAMPLES)
 
 EXAMPLES_NOT_FOLLOWED = (
     "gram_haiku: the examples could not be followed through the traced "
@@ -499,7 +505,7 @@ EXAMPLES_REORDERED = (
     "the reordering after it, or into the loss), or apply it outside "
     "gram_haiku.track(). To pick one position per example, use "
     "jnp.take_along_axis(h, idx[:, None, None], axis=1), which keeps each "
-    "example's row, rather than h[jnp.arange(B), idx].")
+    "example's row, rather than h[jnp.arange(B), idx]. " + _LOOP_OVER_EXAMPLES)
 
 EXAMPLES_SUBSET = (
     "gram_haiku: the tracked layer '{module}' (input shape {shape}) is "
