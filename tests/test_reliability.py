@@ -270,6 +270,40 @@ def test_probe_dtype_follows_float64_parameters():
                                atol=1e-12 * np.abs(ref).max())
 
 
+# -- masked rows whose inputs overflow the ghost kernel ---------------------
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (5, 4, 3)])
+@pytest.mark.parametrize("mode", ["gram", "norms"])
+def test_masked_rows_with_huge_inputs_have_zero_gradient(mode, shape):
+  # (x_i . x_i) overflows float32 for a sentinel-filled padding row, whose
+  # cotangent is 0: the ghost product was inf * 0 = NaN (one position, and
+  # a sequence's (t, s) kernel blocks).
+  x, y = _data(11, shape, 2)
+  valid = jnp.array([1., 1., 0., 1., 0.])
+
+  def loss(x, y, v):
+    mask = v.reshape(v.shape + (1,) * (len(shape) - 1))
+    h = jnp.tanh(hk.Linear(4, name="l1")(jnp.where(mask > 0, x, 1e20)))
+    per = 0.5 * jnp.sum((hk.Linear(2, name="l2")(h) - y) ** 2, -1)
+    return jnp.sum(jnp.where(mask[..., 0] > 0, per, 0.0))
+  def tracked(x, y, v):
+    with gram_haiku.track(mode=mode, strategy="ghost"):
+      return loss(x, y, v)
+  f = hk.transform_with_state(tracked)
+  g = hk.without_apply_rng(hk.transform(loss))
+  params, state = f.init(jax.random.PRNGKey(0), x, y, valid)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                        x, y, valid)
+  ref = reference_gram(g.apply, params, x, y, valid)
+  assert np.all(np.isfinite(ref))
+  if mode == "gram":
+    assert_gram_close(grams.total, ref)
+  else:
+    np.testing.assert_allclose(grams.norms, np.sqrt(np.diag(ref)), rtol=1e-5)
+  assert np.all(np.asarray(grams.norms)[[2, 4]] == 0)
+
+
 # -- complex operands --------------------------------------------------------
 
 

@@ -155,7 +155,7 @@ def _ghost_rows(xi, di, x, d, precision):
   kd = jnp.einsum("itm,jsm->itjs", di, d, precision=precision,
                   preferred_element_type=acc,
                   out_sharding=rows_sharding(di, 4))
-  return jnp.einsum("itjs,itjs->ij", kx, kd, precision=precision)
+  return jnp.sum(_product_of_kernels(kx, kd), axis=(1, 3))
 
 
 
@@ -239,6 +239,13 @@ def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
 
 
 
+def _product_of_kernels(kx: jax.Array, kd: jax.Array) -> jax.Array:
+  """``kx * kd``, 0 where either is 0: a zero cotangent (a masked-out or
+  padding row) gives a zero gradient even where the input's kernel
+  overflowed (``inf * 0``), as the per-example gradient ``x^T d`` does."""
+  return jnp.where((kx == 0) | (kd == 0), jnp.zeros_like(kx), kx * kd)
+
+
 def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   """Weight Gram (1) by the ghost method.
 
@@ -258,7 +265,7 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   if t == 1:
     kx = gram_matmul(x[:, 0], x[:, 0], cfg)
     kd = gram_matmul(d[:, 0], d[:, 0], cfg)
-    return kx * kd
+    return _product_of_kernels(kx, kd)
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   per_pair = 2 * t * t * itemsize  # kx and kd for one pair (i, j)
@@ -385,12 +392,13 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
   """
   b, t, _ = x.shape
   if t == 1:
-    return jnp.sum(x[:, 0] ** 2, -1) * jnp.sum(d[:, 0] ** 2, -1)
+    return _product_of_kernels(jnp.sum(x[:, 0] ** 2, -1),
+                               jnp.sum(d[:, 0] ** 2, -1))
 
   def rows(xi, di):
     kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
     kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
-    return jnp.sum(kx * kd, axis=(1, 2))
+    return jnp.sum(_product_of_kernels(kx, kd), axis=(1, 2))
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   per_row = 2 * t * t * itemsize
