@@ -940,8 +940,7 @@ def _looped_product_loss(x, y):
     (_two_layers(_ema_over_batch), "depends on several examples"),
     (_two_layers(_branch_on_one_example), "depends on several examples"),
     (_constant_query, _REORDERED),
-    (_one_example_per_scan_step, "depends on several examples|"
-     "summed, reduced or contracted"),
+    (_one_example_per_scan_step, r"row\(s\) of a loop over the examples"),
     (_positions_scanned_with_time, _COMBINED),
     (_sorted_max_loss, "not a sum"),
     (_sorted_top2_loss, "not a sum"),
@@ -1724,8 +1723,13 @@ def test_labels_reordered_inside_the_index_array():
                                          jnp.array([1., 2.]))),
      "conv_general_dilated"),
     (lambda out, y: jnp.sum(out) ** 2, "integer_pow"),
+    # A batch softmax under stop_gradient is a weight (its reduce_max is not
+    # where the loss couples the examples); the square of the mean is.
+    (lambda out, y: jnp.sum(out.sum((1, 2)) * jax.lax.stop_gradient(
+        jax.nn.softmax(out.sum((1, 2))))) + jnp.mean(out) ** 2,
+     "integer_pow"),
 ], ids=["trace-of-output-gram", "reshape-alike", "convolve-losses",
-        "square-of-sum"])
+        "square-of-sum", "weighted-then-square-of-mean"])
 def test_a_loss_the_check_cannot_separate_names_where(loss, primitive):
   x, y = _data(5)
   with pytest.raises(ValueError, match=rf"not a sum(.|\n)*first combined by "
@@ -1733,10 +1737,15 @@ def test_a_loss_the_check_cannot_separate_names_where(loss, primitive):
     _run(lambda x, y: loss(hk.Linear(3)(x), y), x, y)
 
 
-def test_the_rewritten_per_example_sum_is_exact():
-  # What the refusal above tells the user to write instead.
+@pytest.mark.parametrize("body", [
+    # What the refusal above tells the user to write instead.
+    lambda x, y: jnp.sum(hk.Linear(3)(x)[:, 0] ** 2),
+    # complex() of a sum is linear in it: still a sum of per-example terms.
+    lambda x, y: jnp.real(jax.lax.complex(
+        *(2 * [jnp.sum(hk.Linear(3)(x) ** 2)]))),
+], ids=["rewritten", "complex-of-sum"])
+def test_the_rewritten_per_example_sum_is_exact(body):
   x, y = _data(6)
-  body = lambda x, y: jnp.sum(hk.Linear(3)(x)[:, 0] ** 2)
   params, (_, _, grams) = _run(body, x, y)
   plain = hk.without_apply_rng(hk.transform(body))
   assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
@@ -1770,13 +1779,18 @@ def _python_loop_over_examples(x, y):
   return sum(_loop_step(x[i:i + 1, 0], y[i, 0, :2]) for i in range(B))
 
 
-@pytest.mark.parametrize("body", [_scanned_examples, _mapped_examples,
-                                  _python_loop_over_examples],
-                         ids=lambda f: f.__name__)
-def test_a_loop_over_the_examples_is_refused_with_the_vmap_advice(body):
+_SCANNED = r"row\(s\) of a loop over the examples \(hk.scan or hk.map"
+
+
+@pytest.mark.parametrize("body,diagnosis", [
+    (_scanned_examples, _SCANNED), (_mapped_examples, _SCANNED),
+    (_python_loop_over_examples, "reordered, repeated or a subset")],
+                         ids=["scan", "map", "python"])
+def test_a_loop_over_the_examples_is_refused_with_the_vmap_advice(
+    body, diagnosis):
   x, y = _data(7, out=2)
-  with pytest.raises(ValueError, match="map the per-example code with "
-                     "hk.vmap instead"):
+  with pytest.raises(ValueError, match=f"{diagnosis}(.|\n)*map the "
+                     "per-example code with hk.vmap instead"):
     _run(body, x, y)
 
 

@@ -320,17 +320,18 @@ COMPLEX_OPERANDS = (
     "inputs: the per-example gradients of complex parameters need "
     "conjugates that they do not take, so the Gram, the norms and any "
     "clipped gradient would be silently wrong.\n"
-    "What to do: use real parameters (a complex weight as two real ones, "
-    "its real and imaginary parts), or apply the layer outside "
-    "gram_haiku.track(). Inference and plain gradients of this model are "
-    "not affected.")
+    "What to do: give the layer real operands (a complex input or weight "
+    "as two real arrays, its real and imaginary parts, e.g. stacked along "
+    "the features), or apply the layer outside gram_haiku.track(). "
+    "Inference and plain gradients of this model are not affected.")
 
 MODULE_NAME_TWO_LAYERS = (
     "gram_haiku: the module name '{module}' is used by two different tracked "
     "layers: {first} and {second}. They share one Gram probe in hk.State, "
     "which holds one layer's Gram (or per-example gradients), so neither "
     "can be computed right (typically two modules given one name with "
-    "hk.experimental.force_name, or a custom module named like another).\n"
+    "hk.experimental.force_name or name_like, or a custom module named "
+    "like another).\n"
     "What to do: give each layer its own module name. To share a "
     "parameter between them, share the module itself (call the same "
     "module twice) or read it once and pass it on.")

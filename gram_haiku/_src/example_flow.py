@@ -101,6 +101,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
     self.combined: set[int] = set()  # candidates whose rows were combined
     self.reordered: set[int] = set()  # candidates whose rows were reordered
+    self.looped_over_examples = False  # a scan (hk.scan, hk.map) over them
     self.unknown: set[str] = set()  # primitives not modelled, met by examples
     # Where reordered rows of the parameters' values met data rows in
     # another order: (primitive, operand shapes) of the first such equation.
@@ -108,6 +109,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # The first equation whose parameter-dependent output combines several
     # examples: (primitive, operand shapes), for the loss's error.
     self.first_combined: Optional[tuple[str, str]] = None
+    self.last_sites: Optional[list] = None  # of the last run's outputs
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
     # Keyed by (run, id(variable)): a sub-program called twice (a jitted
@@ -220,6 +222,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       self._origin[(self._run, id(v))] = o
     literal = lambda v: isinstance(v, hx.Literal)
     read = lambda v: CONST if literal(v) else env.get(v, CONST)
+    # Where each combined (MIXED) value's examples were first combined with
+    # the parameters' values: (primitive, operand shapes), for messages.
+    combined_at = {}
     for eqn in jaxpr.eqns:
       in_deps = [False if literal(v) else dep.get(v, False)
                  for v in eqn.invars]
@@ -234,11 +239,10 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         ins_now.append(s)
       for v in eqn.outvars:  # (what an earlier round of a loop left)
         self._origin.pop((self._run, id(v)), None)
+      self.last_sites = None  # (set by a sub-program's run)
       outs = self.eqn(eqn, ins_now, in_deps)
-      if (self.first_combined is None and any(in_deps) and
-          MIXED in outs and MIXED not in ins_now):
-        self.first_combined = (
-            eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars))
+      if MIXED in outs and any(in_deps):
+        self._record_combined(eqn, ins_now, outs, combined_at)
       if all(s == CONST for s in ins_now):
         origin = self._constant_origin(eqn)
         if origin is not None:
@@ -258,7 +262,28 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.last_deps = [False if literal(v) else dep.get(v, False)
                       for v in jaxpr.outvars]
     self.last_origins = [self.origin(v) for v in jaxpr.outvars]
+    self.last_sites = [None if literal(v) else combined_at.get(v)
+                       for v in jaxpr.outvars]
     return [read(v) for v in jaxpr.outvars]
+
+  def _record_combined(self, eqn, ins, outs, combined_at: dict) -> None:
+    """Where the MIXED outputs of ``eqn`` were combined: where a MIXED
+    input was, else inside its sub-program (``last_sites``), else here."""
+    mixed = [v for v, s in zip(eqn.invars, ins)
+             if s == MIXED and v in combined_at]
+    # A float operand's combination first (a median's sort, not its NaN
+    # check's reduce_or).
+    mixed.sort(key=lambda v: not hx.may_carry_gradient(v))
+    inherited = combined_at[mixed[0]] if mixed else None
+    inner = self.last_sites if hx.jaxprs_of(eqn) else None
+    here = (eqn.primitive.name,
+            ", ".join(str(_shape(v)) for v in eqn.invars))
+    for k, (v, s) in enumerate(zip(eqn.outvars, outs)):
+      if s == MIXED:
+        sub = inner[k] if inner and k < len(inner) else None
+        combined_at[v] = inherited or sub or here
+    if self.first_combined is None and MIXED not in ins:
+      self.first_combined = here
 
   # -- one equation -------------------------------------------------------------
 
@@ -563,7 +588,11 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
         # example axis on the way (time-major with T == B): the checks
         # below say how.
       else:
-        if state.tag in flow.reordered:
+        if flow.looped_over_examples and op.example_size() != batch:
+          found = (f"holds {op.example_size()} row(s) of a loop over the "
+                   f"examples (hk.scan or hk.map over the batch, one "
+                   f"example per step), not the batch's {batch} examples")
+        elif state.tag in flow.reordered:
           found = ("does not depend on the examples, and its output's rows "
                    "along that axis are reordered, repeated or subset (a "
                    "reversal, a roll, rows picked by index, one row "
@@ -599,7 +628,8 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_SUBSET.format(
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
-    primitive, shapes = flow.first_combined or ("(not recorded)", "")
+    primitive, shapes = (flow.last_sites[0] or flow.first_combined or
+                         ("(not recorded)", ""))
     raise ValueError(errors.LOSS_COUPLED.format(primitive=primitive,
                                                 shapes=shapes))
   if flow.paired_with_others is not None:

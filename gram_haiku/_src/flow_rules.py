@@ -649,6 +649,8 @@ class ControlFlowRules:
         # example's values, a linear combination of the examples (so a
         # carry that accumulates them, or a layer applied to them, mixes
         # the examples).
+        if s.dim == 0:
+          self.looped_over_examples = True
         sliced.append(self._combined(s, SUM) if s.dim == 0 else
                       dataclasses.replace(s, dim=s.dim - 1))
       else:

@@ -62,7 +62,7 @@ pvary device_put optimization_barrier
 #: Elementwise primitives that are linear in each argument (a SUM stays one).
 LINEAR = frozenset("add sub neg convert_element_type copy copy_p "
                     "reduce_precision stop_gradient pvary device_put "
-                    "conj real imag".split())
+                    "conj real imag complex".split())
 
 
 def untagged(s: State) -> State:
