@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from conformance import runner
+from gram_haiku._src import hijax_compat as hx
 from tests import doctest_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +43,11 @@ def _doc_groups():
 def test_doc_examples_run(paths):
   """Every ``>>>`` example of README.md and docs/*.rst, in a process of
   their own."""
+  if (any(p.endswith("distributed.rst") for p in paths) and
+      hx.JAX_VERSION < (0, 10, 2)):
+    pytest.skip("jax < 0.10.2 cannot differentiate the plain layer under "
+                "Explicit mesh axes (its weight gradient's out_sharding is "
+                "ambiguous there); the README says to use 0.10.2")
   env = runner.child_environ()
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   proc = subprocess.run([sys.executable, "-m", "tests.doctest_file", *paths],

@@ -6,12 +6,13 @@ backward rules receive (gradient accumulators, symbolic zeros, vmap axis
 data), is imported here and nowhere else, so that supporting a new JAX
 release means editing this module only.
 
-Supported range: see ``setup.cfg`` (``jax>=0.9.0,<0.12``; 0.11 needs
+Supported range: see ``setup.cfg`` (``jax>=0.10.0,<0.12``; 0.11 needs
 Python 3.12). 0.11 renamed ``VJPHiPrimitive`` to ``HiPrim`` and changed
 ``fake_linear_op``'s and ``scan``'s parameters; both spellings are read
-here. The oldest
-release with every name below is 0.9.0 (0.8.x lacks
-``hijax.instantiate_zeros`` and its ``vjp_fwd`` takes no ``nzs_in``); :data:`MIN_JAX_VERSION` is checked at
+here. The oldest supported release is 0.10.0: 0.9 has every name below
+but does not lower a hijax primitive under ``jax.checkpoint`` (``hk.remat``)
+or ``jax.linearize`` under ``jit``, and 0.8 lacks
+``hijax.instantiate_zeros``. :data:`MIN_JAX_VERSION` is checked at
 import time so that an unsupported JAX fails with a clear message instead of
 an ``AttributeError`` deep inside a trace.
 """
@@ -28,7 +29,7 @@ import jax
 import jax.extend.core  # noqa: F401
 import jax.numpy as jnp
 
-MIN_JAX_VERSION = (0, 9, 0)
+MIN_JAX_VERSION = (0, 10, 0)
 MAX_JAX_VERSION_EXCLUSIVE = (0, 12, 0)
 
 
