@@ -58,8 +58,8 @@ def test_scan_operand_counts_are_read():
 
 def test_a_bound_op_is_found_in_its_equation():
   # Every analysis finds the Gram ops in the traced program through
-  # hijax_compat.gram_op_of; the equation's parameter holding the op was
-  # renamed between jax releases ('prim' in 0.9, '_prim' from 0.10).
+  # hijax_compat.gram_op_of; the equation's parameter holding the op moves
+  # between jax releases ('prim' in 0.9, '_prim' from 0.10).
   from gram_haiku._src.ops import base  # pylint: disable=g-import-not-at-top
   x, w, b = jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.ones((2,))
   jaxpr = jax.make_jaxpr(lambda x, w, b, p: gram_haiku.gram_linear(

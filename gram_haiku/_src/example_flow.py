@@ -588,7 +588,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
         # example axis on the way (time-major with T == B): the checks
         # below say how.
       else:
-        if flow.looped_over_examples and op.example_size() != batch:
+        if flow.looped_over_examples and op.example_size() == 1:
           found = (f"holds {op.example_size()} row(s) of a loop over the "
                    f"examples (hk.scan or hk.map over the batch, one "
                    f"example per step), not the batch's {batch} examples")

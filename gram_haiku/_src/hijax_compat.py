@@ -217,24 +217,16 @@ def vary_over(x: Any, axes: tuple[str, ...]) -> Any:
   return jax.lax.pcast(x, tuple(sorted(extra)), to="varying")
 
 
-#: The parameter of a ``call_hi_primitive`` equation holding the op: named
-#: ``_prim`` from jax 0.10, ``prim`` in jax 0.9.
-_PRIM_PARAMS = ("_prim", "prim")
-
-
 def gram_op_of(eqn: Any, op_type: type):
   """The bound op of a jaxpr equation of a hijax primitive of ``op_type``.
 
   A ``VJPHiPrimitive`` application is printed (and stored) as a
-  ``call_hi_primitive`` equation whose ``_prim`` parameter (``prim`` up to
-  jax 0.9) is the op instance. None for every other equation.
+  ``call_hi_primitive`` equation whose ``_prim`` parameter (``prim`` in
+  jax 0.9, below the supported range) is the op instance. None for every
+  other equation.
   """
-  params = getattr(eqn, "params", None) or {}
-  for key in _PRIM_PARAMS:
-    op = params.get(key)
-    if isinstance(op, op_type):
-      return op
-  return None
+  op = eqn.params.get("_prim") if hasattr(eqn, "params") else None
+  return op if isinstance(op, op_type) else None
 
 
 def may_carry_gradient(v: Any) -> bool:

@@ -23,7 +23,8 @@ The bias gradient is ``sum_t d_it``, so its Gram is ``D_b D_b^T`` with
 Everything here accumulates in at least float32 (float64 for float64 inputs),
 whatever the input dtype, at ``KernelConfig.precision``: ``HIGHEST`` by
 default, so that float32 matmuls are not silently done in TF32/bf16 passes
-on accelerators (``track(precision="default")`` trades that for speed).
+on accelerators (``track(gram_precision="default")`` trades that for
+speed).
 
 Every kernel takes what it needs as arguments: the shapes come from its
 inputs, the method from :mod:`gram_haiku._src.cost_model` (decided once per

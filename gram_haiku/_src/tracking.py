@@ -162,8 +162,9 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
       builds at once (default 256 MiB); larger Grams are computed in blocks.
     gram_precision: the ``jax.lax.Precision`` (or its name) of the products
-      that form the Grams, the squared norms, the per-example gradients
-      and the weight gradients summed from them. ``"highest"`` (default):
+      that form the Grams and squared norms (and, where a kernel
+      materialises per-example gradients for them, those and the weight
+      gradients summed from them). ``"highest"`` (default):
       float32-exact on every backend. ``"default"``: the backend's fastest
       matmul (one bf16 pass on a TPU, TF32 on a recent GPU), relative error
       about ``1e-3`` there; on a CPU both are the same. The layers' own
