@@ -313,12 +313,16 @@ def _complex(key, shape):
           1j * problems.normal(k2, shape)).astype(jnp.complex64)
 
 
+_COMPLEX_TABLE = _complex(jax.random.PRNGKey(12), (5, 2))
 _COMPLEX_LAYERS = {
     # Haiku creates each layer's parameters in its input's dtype.
     "linear": (lambda x: hk.Linear(2)(x), (4, 3)),
     "conv": (lambda x: hk.Conv1D(2, 3)(x), (4, 5, 3)),
     "layer_norm": (lambda x: hk.LayerNorm(-1, True, True)(x)[..., :2],
                    (4, 3)),
+    # A complex table looked up by (integer) ids.
+    "embed": (lambda x: hk.Embed(embedding_matrix=np.asarray(
+        _COMPLEX_TABLE))(jnp.argmax(jnp.real(x), -1)), (4, 3)),
     # Real parameters, complex input.
     "real_weights": (lambda x: hk.Linear(2, name="real")(x) + hk.get_state(
         "zero", (), init=jnp.zeros), (4, 3)),
@@ -353,8 +357,8 @@ def test_complex_operands_are_refused_and_inference_still_works(name, use):
                               jax.grad(plain_loss)(params), rtol=1e-5)
   fn = (gram_haiku.clipped_grad(f.apply, 1.0) if use == "clip"
         else gram_haiku.value_grad_and_gram(f.apply))
-  with pytest.raises(ValueError, match=r"has complex operands \(input "
-                     r"complex64\[.*conjugates"):
+  with pytest.raises(ValueError, match=r"has complex operands \("
+                     r"(input|parameter) complex64\[.*conjugates"):
     fn(params, state, None, x, y)
 
 

@@ -106,9 +106,6 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # Where reordered rows of the parameters' values met data rows in
     # another order: (primitive, operand shapes) of the first such equation.
     self.paired_with_others: Optional[tuple[str, str]] = None
-    # The first equation whose parameter-dependent output combines several
-    # examples: (primitive, operand shapes), for the loss's error.
-    self.first_combined: Optional[tuple[str, str]] = None
     self.last_sites: Optional[list] = None  # of the last run's outputs
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
@@ -282,8 +279,6 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if s == MIXED:
         sub = inner[k] if inner and k < len(inner) else None
         combined_at[v] = inherited or sub or here
-    if self.first_combined is None and MIXED not in ins:
-      self.first_combined = here
 
   # -- one equation -------------------------------------------------------------
 
@@ -628,8 +623,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_SUBSET.format(
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0]:
-    primitive, shapes = (flow.last_sites[0] or flow.first_combined or
-                         ("(not recorded)", ""))
+    primitive, shapes = flow.last_sites[0] or ("(not recorded)", "")
     raise ValueError(errors.LOSS_COUPLED.format(primitive=primitive,
                                                 shapes=shapes))
   if flow.paired_with_others is not None:
