@@ -16,8 +16,13 @@ positions, the steps of an RNN sharing ``W``) to ``B`` examples:
 * extra for the norms only: ``2 min(B T^2 (N+M), B T N M)`` (``2 B (N+M)``
   at ``T = 1``), bias likewise.
 
-This is a floor for the kernels as specified; it does not assume the
-symmetric ``X X^T`` is computed as a half (``syrk``), nor that the plain
+From ``kernels.SYMMETRIC_MIN_ROWS`` examples on, the kernels form the
+symmetric ``[B, B]`` products from their upper block triangle
+(``kernels.symmetric_blocks``, ``n`` blocks a side): the ``B^2`` terms of
+``K_x``, ``K_d`` at one position and of ``F F^T`` count ``(n + 1) / 2n`` of
+the full product's (the position-blocked ghost kernels at ``T > 1`` are
+counted in full). It is still a floor for the kernels as specified: it does
+not assume a ``syrk`` (half of the products exactly), nor that the plain
 weight gradient is read off materialised per-example gradients (each would
 lower it further; see ``docs/performance.rst``).
 
@@ -35,6 +40,8 @@ ghost kernels over both uses (``2 B^2 T^2 (2d + V)``). Attention scores
 from __future__ import annotations
 
 import dataclasses
+
+from gram_haiku._src import kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,14 @@ def plain_flops(layers, b: int) -> float:
   return total
 
 
+def symmetric_fraction(b: int) -> float:
+  """The share of a full ``[B, B]`` product that the kernels form."""
+  if b < kernels.SYMMETRIC_MIN_ROWS:
+    return 1.0
+  n = min(kernels.SYMMETRIC_BLOCKS, b)
+  return (n + 1) / (2 * n)
+
+
 def _linear_gram_macs(b, t, n, m, bias):
   """Multiply-adds: the cheaper of ghost and materialised, bias included.
 
@@ -79,12 +94,13 @@ def _linear_gram_macs(b, t, n, m, bias):
   Materialised: ``x_i^T d_i`` then ``F F^T``; the bias adds ``sum_t d_it``
   and its Gram.
   """
+  half = symmetric_fraction(b)
   if t == 1:
-    ghost = b * b * (n + m)
+    ghost = half * b * b * (n + m)
   else:
     ghost = b * b * t * t * (n + m + (1 if bias else 0))
-  mat = b * t * n * m + b * b * n * m + ((b * t * m + b * b * m) if bias
-                                         else 0)
+  mat = b * t * n * m + half * b * b * n * m + (
+      (b * t * m + half * b * b * m) if bias else 0)
   return min(ghost, mat)
 
 
@@ -105,10 +121,10 @@ def gram_extra_flops(layers, b: int) -> float:
     if l.kind == "linear":
       total += 2 * _linear_gram_macs(b, t, n, m, l.bias)
     elif l.kind == "norm":
-      total += 2 * b * t * 2 * n + 2 * b * b * 2 * n
+      total += 2 * b * t * 2 * n + symmetric_fraction(b) * 2 * b * b * 2 * n
     elif l.kind == "tied_embed":
       ghost = b * b * t * t * (2 * n + m)
-      mat = b * t * n * m + b * b * n * m
+      mat = b * t * n * m + symmetric_fraction(b) * b * b * n * m
       total += 2 * min(ghost, mat)
   return total
 

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import cli
 from conformance.plugin import thorough
 from benchmarks import torch_peers
@@ -106,3 +108,28 @@ def test_gram_precision_option_reaches_the_tracked_model():
     jaxpr = str(jax.make_jaxpr(prep.tracked["gram"].apply)(
         prep.params, prep.states["gram"], *bench.batch))
     assert f"precision=Precision.{precision.upper()})" in jaxpr
+
+
+def test_the_analytic_floor_counts_the_symmetric_blocks():
+  # The MLP's Gram at the threshold is its products and nothing else: XLA's
+  # FLOP count of the compiled step matches the floor with the blocks, and
+  # is well under the full products' floor.
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from benchmarks import analytic
+  from benchmarks import harness
+  from benchmarks import jax_methods
+  from benchmarks import models
+  from gram_haiku._src import kernels
+  if jax.default_backend() != "cpu":
+    pytest.skip("the blocks are lowered for the CPU only")
+  b = kernels.SYMMETRIC_MIN_ROWS
+  bench = models.make("mlp", b, None, [64], "auto")
+  prep = jax_methods.prepare(bench)
+  flops = {m: harness.compile_jax(*jax_methods.build(prep, m)).flops
+           for m in ("plain", "gram")}
+  extra = flops["gram"] - flops["plain"]
+  floor = analytic.extra_flops(bench.layers, b, "gram")
+  assert abs(extra / floor - 1) < 0.05, (extra, floor)
+  assert analytic.symmetric_fraction(b) == 10 / 16
+  assert analytic.symmetric_fraction(b - 1) == 1

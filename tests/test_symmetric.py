@@ -1,0 +1,117 @@
+"""Grams formed from their upper block triangle (``kernels.symmetric_blocks``).
+
+From ``kernels.SYMMETRIC_MIN_ROWS`` examples on, a layer's Gram evaluates
+only the pairs of example blocks ``I <= J`` and mirrors the rest. The
+helper itself is checked against the full evaluation, every layer of the zoo
+with the threshold lowered to its batch, and a model at the real threshold,
+where the block-shaped products show in the program lowered for the CPU
+(other platforms keep the full products).
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import kernels
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import reference_gram
+from tests import layer_zoo
+from tests import problems
+
+
+# The blocks are what a program compiled for the CPU runs; elsewhere the
+# full products, whose values the rest of the suite checks (the references
+# here are float32-exact only on the CPU).
+_CPU_ONLY = pytest.mark.skipif(
+    jax.default_backend() != "cpu",
+    reason="symmetric blocks are lowered for the CPU only")
+
+
+def _kernel(xi, di, xj, dj):
+  dot = lambda a, b: jnp.matmul(a, b.T, precision="highest")
+  return dot(xi, xj) * jnp.tanh(dot(di, dj))
+
+
+@pytest.mark.parametrize("b,n_blocks", [(1, 4), (3, 4), (5, 4), (17, 4),
+                                        (17, 3), (9, 1)])
+def test_blocks_match_the_full_evaluation_and_are_symmetric(b, n_blocks):
+  x = problems.normal(jax.random.PRNGKey(b), (b, 6))
+  d = problems.normal(jax.random.PRNGKey(b + 100), (b, 2))
+  out = kernels.symmetric_blocks(_kernel, (x, d), n_blocks)
+  assert out.shape == (b, b)
+  np.testing.assert_allclose(out, _kernel(x, d, x, d), rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_array_equal(out, out.T)
+
+
+def test_only_one_devices_examples_at_the_threshold_use_it():
+  big = jnp.zeros((kernels.SYMMETRIC_MIN_ROWS, 2))
+  small = big[1:]
+  assert kernels.uses_symmetry(kernels.LOCAL, big)
+  assert not kernels.uses_symmetry(kernels.LOCAL, small)
+  gathered = kernels.LOCAL.replace(column_axes=("batch",))
+  assert not kernels.uses_symmetry(gathered, big)
+
+
+# Every zoo layer, with every batch large enough: its Gram from blocks of
+# 1, 2 and 1 examples (B = 4), against the reference, exactly symmetric.
+@_CPU_ONLY
+@pytest.mark.parametrize("name", [e.name for e in layer_zoo.ENTRIES
+                                  if not layer_zoo.is_low_precision(e)])
+def test_every_layer_from_blocks_matches_the_reference(name, monkeypatch):
+  monkeypatch.setattr(kernels, "SYMMETRIC_MIN_ROWS", 1)
+  monkeypatch.setattr(kernels, "SYMMETRIC_BLOCKS", 3)
+  entry = layer_zoo.BY_NAME[name]
+  grams, ref, *_ = layer_zoo.run(entry, "explicit", layer_zoo.seed_of(name),
+                                 strategy="materialize" if "Conv" in name
+                                 else "auto")
+  assert_gram_close(grams.total, ref)
+  for g in jax.tree_util.tree_leaves(grams.by_layer):
+    np.testing.assert_array_equal(g, np.asarray(g).T)
+
+
+def _mlp_at_the_threshold(strategy, bias):
+  b = kernels.SYMMETRIC_MIN_ROWS + 3  # blocks of 257, 257, 256, 257
+
+  def net(x):
+    h = jnp.tanh(hk.Linear(6, with_bias=bias)(x))
+    return 0.5 * jnp.sum(hk.Linear(3)(h) ** 2)
+
+  def loss(x):
+    with gram_haiku.track(strategy=strategy):
+      return net(x)
+  f = hk.transform_with_state(loss)
+  x = problems.normal(jax.random.PRNGKey(0), (b, 5))
+  params, state = f.init(jax.random.PRNGKey(1), x)
+  vgg = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
+  plain = hk.transform(net)
+  return vgg, params, state, x, lambda p, x: plain.apply(p, None, x)
+
+
+def _product_shapes(vgg, platform, *args):
+  """The result shapes of the products in ``vgg`` lowered for ``platform``."""
+  text = jax.export.export(vgg, platforms=(platform,))(*args).mlir_module()
+  return {line.rsplit("->", 1)[1].split(">")[0].strip() + ">"
+          for line in text.splitlines() if "stablehlo.dot_general" in line}
+
+
+@_CPU_ONLY
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_batch_at_the_threshold_takes_the_upper_blocks(strategy, bias):
+  vgg, params, state, x, plain_loss = _mlp_at_the_threshold(strategy, bias)
+  _, _, grams = vgg(params, state, None, x)
+  assert_gram_close(grams.total, reference_gram(plain_loss, params, x))
+  np.testing.assert_array_equal(grams.total, np.asarray(grams.total).T)
+  args = (params, state, None, x)
+  # On the CPU ten block products per factor, none over the whole batch;
+  # lowered for another platform, the full products (the same program).
+  cpu = _product_shapes(vgg, "cpu", *args)
+  assert {"tensor<257x257xf32>", "tensor<256x257xf32>"} <= cpu
+  assert "tensor<1027x1027xf32>" not in cpu
+  tpu = _product_shapes(vgg, "tpu", *args)
+  assert "tensor<1027x1027xf32>" in tpu
+  assert "tensor<257x257xf32>" not in tpu
