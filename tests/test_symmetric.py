@@ -115,3 +115,18 @@ def test_a_batch_at_the_threshold_takes_the_upper_blocks(strategy, bias):
   tpu = _product_shapes(vgg, "tpu", *args)
   assert "tensor<1027x1027xf32>" in tpu
   assert "tensor<257x257xf32>" not in tpu
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_a_symbolic_batch_size_exports_with_the_full_products(strategy):
+  # jax.export with a batch size unknown when tracing: the blocks need a
+  # known one, so the full products, exact at every size it is called with.
+  vgg, params, state, _, plain_loss = _mlp_at_the_threshold(strategy, True)
+  (b,) = jax.export.symbolic_shape("b")
+  exported = jax.export.export(vgg)(
+      params, state, None, jax.ShapeDtypeStruct((b, 5), jnp.float32))
+  for size in (7, kernels.SYMMETRIC_MIN_ROWS + 1):
+    x = problems.normal(jax.random.PRNGKey(size), (size, 5))
+    _, _, grams = exported.call(params, state, None, x)
+    assert grams.total.shape == (size, size)
+    assert_gram_close(grams.total, reference_gram(plain_loss, params, x))

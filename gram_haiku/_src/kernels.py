@@ -259,8 +259,11 @@ def uses_symmetry(cfg: KernelConfig, *arrays: jax.Array) -> bool:
   """Whether a Gram of ``arrays`` (rows = columns) is formed by
   :func:`symmetric_gram`'s blocks when compiled for the CPU: on one device's
   examples (no gathered columns, no Explicit sharding) and at least
-  :data:`SYMMETRIC_MIN_ROWS` of them."""
-  return (not cfg.column_axes and arrays[0].shape[0] >= SYMMETRIC_MIN_ROWS
+  :data:`SYMMETRIC_MIN_ROWS` of them, a known number (a symbolic batch
+  size, from ``jax.export``, keeps the full products)."""
+  b = arrays[0].shape[0]
+  return (not cfg.column_axes and isinstance(b, int)
+          and b >= SYMMETRIC_MIN_ROWS
           and all(explicit_mesh.explicit_spec(a) is None for a in arrays))
 
 
