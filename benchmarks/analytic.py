@@ -16,7 +16,8 @@ positions, the steps of an RNN sharing ``W``) to ``B`` examples:
 * extra for the norms only: ``2 min(B T^2 (N+M), B T N M)`` (``2 B (N+M)``
   at ``T = 1``), bias likewise.
 
-From ``kernels.SYMMETRIC_MIN_ROWS`` examples on, the kernels form the
+From ``kernels.SYMMETRIC_MIN_ROWS`` examples on, the kernels compiled for
+the CPU form the
 symmetric ``[B, B]`` products from their upper block triangle
 (``kernels.symmetric_blocks``, ``n`` blocks a side): the ``B^2`` terms of
 ``K_x``, ``K_d`` at one position and of ``F F^T`` count ``(n + 1) / 2n`` of
@@ -40,6 +41,8 @@ ghost kernels over both uses (``2 B^2 T^2 (2d + V)``). Attention scores
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from gram_haiku._src import kernels
 
@@ -79,8 +82,9 @@ def plain_flops(layers, b: int) -> float:
 
 
 def symmetric_fraction(b: int) -> float:
-  """The share of a full ``[B, B]`` product that the kernels form."""
-  if b < kernels.SYMMETRIC_MIN_ROWS:
+  """The share of a full ``[B, B]`` product that the kernels form on the
+  default backend (the blocks are lowered for the CPU only)."""
+  if b < kernels.SYMMETRIC_MIN_ROWS or jax.default_backend() != "cpu":
     return 1.0
   n = min(kernels.SYMMETRIC_BLOCKS, b)
   return (n + 1) / (2 * n)

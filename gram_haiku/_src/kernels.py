@@ -359,19 +359,14 @@ def _one_position_ghost_gram(x: jax.Array, d: jax.Array, with_bias: bool,
   """(1) at one position, ``x: (B, N)``, ``d: (B, M)``: ``K_x * K_d``, plus
   the bias Gram ``K_d`` when ``with_bias``; block by block (one pass per
   block for both terms) where :func:`symmetric_gram` takes the blocks."""
-  precision = cfg.precision
-
-  def pair(xi, di, xj, dj):
-    kx = jnp.matmul(xi, xj.T, precision=precision)
-    kd = jnp.matmul(di, dj.T, precision=precision)
+  def combine(kx, kd):
     out = _product_of_kernels(kx, kd)
     return out + kd if with_bias else out
   if uses_symmetry(cfg, x, d):
-    return symmetric_gram(pair, (x, d))
-  kx = gram_matmul(x, x, cfg)
-  kd = gram_matmul(d, d, cfg)
-  out = _product_of_kernels(kx, kd)
-  return out + kd if with_bias else out
+    dot = lambda a, b: jnp.matmul(a, b.T, precision=cfg.precision)
+    return symmetric_gram(
+        lambda xi, di, xj, dj: combine(dot(xi, xj), dot(di, dj)), (x, d))
+  return combine(gram_matmul(x, x, cfg), gram_matmul(d, d, cfg))
 
 
 def materialized_gram(x: jax.Array, d: jax.Array,
