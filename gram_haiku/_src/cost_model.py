@@ -46,6 +46,20 @@ COMM_FLOPS_PER_BYTE = 16
 #: Gathers and scatters cost more than a matmul multiply-add.
 GATHER_WEIGHT = 4
 
+#: The size a symbolic dimension is taken to be by every choice made from
+#: sizes (the method, and the blocks that keep a kernel within the memory
+#: budget): a batch or sequence length unknown when tracing (``jax.export``
+#: with ``symbolic_shape``), which the one program then serves at every
+#: size. Every method and block size is exact, so this moves only the time
+#: and memory; the budget holds up to this many.
+SYMBOLIC_SIZE = 1024
+
+
+def size_hint(n) -> int:
+  """``n``, or :data:`SYMBOLIC_SIZE` for a symbolic size (``jax.export``),
+  which cannot be compared with a number."""
+  return n if isinstance(n, int) else SYMBOLIC_SIZE
+
 
 def ghost_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
   """Multiply-adds of the ghost method for one linear-layer weight.

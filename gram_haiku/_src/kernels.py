@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src import cost_model
 from gram_haiku._src import example_sharding
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src.explicit_mesh import rows_sharding
@@ -162,9 +163,10 @@ def _ghost_rows(xi, di, x, d, precision):
 
 def blocked(arrays, size):
   """Pads the leading axis of each array to a multiple of ``size`` and
-  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``."""
+  splits it: ``(n, ...) -> (ceil(n / size), size, ...)``; ``n`` may be
+  symbolic (``jax.export``)."""
   n = arrays[0].shape[0]
-  n_blocks = math.ceil(n / size)
+  n_blocks = (n + size - 1) // size
   pad = n_blocks * size - n
   out = []
   for a in arrays:
@@ -175,9 +177,11 @@ def blocked(arrays, size):
 
 
 def map_row_blocks(fn, rows: int, arrays):
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked."""
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked.
+  A symbolic number of entries counts as :data:`cost_model.SYMBOLIC_SIZE`
+  in the choice to block."""
   b = arrays[0].shape[0]
-  if rows >= b:
+  if rows >= cost_model.size_hint(b):
     return fn(*arrays)
   out = lax.map(lambda blk: fn(*blk), blocked(arrays, rows))
   return out.reshape((-1,) + out.shape[2:])[:b]
@@ -202,10 +206,11 @@ def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
   if b == 0 or c == 0:  # An empty batch: nothing to block.
     return fn(*row_arrays, *col_arrays)
   per_pair = max(per_pair_bytes, 1)
-  if c * per_pair <= budget:
-    rows = max(1, min(b, budget // (c * per_pair)))
+  b_hint, c_hint = cost_model.size_hint(b), cost_model.size_hint(c)
+  if c_hint * per_pair <= budget:
+    rows = max(1, min(b_hint, budget // (c_hint * per_pair)))
     return map_row_blocks(lambda *r: fn(*r, *col_arrays), rows, row_arrays)
-  cols = max(1, min(c, budget // per_pair))
+  cols = max(1, min(c_hint, budget // per_pair))
   col_blocks = blocked(col_arrays, cols)
 
   def one_row(*r):
@@ -223,7 +228,7 @@ def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
   positions; zero padding adds nothing.
   """
   t = xi.shape[1]
-  nt = math.ceil(t / tau)
+  nt = (t + tau - 1) // tau  # ceil(t / tau), also for a symbolic t
   pad = nt * tau - t
 
   def split(a):  # (R, T, F) -> (nt, R, tau, F)
@@ -231,12 +236,12 @@ def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
     return jnp.moveaxis(a.reshape(a.shape[0], nt, tau, a.shape[-1]), 1, 0)
   xib, dib, xjb, djb = split(xi), split(di), split(xj), split(dj)
 
-  def body(acc, k):
-    a, c = k // nt, k % nt
-    return acc + _ghost_rows(xib[a], dib[a], xjb[c], djb[c], precision), None
+  def over_rows(acc, row_block):  # One block of positions of the rows...
+    def over_cols(acc, col_block):  # ...against each block of the columns'.
+      return acc + _ghost_rows(*row_block, *col_block, precision), None
+    return lax.scan(over_cols, acc, (xjb, djb))[0], None
   init = jnp.zeros((xi.shape[0], xj.shape[0]), xi.dtype)
-  out, _ = lax.scan(body, init, jnp.arange(nt * nt))
-  return out
+  return lax.scan(over_rows, init, (xib, dib))[0]
 
 
 
@@ -340,7 +345,8 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
     return _one_position_ghost_gram(x[:, 0], d[:, 0], False, cfg)
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
-  per_pair = 2 * t * t * itemsize  # kx and kd for one pair (i, j)
+  t_hint = cost_model.size_hint(t)
+  per_pair = 2 * t_hint * t_hint * itemsize  # kx and kd for one pair (i, j)
   precision = cfg.precision
   if per_pair <= budget:
     return map_pair_blocks(
@@ -493,14 +499,15 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
     return jnp.sum(_product_of_kernels(kx, kd), axis=(1, 2))
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
-  per_row = 2 * t * t * itemsize
+  t_hint = cost_model.size_hint(t)
+  per_row = 2 * t_hint * t_hint * itemsize
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
     return map_row_blocks(
         lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau,
                                            cfg.precision)[0], 1,
         (x, d))
-  n_rows = max(1, min(b, budget // max(per_row, 1)))
+  n_rows = max(1, min(cost_model.size_hint(b), budget // max(per_row, 1)))
   return map_row_blocks(rows, n_rows, (x, d))
 
 

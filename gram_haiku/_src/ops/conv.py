@@ -199,10 +199,13 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
   config = ([(0, 0, 0)] + [(int(lo), int(hi), int(l) - 1) for (lo, hi), l in
                            zip(pads, lhs_dilation)] + [(0, 0, 0)])
   xp = lax.pad(x, jnp.zeros((), x.dtype), config)
-  out = tuple(max(0, (size - e) // s + 1) for size, e, s in
+  # A symbolic size (jax.export) is taken to leave an output position, as
+  # the layer's own convolution does.
+  out = tuple(((size - e) // s + 1) if not isinstance(size, int)
+              else max(0, (size - e) // s + 1) for size, e, s in
               zip(xp.shape[1:1 + n], eff_kernel, window_strides))
   features = x.shape[-1] * math.prod(kernel)
-  if not all(out):  # No output position: nothing to slice.
+  if any(isinstance(o, int) and o == 0 for o in out):  # Nothing to slice.
     return jnp.zeros((x.shape[0],) + out + (features,), x.dtype)
   taps = []
   for tap in itertools.product(*(range(k) for k in kernel)):
@@ -422,8 +425,10 @@ def _per_example(p, d, example_dim, with_bias: bool, precision):
 def _example_block(spec: ConvSpec, x, p, example_dim):
   """Examples per block of the per-example gradients, or None for all at
   once (see :func:`gram_haiku._src.cost_model.patch_block`). Blocked only
-  with the examples as the one leading axis, outside explicit sharding."""
+  with the examples as the one leading axis, a known number of them (not a
+  symbolic size from ``jax.export``), outside explicit sharding."""
   if (example_dim != 0 or spec.lead_ndim(x) != 1 or
+      not isinstance(x.shape[0], int) or
       explicit_mesh.explicit_spec(x) is not None):
     return None
   block = cost_model.patch_block(

@@ -192,7 +192,8 @@ def lookup_keys(ids: jax.Array, vocab_size: int, lookup_style: str,
 
 
 def _row_blocks(n_rows: int, per_row_bytes: int, budget: int) -> int:
-  return max(1, min(n_rows, budget // max(per_row_bytes, 1)))
+  return max(1, min(cost_model.size_hint(n_rows),
+                    budget // max(per_row_bytes, 1)))
 
 
 # -- ghost form ----------------------------------------------------------------
@@ -213,7 +214,7 @@ def ghost_gram(key, weight, d, cfg: KernelConfig):
     match = ki[:, :, None, None] == kj[None, None, :, :]
     kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
     return jnp.sum(kd, axis=(1, 3))
-  per_pair = 3 * t * t * jnp.dtype(acc).itemsize
+  per_pair = 3 * cost_model.size_hint(t) ** 2 * jnp.dtype(acc).itemsize
   return kernels.map_pair_blocks(pairs, (key, weight.astype(acc), d),
                                  (key, d), per_pair, cfg)
 
@@ -228,7 +229,7 @@ def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
                     preferred_element_type=acc)
     match = ki[:, :, None] == ki[:, None, :]
     return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
-  per_row = 3 * t * t * jnp.dtype(acc).itemsize
+  per_row = 3 * cost_model.size_hint(t) ** 2 * jnp.dtype(acc).itemsize
   return kernels.map_row_blocks(
       rows, _row_blocks(b, per_row, cfg.memory_budget_bytes),
       (key, weight.astype(acc), d))
@@ -300,8 +301,13 @@ def segment_gram(key, weight, d, cfg: KernelConfig):
   _, t, dim = rows.shape
   acc = rows.dtype
   uweight = uweight.astype(acc)
-  search = jax.vmap(lambda sorted_keys, q: jnp.searchsorted(sorted_keys, q),
-                    in_axes=(0, None))
+  def search_one(sorted_keys, q):  # searchsorted, side="left"
+    if isinstance(t, int):
+      return jnp.searchsorted(sorted_keys, q)
+    # A symbolic length (jax.export), which jnp.searchsorted cannot take:
+    # the count of smaller keys, every query against every key.
+    return jnp.sum(sorted_keys[None, :] < q[:, None], axis=1)
+  search = jax.vmap(search_one, in_axes=(0, None))
 
   def pairs(ki, wi, ri, kj, rj):
     r, c = ki.shape[0], kj.shape[0]
@@ -312,7 +318,8 @@ def segment_gram(key, weight, d, cfg: KernelConfig):
     # other: (C, R, T, D), the rows of example j at those keys.
     dots = jnp.einsum("rtd,jrtd->jrt", ri, other, precision=cfg.precision)
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
-  per_pair = t * (2 * dim * jnp.dtype(acc).itemsize + 16)
+  per_pair = cost_model.size_hint(t) * (2 * dim * jnp.dtype(acc).itemsize
+                                       + 16)
   return kernels.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
                                  per_pair, cfg)
 

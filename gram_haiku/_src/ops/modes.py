@@ -28,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src import cost_model
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
@@ -94,9 +95,23 @@ def with_method(op, x, g, params, cfg: KernelConfig,
   rule = op.rule
   if rule is None or rule.cost is None or op.mode not in RULE_MODES:
     return cfg
+  x, g, params = jax.tree_util.tree_map(_costed, (x, g, params))
   method = rule.cost(x, g, params, op.example_axis.resolved_position(), cfg,
                      mode=op.mode, strategy=op.strategy, reuse=reuse)
   return cfg.replace(method=method)
+
+
+def _costed(a):
+  """``a`` itself when its sizes are known; else its shape and dtype with
+  every symbolic size (``jax.export``'s shape polymorphism) replaced by
+  :data:`~gram_haiku._src.cost_model.SYMBOLIC_SIZE`. A cost function
+  compares sizes, which a symbolic size cannot answer; every method is
+  exact, so this choice moves only the time and memory of the program."""
+  shape = getattr(a, "shape", None)
+  if shape is None or all(isinstance(d, int) for d in shape):
+    return a
+  return jax.ShapeDtypeStruct(tuple(map(cost_model.size_hint, shape)),
+                              a.dtype)
 
 
 def rule_products(op, x, g, params, wanted, cfg: KernelConfig):

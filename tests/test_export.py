@@ -1,0 +1,159 @@
+"""Programs exported with a symbolic batch size or sequence length.
+
+``jax.export`` with ``symbolic_shape`` traces once for every size. Every
+choice made from sizes (the cost model's method, the blocks that keep a
+kernel within the memory budget, a convolution's patches) takes a symbolic
+size as ``cost_model.SYMBOLIC_SIZE``, so the program exports; it is then
+checked against the reference at sizes other than the traced one.
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src import cost_model
+from gram_haiku._src import kernels
+from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import clip_reference
+from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.reference import weighted_sum
+from tests import layer_zoo
+from tests import problems
+
+
+def _exported(entry, symbols, constraints=(), **track_kw):
+  """``(call, plain_loss, params)``: the zoo entry's value_grad_and_gram
+  exported with the leading ``len(symbols)`` axes of its input symbolic."""
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x = layer_zoo._draw(entry, lead, 0)
+  tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry, **track_kw))
+  plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  vgg = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))
+  dims = jax.export.symbolic_shape(", ".join(symbols),
+                                   constraints=constraints)
+  spec = jax.ShapeDtypeStruct(dims + x.shape[len(dims):], x.dtype)
+  exported = jax.export.export(vgg)(params, state, None, spec)
+  call = lambda x: exported.call(params, state, None, x)[2]
+  return call, lambda p, x: plain.apply(p, plain_state, None, x)[0], params
+
+
+def _draw(entry, *lead, seed):
+  """A batch of the entry whose leading axes are ``lead`` (the example
+  axis first; a second one replaces the first within-example axis)."""
+  shape = tuple(lead) + entry.example_shape[len(lead) - 1:]
+  key = jax.random.PRNGKey(seed)
+  if entry.ids:
+    return problems.randint(key, shape, 0, entry.ids)
+  return problems.normal(key, shape)
+
+
+_EXPLICIT = [e.name for e in layer_zoo.ENTRIES
+             if e.explicit_ok and not layer_zoo.is_low_precision(e)]
+
+
+@pytest.mark.parametrize("name", _EXPLICIT)
+def test_every_layer_exports_with_a_symbolic_batch(name):
+  entry = layer_zoo.BY_NAME[name]
+  call, plain_loss, params = _exported(entry, ["b"])
+  for size in (3, 6):
+    x = _draw(entry, size, seed=size)
+    grams = call(x)
+    assert grams.total.shape == (size, size)
+    assert_gram_close(grams.total, reference_gram(plain_loss, params, x))
+
+
+# Each forced method and the blocked kernels (a memory budget of 2000 bytes
+# blocks rows, columns and, for a symbolic T costed at 1024, positions).
+# Every combination with --conformance-thorough; by default each value of
+# each axis (problems.spread).
+@pytest.mark.parametrize("name,strategy,budget", problems.spread(
+    [(n, n) for n in ("MLP", "Conv2D", "Embed", "transformer-block",
+                      "GRU-static")],
+    [(s, s) for s in ("ghost", "materialize")],
+    [("default", None), ("2000", 2000)]))
+def test_forced_methods_and_blocks_export_with_a_symbolic_batch(
+    name, strategy, budget):
+  entry = layer_zoo.BY_NAME[name]
+  kw = {"strategy": strategy}
+  if budget:
+    kw["memory_budget_bytes"] = budget
+  call, plain_loss, params = _exported(entry, ["b"], **kw)
+  x = _draw(entry, 5, seed=5)
+  assert_gram_close(call(x).total, reference_gram(plain_loss, params, x))
+
+
+# A sequence length (or image height) symbolic too: the ghost kernels'
+# positions, the embedding's segment search and a convolution's patches.
+@pytest.mark.parametrize("name,budget,mode", problems.spread(
+    [(n, n) for n in ("Linear", "Conv2D", "Embed", "transformer-block")],
+    [("default", None), ("2000", 2000)],
+    [(m, m) for m in ("gram", "norms")]))
+def test_a_symbolic_sequence_length_exports(name, budget, mode):
+  entry = layer_zoo.BY_NAME[name]
+  kw = {"mode": mode}
+  if budget:
+    kw["memory_budget_bytes"] = budget
+  call, plain_loss, params = _exported(entry, ["b", "t"], ("t >= 3",), **kw)
+  t = entry.example_shape[0] + 1  # not the traced length
+  x = _draw(entry, 4, t, seed=t)
+  ref = reference_gram(plain_loss, params, x)
+  grams = call(x)
+  if mode == "norms":
+    assert_gram_close(grams.sq_norms, np.diag(ref), what="squared norms")
+  else:
+    assert_gram_close(grams.total, ref)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+@pytest.mark.parametrize("name", ["MLP", "Conv2D"])
+def test_the_clipped_gradient_exports_with_a_symbolic_batch(name, clipping):
+  entry = layer_zoo.BY_NAME[name]
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x = layer_zoo._draw(entry, lead, 0)
+  tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))
+  plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  step = jax.jit(gram_haiku.clipped_grad(tracked.apply, 0.3,
+                                         clipping=clipping))
+  (b,) = jax.export.symbolic_shape("b")
+  exported = jax.export.export(step)(
+      params, state, None, jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype))
+  x = _draw(entry, 5, seed=7)
+  got, _ = exported.call(params, state, None, x)
+  # The reference: each example's gradient (each layer's, per-layer)
+  # clipped to its threshold, summed.
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
+  modules = sorted(params)
+  sizes = [sum(np.size(v) for v in params[m].values()) for m in modules]
+  if clipping == "all-layer":
+    c = clip_reference(np.linalg.norm(f, axis=1), 0.3)
+    want = weighted_sum(f, c, params)
+  else:
+    c_l = 0.3 / np.sqrt(len(modules))
+    cols = np.split(f, np.cumsum(sizes)[:-1], axis=1)
+    scaled = np.concatenate(
+        [blk * clip_reference(np.linalg.norm(blk, axis=1), c_l)[:, None]
+         for blk in cols], axis=1)
+    want = weighted_sum(scaled, np.ones(len(f)), params)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_symbolic_size_is_costed_at_the_documented_size():
+  (b,) = jax.export.symbolic_shape("b")
+  assert cost_model.size_hint(b) == cost_model.SYMBOLIC_SIZE
+  assert cost_model.size_hint(7) == 7
+  # Blocks of rows of a symbolic batch: padded, mapped, cut back.
+  exported = jax.export.export(jax.jit(
+      lambda a: kernels.map_row_blocks(lambda r: r @ a.T, 4, (a,))))(
+          jax.ShapeDtypeStruct((b, 3), jnp.float32))
+  a = problems.normal(jax.random.PRNGKey(0), (7, 3))
+  np.testing.assert_allclose(exported.call(a), a @ a.T, rtol=1e-6)
