@@ -133,3 +133,22 @@ def test_the_analytic_floor_counts_the_symmetric_blocks():
   assert abs(extra / floor - 1) < 0.05, (extra, floor)
   assert analytic.symmetric_fraction(b) == 10 / 16
   assert analytic.symmetric_fraction(b - 1) == 1
+
+
+def test_device_time_runs_k_unchanged_steps_in_one_program(capsys):
+  # The looped program computes the step k times, each on the unperturbed
+  # parameters (the runtime zero adds nothing), so its sum is k times one.
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import device_time
+  params = {"w": jnp.asarray([1.5, -2.0, 0.25])}
+  step = lambda p, x: (jnp.sum(p["w"] * x), p["w"] ** 2)
+  x = jnp.asarray([0.5, 3.0, -4.0])
+  one = float(jnp.sum(step(params, x)[0]) + jnp.sum(step(params, x)[1]))
+  for k in (1, 3, 7):
+    np.testing.assert_allclose(device_time.looped(step, (params, x), k)(),
+                               k * one, rtol=1e-6)
+  assert device_time.main(["--model", "tiny_mlp", "--method", "gram,norms",
+                           "--k", "2", "--reps", "1", "--calls", "1"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [ln.split()[1] for ln in lines[1:]] == ["plain", "gram", "norms"]
