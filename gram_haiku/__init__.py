@@ -21,6 +21,8 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 
 # Registers the built-in layer handlers (hk.Linear, hk.Conv*, hk.Embed, ...).
 from gram_haiku._src import layers as _layers  # noqa: F401
+# Registers Grams and ClippedGradAux for Exported.serialize().
+from gram_haiku._src import export_serialization as _export  # noqa: F401
 from gram_haiku._src.clipping import clipped_grad
 from gram_haiku._src.clipping import ClippedGradAux
 from gram_haiku._src.coverage import ParamCoverage

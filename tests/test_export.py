@@ -157,3 +157,73 @@ def test_a_symbolic_size_is_costed_at_the_documented_size():
           jax.ShapeDtypeStruct((b, 3), jnp.float32))
   a = problems.normal(jax.random.PRNGKey(0), (7, 3))
   np.testing.assert_allclose(exported.call(a), a @ a.T, rtol=1e-6)
+
+
+def _module_twice(x):
+  layer = hk.Linear(4)
+  return layer(jnp.tanh(layer(x)))
+
+
+def test_a_module_applied_twice_exports_with_a_symbolic_length():
+  # Its slots' width grows with the symbolic length, so it cannot be
+  # compared with the parameter count: the module accumulates per-example
+  # gradients instead (exact), for the Gram and the clipped gradient.
+  entry = layer_zoo.Entry("twice", _module_twice, (3, 4))
+  call, plain_loss, params = _exported(entry, ["b", "t"])
+  x = _draw(entry, 3, 7, seed=1)
+  assert_gram_close(call(x).total, reference_gram(plain_loss, params, x))
+
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x0 = layer_zoo._draw(entry, lead, 0)
+  tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))
+  params, state = tracked.init(jax.random.PRNGKey(1), x0)
+  step = jax.jit(gram_haiku.clipped_grad(tracked.apply, 0.3))
+  b, t = jax.export.symbolic_shape("b, t")
+  exported = jax.export.export(step)(
+      params, state, None, jax.ShapeDtypeStruct((b, t, 4), jnp.float32))
+  got, _ = exported.call(params, state, None, x)
+  f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
+  want = weighted_sum(f, clip_reference(np.linalg.norm(f, axis=1), 0.3),
+                      params)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_conv_over_two_symbolic_sizes_needs_their_product_bounded():
+  # (h - 2)(w - 2) output positions: JAX cannot prove the product
+  # non-negative from h >= 3 and w >= 3, so the error says which
+  # constraint to add; with it, the exported Gram is exact.
+  entry = layer_zoo.Entry(
+      "conv-valid", lambda x: hk.Conv2D(3, 3, padding="VALID")(x), (5, 5, 2))
+  bounds = ("h >= 3", "w >= 3")
+  with pytest.raises(ValueError, match=r'"h\*w - 2\*w - 2\*h \+ 4 >= 1"'):
+    _exported(entry, ["b", "h", "w"], bounds)
+  call, plain_loss, params = _exported(
+      entry, ["b", "h", "w"], bounds + ("h*w - 2*w - 2*h + 4 >= 1",))
+  x = problems.normal(jax.random.PRNGKey(3), (3, 4, 6, 2))
+  assert_gram_close(call(x).total, reference_gram(plain_loss, params, x))
+
+
+def test_exported_grams_and_clipped_aux_serialize_and_come_back():
+  # Exported.serialize() writes the output pytree: Grams and
+  # ClippedGradAux are registered, and the deserialized program returns
+  # the same values in the same types.
+  entry = layer_zoo.BY_NAME["MLP"]
+  fn, lead = layer_zoo._styled(entry, "explicit")
+  x = layer_zoo._draw(entry, lead, 0)
+  tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))
+  params, state = tracked.init(jax.random.PRNGKey(1), x)
+  (b,) = jax.export.symbolic_shape("b")
+  spec = jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype)
+  for step in (gram_haiku.value_grad_and_gram(tracked.apply),
+               gram_haiku.clipped_grad(tracked.apply, 0.3)):
+    exported = jax.export.export(jax.jit(step))(params, state, None, spec)
+    back = jax.export.deserialize(exported.serialize())
+    got = back.call(params, state, None, x)
+    want = exported.call(params, state, None, x)
+    assert (jax.tree.structure(got) == jax.tree.structure(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(g, w)
+  grams = got[1].grams if hasattr(got[1], "grams") else got[2]
+  assert isinstance(grams, gram_haiku.Grams)
+  assert grams.complete

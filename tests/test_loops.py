@@ -379,3 +379,59 @@ def test_dropped_state_updates_fall_back_to_accumulation():
     return out
   grams, slots, _, _ = _run(lifted, x, y)
   assert slots == {"inner/lstm/linear": T}  # found, then not trusted
+
+
+@pytest.mark.parametrize("x_dtype,state_dtype,param_dtype", [
+    (jnp.bfloat16, jnp.float32, jnp.bfloat16),
+    (jnp.float32, jnp.bfloat16, jnp.float32),
+    (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+    (jnp.float32, jnp.float32, jnp.bfloat16),
+])
+def test_gru_keeps_each_dtype_like_hk_gru(x_dtype, state_dtype, param_dtype):
+  # hk.GRU multiplies its state in the state's dtype: the tracked cell's
+  # step equals it bit for bit, in value and dtype, so that a loop's carry
+  # keeps its type; under hk.dynamic_unroll (where hk.GRU itself runs: the
+  # step's dtype is the state's) the Gram is then the reference's within
+  # bfloat16's tolerance.
+  def step(tracked):
+    def f(x, h):
+      core = hk.GRU(5)
+      if tracked:
+        with gram_haiku.track():
+          return core(x, h)[0]
+      return core(x, h)[0]
+    return hk.transform_with_state(f)
+  key = jax.random.PRNGKey(zlib.crc32(repr((x_dtype, state_dtype,
+                                             param_dtype)).encode()))
+  x = problems.normal(key, (3, 4)).astype(x_dtype)
+  h = problems.normal(jax.random.fold_in(key, 1), (3, 5)).astype(state_dtype)
+  params, _ = step(False).init(key, x, h)
+  params = jax.tree.map(lambda a: a.astype(param_dtype), params)
+  want = step(False).apply(params, {}, None, x, h)[0]
+  _, state = step(True).init(key, x, h)
+  got = step(True).apply(params, state, None, x, h)[0]
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+  if want.dtype != state_dtype:
+    return  # hk.dynamic_unroll of hk.GRU itself refuses such a carry.
+
+  def net(xs):
+    core = hk.GRU(5)
+    h0 = core.initial_state(xs.shape[0]).astype(state_dtype)
+    out, _ = hk.dynamic_unroll(core, jnp.swapaxes(xs, 0, 1), h0)
+    return 0.5 * jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def loss(xs):
+    with gram_haiku.track():
+      return net(xs)
+  xs = problems.normal(key, (4, 6, 4)).astype(x_dtype)
+  tracked = hk.transform_with_state(loss)
+  params, state = tracked.init(key, xs)
+  params = jax.tree.map(lambda a: a.astype(param_dtype), params)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))(
+      params, state, None, xs)
+  plain = hk.transform(net)
+  ref = np.asarray(per_example_grads(
+      lambda p, x: plain.apply(p, None, x), params, xs), np.float64)
+  assert_gram_close(grams.total, ref @ ref.T, "bfloat16")

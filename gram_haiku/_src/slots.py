@@ -39,7 +39,8 @@ def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
   docstring). Chosen where the trip counts are known
   (:attr:`Discovery.slot_counts`), the slots are smaller than the
   per-example gradients (``U K < P``, as
-  :func:`gram_haiku._src.cost_model.bookkeeping_method` chooses stores),
+  :func:`gram_haiku._src.cost_model.bookkeeping_method` chooses stores;
+  ``K`` known, not symbolic),
   the input survives the probe's float dtype, and on one device (no mesh
   axes, no Explicit sharding of the examples).
   """
@@ -55,7 +56,10 @@ def slotted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
       continue
     if not op.factors_exact(found.probe_dtypes.get(m, jnp.float32)):
       continue
-    if uses * factors.factor_width(op) < op.num_params():
+    width = factors.factor_width(op)
+    # A symbolic width (a sequence length unknown when jax.export traces)
+    # cannot be compared: the module accumulates per-example gradients.
+    if isinstance(width, int) and uses * width < op.num_params():
       out[m] = uses
   return out
 

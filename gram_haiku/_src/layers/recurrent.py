@@ -21,9 +21,16 @@ from gram_haiku._src.registry import register_layer
 from gram_haiku._src.rule import Rule
 
 
-def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int):
-  """The GRU update of ``hk.GRU`` on ``xh = concat([inputs, state], -1)``."""
+def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int,
+             dtypes=None):
+  """The GRU update of ``hk.GRU`` on ``xh = concat([inputs, state], -1)``.
+
+  ``dtypes``: ``(inputs dtype, state dtype)`` where they differ from
+  ``xh``'s (concatenated in the wider one): each part is cast back first,
+  so that every product runs in the dtypes ``hk.GRU`` gives it."""
   x, h = xh[..., :input_size], xh[..., input_size:]
+  if dtypes is not None:
+    x, h = x.astype(dtypes[0]), h.astype(dtypes[1])
   n2 = 2 * hidden_size
   gx = jnp.matmul(x, w_i)
   zr = gx[..., :n2] + jnp.matmul(h, w_h[:, :n2])
@@ -48,9 +55,15 @@ def gru(call, module: hk.GRU, inputs, state):
   w_h = hk.get_parameter("w_h", [hidden, 3 * hidden], inputs.dtype,
                          init=module.w_h_init)
   b = hk.get_parameter("b", [3 * hidden], inputs.dtype, init=module.b_init)
-  xh = jnp.concatenate([inputs, state.astype(inputs.dtype)], axis=-1)
+  # hk.GRU multiplies the state in its own dtype (a float32 state with
+  # bfloat16 inputs gives a float32 output): both are concatenated in the
+  # wider dtype, which holds each exactly, and cast back in the cell.
+  wide = jnp.result_type(inputs.dtype, state.dtype)
+  xh = jnp.concatenate([inputs.astype(wide), state.astype(wide)], axis=-1)
+  dtypes = (None if inputs.dtype == state.dtype == wide
+            else (inputs.dtype, state.dtype))
   rule = Rule(forward=functools.partial(gru_cell, input_size=input_size,
-                                        hidden_size=hidden),
+                                        hidden_size=hidden, dtypes=dtypes),
               param_names=("w_i", "w_h", "b"), feature_ndim=1)
   out = call.apply(rule, xh, (w_i, w_h, b))
   return out, out
