@@ -189,12 +189,17 @@ def test_a_module_applied_twice_exports_with_a_symbolic_length():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_a_conv_over_two_symbolic_sizes_needs_their_product_bounded():
-  # (h - 2)(w - 2) output positions: JAX cannot prove the product
-  # non-negative from h >= 3 and w >= 3, so the error says which
-  # constraint to add; with it, the exported Gram is exact.
-  entry = layer_zoo.Entry(
-      "conv-valid", lambda x: hk.Conv2D(3, 3, padding="VALID")(x), (5, 5, 2))
+@pytest.mark.parametrize("name,fn", [
+    ("conv-valid", lambda x: hk.Conv2D(3, 3, padding="VALID")(x)),
+    ("linear-on-a-crop", lambda x: hk.Linear(3)(x[:, 1:-1, 1:-1, :])),
+])
+def test_positions_over_two_symbolic_sizes_need_their_product_bounded(
+    name, fn):
+  # (h - 2)(w - 2) positions: JAX cannot prove the product non-negative
+  # from h >= 3 and w >= 3, so the error says which constraint to add;
+  # with it, the exported Gram is exact. A convolution's output positions
+  # and a linear layer's cropped input alike (kernels.check_mergeable).
+  entry = layer_zoo.Entry(name, fn, (5, 5, 2))
   bounds = ("h >= 3", "w >= 3")
   with pytest.raises(ValueError, match=r'"h\*w - 2\*w - 2\*h \+ 4 >= 1"'):
     _exported(entry, ["b", "h", "w"], bounds)

@@ -111,10 +111,43 @@ def is_float(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.inexact)
 
 
+def check_mergeable(n, shape) -> None:
+  """Raises a clear error where ``jax.export``'s shape polymorphism cannot
+  merge a layer's within-example positions into the one axis its Gram
+  sums over: ``n`` positions (of an array of ``shape``), a product of
+  symbolic sizes such as ``(h - 2) (w - 2)`` that JAX cannot prove
+  non-negative from the bounds of each. Known sizes pass unchecked.
+
+  Raises:
+    ValueError: naming the constraint to add.
+  """
+  if isinstance(n, int):
+    return
+  try:
+    bool(n >= 0)
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ != "InconclusiveDimensionOperation":
+      raise
+    raise ValueError(
+        f"gram_haiku: a tracked layer has {n} positions per example (an "
+        f"array of shape {tuple(shape)}), a product of symbolic sizes "
+        "(jax.export) that JAX cannot prove non-negative, so it cannot "
+        "merge them into the one axis the Gram sums over.\n"
+        f"What to do: add the constraint \"{n} >= 1\" to "
+        "jax.export.symbolic_shape(..., constraints=...), or export with "
+        "all but one of those sizes fixed.") from None
+
+
 def rows(a: jax.Array, *tail: int) -> jax.Array:
   """``a: (B, ...)`` as ``(B, n, *tail)``: ``reshape(B, -1, *tail)`` that
-  also holds for an empty batch (``B = 0``), where ``-1`` is undefined."""
+  also holds for an empty batch (``B = 0``), where ``-1`` is undefined.
+
+  Raises:
+    ValueError: where ``n`` is symbolic and cannot be merged
+      (:func:`check_mergeable`).
+  """
   n = math.prod(a.shape[1:]) // max(math.prod(tail), 1)
+  check_mergeable(n, a.shape)
   return a.reshape((a.shape[0], n) + tuple(tail))
 
 

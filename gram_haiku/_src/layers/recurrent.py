@@ -25,9 +25,9 @@ def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int,
              dtypes=None):
   """The GRU update of ``hk.GRU`` on ``xh = concat([inputs, state], -1)``.
 
-  ``dtypes``: ``(inputs dtype, state dtype)`` where they differ from
-  ``xh``'s (concatenated in the wider one): each part is cast back first,
-  so that every product runs in the dtypes ``hk.GRU`` gives it."""
+  ``dtypes``: ``(inputs dtype, state dtype)``, when ``xh`` concatenates
+  them in the wider one: each part is cast back first (a no-op where they
+  agree), so that every product runs in the dtypes ``hk.GRU`` gives it."""
   x, h = xh[..., :input_size], xh[..., input_size:]
   if dtypes is not None:
     x, h = x.astype(dtypes[0]), h.astype(dtypes[1])
@@ -60,8 +60,7 @@ def gru(call, module: hk.GRU, inputs, state):
   # wider dtype, which holds each exactly, and cast back in the cell.
   wide = jnp.result_type(inputs.dtype, state.dtype)
   xh = jnp.concatenate([inputs.astype(wide), state.astype(wide)], axis=-1)
-  dtypes = (None if inputs.dtype == state.dtype == wide
-            else (inputs.dtype, state.dtype))
+  dtypes = (inputs.dtype, state.dtype)
   rule = Rule(forward=functools.partial(gru_cell, input_size=input_size,
                                         hidden_size=hidden, dtypes=dtypes),
               param_names=("w_i", "w_h", "b"), feature_ndim=1)

@@ -307,28 +307,6 @@ def conv_forward(x, w, b, *, spec: ConvSpec):
 # -- the Gram ------------------------------------------------------------------
 
 
-def _check_positions_mergeable(spec: ConvSpec, t, shape) -> None:
-  """Raises a clear error where ``jax.export``'s shape polymorphism cannot
-  merge the output positions into one axis: the product of two or more
-  symbolic sizes such as ``(h - 2) (w - 2)``, which it cannot prove
-  non-negative from the bounds of each."""
-  if isinstance(t, int):
-    return
-  try:
-    bool(t >= 0)
-  except Exception as e:  # pylint: disable=broad-except
-    if type(e).__name__ != "InconclusiveDimensionOperation":
-      raise
-    raise ValueError(
-        f"gram_haiku: a tracked convolution ({spec}) has {t} output "
-        f"positions per example (patches {tuple(shape)}), a product of "
-        "symbolic sizes (jax.export) that JAX cannot prove non-negative, "
-        "so it cannot merge them into the one axis the Gram sums over.\n"
-        f"What to do: add the constraint \"{t} >= 1\" to "
-        "jax.export.symbolic_shape(..., constraints=...), or export with "
-        "all but one spatial size fixed.") from None
-
-
 def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
   """Patches ``(lead.., T, F, Cg|K|)`` and cotangents ``(lead.., T, F, Og)``.
 
@@ -349,7 +327,7 @@ def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
         f"match the output cotangent {gb.shape}.")
   groups = spec.groups
   t = math.prod(patches.shape[1:-1])
-  _check_positions_mergeable(spec, t, patches.shape)
+  kernels.check_mergeable(t, patches.shape)
   # Split the merged leading axis first: under an Explicit mesh only that
   # axis may be sharded, and the second reshape then leaves it alone.
   patches = explicit_mesh.split_leading(patches, lead)
