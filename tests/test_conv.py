@@ -743,8 +743,9 @@ def _random_conv_args(rng, n):
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_im2col_equals_the_patches_convolution(n):
   """The slice-built patches are ``lax.conv_general_dilated_patches``'
-  exactly (values, feature order, output positions), for random strides,
-  kernel and input dilations and paddings (negative ones included)."""
+  exactly (values and output positions; features tap-major, where lax
+  orders them channel-major), for random strides, kernel and input
+  dilations and paddings (negative ones included)."""
   rng = np.random.default_rng(n)
   spec = (0, n + 1) + tuple(range(1, n + 1))
   dn = lax.ConvDimensionNumbers(spec, (n + 1, n) + tuple(range(n)), spec)
@@ -759,6 +760,9 @@ def test_im2col_equals_the_patches_convolution(n):
                        precision=lax.Precision.HIGHEST, **args))(x)
     got = jax.jit(lambda x, kernel=kernel, args=args: im2col(
         x, kernel, **args))(x)
+    taps = int(np.prod(kernel))
+    want = want.reshape(want.shape[:-1] + (3, taps))  # (c, k)
+    want = np.swapaxes(want, -1, -2).reshape(got.shape)  # (k, c)
     np.testing.assert_array_equal(got, want)
     checked += 1
   assert checked == 8

@@ -14,16 +14,15 @@ spatial shape ``K`` (``nK = prod(K)`` taps), ``C`` input and ``O`` output
 channels, stride ``s``, kernel dilation (rate) ``r``, input (lhs) dilation
 ``l`` and padding, the patch of output position ``p`` is::
 
-    X~[i, p, (c, k)] = pad(dilate_l(x_i))[s * p + r * k, c]
+    X~[i, p, (k, c)] = pad(dilate_l(x_i))[s * p + r * k, c]
 
-(:func:`im2col` builds it from strided slices, exactly as
-``jax.lax.conv_general_dilated_patches`` would: features ordered
-channel-major ``(c, k)``), and the output is ``y[i, p, o] = sum_{c,k}
-X~[i, p, (c, k)] W[k, c, o] + b[o]``. With ``F`` feature groups
-(``C = F Cg``, ``O = F Og``) output channel ``o`` of group ``f`` only reads
-input channels of group ``f``; with the channel-major order these are the
-contiguous patch features ``[f Cg nK, (f+1) Cg nK)``. So group ``f``'s
-weight ``W_f: [Cg nK, Og]`` is a linear layer on ``X~_f`` with output
+(:func:`im2col` builds it from strided slices, one per tap, concatenated
+along the channels: features ordered tap-major ``(k, c)``), and the output
+is ``y[i, p, o] = sum_{k,c} X~[i, p, (k, c)] W[k, c, o] + b[o]``. With
+``F`` feature groups (``C = F Cg``, ``O = F Og``) output channel ``o`` of
+group ``f`` only reads input channels of group ``f``: the patch features
+``(k, f, cg)`` are regrouped as ``(f, (k, cg))``, so group ``f``'s
+weight ``W_f: [nK Cg, Og]`` is a linear layer on ``X~_f`` with output
 cotangent ``D_f = dL/dy[..., f Og:(f+1) Og]``, applied at every output
 position and every within-example axis ``t``. The per-example gradients are
 ``g_if = sum_{t,p} X~_f[i,t,p]^T D_f[i,t,p]`` and ``g_ib = sum_{t,p}
@@ -176,14 +175,19 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
            rhs_dilation: Sequence[int]) -> jax.Array:
   """The im2col patches of ``x: [N, *spatial, C]`` (channels last), by slices.
 
-  Returns ``[N, *out_spatial, C * nK]`` with features ordered channel-major
-  ``(c, k)`` and the kernel taps ``k`` row-major, exactly what
-  ``lax.conv_general_dilated_patches`` gives for the same arguments (and
-  ``conv_general_dilated``'s output positions). Built as one padded (and,
-  for ``lhs_dilation``, interior-padded) copy of ``x`` and one strided
-  ``lax.slice`` per tap, stacked: pure data movement, while the patches
-  convolution of ``lax`` is a one-hot grouped convolution, which measured
-  3.5 to 4x slower on CPU.
+  Returns ``[N, *out_spatial, nK * C]`` with features ordered tap-major
+  ``(k, c)``, the kernel taps ``k`` row-major: the features of
+  ``lax.conv_general_dilated_patches`` (which orders them ``(c, k)``) in
+  another order, at ``conv_general_dilated``'s output positions. Built as
+  one padded (and, for ``lhs_dilation``, interior-padded) copy of ``x`` and
+  one strided ``lax.slice`` per tap, concatenated along the channels: pure
+  data movement, where the patches convolution of ``lax`` is a one-hot
+  grouped convolution (3.5 to 4x slower on CPU). The tap-major order keeps
+  the channels the minor axis throughout: the channel-major order needs a
+  ``[..., C, nK]`` stack, which a TPU lays out with its two small minor
+  axes padded to (8, 128) tiles and then copies into the matrix layout
+  (a TPU v5e profile of the benchmarks' CNN: 75 us of relayout copies in
+  a 550 us Gram step).
 
   ``padding`` is ``"SAME"``, ``"VALID"`` or ``(low, high)`` pairs (negative
   allowed), resolved as ``conv_general_dilated`` resolves it.
@@ -205,7 +209,8 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
               else max(0, (size - e) // s + 1) for size, e, s in
               zip(xp.shape[1:1 + n], eff_kernel, window_strides))
   features = x.shape[-1] * math.prod(kernel)
-  if any(isinstance(o, int) and o == 0 for o in out):  # Nothing to slice.
+  if features == 0 or any(isinstance(o, int) and o == 0 for o in out):
+    # Nothing to slice.
     return jnp.zeros((x.shape[0],) + out + (features,), x.dtype)
   taps = []
   for tap in itertools.product(*(range(k) for k in kernel)):
@@ -215,8 +220,7 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
     taps.append(lax.slice(xp, (0,) + start + (0,),
                           (xp.shape[0],) + limit + (xp.shape[-1],),
                           (1,) + tuple(window_strides) + (1,)))
-  patches = jnp.stack(taps, axis=-1)  # [N, *out, C, nK]
-  return patches.reshape(patches.shape[:-2] + (features,))
+  return jnp.concatenate(taps, axis=-1)  # [N, *out, (k, c)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,8 +336,17 @@ def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
   # axis may be sharded, and the second reshape then leaves it alone.
   patches = explicit_mesh.split_leading(patches, lead)
   gb = explicit_mesh.split_leading(gb, lead)
-  patches = explicit_mesh.reshape_rows(
-      patches, lead + (t, groups, patches.shape[-1] // groups))
+  taps = math.prod(kernel)
+  if groups == 1:
+    patches = explicit_mesh.reshape_rows(
+        patches, lead + (t, 1, patches.shape[-1]))
+  else:  # Features (k, f, cg) regrouped as (f, (k, cg)).
+    cg = patches.shape[-1] // (taps * groups)
+    patches = explicit_mesh.reshape_rows(
+        patches, lead + (t, taps, groups, cg))
+    patches = jnp.swapaxes(patches, -3, -2)
+    patches = explicit_mesh.reshape_rows(
+        patches, patches.shape[:-2] + (taps * patches.shape[-1],))
   gb = explicit_mesh.reshape_rows(
       gb, lead + (t, groups, gb.shape[-1] // groups))
   return patches, gb
@@ -395,15 +408,16 @@ def _patch_matrix(spec: ConvSpec, w):
   """The kernel as the matrix that multiplies the patches: ``[F, n, m]``.
 
   ``conv(x, w) == patches(x) @ W`` per feature group ``f``, with the
-  patch features ordered (input channel, kernel position), as
-  ``conv_general_dilated_patches`` orders them; ``n = C/F * |K|``,
-  ``m = O/F``. Pure transposes and reshapes, so its VJP maps a sum of
-  per-example gradients in patch layout back to the kernel's layout.
+  patch features of a group ordered (kernel position, input channel), as
+  :func:`im2col` and :func:`_patches_and_cotangents` order them;
+  ``n = |K| C/F``, ``m = O/F``. Pure transposes and reshapes, so its VJP
+  maps a sum of per-example gradients in patch layout back to the kernel's
+  layout.
   """
   rhs = spec.dn.rhs_spec  # (out, in, *spatial) positions in w
-  wt = jnp.transpose(w, (rhs[1],) + tuple(rhs[2:]) + (rhs[0],))
+  wt = jnp.transpose(w, tuple(rhs[2:]) + (rhs[1], rhs[0]))
   out = wt.shape[-1]
-  wt = wt.reshape(-1, spec.groups, out // spec.groups)  # [(c, k), f, j]
+  wt = wt.reshape(-1, spec.groups, out // spec.groups)  # [(k, cg), f, j]
   return jnp.moveaxis(wt, 1, 0)
 
 
