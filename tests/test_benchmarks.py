@@ -152,3 +152,32 @@ def test_device_time_runs_k_unchanged_steps_in_one_program(capsys):
                            "--k", "2", "--reps", "1", "--calls", "1"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert [ln.split()[1] for ln in lines[1:]] == ["plain", "gram", "norms"]
+
+
+def test_conv_kernels_agree_with_the_plain_gradient_and_each_other(capsys):
+  # Every per-example kernel of benchmarks.conv_kernels sums to the plain
+  # kernel gradient and gives vmap's Gram; main checks the Grams itself.
+  import jax
+  import numpy as np
+  from benchmarks import conv_kernels
+  rng = np.random.default_rng(3)
+  for size, cin, cout, stride in conv_kernels.layers(image=6, channels=2):
+    x = jax.numpy.asarray(rng.normal(size=(3, size, size, cin)), "float32")
+    w = jax.numpy.asarray(rng.normal(size=(3, 3, cin, cout)), "float32")
+    out = -(-size // stride)
+    d = jax.numpy.asarray(rng.normal(size=(3, out, out, cout)), "float32")
+    want_dw = conv_kernels.plain_step(stride)(w, x, d)[1]
+    grams = {}
+    for name in conv_kernels.KERNELS:
+      dw, grams[name] = conv_kernels.per_example_step(
+          name, stride, jax.lax.Precision.HIGHEST)(w, x, d)
+      np.testing.assert_allclose(dw.reshape(w.shape), want_dw, rtol=1e-5,
+                                 atol=1e-5, err_msg=name)
+    for name in conv_kernels.KERNELS:
+      np.testing.assert_allclose(grams[name], grams["vmap"], rtol=1e-5,
+                                 atol=1e-4, err_msg=name)
+  assert conv_kernels.main(["--batch_size", "2", "--image", "8", "--k", "1",
+                            "--reps", "1", "--calls", "1"]) == 0
+  lines = capsys.readouterr().out.splitlines()[1:]
+  assert len(lines) == 3 * (1 + len(conv_kernels.KERNELS))
+  assert {ln.split()[1] for ln in lines} == {"plain", *conv_kernels.KERNELS}

@@ -1,0 +1,186 @@
+"""Per-example convolution gradients by several kernels, per layer.
+
+``python -m benchmarks.conv_kernels``
+
+For each convolution of the benchmarks' CNN (``models.CNN_BLOCKS`` on
+32x32x3 images, ``B = 64``), the per-example kernel gradients and their
+Gram ``F F^T``, formed four ways, against the layer's plain backward pass
+(input and kernel gradients of the summed loss):
+
+* ``patches``: the library's path, :func:`gram_haiku._src.ops.conv.im2col`
+  patches (tap-major) and one batched product over positions;
+* ``taps``: one batched product per kernel tap, on that tap's strided
+  slice of the padded input, stacked;
+* ``vmap``: ``jax.vmap`` over examples of the kernel's VJP, which JAX
+  lowers to one convolution with the examples as feature groups;
+* ``patches_t``: the patches and cotangents transposed first, so that the
+  positions are the minor axis of both operands of the product.
+
+Each is checked against ``vmap`` (the Gram to ``--rtol``) before it is
+timed. Times are device time a step (:mod:`benchmarks.device_time`: ``k``
+steps in one program, the dispatch amortised), so the figures mean
+something on an accelerator, where one layer's work is shorter than a
+dispatch; on a CPU, use the wall-clock protocol of ``python -m
+benchmarks``. The ratios are to the layer's plain backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks import device_time
+from benchmarks import models
+from gram_haiku._src.ops.conv import im2col
+
+KERNELS = ("patches", "taps", "vmap", "patches_t")
+_DN = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
+
+
+def _conv(x, w, stride: int, precision):
+  return lax.conv_general_dilated(x, w, (stride, stride), "SAME",
+                                  dimension_numbers=_DN, precision=precision)
+
+
+def _sum_and_gram(per, precision):
+  """The summed kernel gradient and the Gram of ``per: [B, ...]``."""
+  flat = per.reshape(per.shape[0], -1)
+  return per.sum(0), jnp.matmul(flat, flat.T, precision=precision)
+
+
+def _tap_slices(x, d, stride: int):
+  """One strided slice of the padded input per 3x3 tap, shaped like ``d``
+  but with ``x``'s channels."""
+  pads = lax.padtype_to_pads(x.shape[1:3], (3, 3), (stride, stride), "SAME")
+  xp = jnp.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+  ho, wo = d.shape[1], d.shape[2]
+  return [lax.slice(xp, (0, a, b, 0),
+                    (x.shape[0], a + (ho - 1) * stride + 1,
+                     b + (wo - 1) * stride + 1, x.shape[3]),
+                    (1, stride, stride, 1))
+          for a, b in itertools.product(range(3), range(3))]
+
+
+def _patches(x, d, stride: int):
+  p = im2col(x, (3, 3), window_strides=(stride, stride), padding="SAME",
+             lhs_dilation=(1, 1), rhs_dilation=(1, 1))
+  return (p.reshape(p.shape[0], -1, p.shape[-1]),
+          d.reshape(d.shape[0], -1, d.shape[-1]))
+
+
+def per_example_step(kernel: str, stride: int, precision) -> Callable:
+  """``step(w, x, d) -> (summed kernel gradient, Gram)`` by ``kernel``."""
+  def patches(w, x, d):
+    del w
+    p, dd = _patches(x, d, stride)
+    return _sum_and_gram(jnp.einsum("itn,itm->inm", p, dd,
+                                    precision=precision), precision)
+
+  def patches_t(w, x, d):
+    del w
+    p, dd = _patches(x, d, stride)
+    return _sum_and_gram(jnp.einsum(
+        "int,imt->inm", jnp.swapaxes(p, 1, 2), jnp.swapaxes(dd, 1, 2),
+        precision=precision), precision)
+
+  def taps(w, x, d):
+    del w
+    per = jnp.stack([jnp.einsum("ihwc,ihwo->ico", t, d, precision=precision)
+                     for t in _tap_slices(x, d, stride)], axis=1)
+    return _sum_and_gram(per, precision)
+
+  def vmapped(w, x, d):
+    def one(xi, di):
+      return jax.vjp(lambda w: _conv(xi[None], w, stride, precision),
+                     w)[1](di[None])[0]
+    return _sum_and_gram(jax.vmap(one)(x, d), precision)
+
+  return {"patches": patches, "patches_t": patches_t, "taps": taps,
+          "vmap": vmapped}[kernel]
+
+
+def plain_step(stride: int) -> Callable:
+  """The layer's plain backward: gradients of ``x`` and ``w``."""
+  def step(w, x, d):
+    return jax.vjp(lambda x, w: _conv(x, w, stride, None), x, w)[1](d)
+  return step
+
+
+def layers(image: int = 32, channels: int = 3
+           ) -> list[tuple[int, int, int, int]]:
+  """``(spatial size, in channels, out channels, stride)`` of the CNN's
+  convolutions."""
+  out, size, cin = [], image, channels
+  for cout, stride in models.CNN_BLOCKS:
+    out.append((size, cin, cout, stride))
+    size, cin = -(-size // stride), cout  # SAME: ceil(size / stride)
+  return out
+
+
+def measure(kernels: Sequence[str] = KERNELS, *, batch_size: int = 64,
+            image: int = 32, precision: str = "highest", k: int = 20,
+            reps: int = 3, calls: int = 7, rtol: float = 1e-3,
+            seed: int = 0) -> list[dict]:
+  """One record per (layer, kernel): ``device_s``, ``ratio`` to the
+  layer's plain backward and ``gram_rel_err`` against ``vmap``."""
+  prec = None if precision == "default" else lax.Precision[precision.upper()]
+  key = jax.random.PRNGKey(seed)
+  records = []
+  for size, cin, cout, stride in layers(image):
+    k1, k2, k3, key = jax.random.split(key, 4)
+    x = jax.random.normal(k1, (batch_size, size, size, cin))
+    w = jax.random.normal(k2, (3, 3, cin, cout))
+    out = -(-size // stride)
+    d = jax.random.normal(k3, (batch_size, out, out, cout))
+    with jax.default_matmul_precision("highest"):
+      ref = jax.jit(per_example_step("vmap", stride, lax.Precision.HIGHEST))(
+          w, x, d)[1]
+    plain = device_time.step_device_s(plain_step(stride), (w, x, d), k=k,
+                                      reps=reps, calls=calls)
+    layer = f"{cin}->{cout}/s{stride}"
+    records.append({"layer": layer, "kernel": "plain", "device_s": plain,
+                    "ratio": 1.0, "gram_rel_err": 0.0})
+    for name in kernels:
+      step = per_example_step(name, stride, prec)
+      gram = jax.jit(step)(w, x, d)[1]
+      err = float(jnp.max(jnp.abs(gram - ref)) / jnp.max(jnp.abs(ref)))
+      if not err <= rtol:
+        raise AssertionError(f"{name} on layer {layer}: Gram relative "
+                             f"error {err:.2e} > {rtol:.0e}")
+      t = device_time.step_device_s(step, (w, x, d), k=k, reps=reps,
+                                    calls=calls)
+      records.append({"layer": layer, "kernel": name, "device_s": t,
+                      "ratio": t / plain if plain > 0 else float("nan"),
+                      "gram_rel_err": err})
+  return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--kernel", default=",".join(KERNELS))
+  parser.add_argument("--batch_size", type=int, default=64)
+  parser.add_argument("--image", type=int, default=32)
+  parser.add_argument("--precision", default="highest",
+                      choices=("highest", "high", "default"))
+  parser.add_argument("--k", type=int, default=20)
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--calls", type=int, default=7)
+  parser.add_argument("--rtol", type=float, default=1e-3)
+  a = parser.parse_args(argv)
+  print(f"device: {jax.devices()[0].device_kind}; precision {a.precision}; "
+        f"B = {a.batch_size}")
+  for r in measure(a.kernel.split(","), batch_size=a.batch_size,
+                   image=a.image, precision=a.precision, k=a.k, reps=a.reps,
+                   calls=a.calls, rtol=a.rtol):
+    print(f"{r['layer']:14s} {r['kernel']:10s} {r['device_s'] * 1e6:10.1f} us"
+          f" {r['ratio']:7.2f}x  err {r['gram_rel_err']:.1e}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
