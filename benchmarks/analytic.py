@@ -20,9 +20,8 @@ From ``kernels.SYMMETRIC_MIN_ROWS`` examples on, the kernels compiled for
 the CPU form the
 symmetric ``[B, B]`` products from their upper block triangle
 (``kernels.symmetric_blocks``, ``n`` blocks a side): the ``B^2`` terms of
-``K_x``, ``K_d`` at one position and of ``F F^T`` count ``(n + 1) / 2n`` of
-the full product's (the position-blocked ghost kernels at ``T > 1`` are
-counted in full). It is still a floor for the kernels as specified: it does
+``K_x``, ``K_d``, of the ghost kernels over pairs of positions and of
+``F F^T`` count ``(n + 1) / 2n`` of the full product's. It is still a floor for the kernels as specified: it does
 not assume a ``syrk`` (half of the products exactly), nor that the plain
 weight gradient is read off materialised per-example gradients (each would
 lower it further; see ``docs/performance.rst``).
@@ -102,7 +101,7 @@ def _linear_gram_macs(b, t, n, m, bias):
   if t == 1:
     ghost = half * b * b * (n + m)
   else:
-    ghost = b * b * t * t * (n + m + (1 if bias else 0))
+    ghost = half * b * b * t * t * (n + m + (1 if bias else 0))
   mat = b * t * n * m + half * b * b * n * m + (
       (b * t * m + half * b * b * m) if bias else 0)
   return min(ghost, mat)
@@ -127,7 +126,7 @@ def gram_extra_flops(layers, b: int) -> float:
     elif l.kind == "norm":
       total += 2 * b * t * 2 * n + symmetric_fraction(b) * 2 * b * b * 2 * n
     elif l.kind == "tied_embed":
-      ghost = b * b * t * t * (2 * n + m)
+      ghost = symmetric_fraction(b) * b * b * t * t * (2 * n + m)
       mat = b * t * n * m + symmetric_fraction(b) * b * b * n * m
       total += 2 * min(ghost, mat)
   return total

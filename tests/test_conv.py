@@ -322,6 +322,57 @@ def test_parameter_gradients_from_per_example_sum(name):
                                   f" gradient of {k}")
 
 
+@pytest.mark.parametrize("name", [
+    "1d_explicit_groups3", "2d_nhwc_s2_groups2",
+    "2d_nchw_explicit_rate21_groups3", "2d_depthwise",
+    "3d_ncdhw_groups2_nobias", "2dT_nhwc_s2_valid"])
+def test_per_example_gradients_are_in_the_kernels_layout(name):
+  """``mode="per_example"`` gives each example's gradient of ``w`` in the
+  kernel's own layout, then ``b``'s, entry by entry as ``vmap(grad)``
+  (a Gram cannot tell a reordering of the entries; this can)."""
+  case = CASES[name]
+  p, x = case.make(_seed(name) + 3, lead=(5,))
+
+  def one_leaf(k):
+    return per_example_grads(
+        lambda q, x: _head(case.plain({**p, k: q[k]}, x)), {k: p[k]}, x)
+  want = np.concatenate([one_leaf(k) for k in ("w", "b") if k in p], axis=1)
+
+  def loss(probe):
+    return _head(case.tracked(p, probe, x, mode="per_example",
+                              strategy="materialize"))
+  got = jax.jit(jax.grad(loss))(jnp.zeros(want.shape))
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero")  # the init scale of w
+@pytest.mark.parametrize("groups", [1, 2])
+def test_zero_input_channels_leave_the_bias_gram(groups):
+  """A convolution of zero input channels has a kernel of no entries: its
+  Gram is the bias's alone, by every method and mode (was a reshape
+  error where the empty patch features made ``-1`` undefined)."""
+  case = Case(2, groups=groups, c_per_group=0)
+  p, x = case.make(7, lead=(4,))
+  assert p["w"].size == 0
+  ref = _ref(case, p, x)
+  assert np.abs(ref).max() > 0
+  for mode, strategy in (("gram", "ghost"), ("gram", "materialize"),
+                         ("norms", "auto"), ("per_example", "auto")):
+    shape = {"gram": (4, 4), "norms": (4,),
+             "per_example": (4, p["b"].size)}[mode]
+
+    def loss(probe):
+      return _head(case.tracked(p, probe, x, mode=mode, strategy=strategy))
+    got = jax.jit(jax.grad(loss))(jnp.zeros(shape))
+    if mode == "gram":
+      assert_gram_close(got, ref)
+    elif mode == "norms":
+      np.testing.assert_allclose(got, np.diag(ref), rtol=1e-5)
+    else:
+      assert_gram_close(got @ got.T, ref)
+
+
 VMAP_PARAMS = [(n, d, True) for n in ("2d_nchw_explicit_rate21_groups3",
                                       "2dT_nhwc_s2_valid", "1d_nwc")
                for d in (1, 2)] + [("3d_ncdhw_groups2_nobias", 2, False)]

@@ -309,9 +309,38 @@ def test_clipping_example_independent_inputs_under_hk_vmap(body):
                               atol=ATOL_F32 * scale)
 
 
+# A batched product whose operands hold the examples on axes of their own
+# (each example's row paired with its own by one batch or contracting
+# dimension): jax.nn.dot_product_attention's XLA path puts them on axis 0
+# of one operand and axis 1 of the other.
+def _dot_product_attention(x, y, **kw):
+  q, k, v = (hk.Linear(4)(x).reshape(x.shape[:2] + (2, 2)) for _ in range(3))
+  out = jax.nn.dot_product_attention(q, k, v, **kw)
+  return _sq(hk.Linear(3)(out.reshape(x.shape[:2] + (4,))), y)
+
+
+def _dot_product_attention_causal(x, y):
+  return _dot_product_attention(x, y, is_causal=True)
+
+
+def _attention_over_time_major(x, y):  # (B, H) queries, (T, B, H) keys
+  enc = jnp.swapaxes(jnp.tanh(hk.Linear(5)(x)), 0, 1)
+  q = hk.Linear(5)(x[:, 0])
+  weights = jax.nn.softmax(jnp.einsum("bh,tbh->bt", q, enc), axis=-1)
+  ctx = jnp.einsum("bt,tbh->bh", weights, enc)
+  return _sq(hk.Linear(3)(ctx)[:, None, :], y[:, :1])
+
+
+def _contracted_with_transposed_targets(x, y):  # sum_i <out_i, y_i>
+  out = hk.Linear(3)(x).reshape(x.shape[0], -1)
+  return jnp.einsum("bf,fb->", jnp.tanh(out), y.reshape(y.shape[0], -1).T)
+
+
 @pytest.mark.parametrize("body", [
     _positions_broadcast, _data_centred, _attention, _stack_and_scan,
-    _per_example_vmap], ids=lambda f: f.__name__)
+    _per_example_vmap, _dot_product_attention, _dot_product_attention_causal,
+    _attention_over_time_major, _contracted_with_transposed_targets],
+                         ids=lambda f: f.__name__)
 def test_flowing_examples_are_exact(body):
   x, y = _data(1)
   params, (_, grads, grams) = _run(body, x, y)
@@ -1801,3 +1830,89 @@ def test_the_same_per_example_code_under_hk_vmap_is_exact():
   params, (_, _, grams) = _run(body, x, y)
   plain = hk.without_apply_rng(hk.transform(body))
   assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+# -- a batch of one --------------------------------------------------------
+# At B = 1 JAX takes size-1 special cases (take_along_axis gathers without
+# batching dimensions), which read as the examples mixed; with one example
+# nothing can couple, so the losses are exact, while a layer whose input
+# holds the example along another axis is still refused.
+
+
+def _xent_take_along_axis(logits, y):
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.sum(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+
+def _xent_optax(logits, y):
+  import optax
+  return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+
+
+def _squared_total(logits, y):  # (sum_i l_i)^2: a sum of one term at B = 1
+  return _xent_take_along_axis(logits, y) ** 2
+
+
+_ONE_EXAMPLE_LOSSES = {"take_along_axis": _xent_take_along_axis,
+                       "optax_integer_labels": _xent_optax,
+                       "square_of_the_sum": _squared_total}
+
+
+def _one_example_net(loss_of_logits):
+  def net(x, y):
+    h = jnp.tanh(hk.Linear(8)(x))
+    return loss_of_logits(hk.Linear(5)(h), y)
+  return net
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("loss", sorted(_ONE_EXAMPLE_LOSSES))
+def test_a_batch_of_one_is_exact_whatever_the_loss(loss, per_token):
+  net = _one_example_net(_ONE_EXAMPLE_LOSSES[loss])
+  k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+  shape = (1, T) if per_token else (1,)
+  x = problems.normal(k1, shape + (F,))
+  y = problems.randint(k2, shape, 0, 5)
+  f = _tracked_transform(net)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  plain = hk.without_apply_rng(hk.transform(net))
+  ref = reference_gram(plain.apply, params, x, y)
+  assert grams.total.shape == (1, 1) and float(ref[0, 0]) > 0
+  assert_gram_close(grams.total, ref)
+  # Clipped at half its norm: the gradient scaled by one half.
+  norm = float(np.sqrt(ref[0, 0]))
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, norm / 2))(
+      params, state, None, x, y)
+  want = jax.tree.map(lambda g: g / 2, jax.grad(plain.apply)(params, x, y))
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
+  chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
+                              atol=ATOL_F32 * scale)
+  assert float(aux.fraction_clipped) == 1
+
+
+def test_vmap_over_single_examples_gives_the_gram_diagonal():
+  # jax.vmap of value_grad_and_gram over examples, one at a time (each a
+  # batch of one inside): the 1x1 Grams are the full Gram's diagonal.
+  net = _one_example_net(_xent_take_along_axis)
+  k1, k2 = jax.random.split(jax.random.PRNGKey(4))
+  x = problems.normal(k1, (B, F))
+  y = problems.randint(k2, (B,), 0, 5)
+  f = _tracked_transform(net)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  vgg = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, one = jax.jit(jax.vmap(
+      lambda xi, yi: vgg(params, state, None, xi[None], yi[None])))(x, y)
+  plain = hk.without_apply_rng(hk.transform(net))
+  ref = reference_gram(plain.apply, params, x, y)
+  np.testing.assert_allclose(np.asarray(one.total)[:, 0, 0], np.diag(ref),
+                             rtol=1e-5)
+
+
+def test_a_batch_of_one_still_checks_the_example_axis():
+  # Time-major: the layer's axis 0 holds the T positions, not the example.
+  x = problems.normal(jax.random.PRNGKey(5), (1, T, F))
+  y = problems.normal(jax.random.PRNGKey(6), (1, T, 3))
+  with pytest.raises(ValueError, match="example axis"):
+    _run(_time_major, x, y)

@@ -468,3 +468,33 @@ def test_per_example_gradients_in_a_loop_make_no_b_by_p_copy():
   got = np.asarray(fn(p, jnp.zeros((b, width)), x, y))
   assert_gram_close(np.concatenate([got[:, -m:], got[:, :-m]], 1), want,
                     what="per-example gradients accumulated in a loop")
+
+
+@pytest.mark.parametrize("lead", [(4,), (4, 3)])
+@pytest.mark.parametrize("mode", ["gram", "norms", "per_example"])
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_zero_input_features_leave_the_bias_gram(lead, mode, strategy):
+  # N = 0: w has no entries, and the Gram is the bias's alone. The bias
+  # folded into the per-example product as a constant input feature had
+  # no column of x to copy (an IndexError before).
+  x = jnp.zeros(lead + (0,))
+  w = jnp.zeros((0, 3))
+  b = problems.normal(jax.random.PRNGKey(5), (3,))
+  y = problems.normal(jax.random.PRNGKey(6), lead + (3,))
+
+  def plain(p, x, y):
+    return 0.5 * jnp.sum((jnp.tanh(x @ p["w"] + p["b"]) - y) ** 2)
+  shape = {"gram": (4, 4), "norms": (4,), "per_example": (4, 3)}[mode]
+
+  def loss(probe):
+    out = gram_linear(x, w, b, probe, mode=mode, strategy=strategy)
+    return 0.5 * jnp.sum((jnp.tanh(out) - y) ** 2)
+  got = jax.jit(jax.grad(loss))(jnp.zeros(shape))
+  ref = reference_gram(plain, {"w": w, "b": b}, x, y)
+  assert np.abs(ref).max() > 0
+  if mode == "gram":
+    assert_gram_close(got, ref)
+  elif mode == "norms":
+    np.testing.assert_allclose(got, np.diag(ref), rtol=1e-5)
+  else:
+    assert_gram_close(got @ got.T, ref)

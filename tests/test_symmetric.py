@@ -130,3 +130,105 @@ def test_a_symbolic_batch_size_exports_with_the_full_products(strategy):
     _, _, grams = exported.call(params, state, None, x)
     assert grams.total.shape == (size, size)
     assert_gram_close(grams.total, reference_gram(plain_loss, params, x))
+
+
+# The kernels over pairs of positions (a sequence's ghost Gram, the
+# embedding's ghost and segment forms), blocked for memory as well: the
+# upper block triangle against every pair, for budgets that take all
+# columns at once, rows in blocks, one row's columns in blocks, and (the
+# sequence kernel) blocks of positions.
+def _pair_kernels(seed):
+  from gram_haiku._src.ops import embed as embed_op
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  x = problems.normal(k[0], (7, 5, 3))
+  d = problems.normal(k[1], (7, 5, 2))
+  # int8 ids, ONE_HOT over 300 rows: iota wraps, so a key's weight is 1 or
+  # 2; a few lookups dropped (key -1, weight 0), as out-of-range ids are.
+  ids = problems.randint(k[2], (7, 5), -128, 128).astype(jnp.int8)
+  key, weight, _ = embed_op.lookup_keys(ids, 300, "ONE_HOT")
+  dropped = jax.random.bernoulli(k[4], 0.2, key.shape)
+  key = jnp.where(dropped, -1, key)
+  weight = jnp.where(dropped, 0, weight)
+  assert int(weight.max()) == 2 and int(weight.min()) == 0
+  rows = problems.normal(k[3], (7, 5, 4))
+  rows = jnp.where((weight > 0)[..., None], rows, 0)
+  return {
+      "sequence": lambda cfg: kernels.ghost_gram(x, d, cfg),
+      "embed_ghost": lambda cfg: embed_op.ghost_gram(key, weight, rows, cfg),
+      "embed_segment": lambda cfg: embed_op.segment_gram(key, weight, rows,
+                                                         cfg),
+  }
+
+
+@_CPU_ONLY
+@pytest.mark.parametrize("budget", [10**9, 700, 150, 20])
+def test_pair_kernels_from_blocks_match_every_pair(budget, monkeypatch):
+  cfg = kernels.KernelConfig(memory_budget_bytes=budget,
+                             precision=jax.lax.Precision.HIGHEST)
+  kernels_ = _pair_kernels(budget)
+  full = {n: np.asarray(f(cfg)) for n, f in kernels_.items()}
+  monkeypatch.setattr(kernels, "SYMMETRIC_MIN_ROWS", 1)
+  monkeypatch.setattr(kernels, "SYMMETRIC_BLOCKS", 3)
+  for name, f in kernels_.items():
+    got = np.asarray(jax.jit(lambda f=f: f(cfg))())
+    # Float32 sums in another order: to a few ulps of the largest entry.
+    np.testing.assert_allclose(got, full[name], rtol=1e-6,
+                               atol=1e-6 * np.abs(full[name]).max(),
+                               err_msg=name)
+    np.testing.assert_array_equal(got, got.T, err_msg=name)
+    assert np.abs(got).max() > 0
+
+
+def _sequence_and_embedding_net(ids, x):
+  h = hk.Embed(11, 4)(ids) + hk.Linear(4)(x)
+  return jnp.sum(jnp.tanh(hk.Linear(3, with_bias=False)(h)) ** 2)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "materialize"])
+def test_sequence_models_from_blocks_match_the_reference(strategy,
+                                                         monkeypatch):
+  # Per-example losses over T = 6 positions: the linear layers' sequence
+  # kernels and the embedding's forms (ghost; segment where the dense
+  # per-example gradients exceed the budget) from blocks of 3, 3 and 3
+  # examples, against the reference.
+  monkeypatch.setattr(kernels, "SYMMETRIC_MIN_ROWS", 1)
+  monkeypatch.setattr(kernels, "SYMMETRIC_BLOCKS", 3)
+  b, t = 9, 6
+  ids = problems.randint(jax.random.PRNGKey(0), (b, t), 0, 11)
+  x = problems.normal(jax.random.PRNGKey(1), (b, t, 5))
+
+  def loss(ids, x):
+    with gram_haiku.track(strategy=strategy, memory_budget_bytes=600):
+      return _sequence_and_embedding_net(ids, x)
+  f = hk.transform_with_state(loss)
+  params, state = f.init(jax.random.PRNGKey(2), ids, x)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, ids, x)
+  plain = hk.transform(_sequence_and_embedding_net)
+  ref = reference_gram(lambda p, ids, x: plain.apply(p, None, ids, x),
+                       params, ids, x)
+  assert_gram_close(grams.total, ref)
+  for g in jax.tree_util.tree_leaves(grams.by_layer):
+    np.testing.assert_array_equal(g, np.asarray(g).T)
+
+
+@_CPU_ONLY
+def test_sequence_kernels_at_the_threshold_take_the_upper_blocks():
+  # Lowered only (not run): at B = 1027 and T = 2 the sequence ghost kernel
+  # and the embedding's ghost form evaluate blocks of about 257 examples on
+  # the CPU, every pair of examples at once elsewhere.
+  b, t = kernels.SYMMETRIC_MIN_ROWS + 3, 2
+
+  def loss(ids, x):
+    with gram_haiku.track(strategy="ghost"):
+      return _sequence_and_embedding_net(ids, x)
+  f = hk.transform_with_state(loss)
+  ids = jnp.zeros((b, t), jnp.int32)
+  x = jnp.zeros((b, t, 5))
+  params, state = f.init(jax.random.PRNGKey(0), ids[:2], x[:2])
+  vgg = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
+  cpu = _product_shapes(vgg, "cpu", params, state, None, ids, x)
+  tpu = _product_shapes(vgg, "tpu", params, state, None, ids, x)
+  block, whole = "tensor<257x2x257x2xf32>", f"tensor<{b}x2x{b}x2xf32>"
+  assert block in cpu and whole not in cpu
+  assert whole in tpu and block not in tpu

@@ -564,9 +564,13 @@ class ContractionRules:
       kind, pos, s = real
       return [SUM if kind == "contracted" else
               dataclasses.replace(s, dim=pos)]
-    if k1 == k2 == "batch" and p1 == p2 and s1 == s2:
+    # The same examples (in the same order, merged alike) paired by one
+    # batch or contracting dimension; each operand may hold them on an axis
+    # of its own (q (B, T, D) against keys (T, B, D), batch dims (0, 1)).
+    same = dataclasses.replace(s1, dim=0) == dataclasses.replace(s2, dim=0)
+    if k1 == k2 == "batch" and p1 == p2 and same:
       return [dataclasses.replace(s1, dim=p1)]
-    if k1 == k2 == "contracted" and p1 == p2 and s1 == s2:
+    if k1 == k2 == "contracted" and p1 == p2 and same:
       return [SUM]  # sum_i f(x_i) g(x_i)
     return [MIXED]  # e.g. x x^T over the batch: pairs of examples
 

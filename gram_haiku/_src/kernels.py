@@ -140,13 +140,20 @@ def check_mergeable(n, shape) -> None:
 
 def rows(a: jax.Array, *tail: int) -> jax.Array:
   """``a: (B, ...)`` as ``(B, n, *tail)``: ``reshape(B, -1, *tail)`` that
-  also holds for an empty batch (``B = 0``), where ``-1`` is undefined.
+  also holds for an empty batch (``B = 0``) or an empty tail (a layer
+  without inputs: zero features), where ``-1`` is undefined. With an empty
+  tail, ``a``'s own trailing axes are the tail and ``n`` merges the rest.
 
   Raises:
     ValueError: where ``n`` is symbolic and cannot be merged
       (:func:`check_mergeable`).
   """
-  n = math.prod(a.shape[1:]) // max(math.prod(tail), 1)
+  k = len(tail)
+  if (k and all(isinstance(v, int) for v in tail) and math.prod(tail) == 0
+      and tuple(a.shape[a.ndim - k:]) == tuple(tail)):
+    n = math.prod(a.shape[1:a.ndim - k])
+  else:
+    n = math.prod(a.shape[1:]) // max(math.prod(tail), 1)
   check_mergeable(n, a.shape)
   return a.reshape((a.shape[0], n) + tuple(tail))
 
@@ -251,6 +258,55 @@ def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
     return jnp.moveaxis(out, 0, 1).reshape(1, -1)[:, :c]
   return map_row_blocks(one_row, 1, row_arrays)
 
+
+
+def map_symmetric_pairs(fn, arrays, col_index: tuple[int, ...],
+                        per_pair_bytes: int, cfg: KernelConfig):
+  """:func:`map_pair_blocks` for a symmetric kernel of one set of examples.
+
+  ``fn(*row_block, *col_block) -> (R, C)`` with the rows ``arrays`` and
+  the columns ``arrays[k] for k in col_index``, and ``G[i, j] = G[j, i]``.
+  Where :func:`uses_symmetry` holds and the program is compiled for the
+  CPU, the pairs of example blocks ``I <= J`` only (10 of 16), one after
+  the other in a ``lax.scan`` (so that one pair's intermediates, within the
+  memory budget, are live at a time), each diagonal block averaged with
+  its transpose (a sum over pairs of positions is symmetric only up to
+  rounding), the lower blocks mirrored; elsewhere :func:`map_pair_blocks`
+  over all pairs.
+  """
+  def pairs(*blocks):
+    rows, cols = blocks[:len(arrays)], blocks[len(arrays):]
+    return map_pair_blocks(fn, rows, tuple(cols[k] for k in col_index),
+                           per_pair_bytes, cfg)
+  if not uses_symmetry(cfg, *arrays):
+    return pairs(*arrays, *arrays)
+  return lax.platform_dependent(
+      *arrays, cpu=lambda *a: _scanned_upper_blocks(pairs, a),
+      default=lambda *a: pairs(*a, *a))
+
+
+def _scanned_upper_blocks(fn, arrays) -> jax.Array:
+  """:func:`symmetric_blocks` with the block pairs in a ``lax.scan`` and
+  each diagonal block averaged with its transpose (halves first: no
+  overflow of the sum); the examples zero-padded to ``n`` equal blocks (the
+  padding's rows and columns are dropped at the end)."""
+  b = arrays[0].shape[0]
+  n = max(1, min(SYMMETRIC_BLOCKS, b))
+  size = -(-b // n)
+  split = blocked(arrays, size)  # (n, size, ...) each
+  upper = [(i, j) for i in range(n) for j in range(i, n)]
+  rows = jnp.asarray([i for i, _ in upper])
+  cols = jnp.asarray([j for _, j in upper])
+
+  def one(_, ij):
+    i, j = ij
+    g = fn(*(a[i] for a in split), *(a[j] for a in split))
+    return None, jnp.where(i == j, 0.5 * g + 0.5 * g.T, g)
+  _, out = lax.scan(one, None, (rows, cols))  # (pairs, size, size)
+  index = {ij: k for k, ij in enumerate(upper)}
+  grid = [[out[index[i, j]] if i <= j else out[index[j, i]].T
+           for j in range(n)] for i in range(n)]
+  return jnp.block(grid)[:b, :b]
 
 
 def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
@@ -382,14 +438,14 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   per_pair = 2 * t_hint * t_hint * itemsize  # kx and kd for one pair (i, j)
   precision = cfg.precision
   if per_pair <= budget:
-    return map_pair_blocks(
+    return map_symmetric_pairs(
         lambda xi, di, xj, dj: _ghost_rows(xi, di, xj, dj, precision),
-        (x, d), (x, d), per_pair, cfg)
+        (x, d), (0, 1), per_pair, cfg)
   tau = max(1, math.isqrt(budget // (2 * itemsize)))
-  return map_pair_blocks(
+  return map_symmetric_pairs(
       lambda xi, di, xj, dj: _ghost_time_blocked(xi, di, xj, dj, tau,
                                                  precision),
-      (x, d), (x, d), 2 * tau * tau * itemsize, cfg)
+      (x, d), (0, 1), 2 * tau * tau * itemsize, cfg)
 
 
 
@@ -466,8 +522,11 @@ def per_example_linear_grads(x: jax.Array, d: jax.Array, with_bias: bool,
   outer product, a broadcast multiply that XLA fuses with its consumer.
   """
   if with_bias:
-    # ones_like keeps x's sharding (rows placed on an Explicit mesh).
-    x = jnp.concatenate([x, jnp.ones_like(x[..., :1])], axis=-1)
+    # ones_like keeps x's sharding (rows placed on an Explicit mesh); a
+    # layer of no inputs (N = 0) has no column to take it from.
+    one = (jnp.ones_like(x[..., :1]) if x.shape[-1] != 0 else
+           jnp.ones(x.shape[:-1] + (1,), x.dtype))
+    x = jnp.concatenate([x, one], axis=-1)
   if x.shape[1] == 1:
     return x[:, 0, :, None] * d[:, 0, None, :]
   return jnp.einsum("itn,itm->inm", x, d, precision=precision)

@@ -215,8 +215,10 @@ def ghost_gram(key, weight, d, cfg: KernelConfig):
     kd = jnp.where(match, kd, 0) * wi[:, :, None, None]
     return jnp.sum(kd, axis=(1, 3))
   per_pair = 3 * cost_model.size_hint(t) ** 2 * jnp.dtype(acc).itemsize
-  return kernels.map_pair_blocks(pairs, (key, weight.astype(acc), d),
-                                 (key, d), per_pair, cfg)
+  # Symmetric: a pair of positions matches only at one key, whose weight
+  # both share.
+  return kernels.map_symmetric_pairs(pairs, (key, weight.astype(acc), d),
+                                     (0, 2), per_pair, cfg)
 
 
 def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
@@ -320,8 +322,8 @@ def segment_gram(key, weight, d, cfg: KernelConfig):
     return jnp.sum(jnp.where(hit, dots, 0) * wi[None], axis=2).T  # (R, C)
   per_pair = cost_model.size_hint(t) * (2 * dim * jnp.dtype(acc).itemsize
                                        + 16)
-  return kernels.map_pair_blocks(pairs, (ukey, uweight, rows), (ukey, rows),
-                                 per_pair, cfg)
+  return kernels.map_symmetric_pairs(pairs, (ukey, uweight, rows), (0, 2),
+                                     per_pair, cfg)
 
 
 def segment_sq_norms(key, weight, d):
