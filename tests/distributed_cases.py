@@ -783,6 +783,31 @@ def case_mesh_argument_errors():
                              in_specs=(P(), P(), P(("a", "b"))),
                              out_specs=P(("a", "b")))
   expect(lambda: inside_map(params, state, x), "called inside shard_map")
+
+  # An RNN whose zero initial state is not cast to varying: JAX refuses the
+  # scan carry inside the shard_map that mesh= builds; the error says so.
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  def rnn_loss(x):
+    core = hk.GRU(3)
+    with gram_haiku.track():
+      out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1),
+                                 core.initial_state(x.shape[0]))
+    return jnp.sum(out ** 2)
+  rnn = hk.transform_with_state(rnn_loss)
+  xr = jax.random.normal(jax.random.PRNGKey(0), (8, 4, 3))
+  rnn_params, rnn_state = rnn.init(jax.random.PRNGKey(1), xr)
+  try:
+    gram_haiku.value_grad_and_gram(rnn.apply, mesh=mesh)(
+        rnn_params, rnn_state, None, xr)
+  except TypeError as e:
+    for fragment in ("gram_haiku.value_grad_and_gram(mesh=...",
+                     "jax.lax.pcast(s, ('a', 'b'), to='varying')",
+                     "JAX's error: scan body function carry"):
+      assert fragment in str(e), (fragment, str(e))
+  else:
+    raise AssertionError("no error for an unvarying scan carry")
   return {}
 
 

@@ -1916,3 +1916,26 @@ def test_a_batch_of_one_still_checks_the_example_axis():
   y = problems.normal(jax.random.PRNGKey(6), (1, T, 3))
   with pytest.raises(ValueError, match="example axis"):
     _run(_time_major, x, y)
+
+
+def _batch_term_in_every_loss(x, y):  # (l_i + c).sum(), c a batch mean
+  out = hk.Linear(3)(x)
+  per = jnp.sum((out - y) ** 2, axis=(1, 2))
+  return jnp.sum(per + 0.1 * jnp.mean(out ** 2))
+
+
+def _batch_term_once(x, y):  # the same total, the batch term added once
+  out = hk.Linear(3)(x)
+  per = jnp.sum((out - y) ** 2, axis=(1, 2))
+  return jnp.sum(per) + 0.1 * x.shape[0] * jnp.mean(out ** 2)
+
+
+def test_a_batch_term_in_every_loss_is_refused_with_the_rewrite():
+  x, y = _data(8)
+  with pytest.raises(ValueError, match=r"batch-wide term added to every "
+                     r"example's\s+loss"):
+    _run(_batch_term_in_every_loss, x, y)
+  params, (_, _, grams) = _run(_batch_term_once, x, y)
+  plain = hk.without_apply_rng(hk.transform(_batch_term_in_every_loss))
+  # Per example (a batch of one), both forms are l_i + 0.1 mean(out_i^2).
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))

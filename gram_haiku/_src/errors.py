@@ -238,6 +238,19 @@ MESH_AXES_NOT_IN_MESH = (
     "What to do: name mesh axes of this mesh (the ones the examples are to "
     "be split over), or leave mesh_axes out to split them over all of them.")
 
+MESH_SCAN_CARRY = (
+    "gram_haiku.{fn}(mesh=..., mesh_axes={axes}): the loss runs inside a "
+    "jax.shard_map "
+    "over {axes}, where the examples, and every value computed from them, "
+    "vary over those axes; a lax.scan (hk.dynamic_unroll, hk.scan) whose "
+    "carry starts from a value that does not (an RNN's zero initial state) "
+    "then returns a carry of another type, which JAX refuses (its error "
+    "follows). The untracked model fails the same way under shard_map.\n"
+    "What to do: cast the initial carry to varying where the model runs "
+    "under the mesh, e.g. state = jax.tree.map(lambda s: jax.lax.pcast(s, "
+    "{axes}, to='varying'), core.initial_state(batch_size)).\n"
+    "JAX's error: {error}")
+
 MESH_SPLIT_SIZE = (
     "gram_haiku.{fn}(mesh=..., mesh_axes={axes}): a batch array of shape "
     "{shape} has {size} examples along axis {axis}, which {n} "
@@ -466,8 +479,10 @@ LOSS_COUPLED = (
     "of per-example terms written in a way this check cannot follow (the "
     "Gram of the outputs: jnp.trace(out @ out.T); a reshape that moves the "
     "examples off axis 0, applied alike to outputs and labels; a "
-    "convolution of the losses), write each example's term out: "
-    "jnp.sum(out * out), or the same on the unreshaped arrays. A weight that "
+    "convolution of the losses; a batch-wide term added to every example's "
+    "loss before the sum, (l + jnp.mean(out ** 2)).sum()), write each "
+    "example's term out: jnp.sum(out * out), the same on the unreshaped "
+    "arrays, or l.sum() + B * jnp.mean(out ** 2). A weight that "
     "is computed from the batch but must not be differentiated (a "
     "normaliser, a batch softmax of the losses) goes in "
     "jax.lax.stop_gradient: the loss is then a weighted sum of per-example "

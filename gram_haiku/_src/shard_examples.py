@@ -168,8 +168,14 @@ def shard_examples(fn: Callable[..., Any], *, mesh, axes: AxisNames,
       return [hx.vary_over(l[None], axes) for l in out_leaves]
 
     in_specs = (P(), P(), specs)
-    jax.eval_shape(jax.shard_map(first, mesh=mesh, in_specs=in_specs,
-                                 out_specs=P(entry)), params, state, arrays)
+    try:
+      jax.eval_shape(jax.shard_map(first, mesh=mesh, in_specs=in_specs,
+                                   out_specs=P(entry)), params, state, arrays)
+    except TypeError as e:
+      if "carry" not in str(e) or "vary" not in str(e).lower():
+        raise
+      raise TypeError(errors.MESH_SCAN_CARRY.format(
+          fn=fn_name, axes=axes, error=str(e).split("\n")[0])) from e
     kinds = found["kinds"]
     # Rows are split along axis 0; per-device values along their new axis 0.
     out_specs = [P() if k == SAME else P(entry) for k in kinds]
