@@ -189,6 +189,28 @@ def assert_gram_close(got, ref, dtype: str = "float32", *,
       err_msg=f"{what} differs from the reference F @ F.T ({dtype})")
 
 
+def assert_probe_value_close(mode: str, value, ref, *,
+                             norms_rtol: float) -> None:
+  """A probe's cotangent in ``mode`` against the reference Gram ``ref``:
+  the Gram itself (``"gram"``, :func:`assert_gram_close`), its diagonal
+  (``"norms"``, to ``norms_rtol``), or per-example gradients ``F`` whose
+  ``F @ F.T`` is the Gram (``"per_example"``: their order is not checked).
+
+  Raises:
+    AssertionError: as :func:`assert_gram_close`, or ValueError for an
+      unknown ``mode``.
+  """
+  if mode == "gram":
+    assert_gram_close(value, ref)
+  elif mode == "norms":
+    np.testing.assert_allclose(value, np.diag(ref), rtol=norms_rtol)
+  elif mode == "per_example":
+    value = np.asarray(value, np.float64)
+    assert_gram_close(value @ value.T, ref)
+  else:
+    raise ValueError(f"Unknown mode {mode!r}.")
+
+
 #: The float32 and bfloat16 rows of :data:`TOLERANCES`, by name.
 RTOL_F32, ATOL_F32 = TOLERANCES["float32"]
 RTOL_BF16 = TOLERANCES["bfloat16"][0]

@@ -336,17 +336,13 @@ def _patches_and_cotangents(spec: ConvSpec, x, g, w, acc):
   # axis may be sharded, and the second reshape then leaves it alone.
   patches = explicit_mesh.split_leading(patches, lead)
   gb = explicit_mesh.split_leading(gb, lead)
+  # Features (k, f, cg) regrouped as (f, (k, cg)); with one group a
+  # transpose of a unit axis, which moves no data.
   taps = math.prod(kernel)
-  if groups == 1:
-    patches = explicit_mesh.reshape_rows(
-        patches, lead + (t, 1, patches.shape[-1]))
-  else:  # Features (k, f, cg) regrouped as (f, (k, cg)).
-    cg = patches.shape[-1] // (taps * groups)
-    patches = explicit_mesh.reshape_rows(
-        patches, lead + (t, taps, groups, cg))
-    patches = jnp.swapaxes(patches, -3, -2)
-    patches = explicit_mesh.reshape_rows(
-        patches, patches.shape[:-2] + (taps * patches.shape[-1],))
+  cg = patches.shape[-1] // (taps * groups)
+  patches = explicit_mesh.reshape_rows(patches, lead + (t, taps, groups, cg))
+  patches = jnp.swapaxes(patches, -3, -2)
+  patches = explicit_mesh.reshape_rows(patches, lead + (t, groups, taps * cg))
   gb = explicit_mesh.reshape_rows(
       gb, lead + (t, groups, gb.shape[-1] // groups))
   return patches, gb
