@@ -4,7 +4,7 @@
 
 For each convolution of the benchmarks' CNN (``models.CNN_BLOCKS`` on
 32x32x3 images, ``B = 64``), the per-example kernel gradients and their
-Gram ``F F^T``, formed four ways, against the layer's plain backward pass
+Gram ``F F^T``, formed several ways, against the layer's plain backward pass
 (input and kernel gradients of the summed loss):
 
 * ``patches``: the library's path, :func:`gram_haiku._src.ops.conv.im2col`
@@ -14,7 +14,16 @@ Gram ``F F^T``, formed four ways, against the layer's plain backward pass
 * ``vmap``: ``jax.vmap`` over examples of the kernel's VJP, which JAX
   lowers to one convolution with the examples as feature groups;
 * ``patches_t``: the patches and cotangents transposed first, so that the
-  positions are the minor axis of both operands of the product.
+  positions are the minor axis of both operands of the product;
+* ``patches_cm``: the input transposed once to channels-first, its tap
+  slices concatenated along the channels, so that the patches come out
+  ``[B, (k, c), T]`` with the positions minor (one transpose of the input
+  instead of one of the ``|K|`` times larger patches);
+* ``phases``: the patches from unit-stride slices: each spatial axis of
+  the padded input split as ``(L / s, s)`` with the phase axes moved
+  ahead (one transpose of the input), so that a tap starting at
+  ``s q + r`` is phase ``r`` from ``q`` on. A strided slice along a
+  TPU's sublanes is a gather; these are not.
 
 Each is checked against the per-tap kernel at ``HIGHEST`` precision (the
 Gram to ``--rtol``) before it is timed. Times are device time a step (:mod:`benchmarks.device_time`: ``k``
@@ -40,7 +49,7 @@ from gram_haiku._src.ops.conv import im2col
 
 #: ``vmap`` last: on a TPU v5e its program at ``HIGHEST`` had not compiled
 #: after 150 s, so the others are measured (and printed) first.
-KERNELS = ("patches", "taps", "patches_t", "vmap")
+KERNELS = ("patches", "taps", "patches_t", "patches_cm", "phases", "vmap")
 _DN = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 
 
@@ -68,6 +77,24 @@ def _tap_slices(x, d, stride: int):
           for a, b in itertools.product(range(3), range(3))]
 
 
+def _phase_patches(x, stride: int, ho: int, wo: int):
+  """``[B, ho, wo, 9 C]`` 3x3 SAME patches, tap-major, by unit-stride
+  slices of the input split into stride phases."""
+  b, h, w, c = x.shape
+  s = stride
+  pads = lax.padtype_to_pads((h, w), (3, 3), (s, s), "SAME")
+  hp = -(-(h + sum(pads[0])) // s) * s
+  wp = -(-(w + sum(pads[1])) // s) * s
+  xp = jnp.pad(x, ((0, 0), (pads[0][0], hp - h - pads[0][0]),
+                   (pads[1][0], wp - w - pads[1][0]), (0, 0)))
+  xr = xp.reshape(b, hp // s, s, wp // s, s, c).transpose(0, 2, 4, 1, 3, 5)
+  taps = []
+  for a, bb in itertools.product(range(3), range(3)):
+    (qa, ra), (qb, rb) = divmod(a, s), divmod(bb, s)
+    taps.append(xr[:, ra, rb, qa:qa + ho, qb:qb + wo, :])
+  return jnp.concatenate(taps, axis=-1)
+
+
 def _patches(x, d, stride: int):
   p = im2col(x, (3, 3), window_strides=(stride, stride), padding="SAME",
              lhs_dilation=(1, 1), rhs_dilation=(1, 1))
@@ -90,6 +117,31 @@ def per_example_step(kernel: str, stride: int, precision) -> Callable:
         "int,imt->inm", jnp.swapaxes(p, 1, 2), jnp.swapaxes(dd, 1, 2),
         precision=precision), precision)
 
+  def patches_cm(w, x, d):
+    del w
+    xt = jnp.moveaxis(x, -1, 1)  # [B, C, H, W]
+    pads = lax.padtype_to_pads(x.shape[1:3], (3, 3), (stride, stride),
+                               "SAME")
+    xp = jnp.pad(xt, ((0, 0), (0, 0), pads[0], pads[1]))
+    ho, wo = d.shape[1], d.shape[2]
+    p = jnp.concatenate(
+        [lax.slice(xp, (0, 0, a, b),
+                   (x.shape[0], x.shape[3], a + (ho - 1) * stride + 1,
+                    b + (wo - 1) * stride + 1), (1, 1, stride, stride))
+         for a, b in itertools.product(range(3), range(3))], axis=1)
+    p = p.reshape(p.shape[0], p.shape[1], -1)  # [B, (k, c), T]
+    dd = d.reshape(d.shape[0], -1, d.shape[-1])
+    return _sum_and_gram(jnp.einsum("int,itm->inm", p, dd,
+                                    precision=precision), precision)
+
+  def phases(w, x, d):
+    del w
+    p = _phase_patches(x, stride, d.shape[1], d.shape[2])
+    p = p.reshape(p.shape[0], -1, p.shape[-1])
+    dd = d.reshape(d.shape[0], -1, d.shape[-1])
+    return _sum_and_gram(jnp.einsum("itn,itm->inm", p, dd,
+                                    precision=precision), precision)
+
   def taps(w, x, d):
     del w
     per = jnp.stack([jnp.einsum("ihwc,ihwo->ico", t, d, precision=precision)
@@ -102,8 +154,16 @@ def per_example_step(kernel: str, stride: int, precision) -> Callable:
                      w)[1](di[None])[0]
     return _sum_and_gram(jax.vmap(one)(x, d), precision)
 
-  return {"patches": patches, "patches_t": patches_t, "taps": taps,
+  return {"patches": patches, "patches_t": patches_t,
+          "patches_cm": patches_cm, "phases": phases, "taps": taps,
           "vmap": vmapped}[kernel]
+
+
+def _all_args(step: Callable) -> Callable:
+  """``step`` on one tuple of its arguments, so that the runtime zero of
+  :func:`device_time.looped` perturbs all of them: the per-example kernels
+  do not read ``w``, and a loop-invariant step would be hoisted."""
+  return lambda args: step(*args)
 
 
 def plain_step(stride: int) -> Callable:
@@ -141,8 +201,9 @@ def measure(kernels: Sequence[str] = KERNELS, *, batch_size: int = 64,
     d = jax.random.normal(k3, (batch_size, out, out, cout))
     ref = jax.jit(per_example_step("taps", stride, lax.Precision.HIGHEST))(
         w, x, d)[1]
-    plain = device_time.step_device_s(plain_step(stride), (w, x, d), k=k,
-                                      reps=reps, calls=calls)
+    plain = device_time.step_device_s(_all_args(plain_step(stride)),
+                                      ((w, x, d),), k=k, reps=reps,
+                                      calls=calls)
     layer = f"{cin}->{cout}/s{stride}"
     yield {"layer": layer, "kernel": "plain", "device_s": plain,
            "ratio": 1.0, "gram_rel_err": 0.0}
@@ -153,8 +214,8 @@ def measure(kernels: Sequence[str] = KERNELS, *, batch_size: int = 64,
       if not err <= rtol:
         raise AssertionError(f"{name} on layer {layer}: Gram relative "
                              f"error {err:.2e} > {rtol:.0e}")
-      t = device_time.step_device_s(step, (w, x, d), k=k, reps=reps,
-                                    calls=calls)
+      t = device_time.step_device_s(_all_args(step), ((w, x, d),), k=k,
+                                    reps=reps, calls=calls)
       yield {"layer": layer, "kernel": name, "device_s": t,
              "ratio": t / plain if plain > 0 else float("nan"),
              "gram_rel_err": err}
