@@ -99,9 +99,11 @@ def test_untracked_warns_once_per_parameter():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("path", ["value_grad_and_gram", "raw"])
+@pytest.mark.parametrize("path", ["value_grad_and_gram", "raw",
+                                  "reweighted_grad", "clipped_grad"])
 def test_untracked_warning_points_at_the_users_code(path, jit, monkeypatch):
-  # Not into JAX or Haiku, under jit or not: value_grad_and_gram reports
+  # Not into JAX, Haiku or jax-privacy (whose BoundedSensitivityCallable
+  # wraps clipped_grad), under jit or not: value_grad_and_gram reports
   # after tracing, at the user's call; the raw path at the read itself.
   monkeypatch.setattr(coverage_lib, "_WARNED", set())
   x, y = problems.data(40, (4, 3), 2)
@@ -112,12 +114,19 @@ def test_untracked_warning_points_at_the_users_code(path, jit, monkeypatch):
       return jnp.sum((hk.Linear(2)(x) * s - y) ** 2)
   f = hk.transform_with_state(loss)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  fn = (gram_haiku.value_grad_and_gram(f.apply) if path != "raw"
-        else f.apply)
+  fn = {"value_grad_and_gram": gram_haiku.value_grad_and_gram(f.apply),
+        "raw": f.apply,
+        "reweighted_grad": gram_haiku.reweighted_grad(
+            f.apply, lambda g: jnp.ones_like(g.norms)),
+        "clipped_grad": gram_haiku.clipped_grad(f.apply, 1.0)}[path]
   fn = jax.jit(fn) if jit else fn
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    fn(params, state, None, x, y)
+    try:
+      fn(params, state, None, x, y)
+    except ValueError as e:  # A weighted sum needs every parameter's.
+      assert path in ("reweighted_grad", "clipped_grad"), e
+      assert "stray" in str(e), e
   (w,) = [w for w in caught
           if issubclass(w.category, gram_haiku.UntrackedParameterWarning)]
   assert w.filename == __file__, (w.filename, w.lineno)

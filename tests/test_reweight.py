@@ -202,6 +202,87 @@ def test_one_number_per_layer_is_split(split):
   np.testing.assert_allclose(aux.fraction_clipped, clipped_any.mean())
 
 
+def _stacked(x):
+  h = hk.layer_stack(3)(lambda h: h + jnp.tanh(hk.Linear(5)(h)))(x)
+  return hk.Linear(3, name="head")(h)
+
+
+def _called_twice(x):
+  shared = hk.Linear(5)
+  return hk.Linear(3, name="head")(jnp.tanh(shared(jnp.tanh(shared(x)))))
+
+
+def _getter(x):
+  def scaled(next_getter, value, context):
+    out = next_getter(value)
+    return out * 1.5 if context.name == "w" else out
+  with hk.custom_getter(scaled):
+    h = jnp.tanh(hk.Linear(5)(x))
+  return hk.Linear(3, name="head")(h)
+
+
+def _stacked_scan(x):
+  h = hk.layer_stack(2, unroll=2)(
+      lambda h: jnp.tanh(hk.LayerNorm(-1, True, True)(hk.Linear(5)(h))))(x)
+  return hk.Linear(3, name="head")(h)
+
+
+@pytest.mark.parametrize("model", [_stacked, _called_twice, _getter,
+                                   _stacked_scan])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_by_size_counts_the_parameters_a_module_owns(model, frozen):
+  # The sizes "by_size" and a split function see are each module's
+  # parameter count in params (frozen ones left out), not what one call of
+  # its op sees: one layer's slice inside hk.layer_stack, one read of a
+  # module called twice, the getter's output. Checked on the thresholds
+  # through the clipped sum, against vmap(grad).
+  x, y = problems.data(4, (6, 5), 3)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      return problems.sq(model(x), y)
+  f = hk.transform_with_state(loss)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(2), x, y)
+  plain = hk.transform(lambda x, y: problems.sq(model(x), y))
+  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
+      p, None, x, y), params, x, y), np.float64)
+  groups = column_groups(params)
+  # Freeze the bias of a module other than the head: a stacked one's is
+  # [L, 5].
+  cold = min(m for m in groups if m != "head" and "b" in params[m])
+  sizes = {m: cols.stop - cols.start for m, cols in groups.items()}
+  if frozen:  # its gradient is zero
+    sizes[cold] -= params[cold]["b"].size
+    start = groups[cold].start  # a module's leaves in name order: b, w
+    ref[:, start:start + params[cold]["b"].size] = 0.0
+  seen = {}
+
+  def spy(s):
+    seen.update(s)
+    return {m: np.sqrt(n) for m, n in s.items()}
+  kwargs = dict(clipping="per-layer")
+  if frozen:
+    kwargs["frozen"] = cold + "/b"
+  c_total = 0.05
+  got = {}
+  for split in ("by_size", spy):
+    clipped = gram_haiku.clipped_grad(f.apply, c_total, layer_split=split,
+                                      **kwargs)
+    got[split if isinstance(split, str) else "spy"] = jax.jit(clipped)(
+        params, state, None, x, y)[0]
+  assert seen == sizes
+  norm = np.sqrt(sum(sizes.values()))
+  want = np.zeros(ref.shape[1])
+  for m, cols in groups.items():
+    n = np.sqrt(np.sum(ref[:, cols] ** 2, axis=1))
+    c_l = c_total * np.sqrt(sizes[m]) / norm
+    assert np.all(n > c_l), "a case where every example is clipped"
+    want[cols] = clip_reference(n, c_l) @ ref[:, cols]
+  for name, grads in got.items():
+    _assert_tree_close(grads, weighted_sum(want[None], [1.0], params),
+                       RTOL)
+
+
 def test_bad_layer_splits_are_errors():
   f, params, state, batch, _ = _mlp()
   with pytest.raises(ValueError, match="layer_split='thirds'"):

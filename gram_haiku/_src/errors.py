@@ -417,18 +417,20 @@ _LOOP_OVER_EXAMPLES = (
 
 EXAMPLE_AXIS_NOT_EXAMPLES = (
     "gram_haiku: the tracked layer '{module}' takes axis {position} of its "
-    "input (shape {shape}) as the example axis, but in the traced program "
+    "input (shape {shape}, as the layer sees it: inside a vmap, without the "
+    "vmapped axes) as the example axis, but in the traced program "
     "that input {found}. Its Gram would be over the wrong axis (a sequence, "
     "positions, an unbatched memory), silently wrong.\n"
-    "What to do: give the layer its input with the examples along that axis "
-    "(broadcast shared inputs such as positions to the batch: "
+    "What to do: if the layer runs inside a vmap over something other than "
+    "the examples (heads, positions, set elements), use "
+    "gram_haiku.track(example_axis=0) to take the explicit batch axis "
+    "(track(example_axis='<axis_name>') for a named vmap over the "
+    "examples). Otherwise give the layer its input with the examples along "
+    "that axis (broadcast shared inputs such as positions to the batch: "
     "jnp.broadcast_to(pos, (B,) + pos.shape), or apply the layer inside "
     "per-example code under hk.vmap over the examples, where such layers "
     "are exact; keep sequences batch-major), or apply the layer outside "
-    "gram_haiku.track(). Under an inner vmap "
-    "(over heads or set elements) track(example_axis=0) takes the explicit "
-    "batch axis instead, and track(example_axis='<axis_name>') a named "
-    "vmap over the examples. " + _LOOP_OVER_EXAMPLES)
+    "gram_haiku.track(). " + _LOOP_OVER_EXAMPLES)
 
 EXAMPLES_NOT_FOLLOWED = (
     "gram_haiku: the examples could not be followed through the traced "

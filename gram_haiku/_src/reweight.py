@@ -14,6 +14,7 @@ re-contracted from the same stores.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 import jax
@@ -323,6 +324,29 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
   return grads
 
 
+def _trainable_sizes(found, live, leaves, names, frozen_names
+                     ) -> dict[str, int]:
+  """Module name -> the number of trainable parameters it tracks, counted
+  on the parameter leaves it reads (directly, or through a reparametrising
+  getter's pull-back), each leaf once, frozen ones left out.
+
+  Counted on the leaves, not on the op's operands: inside ``hk.layer_stack``
+  the op sees one layer's slice of a ``[L, ...]`` leaf, and a module called
+  several times reads its leaves at every call. A module whose operands
+  reach no leaf at all keeps its op's count.
+  """
+  out = {}
+  for m in live:
+    ks = {k for k in found.param_leaves.get(m, ()) if k is not None}
+    pull = found.pullbacks.get(m)
+    if pull is not None:
+      ks |= set(pull.leaves)
+    ks = {k for k in ks if names[k] not in frozen_names}
+    out[m] = (sum(int(math.prod(jnp.shape(leaves[k]))) for k in sorted(ks))
+              if ks else found.ops[m].num_trainable_params())
+  return out
+
+
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         needs: str, has_aux: bool, axes: tuple[str, ...], frozen: Frozen,
         weight_fn: Optional[Callable[[Grams], jax.Array]] = None,
@@ -357,8 +381,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   live = sorted(m for m in t.probes if m in found.ops and m not in cold)
   found = _with_frozen(found, frozen_ops, live)
   t = dataclasses.replace(t, found=found)
-  layer_clips = (dict(clips({m: found.ops[m].num_trainable_params()
-                             for m in live}))
+  layer_clips = (dict(clips(_trainable_sizes(found, live, leaves, names,
+                                             frozen_names)))
                  if clips is not None else {})
   slotted = {m: u for m, u in slots_lib.slotted_modules(
       found, axes, params).items() if m in live}

@@ -1,8 +1,9 @@
 """Where a gram_haiku warning points: the user's line, not a library's.
 
 A warning is raised while the user's function is traced, deep inside JAX
-(``jax.jit``, ``jax.make_jaxpr``), Haiku (``transform``, interceptors) and
-gram_haiku itself, at a depth that differs between those paths; a fixed
+(``jax.jit``, ``jax.make_jaxpr``), Haiku (``transform``, interceptors),
+jax-privacy (whose ``BoundedSensitivityCallable`` wraps
+:func:`gram_haiku.clipped_grad`) and gram_haiku itself, at a depth that differs between those paths; a fixed
 ``stacklevel`` points into one of them. :func:`user_stacklevel` counts the
 frames up to the first one outside them instead.
 """
@@ -10,15 +11,27 @@ frames up to the first one outside them instead.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
 
 import haiku
 import jax
 
+
+def _package_dir(name: str) -> tuple[str, ...]:
+  """The directory of an installed package, found without importing it."""
+  spec = importlib.util.find_spec(name)
+  if spec is None or not spec.submodule_search_locations:
+    return ()
+  return tuple(os.path.abspath(d) + os.sep
+               for d in spec.submodule_search_locations)
+
+
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (sys.modules[__name__.split(".")[0]], jax, haiku, contextlib))
+    for m in (sys.modules[__name__.split(".")[0]], jax, haiku, contextlib)
+) + _package_dir("jax_privacy")
 
 
 def _in_library(filename: str) -> bool:
@@ -29,7 +42,7 @@ def _in_library(filename: str) -> bool:
 def user_stacklevel() -> int:
   """The ``warnings.warn`` ``stacklevel``, for a warning raised by the
   caller of this function, of the innermost frame outside gram_haiku, JAX,
-  Haiku and the standard library."""
+  Haiku, jax-privacy and the standard library."""
   level, frame = 1, sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None and _in_library(frame.f_code.co_filename):
     frame, level = frame.f_back, level + 1
