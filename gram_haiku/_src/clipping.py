@@ -194,7 +194,9 @@ def clipped_grad(apply_fn: Callable[..., Any], l2_clip_norm: Thresholds, *,
       (``C_l = C / sqrt(L)``), ``"by_size"`` (``C_l = C sqrt(P_l / P)``)
       or a function ``{module: number of parameters} -> {module: w_l}``
       of non-negative weights (``C_l = C w_l / sqrt(sum w^2)``); see
-      :func:`split_threshold`.
+      :func:`split_threshold`. ``P_l``: the trainable entries of the
+      module's parameters in ``params`` (an ``hk.layer_stack`` module's
+      whole stack).
     example_axes: as in :func:`gram_haiku.value_grad_and_gram`.
     mesh: as in :func:`gram_haiku.value_grad_and_gram`: ``g`` builds its
       own ``shard_map`` and takes the whole batch (``is_padding_example``
