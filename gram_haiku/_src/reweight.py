@@ -331,9 +331,9 @@ def _trainable_sizes(found, live, leaves, names, frozen_names
   getter's pull-back), each leaf once, frozen ones left out.
 
   Counted on the leaves, not on the op's operands: inside ``hk.layer_stack``
-  the op sees one layer's slice of a ``[L, ...]`` leaf, and a module called
-  several times reads its leaves at every call. A module whose operands
-  reach no leaf at all keeps its op's count.
+  the op sees one layer's slice of a ``[L, ...]`` leaf. A leaf counts once
+  however often the module reads it (a module called several times). A
+  module whose operands reach no leaf at all keeps its op's count.
   """
   out = {}
   for m in live:

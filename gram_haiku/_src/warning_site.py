@@ -3,9 +3,10 @@
 A warning is raised while the user's function is traced, deep inside JAX
 (``jax.jit``, ``jax.make_jaxpr``), Haiku (``transform``, interceptors),
 jax-privacy (whose ``BoundedSensitivityCallable`` wraps
-:func:`gram_haiku.clipped_grad`) and gram_haiku itself, at a depth that differs between those paths; a fixed
-``stacklevel`` points into one of them. :func:`user_stacklevel` counts the
-frames up to the first one outside them instead.
+:func:`gram_haiku.clipped_grad`) and gram_haiku itself, at a depth that
+differs between those paths; a fixed ``stacklevel`` points into one of
+them. :func:`user_stacklevel` counts the frames up to the first one
+outside them instead.
 """
 
 from __future__ import annotations
