@@ -1546,6 +1546,53 @@ def test_outer_products_of_outputs_with_every_label_are_refused():
   _assert_clipped_like_reference(grads, aux, flat, 1.0, params)
 
 
+def _head(x):
+  return hk.Linear(3, name="head")(jnp.tanh(hk.Linear(F, name="first")(x)))
+
+
+def _minus_label_mean(x, y):
+  return _sq(_head(x) - y.mean(0), 0.0)  # couples: mean
+
+
+def _minus_reversed_labels(x, y):
+  return 0.5 * jnp.sum((_head(x) - y[::-1]) ** 2)  # couples: reversed
+
+
+def _times_every_label(x, y):
+  return jnp.sum(jnp.einsum("btf,ctf->bc", _head(x), y) ** 2)  # couples: outer
+
+
+def _branch_on_example_0(x, y):
+  h = _head(x)
+  h = hk.cond(x[0, 0, 0] > -100.0, jnp.tanh, lambda h: h, h)  # couples: cond
+  return _sq(h, y)
+
+
+def _line_of(marker: str) -> int:
+  with open(__file__, encoding="utf-8") as f:
+    (line,) = [n for n, text in enumerate(f, 1)
+               if text.rstrip().endswith("# couples: " + marker)]
+  return line
+
+
+@pytest.mark.parametrize("body,marker,primitive", [
+    (_minus_label_mean, "mean", "sub"),
+    (_minus_reversed_labels, "reversed", "sub"),
+    (_times_every_label, "outer", "dot_general"),
+    (_branch_on_example_0, "cond", "cond"),
+])
+def test_data_coupling_errors_name_the_users_line(body, marker, primitive):
+  # Each way an example's loss can read other examples' data is refused
+  # with the primitive where the data meets the parameters' values and the
+  # line of the user's code that traced it (not JAX's or Haiku's).
+  x, y = _data(47)
+  with pytest.raises(ValueError, match="reads data of other examples") as e:
+    _clipped_run(body, x, y)
+  msg = str(e.value)
+  assert f"parameters' values in {primitive} (operands of shapes" in msg, msg
+  assert f"(at {__file__}:{_line_of(marker)})" in msg, msg
+
+
 def test_the_largest_segment_sum_is_refused():
   x, y = _data(45)
   with pytest.raises(ValueError, match="not a sum"):

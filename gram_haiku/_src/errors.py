@@ -580,7 +580,8 @@ REORDERED_ROWS_MEET_DATA = (
 DATA_COUPLED = (
     "gram_haiku.clipped_grad: an example's loss reads data of other "
     "examples ({state}: e.g. a batch mean of the labels or inputs, or rows "
-    "of another example). Its gradient then depends on other examples' "
+    "of another example; it meets the parameters' values in {where}). Its "
+    "gradient then depends on other examples' "
     "data, and clipping it does not bound one example's influence: the "
     "privacy guarantee would silently break.\n"
     "What to do: compute each example's loss from its own row only (a "

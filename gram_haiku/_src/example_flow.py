@@ -70,6 +70,14 @@ def _value_key(value: np.ndarray) -> tuple:
   return ("value", str(value.dtype), value.shape, value.tobytes())
 
 
+def _site(eqn) -> str:
+  """An equation for a message: its primitive, its operands' shapes and,
+  where JAX kept the traceback, the user's line that traced it."""
+  shapes = ", ".join(str(_shape(v)) for v in eqn.invars)
+  return (f"{eqn.primitive.name} (operands of shapes {shapes})"
+          + warning_site.user_line(hx.source_frames(eqn)))
+
+
 def _rows_paired(eqn, ins, deps) -> bool:
   """Whether a ``dot_general`` of the parameters' rows with data rows pairs
   each example's row with its own: the two example axes are a batch pair,
@@ -232,7 +240,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             s = CONST  # Data of several examples: input data (see above).
           elif any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type):
             raise ValueError(errors.DATA_COUPLED.format(
-                state="a value computed from several examples' data"))
+                state="a value computed from several examples' data",
+                where=_site(eqn)))
         ins_now.append(s)
       for v in eqn.outvars:  # (what an earlier round of a loop left)
         self._origin.pop((self._run, id(v)), None)
@@ -446,12 +455,13 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             any((p.dim, p.inner, p.outer, p.order) !=
                 (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
           raise ValueError(errors.DATA_COUPLED.format(
-              state="rows of other examples, or in another order"))
+              state="rows of other examples, or in another order",
+              where=_site(eqn)))
       if eqn.primitive.name == "dot_general" and not _rows_paired(
           eqn, ins, deps):
         raise ValueError(errors.DATA_COUPLED.format(
             state="a product of every example's outputs with every "
-            "example's data"))
+            "example's data", where=_site(eqn)))
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
 
@@ -468,7 +478,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
           eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
-          state="rows of other examples, or in another order"))
+          state="rows of other examples, or in another order",
+          where=_site(eqn)))
 
   def index_columns(self, v, n: int):
     """Per column of the index array ``v`` (its last axis, ``n`` wide): its

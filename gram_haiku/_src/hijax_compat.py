@@ -306,6 +306,17 @@ def jaxprs_of(eqn: Any) -> list:
   return out
 
 
+def source_frames(eqn: Any) -> tuple[tuple[str, int], ...]:
+  """``(file, line)`` of each frame of the Python stack that traced a
+  jaxpr equation, innermost first; ``()`` where JAX kept no traceback
+  (``eqn.source_info.traceback``, a jaxlib ``Traceback``)."""
+  try:
+    frames = eqn.source_info.traceback.frames
+    return tuple((str(f.file_name), int(f.line_num)) for f in frames)
+  except Exception:  # pylint: disable=broad-except
+    return ()  # No traceback, or its fields renamed: the message says less.
+
+
 _JAX_LOOPS = os.path.join("jax", "_src", "lax", "control_flow", "loops.py")
 _HK_LAYER_STACK = os.path.join("haiku", "_src", "layer_stack.py")
 

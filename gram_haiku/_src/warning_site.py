@@ -48,3 +48,13 @@ def user_stacklevel() -> int:
   while frame is not None and _in_library(frame.f_code.co_filename):
     frame, level = frame.f_back, level + 1
   return level
+
+
+def user_line(frames) -> str:
+  """``" (at file:line)"`` of the innermost of ``frames`` (``(file,
+  line)`` pairs, innermost first, e.g. :func:`hijax_compat.source_frames`)
+  outside the libraries, for an error message; ``""`` if there is none."""
+  for filename, line in frames:
+    if not _in_library(filename):
+      return f" (at {filename}:{line})"
+  return ""
