@@ -1593,6 +1593,28 @@ def test_data_coupling_errors_name_the_users_line(body, marker, primitive):
   assert f"(at {__file__}:{_line_of(marker)})" in msg, msg
 
 
+def _logsumexp_over_batch(x, y):
+  del y
+  return jax.nn.logsumexp(_head(x).sum((1, 2)))  # couples: logsumexp
+
+
+def _reversed_outputs_shuffled_labels(x, y):
+  return 0.5 * jnp.sum((_head(x)[::-1] - _SHUFFLE(y)) ** 2)  # couples: paired
+
+
+@pytest.mark.parametrize("body,marker,match", [
+    (_logsumexp_over_batch, "logsumexp", "is not a sum"),
+    (_reversed_outputs_shuffled_labels, "paired", "another order"),
+])
+def test_gram_coupling_errors_name_the_users_line(body, marker, match):
+  # value_grad_and_gram's refusals of a coupled loss say where too.
+  x, y = _data(48)
+  with pytest.raises(ValueError, match=match) as e:
+    _run(body, x, y)
+  msg = str(e.value)
+  assert f"(at {__file__}:{_line_of(marker)})" in msg, msg
+
+
 def test_the_largest_segment_sum_is_refused():
   x, y = _data(45)
   with pytest.raises(ValueError, match="not a sum"):

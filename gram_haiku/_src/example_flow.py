@@ -70,12 +70,18 @@ def _value_key(value: np.ndarray) -> tuple:
   return ("value", str(value.dtype), value.shape, value.tobytes())
 
 
+def _user_line(eqn) -> str:
+  """``" (at file:line)"``: the user's line that traced ``eqn``, where JAX
+  kept its traceback; else ``""``."""
+  return warning_site.user_line(hx.source_frames(eqn))
+
+
 def _site(eqn) -> str:
-  """An equation for a message: its primitive, its operands' shapes and,
-  where JAX kept the traceback, the user's line that traced it."""
+  """An equation for a message: its primitive, its operands' shapes and
+  the user's line that traced it (:func:`_user_line`)."""
   shapes = ", ".join(str(_shape(v)) for v in eqn.invars)
   return (f"{eqn.primitive.name} (operands of shapes {shapes})"
-          + warning_site.user_line(hx.source_frames(eqn)))
+          f"{_user_line(eqn)}")
 
 
 def _rows_paired(eqn, ins, deps) -> bool:
@@ -113,7 +119,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.unknown: set[str] = set()  # primitives not modelled, met by examples
     # Where reordered rows of the parameters' values met data rows in
     # another order: (primitive, operand shapes) of the first such equation.
-    self.paired_with_others: Optional[tuple[str, str]] = None
+    self.paired_with_others: Optional[tuple[str, str, str]] = None
     self.last_sites: Optional[list] = None  # of the last run's outputs
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
@@ -283,7 +289,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     inherited = combined_at[mixed[0]] if mixed else None
     inner = self.last_sites if hx.jaxprs_of(eqn) else None
     here = (eqn.primitive.name,
-            ", ".join(str(_shape(v)) for v in eqn.invars))
+            ", ".join(str(_shape(v)) for v in eqn.invars), _user_line(eqn))
     for k, (v, s) in enumerate(zip(eqn.outvars, outs)):
       if s == MIXED:
         sub = inner[k] if inner and k < len(inner) else None
@@ -475,7 +481,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if (param_order is not None and param_order != data_order and
         self.paired_with_others is None):
       self.paired_with_others = (
-          eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars))
+          eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars),
+          _user_line(eqn))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",
@@ -642,13 +649,14 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       raise ValueError(errors.EXAMPLES_SUBSET.format(
           module=module, shape=shape, size=op.example_size(), batch=batch))
   if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
-    primitive, shapes = flow.last_sites[0] or ("(not recorded)", "")
+    primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
+                                                     "")
     raise ValueError(errors.LOSS_COUPLED.format(primitive=primitive,
-                                                shapes=shapes))
+                                                shapes=shapes, line=line))
   if flow.paired_with_others is not None and not single:
-    primitive, shapes = flow.paired_with_others
+    primitive, shapes, line = flow.paired_with_others
     raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
-        primitive=primitive, shapes=shapes))
+        primitive=primitive, shapes=shapes, line=line))
   if outs and outs[0] == UNKNOWN and flow.last_deps[0]:
     unfollowed.append("the loss")
   if unfollowed:
