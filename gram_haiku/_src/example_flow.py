@@ -288,11 +288,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     mixed.sort(key=lambda v: not hx.may_carry_gradient(v))
     inherited = combined_at[mixed[0]] if mixed else None
     inner = self.last_sites if hx.jaxprs_of(eqn) else None
-    here = (eqn.primitive.name,
-            ", ".join(str(_shape(v)) for v in eqn.invars), _user_line(eqn))
+    here = None  # (read from the traceback only where it is the answer)
     for k, (v, s) in enumerate(zip(eqn.outvars, outs)):
       if s == MIXED:
         sub = inner[k] if inner and k < len(inner) else None
+        if not (inherited or sub) and here is None:
+          here = (eqn.primitive.name,
+                  ", ".join(str(_shape(v)) for v in eqn.invars),
+                  _user_line(eqn))
         combined_at[v] = inherited or sub or here
 
   # -- one equation -------------------------------------------------------------
