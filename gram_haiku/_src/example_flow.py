@@ -76,12 +76,16 @@ def _user_line(eqn) -> str:
   return warning_site.user_line(hx.source_frames(eqn))
 
 
+def _operand_shapes(eqn) -> str:
+  """``"(4, 3), (3,)"``: the shapes of an equation's operands."""
+  return ", ".join(str(_shape(v)) for v in eqn.invars)
+
+
 def _site(eqn) -> str:
   """An equation for a message: its primitive, its operands' shapes and
   the user's line that traced it (:func:`_user_line`)."""
-  shapes = ", ".join(str(_shape(v)) for v in eqn.invars)
-  return (f"{eqn.primitive.name} (operands of shapes {shapes})"
-          f"{_user_line(eqn)}")
+  return (f"{eqn.primitive.name} (operands of shapes "
+          f"{_operand_shapes(eqn)}){_user_line(eqn)}")
 
 
 def _rows_paired(eqn, ins, deps) -> bool:
@@ -293,8 +297,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if s == MIXED:
         sub = inner[k] if inner and k < len(inner) else None
         if not (inherited or sub) and here is None:
-          here = (eqn.primitive.name,
-                  ", ".join(str(_shape(v)) for v in eqn.invars),
+          here = (eqn.primitive.name, _operand_shapes(eqn),
                   _user_line(eqn))
         combined_at[v] = inherited or sub or here
 
@@ -483,9 +486,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     outputs' own is an error at once."""
     if (param_order is not None and param_order != data_order and
         self.paired_with_others is None):
-      self.paired_with_others = (
-          eqn.primitive.name, ", ".join(str(_shape(v)) for v in eqn.invars),
-          _user_line(eqn))
+      self.paired_with_others = (eqn.primitive.name, _operand_shapes(eqn),
+                                 _user_line(eqn))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",

@@ -304,9 +304,14 @@ def _scanned_upper_blocks(fn, arrays) -> jax.Array:
     return None, jnp.where(i == j, 0.5 * g + 0.5 * g.T, g)
   _, out = lax.scan(one, None, (rows, cols))  # (pairs, size, size)
   index = {ij: k for k, ij in enumerate(upper)}
-  grid = [[out[index[i, j]] if i <= j else out[index[j, i]].T
-           for j in range(n)] for i in range(n)]
-  return jnp.block(grid)[:b, :b]
+  return _from_upper_blocks(lambda i, j: out[index[i, j]], n)[:b, :b]
+
+
+def _from_upper_blocks(block, n: int) -> jax.Array:
+  """The ``n x n`` block matrix whose upper blocks ``I <= J`` are
+  ``block(I, J)`` and whose lower ones mirror them: ``G[J, I] = G[I, J]^T``."""
+  return jnp.block([[block(i, j) if i <= j else block(j, i).T
+                     for j in range(n)] for i in range(n)])
 
 
 def _ghost_time_blocked(xi, di, xj, dj, tau: int, precision):
@@ -401,10 +406,7 @@ def symmetric_blocks(fn, arrays, n_blocks: Optional[int] = None
     for j in range(i, n):
       upper[i, j] = fn(*(block(a, i) for a in arrays),
                        *(block(a, j) for a in arrays))
-  return jnp.concatenate(
-      [jnp.concatenate([upper[i, j] if i <= j else upper[j, i].T
-                        for j in range(n)], axis=1) for i in range(n)],
-      axis=0)
+  return _from_upper_blocks(lambda i, j: upper[i, j], n)
 
 
 def _product_of_kernels(kx: jax.Array, kd: jax.Array) -> jax.Array:
