@@ -58,6 +58,31 @@ def example_size(a, axis):
   return np.shape(a)[0 if axis == AUTO else axis]
 
 
+def rng_is_batch(rng, example_axes, n_args: int) -> bool:
+  """Whether the ``rng`` position of ``fn(params, state, rng, *args)``
+  holds a batch argument: ``hk.without_apply_rng`` moves the first one
+  there.
+
+  ``n_args``: the positional arguments after the ``rng`` position. With
+  ``example_axes`` it says so itself (one entry per argument, the ``rng``
+  position counted); without, the ``rng`` position holds a batch argument
+  only if it holds an array that is not a key: a typed key
+  (``jax.random.key``), a legacy raw key (``uint32[2]``, what
+  ``jax.random.PRNGKey`` and ``hk.PRNGSequence`` give) and None are the
+  ``rng``, which never holds examples and never sets the batch size (a
+  legacy key's size 2 would otherwise be taken for one).
+  """
+  if example_axes is not None and len(example_axes) == n_args + 1:
+    return True
+  if example_axes is not None:
+    return False
+  leaves = jax.tree_util.tree_leaves(rng)
+  return len(leaves) == 1 and all(
+      isinstance(l, (jax.Array, np.ndarray)) and np.ndim(l) > 0 and not
+      jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key) and
+      l.dtype != np.uint32 for l in leaves)
+
+
 def split_batch(args, kwargs, example_axes=None):
   """The batch's arrays, their example axes (:func:`leaf_example_axes`),
   and ``rebuild(arrays) -> (args, kwargs)``.
@@ -65,17 +90,16 @@ def split_batch(args, kwargs, example_axes=None):
   Arrays become inputs of the discovery trace (so that the examples can be
   followed through it); everything else (flags, Python numbers) stays as
   given. ``args`` starts with the ``rng`` position, which
-  ``hk.without_apply_rng`` transforms fill with the first batch argument.
+  ``hk.without_apply_rng`` transforms fill with the first batch argument
+  (:func:`rng_is_batch`); an ``rng`` itself gets the axis None: no
+  examples, and no say in the batch size.
   """
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-  if example_axes is not None and len(example_axes) == len(args):
+  if rng_is_batch(args[0], example_axes, len(args) - 1):
     # hk.without_apply_rng: the rng position holds the first argument.
     leaf_axes = leaf_example_axes(args, kwargs, example_axes)
   else:
-    # The rng (or, under hk.without_apply_rng, the first argument when
-    # example_axes does not name it) follows the default rule.
-    leaf_axes = ([AUTO if example_axes is None else None] *
-                 len(jax.tree_util.tree_leaves(args[0])) +
+    leaf_axes = ([None] * len(jax.tree_util.tree_leaves(args[0])) +
                  leaf_example_axes(args[1:], kwargs, example_axes))
   is_array = [isinstance(l, (jax.Array, np.ndarray)) and not
               jax.dtypes.issubdtype(l.dtype, jax.dtypes.prng_key)

@@ -635,3 +635,14 @@ RAW_PARAM_OUTSIDE_OP = (
     "What to do: give every parameter of the module to the op (call.apply("
     "op, x, (w, s))), or use gram_haiku.value_grad_and_gram, which follows "
     "such uses in the traced program.")
+
+BATCH_SIZE_UNKNOWN = (
+    "gram_haiku.clipped_grad: the batch size cannot be told from the "
+    "arguments of apply (the leading sizes of the batch arguments after "
+    "rng: {leading}; the tracked layers' example axes: {sizes}), so the "
+    "check that each example's gradient reads its own data only cannot "
+    "run, and a privacy guarantee cannot rest on an unchecked flow.\n"
+    "What to do: pass the data as arguments of apply (not closed over), "
+    "and say where each argument's examples are with example_axes= (one "
+    "entry per argument after rng: the axis that holds the examples, or "
+    "None for an argument without examples).")

@@ -315,6 +315,11 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
       batch = next(iter(sizes))
     elif len(leading) == 1:
       batch = next(iter(leading))
+    elif strict and found.sizes:
+      # No one size of the batch: nothing could be followed, which a
+      # privacy guarantee cannot rest on.
+      raise ValueError(errors.BATCH_SIZE_UNKNOWN.format(
+          leading=sorted(leading), sizes=sorted(sizes)))
     else:
       return False  # No one size of the batch: nothing to follow.
     states = [example_flow.CONST] * (n_params + len(probe_names))
