@@ -636,6 +636,38 @@ RAW_PARAM_OUTSIDE_OP = (
     "op, x, (w, s))), or use gram_haiku.value_grad_and_gram, which follows "
     "such uses in the traced program.")
 
+CLOSED_OVER_BATCH_DATA = (
+    "gram_haiku.clipped_grad: the loss reads an array it closes over (not "
+    "an argument of apply) whose shape has the batch's size {batch} along "
+    "some axis (closed-over arrays of shapes {shapes}: NumPy or JAX arrays "
+    "captured by the function, or values of an enclosing jax.jit such as a "
+    "train step's labels), and that array meets the examples' values or "
+    "the parameters' values in {where}. Which of its rows belongs to which "
+    "example the program does not say, so each example's gradient may read "
+    "other examples' data (labels centred by their batch mean, inputs in "
+    "another order), and clipping it would not bound one example's "
+    "influence: the privacy guarantee could silently break.\n"
+    "What to do: pass the array as an argument of apply, e.g. "
+    "f = hk.transform_with_state(lambda x, y: loss(net(x), y)) called as "
+    "clipped(params, state, rng, x, y), rather than closing over y; if its "
+    "examples are not along axis 0, say where with example_axes= (one "
+    "entry per argument, e.g. example_axes=(0, 1)); an argument that holds "
+    "no examples (a fixed table that merely has {batch} rows) gets None in "
+    "example_axes. Constants without an axis of the batch's size (a "
+    "weight-decay scalar, a fixed projection) may stay closed over.")
+
+LOOP_TRIP_COUPLED = (
+    " The data went through a while_loop (or a fori_loop with a bound "
+    "computed in the program: {where}) whose number of rounds depends on "
+    "several examples' data "
+    "or on values this analysis cannot show to be one example's (its "
+    "condition reads a batch-wide reduction, one example's entry, or a "
+    "count over the batch): every value it carries then depends on every "
+    "example. What to do: make the number of rounds fixed (lax.fori_loop "
+    "with Python int bounds, lax.scan), or decide it per example under "
+    "jax.vmap (a vmapped while_loop stops each example on its own "
+    "condition).")
+
 BATCH_SIZE_UNKNOWN = (
     "gram_haiku.clipped_grad: the batch size cannot be told from the "
     "arguments of apply (the leading sizes of the batch arguments after "

@@ -17,6 +17,43 @@ nothing merged into it; otherwise :func:`check` raises a teaching error.
 Where the examples reach a tracked layer or the loss only through a
 primitive without a rule, :func:`check` warns (:class:`ExampleFlowWarning`)
 or, under ``strict``, raises.
+
+What the analysis cannot show to be one example's is treated as coupling
+the examples, never as safe:
+
+* Loops. A ``while_loop``'s number of rounds is read from its condition
+  (its constants and the carries, at the carries' fixed point). Where it
+  depends on no example, the carries are the body's. Where the condition
+  holds one predicate per example along an axis (a ``while_loop`` under
+  ``vmap``: JAX runs it until every row stops, each row selected on its
+  own predicate), a carry the body changes depends on its own example's
+  rounds: it joins the predicate's state (``Ex`` where the carry holds the
+  examples along the same axis, or did not depend on them). Otherwise (a
+  batch-wide reduction, one example's entry, a count over the batch, a
+  ``fori_loop`` bound computed from the data, anything ``UNKNOWN``) every
+  carry the body changes is ``MIXED``. A carry the body hands on as it is
+  keeps its state. Under ``strict`` a ``cond`` whose index is not constant
+  makes every output ``MIXED``, constants chosen by it included.
+* Closed-over arrays (``strict`` only: for a Gram, data of any example is
+  a constant). A constant of the traced program (a NumPy or JAX array the
+  loss closes over, or a tracer of an enclosing ``jit`` that enters as a
+  constant) with an axis of the batch's size ``B`` holds rows of examples
+  the program does not name. A float one (or one whose value is not known
+  here) is data of unknown examples, ``MIXED``, from the start; an integer
+  or boolean one whose value is known stays ``CONST`` (an index array:
+  ``out[np.arange(B)]``, a fixed permutation, ``x[rows, labels]``'s row
+  column, followed by value), noted ``CLOSED``, and becomes ``MIXED`` where
+  it is used as anything else: cast to a float, met by the examples' or the
+  parameters' values other than as an index picking rows along the
+  examples' axis (``take_along_axis`` by closed-over labels reads each
+  row's data), given to a tracked layer, or carried into a loop or branch.
+  ``MIXED`` data then meets the parameters' values or a tracked layer and
+  is refused (``CLOSED_OVER_BATCH_DATA``: pass the array as an argument of
+  ``apply``, with ``example_axes=`` where its examples are, or None for a
+  table that merely has ``B`` rows). Constants without an axis of size
+  ``B`` (a weight-decay scalar, a fixed projection, per-class weights) and
+  the model's own Haiku state (given to ``apply``) stay constants; with
+  ``B == 1`` nothing can be another example's.
 """
 
 from __future__ import annotations
@@ -34,6 +71,7 @@ from gram_haiku._src import flow_rules
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src.flow_states import ELEMENTWISE as _ELEMENTWISE
 from gram_haiku._src.flow_states import LINEAR as _LINEAR
+from gram_haiku._src.flow_states import CLOSED
 from gram_haiku._src.flow_states import CONST
 from gram_haiku._src.flow_states import Ex
 from gram_haiku._src.flow_states import join
@@ -105,14 +143,27 @@ def _rows_paired(eqn, ins, deps) -> bool:
   return False
 
 
+def _picks_rows(eqn, operand: State) -> bool:
+  """Whether a ``gather`` picks rows of ``operand`` along its examples' axis
+  by its index alone (``out[idx]``, ``x[rows, labels]``'s row column), not
+  per row along another axis (``take_along_axis``: the index is then each
+  row's data)."""
+  if not (isinstance(operand, Ex) and operand.tag is None):
+    return False
+  dn = eqn.params["dimension_numbers"]
+  return (operand.dim in dn.start_index_map and
+          operand.dim not in getattr(dn, "operand_batching_dims", ()))
+
+
 class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
             flow_rules.ContractionRules, flow_rules.ControlFlowRules):
   """The abstract interpreter (one instance per check); the rules per
   primitive are :mod:`flow_rules`'."""
 
   def __init__(self, batch: int, gram_op_type, strict: bool = False,
-               consts: Optional[dict] = None):
+               consts: Optional[dict] = None, model_state=frozenset()):
     self.batch = batch
+    self.model_state = model_state  # constants that are apply's own state
     self.gram_op_type = gram_op_type
     self.strict = strict
     self.findings: list[tuple[Any, State]] = []
@@ -141,6 +192,12 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # Index arrays concatenated along their last axis (x[rows, cols]): per
     # (run, id(variable)), (state, variable, width) of each piece.
     self._pieces: dict[tuple[Any, int], list] = {}
+    # Why a value may hold several examples' data, for messages (and, for
+    # CLOSED, which integer constants are closed-over batch data): per
+    # (run, id(variable)), a set of CLOSED and ("loop", site) notes,
+    # carried forward to everything computed from the value.
+    self._notes: dict[tuple[Any, int], frozenset] = {}
+    self.closed_shapes: list[tuple[int, ...]] = []  # (for messages)
 
   def join(self, a: State, b: State) -> State:
     return join(a, b, self.verdicts)
@@ -231,7 +288,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     env = dict(zip(jaxpr.invars, ins))
     dep = dict(zip(jaxpr.invars, deps))
     for v in jaxpr.constvars:
-      env.setdefault(v, CONST)
+      env.setdefault(v, self._closed_over(v))
       dep.setdefault(v, False)
     for v, o in zip(jaxpr.invars, origins or ()):
       self._origin[(self._run, id(v))] = o
@@ -243,20 +300,32 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     for eqn in jaxpr.eqns:
       in_deps = [False if literal(v) else dep.get(v, False)
                  for v in eqn.invars]
-      ins_now = []
-      for s, d in zip(map(read, eqn.invars), in_deps):
+      notes = [self.notes_of(v) for v in eqn.invars] if self._notes else []
+      ins_now = list(map(read, eqn.invars))
+      if any(CLOSED in n for n in notes):
+        ins_now = self._closed_as_data(eqn, ins_now, in_deps, notes)
+      for k, (s, d) in enumerate(zip(ins_now, in_deps)):
         if s in (SUM, MIXED) and not d:
           if not self.strict:
             s = CONST  # Data of several examples: input data (see above).
           elif any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type):
-            raise ValueError(errors.DATA_COUPLED.format(
-                state="a value computed from several examples' data",
-                where=_site(eqn)))
-        ins_now.append(s)
+            raise ValueError(self._data_coupled_message(
+                eqn, notes[k] if notes else frozenset()))
+        ins_now[k] = s
       for v in eqn.outvars:  # (what an earlier round of a loop left)
         self._origin.pop((self._run, id(v)), None)
       self.last_sites = None  # (set by a sub-program's run)
       outs = self.eqn(eqn, ins_now, in_deps)
+      if any(notes):
+        carried = frozenset().union(*notes)
+        for v in eqn.outvars:
+          self._add_notes(v, carried)
+        if (any(CLOSED in n for n in notes) and
+            all(s == CONST for s in ins_now)):
+          # Closed-over integers turned into values (a cast to float, a
+          # one-hot, a mean): data of unknown examples.
+          outs = [MIXED if s == CONST and hx.may_carry_gradient(v) else s
+                  for v, s in zip(eqn.outvars, outs)]
       if MIXED in outs and any(in_deps):
         self._record_combined(eqn, ins_now, outs, combined_at)
       if all(s == CONST for s in ins_now):
@@ -281,6 +350,108 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     self.last_sites = [None if literal(v) else combined_at.get(v)
                        for v in jaxpr.outvars]
     return [read(v) for v in jaxpr.outvars]
+
+  # -- closed-over arrays (see the module docstring) ---------------------------
+
+  def user_line(self, eqn) -> str:
+    """``" (at file:line)"`` for ``eqn`` (see :func:`_user_line`)."""
+    return _user_line(eqn)
+
+  def notes_of(self, v) -> frozenset:
+    """The notes (``_notes``) of variable ``v`` in the current run."""
+    if isinstance(v, hx.Literal):
+      return frozenset()
+    return self._notes.get((self._run, id(v)), frozenset())
+
+  def _add_notes(self, v, notes: frozenset, run: Any = None) -> None:
+    if notes:
+      key = (self._run if run is None else run, id(v))
+      self._notes[key] = self._notes.get(key, frozenset()) | notes
+
+  def notes_into(self, sub_invars, invars, site) -> None:
+    """The notes of a call's operands ``invars``, given to the called
+    program's inputs ``sub_invars`` (run under ``site``)."""
+    if self._notes:
+      for sv, v in zip(sub_invars, invars):
+        self._add_notes(sv, self.notes_of(v), run=site)
+
+  def _closed_over(self, v) -> State:
+    """The state of a program constant ``v`` (a closed-over array).
+
+    Outside ``strict``, a constant (data are constants for the Gram). Under
+    ``strict`` (a privacy guarantee), one with an axis of the batch's size
+    holds rows of examples the program does not name: a float array (or
+    one whose value is not known here, a tracer of an enclosing ``jit``) is
+    data of unknown examples (``MIXED``); an integer or boolean array whose
+    value is known stays a constant (an index array: rows picked by it are
+    followed by value), noted ``CLOSED``, and becomes data of unknown
+    examples where it is used as anything but an index picking rows
+    (:meth:`_closed_as_data`)."""
+    shape = _shape(v)
+    if (not self.strict or self.batch <= 1 or self.batch not in shape or
+        v in self.model_state):
+      return CONST
+    self._add_notes(v, frozenset({CLOSED}))
+    if shape not in self.closed_shapes:
+      self.closed_shapes.append(shape)
+    value = self.consts.get(v)
+    dtype = getattr(v.aval, "dtype", None)
+    index_like = dtype is not None and (
+        jax.numpy.issubdtype(dtype, jax.numpy.integer) or
+        jax.numpy.issubdtype(dtype, jax.numpy.bool_))
+    if (index_like and value is not None and
+        not isinstance(value, jax.core.Tracer)):
+      return CONST
+    return MIXED
+
+  def _closed_as_data(self, eqn, ins, deps, notes) -> list[State]:
+    """``ins`` with the closed-over integer constants (``CLOSED``, still
+    ``CONST``) that ``eqn`` uses as data made ``MIXED``: where they meet
+    the examples' or the parameters' values (or a Gram op) other than as
+    an index that picks rows along the examples' axis (``out[idx]``; the
+    rows are then followed by value) or a piece of such an index
+    (``x[rows, labels]``), or enter a loop or branch (not followed
+    inside). A call's program gets their notes (:meth:`_call`); a
+    computation of constants alone keeps them constant."""
+    closed = [CLOSED in n and s == CONST for n, s in zip(notes, ins)]
+    name = eqn.primitive.name
+    subs = hx.jaxprs_of(eqn)
+    if subs and name not in ("scan", "while", "cond"):
+      return ins  # followed inside (notes_into)
+    meets = (any(s != CONST for s in ins) or any(deps) or
+             hx.gram_op_of(eqn, self.gram_op_type) is not None)
+    if not meets and not subs:
+      return ins
+    keep = set()
+    if name == "gather" and _picks_rows(eqn, ins[0]) and (
+        ins[1] != CONST or tuple(
+            eqn.params["dimension_numbers"].start_index_map) == (
+                ins[0].dim,)):
+      keep = {1}
+    elif name.startswith("scatter") and len(ins) == 3 and isinstance(
+        ins[2], Ex) and ins[2].tag is None:
+      keep = {1}  # rows placed by a known index (segments, permutations)
+    elif (name == "concatenate" and
+          eqn.params["dimension"] == len(_shape(eqn.outvars[0])) - 1 and
+          not hx.may_carry_gradient(eqn.outvars[0])):
+      keep = set(range(len(ins)))  # an index's columns (x[rows, cols])
+    return [MIXED if c and k not in keep else s
+            for k, (s, c) in enumerate(zip(ins, closed))]
+
+  def _data_coupled_message(self, eqn, notes: frozenset) -> str:
+    """The strict refusal at ``eqn`` of a data input with ``notes``."""
+    if CLOSED in notes:
+      message = errors.CLOSED_OVER_BATCH_DATA.format(
+          batch=self.batch, shapes=", ".join(map(str, self.closed_shapes)),
+          where=_site(eqn))
+    else:
+      message = errors.DATA_COUPLED.format(
+          state="a value computed from several examples' data",
+          where=_site(eqn))
+    loops = sorted(n[1] for n in notes if isinstance(n, tuple))
+    if loops:
+      message += errors.LOOP_TRIP_COUPLED.format(where=", ".join(loops))
+    return message
 
   def _record_combined(self, eqn, ins, outs, combined_at: dict) -> None:
     """Where the MIXED outputs of ``eqn`` were combined: where a MIXED
@@ -321,6 +492,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     name = eqn.primitive.name
     rule = getattr(self, "_" + name.replace("-", "_"), None)
     self._deps = deps
+    self.consts.update(hx.closed_consts_of(eqn))
     if name in _ELEMENTWISE:
       ins = self._implicit_broadcasts(eqn, ins)
     if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
@@ -330,7 +502,6 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if name in _ELEMENTWISE:
       return [self._elementwise(name, ins)] * n_out
     subs = hx.jaxprs_of(eqn)
-    self.consts.update(hx.closed_consts_of(eqn))
     if subs and name not in ("scan", "while", "cond"):
       outs = self._call(eqn, subs, ins, deps)
       if name == "custom_jvp_call" and not self._in_rule:
@@ -356,6 +527,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       if len(sub.invars) != len(ins):
         self.unknown.add(eqn.primitive.name)  # Operands not its body's.
         return [UNKNOWN] * n_out
+      self.notes_into(sub.invars, eqn.invars, self.eqn_key(eqn))
       res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars],
                      site=self.eqn_key(eqn))
       if len(subs) == 1:  # (a jit call: its known values are the caller's)
@@ -387,6 +559,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     primals, primal_deps = list(ins[k:]), list(deps[k:])
     # Inside a JVP rule a custom-derivative call computes values only (its
     # own rule is a second derivative's): its forward program is followed.
+    n_primals = len(eqn.invars) - k
+    self.notes_into(jaxpr.invars[:n_primals], eqn.invars[k:],
+                    self.eqn_key(eqn))
+    self.notes_into(jaxpr.invars[n_primals:], eqn.invars[k:],
+                    self.eqn_key(eqn))
     self._in_rule += 1
     try:
       res = self.run(jaxpr, primals + primals, primal_deps + primal_deps,
@@ -550,7 +727,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
           gram_op_type, names: Optional[dict] = None,
-          strict: bool = False, consts: Optional[dict] = None) -> bool:
+          strict: bool = False, consts: Optional[dict] = None,
+          model_state=frozenset()) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
   Args:
@@ -565,6 +743,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       gradient to depend on its own data only; a Gram does not).
     consts: the program's constants, by constant variable (rows picked by
       equal index arrays are then known to be the same rows).
+    model_state: the constant variables that hold the model's Haiku state
+      (given to ``apply``, closed over by the traced loss): not data the
+      user closed over (see :meth:`_Flow._closed_over`).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -584,7 +765,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   # special cases for: take_along_axis then gathers without batching
   # dimensions, which would read as mixing the examples).
   single = batch == 1
-  flow = _Flow(batch, gram_op_type, strict, consts)
+  flow = _Flow(batch, gram_op_type, strict, consts, model_state)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.run(jaxpr, list(in_states), deps)
   names = names or {}

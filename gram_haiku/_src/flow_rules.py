@@ -634,11 +634,15 @@ class ControlFlowRules:
       res = self.run(branch.jaxpr, ops, deps[1:], site=self.eqn_key(eqn))
       outs = (res if outs is None else
               [self.join(a, b) for a, b in zip(outs, res)])
-    if index in (SUM, MIXED):
+    if index in (SUM, MIXED) or (self.strict and index != CONST):
       # One branch for the whole batch, chosen from values that depend on
-      # the parameters and on several examples: each example alone could
-      # take another one.
-      outs = [MIXED if o != CONST else o for o in outs]
+      # several examples (or on values not shown to be one example's):
+      # each example alone could take another one. Under ``strict`` that
+      # holds for a constant chosen so as well (a scale picked by example
+      # 0's data is other examples' data for every example).
+      outs = [MIXED if o != CONST or self.strict else o for o in outs]
+    elif index == UNKNOWN:
+      outs = [self.join(o, UNKNOWN) if o != CONST else o for o in outs]
     return outs
 
   def _scan(self, eqn, ins):
@@ -677,23 +681,66 @@ class ControlFlowRules:
     return list(carry) + ys
 
   def _while(self, eqn, ins):
+    """A ``while_loop``: the body's carries to a fixed point, and the
+    number of rounds, which the condition decides from its constants and
+    the carries (:meth:`_rounds_state`). Where that number depends on the
+    examples, so does every carry the body changes: per example where the
+    condition is one per example along the carries' examples' axis (a
+    ``while_loop`` under ``vmap``: each row stops on its own condition,
+    later rounds leave it as it was), otherwise on every example
+    (``MIXED``)."""
     cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    cond = eqn.params["cond_jaxpr"].jaxpr
     body = eqn.params["body_jaxpr"].jaxpr
+    cond_consts = ins[:cond_n]
     consts, carry = ins[cond_n:cond_n + body_n], ins[cond_n + body_n:]
     deps = list(self._deps)  # run() below moves self._deps on
-    for _ in range(_rounds(carry)):  # The carries' fixed point.
+    n = len(carry)
+    # A carry the body hands on as it is keeps its value, however many
+    # rounds run (a fori_loop's upper bound).
+    kept = [body.outvars[k] is body.invars[body_n + k] for k in range(n)]
+    site = self.eqn_key(eqn)
+    # The condition reads a carry as dependent on the parameters where it
+    # starts so or the body may make it so (the body reads them as such).
+    body_deps = any(deps[cond_n:cond_n + body_n])
+    carry_deps = [d or body_deps for d in deps[cond_n + body_n:]]
+    rounds = CONST
+    for _ in range(_rounds(carry) + 2):  # The carries' fixed point.
+      self.notes_into(cond.invars, eqn.invars[:cond_n] +
+                      eqn.invars[cond_n + body_n:], site)
+      pred = self.run(cond, list(cond_consts) + list(carry),
+                      list(deps[:cond_n]) + carry_deps, site=site)[0]
+      rounds = self._rounds_state(pred)
       outs = self.run(body, list(consts) + list(carry),
-                      list(deps[cond_n:cond_n + body_n]) + [True] * len(carry),
-                      site=self.eqn_key(eqn))
+                      list(deps[cond_n:cond_n + body_n]) + [True] * n,
+                      site=site)
       new = [self.join(a, b) for a, b in zip(carry, self._carried(eqn, outs))]
+      if rounds != CONST:
+        new = [s if keep else self.join(s, rounds)
+               for s, keep in zip(new, kept)]
       if new == list(carry):
         break
       carry = new
     else:
-      carry = [MIXED] * len(carry)  # Not reached (see _rounds).
-    if any(s != CONST for s in ins[:cond_n]):
-      carry = [UNKNOWN if s == CONST else s for s in carry]
+      carry = [MIXED] * n  # Not reached (see _rounds).
+    if rounds == MIXED:
+      where = f"{eqn.primitive.name}{self.user_line(eqn)}"
+      for v, keep in zip(eqn.outvars, kept):
+        if not keep:
+          self._add_notes(v, frozenset({("loop", where)}))
     return list(carry)
+
+  def _rounds_state(self, pred):
+    """What a ``while_loop``'s number of rounds depends on, from its
+    condition's state ``pred``: ``CONST`` (no example), ``pred`` itself
+    where it holds one condition per example along an axis (a batched
+    ``while``: its carries are selected row by row), else ``MIXED``
+    (several examples, one example's entry for all, or not known)."""
+    if pred == CONST:
+      return CONST
+    if isinstance(pred, Ex):
+      return pred
+    return MIXED
 
 
 def _picks_own_rows(rows, dim: int, batch: int) -> bool:

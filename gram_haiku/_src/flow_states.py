@@ -45,6 +45,9 @@ class Ex:
 
 
 CONST = "const"
+#: A note (not a state): the value is computed from a closed-over array
+#: with an axis of the batch's size (see :mod:`gram_haiku._src.example_flow`).
+CLOSED = "closed"
 SUM = "sum"
 MIXED = "mixed"
 UNKNOWN = "unknown"

@@ -266,14 +266,16 @@ def leaf_names(params) -> list[str]:
 
 
 def _discover(loss, params, probes, rng, args, kwargs, axes,
-              example_axes=None):
+              example_axes=None, model_state=()):
   """One abstract trace of the loss (no FLOPs), read.
 
   ``loss(params, probes, rng, args, kwargs)``. Returns the
   :class:`~gram_haiku._src.dataflow.Discovery` of its program, the coverage
   its ``track()`` contexts saw, and ``check_examples()``, which follows the
   examples (axis 0 of the batch's arrays) through the program
-  (:func:`gram_haiku._src.example_flow.check`).
+  (:func:`gram_haiku._src.example_flow.check`). ``model_state``: the
+  leaves of the Haiku state the loss closes over (an input of ``apply``,
+  not data the user closed over).
   """
   arrays, array_axes, rebuild = batch_args.split_batch(
       (rng, *args), kwargs, example_axes)
@@ -330,10 +332,15 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
             shape=np.shape(a), axis=ax, size=size, batch=batch))
       states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
                     if size == batch else example_flow.CONST)
+    own = {id(a) for a in model_state}
     return example_flow.check(live, states, batch, base.GramOp,
                               consts=dict(zip(closed.jaxpr.constvars,
                                               closed.consts)),
-                              strict=strict)
+                              strict=strict,
+                              model_state=frozenset(
+                                  v for v, c in zip(closed.jaxpr.constvars,
+                                                    closed.consts)
+                                  if id(c) in own))
   return found, seen, check_examples
 
 
@@ -400,7 +407,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     _check_batch_split(axes, probes, (args, kwargs))
   found, seen, check_examples = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
-      example_axes)
+      example_axes, jax.tree_util.tree_leaves(rest))
   if not found.sizes:
     arrays, array_axes, _ = batch_args.split_batch(
         (None, *args), kwargs, example_axes)
