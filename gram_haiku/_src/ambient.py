@@ -60,6 +60,8 @@ class PassPlan:
     slot_reads: in a pass with slots, where each slotted layer records the
       slot counter values its applications read (layer name -> values; see
       :func:`gram_haiku._src.slots.untrusted`), or None.
+    upper_bound: the pass clips (:attr:`gram_haiku._src.plan.Plan
+      .upper_bound`): every op's norms are sound upper bounds.
   """
   column_axes: tuple[str, ...] = ()
   coverage: Optional[dict] = None
@@ -71,6 +73,7 @@ class PassPlan:
   slotted: frozenset = frozenset()
   frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   slot_reads: Optional[dict] = None
+  upper_bound: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,18 +119,22 @@ def running(pass_plan: PassPlan) -> Iterator[None]:
     _LOCAL.pass_plan = previous
 
 
-def raw_uses(outermost_frame) -> set:
+def raw_uses(call_id: int) -> set:
   """The names of the modules applied so far in this call of a transformed
   function (raw ``jax.grad`` path), across ``track()`` contexts and Haiku's
   lifted transforms.
 
-  ``outermost_frame`` is the Haiku frame of that call (the bottom of the
-  frame stack, which ``hk.remat``, ``hk.vmap`` and ``hk.cond`` push their
-  frames above); a new call starts an empty set.
+  ``call_id`` identifies that call: the ``frame_id`` of its outermost Haiku
+  frame (the bottom of the frame stack, which ``hk.remat``, ``hk.vmap`` and
+  ``hk.cond`` push their frames above; Haiku numbers every frame it makes,
+  never reusing a number). A new call starts an empty set. Only that number
+  and the names are held: never the frame, whose parameters, state and rng
+  (tracers, under ``jit``) must not outlive the call (JAX's
+  ``jax_check_tracer_leaks`` checks it).
   """
   held = getattr(_LOCAL, "raw_uses", None)
-  if held is None or held[0] is not outermost_frame:
-    held = (outermost_frame, set())
+  if held is None or held[0] != call_id:
+    held = (call_id, set())
     _LOCAL.raw_uses = held
   return held[1]
 

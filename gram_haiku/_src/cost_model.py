@@ -61,6 +61,34 @@ def size_hint(n) -> int:
   return n if isinstance(n, int) else SYMBOLIC_SIZE
 
 
+#: The operations a symbolic size's text may hold (``str`` of a JAX
+#: symbolic dimension expression), for :func:`value_hint`.
+_SYMBOLIC_OPS = {"floordiv": lambda a, b: a // b, "mod": lambda a, b: a % b,
+                 "max": max, "min": min,
+                 "non_negative": lambda a: max(a, 0)}
+
+
+def value_hint(n) -> int:
+  """``n``, or for a symbolic expression (a size or a byte count computed
+  from symbolic sizes: ``B T n * 4`` with ``T`` unknown under
+  ``jax.export``) its value with every symbol taken as
+  :data:`SYMBOLIC_SIZE`, as :func:`size_hint` takes a lone symbol.
+
+  The expression is read from its text (JAX prints it with ``+``, ``*``,
+  ``floordiv``, ``mod``, ``max``, ``min``); one that cannot be read counts
+  as :data:`SYMBOLIC_SIZE`, never as an error.
+  """
+  if isinstance(n, int):
+    return n
+  try:
+    names = {v: SYMBOLIC_SIZE for v in n.get_vars()}
+    value = eval(str(n), {"__builtins__": {}},  # pylint: disable=eval-used
+                 {**_SYMBOLIC_OPS, **names})
+    return max(int(value), 0)
+  except Exception:  # pylint: disable=broad-except
+    return SYMBOLIC_SIZE
+
+
 def ghost_flops(b: int, t: int, n: int, m: int, cols: int = 0) -> int:
   """Multiply-adds of the ghost method for one linear-layer weight.
 
@@ -194,8 +222,11 @@ def patch_block(b: int, patch_bytes: int, live_bytes: int) -> int:
   when the patches fit. A block size that divides ``b`` is preferred (a
   remainder block costs a copy of the per-example gradients), down to half
   the largest that fits. Patches under :data:`PATCH_BLOCK_MIN_BYTES` are
-  not blocked.
+  not blocked. The byte counts may be symbolic (:func:`value_hint`).
   """
+  # Under jax.export a symbolic sequence length makes both byte counts
+  # symbolic: estimated at SYMBOLIC_SIZE, as every other choice from sizes.
+  patch_bytes, live_bytes = value_hint(patch_bytes), value_hint(live_bytes)
   if patch_bytes <= max(live_bytes, PATCH_BLOCK_MIN_BYTES) or b <= 1:
     return b
   largest = max(1, int(live_bytes * b // patch_bytes))

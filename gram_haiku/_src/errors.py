@@ -678,3 +678,88 @@ BATCH_SIZE_UNKNOWN = (
     "and say where each argument's examples are with example_axes= (one "
     "entry per argument after rng: the axis that holds the examples, or "
     "None for an argument without examples).")
+
+# -- Inference, lifted transforms and the arguments of apply ---------------
+
+STATE_IS_NONE = (
+    "gram_haiku: the state argument is None, but the Gram probes live in "
+    "the Haiku state (a 'gram_probe' entry per tracked module), so there is "
+    "nothing to differentiate.\n"
+    "What to do: transform the loss with hk.transform_with_state and pass "
+    "the state its init returns, in the order of f.apply: `params, state = "
+    "f.init(rng, *batch)`, then `gram_haiku.value_grad_and_gram(f.apply)"
+    "(params, state, rng, *batch)`.")
+
+STATE_NOT_A_MAPPING = (
+    "gram_haiku: the state argument (the second of (params, state, rng, "
+    "*batch)) is a {type}, not the Haiku state mapping that holds the Gram "
+    "probes.\n"
+    "What to do: pass the arguments in the order of f.apply of "
+    "hk.transform_with_state: `(params, state, rng, *batch)`, with `params, "
+    "state = f.init(rng, *batch)`.")
+
+PARAMS_STATE_SWAPPED = (
+    "gram_haiku: the first argument holds the Gram probes ('gram_probe' "
+    "entries of {modules}) and the second holds none: params and state look "
+    "swapped.\n"
+    "What to do: pass them in the order of f.apply: `(params, state, rng, "
+    "*batch)`, as `params, state = f.init(rng, *batch)` returns them.")
+
+PURE_TRANSFORM_APPLY = (
+    "gram_haiku: apply_fn is the apply of hk.transform (or hk.without_state),"
+    " which takes and returns no Haiku state; the Gram probes of the tracked "
+    "modules live in the state.\n"
+    "What to do: transform the loss with hk.transform_with_state, and pass "
+    "its apply and the state from its init: `f = hk.transform_with_state"
+    "(loss_fn); params, state = f.init(rng, *batch); "
+    "gram_haiku.value_grad_and_gram(f.apply)(params, state, rng, *batch)`.")
+
+TRACK_IN_PURE_TRANSFORM = (
+    "gram_haiku.track(): module {module!r} keeps its Gram probe in hk.State, "
+    "but it runs inside hk.transform (or hk.without_state), which has no "
+    "state (Haiku would raise NonEmptyStateError about hk.get_state, which "
+    "your code need not call: the state is gram_haiku's probes).\n"
+    "What to do: transform the function that enters `with "
+    "gram_haiku.track():` with hk.transform_with_state, and pass the state "
+    "from its init to apply (`params, state = f.init(rng, *batch)`; "
+    "`f.apply(params, state, rng, *batch)`).")
+
+TRACK_IN_LIFTED_PURE_TRANSFORM = (
+    "gram_haiku.track(): module {module!r} runs inside an inner "
+    "hk.transform (or hk.without_state) called within the outer transform, "
+    "e.g. lifted with hk.lift or hk.experimental.transparent_lift. Its Gram "
+    "probe lives in hk.State, which a pure transform has not (Haiku would "
+    "raise NonEmptyStateError about hk.get_state, which your code need not "
+    "call: the state is gram_haiku's probes).\n"
+    "What to do: transform the inner function with hk.transform_with_state "
+    "and lift it with its state: `init, updater = hk.lift_with_state("
+    "inner.init, name='inner')` (or hk.experimental."
+    "transparent_lift_with_state); `params, state = init(rng, x)`; `out, "
+    "state = inner.apply(params, state, None, x)`; `updater.update(state)`. "
+    "The probes then reach the outer state and its Grams. Or apply the inner "
+    "model outside gram_haiku.track() (its parameters are then untracked).")
+
+FROZEN_NAME_CLASH = (
+    "gram_haiku: two different tracked modules, {first!r} (frozen: "
+    "{first_frozen}) and {second!r} (frozen: {second_frozen}), are both "
+    "named '{name}' where they run: one sits inside a nested Haiku "
+    "transform (hk.layer_stack, hk.lift), where a layer sees only its own "
+    "name, not the prefix of its parameters. Their frozen= parameters "
+    "differ, and the pass plans each layer by that name, so it cannot "
+    "freeze one and train the other.\n"
+    "What to do: give the modules distinct names (e.g. hk.Linear(..., "
+    "name='head') for the one outside the stack), or freeze the same "
+    "parameters of both.")
+
+MEAN_LOSS_CLIPPED = (
+    "gram_haiku.{fn}: the loss looks like a mean over the {batch} examples "
+    "(a sum over the batch divided by a multiple of {batch}, e.g. "
+    "jnp.mean). Each example's gradient is then g_i / {batch}, so the clip "
+    "norm acts as {batch} times l2_clip_norm on the real per-example "
+    "gradients, and the noise calibrated to l2_clip_norm does not give the "
+    "privacy you account for.\n"
+    "What to do: return the sum of the per-example losses (`.sum()`, not "
+    "`.mean()`), and divide the clipped sum by the batch size afterwards "
+    "with normalize_by= (e.g. the expected batch size). If the division is "
+    "meant, silence this with warnings.filterwarnings('ignore', "
+    "message='gram_haiku.{fn}: the loss looks like a mean').")

@@ -11,7 +11,8 @@ module only; ``tests/test_compat.py`` checks that each still exists.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import sys
+from typing import Any, Callable, Optional
 
 import haiku as hk
 from haiku._src import base as _base
@@ -23,8 +24,11 @@ from haiku._src import utils as _utils
 __all__ = [
     "current_frame",
     "outermost_frame",
+    "outermost_frame_id",
     "stored_parameters",
     "inside_transform",
+    "innermost_transform_is_pure",
+    "is_pure_apply",
     "inside_raw_jax_transform",
     "running_init",
     "module_scope",
@@ -59,6 +63,13 @@ def outermost_frame():
   return list(_base.frame_stack)[-1]  # The stack iterates from the top.
 
 
+def outermost_frame_id() -> int:
+  """The number Haiku gave the outermost running frame (one per call of a
+  transformed function, never reused): what identifies that call without
+  holding its frame (and so its parameters, state and rng) alive."""
+  return outermost_frame().frame_id
+
+
 def stored_parameters(module_name: str) -> list:
   """The values Haiku holds for module ``module_name``'s parameters in the
   current frame: what ``hk.get_parameter`` hands to the custom getters."""
@@ -68,6 +79,56 @@ def stored_parameters(module_name: str) -> list:
 def inside_transform() -> bool:
   """Whether the caller runs inside ``hk.transform`` (a Haiku frame)."""
   return _base.inside_transform()
+
+
+def _codes(*fns) -> frozenset:
+  return frozenset(f.__code__ for f in fns)
+
+
+_WITH_STATE = hk.transform_with_state(lambda: None)
+#: The code of ``init``/``apply`` of every ``hk.transform_with_state``: the
+#: one Haiku core that opens a frame for a transformed function.
+_WITH_STATE_CODES = _codes(_WITH_STATE.init, _WITH_STATE.apply)
+#: The code of ``init``/``apply`` of ``hk.without_state`` (which
+#: ``hk.transform`` is built on) and of ``hk.transform`` itself: the
+#: wrappers that refuse any state after the function returns.
+_PURE_CODES = _codes(hk.without_state(_WITH_STATE).init,
+                     hk.without_state(_WITH_STATE).apply,
+                     hk.transform(lambda: None).init,
+                     hk.transform(lambda: None).apply)
+
+
+def innermost_transform_is_pure() -> Optional[str]:
+  """Whether the innermost running transformed function is one of
+  ``hk.transform``/``hk.without_state`` (whose state must stay empty):
+  ``"outer"`` when it is the outermost transform, ``"nested"`` when it
+  runs inside another (``hk.lift`` of an inner ``hk.transform``), None
+  when it has state (or nothing runs).
+
+  Haiku's frame cannot tell (its state is an empty dict either way); the
+  Python stack can: the ``init``/``apply`` of ``hk.transform_with_state``
+  that opened the frame is called by the pure wrapper's own.
+  """
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  kind, cores = None, 0
+  while frame is not None:
+    if frame.f_code in _WITH_STATE_CODES:
+      cores += 1
+      if cores == 1:
+        caller = frame.f_back
+        if caller is None or caller.f_code not in _PURE_CODES:
+          return None
+        kind = "outer"
+      else:
+        return "nested"
+    frame = frame.f_back
+  return kind
+
+
+def is_pure_apply(fn: Callable[..., Any]) -> bool:
+  """Whether ``fn`` is the ``apply`` (or ``init``) of ``hk.transform`` or
+  ``hk.without_state``: no state in, none out."""
+  return getattr(fn, "__code__", None) in _PURE_CODES
 
 
 def running_init() -> bool:

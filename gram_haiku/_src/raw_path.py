@@ -61,7 +61,7 @@ def _used_before(name: str) -> bool:
   new array per read. ``hk.static_unroll`` re-creates its modules under the
   same names, so it is seen too; ``hk.layer_stack`` traces its body once.
   """
-  uses = ambient.raw_uses(hkc.outermost_frame())
+  uses = ambient.raw_uses(hkc.outermost_frame_id())
   shared = name in uses
   uses.add(name)
   return shared

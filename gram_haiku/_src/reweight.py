@@ -201,13 +201,20 @@ def _with_frozen(found, frozen: dict, live):
   """``found`` with the ops of the ``live`` modules planned with their
   frozen operands, and those operands by layer name."""
   layers: dict = {}
+  owners: dict = {}
   for m in live:
     name = found.ops[m].name
     mine = frozen.get(m, ())
     if layers.setdefault(name, mine) != mine:
-      raise ValueError(errors.FROZEN_IN_SOME_USES.format(
-          name=name, params=[[found.ops[m].param_names[k] for k in ks]
-                             for ks in sorted({layers[name], mine})]))
+      # Two modules (state keys) that see one layer name (one inside a
+      # nested transform): the pass plans by name, so it cannot tell them.
+      first = owners[name]
+      raise ValueError(errors.FROZEN_NAME_CLASH.format(
+          name=name, first=first, second=m,
+          first_frozen=[found.ops[first].param_names[k]
+                        for k in layers[name]],
+          second_frozen=[found.ops[m].param_names[k] for k in mine]))
+    owners.setdefault(name, m)
   ops = {m: op.with_plan(frozen=frozen.get(m, ()))
          for m, op in found.ops.items()}
   return dataclasses.replace(found, ops=ops, frozen_layers={

@@ -68,7 +68,7 @@ class LayerCall:
     self.module = module
 
   def apply(self, op: Union[Rule, Callable[..., jax.Array]], x: jax.Array,
-            params) -> jax.Array:
+            params, *, coupled: Optional[str] = None) -> jax.Array:
     """Applies a Gram op for the module: what a layer handler returns.
 
     Args:
@@ -82,6 +82,13 @@ class LayerCall:
       x: the layer input, example axis first (or under ``vmap``).
       params: the module's parameters in the op's order (None for absent
         ones, e.g. no bias).
+      coupled: why this application mixes the examples in its forward pass
+        (a teaching error, e.g. ``hk.BatchNorm`` with batch statistics), or
+        None. Such an application has no per-example gradients: asking for
+        its Gram (:func:`gram_haiku.value_grad_and_gram`, the reweighting
+        functions, or ``jax.grad`` of its probe) raises it as a
+        ``ValueError``; the forward pass, inference and plain parameter
+        gradients run as in plain Haiku.
 
     Returns:
       ``op``'s output: the layer's output, exactly the untracked module's.
@@ -100,7 +107,16 @@ class LayerCall:
           f"absent one), in the op's order; got {type(params).__name__}.")
     if isinstance(op, Rule):
       op = function.rule_binder(op)
-    return self._tracker._apply(op, self.module, x, params)  # pylint: disable=protected-access
+    return self._tracker._apply(op, self.module, x, params, coupled)  # pylint: disable=protected-access
+
+  def check_coupled(self, reason: str) -> None:
+    """Declares that this application mixes the examples (``reason``, a
+    teaching error): raised as a ``ValueError`` where Grams are asked for
+    (:func:`gram_haiku.value_grad_and_gram` and the reweighting functions;
+    not at ``init``). For a handler that may apply no op (e.g. a batch norm
+    without a scale or an offset); one that does passes ``coupled=`` to
+    :meth:`apply` as well, for the raw ``jax.grad`` path."""
+    self._tracker._check_coupled(reason)  # pylint: disable=protected-access
 
 
 class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
@@ -274,17 +290,33 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                           if mode == "clip" else None)
     return plan
 
-  def _apply(self, op, module: hk.Module, x, params):
+  def _check_coupled(self, reason: str) -> None:
+    """Raises ``reason`` where a pass asks for Grams (not at ``init``)."""
+    if self._pass is not None and not hkc.running_init():
+      raise ValueError(reason)
+
+  def _apply(self, op, module: hk.Module, x, params,
+             coupled: Optional[str] = None):
     name = module.module_name
     present = [p for p in params if p is not None]
+    if coupled is not None:
+      self._check_coupled(coupled)
     plan = self._resolve_plan(module, present)
     if hkc.running_init():
       plan = plan.replace(at_init=True)
+    elif coupled is not None:
+      # The raw path: refused only if the probe is differentiated.
+      plan = plan.replace(refusal=coupled)
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
     if self._pass is not None and self._pass.raw_traced is not None and (
         hkc.inside_raw_jax_transform()):
       self._pass.raw_traced.add(name)
+    pure = hkc.innermost_transform_is_pure()
+    if pure is not None:
+      raise ValueError((errors.TRACK_IN_PURE_TRANSFORM if pure == "outer" else
+                        errors.TRACK_IN_LIFTED_PURE_TRANSFORM).format(
+                            module=name))
     with hkc.module_scope(module):
       if self._pass is not None and name in self._pass.slotted:
         probe = probes.next_slot(None if self._pass.slot_reads is None else

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
@@ -17,8 +18,10 @@ from gram_haiku._src import dataflow
 from gram_haiku._src import errors
 from gram_haiku._src import example_flow
 from gram_haiku._src import example_sharding
+from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import loss_scale
 from gram_haiku._src import plan as plan_lib
 from gram_haiku._src import reparam
 from gram_haiku._src import shard_examples
@@ -99,8 +102,9 @@ def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
 
 def _sum_leading(a, ndim: int):
   """Sums stacked per-layer results (``hk.layer_stack``) to ``ndim`` axes."""
-  if a.ndim > ndim:
-    return a.reshape((-1,) + a.shape[a.ndim - ndim:]).sum(0)
+  if a.ndim > ndim:  # (an empty batch's zero-size axes leave -1 unknown)
+    lead = a.shape[:a.ndim - ndim]
+    return a.reshape((math.prod(lead),) + a.shape[a.ndim - ndim:]).sum(0)
   return a
 
 
@@ -113,7 +117,7 @@ def _stacked_to_columns(f):
   if f.ndim == 2:
     return f
   f = jnp.moveaxis(f, -2, 0)
-  return f.reshape(f.shape[0], -1)
+  return f.reshape(f.shape[0], math.prod(f.shape[1:]))  # B may be 0
 
 
 def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
@@ -271,9 +275,10 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
 
   ``loss(params, probes, rng, args, kwargs)``. Returns the
   :class:`~gram_haiku._src.dataflow.Discovery` of its program, the coverage
-  its ``track()`` contexts saw, and ``check_examples()``, which follows the
+  its ``track()`` contexts saw, ``check_examples()``, which follows the
   examples (axis 0 of the batch's arrays) through the program
-  (:func:`gram_haiku._src.example_flow.check`). ``model_state``: the
+  (:func:`gram_haiku._src.example_flow.check`), and the program itself
+  (its live jaxpr and the values of its constants). ``model_state``: the
   leaves of the Haiku state the loss closes over (an input of ``apply``,
   not data the user closed over).
   """
@@ -341,7 +346,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
                                   v for v, c in zip(closed.jaxpr.constvars,
                                                     closed.consts)
                                   if id(c) in own))
-  return found, seen, check_examples
+  program = (live, dict(zip(closed.jaxpr.constvars, closed.consts)))
+  return found, seen, check_examples, program
 
 
 @dataclasses.dataclass
@@ -372,6 +378,26 @@ class TracedLoss:
   n_devices: int
 
 
+def _check_arguments(apply_fn, params, state) -> None:
+  """Teaching errors for the usual slips in ``(params, state, rng, *batch)``:
+  the apply of ``hk.transform`` (no state), the state left out, not a
+  mapping, or swapped with the parameters."""
+  if hkc.is_pure_apply(apply_fn):
+    raise ValueError(errors.PURE_TRANSFORM_APPLY)
+  if state is None:
+    raise ValueError(errors.STATE_IS_NONE)
+  if not isinstance(state, Mapping):
+    raise ValueError(errors.STATE_NOT_A_MAPPING.format(
+        type=type(state).__name__))
+  if isinstance(params, Mapping) and not split_probes(state)[1]:
+    in_params = sorted(m for m, v in params.items()
+                       if isinstance(v, Mapping) and PROBE_NAME in v)
+    if in_params:
+      raise ValueError(errors.PARAMS_STATE_SWAPPED.format(
+          modules=", ".join(map(repr, in_params[:3])) +
+          (", ..." if len(in_params) > 3 else "")))
+
+
 def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
                axes: tuple[str, ...], *, strict: bool = False,
                example_axes=None) -> TracedLoss:
@@ -383,6 +409,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   Raises:
     ValueError: the errors listed by :func:`value_grad_and_gram`.
   """
+  _check_arguments(apply_fn, params, state)
   rest, probes = split_probes(state)
   if not probes:
     raise ValueError(errors.NO_PROBES)
@@ -405,7 +432,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   if axes:  # Each device has its own rows: the probes vary over `axes`.
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     _check_batch_split(axes, probes, (args, kwargs))
-  found, seen, check_examples = _discover(
+  found, seen, check_examples, program = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
       example_axes, jax.tree_util.tree_leaves(rest))
   if not found.sizes:
@@ -426,6 +453,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
           leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
   size = _check_example_axes(found, check_examples(strict))
+  if strict:  # A privacy guarantee: the loss must be a sum, not a mean.
+    loss_scale.warn_if_mean("clipped_grad", *program, size)
   return TracedLoss(rest, probes, given_probes, loss_of, found, seen, size,
                     n_devices)
 

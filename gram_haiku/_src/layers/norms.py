@@ -36,12 +36,13 @@ from gram_haiku._src.ops.affine import static_multiplier
 from gram_haiku._src.registry import register_layer
 
 
-def _affine(call, x, scale, offset, offset_multiplier=None):
-  """``x * scale + offset`` (parameters, either may be None) via the Gram op."""
+def _affine(call, x, scale, offset, offset_multiplier=None, coupled=None):
+  """``x * scale + offset`` (parameters, either may be None) via the Gram op
+  (``coupled``: see :meth:`gram_haiku.LayerCall.apply`)."""
   def op(x, scale, offset, probe, **kwargs):
     return gram_affine(x, scale, offset, probe,
                        offset_multiplier=offset_multiplier, **kwargs)
-  return call.apply(op, x, (scale, offset))
+  return call.apply(op, x, (scale, offset), coupled=coupled)
 
 
 def check_call_time_params(module, scale, offset):
