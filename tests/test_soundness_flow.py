@@ -470,3 +470,105 @@ def test_no_one_batch_size_is_a_privacy_error():
   params, state = f.init(jax.random.PRNGKey(0), x, memory)
   with pytest.raises(ValueError, match="batch size cannot be told"):
     gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, memory)
+
+
+# -- 4. refusals that say what fits --------------------------------------------
+
+
+def _time_major_net(xb):  # one example's (T, F)
+  return hk.Linear(O)(jnp.tanh(hk.Linear(4)(xb)).mean(0))
+
+
+@pytest.mark.parametrize("fn", ["clipped", "gram"])
+def test_a_time_major_input_under_a_named_vmap(fn):
+  """T == B: the default rule takes axis 0 (time) for the examples, which
+  the named vmap contradicts; the refusal names the example_axes that
+  fit, and with it the result is exact."""
+  b = t = 4
+  rng = np.random.RandomState(22)
+  x = rng.randn(t, b, F).astype(np.float32)
+  y = rng.randn(b, O).astype(np.float32)
+
+  def tracked(x, y):
+    with gram_haiku.track(example_axis="batch"):
+      out = hk.vmap(_time_major_net, in_axes=1, axis_name="batch",
+                    split_rng=False)(x)
+    return jnp.sum((out - y) ** 2)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+
+  def transform(**kw):
+    return (gram_haiku.value_grad_and_gram(f.apply, **kw) if fn == "gram"
+            else gram_haiku.clipped_grad(f.apply, C, **kw))
+  with pytest.raises(ValueError, match=r"example_axes=\(1, 0\)"):
+    transform()(params, state, None, x, y)
+  out = transform(example_axes=(1, 0))(params, state, None, x, y)
+  plain = hk.without_apply_rng(hk.transform(lambda xb, y: jnp.sum((hk.vmap(
+      _time_major_net, split_rng=False)(xb) - y) ** 2)))
+  flat = _rows(plain.apply, params, np.swapaxes(x, 0, 1), y)
+  if fn == "gram":
+    np.testing.assert_allclose(out[2].total, flat @ flat.T, rtol=RTOL,
+                               atol=RTOL * np.abs(flat @ flat.T).max())
+  else:
+    _assert_clipped(out[0], flat, params)
+
+
+def test_views_of_an_example_split_by_a_reshape():
+  """Augmentation multiplicity on the flat (B K) batch: taken as B K
+  examples each view would be clipped alone (K C per example), so it is
+  refused, with the rewrite that is exact: the layers on (B, K, F)."""
+  b, k = 4, 3
+  rng = np.random.RandomState(23)
+  x = rng.randn(b * k, F).astype(np.float32)
+  y = rng.randn(b, O).astype(np.float32)
+
+  def head(h):
+    return hk.Linear(O, name="head")(jnp.tanh(hk.Linear(4, name="first")(h)))
+
+  def flat_views(x, y):
+    with gram_haiku.track():
+      out = head(x)
+    return jnp.sum((out.reshape(b, k, O) - y[:, None]) ** 2)
+  f = hk.transform_with_state(flat_views)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match=r"split the examples' axis of 12 "
+                     r"rows into \(4, 3\)"):
+    gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, y)
+
+  def grouped(xv, y):
+    with gram_haiku.track():
+      out = head(xv)
+    return jnp.sum((out - y[:, None]) ** 2)
+  g = hk.transform_with_state(grouped)
+  xv = x.reshape(b, k, F)
+  grads, _ = gram_haiku.clipped_grad(g.apply, C)(params, state, None, xv, y)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda xv, y: jnp.sum((head(xv) - y[:, None]) ** 2)))
+  _assert_clipped(grads, _rows(plain.apply, params, xv, y), params)
+
+
+def test_a_weight_penalty_in_the_loss_says_what_to_do():
+  x, y = _data(24)
+  lam = 0.01
+
+  def with_penalty(x, y):
+    with gram_haiku.track():
+      lin = hk.Linear(O, name="head")
+      out = lin(x)
+    return jnp.sum((out - y) ** 2) + lam * jnp.sum(lin.params_dict()[
+        "head/w"] ** 2)
+  f = hk.transform_with_state(with_penalty)
+  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  with pytest.raises(ValueError, match="optimizer's weight decay"):
+    gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, y)
+  # What it says to do: the penalty's gradient added outside.
+  g, plain = _model()
+  grads, _ = gram_haiku.clipped_grad(g.apply, C)(params, state, None, x, y)
+  grads["head"]["w"] = grads["head"]["w"] + 2 * lam * params["head"]["w"]
+  flat = _rows(plain.apply, params, x, y)
+  norms = np.sqrt(np.sum(flat * flat, 1))
+  want = weighted_sum(flat, clip_reference(norms, C), params)
+  want["head"]["w"] = want["head"]["w"] + 2 * lam * np.asarray(
+      params["head"]["w"], np.float64)
+  chex.assert_trees_all_close(_f64(grads), want, rtol=RTOL,
+                              atol=RTOL * float(np.abs(flat).max()))

@@ -8,6 +8,8 @@ examples. Without it every array follows :data:`AUTO`.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 
@@ -112,3 +114,25 @@ def split_batch(args, kwargs, example_axes=None):
     full = [next(it) if a else l for l, a in zip(leaves, is_array)]
     return jax.tree_util.tree_unflatten(treedef, full)
   return arrays, axes, rebuild
+
+
+def candidate_example_axes(rng, args, batch: int, limit: int = 64) -> list:
+  """The ``example_axes`` that could be given for ``fn(params, state, rng,
+  *args)`` with ``batch`` examples: per positional batch argument (the
+  ``rng`` position too where :func:`rng_is_batch` says it holds one), an
+  axis where every array of it has ``batch`` entries, or None; at least
+  one entry not None. Empty where there would be more than ``limit``.
+  For messages that say which declaration fits the program."""
+  positions = ((rng, *args) if rng_is_batch(rng, None, len(args))
+               else tuple(args))
+  options = []
+  for arg in positions:
+    shapes = [np.shape(l) for l in jax.tree_util.tree_leaves(arg)
+              if isinstance(l, (jax.Array, np.ndarray))]
+    ndim = min((len(s) for s in shapes), default=0)
+    axes = [k for k in range(ndim) if all(s[k] == batch for s in shapes)]
+    options.append(axes + [None])
+  if np.prod([len(o) for o in options]) > limit:
+    return []
+  return [c for c in itertools.product(*options)
+          if any(a is not None for a in c)]

@@ -46,6 +46,14 @@ _VALUE_PRESERVING = frozenset({
     "sharding_constraint", "reshard", "mesh_cast",
 })
 
+#: Primitives by which a loss reads a parameter in a penalty on the weights
+#: (``lam * sum(w ** 2)``, ``sum(abs(w))``): their errors say what to do
+#: with one.
+_PENALTY_PRIMITIVES = frozenset({
+    "integer_pow", "square", "pow", "abs", "mul", "dot_general", "sqrt",
+    "reduce_sum",
+})
+
 #: Primitives that call their one sub-program once, with their own inputs.
 _CALLS = frozenset({
     "pjit", "jit", "closed_call", "core_call", "remat2", "checkpoint",
@@ -579,7 +587,8 @@ def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
     if leaf in modules_of_leaf:
       raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
           leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
-          use=use))
+          use=use) + (errors.PENALTY_ON_PARAMETERS
+                      if use in _PENALTY_PRIMITIVES else ""))
     untracked[leaf_names[leaf]] = use
   for leaf, modules in modules_of_leaf.items():
     if len(modules) > 1:

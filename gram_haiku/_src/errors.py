@@ -763,3 +763,33 @@ MEAN_LOSS_CLIPPED = (
     "with normalize_by= (e.g. the expected batch size). If the division is "
     "meant, silence this with warnings.filterwarnings('ignore', "
     "message='gram_haiku.{fn}: the loss looks like a mean').")
+
+PENALTY_ON_PARAMETERS = (
+    " If that use is a penalty on the weights (weight decay "
+    "lam * sum(w ** 2), an L1 norm of the parameters): it reads no "
+    "example's data, so it is no part of any example's gradient. Leave it "
+    "out of the loss and use the optimizer's weight decay "
+    "(optax.add_decayed_weights, optax.adamw), or add its gradient (for "
+    "lam * sum(w ** 2): 2 * lam * w) to the clipped sum or the Gram's "
+    "gradient outside the tracked loss: it needs no clipping and adds no "
+    "privacy cost.")
+
+VIEWS_SPLIT_BY_RESHAPE = (
+    " A reshape split the examples' axis of {n} rows into ({b}, {k})"
+    "{where}. If these are {b} examples with {k} rows each "
+    "(augmentation multiplicity, several views of one example), give the "
+    "tracked layers their input as ({b}, {k}, ...) (x.reshape({b}, {k}, -1) "
+    "before them; they accept any leading axes): the examples are then the "
+    "{b} rows of axis 0, each one's views summed in its gradient, and "
+    "out against y[:, None] is a sum of per-example terms. Taken as {n} "
+    "examples, each view would be clipped on its own, and one example "
+    "could move a clipped sum by {k} times the clip norm.")
+
+EXAMPLE_AXES_THAT_FIT = (
+    " The examples were followed from axis 0 of every batch argument (the "
+    "default rule, which cannot tell a time-major (T, B, ...) input from a "
+    "batch-major one when T == B). Taken from example_axes={axes!r} "
+    "instead (one entry per argument after rng) they reach every tracked "
+    "layer's example axis and the loss as per-example terms: if that is "
+    "where the examples are (a named hk.vmap(..., in_axes=1, "
+    "axis_name=...) over them says so), pass example_axes={axes!r}.")

@@ -198,6 +198,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # carried forward to everything computed from the value.
     self._notes: dict[tuple[Any, int], frozenset] = {}
     self.closed_shapes: list[tuple[int, ...]] = []  # (for messages)
+    # The first reshape that split the examples' rows in two (n, b, k,
+    # where), for messages (views of one example: VIEWS_SPLIT_BY_RESHAPE).
+    self.split_examples: Optional[tuple[int, int, int, str]] = None
 
   def join(self, a: State, b: State) -> State:
     return join(a, b, self.verdicts)
@@ -725,6 +728,14 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     return CONST
 
 
+def _views_hint(flow: _Flow) -> str:
+  """VIEWS_SPLIT_BY_RESHAPE where a reshape split the examples' rows."""
+  if flow.split_examples is None:
+    return ""
+  n, b, k, where = flow.split_examples
+  return errors.VIEWS_SPLIT_BY_RESHAPE.format(n=n, b=b, k=k, where=where)
+
+
 def check(jaxpr, in_states: Sequence[State], batch: int,
           gram_op_type, names: Optional[dict] = None,
           strict: bool = False, consts: Optional[dict] = None,
@@ -818,8 +829,8 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       if single and op.example_size() == 1:
         verified = False  # Exact all the same; its axis is not followed.
         continue
-      raise ValueError(errors.EXAMPLES_COUPLED.format(module=module,
-                                                      shape=shape))
+      raise ValueError(errors.EXAMPLES_COUPLED.format(
+          module=module, shape=shape) + _views_hint(flow))
     if state.order is not None and not single:
       raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
                                                         shape=shape))
@@ -837,8 +848,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
     primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
                                                      "")
-    raise ValueError(errors.LOSS_COUPLED.format(primitive=primitive,
-                                                shapes=shapes, line=line))
+    raise ValueError(errors.LOSS_COUPLED.format(
+        primitive=primitive, shapes=shapes, line=line) + (
+            _views_hint(flow) if primitive == "reshape" else ""))
   if flow.paired_with_others is not None and not single:
     primitive, shapes, line = flow.paired_with_others
     raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(

@@ -98,6 +98,17 @@ class ShapeRules:
         inner = stride // suffix
         return [dataclasses.replace(s, dim=k, inner=inner,
                                     outer=new[k] // (inner * size))]
+    if (s.inner == s.outer == 1 and s.tag is None and
+        self.split_examples is None):
+      # The examples' rows split into (b, k): perhaps k views of each of b
+      # examples (augmentation multiplicity), which the errors then name.
+      lead = math.prod(old[:s.dim])
+      for k in range(len(new) - 1):
+        if (math.prod(new[:k]) == lead and new[k] * new[k + 1] == size and
+            1 < new[k + 1] < size):
+          self.split_examples = (size, new[k], new[k + 1],
+                                 self.user_line(eqn))
+          break
     return [MIXED]
 
   def _reduce(self, eqn, ins, linear: bool):

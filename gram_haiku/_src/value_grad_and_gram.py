@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -329,23 +330,49 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
           leading=sorted(leading), sizes=sorted(sizes)))
     else:
       return False  # No one size of the batch: nothing to follow.
-    states = [example_flow.CONST] * (n_params + len(probe_names))
-    for a, ax in zip(arrays, array_axes):
-      size = batch_args.example_size(a, ax)
-      if isinstance(ax, int) and size != batch:
-        raise ValueError(errors.EXAMPLE_AXIS_SIZE.format(
-            shape=np.shape(a), axis=ax, size=size, batch=batch))
-      states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
-                    if size == batch else example_flow.CONST)
     own = {id(a) for a in model_state}
-    return example_flow.check(live, states, batch, base.GramOp,
-                              consts=dict(zip(closed.jaxpr.constvars,
-                                              closed.consts)),
-                              strict=strict,
-                              model_state=frozenset(
-                                  v for v, c in zip(closed.jaxpr.constvars,
-                                                    closed.consts)
-                                  if id(c) in own))
+
+    def follow(array_axes):
+      states = [example_flow.CONST] * (n_params + len(probe_names))
+      for a, ax in zip(arrays, array_axes):
+        size = batch_args.example_size(a, ax)
+        if isinstance(ax, int) and size != batch:
+          raise ValueError(errors.EXAMPLE_AXIS_SIZE.format(
+              shape=np.shape(a), axis=ax, size=size, batch=batch))
+        states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
+                      if size == batch else example_flow.CONST)
+      return example_flow.check(live, states, batch, base.GramOp,
+                                consts=dict(zip(closed.jaxpr.constvars,
+                                                closed.consts)),
+                                strict=strict,
+                                model_state=frozenset(
+                                    v for v, c in zip(closed.jaxpr.constvars,
+                                                      closed.consts)
+                                    if id(c) in own))
+    try:
+      return follow(array_axes)
+    except ValueError as e:
+      if example_axes is not None:
+        raise
+      # Under the default rule: say which declaration fits, where one
+      # follows more arguments than any other (a time-major input, T == B).
+      fits = []
+      for cand in batch_args.candidate_example_axes(rng, args, batch):
+        try:
+          with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            follow(batch_args.split_batch((rng, *args), kwargs, cand)[1])
+        except ValueError:
+          continue
+        fits.append(cand)
+      # (Of those, the ones that follow the most arguments: None for the
+      # labels fits too, and says less.)
+      most = max((sum(a is not None for a in c) for c in fits), default=0)
+      fits = [c for c in fits if sum(a is not None for a in c) == most]
+      if len(fits) != 1:
+        raise
+      raise ValueError(str(e) + errors.EXAMPLE_AXES_THAT_FIT.format(
+          axes=fits[0])) from None
   program = (live, dict(zip(closed.jaxpr.constvars, closed.consts)))
   return found, seen, check_examples, program
 
