@@ -29,6 +29,7 @@ from gram_haiku._src.coverage import ParamCoverage
 from gram_haiku._src.coverage import UntrackedParameterWarning
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_flow import ExampleFlowWarning
+from gram_haiku._src.loss_scale import MeanLossWarning
 from gram_haiku._src.ops.base import GramOp
 from gram_haiku._src.ops.function import GramFunction
 from gram_haiku._src.ops.affine import gram_affine
@@ -60,6 +61,7 @@ __all__ = (
     "GramOp",
     "Grams",
     "LayerCall",
+    "MeanLossWarning",
     "PROBE_NAME",
     "ParamCoverage",
     "Plan",

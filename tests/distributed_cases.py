@@ -690,7 +690,10 @@ def case_reparam_mesh():
   def doubled(w):
     return w
   doubled.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g,))
-  mask = np.random.default_rng(0).choice([0.0, 1.0, 0.5], (3, 3, 2, 3))
+  # (Four input channels: a closed-over array with an axis of the local
+  # batch's size, 2 here, is refused under clipped_grad as data of unknown
+  # examples; see example_flow.)
+  mask = np.random.default_rng(0).choice([0.0, 1.0, 0.5], (3, 3, 4, 3))
   getters = {
       "weight_norm": lambda n, v, c: (n(v) / jnp.linalg.norm(n(v), axis=0)
                                       if c.name == "w" else n(v)),
@@ -700,7 +703,7 @@ def case_reparam_mesh():
   }
   mesh = jax.make_mesh((N_DEVICES,), ("d",),
                        axis_types=(jax.sharding.AxisType.Auto,))
-  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 5, 2))
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 5, 4))
   y = jax.random.normal(jax.random.PRNGKey(1), (B, 2))
   for name, getter in getters.items():
     def model(x, y, name=name, getter=getter):
@@ -742,9 +745,9 @@ def case_reparam_mesh():
     grads, aux = jax.jit(gram_haiku.clipped_grad(
         f.apply, c_norm, mesh=mesh, mesh_axes=("d",)))(params, state, None,
                                                        x, y)
-    np.testing.assert_allclose(aux.grad_norms, norms, rtol=1e-4)
+    reference.assert_sound_norms(aux.grad_norms, norms)
     _assert_grads(grads, reference.weighted_sum(
-        fr, reference.clip_reference(norms, c_norm), params), 1e-4)
+        fr, reference.clip_reference(aux.grad_norms, c_norm), params), 1e-4)
   return {}
 
 

@@ -17,6 +17,7 @@ import gram_haiku
 from gram_haiku._src import cost_model
 from gram_haiku._src import kernels
 from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.reference import assert_sound_norms
 from gram_haiku._src.reference import clip_reference
 from gram_haiku._src.reference import per_example_grads
 from gram_haiku._src.reference import reference_gram
@@ -126,22 +127,28 @@ def test_the_clipped_gradient_exports_with_a_symbolic_batch(name, clipping):
   exported = jax.export.export(step)(
       params, state, None, jax.ShapeDtypeStruct((b,) + x.shape[1:], x.dtype))
   x = _draw(entry, 5, seed=7)
-  got, _ = exported.call(params, state, None, x)
+  got, aux = exported.call(params, state, None, x)
   # The reference: each example's gradient (each layer's, per-layer)
-  # clipped to its threshold, summed.
+  # clipped to its threshold by the norm bound the step used (checked
+  # to be sound and tight), summed.
   plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
   f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
   modules = sorted(params)
   sizes = [sum(np.size(v) for v in params[m].values()) for m in modules]
   if clipping == "all-layer":
-    c = clip_reference(np.linalg.norm(f, axis=1), 0.3)
+    assert_sound_norms(aux.grad_norms, np.linalg.norm(f, axis=1))
+    c = clip_reference(aux.grad_norms, 0.3)
     want = weighted_sum(f, c, params)
   else:
     c_l = 0.3 / np.sqrt(len(modules))
     cols = np.split(f, np.cumsum(sizes)[:-1], axis=1)
+    bounds = [np.sqrt(np.asarray(aux.grams.sq_norms_by_layer[m],
+                                 np.float64)) for m in modules]
+    for bound, blk in zip(bounds, cols):
+      assert_sound_norms(bound, np.linalg.norm(blk, axis=1))
     scaled = np.concatenate(
-        [blk * clip_reference(np.linalg.norm(blk, axis=1), c_l)[:, None]
-         for blk in cols], axis=1)
+        [blk * clip_reference(bound, c_l)[:, None]
+         for bound, blk in zip(bounds, cols)], axis=1)
     want = weighted_sum(scaled, np.ones(len(f)), params)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

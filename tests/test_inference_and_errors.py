@@ -414,17 +414,7 @@ def test_empty_batch_after_init(name, mode):
          zeros, 0, 0)
 
 
-# Two stores reshape with -1, which an empty batch leaves undetermined
-# (modules owned elsewhere): the convolution's bias cotangent in
-# ops/conv.py `_grouped`, and a stack's rounding bounds in reweight.py
-# `_split_slack` (in progress). Not strict: they pass once fixed there.
-_RESHAPE_AT_B0 = pytest.mark.xfail(strict=False, raises=ZeroDivisionError,
-                                   reason="reshape(-1, ...) of a size-0 store")
-
-
-@pytest.mark.parametrize("name", [
-    "Linear", "MLP", pytest.param("layer_stack", marks=_RESHAPE_AT_B0),
-    pytest.param("Conv1D", marks=_RESHAPE_AT_B0)])
+@pytest.mark.parametrize("name", ["Linear", "MLP", "layer_stack", "Conv1D"])
 def test_empty_batch_clipped_sum_is_zero(name):
   f, params, state, empty = _empty_case(name, "norms")
   grads, _ = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)(

@@ -110,7 +110,7 @@ def test_the_precision_is_in_the_plan_and_the_jaxpr():
       layer_zoo._tracked(fn, entry, gram_precision="default"))  # pylint: disable=protected-access
   params, state = f.init(jax.random.PRNGKey(0), x)
   jaxpr = str(jax.make_jaxpr(f.apply)(params, state, None, x))
-  assert f"frozen=None, precision={lax.Precision.DEFAULT!r})" in jaxpr, jaxpr
+  assert f"frozen=None, upper_bound=False, precision={lax.Precision.DEFAULT!r})" in jaxpr, jaxpr
   assert plan_lib.Plan().precision == lax.Precision.HIGHEST
 
 

@@ -49,14 +49,17 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
   return out
 
 
-def from_factors(op, x, g, params, mode: str) -> jax.Array:
+def from_factors(op, x, g, params, mode: str,
+                 upper_bound: bool = False) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
   factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
   ``[B, K]`` store) of one application, by the op's own rule. Its cost
   function is told that nothing reuses materialised per-example gradients
-  here (the weight gradient is re-contracted anyway)."""
+  here (the weight gradient is re-contracted anyway). ``upper_bound``:
+  squared norms as sound upper bounds (clip factors;
+  :mod:`gram_haiku._src.norm_bounds`)."""
   cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
-                     precision=op.plan.precision)
+                     precision=op.plan.precision, upper_bound=upper_bound)
   return modes.products(op.in_mode(mode), x, g, params, (), cfg,
                         reuse=False)[0]
 

@@ -20,6 +20,13 @@ Clip functions: ``"abadi"``: ``c_i = min(1, C / |g_i|)``; ``"automatic"``:
 differentially private deep learning made easier and stronger"). Either way
 ``|c_i g_i| <= C``.
 
+Formal guarantees: for batches that differ in one example, the clipped sum
+moves by at most ``C`` (``sqrt(sum_l C_l^2)`` per-layer) before
+``normalize_by``, in floating point: every clip factor is computed from a
+sound upper bound of the example's norm (:mod:`gram_haiku._src.norm_bounds`:
+ghost norms cancel in float32), and an example whose norm is not finite
+gets weight 0 with its rows masked (jax-privacy's ``nan_safe``).
+
 The result is jax-privacy's ``BoundedSensitivityCallable`` (its
 ``sensitivity()`` is what jax-privacy's noise calibration and accounting
 read), with the conventions of ``jax_privacy.clipping.clipped_grad``
@@ -109,7 +116,9 @@ class ClippedGradAux(NamedTuple):
     values: the loss (``(loss, aux)`` of ``apply_fn`` with ``has_aux``).
     aux: ``apply_fn``'s aux output, or None.
     grad_norms: ``f32[B]``, each example's gradient norm before clipping
-      (over every parameter).
+      (over every parameter): the sound upper bound its clip factor was
+      computed from (at most about ``1e-4`` above the exact norm on
+      ordinary data; see :mod:`gram_haiku._src.norm_bounds`).
     fraction_clipped: ``f32[]``, the fraction of the real (non-padding)
       examples whose gradient was scaled down (``"per-layer"``: in any
       layer); under ``shard_map`` (``mesh_axes``) over every device's

@@ -45,6 +45,7 @@ from jax import lax
 from gram_haiku._src import cost_model
 from gram_haiku._src import example_sharding
 from gram_haiku._src import explicit_mesh
+from gram_haiku._src import norm_bounds
 from gram_haiku._src.explicit_mesh import rows_sharding
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import DEFAULT_PRECISION
@@ -66,11 +67,15 @@ class KernelConfig:
       decided yet (a rule's function then consults its cost function).
     precision: the ``lax.Precision`` of every product a kernel forms
       (:attr:`gram_haiku._src.plan.Plan.precision`).
+    upper_bound: squared norms are wanted as sound upper bounds of the
+      exact values (a clip factor's input; see
+      :mod:`gram_haiku._src.norm_bounds`), not as the nearest estimate.
   """
   column_axes: tuple[str, ...] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
   method: Optional[str] = None
   precision: lax.Precision = DEFAULT_PRECISION
+  upper_bound: bool = False
 
   def replace(self, **changes) -> "KernelConfig":
     return dataclasses.replace(self, **changes)
@@ -503,7 +508,11 @@ def probe_value(mode: str, f: jax.Array, cfg: KernelConfig) -> jax.Array:
   when ``cfg`` gathers columns), squared norms ``[B]`` (``"norms"``), or
   ``f`` itself (``"per_example"``)."""
   if mode == "norms":
-    return jnp.sum(f * f, axis=1)
+    value = jnp.sum(f * f, axis=1)
+    if cfg.upper_bound:
+      value = norm_bounds.stored(norm_bounds.sum_of_squares(f),
+                                 norm_bounds.squares_rel(f.shape[1], f.dtype))
+    return value
   if mode == "gram":
     return gram_matmul(f, f, cfg)
   return f
@@ -567,42 +576,71 @@ def linear_gram(x: jax.Array, d: jax.Array, *, with_bias: bool, method: str,
   """
   if method == "ghost" and x.shape[1] == 1:
     return _one_position_ghost_gram(x[:, 0], d[:, 0], with_bias, cfg)
-  gram = (ghost_gram(x, d, cfg) if method == "ghost"
-          else materialized_gram(x, d, cfg))
+  if method != "ghost":
+    gram = materialized_gram(x, d, cfg)
+  elif _materialized_fits(x, d, cfg):
+    # Where some example's ghost norm cancels (its rounding bound over
+    # LOOSE of its value), its row of the ghost Gram is noise: the
+    # materialised Gram instead (one branch on every device).
+    gram = lax.cond(_ghost_cancels(x, d, cfg),
+                    lambda: materialized_gram(x, d, cfg),
+                    lambda: ghost_gram(x, d, cfg))
+  else:
+    gram = ghost_gram(x, d, cfg)
   if with_bias:
     gram = gram + bias_gram(d, cfg)
   return gram
 
 
-def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig
-                   ) -> jax.Array:
+def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
+                   with_slack: bool = False):
   """Diagonal of (1) by the ghost method: ``(B, T, N), (B, T, M) -> (B,)``.
 
   ``|g_i|^2 = sum_{t,s} (x_it . x_is)(d_it . d_is)``: cost ``~B T^2 (N+M)``.
   Examples are processed in blocks so that the ``(rows, T, T)`` kernels stay
-  under ``cfg.memory_budget_bytes``.
+  under ``cfg.memory_budget_bytes``. ``with_slack``: also each value's
+  rounding bound (:func:`gram_haiku._src.norm_bounds.ghost_slack`), as
+  ``(values, slacks)``.
   """
-  b, t, _ = x.shape
+  b, t, n = x.shape
+  m = d.shape[-1]
+  acc = d.dtype
   if t == 1:
-    return _product_of_kernels(jnp.sum(x[:, 0] ** 2, -1),
-                               jnp.sum(d[:, 0] ** 2, -1))
+    xs, ds = jnp.sum(x[:, 0] ** 2, -1), jnp.sum(d[:, 0] ** 2, -1)
+    value = _product_of_kernels(xs, ds)
+    if not with_slack:
+      return value
+    return value, norm_bounds.ghost_slack(
+        xs[:, None, None], ds[:, None, None], jnp.sqrt(xs)[:, None],
+        jnp.sqrt(ds)[:, None], n, m, acc, lax.Precision.HIGHEST)
 
   def rows(xi, di):
     kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
     kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
-    return jnp.sum(_product_of_kernels(kx, kd), axis=(1, 2))
+    value = jnp.sum(_product_of_kernels(kx, kd), axis=(1, 2))
+    if not with_slack:
+      return value
+    slack = norm_bounds.ghost_slack(
+        kx.astype(acc), kd.astype(acc), norm_bounds.row_norms(xi.astype(acc)),
+        norm_bounds.row_norms(di.astype(acc)), n, m, acc, cfg.precision)
+    return jnp.stack([value.astype(acc), slack.astype(acc)], axis=1)
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   t_hint = cost_model.size_hint(t)
   per_row = 2 * t_hint * t_hint * itemsize
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
-    return map_row_blocks(
+    value = map_row_blocks(
         lambda xi, di: _ghost_time_blocked(xi, di, xi, di, tau,
                                            cfg.precision)[0], 1,
         (x, d))
+    if not with_slack:
+      return value
+    return value, norm_bounds.coarse_ghost_slack(
+        norm_bounds.triangle(x, d), n, m, t, acc, cfg.precision)
   n_rows = max(1, min(cost_model.size_hint(b), budget // max(per_row, 1)))
-  return map_row_blocks(rows, n_rows, (x, d))
+  out = map_row_blocks(rows, n_rows, (x, d))
+  return (out[:, 0], out[:, 1]) if with_slack else out
 
 
 def materialized_sq_norms(x: jax.Array, d: jax.Array,
@@ -621,8 +659,110 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
   "ghost norm" of Goodfellow (2015) and Li et al. (2022): no ``B x B``
   term, so its cost is linear in ``B``.
   """
-  out = (ghost_sq_norms(x, d, cfg) if method == "ghost"
-         else materialized_sq_norms(x, d, cfg.precision))
+  if cfg.upper_bound:
+    return _bounded_linear_sq_norms(x, d, with_bias, method, cfg)
+  if method != "ghost":
+    out = materialized_sq_norms(x, d, cfg.precision)
+  elif x.shape[1] == 1:
+    out = ghost_sq_norms(x, d, cfg)
+  else:
+    # The best estimate: where a ghost norm cancels (see
+    # :mod:`gram_haiku._src.norm_bounds`), the materialised norms.
+    value, slack = ghost_sq_norms(x, d, cfg, True)
+    out = lax.cond(jnp.any(norm_bounds.ghost(value, slack)[1]),
+                   lambda: _materialized_sq_norms_blocked(x, d, cfg),
+                   lambda: value)
   if with_bias:
     out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
+  return out
+
+
+def linear_sq_norm_bounds_of(f: jax.Array, x: jax.Array, d: jax.Array,
+                             with_bias: bool, precision) -> jax.Array:
+  """Sound upper bounds of the squared norms of a linear map's per-example
+  gradients ``f: [B, P]``, materialised from ``x: (B, T, N)`` and ``d: (B,
+  T, M)`` (with the bias's ``sum_t d_t`` among them where ``with_bias``):
+  :func:`gram_haiku._src.norm_bounds.materialized`, each entry a sum over
+  the ``T`` positions."""
+  tri = norm_bounds.triangle(x, d)
+  if with_bias:
+    tri = tri + jnp.sum(norm_bounds.row_norms(d), axis=1)
+  return norm_bounds.materialized(
+      norm_bounds.sum_of_squares(f),
+      norm_bounds.squares_rel(f.shape[1], f.dtype), tri, x.shape[1],
+      f.dtype, precision)
+
+
+def bias_sq_norm_bounds(d: jax.Array, precision) -> jax.Array:
+  """Sound upper bounds of ``|sum_t d_t|^2``, ``d: (B, T, M)`` -> ``(B,)``
+  (:func:`gram_haiku._src.norm_bounds.materialized` with ``x_t = 1``)."""
+  _, t, m = d.shape
+  tri = jnp.sum(norm_bounds.row_norms(d), axis=1)
+  return norm_bounds.materialized(
+      norm_bounds.sum_of_squares(d.sum(axis=1)),
+      norm_bounds.squares_rel(m, d.dtype), tri, t, d.dtype,
+      lax.Precision.HIGHEST)
+
+
+def _materialized_fits(x, d, cfg: KernelConfig) -> bool:
+  """Whether the ``(cols, N, M)`` per-example gradients of
+  :func:`materialized_gram` fit the memory budget."""
+  b, _, n = x.shape
+  cols = cfg.column_count(cost_model.size_hint(b))
+  return cols * cost_model.size_hint(n) * cost_model.size_hint(
+      d.shape[-1]) * jnp.dtype(d.dtype).itemsize <= cfg.memory_budget_bytes
+
+
+def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
+  """Whether any example's ghost norm is loose
+  (:func:`gram_haiku._src.norm_bounds.ghost`), over every device's
+  examples (``cfg.column_axes``): a scalar bool."""
+  loose = jnp.any(norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1])
+  if cfg.column_axes:
+    axes = cfg.column_axes
+    loose = lax.pmax(loose.astype(jnp.int32),
+                     axes if len(axes) > 1 else axes[0]) > 0
+  return loose
+
+
+def _materialized_sq_norms_blocked(x, d, cfg: KernelConfig) -> jax.Array:
+  """:func:`materialized_sq_norms` in blocks of examples within the memory
+  budget."""
+  n, m = x.shape[-1], d.shape[-1]
+  per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * (
+      jnp.dtype(d.dtype).itemsize)
+  rows = max(1, cfg.memory_budget_bytes // max(per_row, 1))
+  return map_row_blocks(
+      lambda xi, di: materialized_sq_norms(xi, di, cfg.precision), rows,
+      (x, d))
+
+
+def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
+                             cfg: KernelConfig) -> jax.Array:
+  """Sound upper bounds of the squared norms of :func:`linear_sq_norms`
+  (:mod:`gram_haiku._src.norm_bounds`): the ghost value plus its rounding
+  bound (G) where that is tight for every example, else the materialised
+  bound (M), formed in blocks of examples within the memory budget."""
+  _, t, n = x.shape
+  m = d.shape[-1]
+  acc = d.dtype
+
+  def materialised():
+    per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * (
+        jnp.dtype(acc).itemsize)
+    rows = max(1, cfg.memory_budget_bytes // max(per_row, 1))
+    value = map_row_blocks(
+        lambda xi, di: norm_bounds.sum_of_squares(jnp.einsum(
+            "itn,itm->inm", xi, di, precision=cfg.precision)), rows, (x, d))
+    return norm_bounds.materialized(
+        value, norm_bounds.squares_rel(n * m, acc), norm_bounds.triangle(x, d),
+        t, acc, cfg.precision)
+
+  if method == "ghost":
+    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
+    out = lax.cond(jnp.any(loose), materialised, lambda: bound)
+  else:
+    out = materialised()
+  if with_bias:
+    out = out + bias_sq_norm_bounds(d, cfg.precision)
   return out

@@ -163,6 +163,12 @@ class Plan:
       float32 on every backend. ``DEFAULT``: the backend's fastest (one
       bf16 pass on a TPU, TF32 on recent GPUs; relative error about
       ``1e-3`` there, identical on a CPU).
+    upper_bound: the pass clips: squared norms (``"norms"``, ``"clip"``)
+      are sound upper bounds of the exact values, and a ``"per_example"``
+      probe has one more column, which receives the bound of its row's
+      rounding error in norm units (the rule's ``per_example_error``),
+      summed over the applications like the gradients
+      (:mod:`gram_haiku._src.norm_bounds`).
   """
   mode: Mode = "gram"
   strategy: Strategy = "auto"
@@ -173,6 +179,7 @@ class Plan:
   clip: Optional[Clip] = None
   at_init: bool = False
   frozen: Optional[tuple[int, ...]] = None
+  upper_bound: bool = False
   precision: lax.Precision = DEFAULT_PRECISION
 
   def __post_init__(self):

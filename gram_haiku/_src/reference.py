@@ -147,6 +147,34 @@ def clip_reference(norms, l2_clip_norm: float, function: str = "abadi",
     return np.minimum(1.0, l2_clip_norm / norms)
 
 
+#: How far above the true norm a clip factor's norm bound may lie on
+#: ordinary (not cancelling) data at the suite's sizes: the bounds of
+#: :mod:`gram_haiku._src.norm_bounds` are worst-case rounding bounds.
+CLIP_BOUND_SLACK = 1e-3
+
+
+def assert_sound_norms(bounds, ref_norms, *,
+                       slack: float = CLIP_BOUND_SLACK) -> None:
+  """Norm bounds a clip factor is computed from (``ClippedGradAux
+  .grad_norms``, or the square roots of per-layer squared norms) against
+  the reference norms: never below them (beyond float64's ``1e-9``), and
+  at most ``slack`` above.
+
+  Raises:
+    AssertionError: for a bound below the true norm (a broken sensitivity
+      bound) or a loose one.
+  """
+  bounds = np.asarray(bounds, np.float64)
+  ref_norms = np.asarray(ref_norms, np.float64)
+  low = bounds < ref_norms * (1 - 1e-9) - 1e-30
+  if np.any(low):
+    raise AssertionError(f"norm bounds below the true norms at "
+                         f"{np.flatnonzero(low)}: {bounds[low]} < "
+                         f"{ref_norms[low]}")
+  np.testing.assert_array_less(bounds, ref_norms * (1 + slack) + 1e-30,
+                               err_msg="norm bounds looser than the slack")
+
+
 def relative_error(got, ref) -> float:
   """``max |got - ref| / max |ref|`` in float64."""
   got = np.asarray(got, np.float64)

@@ -26,6 +26,7 @@ from gram_haiku._src import bookkeeping as bk
 from gram_haiku._src import cost_model
 from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import norm_bounds
 from gram_haiku._src import reparam
 from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
@@ -222,7 +223,7 @@ def _with_frozen(found, frozen: dict, live):
 
 
 def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
-            slotted):
+            slotted, upper_bound: bool):
   """``(modes, probe shapes)``: what each live module keeps in the pass.
 
   ``slotted``: modules applied several times that keep each application's
@@ -245,8 +246,10 @@ def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
       continue
     modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
                         m in layer_clips, dtype)
-    width = op.num_params() if modes[m] == "per_example" else (
-        factors_lib.factor_width(op))
+    # A clipping pass's per-example store has one more column: the bound
+    # of its rows' rounding error (Plan.upper_bound).
+    width = op.num_params() + int(upper_bound) if (
+        modes[m] == "per_example") else factors_lib.factor_width(op)
     shapes[m] = lead + base.probe_shape(modes[m], t.size, width)
   return modes, shapes
 
@@ -282,29 +285,55 @@ def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
 
 
 def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
-           axes, coverage, slots_used, slotted, leaves, skip) -> Grams:
+           axes, coverage, slots_used, slotted, leaves, skip,
+           upper_bound: bool) -> Grams:
   """Each live module's Gram (or squared norms) from what it kept; ``skip``:
-  frozen leaves (of reparametrised layers, whose operands mix leaves)."""
+  frozen leaves (of reparametrised layers, whose operands mix leaves).
+  ``upper_bound``: squared norms as sound upper bounds, from which clip
+  factors are computed (:mod:`gram_haiku._src.norm_bounds`): of the exact
+  gradient of kept factors, or of the kept per-example gradients, which
+  are what is summed."""
   want = "gram" if needs == "gram" else "norms"
+  bound = upper_bound and want == "norms"
   full, diag = {}, {}
   for m in live:
     g = stores[m]
     if modes[m] in ("factors", "slots"):
-      val = bk.from_factors(*factors[m], want)
+      val = bk.from_factors(*factors[m], want, bound)
       if modes[m] == "slots":
         val = slots_lib.guard_slots(val, slots_used[m], slotted[m])
     elif modes[m] == "per_example":
+      g, slack = _split_slack(g, upper_bound)
+      f = vgg.per_example_of(t.found, m, g, leaves, skip)
       val = vgg._from_per_example(  # pylint: disable=protected-access
-          vgg.per_example_of(t.found, m, g, leaves, skip), want, axes,
-          t.found.ops[m].plan.precision)
+          f, want, axes, t.found.ops[m].plan.precision)
+      if bound:
+        f = vgg._stacked_to_columns(f)  # pylint: disable=protected-access
+        val = norm_bounds.stored(norm_bounds.sum_of_squares(f),
+                                 norm_bounds.squares_rel(f.shape[1], f.dtype))
+        val = jnp.square(jnp.sqrt(val) + slack)
     else:
       val = g  # "clip": the squared norms.
     (full if want == "gram" and modes[m] != "clip" else diag)[m] = val
   return Grams(full, diag, coverage, axes)
 
 
+def _split_slack(store, upper_bound: bool):
+  """``(per-example gradients, [B] rounding bound)`` of a per-example store:
+  in a clipping pass its last column is the bound of each row's rounding
+  error (:attr:`gram_haiku._src.plan.Plan.upper_bound`), summed here over
+  ``hk.layer_stack``'s layers (whose gradients are concatenated); else
+  ``(store, None)``."""
+  if not upper_bound:
+    return store, None
+  slack = store[..., -1]
+  lead = math.prod(slack.shape[:-1])
+  return store[..., :-1], slack.reshape(lead, slack.shape[-1]).sum(0)
+
+
 def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
-                leaves, diff_idx, clip_grads, padded: bool, skip) -> list:
+                leaves, diff_idx, clip_grads, padded: bool, skip,
+                upper_bound: bool) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers).
   ``padded``: some rows may be padding, whose values may be anything."""
@@ -316,6 +345,7 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
     if modes[m] in ("factors", "slots"):
       cts = bk.recontract_factors(*factors[m], weights[m], padded)
     elif modes[m] == "per_example":
+      g = _split_slack(g, upper_bound)[0]
       cts = bk.recontract_per_example(op, g, weights[m])
       pb = t.found.pullbacks.get(m)
       if pb is not None:  # With respect to the leaves its getter reads.
@@ -400,7 +430,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
           else example_weights)
 
   def run_pass(slotted):
-    modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted)
+    modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted,
+                            privacy)
     diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
                    for m in live}
     fixed_probes = {m: p for m, p in t.probes.items()
@@ -428,7 +459,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         clips={found.ops[m].name: layer_clips[m] for m in live
                if modes[m] == "clip"},
         slotted=frozenset(found.ops[m].name for m in slotted),
-        frozen=found.frozen_layers, slot_reads={})
+        frozen=found.frozen_layers, slot_reads={}, upper_bound=privacy)
     with ambient.running(pass_plan):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
@@ -447,7 +478,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   factors = _open_factors(t, live, modes, stores, leaves)
   skip = frozenset(k for k, n in enumerate(names) if n in frozen_names)
   grams = _grams(t, live, modes, stores, factors, needs, axes, coverage,
-                 slots_used, slotted, leaves, skip)
+                 slots_used, slotted, leaves, skip, privacy)
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
     if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
@@ -457,8 +488,11 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   else:
     weights = {m: clip_weights(grams.sq_norms_by_layer[m],
                                     layer_clips[m]) * mask for m in live}
+  # Rows with weight 0 (padding, or an example whose norm is not finite
+  # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = _recontract(t, live, modes, stores, factors, weights, leaves,
-                      diff_idx, clip_grads, example_weights is not None, skip)
+                      diff_idx, clip_grads,
+                      example_weights is not None or privacy, skip, privacy)
   for m in slotted:  # NaN, never a sum missing some applications.
     for k in found.param_leaves[m]:
       if k is not None:

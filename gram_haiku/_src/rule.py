@@ -49,7 +49,8 @@ from gram_haiku._src import kernels
 from gram_haiku._src.kernels import KernelConfig
 
 _FUNCTIONS = ("forward", "gram", "sq_norms", "per_example_grads",
-              "probe_cotangent_and_grads", "cost", "factors_exact")
+              "probe_cotangent_and_grads", "cost", "factors_exact",
+              "per_example_error")
 
 
 def _short(v) -> str:
@@ -123,7 +124,12 @@ class Rule:
       parameters (``[b, B]``: this device's rows, when ``cfg.column_axes``
       gathers the columns). Default: from ``per_example_grads``.
     sq_norms: ``sq_norms(x, g, params, example_dim, cfg) -> [B]``, its
-      diagonal ``|g_i|^2``. Default: from ``per_example_grads``.
+      diagonal ``|g_i|^2``; with ``cfg.upper_bound`` (clip factors), a
+      sound upper bound of the exact values given ``x`` and ``g``, rounding
+      included (:mod:`gram_haiku._src.norm_bounds`). Default: from
+      ``per_example_grads`` (bounded for the rounding of their sum of
+      squares only: exact for a rule whose per-example gradients are what
+      is summed).
     per_example_grads: ``per_example_grads(x, g, params, example_dim)``,
       one ``[B, *p.shape]`` array per present parameter ``p``, in order.
       Default: ``vmap`` of the VJP of ``forward`` (exact, ``B x P``).
@@ -152,6 +158,15 @@ class Rule:
       ``params`` as types: shape and dtype): whether the input survives a
       cast to the float ``dtype`` of a book-keeping probe. Default: a float
       input does, an integer one does not.
+    per_example_error: ``per_example_error(x, g, params, example_dim, cfg)
+      -> [B]``: a bound, in norm units, of ``|F_i - g_i|``, the rounding
+      error of the per-example gradients the rule's functions materialise
+      (``per_example_grads``, and ``probe_cotangent_and_grads`` in
+      ``"per_example"`` mode) against the exact gradients given ``x`` and
+      ``g`` (e.g. ``gamma_T sum_t |x_t| |d_t|`` for a sum over ``T``
+      positions; :mod:`gram_haiku._src.norm_bounds`). Clipping adds it to
+      the norm of kept per-example gradients. Default: none (the
+      per-example gradients as computed are taken as what is summed).
     droppable: indices (into ``param_names``) of parameters whose terms
       the functions above leave out, exactly, when given None for them,
       and whose values no other parameter's gradient reads (``x @ w + b``:
@@ -178,6 +193,7 @@ class Rule:
   probe_cotangent_and_grads: Optional[Callable[..., Any]] = None
   cost: Optional[Callable[..., str]] = None
   factors_exact: Optional[Callable[..., bool]] = None
+  per_example_error: Optional[Callable[..., jax.Array]] = None
   droppable: tuple[int, ...] = ()
   sharding_aware: bool = False
 
@@ -296,10 +312,12 @@ def gram_from_per_example(per_example_grads, x, g, params, example_dim: int,
 
 
 def sq_norms_from_per_example(per_example_grads, x, g, params,
-                              example_dim: int) -> jax.Array:
-  """``sum(F * F, axis=1)`` of ``per_example_grads(...)``: ``[B]``."""
+                              example_dim: int,
+                              cfg: KernelConfig = kernels.LOCAL) -> jax.Array:
+  """``sum(F * F, axis=1)`` of ``per_example_grads(...)``: ``[B]``
+  (``cfg.upper_bound``: rounded up, :func:`kernels.probe_value`)."""
   f = flat(per_example_grads(x, g, params, example_dim))
-  return jnp.sum(f * f, axis=1)
+  return kernels.probe_value("norms", f, cfg)
 
 
 def per_example_grads_of(rule: Rule, x, g, params, example_dim: int):
@@ -327,4 +345,4 @@ def sq_norms_of(rule: Rule, x, g, params, example_dim: int,
     return rule.sq_norms(x, g, params, example_dim, cfg)
   return sq_norms_from_per_example(
       functools.partial(per_example_grads_of, rule), x, g, params,
-      example_dim)
+      example_dim, cfg)

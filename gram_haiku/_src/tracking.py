@@ -283,7 +283,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     if self._pass is None:  # The raw jax.grad path.
       return raw_path.refuse_before_probe(self._plan, module, present)
     plan = self._plan.replace(column_axes=self._pass.column_axes,
-                              frozen=self._pass.frozen.get(name, ()))
+                              frozen=self._pass.frozen.get(name, ()),
+                              upper_bound=self._pass.upper_bound)
     mode = self._pass.modes.get(name)
     if mode is not None:
       plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)

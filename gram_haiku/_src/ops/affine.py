@@ -30,14 +30,17 @@ The rule (:func:`affine_rule`) is these pure functions of arrays;
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from gram_haiku._src import kernels
+from gram_haiku._src import norm_bounds
 from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
@@ -141,13 +144,49 @@ def per_example_grads(x, g, params, example_dim: int, *, feature_ndim: int,
   return out
 
 
+def sq_norms(x, g, params, example_dim: int, cfg, *, feature_ndim: int,
+             offset_multiplier=None):
+  """``[B]`` squared norms ``sum(F * F)``; with ``cfg.upper_bound``, sound
+  upper bounds (:func:`gram_haiku._src.norm_bounds.materialized`): each
+  entry of ``F`` sums ``g * xhat`` (or ``g``) over the summed axes, so it
+  is off by at most ``e_T`` times the same sum of absolute values, which
+  :func:`per_example_grads` of ``|xhat|`` and ``|g|`` gives."""
+  grads = functools.partial(per_example_grads, feature_ndim=feature_ndim,
+                            offset_multiplier=offset_multiplier)
+  f = rule_lib.flat(grads(x, g, params, example_dim))
+  if not cfg.upper_bound:
+    return jnp.sum(f * f, axis=1)
+  err = per_example_error(x, g, params, example_dim, cfg,
+                          feature_ndim=feature_ndim,
+                          offset_multiplier=offset_multiplier)
+  rel = norm_bounds.squares_rel(f.shape[1], f.dtype)
+  return jnp.square(jnp.sqrt(norm_bounds.sum_of_squares(f) * (1 + rel)) + err)
+
+
+def per_example_error(x, g, params, example_dim: int, cfg, *,
+                      feature_ndim: int, offset_multiplier=None):
+  """``[B]``: the rounding bound of :func:`per_example_grads` in norm units:
+  each entry sums ``g * xhat`` (or ``g``) over the summed axes, so it is
+  off by at most ``e_T`` times the same sum of absolute values, which
+  :func:`per_example_grads` of ``|xhat|`` and ``|g|`` gives."""
+  del cfg
+  a = jnp.abs(rule_lib.flat(per_example_grads(
+      jnp.abs(x), jnp.abs(g), params, example_dim, feature_ndim=feature_ndim,
+      offset_multiplier=offset_multiplier)))
+  terms = math.prod(x.shape) // max(x.shape[example_dim], 1)
+  rel = norm_bounds.squares_rel(a.shape[1], a.dtype)
+  return norm_bounds.dot_error(terms, a.dtype, lax.Precision.HIGHEST) * (
+      jnp.sqrt(norm_bounds.sum_of_squares(a) * (1 + rel)))
+
+
 def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
   """The rule of ``xhat * scale + offset * offset_multiplier``.
 
-  Only ``per_example_grads``: the default Gram and norms (``F F^T`` and its
-  diagonal, :mod:`gram_haiku._src.rule`) are this layer's formulas, and
-  their ``gram_matmul`` gathers columns and shards rows (sharding-aware).
-  Each parameter's term is its own (both droppable).
+  ``per_example_grads``, and the norms with their rounding bound
+  (:func:`sq_norms`, :func:`per_example_error`): the default Gram
+  (``F F^T``, :mod:`gram_haiku._src.rule`) is this layer's formula, and its
+  ``gram_matmul`` gathers columns and shards rows (sharding-aware). Each
+  parameter's term is its own (both droppable).
   """
   return Rule(
       forward=functools.partial(affine_forward,
@@ -155,6 +194,11 @@ def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
       param_names=("scale", "offset"), feature_ndim=feature_ndim,
       per_example_grads=functools.partial(
           per_example_grads, feature_ndim=feature_ndim,
+          offset_multiplier=offset_multiplier),
+      sq_norms=functools.partial(sq_norms, feature_ndim=feature_ndim,
+                                 offset_multiplier=offset_multiplier),
+      per_example_error=functools.partial(
+          per_example_error, feature_ndim=feature_ndim,
           offset_multiplier=offset_multiplier),
       droppable=(0, 1), sharding_aware=True)
 

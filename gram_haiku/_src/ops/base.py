@@ -188,10 +188,11 @@ class GramOp(adapter.Adapter):
 
   def sq_norms(self, x, g, params, example_dim: int,
                cfg: KernelConfig) -> jax.Array:
-    """``(B,)`` squared norms of the per-example gradients (diag of Gram)."""
-    del cfg
+    """``(B,)`` squared norms of the per-example gradients (diag of Gram);
+    with ``cfg.upper_bound``, of the per-example gradients as computed
+    (the rounding of their sum of squares only)."""
     return rule_lib.sq_norms_from_per_example(self.per_example_grads, x, g,
-                                              params, example_dim)
+                                              params, example_dim, cfg)
 
   def per_example_grads(self, x, g, params, example_dim: int):
     """Per-example gradients ``(B, *p.shape)`` for each present parameter.

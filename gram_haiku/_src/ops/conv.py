@@ -82,6 +82,7 @@ from gram_haiku._src import cost_model
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import norm_bounds
 from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
@@ -393,11 +394,56 @@ def _grouped(p, d, example_dim, with_bias: bool, method: str, mode: str,
     out = lax.map(one, (jnp.moveaxis(p, -2, 0),
                         jnp.moveaxis(d, -2, 0))).sum(axis=0)
   if with_bias:
-    db = kernels.to_example_major(d.reshape(d.shape[:-2] + (-1,)),
-                                  example_dim).sum(axis=1)
-    out = out + (jnp.sum(db * db, axis=1) if norms else
-                 kernels.gram_matmul(db, db, cfg))
+    dm = kernels.to_example_major(
+        d.reshape(d.shape[:-2] + (d.shape[-2] * d.shape[-1],)), example_dim)
+    db = dm.sum(axis=1)
+    if norms and cfg.upper_bound:
+      out = out + kernels.bias_sq_norm_bounds(dm, cfg.precision)
+    else:
+      out = out + (jnp.sum(db * db, axis=1) if norms else
+                   kernels.gram_matmul(db, db, cfg))
   return out
+
+
+def _triangle(p, d, example_dim, with_bias: bool):
+  """``(tri, T)``: per example, ``sum_{t,f} |p_tf| |d_tf|`` over the output
+  positions ``t`` and groups ``f`` (plus ``sum_t |d_t|`` for the bias), at
+  most the Frobenius norm of the absolute terms that each entry of the
+  per-example gradients sums over its ``T`` positions
+  (:mod:`gram_haiku._src.norm_bounds`)."""
+  groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
+  pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
+  dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
+  b, t = pm.shape[:2]
+  tri = norm_bounds.triangle(pm.reshape(b, t * groups, n),
+                             dm.reshape(b, t * groups, m))
+  if with_bias:
+    tri = tri + jnp.sum(norm_bounds.row_norms(
+        dm.reshape(b, t, groups * m)), axis=1)
+  return tri, t
+
+
+def _materialized_bound(f, p, d, example_dim, with_bias: bool,
+                        cfg: KernelConfig):
+  """Sound upper bounds of the squared norms of materialised per-example
+  gradients ``f: [B, P]`` (:func:`gram_haiku._src.norm_bounds.materialized`
+  with :func:`_triangle`)."""
+  tri, t = _triangle(p, d, example_dim, with_bias)
+  return norm_bounds.materialized(
+      norm_bounds.sum_of_squares(f), norm_bounds.squares_rel(f.shape[1],
+                                                             f.dtype),
+      tri, t, f.dtype, cfg.precision)
+
+
+def per_example_error(x, g, params, example_dim: int, cfg: KernelConfig, *,
+                      spec: ConvSpec) -> jax.Array:
+  """``[B]``: the rounding bound of the materialised per-example gradients
+  in norm units, ``e_T`` times :func:`_triangle`."""
+  w, b = params
+  acc = rule_lib.accumulation_dtype(x, params)
+  p, d = _patches_and_cotangents(spec, x, g, w, acc)
+  tri, t = _triangle(p, d, example_dim, b is not None)
+  return norm_bounds.dot_error(t, acc, cfg.precision) * tri
 
 
 def _patch_matrix(spec: ConvSpec, w):
@@ -511,7 +557,10 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   f = kernels.rows(flat)
   if db is not None:
     f = jnp.concatenate([f, db], axis=1)
-  value = kernels.probe_value(mode, f, cfg)
+  if mode == "norms" and cfg.upper_bound:
+    value = _materialized_bound(f, p, d, e, b is not None, cfg)
+  else:
+    value = kernels.probe_value(mode, f, cfg)
   provided = {}
   if 0 in wanted:
     # Varying like the sum inside shard_map (the caller all-reduces).
@@ -549,6 +598,7 @@ def conv_rule(**spec_fields) -> Rule:
               feature_ndim=spec.feature_ndim, gram=bind(gram),
               sq_norms=bind(sq_norms),
               probe_cotangent_and_grads=bind(probe_cotangent_and_grads),
+              per_example_error=bind(per_example_error),
               cost=bind(cost), droppable=(1,), sharding_aware=True)
 
 

@@ -82,6 +82,7 @@ from jax import lax
 
 from gram_haiku._src import cost_model
 from gram_haiku._src import kernels
+from gram_haiku._src import norm_bounds
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
@@ -402,7 +403,16 @@ def gram(ids, g, params, example_dim: int, cfg: KernelConfig, *,
                               lookup_style=lookup_style,
                               scalar_ids=scalar_ids)
   if method == "ghost":
-    return ghost_gram(key, weight, d, cfg)
+    # Where some example's ghost norm cancels (a key at several positions
+    # with large, nearly opposite cotangents), the segment sums instead
+    # (one branch on every device).
+    loose = jnp.any(_loose(key, weight, d, cfg))
+    if cfg.column_axes:
+      axes = cfg.column_axes
+      loose = lax.pmax(loose.astype(jnp.int32),
+                       axes if len(axes) > 1 else axes[0]) > 0
+    return lax.cond(loose, lambda: segment_gram(key, weight, d, cfg),
+                    lambda: ghost_gram(key, weight, d, cfg))
   if method == "dense":
     w = _key_weights(num_keys, embeddings.shape[0], lookup_style, ids.dtype,
                      acc)
@@ -424,9 +434,78 @@ def sq_norms(ids, g, params, example_dim: int, cfg: KernelConfig, *,
   method = cfg.method or cost(ids, g, params, example_dim, cfg, mode="norms",
                               lookup_style=lookup_style,
                               scalar_ids=scalar_ids)
+  if cfg.upper_bound:
+    return _sq_norm_bounds(key, weight, d, method, cfg)
   if method == "ghost":
-    return ghost_sq_norms(key, weight, d, cfg)
+    value = ghost_sq_norms(key, weight, d, cfg)
+    return lax.cond(jnp.any(_loose(key, weight, d, cfg, value)),
+                    lambda: segment_sq_norms(key, weight, d), lambda: value)
   return segment_sq_norms(key, weight, d)
+
+
+def _ghost_slack(key, weight, d, cfg: KernelConfig):
+  """The rounding bound of the ghost diagonal of (E): ``2 (e_D + e_{T^2})
+  tri^2`` (:mod:`gram_haiku._src.norm_bounds`)."""
+  _, t, dim = d.shape
+  acc = d.dtype
+  return 2 * (norm_bounds.dot_error(dim, acc, cfg.precision) +
+              norm_bounds.dot_error(t * t, acc, lax.Precision.HIGHEST)
+              ) * jnp.square(_triangle(key, weight, d))
+
+
+def _loose(key, weight, d, cfg: KernelConfig, value=None):
+  """``bool[B]``: where the ghost diagonal of (E) may have cancelled."""
+  if value is None:
+    value = ghost_sq_norms(key, weight, d, cfg)
+  return norm_bounds.ghost(value, _ghost_slack(key, weight, d, cfg))[1]
+
+
+def _triangle(key, weight, d):
+  """``sum_t sqrt(w_t) |d_t|`` per example (``w_t``: the rows lookup ``t``
+  adds to): at most the Frobenius norm of the absolute terms each entry of
+  the per-example gradient sums."""
+  del key
+  return jnp.sum(jnp.sqrt(weight.astype(d.dtype)) * norm_bounds.row_norms(d),
+                 axis=1)
+
+
+def per_example_error(ids, g, params, example_dim: int, cfg: KernelConfig, *,
+                      lookup_style: str = "ARRAY_INDEX",
+                      scalar_ids: bool = False) -> jax.Array:
+  """``[B]``: the rounding bound of the per-example gradients (each row a
+  sum over the ``T`` lookups of its key) in norm units, ``e_T`` times
+  :func:`_triangle`."""
+  del cfg
+  (embeddings,) = params
+  key, weight, d, _, acc = _keys_and_rows(ids, g, embeddings, example_dim,
+                                          lookup_style, scalar_ids)
+  return norm_bounds.dot_error(d.shape[1], acc, lax.Precision.HIGHEST) * (
+      _triangle(key, weight, d))
+
+
+def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
+  """Sound upper bounds of the diagonal of (E)
+  (:mod:`gram_haiku._src.norm_bounds`), with ``tri = sum_t sqrt(w_t)
+  |d_t|``: the ghost value plus ``2 (e_D + e_{T^2}) tri^2`` where that is
+  tight for every example, else the segment sums' bound: each summed row
+  is off by at most ``e_T`` times the sum of its positions' ``|d_t|``."""
+  _, t, dim = d.shape
+  acc = d.dtype
+  tri = _triangle(key, weight, d)
+
+  def segment():
+    _, uweight, rows = segment_rows(key, weight, d)
+    value = norm_bounds.sum_of_squares(
+        rows * jnp.sqrt(uweight.astype(acc))[:, :, None])
+    return norm_bounds.materialized(
+        value, norm_bounds.squares_rel(t * dim, acc), tri, t, acc,
+        lax.Precision.HIGHEST)
+
+  if method != "ghost":
+    return segment()
+  bound, loose = norm_bounds.ghost(ghost_sq_norms(key, weight, d, cfg),
+                                   _ghost_slack(key, weight, d, cfg))
+  return lax.cond(jnp.any(loose), segment, lambda: bound)
 
 
 def factors_exact(ids, params, dtype) -> bool:
@@ -450,6 +529,7 @@ def embed_rule(lookup_style: str = "ARRAY_INDEX", precision=None,
       param_names=("embeddings",), feature_ndim=0,
       gram=functools.partial(gram, **style),
       sq_norms=functools.partial(sq_norms, **style),
+      per_example_error=functools.partial(per_example_error, **style),
       cost=functools.partial(cost, **style), factors_exact=factors_exact,
       sharding_aware=True)
 

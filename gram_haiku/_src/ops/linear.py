@@ -27,6 +27,7 @@ from jax import lax
 
 from gram_haiku._src import cost_model
 from gram_haiku._src import kernels
+from gram_haiku._src import norm_bounds
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
@@ -102,6 +103,9 @@ def sq_norms(x, g, params, example_dim: int, cfg: KernelConfig) -> jax.Array:
   """``[B]`` squared per-example gradient norms (the Gram's diagonal)."""
   w, b = params
   if w is None:
+    if cfg.upper_bound:
+      return kernels.bias_sq_norm_bounds(
+          kernels.linear_factors(x, g, example_dim)[1], cfg.precision)
     return jnp.sum(_bias_grads(x, g, example_dim) ** 2, axis=-1)
   xm, dm = kernels.linear_factors(x, g, example_dim)
   return kernels.linear_sq_norms(xm, dm, with_bias=b is not None,
@@ -133,6 +137,8 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   """
   w, b = params
   if w is None:  # Frozen: the bias's own, small, per-example gradients.
+    if mode == "norms" and cfg.upper_bound:
+      return sq_norms(x, g, params, example_dim, cfg), {}
     db = _bias_grads(x, g, example_dim)
     return kernels.probe_value(mode, db, cfg), {}
   with_bias = b is not None
@@ -146,7 +152,11 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   folded = kernels.per_example_linear_grads(xm, dm, with_bias,
                                             cfg.precision)
   grads = _split_folded(folded, xm.shape[-1], with_bias)
-  value = kernels.probe_value(mode, kernels.rows(folded), cfg)
+  if mode == "norms" and cfg.upper_bound:
+    value = kernels.linear_sq_norm_bounds_of(kernels.rows(folded), xm, dm,
+                                             with_bias, cfg.precision)
+  else:
+    value = kernels.probe_value(mode, kernels.rows(folded), cfg)
   if positions == 1:
     # One position: the per-example gradients are outer products, and
     # JAX's own weight-gradient matmul beats summing them.
@@ -156,6 +166,21 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
     if i in wanted and p is not None:
       provided[i] = kernels.example_sum(pe, cfg.precision).astype(p.dtype)
   return value, provided
+
+
+def per_example_error(x, g, params, example_dim: int,
+                      cfg: KernelConfig) -> jax.Array:
+  """``[B]``: the rounding bound of :func:`per_example_grads` in norm units,
+  ``e_T (sum_t |x_t| |d_t| + sum_t |d_t|)`` (each entry sums ``T``
+  positions; :func:`gram_haiku._src.norm_bounds.dot_error`)."""
+  w, b = params
+  xm, dm = kernels.linear_factors(x, g, example_dim)
+  tri = jnp.zeros(dm.shape[:1], dm.dtype)
+  if w is not None:
+    tri = tri + norm_bounds.triangle(xm, dm)
+  if b is not None:
+    tri = tri + jnp.sum(norm_bounds.row_norms(dm), axis=1)
+  return norm_bounds.dot_error(xm.shape[1], dm.dtype, cfg.precision) * tri
 
 
 def linear_rule(precision: lax.Precision | None = None) -> Rule:
@@ -168,6 +193,7 @@ def linear_rule(precision: lax.Precision | None = None) -> Rule:
   return Rule(forward=functools.partial(linear_forward, precision=precision),
               param_names=("w", "b"), feature_ndim=1, gram=gram,
               sq_norms=sq_norms, per_example_grads=per_example_grads,
+              per_example_error=per_example_error,
               probe_cotangent_and_grads=probe_cotangent_and_grads,
               cost=cost, droppable=(0, 1), sharding_aware=True)
 

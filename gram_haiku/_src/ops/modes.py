@@ -14,8 +14,10 @@ every rule alike:
   consulted once per application (:func:`with_method`);
 * ``"factors"``: the layer's input and output cotangent per example
   (:mod:`gram_haiku._src.ops.factors`), for book-keeping after the pass;
-* ``"clip"``: the squared norms, while the parameters get the clipped sum
-  ``sum_i m_i c_i g_i`` (per-layer clipping inside the backward rule).
+* ``"clip"``: sound upper bounds of the squared norms
+  (:mod:`gram_haiku._src.norm_bounds`), while the parameters get the
+  clipped sum ``sum_i m_i c_i g_i`` with ``c`` computed from those bounds
+  (per-layer clipping inside the backward rule).
 
 The adapter (:mod:`gram_haiku._src.ops.adapter`) calls
 :func:`backward_products` once per application in the backward pass.
@@ -67,11 +69,25 @@ def clip_weights(sq_norms, clip) -> jax.Array:
 
 def probe_width(op) -> int:
   """The second axis of a ``"per_example"`` probe (``P``, the op's parameter
-  entries) or of a ``"factors"`` probe (``K``, see
+  entries, and one more for the rounding bound where ``Plan.upper_bound``)
+  or of a ``"factors"`` probe (``K``, see
   :func:`~gram_haiku._src.ops.factors.factor_width`)."""
   if op.mode == "factors":
     return factors.factor_width(op)
-  return op.num_params()
+  return op.num_params() + int(op.plan.upper_bound)
+
+
+def per_example_error(op, x, g, params, cfg: KernelConfig) -> jax.Array:
+  """``[B]``: the rule's bound of its materialised per-example gradients'
+  rounding error, in norm units (``Rule.per_example_error``), or zeros for
+  a rule that gives none."""
+  rule = op.rule
+  e = op.example_axis.resolved_position()
+  if rule is None or rule.per_example_error is None:
+    return hx.vary_like(jnp.zeros((x.shape[e],), op.accumulation_dtype()),
+                        x, g)
+  return rule.per_example_error(x, g, params, e, cfg).astype(
+      op.accumulation_dtype())
 
 
 def with_method(op, x, g, params, cfg: KernelConfig,
@@ -181,9 +197,24 @@ def products(op, x, g, params, wanted, cfg: KernelConfig,
   VJPs of the others (``B x P`` memory for those). ``reuse``: as
   :func:`with_method` (whose method ``cfg`` then carries).
 
+  With ``Plan.upper_bound``, squared norms are sound upper bounds and
+  per-example gradients carry one more column: their rounding bound
+  (:func:`per_example_error`).
+
   Returns:
     ``(value, provided)`` as ``GramOp.probe_cotangent_and_grads``.
   """
+  if op.plan.upper_bound:
+    cfg = cfg.replace(upper_bound=True)
+  value, provided = _products(op, x, g, params, wanted, cfg, reuse)
+  if op.mode == "per_example" and op.plan.upper_bound:
+    err = per_example_error(op, x, g, params, cfg)
+    value = jnp.concatenate([value, err[:, None].astype(value.dtype)], 1)
+  return value, provided
+
+
+def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
+  """:func:`products` without the rounding bound's column."""
   cfg = with_method(op, x, g, params, cfg, reuse)
   frozen = [i for i in op.plan.frozen or ()
             if op.param_avals[i] is not None]
@@ -246,7 +277,9 @@ def backward_products(op, x, g, params, wanted, cfg: KernelConfig,
   if op.mode == "factors":
     return factors.factor_matrix(op, x, g), {}
   if op.mode == "clip":
-    sq = products(op.in_mode("norms"), x, g, params, (), cfg)[0]
+    # The clip factor comes from a norm not below the true one.
+    sq = products(op.in_mode("norms"), x, g, params, (),
+                  cfg.replace(upper_bound=True))[0]
     c = clip_weights(sq, op.plan.clip) * weights.astype(sq.dtype)
     wanted = [i for i in wanted if i not in (op.plan.frozen or ())]
     provided = factors.reweighted_param_grads(op, x, g, params, c, wanted)
