@@ -336,3 +336,32 @@ def test_the_reported_gram_is_the_best_estimate_where_ghost_cancels(kind,
   else:
     np.testing.assert_allclose(grams.total, want, rtol=1e-4,
                                atol=1e-5 * np.abs(want).max())
+
+
+def test_verify_checks_the_clipping_pass_bounds():
+  """verify runs the pass clipped_grad runs and reports how far its norm
+  bounds fall below the reference (none here, on a cancelling example),
+  and why clipped_grad would refuse a model whose Grams are fine."""
+  rng = np.random.RandomState(5)
+  body, x, v = _problem("linear", rng, 4, 3, 1e4, jnp.float32)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="ghost"):
+      out = body(x)
+    return jnp.sum(out * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  report = gram_haiku.verify(f.apply, params, state, None, x, v)
+  assert report.ok, report
+  assert report.clip_norms_shortfall == 0.0 and report.clip_refusal is None
+  assert "clip norm bounds" in str(report)
+
+  def closed(x):  # Labels closed over: clipped_grad cannot follow them.
+    with gram_haiku.track():
+      out = body(x)
+    return jnp.sum(out * (v - v.mean(0)))
+  g = hk.transform_with_state(closed)
+  params, state = g.init(jax.random.PRNGKey(1), x)
+  report = gram_haiku.verify(g.apply, params, state, None, x)
+  assert np.isnan(report.clip_norms_shortfall)
+  assert "closes over" in report.clip_refusal

@@ -23,6 +23,7 @@ import numpy as np
 from gram_haiku._src import ambient
 from gram_haiku._src import batch_args
 from gram_haiku._src import reference
+from gram_haiku._src import reweight
 from gram_haiku._src import value_grad_and_gram as vgg
 
 
@@ -41,6 +42,12 @@ class VerifyReport:
       against the reference over every parameter (large when parameters
       are untracked).
     norms_error: max relative error of ``grams.norms``.
+    clip_norms_shortfall: how far below the reference norm the norm bounds
+      of a clipping pass (what :func:`gram_haiku.clipped_grad` computes
+      its clip factors from) fall, relative (0 when none is below; NaN
+      when ``clipped_grad`` refuses the model).
+    clip_refusal: why :func:`gram_haiku.clipped_grad` refuses the model
+      (its error message), or None. Not a problem of the Grams.
     untracked: parameters the Gram leaves out (``grams.untracked``).
     problems: one sentence per failed check.
     tolerance: the relative tolerance used.
@@ -54,6 +61,8 @@ class VerifyReport:
   untracked: tuple[str, ...]
   problems: tuple[str, ...]
   tolerance: float
+  clip_norms_shortfall: float = 0.0
+  clip_refusal: Optional[str] = None
 
   def __str__(self):
     lines = [f"gram_haiku.verify: {'OK' if self.ok else 'FAILED'} on "
@@ -63,6 +72,8 @@ class VerifyReport:
       lines.append(f"  {name:<40s} max rel. error {err:.2e}")
     lines.append(f"  {'(total)':<40s} max rel. error {self.total_error:.2e}")
     lines.append(f"  {'(norms)':<40s} max rel. error {self.norms_error:.2e}")
+    lines.append(f"  {'(clip norm bounds)':<40s} below the reference by "
+                 f"{self.clip_norms_shortfall:.2e}")
     lines.extend(f"  problem: {p}" for p in self.problems)
     return "\n".join(lines)
 
@@ -155,6 +166,13 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
     total_err = reference.relative_error(grams.total, ref_total)
   norms_err = reference.relative_error(grams.norms,
                                        np.sqrt(np.diag(ref_total)))
+  shortfall, refusal = _clip_norms_shortfall(
+      apply_fn, params, state, rng, batch, kwargs, example_axes, has_aux,
+      np.sqrt(np.diag(ref_total)))
+  if shortfall > tol:  # (NaN: refused, which is not the Grams' problem.)
+    problems.append(f"the norm bounds clipped_grad computes its clip "
+                    f"factors from fall {shortfall:.2e} (relative) below "
+                    "the reference norms.")
   untracked = tuple(grams.untracked)
   if untracked:
     problems.append(f"parameters outside every tracked layer: "
@@ -165,7 +183,27 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   return VerifyReport(
       ok=not problems, examples=n, loss_scale=scale[0] if scale else None,
       layer_errors=errors, total_error=total_err, norms_error=norms_err,
-      untracked=untracked, problems=tuple(problems), tolerance=tol)
+      untracked=untracked, problems=tuple(problems), tolerance=tol,
+      clip_norms_shortfall=shortfall, clip_refusal=refusal)
+
+
+def _clip_norms_shortfall(apply_fn, params, state, rng, batch, kwargs,
+                          example_axes, has_aux, ref_norms):
+  """``(shortfall, refusal)``: the largest relative shortfall of a clipping
+  pass's norm bounds (the pass :func:`gram_haiku.clipped_grad` runs) below
+  ``ref_norms``, and None; or NaN and the message when that pass refuses
+  the model."""
+  try:
+    r = reweight.run(apply_fn, params, state, rng, batch, kwargs,
+                     fn_name="clipped_grad", needs="norms", has_aux=has_aux,
+                     axes=(), frozen=None, weight_fn=lambda g: jnp.ones(
+                         g.sq_norms.shape), privacy=True,
+                     example_axes=example_axes)
+  except ValueError as e:
+    return float("nan"), str(e)
+  bounds = np.asarray(r.grams.norms, np.float64)
+  short = (ref_norms - bounds) / np.maximum(ref_norms, 1e-30)
+  return float(max(0.0, np.max(short, initial=0.0))), None
 
 
 def _first_examples(args, example_axes, max_examples: int):

@@ -76,6 +76,7 @@ from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gram_haiku._src import cost_model
@@ -201,7 +202,9 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
     pads = lax.padtype_to_pads(spatial, eff_kernel, window_strides, padding)
   else:
     pads = tuple(padding)
-  config = ([(0, 0, 0)] + [(int(lo), int(hi), int(l) - 1) for (lo, hi), l in
+  # (A pad of a symbolic size, jax.export's, stays symbolic.)
+  dim = lambda v: v if not isinstance(v, (int, np.integer)) else int(v)
+  config = ([(0, 0, 0)] + [(dim(lo), dim(hi), int(l) - 1) for (lo, hi), l in
                            zip(pads, lhs_dilation)] + [(0, 0, 0)])
   xp = lax.pad(x, jnp.zeros((), x.dtype), config)
   # A symbolic size (jax.export) is taken to leave an output position, as
