@@ -49,6 +49,59 @@ jax.config.update("jax_disable_most_optimizations", True)
 # The documented third-party example runs every family in our own run, as a
 # registered op (the sharded family's runner imports this module for it).
 import conformance  # pylint: disable=g-import-not-at-top,wrong-import-position
+from conformance import plugin as _plugin  # pylint: disable=g-import-not-at-top,wrong-import-position
 from conformance.examples import scaled_linear  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 conformance.register(scaled_linear.SPEC)
+
+
+# The default budget samples the widest sweeps over the layer zoo (or a
+# kernel table): function -> keep one case in this many, taken in turn so
+# that the kept cases spread over the sweep; the nightly conformance-thorough
+# env (CONFORMANCE_THOROUGH=1 / --conformance-thorough) runs every case.
+# Each sweep's classes stay covered by its kept cases and by the suites that
+# run every layer through the same code (test_composites, conformance/);
+# what is sampled is the cross product of layer x option.
+SAMPLED_SWEEPS = {
+    "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 4,
+    "tests/test_export.py::"
+    "test_forced_methods_and_blocks_export_with_a_symbolic_batch": 2,
+    "tests/test_export.py::test_a_symbolic_sequence_length_exports": 2,
+    "tests/test_precision.py::test_every_kernel_takes_the_requested_precision":
+        5,
+    "tests/test_symmetric.py::"
+    "test_every_layer_from_blocks_matches_the_reference": 4,
+    "tests/test_reparam.py::test_reparametrised_layer_is_exact": 3,
+    "tests/test_norms.py::test_every_module_and_flag_x64": 2,
+    "tests/test_rules.py::test_conv_rule": 2,
+    "tests/test_rules.py::test_embed_rule": 2,
+    "tests/test_conv.py::test_op_explicit_batch": 2,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  """Samples :data:`SAMPLED_SWEEPS` outside the thorough budget, and says
+  how many cases it left out."""
+  if _plugin.thorough():
+    return
+  seen, keep, drop = {}, [], []
+  for item in items:
+    key = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
+    every = SAMPLED_SWEEPS.get(key)
+    if every is None:
+      keep.append(item)
+      continue
+    i = seen[key] = seen.get(key, -1) + 1
+    (keep if i % every == 0 else drop).append(item)
+  if drop:
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  del config
+  if not _plugin.thorough():
+    terminalreporter.write_line(
+        "gram_haiku: the layer-zoo sweeps of conftest.SAMPLED_SWEEPS ran one "
+        "case in k (the default budget; in the deselected count); tox -e "
+        "conformance-thorough runs them all.")

@@ -186,6 +186,15 @@ class Discovery:
   no_gradient: frozenset = frozenset()
 
 
+
+def also_untracked_message(leaf: str, modules, use: str) -> str:
+  """The error for a tracked parameter also used outside every tracked
+  layer (by the primitive ``use``), with the advice for a penalty on the
+  parameters where ``use`` is one."""
+  return errors.PARAM_ALSO_UNTRACKED.format(
+      leaf=leaf, modules=modules, use=use) + (
+          errors.PENALTY_ON_PARAMETERS if use in _PENALTY_PRIMITIVES else "")
+
 def _signature(op) -> tuple:
   """What must agree between two applications for their factors to stack:
   the op's rule and configuration and its input and parameter types."""
@@ -585,10 +594,8 @@ def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
     if leaf >= num_param_leaves or leaf in pulled:
       continue  # (a pulled-back leaf's every use is its getter's)
     if leaf in modules_of_leaf:
-      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
-          leaf=leaf_names[leaf], modules=sorted(modules_of_leaf[leaf]),
-          use=use) + (errors.PENALTY_ON_PARAMETERS
-                      if use in _PENALTY_PRIMITIVES else ""))
+      raise ValueError(also_untracked_message(
+          leaf_names[leaf], sorted(modules_of_leaf[leaf]), use))
     untracked[leaf_names[leaf]] = use
   for leaf, modules in modules_of_leaf.items():
     if len(modules) > 1:

@@ -477,8 +477,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     if name in seen and seen[name].tracked:
       # Read by a tracked layer whose output the loss does not use, and
       # used by the loss elsewhere (module.params_dict(), a closure).
-      raise ValueError(errors.PARAM_ALSO_UNTRACKED.format(
-          leaf=name, modules=[name.rsplit("/", 1)[0]], use=use))
+      raise ValueError(dataflow.also_untracked_message(
+          name, [name.rsplit("/", 1)[0]], use))
   size = _check_example_axes(found, check_examples(strict))
   if strict:  # A privacy guarantee: the loss must be a sum, not a mean.
     loss_scale.warn_if_mean("clipped_grad", *program, size)
