@@ -165,8 +165,11 @@ class Rule:
       ``"per_example"`` mode) against the exact gradients given ``x`` and
       ``g`` (e.g. ``gamma_T sum_t |x_t| |d_t|`` for a sum over ``T``
       positions; :mod:`gram_haiku._src.norm_bounds`). Clipping adds it to
-      the norm of kept per-example gradients. Default: none (the
-      per-example gradients as computed are taken as what is summed).
+      the norm of kept per-example gradients. Default: the bound of their
+      sum over the within-example positions, ``gamma_T sum_t |g_t|``, from
+      the rule's squared norms of each position taken as an example (a
+      rule whose per-position gradients themselves sum cancelling terms
+      should give its own).
     droppable: indices (into ``param_names``) of parameters whose terms
       the functions above leave out, exactly, when given None for them,
       and whose values no other parameter's gradient reads (``x @ w + b``:

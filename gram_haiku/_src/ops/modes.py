@@ -34,6 +34,7 @@ from gram_haiku._src import cost_model
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import norm_bounds
 from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.kernels import KernelConfig
 from gram_haiku._src.ops import factors
@@ -78,16 +79,34 @@ def probe_width(op) -> int:
 
 
 def per_example_error(op, x, g, params, cfg: KernelConfig) -> jax.Array:
-  """``[B]``: the rule's bound of its materialised per-example gradients'
-  rounding error, in norm units (``Rule.per_example_error``), or zeros for
-  a rule that gives none."""
+  """``[B]``: the bound of the materialised per-example gradients' rounding
+  error, in norm units: the rule's own (``Rule.per_example_error``), else
+  that of their sum over the ``T`` within-example positions,
+  ``e_T sum_t |g_t|`` with each position's gradient norm ``|g_t|`` from
+  the op's own squared norms of the positions taken as examples (in blocks
+  within the memory budget; :mod:`gram_haiku._src.norm_bounds`)."""
   rule = op.rule
   e = op.example_axis.resolved_position()
-  if rule is None or rule.per_example_error is None:
-    return hx.vary_like(jnp.zeros((x.shape[e],), op.accumulation_dtype()),
-                        x, g)
-  return rule.per_example_error(x, g, params, e, cfg).astype(
-      op.accumulation_dtype())
+  acc = op.accumulation_dtype()
+  if rule is not None and rule.per_example_error is not None:
+    return rule.per_example_error(x, g, params, e, cfg).astype(acc)
+  lead_nd = x.ndim - op.feature_ndim
+  b = x.shape[e]
+  t = math.prod(x.shape[:lead_nd]) // max(b, 1) if b else 1
+  if isinstance(t, int) and t <= 1:  # No sum over positions.
+    return hx.vary_like(jnp.zeros((b,), acc), x, g)
+  rows = lambda a: jnp.moveaxis(a, e, 0).reshape(
+      (b * t,) + a.shape[lead_nd:])
+  local = cfg.replace(upper_bound=False, column_axes=(), method=None)
+  per_row = max(1, op.num_params() * jnp.dtype(acc).itemsize)
+  block = max(1, cfg.memory_budget_bytes // per_row)
+  sq = kernels.map_row_blocks(
+      lambda xb, gb: op.sq_norms(xb, gb, params, 0, local), block,
+      (rows(x), rows(g)))
+  norms = jnp.sqrt(jnp.maximum(sq, 0).astype(acc) * (
+      1 + norm_bounds.squares_rel(op.num_params(), acc)))
+  return norm_bounds.dot_error(t, acc, cfg.precision) * jnp.sum(
+      norms.reshape(b, t), axis=1)
 
 
 def with_method(op, x, g, params, cfg: KernelConfig,
@@ -210,7 +229,20 @@ def products(op, x, g, params, wanted, cfg: KernelConfig,
   if op.mode == "per_example" and op.plan.upper_bound:
     err = per_example_error(op, x, g, params, cfg)
     value = jnp.concatenate([value, err[:, None].astype(value.dtype)], 1)
+  elif op.mode == "norms" and cfg.upper_bound and not _own_norms(op):
+    # Norms from materialised per-example gradients: add their rounding.
+    err = per_example_error(op, x, g, params, cfg)
+    value = jnp.square(jnp.sqrt(jnp.maximum(value, 0)) + err.astype(
+        value.dtype))
   return value, provided
+
+
+def _own_norms(op) -> bool:
+  """Whether the op's rule forms its squared norms itself (and so honours
+  ``cfg.upper_bound`` itself), rather than from per-example gradients."""
+  rule = op.rule
+  return rule is not None and (rule.sq_norms is not None or
+                               rule.probe_cotangent_and_grads is not None)
 
 
 def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
