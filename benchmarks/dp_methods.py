@@ -49,7 +49,15 @@ def build(prep, method: str) -> tuple[Callable, tuple]:
     clipping = "per-layer" if method == "dp_layer" else "all-layer"
     clipped = gram_haiku.clipped_grad(tracked, CLIP, clipping=clipping)
     if method != "dp_noise":
-      return (lambda p, s, *batch: clipped(p, s, *batch)[0]), args
+      # The clipped sum, and the norm bounds its factors were computed from
+      # (checked against the reference by :func:`check`).
+      def step(p, s, *batch):
+        grads, aux = clipped(p, s, *batch)
+        if clipping == "all-layer":
+          return grads, {"": aux.grad_norms}
+        return grads, {m: jnp.sqrt(sq) for m, sq in
+                       aux.grams.sq_norms_by_layer.items()}
+      return step, args
     from jax_privacy import noise_addition  # pylint: disable=g-import-not-at-top
     privatizer = noise_addition.gaussian_privatizer(
         stddev=clipped.sensitivity(), prng_key=jax.random.key(0))
@@ -97,27 +105,58 @@ def build(prep, method: str) -> tuple[Callable, tuple]:
                    f"{DP_METHODS}.")
 
 
-def reference_sums(prep) -> dict:
-  """The reference clipped sums: all-layer and per-layer (``C/sqrt(L)``)."""
-  f = np.asarray(reference.per_example_grads(
-      prep.plain.apply, prep.params, *prep.bench.batch), np.float64)
-  norms = np.sqrt((f ** 2).sum(1))
-  all_layer = reference.weighted_sum(f, reference.clip_reference(norms, CLIP),
-                                     prep.params)
-  groups = reference.column_groups(prep.params)
+def _clipped_sum(f, params, norms=None, by_layer=None) -> dict:
+  """The reference clipped sums, all-layer and per-layer (``C/sqrt(L)``),
+  from the per-example gradients ``f``, with each example's clip factor
+  from the exact norms, or from given norms (``norms``: ``[B]``;
+  ``by_layer``: module -> ``[B]``)."""
+  exact = np.sqrt((f ** 2).sum(1))
+  all_layer = reference.weighted_sum(
+      f, reference.clip_reference(exact if norms is None else norms, CLIP),
+      params)
+  groups = reference.column_groups(params)
   each = CLIP / math.sqrt(len(groups))
   flat = np.zeros(f.shape[1])
-  for cols in groups.values():
-    n = np.sqrt((f[:, cols] ** 2).sum(1))
+  for m, cols in groups.items():
+    n = (np.sqrt((f[:, cols] ** 2).sum(1)) if by_layer is None
+         else by_layer[m])
     flat[cols] = reference.clip_reference(n, each) @ f[:, cols]
-  per_layer = reference.weighted_sum(flat[None], [1.0], prep.params)
+  per_layer = reference.weighted_sum(flat[None], [1.0], params)
   return {"all-layer": all_layer, "per-layer": per_layer}
+
+
+def reference_sums(prep) -> dict:
+  """The reference clipped sums (see :func:`_clipped_sum`), and what
+  :func:`check` needs to rebuild them from a step's norm bounds."""
+  f = np.asarray(reference.per_example_grads(
+      prep.plain.apply, prep.params, *prep.bench.batch), np.float64)
+  return {**_clipped_sum(f, prep.params), "f": f, "params": prep.params}
 
 
 def check(method: str, out, refs: dict, rtol: float = 1e-3):
   """None when ``out`` is the reference clipped sum, else why not. The
-  noisy step is checked for shape only (its noise is the point)."""
+  noisy step is checked for shape only (its noise is the point).
+  gram_haiku's steps clip by sound upper bounds of the norms (see
+  ``gram_haiku/_src/norm_bounds.py``): those are checked against the
+  reference norms (never below, at most ``reference.CLIP_BOUND_SLACK``
+  above), and the sum against the reference clipped by them."""
   want = refs["per-layer" if method == "dp_layer" else "all-layer"]
+  if method in ("dp_all", "dp_layer"):
+    out, bounds = out
+    f, params = refs["f"], refs["params"]
+    groups = reference.column_groups(params)
+    exact = ({"": np.sqrt((f ** 2).sum(1))} if method == "dp_all" else
+             {m: np.sqrt((f[:, c] ** 2).sum(1)) for m, c in groups.items()})
+    bounds = {m: np.asarray(b, np.float64) for m, b in bounds.items()}
+    for m, b in bounds.items():
+      ratio = b / np.maximum(exact[m], 1e-30)
+      if not (np.all(ratio >= 1 - rtol) and
+              np.all(ratio <= 1 + reference.CLIP_BOUND_SLACK + rtol)):
+        return (f"norm bounds of {m or 'the model'} at {ratio.min():.6f} to "
+                f"{ratio.max():.6f} times the reference norms")
+    sums = _clipped_sum(f, params, norms=bounds.get(""),
+                        by_layer=None if method == "dp_all" else bounds)
+    want = sums["per-layer" if method == "dp_layer" else "all-layer"]
   got_l = [np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(out)]
   want_l = [np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(want)]
   if [a.shape for a in got_l] != [a.shape for a in want_l]:

@@ -233,6 +233,27 @@ def map_row_blocks(fn, rows: int, arrays):
 
 
 
+def map_row_slices(fn, rows: int, arrays) -> jax.Array:
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, each
+  ``fn`` giving one value per entry: ``(B,)``. Unlike
+  :func:`map_row_blocks` it reads the blocks in place (dynamic slices; the
+  last block starts early and overlaps, recomputing entries), without a
+  padded copy of every array: for the rare fallbacks of
+  :func:`run_if`."""
+  b = arrays[0].shape[0]
+  if not isinstance(b, int) or rows >= b:
+    return fn(*arrays)
+
+  def body(i, out):
+    start = jnp.minimum(i * rows, b - rows)
+    blk = [lax.dynamic_slice_in_dim(a, start, rows) for a in arrays]
+    return lax.dynamic_update_slice_in_dim(out, fn(*blk).astype(out.dtype),
+                                           start, 0)
+  first = jax.eval_shape(fn, *[a[:rows] for a in arrays])
+  out = jnp.zeros((b,), first.dtype)
+  return lax.fori_loop(0, -(-b // rows), body, out)
+
+
 def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
                     cfg: KernelConfig):
   """``G[i, j] = fn(rows i, columns j)`` in blocks within the memory budget.
@@ -627,7 +648,8 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   t_hint = cost_model.size_hint(t)
-  per_row = 2 * t_hint * t_hint * itemsize
+  # The kernels, and with the slack its (rows, T, T) terms.
+  per_row = (6 if with_slack else 2) * t_hint * t_hint * itemsize
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
     value = map_row_blocks(
@@ -725,14 +747,32 @@ def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
   return loose
 
 
+def run_if(pred: jax.Array, fn, otherwise: jax.Array) -> jax.Array:
+  """``fn()`` where the scalar ``pred`` holds, else ``otherwise`` (same
+  type), as a loop of zero or one rounds: unlike ``lax.cond``, whose
+  operands XLA kept in copies in the models measured (CNN clipping step:
+  +21 MB of temp memory for a branch that never ran). Not differentiable
+  (a loop with a traced trip count): for the clipping pass's norm bounds,
+  which nothing differentiates."""
+  return lax.fori_loop(0, pred.astype(jnp.int32), lambda _, __: fn(),
+                       otherwise)
+
+
+#: The memory a fallback from cancelling ghost norms to materialised ones
+#: forms at once (blocks of examples): it runs rarely, so it is kept small,
+#: since XLA reserves a conditional branch's memory whether or not it runs.
+FALLBACK_BYTES = 1 << 21
+
+
 def _materialized_sq_norms_blocked(x, d, cfg: KernelConfig) -> jax.Array:
-  """:func:`materialized_sq_norms` in blocks of examples within the memory
-  budget."""
+  """:func:`materialized_sq_norms` in blocks of examples of at most
+  :data:`FALLBACK_BYTES` (the fallback where ghost norms cancel)."""
   n, m = x.shape[-1], d.shape[-1]
-  per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * (
-      jnp.dtype(d.dtype).itemsize)
-  rows = max(1, cfg.memory_budget_bytes // max(per_row, 1))
-  return map_row_blocks(
+  itemsize = jnp.dtype(d.dtype).itemsize
+  budget = min(cfg.memory_budget_bytes, FALLBACK_BYTES)
+  per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
+  rows = max(1, budget // max(per_row, 1))
+  return map_row_slices(
       lambda xi, di: materialized_sq_norms(xi, di, cfg.precision), rows,
       (x, d))
 
@@ -743,26 +783,31 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   (:mod:`gram_haiku._src.norm_bounds`): the ghost value plus its rounding
   bound (G) where that is tight for every example, else the materialised
   bound (M), formed in blocks of examples within the memory budget."""
-  _, t, n = x.shape
+  b, t, n = x.shape
   m = d.shape[-1]
   acc = d.dtype
+  itemsize = jnp.dtype(acc).itemsize
 
-  def materialised():
-    per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * (
-        jnp.dtype(acc).itemsize)
-    rows = max(1, cfg.memory_budget_bytes // max(per_row, 1))
-    value = map_row_blocks(
+  def materialised(budget: int):
+    per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
+    rows = max(1, budget // max(per_row, 1))
+    value = map_row_slices(
         lambda xi, di: norm_bounds.sum_of_squares(jnp.einsum(
             "itn,itm->inm", xi, di, precision=cfg.precision)), rows, (x, d))
     return norm_bounds.materialized(
         value, norm_bounds.squares_rel(n * m, acc), norm_bounds.triangle(x, d),
         t, acc, cfg.precision)
 
-  if method == "ghost":
-    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
-    out = lax.cond(jnp.any(loose), materialised, lambda: bound)
+  if method != "ghost":
+    out = materialised(cfg.memory_budget_bytes)
+  elif isinstance(t, int) and t == 1:
+    # One position: nothing cancels, the ghost bound is tight.
+    out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
   else:
-    out = materialised()
+    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
+    # The fallback (rare: cancelling examples) in small blocks.
+    out = run_if(jnp.any(loose), lambda: materialised(
+        min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound)
   if with_bias:
     out = out + bias_sq_norm_bounds(d, cfg.precision)
   return out

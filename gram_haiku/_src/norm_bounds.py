@@ -63,12 +63,14 @@ def dot_error(n, dtype, precision) -> jax.Array:
   summation: ``gamma_{n+1} = (n + 1) u / (1 - (n + 1) u)`` (one rounding
   per product, ``n - 1`` per sum, one spare), ``u`` the accumulation's
   unit roundoff (float32 at ``Precision.HIGHEST`` counted as
-  ``4 * 2^-24``: a TPU forms such products from several bfloat16 passes),
-  plus ``2^-7`` below ``HIGHEST``, where a TPU or GPU may round each factor
-  to bfloat16 first. A float32 scalar (inf where ``(n + 1) u >= 1``)."""
-  u = float(jnp.finfo(dtype).eps) / 2
+  ``4 * 2^-24`` in a program compiled for a TPU, which forms such products
+  from several bfloat16 passes; IEEE float32 elsewhere), plus ``2^-7``
+  below ``HIGHEST``, where a TPU or GPU may round each factor to bfloat16
+  first. A float32 scalar (inf where ``(n + 1) u >= 1``)."""
+  u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
   if jnp.dtype(dtype) != jnp.float64:
-    u *= 4
+    u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
+                                   default=lambda: jnp.float32(1))
   nu = (count(n) + 1) * u
   out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
   if precision != lax.Precision.HIGHEST:

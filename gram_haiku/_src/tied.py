@@ -19,6 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src.ops import linear
 from gram_haiku._src.rule import Rule
 from gram_haiku._src.tracking import LayerCall
 from gram_haiku._src.tracking import current_tracker
@@ -26,6 +27,12 @@ from gram_haiku._src.tracking import current_tracker
 
 def _unembed(h, embeddings, *, precision):
   return jnp.dot(h, embeddings.T, precision=precision)
+
+
+def _per_example_error(h, g, params, example_dim, cfg):
+  """The rounding bound of the per-example gradients ``sum_t d_t h_t^T``:
+  a linear map's (:func:`gram_haiku._src.ops.linear.per_example_error`)."""
+  return linear.per_example_error(h, g, (params[0], None), example_dim, cfg)
 
 
 def unembed(embed: hk.Embed, h: jax.Array, *,
@@ -51,5 +58,6 @@ def unembed(embed: hk.Embed, h: jax.Array, *,
   with tracker.tracking_rule("unembed"):
     embeddings = embed.embeddings
   rule = Rule(forward=functools.partial(_unembed, precision=precision),
-              param_names=("embeddings",), feature_ndim=1)
+              param_names=("embeddings",), feature_ndim=1,
+              per_example_error=_per_example_error)
   return LayerCall(tracker, embed).apply(rule, h, (embeddings,))

@@ -441,12 +441,27 @@ def _materialized_bound(f, p, d, example_dim, with_bias: bool,
 def per_example_error(x, g, params, example_dim: int, cfg: KernelConfig, *,
                       spec: ConvSpec) -> jax.Array:
   """``[B]``: the rounding bound of the materialised per-example gradients
-  in norm units, ``e_T`` times :func:`_triangle`."""
+  in norm units, ``e_T`` times a bound of :func:`_triangle` that needs no
+  patches: each input entry lies in at most ``|K|`` windows, so by
+  Cauchy-Schwarz ``sum_{t,f} |p_tf| |d_tf| <= sqrt(|K|) |x_i| |d_i|``
+  (and ``sum_t |d_t| <= sqrt(T) |d_i|`` for the bias), ``T`` the output
+  positions of one example."""
   w, b = params
   acc = rule_lib.accumulation_dtype(x, params)
-  p, d = _patches_and_cotangents(spec, x, g, w, acc)
-  tri, t = _triangle(p, d, example_dim, b is not None)
-  return norm_bounds.dot_error(t, acc, cfg.precision) * tri
+  nd = spec.num_spatial_dims
+  taps = math.prod(w.shape[:nd])
+  xn = norm_bounds.row_norms(kernels.rows(
+      jnp.moveaxis(x, example_dim, 0)).astype(acc))
+  dn = norm_bounds.row_norms(kernels.rows(
+      jnp.moveaxis(g, example_dim, 0)).astype(acc))
+  bsz = x.shape[example_dim]
+  out_channels = g.shape[-1] if spec.channels_last else g.shape[
+      g.ndim - nd - 1]
+  t = math.prod(g.shape) // max(bsz * out_channels, 1)
+  tri = math.sqrt(taps) * xn * dn
+  if b is not None:
+    tri = tri + jnp.sqrt(norm_bounds.count(t)) * dn
+  return norm_bounds.dot_error(t, acc, cfg.precision) * tri * (1 + 1e-6)
 
 
 def _patch_matrix(spec: ConvSpec, w):
