@@ -173,7 +173,9 @@ def per_example_error(x, g, params, example_dim: int, cfg, *,
   a = jnp.abs(rule_lib.flat(per_example_grads(
       jnp.abs(x), jnp.abs(g), params, example_dim, feature_ndim=feature_ndim,
       offset_multiplier=offset_multiplier)))
-  terms = math.prod(x.shape) // max(x.shape[example_dim], 1)
+  # Each entry of a parameter of P entries sums (elements / P) products.
+  sizes = [math.prod(p.shape) for p in params if p is not None]
+  terms = math.prod(x.shape) // max(x.shape[example_dim] * min(sizes), 1)
   rel = norm_bounds.squares_rel(a.shape[1], a.dtype)
   return norm_bounds.dot_error(terms, a.dtype, lax.Precision.HIGHEST) * (
       jnp.sqrt(norm_bounds.sum_of_squares(a) * (1 + rel)))
