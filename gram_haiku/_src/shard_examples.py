@@ -78,16 +78,6 @@ def _is_array(x) -> bool:
   return isinstance(x, (jax.Array, np.ndarray))
 
 
-def _rng_is_batch(rng, example_axes, n_args: int) -> bool:
-  """Whether the ``rng`` position holds a batch argument
-  (``hk.without_apply_rng`` moves the first one there)."""
-  if example_axes is not None:
-    return len(example_axes) == n_args + 1
-  return (_is_array(rng) and np.ndim(rng) > 0
-          and not jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
-          and rng.dtype != np.uint32)  # Raw keys are uint32[2].
-
-
 def shard_examples(fn: Callable[..., Any], *, mesh, axes: AxisNames,
                    example_axes: Optional[Sequence[Optional[int]]],
                    rows: Callable[[Any], Any], fn_name: str,
@@ -122,7 +112,7 @@ def shard_examples(fn: Callable[..., Any], *, mesh, axes: AxisNames,
     if bound:
       raise ValueError(errors.MESH_INSIDE_SHARD_MAP.format(fn=fn_name,
                                                            bound=bound))
-    rng_in_batch = _rng_is_batch(rng, example_axes, len(args))
+    rng_in_batch = batch_args.rng_is_batch(rng, example_axes, len(args))
     batch = (rng, *args) if rng_in_batch else args
     given = None if example_axes is None else tuple(example_axes)
     leaf_axes = batch_args.leaf_example_axes(batch, {}, given)
