@@ -104,6 +104,17 @@ def _problem(kind, rng, b, t, offset, dtype):
   return body, x, v
 
 
+def _reference(kind, body, params, x, v) -> np.ndarray:
+  """``F``: the float64 per-example gradients of ``sum(body(x) * v)``."""
+  with jax.enable_x64(True):
+    plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    xs = x if kind == "embed" else np.asarray(x, np.float64)
+    return np.asarray(per_example_grads(
+        lambda p, x, v: plain.apply(p, None, x, v), p64, xs,
+        np.asarray(v, np.float64)), np.float64)
+
+
 def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
                    dtype=jnp.float32, seed=0, strategy="auto"):
   """Each example's contribution to the clipped sum, measured with the
@@ -121,13 +132,7 @@ def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
   step = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping,
                                          clip_fn=clip_fn))
   _, aux = step(params, state, None, x, v)
-  with jax.enable_x64(True):
-    plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
-    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    xs = x if kind == "embed" else np.asarray(x, np.float64)
-    ref = np.asarray(per_example_grads(
-        lambda p, x, v: plain.apply(p, None, x, v), p64, xs,
-        np.asarray(v, np.float64)), np.float64)
+  ref = _reference(kind, body, params, x, v)
   true = np.linalg.norm(ref, axis=1)
   (weights,) = aux.weights.values()  # One layer: C_l = C per layer too.
   return (np.asarray(weights, np.float64) * true / C,
@@ -336,13 +341,7 @@ def test_the_reported_gram_is_the_best_estimate_where_ghost_cancels(kind,
   params, state = f.init(jax.random.PRNGKey(1), x, v)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, v)
-  with jax.enable_x64(True):
-    plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
-    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    xs = x if kind == "embed" else np.asarray(x, np.float64)
-    ref = np.asarray(per_example_grads(
-        lambda p, x, v: plain.apply(p, None, x, v), p64, xs,
-        np.asarray(v, np.float64)), np.float64)
+  ref = _reference(kind, body, params, x, v)
   want = ref @ ref.T
   if mode == "norms":
     np.testing.assert_allclose(grams.sq_norms, np.diag(want), rtol=1e-4)
