@@ -13,7 +13,11 @@ import collections
 import os
 import sys
 
-import pytest
+try:
+  import pytest
+except ImportError:  # A [demo] or [dp] install: the suite needs pytest.
+  sys.exit("python -m conformance needs pytest, pytest-xdist and hypothesis:"
+           " pip install 'gram_haiku[conformance]'.")
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed")
 

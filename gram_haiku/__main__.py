@@ -11,6 +11,17 @@ from gram_haiku._src import demo
 from gram_haiku._src import dp_demo
 
 
+def _positive_int(text: str) -> int:
+  """An argparse type: an int >= 1 (a layer of width 0, 0 steps, ...)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+  return value
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="gram-haiku",
@@ -21,16 +32,16 @@ def _parser() -> argparse.ArgumentParser:
                               title="commands")
   p = sub.add_parser(
       "demo", help="train an MLP on scikit-learn's digits, tracking the Gram",
-      description="Train an MLP on scikit-learn's bundled digits (80%% for "
-      "training, 20%% held out), computing the per-example gradient Gram of "
+      description="Train an MLP on scikit-learn's bundled digits (80% for "
+      "training, 20% held out), computing the per-example gradient Gram of "
       "every batch in the same backward pass; check it against the "
       "vmap(grad) reference at step 0; write plots and stats.json to --out.")
-  p.add_argument("--steps", type=int, default=300,
+  p.add_argument("--steps", type=_positive_int, default=300,
                  help="training steps (default: %(default)s)")
   p.add_argument("--batch_size", "--batch-size", type=int, default=64,
                  help="examples per step, B: 2 to 1437, the training "
                  "examples (default: %(default)s)")
-  p.add_argument("--hidden", type=int, nargs="+", default=[64, 64],
+  p.add_argument("--hidden", type=_positive_int, nargs="+", default=[64, 64],
                  help="hidden layer sizes (default: 64 64)")
   p.add_argument("--learning_rate", "--learning-rate", type=float,
                  default=1e-3, help="Adam learning rate (default: %(default)s)")
@@ -55,14 +66,15 @@ def _parser() -> argparse.ArgumentParser:
                  help="target epsilon (default: %(default)s)")
   d.add_argument("--delta", type=float, default=1e-5,
                  help="target delta (default: %(default)s)")
-  d.add_argument("--steps", type=int, default=300,
+  d.add_argument("--steps", type=_positive_int, default=300,
                  help="DP-SGD steps (default: %(default)s)")
   d.add_argument("--expected_batch_size", "--expected-batch-size", type=int,
-                 default=128, help="expected Poisson batch size "
-                 "(default: %(default)s)")
+                 default=128, help="expected Poisson batch size: 2 to 718, "
+                 "half of the 1437 training examples (a sampling rate q of "
+                 "at most 1/2; default: %(default)s)")
   d.add_argument("--l2_clip_norm", "--l2-clip-norm", type=float, default=1.0,
                  help="per-example clipping norm C (default: %(default)s)")
-  d.add_argument("--hidden", type=int, nargs="+", default=[64, 64],
+  d.add_argument("--hidden", type=_positive_int, nargs="+", default=[64, 64],
                  help="hidden layer sizes (default: 64 64)")
   d.add_argument("--learning_rate", "--learning-rate", type=float,
                  default=2e-3, help="Adam learning rate (default: %(default)s)")
@@ -75,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="output directory (default: ./%(default)s)")
   d.add_argument("--no_progress", "--no-progress", action="store_true",
                  help="hide the progress bar")
+  parser.commands = {"demo": p, "dp-demo": d}  # For their errors.
   return parser
 
 
@@ -97,7 +110,10 @@ def _run_dp(args) -> int:
 def run(argv=None) -> int:
   """Entry point of the ``gram-haiku`` console script."""
   parser = _parser()
-  args = parser.parse_args(argv)
+  args, extra = parser.parse_known_args(argv)
+  if extra:  # The command's own usage, not the top-level one.
+    parser.commands.get(args.command, parser).error(
+        f"unrecognized arguments: {' '.join(extra)}")
   if args.command is None:
     parser.print_help(sys.stderr)
     print("\nerror: give a command, e.g. `gram-haiku demo`.", file=sys.stderr)

@@ -42,3 +42,17 @@ def test_child_environ_drops_only_the_device_count():
   env = runner.child_environ(
       {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
   assert "XLA_FLAGS" not in env
+
+
+def test_conformance_cli_without_pytest_says_what_to_install():
+  """``python -m conformance`` where pytest is missing (a [demo] install):
+  one line naming the extra, not a traceback."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ("import sys; sys.modules['pytest'] = None; import runpy; "
+          "runpy.run_module('conformance', run_name='__main__')")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=False, timeout=120)
+  assert out.returncode == 1
+  assert "pip install 'gram_haiku[conformance]'" in out.stderr
+  assert "Traceback" not in out.stderr

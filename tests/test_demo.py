@@ -90,6 +90,29 @@ def test_cli_version_and_usage(capsys):
   assert "give a command" in err and "demo" in err and "dest" not in err
 
 
+@pytest.mark.parametrize("argv,usage,message", [
+    (["demo", "--epochs", "3"], "gram-haiku demo", "--epochs 3"),
+    (["demo", "--hidden", "0"], "gram-haiku demo", "must be at least 1"),
+    (["dp-demo", "--steps", "0"], "gram-haiku dp-demo",
+     "must be at least 1"),
+])
+def test_cli_bad_arguments_name_the_command(argv, usage, message, capsys):
+  """An unknown or out-of-range argument is an error of its command (its
+  usage, not the top level's), before anything trains."""
+  with pytest.raises(SystemExit) as e:
+    cli.run(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"{usage}: error:" in err and message in err, err
+
+
+def test_cli_help_shows_plain_percent(capsys):
+  with pytest.raises(SystemExit):
+    cli.run(["demo", "--help"])
+  out = capsys.readouterr().out
+  assert "80% for" in out and "%%" not in out
+
+
 def test_gram_stats_values():
   g = np.array([[4.0, 2.0], [2.0, 1.0]])  # collinear gradients
   stats = demo.gram_stats(g)
