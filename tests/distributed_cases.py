@@ -751,6 +751,71 @@ def case_reparam_mesh():
   return {}
 
 
+def case_fused_rule_sharded():
+  """A third party's rule with only the fused form
+  (``probe_cotangent_and_grads``) and ``sharding_aware=False`` (a FiLM-like
+  gain per feature): under ``shard_map`` its Gram comes from exact
+  per-example gradients with gathered columns, equal to the reference
+  (the fused function used to be called and return this device's (b, b)
+  block only)."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+
+  def forward(x, gamma):
+    return x * gamma
+
+  def fused(x, g, params, example_dim, mode, wanted, cfg):
+    del params, wanted, cfg
+    f = jnp.moveaxis(x * g, example_dim, 0)
+    f = f.reshape(f.shape[0], -1, f.shape[-1]).sum(1)  # [B, F]
+    value = {"gram": lambda: f @ f.T, "norms": lambda: (f * f).sum(1)}.get(
+        mode, lambda: f)()
+    return value, {}
+  rule = gram_haiku.Rule(forward=forward, param_names=("gamma",),
+                         probe_cotangent_and_grads=fused)
+
+  class Film(hk.Module):
+    def __call__(self, x):
+      gamma = hk.get_parameter("gamma", x.shape[-1:], init=jnp.ones)
+      return forward(x, gamma)
+
+  @gram_haiku.register_layer(Film)
+  def _handler(call, module, x):  # pylint: disable=unused-variable
+    gamma = hk.get_parameter("gamma", x.shape[-1:], init=jnp.ones)
+    del module
+    return call.apply(rule, x, (gamma,))
+
+  def model(x):
+    h = Film()(hk.Linear(4)(x))
+    return 0.5 * jnp.sum(jnp.tanh(h) ** 2)
+
+  def tracked(x):
+    with gram_haiku.track():
+      return model(x)
+  f = hk.transform_with_state(tracked)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 3, 5))
+  params, state = f.init(jax.random.PRNGKey(1), x)
+  plain = hk.without_apply_rng(hk.transform(model)).apply
+  fr = np.asarray(reference.per_example_grads(plain, params, x), np.float64)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def local(params, state, x):
+    _, _, grams = gram_haiku.value_grad_and_gram(f.apply, mesh_axes="data")(
+        params, state, None, x)
+    return grams.total
+  gram = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(),
+                                                           P("data")),
+                               out_specs=P("data", None)))(params, state, x)
+  reference.assert_gram_close(gram, fr @ fr.T)
+  return {}
+
+
 def case_mesh_argument_errors():
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -854,6 +919,7 @@ def cases(everything: bool):
   out.append(("mesh_argument/transforms", case_mesh_argument))
   out.append(("mesh_argument/errors", case_mesh_argument_errors))
   out.append(("mesh_argument/reparametrised", case_reparam_mesh))
+  out.append(("fused_rule/shard_map", case_fused_rule_sharded))
   for clipping in ("all-layer", "per-layer"):
     for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
         else ("MLP",):

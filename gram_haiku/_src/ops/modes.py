@@ -169,12 +169,16 @@ def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
   """
   rule = op.rule
   e = op.example_axis.resolved_position()
-  if rule is not None and rule.probe_cotangent_and_grads is not None:
+  # A Gram whose examples are sharded, from a rule that does not gather its
+  # columns itself: from exact per-example gradients (fused rules too).
+  by_rows = op.mode == "gram" and not op.sharding_aware and bool(
+      cfg.column_axes or explicit_mesh.explicit_spec(x) is not None)
+  if (rule is not None and rule.probe_cotangent_and_grads is not None
+      and not by_rows):
     value, provided = rule.probe_cotangent_and_grads(x, g, params, e, op.mode,
                                                      tuple(wanted), cfg)
   elif op.mode == "gram":
-    if not op.sharding_aware and (
-        cfg.column_axes or explicit_mesh.explicit_spec(x) is not None):
+    if by_rows:
       value = rule_lib.gram_from_per_example(op.per_example_grads, x, g,
                                              params, e, cfg)
     else:
@@ -185,20 +189,27 @@ def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
   else:
     value = rule_lib.flat(op.per_example_grads(x, g, params, e))
     provided = {}
-  _check_shape(op, value, x, cfg)
+  fused = (rule is not None and rule.probe_cotangent_and_grads is not None
+           and not by_rows)
+  _check_shape(op, value, x, cfg, fused)
   return value, provided
 
 
-def _check_shape(op, value, x, cfg: KernelConfig) -> None:
+def _check_shape(op, value, x, cfg: KernelConfig, fused: bool) -> None:
   b = op.example_size(x.shape)
   want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(op.mode)
   if want is not None and tuple(value.shape) != want:
     method, what = (("gram", "(B, B) Gram") if op.mode == "gram" else
                     ("sq_norms", "(B,) squared norms"))
+    if fused:
+      method = f"probe_cotangent_and_grads (mode {op.mode!r})"
+    cols = want[-1]
+    held = (f"b = {b} examples on this device, B = {cols} in all"
+            if op.mode == "gram" and cols != b else f"B = {b} examples")
     raise ValueError(
         f"gram_haiku: {type(op).__name__}.{method} for layer "
         f"{op.name!r} returned shape {tuple(value.shape)}, expected "
-        f"{want} (B = {b} examples, input shape {tuple(x.shape)}).\n"
+        f"{want} ({held}, input shape {tuple(x.shape)}).\n"
         f"What to do: return the {what} of the per-example gradients; "
         "the conformance suite (the conformance package) checks a "
         "rule's shapes.")
