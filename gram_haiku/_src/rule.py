@@ -180,7 +180,8 @@ class Rule:
       (``cfg.columns``) under ``shard_map`` and gives its contractions row
       shardings under Explicit meshes. If False (the default), the Gram of
       a sharded example axis is formed from per-example gradients instead,
-      and ``gram`` only ever sees one device's whole batch.
+      and ``gram`` (or ``probe_cotangent_and_grads`` in ``"gram"`` mode)
+      only ever sees one device's whole batch.
 
   Raises:
     TypeError: from the constructor, for a missing or non-callable
