@@ -21,25 +21,38 @@ true ``|g_i|``. Floating point can break that:
   times ``sum_t |x_tn| |d_tm|``, whose Frobenius norm is at most
   ``tri_i``): linear in the cancellation, not quadratic.
 
-So, with ``u`` the unit roundoff of the products (the accumulation dtype's,
-or bfloat16's where the kernels run below ``Precision.HIGHEST``) and
-``gamma_n = n u / (1 - n u) <= 2 n u`` for the sizes that occur:
+So, with ``e_n = gamma_{n+1} = (n + 1) u / (1 - (n + 1) u)`` the error
+factor of an ``n``-term dot product (:func:`dot_error`; ``u`` the unit
+roundoff of the products, bfloat16's rounding added below
+``Precision.HIGHEST``) and ``xx_ts = |x_t| |x_s|``, ``dd_ts = |d_t| |d_s|``:
 
-    ghost:         |g|^2 <= ghost + 2 (N + M + T^2 + 8) u tri^2          (G)
-    materialised:  |g|   <= |ghat| (1 + 2 (P + 2) u) + 2 (T + 2) u tri   (M)
+    ghost:  |g|^2 <= ghost + e_N sum xx |kd| + e_M sum |kx| dd
+                           + e_N e_M tri^2 + e_{T^2} (1 + e_N + e_M)
+                             sum |kx kd|                              (G)
+    materialised:  |g| <= |ghat| sqrt(1 + r_P) + e_T tri              (M)
 
+with ``r_P`` the rounding bound of a sum of ``P`` squares, about
+``4 u sqrt(P)`` as :func:`sum_of_squares` forms it in two levels
 (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002,
-section 3.1: the bound ``|fl(x . y) - x . y| <= gamma_n |x| . |y|`` for any
-order of summation.) ``tri`` itself is a sum of non-negative terms, computed
-with a relative error below ``(N + M + T + 8) u`` and inflated by that.
+section 3.1: ``|fl(x . y) - x . y| <= gamma_n |x| . |y|`` in any order of
+summation). ``tri`` and the row norms are sums of non-negative terms,
+rounded up by their own bounds.
 
 A kernel asked for bounds (``KernelConfig.upper_bound``) returns (G) where
 it is tight (its slack below :data:`LOOSE` of the value for every example
-of the block) and otherwise switches, at run time (``lax.cond``), to the
-materialised per-example gradients and (M). Every clip factor of
-:func:`gram_haiku.clipped_grad` is computed from such a bound; Grams and
-norms reported by :func:`gram_haiku.value_grad_and_gram` are the plain
-values.
+of the block) and otherwise, at run time, forms the materialised
+per-example gradients and (M) (a loop of zero or one rounds,
+:func:`gram_haiku._src.kernels.run_if`). Kept per-example gradients carry
+(M)'s ``e_T tri`` term in a column of their own
+(``Rule.per_example_error``). Every clip factor of
+:func:`gram_haiku.clipped_grad` is computed from such a bound; the Grams
+and norms :func:`gram_haiku.value_grad_and_gram` reports are the nearest
+estimates (the materialised form where a ghost value is loose).
+
+Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
+built-in ones do); a reparametrising getter's pull-back maps a kept
+per-example gradient's rounding bound, which is carried in the layer's
+operand space, by its Jacobian, which is not bounded here.
 """
 
 from __future__ import annotations
