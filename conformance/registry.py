@@ -6,9 +6,9 @@ import dataclasses
 import sys
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# JAX and NumPy are imported where they are used: the pytest plugin
+# imports this package in every pytest run of an environment that has it
+# installed, and JAX would add about a second to each.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +80,8 @@ def registered_ops() -> list[OpSpec]:
 
 def numpy_rng(key) -> np.random.Generator:
   """A numpy generator seeded by the JAX PRNG ``key`` (its key data)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   return np.random.default_rng(
       np.asarray(jax.random.key_data(key)).ravel().tolist())
 
@@ -91,6 +93,8 @@ def normal(key, shape, dtype):
   Drawn by numpy: ``jax.random.normal`` outside jit compiles a program per
   shape and dtype, which is most of a small check's time.
   """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
   values = numpy_rng(key).standard_normal(shape, np.float32)
   # device_put: jnp.asarray of a numpy array compiles a program per shape.
-  return jax.device_put(values.astype(jnp.dtype(dtype)))
+  return jax.device_put(values.astype(jax.numpy.dtype(dtype)))

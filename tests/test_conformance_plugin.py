@@ -56,3 +56,23 @@ def test_conformance_cli_without_pytest_says_what_to_install():
   assert out.returncode == 1
   assert "pip install 'gram_haiku[conformance]'" in out.stderr
   assert "Traceback" not in out.stderr
+
+
+def test_the_plugin_imports_nothing_heavy_for_unrelated_tests(tmp_path):
+  """The pytest11 entry point loads in every pytest run of an environment
+  with gram_haiku installed: an unrelated test must not pay for JAX."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  (tmp_path / "test_other.py").write_text(
+      "import sys\n"
+      "def test_other():\n"
+      "  assert 'jax' not in sys.modules and 'numpy' not in sys.modules\n")
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  installed = any(e.value.startswith("conformance.plugin") for e in
+                  importlib.metadata.entry_points(group="pytest11"))
+  load = [] if installed else ["-p", "conformance.plugin"]
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+       "-p", "no:xdist", *load, "test_other.py"],
+      cwd=tmp_path, capture_output=True, text=True, check=False, timeout=120)
+  assert out.returncode == 0, out.stdout + out.stderr
