@@ -377,3 +377,36 @@ def test_verify_checks_the_clipping_pass_bounds():
   report = gram_haiku.verify(g.apply, params, state, None, x)
   assert np.isnan(report.clip_norms_shortfall)
   assert "closes over" in report.clip_refusal
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_a_frozen_kernel_leaves_a_bounded_bias(clipping):
+  """A convolution whose kernel is frozen (not droppable from its Gram
+  rule) keeps per-example gradients of its bias: their sum over positions
+  ``sum_t d_t`` cancels too (cotangents ``a + u``, ``a``, ``-2a + u``),
+  and the store's rounding column bounds it."""
+  rng = np.random.RandomState(7)
+  x = rng.normal(size=(4, 3, 2)).astype(np.float32)
+  v = np.array(rng.normal(size=(4, 3, 5)), np.float32)
+  a = rng.normal(size=5)
+  a *= 1e4 / np.linalg.norm(a)
+  u = rng.normal(size=5)
+  # Three terms, so that the running sum rounds (two opposite ones alone
+  # would cancel exactly, Sterbenz).
+  v[0, 0], v[0, 1], v[0, 2] = a + u, a, -2 * a + u
+
+  def loss_fn(x, v):
+    with gram_haiku.track():
+      out = hk.Conv1D(5, 1, name="layer")(x)
+    return jnp.sum(out * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  _, aux = jax.jit(gram_haiku.clipped_grad(
+      f.apply, C, clipping=clipping, frozen="layer/w"))(
+          params, state, None, x, v)
+  true = np.linalg.norm(v.astype(np.float64).sum(1), axis=1)  # |sum_t d_t|
+  (weights,) = aux.weights.values()
+  assert np.all(np.asarray(weights, np.float64) * true <= C * (1 + 1e-6))
+  bounds = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bounds >= true * (1 - 1e-9)), (bounds, true)
+  assert_sound_norms(bounds[1:], true[1:])  # The others do not cancel.

@@ -236,11 +236,11 @@ def products(op, x, g, params, wanted, cfg: KernelConfig,
   """
   if op.plan.upper_bound:
     cfg = cfg.replace(upper_bound=True)
-  value, provided = _products(op, x, g, params, wanted, cfg, reuse)
+  value, provided, own = _products(op, x, g, params, wanted, cfg, reuse)
   if op.mode == "per_example" and op.plan.upper_bound:
     err = per_example_error(op, x, g, params, cfg)
     value = jnp.concatenate([value, err[:, None].astype(value.dtype)], 1)
-  elif op.mode == "norms" and cfg.upper_bound and not _own_norms(op):
+  elif op.mode == "norms" and cfg.upper_bound and not own:
     # Norms from materialised per-example gradients: add their rounding.
     err = per_example_error(op, x, g, params, cfg)
     value = jnp.square(jnp.sqrt(jnp.maximum(value, 0)) + err.astype(
@@ -257,12 +257,16 @@ def _own_norms(op) -> bool:
 
 
 def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
-  """:func:`products` without the rounding bound's column."""
+  """:func:`products` without the rounding bound's column: ``(value,
+  provided, own)``, ``own`` whether the rule's own functions formed the
+  value (else it comes from materialised per-example gradients, whose
+  rounding :func:`products` adds to bounded norms)."""
   cfg = with_method(op, x, g, params, cfg, reuse)
   frozen = [i for i in op.plan.frozen or ()
             if op.param_avals[i] is not None]
   if not frozen:
-    return op.probe_cotangent_and_grads(x, g, params, wanted, cfg)
+    return (*op.probe_cotangent_and_grads(x, g, params, wanted, cfg),
+            _own_norms(op))
   wanted = [i for i in wanted if i not in frozen]
   keep = [i for i, a in enumerate(op.param_avals)
           if a is not None and i not in frozen]
@@ -271,17 +275,19 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
     b = x.shape[e]
     shape = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(
         op.mode, (b, op.num_params()))
-    return hx.vary_like(jnp.zeros(shape, op.accumulation_dtype()), x, g), {}
+    return (hx.vary_like(jnp.zeros(shape, op.accumulation_dtype()), x, g),
+            {}, True)
   if set(frozen) <= set(op.droppable):
     masked = [None if i in frozen else p for i, p in enumerate(params)]
     if op.mode != "per_example":
-      return op.probe_cotangent_and_grads(x, g, masked, wanted, cfg)
+      return (*op.probe_cotangent_and_grads(x, g, masked, wanted, cfg),
+              _own_norms(op))
     grads = op.per_example_grads(x, g, masked, e)
   else:
     grads = op.vjp_per_example(x, g, params, e, keep)
   f = jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
   if op.mode != "per_example":
-    return kernels.probe_value(op.mode, f, cfg), {}
+    return kernels.probe_value(op.mode, f, cfg), {}, False
   # Zero columns for the frozen parameters, so that the store keeps the
   # layout of every parameter (see :func:`probe_width`).
   cols, start = [], 0
@@ -294,7 +300,7 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
     else:
       cols.append(f[:, start:start + n])
       start += n
-  return jnp.concatenate(cols, axis=1), {}
+  return jnp.concatenate(cols, axis=1), {}, False
 
 
 def backward_products(op, x, g, params, wanted, cfg: KernelConfig,
