@@ -529,11 +529,10 @@ def probe_value(mode: str, f: jax.Array, cfg: KernelConfig) -> jax.Array:
   when ``cfg`` gathers columns), squared norms ``[B]`` (``"norms"``), or
   ``f`` itself (``"per_example"``)."""
   if mode == "norms":
-    value = jnp.sum(f * f, axis=1)
     if cfg.upper_bound:
-      value = norm_bounds.stored(norm_bounds.sum_of_squares(f),
-                                 norm_bounds.squares_rel(f.shape[1], f.dtype))
-    return value
+      return norm_bounds.stored(norm_bounds.sum_of_squares(f),
+                                norm_bounds.squares_rel(f.shape[1], f.dtype))
+    return jnp.sum(f * f, axis=1)
   if mode == "gram":
     return gram_matmul(f, f, cfg)
   return f

@@ -160,9 +160,12 @@ def coarse_ghost_slack(tri: jax.Array, n, m, t, dtype,
                        precision) -> jax.Array:
   """The ghost value's rounding bound from :func:`triangle` alone:
   ``2 (e_N + e_M + e_{T^2}) tri^2`` (see :func:`ghost_slack`; the factor 2
-  covers its second-order terms while each ``e`` is below 1/2)."""
-  e = (dot_error(n, dtype, precision) + dot_error(m, dtype, precision) +
+  covers its second-order terms while each ``e`` is below 1/2). ``n=None``:
+  the input kernel is exact (an embedding's key matches), ``e_N = 0``."""
+  e = (dot_error(m, dtype, precision) +
        dot_error(t * t, dtype, lax.Precision.HIGHEST))
+  if n is not None:
+    e = e + dot_error(n, dtype, precision)
   return 2 * e * jnp.square(tri)
 
 

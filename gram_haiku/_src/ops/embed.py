@@ -444,13 +444,12 @@ def sq_norms(ids, g, params, example_dim: int, cfg: KernelConfig, *,
 
 
 def _ghost_slack(key, weight, d, cfg: KernelConfig):
-  """The rounding bound of the ghost diagonal of (E): ``2 (e_D + e_{T^2})
-  tri^2`` (:mod:`gram_haiku._src.norm_bounds`)."""
+  """The rounding bound of the ghost diagonal of (E)
+  (:func:`gram_haiku._src.norm_bounds.coarse_ghost_slack`; the keys'
+  matches are exact)."""
   _, t, dim = d.shape
-  acc = d.dtype
-  return 2 * (norm_bounds.dot_error(dim, acc, cfg.precision) +
-              norm_bounds.dot_error(t * t, acc, lax.Precision.HIGHEST)
-              ) * jnp.square(_triangle(key, weight, d))
+  return norm_bounds.coarse_ghost_slack(_triangle(key, weight, d), None, dim,
+                                        t, d.dtype, cfg.precision)
 
 
 def _loose(key, weight, d, cfg: KernelConfig, value=None):
