@@ -530,8 +530,7 @@ def probe_value(mode: str, f: jax.Array, cfg: KernelConfig) -> jax.Array:
   ``f`` itself (``"per_example"``)."""
   if mode == "norms":
     if cfg.upper_bound:
-      return norm_bounds.stored(norm_bounds.sum_of_squares(f),
-                                norm_bounds.squares_rel(f.shape[1], f.dtype))
+      return norm_bounds.of_rows(f)
     return jnp.sum(f * f, axis=1)
   if mode == "gram":
     return gram_matmul(f, f, cfg)
@@ -708,10 +707,8 @@ def linear_sq_norm_bounds_of(f: jax.Array, x: jax.Array, d: jax.Array,
   tri = norm_bounds.triangle(x, d)
   if with_bias:
     tri = tri + jnp.sum(norm_bounds.row_norms(d), axis=1)
-  return norm_bounds.materialized(
-      norm_bounds.sum_of_squares(f),
-      norm_bounds.squares_rel(f.shape[1], f.dtype), tri, x.shape[1],
-      f.dtype, precision)
+  return norm_bounds.of_rows(
+      f, norm_bounds.dot_error(x.shape[1], f.dtype, precision) * tri)
 
 
 def bias_sq_norm_bounds(d: jax.Array, precision) -> jax.Array:

@@ -220,3 +220,14 @@ def stored(value: jax.Array, rel) -> jax.Array:
   ``f`` (per-example gradients that are themselves the summed quantity)
   with the relative rounding bound ``rel`` (:func:`sum_of_squares`)."""
   return value * (1 + rel)
+
+
+def of_rows(f: jax.Array, err=None) -> jax.Array:
+  """``[B]``: the bound of ``|g_i|^2`` from materialised per-example
+  gradients ``f: [B, P]`` that are off by at most ``err: [B]`` (norm
+  units; None: ``f`` is what is summed), ``(|f_i| sqrt(1 + r_P) +
+  err_i)^2``: (M) with ``err = e_T tri``."""
+  value = stored(sum_of_squares(f), squares_rel(f.shape[1], f.dtype))
+  if err is None:
+    return value
+  return jnp.square(jnp.sqrt(value) + err.astype(value.dtype))

@@ -305,11 +305,9 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
     elif modes[m] == "per_example":
       g, slack = _split_slack(g, upper_bound)
       f = vgg.per_example_of(t.found, m, g, leaves, skip)
-      if bound:  # The stored gradients' sum of squares, and their rounding.
-        f = vgg._stacked_to_columns(f)  # pylint: disable=protected-access
-        val = jnp.square(jnp.sqrt(norm_bounds.stored(
-            norm_bounds.sum_of_squares(f),
-            norm_bounds.squares_rel(f.shape[1], f.dtype))) + slack)
+      if bound:  # The stored gradients, with their rounding bound.
+        val = norm_bounds.of_rows(
+            vgg._stacked_to_columns(f), slack)  # pylint: disable=protected-access
       else:
         val = vgg._from_per_example(  # pylint: disable=protected-access
             f, want, axes, t.found.ops[m].plan.precision)

@@ -156,11 +156,9 @@ def sq_norms(x, g, params, example_dim: int, cfg, *, feature_ndim: int,
   f = rule_lib.flat(grads(x, g, params, example_dim))
   if not cfg.upper_bound:
     return jnp.sum(f * f, axis=1)
-  err = per_example_error(x, g, params, example_dim, cfg,
-                          feature_ndim=feature_ndim,
-                          offset_multiplier=offset_multiplier)
-  rel = norm_bounds.squares_rel(f.shape[1], f.dtype)
-  return jnp.square(jnp.sqrt(norm_bounds.sum_of_squares(f) * (1 + rel)) + err)
+  return norm_bounds.of_rows(f, per_example_error(
+      x, g, params, example_dim, cfg, feature_ndim=feature_ndim,
+      offset_multiplier=offset_multiplier))
 
 
 def per_example_error(x, g, params, example_dim: int, cfg, *,
@@ -176,9 +174,8 @@ def per_example_error(x, g, params, example_dim: int, cfg, *,
   # Each entry of a parameter of P entries sums (elements / P) products.
   sizes = [math.prod(p.shape) for p in params if p is not None]
   terms = math.prod(x.shape) // max(x.shape[example_dim] * min(sizes), 1)
-  rel = norm_bounds.squares_rel(a.shape[1], a.dtype)
   return norm_bounds.dot_error(terms, a.dtype, lax.Precision.HIGHEST) * (
-      jnp.sqrt(norm_bounds.sum_of_squares(a) * (1 + rel)))
+      jnp.sqrt(norm_bounds.of_rows(a)))
 
 
 def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:

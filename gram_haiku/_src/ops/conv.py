@@ -432,10 +432,8 @@ def _materialized_bound(f, p, d, example_dim, with_bias: bool,
   gradients ``f: [B, P]`` (:func:`gram_haiku._src.norm_bounds.materialized`
   with :func:`_triangle`)."""
   tri, t = _triangle(p, d, example_dim, with_bias)
-  return norm_bounds.materialized(
-      norm_bounds.sum_of_squares(f), norm_bounds.squares_rel(f.shape[1],
-                                                             f.dtype),
-      tri, t, f.dtype, cfg.precision)
+  return norm_bounds.of_rows(
+      f, norm_bounds.dot_error(t, f.dtype, cfg.precision) * tri)
 
 
 def per_example_error(x, g, params, example_dim: int, cfg: KernelConfig, *,
