@@ -731,16 +731,23 @@ def _materialized_fits(x, d, cfg: KernelConfig) -> bool:
       d.shape[-1]) * jnp.dtype(d.dtype).itemsize <= cfg.memory_budget_bytes
 
 
-def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
-  """Whether any example's ghost norm is loose
-  (:func:`gram_haiku._src.norm_bounds.ghost`), over every device's
-  examples (``cfg.column_axes``): a scalar bool."""
-  loose = jnp.any(norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1])
+def any_example(flags: jax.Array, cfg: KernelConfig) -> jax.Array:
+  """Whether any of ``flags: bool[b]`` holds, over every device's examples
+  (``cfg.column_axes``): a scalar bool, the same on every device (a branch
+  on it may gather columns)."""
+  out = jnp.any(flags)
   if cfg.column_axes:
     axes = cfg.column_axes
-    loose = lax.pmax(loose.astype(jnp.int32),
-                     axes if len(axes) > 1 else axes[0]) > 0
-  return loose
+    out = lax.pmax(out.astype(jnp.int32),
+                   axes if len(axes) > 1 else axes[0]) > 0
+  return out
+
+
+def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
+  """Whether any example's ghost norm is loose
+  (:func:`gram_haiku._src.norm_bounds.ghost`), on any device."""
+  return any_example(
+      norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1], cfg)
 
 
 def run_if(pred: jax.Array, fn, otherwise: jax.Array) -> jax.Array:

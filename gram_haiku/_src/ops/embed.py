@@ -406,11 +406,7 @@ def gram(ids, g, params, example_dim: int, cfg: KernelConfig, *,
     # Where some example's ghost norm cancels (a key at several positions
     # with large, nearly opposite cotangents), the segment sums instead
     # (one branch on every device).
-    loose = jnp.any(_loose(key, weight, d, cfg))
-    if cfg.column_axes:
-      axes = cfg.column_axes
-      loose = lax.pmax(loose.astype(jnp.int32),
-                       axes if len(axes) > 1 else axes[0]) > 0
+    loose = kernels.any_example(_loose(key, weight, d, cfg), cfg)
     return lax.cond(loose, lambda: segment_gram(key, weight, d, cfg),
                     lambda: ghost_gram(key, weight, d, cfg))
   if method == "dense":
