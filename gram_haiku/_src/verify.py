@@ -99,7 +99,9 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   """Checks a tracked model's Grams against the reference on a few examples.
 
   Run it once on a new architecture, with a real batch: it costs one
-  ``value_grad_and_gram`` call and ``max_examples`` plain backward passes.
+  ``value_grad_and_gram`` call, one pass of :func:`gram_haiku.clipped_grad`
+  (whose norm bounds it checks) and ``max_examples`` plain backward
+  passes.
 
   Args:
     apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` calls
