@@ -1,14 +1,17 @@
 """Command line: ``python -m gram_haiku demo`` (also ``gram-haiku demo``) and
-``python -m gram_haiku dp-demo`` (DP-SGD on the same data)."""
+``python -m gram_haiku dp-demo`` (DP-SGD on the same data).
+
+The parser needs only the standard library: JAX, Haiku and the demos are
+imported once the arguments have parsed, so ``--help``, ``--version`` and
+a bad flag answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-import gram_haiku
-from gram_haiku._src import demo
-from gram_haiku._src import dp_demo
+import gram_haiku  # Light: its public names are imported on first use.
 
 
 def _positive_int(text: str) -> int:
@@ -92,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_dp(args) -> int:
+  from gram_haiku._src import demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
   cfg = dp_demo.DPDemoConfig(
       epsilon=args.epsilon, delta=args.delta, steps=args.steps,
       expected_batch_size=args.expected_batch_size,
@@ -120,6 +125,7 @@ def run(argv=None) -> int:
     return 2
   if args.command == "dp-demo":
     return _run_dp(args)
+  from gram_haiku._src import demo  # pylint: disable=g-import-not-at-top
   cfg = demo.DemoConfig(steps=args.steps, batch_size=args.batch_size,
                         hidden=tuple(args.hidden),
                         learning_rate=args.learning_rate, seed=args.seed,
