@@ -48,9 +48,9 @@ jax.config.update("jax_disable_most_optimizations", True)
 
 # The documented third-party example runs every family in our own run, as a
 # registered op (the sharded family's runner imports this module for it).
-import conformance  # pylint: disable=g-import-not-at-top,wrong-import-position
-from conformance import plugin as _plugin  # pylint: disable=g-import-not-at-top,wrong-import-position
-from conformance.examples import scaled_linear  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gram_haiku import conformance  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gram_haiku.conformance import plugin as _plugin  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gram_haiku.conformance.examples import scaled_linear  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 conformance.register(scaled_linear.SPEC)
 

@@ -19,37 +19,41 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
   handler applies the op through a :class:`LayerCall`).
 """
 
-# Registers the built-in layer handlers (hk.Linear, hk.Conv*, hk.Embed, ...).
-from gram_haiku._src import layers as _layers  # noqa: F401
-# Registers Grams and ClippedGradAux for Exported.serialize().
-from gram_haiku._src import export_serialization as _export  # noqa: F401
-from gram_haiku._src.clipping import clipped_grad
-from gram_haiku._src.clipping import ClippedGradAux
-from gram_haiku._src.coverage import ParamCoverage
-from gram_haiku._src.coverage import UntrackedParameterWarning
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_flow import ExampleFlowWarning
-from gram_haiku._src.loss_scale import MeanLossWarning
-from gram_haiku._src.ops.base import GramOp
-from gram_haiku._src.ops.function import GramFunction
-from gram_haiku._src.ops.affine import gram_affine
-from gram_haiku._src.ops.conv import gram_conv
-from gram_haiku._src.ops.conv import gram_conv_transpose
-from gram_haiku._src.ops.embed import gram_embed
-from gram_haiku._src.ops.linear import gram_linear
-from gram_haiku._src.result import Grams
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.probes import PROBE_NAME
-from gram_haiku._src.registry import register_layer
-from gram_haiku._src.rule import Rule
-from gram_haiku._src.reweight import reweighted_grad
-from gram_haiku._src.tied import unembed
-from gram_haiku._src.tracking import LayerCall
-from gram_haiku._src.tracking import track
-from gram_haiku._src.value_grad_and_gram import resize_probes
-from gram_haiku._src.value_grad_and_gram import value_grad_and_gram
-from gram_haiku._src.verify import verify
-from gram_haiku._src.verify import VerifyReport
+# Importing gram_haiku alone is light (no JAX, Haiku or NumPy): the public
+# names below are imported on first use (PEP 562), all at once. The pytest
+# plugin of gram_haiku.conformance loads in every pytest run of an
+# environment that has the package installed, and the command line's --help
+# needs no JAX either. Importing any module of gram_haiku._src registers the
+# built-in layer handlers (gram_haiku/_src/__init__.py), as before.
+_SOURCES = {
+    "clipped_grad": "gram_haiku._src.clipping",
+    "ClippedGradAux": "gram_haiku._src.clipping",
+    "ParamCoverage": "gram_haiku._src.coverage",
+    "UntrackedParameterWarning": "gram_haiku._src.coverage",
+    "ExampleAxis": "gram_haiku._src.example_axis",
+    "ExampleFlowWarning": "gram_haiku._src.example_flow",
+    "MeanLossWarning": "gram_haiku._src.loss_scale",
+    "GramOp": "gram_haiku._src.ops.base",
+    "GramFunction": "gram_haiku._src.ops.function",
+    "gram_affine": "gram_haiku._src.ops.affine",
+    "gram_conv": "gram_haiku._src.ops.conv",
+    "gram_conv_transpose": "gram_haiku._src.ops.conv",
+    "gram_embed": "gram_haiku._src.ops.embed",
+    "gram_linear": "gram_haiku._src.ops.linear",
+    "Grams": "gram_haiku._src.result",
+    "Plan": "gram_haiku._src.plan",
+    "PROBE_NAME": "gram_haiku._src.probes",
+    "register_layer": "gram_haiku._src.registry",
+    "Rule": "gram_haiku._src.rule",
+    "reweighted_grad": "gram_haiku._src.reweight",
+    "unembed": "gram_haiku._src.tied",
+    "LayerCall": "gram_haiku._src.tracking",
+    "track": "gram_haiku._src.tracking",
+    "resize_probes": "gram_haiku._src.value_grad_and_gram",
+    "value_grad_and_gram": "gram_haiku._src.value_grad_and_gram",
+    "verify": "gram_haiku._src.verify",
+    "VerifyReport": "gram_haiku._src.verify",
+}
 
 __version__ = "0.1.0"
 
@@ -82,3 +86,21 @@ __all__ = (
     "verify",
     "VerifyReport",
 )
+
+
+def _load_public_api() -> None:
+  import importlib  # pylint: disable=g-import-not-at-top
+  g = globals()
+  for name, module in _SOURCES.items():
+    g[name] = getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name: str):
+  if name in _SOURCES:
+    _load_public_api()
+    return globals()[name]
+  raise AttributeError(f"module 'gram_haiku' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_SOURCES))

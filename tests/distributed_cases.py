@@ -47,8 +47,8 @@ import os
 import sys
 import time
 
-from conformance import runner
-from conformance import sharded
+from gram_haiku.conformance import runner
+from gram_haiku.conformance import sharded
 
 N_DEVICES = 8
 B = 16

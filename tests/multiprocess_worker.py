@@ -25,7 +25,7 @@ import json
 import os
 import sys
 
-from conformance import runner
+from gram_haiku.conformance import runner
 
 B = 16
 DEVICES_PER_PROCESS = 4

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conformance.plugin import thorough
-from conformance.registry import normal as _normal
-from conformance.registry import numpy_rng
+from gram_haiku.conformance.plugin import thorough
+from gram_haiku.conformance.registry import normal as _normal
+from gram_haiku.conformance.registry import numpy_rng
 
 #: ``jit`` values of a test that runs eagerly and under jit: the eager
 #: variant in the nightly budget (``--conformance-thorough``). The default

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks import cli
-from conformance.plugin import thorough
+from gram_haiku.conformance.plugin import thorough
 from benchmarks import torch_peers
 
 _TINY = ["--model", "mlp", "--batch_size", "8", "--hidden", "16",

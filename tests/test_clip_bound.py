@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conformance import plugin
+from gram_haiku.conformance import plugin
 import gram_haiku
 from gram_haiku._src import norm_bounds
 from gram_haiku._src.reference import assert_sound_norms

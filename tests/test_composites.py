@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from conformance.plugin import thorough
+from gram_haiku.conformance.plugin import thorough
 from tests import layer_zoo
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import RTOL_BF16

@@ -3,9 +3,9 @@
 from absl.testing import absltest
 import pytest
 
-from conformance import checks
-from conformance import testing
-from conformance.examples import scaled_linear
+from gram_haiku.conformance import checks
+from gram_haiku.conformance import testing
+from gram_haiku.conformance.examples import scaled_linear
 
 pytestmark = pytest.mark.conformance
 

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conformance import checks
-from conformance import sharded
-from conformance import testing
-from conformance.ops.linear import _linear_params
-from conformance.ops.linear import _linear_plain
-from conformance.registry import normal
-from conformance.registry import OpSpec
+from gram_haiku.conformance import checks
+from gram_haiku.conformance import sharded
+from gram_haiku.conformance import testing
+from gram_haiku.conformance.ops.linear import _linear_params
+from gram_haiku.conformance.ops.linear import _linear_plain
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
 from gram_haiku import gram_linear
 from gram_haiku._src import kernels
 from gram_haiku._src.ops.linear import GramLinear
@@ -217,7 +217,7 @@ def test_good_op_passes_every_family():
 
 
 def test_property_search_catches_missing_cross_terms():
-  from conformance import properties  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import properties  # pylint: disable=g-import-not-at-top
   broken = _spec(NoCrossTermsLinear)
   model = properties.RandomModel(ops=(broken,), batch=3, within=3,
                                  in_axes=(), seed=1)

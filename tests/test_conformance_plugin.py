@@ -2,8 +2,8 @@
 
 import pytest
 
-from conformance import plugin
-from conformance import runner
+from gram_haiku.conformance import plugin
+from gram_haiku.conformance import runner
 
 pytestmark = pytest.mark.conformance
 
@@ -50,7 +50,7 @@ def test_conformance_cli_without_pytest_says_what_to_install():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   code = ("import sys; sys.modules['pytest'] = None; import runpy; "
-          "runpy.run_module('conformance', run_name='__main__')")
+          "runpy.run_module('gram_haiku.conformance', run_name='__main__')")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, check=False, timeout=120)
   assert out.returncode == 1
@@ -68,9 +68,9 @@ def test_the_plugin_imports_nothing_heavy_for_unrelated_tests(tmp_path):
       "def test_other():\n"
       "  assert 'jax' not in sys.modules and 'numpy' not in sys.modules\n")
   import importlib.metadata  # pylint: disable=g-import-not-at-top
-  installed = any(e.value.startswith("conformance.plugin") for e in
+  installed = any(e.value.startswith("gram_haiku.conformance.plugin") for e in
                   importlib.metadata.entry_points(group="pytest11"))
-  load = [] if installed else ["-p", "conformance.plugin"]
+  load = [] if installed else ["-p", "gram_haiku.conformance.plugin"]
   out = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
        "-p", "no:xdist", *load, "test_other.py"],

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from conformance import runner
-from conformance.plugin import thorough
+from gram_haiku.conformance import runner
+from gram_haiku.conformance.plugin import thorough
 from tests import distributed_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from conformance.examples import scaled_linear
-from conformance.plugin import thorough
+from gram_haiku.conformance.examples import scaled_linear
+from gram_haiku.conformance.plugin import thorough
 from gram_haiku._src import reference
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import assert_sound_norms

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from conformance.plugin import thorough
+from gram_haiku.conformance.plugin import thorough
 from gram_haiku._src import bookkeeping
 from gram_haiku._src import reweight
 from gram_haiku._src import slots as slots_lib

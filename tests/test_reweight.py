@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import gram_haiku
-from conformance.plugin import thorough
+from gram_haiku.conformance.plugin import thorough
 from gram_haiku._src import reweight
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.reference import clip_reference

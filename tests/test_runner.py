@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from conformance import __main__ as conformance_main
-from conformance import runner
+from gram_haiku.conformance import __main__ as conformance_main
+from gram_haiku.conformance import runner
 
 
 class _Factory:
@@ -140,7 +140,7 @@ class _Item:
 @pytest.mark.parametrize("n_ops,n_cases", [(16, 6), (16, 17), (5, 4), (3, 9),
                                             (1, 6), (16, 2)])
 def test_default_budget_runs_every_family_on_every_op(n_ops, n_cases):
-  from conformance import plugin  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import plugin  # pylint: disable=g-import-not-at-top
   ops = [f"op{i}" for i in range(n_ops)]
   items = [_Item("test_f", "vmap", op, case) for op in ops
            for case in range(n_cases)]
@@ -184,7 +184,7 @@ def test_sharded_runner_skips_a_platform_its_process_cannot_open(tmp_path):
   # "tpu" is absent, which the runner meets the same way.
   out = tmp_path / "records.json"
   proc = subprocess.run(
-      [sys.executable, "-m", "conformance.sharded", "--json", str(out),
+      [sys.executable, "-m", "gram_haiku.conformance.sharded", "--json", str(out),
        "--ops", "linear", "--platforms", "tpu"],
       capture_output=True, text=True, check=False,
       env=runner.child_environ(), timeout=300)

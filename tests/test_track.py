@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from conformance.plugin import thorough
+from gram_haiku.conformance.plugin import thorough
 from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import reference_gram

@@ -211,7 +211,7 @@ def _check_shape(op, value, x, cfg: KernelConfig, fused: bool) -> None:
         f"{op.name!r} returned shape {tuple(value.shape)}, expected "
         f"{want} ({held}, input shape {tuple(x.shape)}).\n"
         f"What to do: return the {what} of the per-example gradients; "
-        "the conformance suite (the conformance package) checks a "
+        "the conformance suite (python -m gram_haiku.conformance) checks a "
         "rule's shapes.")
 
 

@@ -6,7 +6,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-import conformance
+from gram_haiku import conformance
 import gram_haiku
 
 HI = jax.lax.Precision.HIGHEST

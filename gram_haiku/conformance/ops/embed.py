@@ -16,9 +16,9 @@ against the reference of the same layout.
 import jax
 import jax.numpy as jnp
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
-from conformance.registry import register
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.registry import register
 from gram_haiku._src.ops.embed import gram_embed
 
 _V, _D = 5, 3

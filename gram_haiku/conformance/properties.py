@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance import checks
-from conformance.registry import normal
-from conformance.registry import OpSpec
+from gram_haiku.conformance import checks
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
 from gram_haiku._src import reference
 
 

@@ -12,9 +12,9 @@ called with ``multiplier=-1``).
 
 import jax
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
-from conformance.registry import register
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.registry import register
 from gram_haiku._src.ops.affine import gram_affine
 
 # name -> (feature shape of one application, scale shape, offset shape,

@@ -6,9 +6,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
-from conformance.registry import register
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.registry import register
 from gram_haiku._src.layers.recurrent import gru_cell
 from gram_haiku._src.ops.function import GramFunction
 from gram_haiku._src.tied import _unembed

@@ -94,7 +94,7 @@ def pytest_configure(config):
     # inherit the environment).
     os.environ["CONFORMANCE_THOROUGH"] = "1"
   timeout = config.getoption("--conformance-timeout", default=None)
-  if timeout is not None:  # Read by conformance.runner, in workers too.
+  if timeout is not None:  # Read by gram_haiku.conformance.runner, in workers too.
     os.environ["CONFORMANCE_TIMEOUT_S"] = str(timeout)
   config.addinivalue_line(
       "markers", "conformance_family(name): the check family of a test")
@@ -108,7 +108,7 @@ def extra_modules(config) -> list[str]:
 
 
 def selected_ops(config):
-  from conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
   names = [n for n in config.getoption("--conformance-ops").split(",") if n]
   ops = registered_ops()
   unknown = set(names) - {op.name for op in ops}
@@ -132,7 +132,7 @@ def present_platforms() -> list[str]:
   """The platforms of :data:`PLATFORMS` that ``jax.devices()`` reports: the
   suite's cases are parametrised over these alone (the absent ones get one
   line in the terminal summary, not a skip per case)."""
-  from conformance.checks import platforms_present  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance.checks import platforms_present  # pylint: disable=g-import-not-at-top
   present = platforms_present()
   return [p for p in PLATFORMS if p in present]
 
@@ -228,7 +228,7 @@ def _applies(item) -> bool:
   """False for a case known not to apply to the item's op."""
   if item.originalname != "test_backward_parity":
     return True
-  from conformance import checks  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import checks  # pylint: disable=g-import-not-at-top
   params = item.callspec.params
   return not checks.parity_not_applicable(params["conformance_op"],
                                           params.get("case", ""))

@@ -3,9 +3,9 @@
 import jax
 import jax.numpy as jnp
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
-from conformance.registry import register
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.registry import register
 from gram_haiku import gram_linear
 
 _N, _M = 5, 3

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
-from conformance.registry import register
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.registry import register
 from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose

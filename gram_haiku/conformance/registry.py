@@ -68,12 +68,12 @@ def register(spec: OpSpec) -> OpSpec:
 def registering_modules(names) -> list[str]:
   """The modules that registered the ops ``names`` (built-ins excluded)."""
   return sorted({_MODULES[n] for n in names if n in _MODULES
-                 and not _MODULES[n].startswith("conformance.ops")})
+                 and not _MODULES[n].startswith("gram_haiku.conformance.ops")})
 
 
 def registered_ops() -> list[OpSpec]:
   """All registered specs, the built-in gram_haiku ops included."""
-  from conformance import ops  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import ops  # pylint: disable=g-import-not-at-top
   ops.load_all()
   return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 

@@ -3,7 +3,7 @@
 In the spirit of ``dm_env``'s ``EnvironmentTestMixin``: mix it into a
 ``absltest.TestCase`` (or ``unittest.TestCase``) and set ``op_spec``::
 
-  class ScaledLinearTest(conformance.testing.GramOpTestMixin,
+  class ScaledLinearTest(gram_haiku.conformance.testing.GramOpTestMixin,
                          absltest.TestCase):
     op_spec = scaled_linear.SPEC
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from conformance import checks
-from conformance.registry import OpSpec
+from gram_haiku.conformance import checks
+from gram_haiku.conformance.registry import OpSpec
 
 
 class GramOpTestMixin:

@@ -13,7 +13,7 @@ Families (see ``docs/conformance.rst``):
   jitted function, ``vmap(grad)``, norms-only mode.
 * **frozen**: :func:`check_frozen`: a parameter in ``Plan.frozen`` has no
   term in the Gram or the norms, and zero per-example columns.
-* **sharded**: :mod:`conformance.sharded` (its own process).
+* **sharded**: :mod:`gram_haiku.conformance.sharded` (its own process).
 
 Every Gram is compared with the reference ``F @ F.T`` of the plain op
 (:func:`reference_gram`) within :data:`TOLERANCES`, written once here.
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conformance.registry import normal
-from conformance.registry import OpSpec
+from gram_haiku.conformance.registry import normal
+from gram_haiku.conformance.registry import OpSpec
 from gram_haiku._src import reference
 from gram_haiku import ExampleAxis
 

@@ -1,7 +1,7 @@
 """Sharded vs single device: the Gram with the example axis split over a mesh.
 
 Runs in its own process, because the CPU device count must be set before any
-JAX backend starts: ``python -m conformance.sharded --json OUT`` sets
+JAX backend starts: ``python -m gram_haiku.conformance.sharded --json OUT`` sets
 ``jax_num_cpu_devices=8``, then for every registered op, every layout and
 every platform present computes the Gram sharded and on one device, and
 writes one record per case to ``OUT`` (``--cases op:layout,...`` runs
@@ -63,7 +63,7 @@ def run_case(spec, layout: str, devices) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from conformance import checks  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import checks  # pylint: disable=g-import-not-at-top
 
   n = len(devices)
   b = 2 * n
@@ -146,8 +146,8 @@ def main(argv=None) -> int:
   sys.path.insert(0, os.getcwd())
   for module in filter(None, args.modules.split(",")):
     importlib.import_module(module)
-  from conformance import checks  # pylint: disable=g-import-not-at-top
-  from conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance import checks  # pylint: disable=g-import-not-at-top
+  from gram_haiku.conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
   names = [n for n in args.ops.split(",") if n]
   pairs = parse_cases(args.cases)
   records = []
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
           f"this runner's own process cannot open platform {platform!r} "
           f"({str(e).splitlines()[0][:300]}); a TPU chip is held by one "
           "process at a time, so on a one-chip TPU run `python -m "
-          "conformance.sharded --json OUT` in a process of its own")
+          "gram_haiku.conformance.sharded --json OUT` in a process of its own")
     for spec in registered_ops():
       if names and spec.name not in names:
         continue
