@@ -125,23 +125,182 @@ def test_gram_stats_values():
   assert stats["median_norm"] == pytest.approx(1.0)
 
 
-def test_dp_demo_runs_private_training(tmp_path):
+def test_dp_demo_runs_private_training(tmp_path, capsys):
+  """DP-SGD with the default clip norm (the held-out median at
+  initialisation: about half the examples clipped at first, not all) and
+  the non-private baseline on the same axes."""
+  import jax  # pylint: disable=g-import-not-at-top
   from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
   out = tmp_path / "dp"
   summary = dp_demo.run_dp_demo(dp_demo.DPDemoConfig(
-      epsilon=8.0, steps=20, expected_batch_size=64, timing_rounds=2,
+      epsilon=8.0, steps=24, expected_batch_size=128, timing_rounds=2,
       out=str(out), progress=False))
   assert summary["rel_err_first_batch"] < 1e-4
   # The accountant spends the calibrated budget by the last step.
   assert summary["epsilon_spent"] == pytest.approx(8.0, rel=0.05)
   assert summary["noise_multiplier"] > 0
   eps = [r["epsilon"] for r in summary["curve"]]
-  assert eps == sorted(eps) and len(eps) >= 2
+  assert eps == sorted(eps) and eps[0] == 0.0 and len(eps) >= 3
+  # C: the median norm over the held-out examples at initialisation, as
+  # vmap(grad) of the untracked model gives it; no training example read.
+  x_tr, y_tr, x_ho, y_ho = demo.split_heldout(*demo.load_digits_data(),
+                                              seed=0)
+  tracked, plain, _ = demo.make_model((64, 64))
+  params, _ = tracked.init(jax.random.PRNGKey(0), x_tr[:4], y_tr[:4])
+  f = np.asarray(reference.per_example_grads(plain.apply, params, x_ho, y_ho),
+                 np.float64)
+  want = float(np.median(np.sqrt((f ** 2).sum(1))))
+  assert summary["clip_norm"] == pytest.approx(want, rel=1e-5)
+  assert summary["clip_norm_source"] == "heldout median at init"
+  # 24 steps of 1437/128 = 11.2: two epochs and part of a third, the first
+  # with a fraction of its examples clipped (it was 1.0 throughout with a
+  # fixed C = 1).
+  per_epoch = summary["fraction_clipped_per_epoch"]
+  assert summary["steps_per_epoch"] == pytest.approx(1437 / 128)
+  assert len(per_epoch) == 3 and 0.2 < per_epoch[0] < 0.8, per_epoch
+  # The baseline: the same initialisation, then trained without clipping
+  # or noise on the same batches.
+  first, last = summary["curve"][0], summary["curve"][-1]
+  assert first["heldout_accuracy"] == first["baseline_heldout_accuracy"]
+  assert last["baseline_heldout_accuracy"] > 0.5
+  assert summary["baseline_final_heldout_accuracy"] == (
+      last["baseline_heldout_accuracy"])
   assert 0.0 <= summary["final_heldout_accuracy"] <= 1.0
+  printed = capsys.readouterr().out
+  assert "held-out examples, which the privacy guarantee does not cover" in (
+      printed)
+  assert "fraction of the examples clipped per epoch" in printed
+  assert "non-private baseline" in printed
+  assert "Only the trained parameters are (epsilon, delta)-private" in printed
   for name in ("dp_accuracy.png", "dp_stats.json"):
     assert (out / name).stat().st_size > 0
+  # The plot rebuilds from the JSON alone.
+  with open(out / "dp_stats.json") as fh:
+    again = dp_demo.plot(json.load(fh), str(tmp_path))
+  assert os.path.getsize(again) > 0
 
 
-def test_dp_demo_cli_rejects_a_bad_target(capsys):
-  assert cli.run(["dp-demo", "--epsilon", "0", "--out", "/tmp/x"]) == 2
-  assert "epsilon > 0" in capsys.readouterr().err
+def test_dp_demo_fraction_per_epoch():
+  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  # 2.5 steps per epoch: steps 0-2 in epoch 0, 3-4 in 1, 5 in 2 (partial).
+  got = dp_demo.fraction_per_epoch([1.0, 0.5, 0.0, 0.25, 1.0, 0.5],
+                                   [2, 4, 2, 4, 0, 2], 2.5)
+  assert got == pytest.approx([(2 + 2) / 8, 1 / 4, 0.5])
+
+
+@pytest.mark.parametrize("flag", ["--clip-norm", "--clip_norm",
+                                  "--l2_clip_norm", "--l2-clip-norm"])
+def test_dp_demo_cli_fixed_clip_norm(flag, monkeypatch):
+  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  seen = []
+  monkeypatch.setattr(dp_demo, "run_dp_demo", seen.append)
+  assert cli.run(["dp-demo", flag, "0.5", "--out", "/tmp/x"]) == 0
+  assert seen[0].l2_clip_norm == 0.5
+  seen.clear()
+  assert cli.run(["dp-demo", "--out", "/tmp/x"]) == 0
+  assert seen[0].l2_clip_norm is None  # The held-out median.
+
+
+def test_dp_demo_rejects_a_bad_config(tmp_path):
+  """Outside the command line, the config is checked before training."""
+  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  for cfg, match in [(dict(epsilon=0.0), "epsilon > 0"),
+                     (dict(expected_batch_size=719), "<= 718"),
+                     (dict(l2_clip_norm=float("inf")), "finite number > 0")]:
+    with pytest.raises(demo.ConfigError, match=match):
+      dp_demo.run_dp_demo(dp_demo.DPDemoConfig(out=str(tmp_path / "o"),
+                                               **cfg))
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["dp-demo", "--epsilon", "0"], "must be a finite number above 0"),
+    (["dp-demo", "--epsilon", "nan"], "must be a finite number above 0"),
+    (["dp-demo", "--delta", "1"], "must be between 0 and 1"),
+    (["dp-demo", "--clip-norm", "0"], "argument --clip_norm/--clip-norm"),
+    (["dp-demo", "--clip-norm", "inf"], "must be a finite number above 0"),
+    (["dp-demo", "--expected_batch_size", "719"], "must be at most 718"),
+    (["dp-demo", "--timing_rounds", "0"], "must be at least 1"),
+    (["dp-demo", "--learning_rate", "-1"], "must be a finite number"),
+    (["dp-demo", "--seed", "-1"], "must be at least 0"),
+    (["demo", "--batch_size", "1438"], "must be at most 1437"),
+    (["demo", "--batch_size", "1"], "must be at least 2"),
+    (["demo", "--steps", "two"], "'two' is not an integer"),
+    (["demo", "--learning_rate", "fast"], "'fast' is not a number"),
+])
+def test_cli_bad_values_are_usage_errors(argv, message, capsys):
+  """Each value is checked by the parser: its command's usage and exit
+  status 2, before anything is imported or trained."""
+  with pytest.raises(SystemExit) as e:
+    cli.run(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"gram-haiku {argv[0]}: error:" in err and message in err, err
+
+
+def test_cli_training_count_matches_the_split():
+  x_tr, *_ = demo.split_heldout(*demo.load_digits_data(), seed=0)
+  assert cli.DIGITS_TRAIN == x_tr.shape[0]
+
+
+def test_cli_missing_extra_names_it(monkeypatch, capsys):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if
+                      name in ("jax_privacy", "dp_accounting") else
+                      find_spec(name, *a))
+  assert cli.run(["dp-demo", "--out", "/tmp/x"]) == 2
+  err = capsys.readouterr().err
+  assert "gram-haiku dp-demo: error: the DP demo needs jax-privacy, " \
+      "dp-accounting" in err and "pip install 'gram_haiku[demo]'" in err, err
+
+
+def test_cli_exit_status_of_interrupts_and_bugs(monkeypatch, capsys):
+  """Ctrl-C is status 130 without a traceback; an unexpected error keeps
+  its traceback (it is not reported as a usage error)."""
+  def interrupt(args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(cli, "_train", interrupt)
+  assert cli.run(["demo"]) == 130
+  assert "gram-haiku demo: interrupted" in capsys.readouterr().err
+
+  def bug(args):
+    raise ValueError("an internal error")
+  monkeypatch.setattr(cli, "_train", bug)
+  with pytest.raises(ValueError, match="an internal error"):
+    cli.run(["demo"])
+
+
+_LIGHT_DRIVER = r"""
+import runpy, sys
+from gram_haiku import __main__ as cli
+cli._parser()
+for argv in {argvs!r}:
+  sys.argv = ["gram-haiku"] + argv
+  try:  # As `python -m gram_haiku ...` runs it.
+    runpy.run_module("gram_haiku", run_name="__main__", alter_sys=True)
+  except SystemExit as e:
+    print(argv, "exit", e.code)
+heavy = ("jax", "haiku", "numpy", "gram_haiku._src.demo",
+         "gram_haiku._src.dp_demo", "gram_haiku._src")
+print("imported:", [m for m in heavy if m in sys.modules])
+"""
+
+
+def test_cli_parses_without_jax_haiku_or_the_demos():
+  """--help, --version and a bad flag answer before JAX, Haiku, NumPy or
+  the demos are imported (they cost about 1.5 s of CPU)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  argvs = [["--help"], ["--version"], ["demo", "--help"],
+           ["dp-demo", "--help"], ["demo", "--epochs", "3"],
+           ["dp-demo", "--steps", "0"], ["dp-demo", "--clip-norm", "0"]]
+  proc = subprocess.run([sys.executable, "-c",
+                         _LIGHT_DRIVER.format(argvs=argvs)],
+                        capture_output=True, text=True, check=True)
+  out = proc.stdout
+  assert "imported: []" in out, out
+  for argv, code in zip(argvs, [0, 0, 0, 0, 2, 2, 2]):
+    assert f"{argv} exit {code}" in out, out
+  assert "usage: gram-haiku dp-demo" in out and "--version" in out

@@ -55,6 +55,36 @@ class OutputDirError(ValueError):
   """``--out`` cannot be created or written."""
 
 
+class ConfigError(ValueError):
+  """A demo setting out of range (the command line reports it, no traceback)."""
+
+
+class MissingExtraError(ImportError):
+  """A package of the ``demo`` extra is not installed."""
+
+
+#: Import name -> pip name of what the demos need beyond gram_haiku's own
+#: requirements (the ``demo`` extra).
+DEMO_PACKAGES = {"sklearn": "scikit-learn", "optax": "optax",
+                 "matplotlib": "matplotlib", "tqdm": "tqdm"}
+DP_PACKAGES = {**DEMO_PACKAGES, "jax_privacy": "jax-privacy",
+               "dp_accounting": "dp-accounting"}
+NEEDS_DEMO_EXTRA = (
+    "the {what} needs {missing}, not installed here.\n"
+    "What to do: pip install 'gram_haiku[demo]'.")
+
+
+def require(packages: dict[str, str], what: str) -> None:
+  """Raises :class:`MissingExtraError` naming every package of
+  ``packages`` (import name -> pip name) that is not installed."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  missing = [pip for name, pip in packages.items()
+             if importlib.util.find_spec(name) is None]
+  if missing:
+    raise MissingExtraError(NEEDS_DEMO_EXTRA.format(
+        what=what, missing=", ".join(missing)))
+
+
 def prepare_out_dir(path: str) -> str:
   """Creates ``path`` and checks it is writable, before any training.
 
@@ -69,7 +99,7 @@ def prepare_out_dir(path: str) -> str:
     os.remove(probe)
   except OSError as e:
     raise OutputDirError(
-        f"gram_haiku demo: cannot write to --out={path!r} ({e.strerror or e}). "
+        f"cannot write to --out={path!r} ({e.strerror or e}). "
         "Pass a directory you can write to, e.g. --out ./gram_out.") from e
   return path
 
@@ -92,7 +122,8 @@ def split_heldout(x, y, seed: int):
   return x_tr, y_tr, x_ho, y_ho
 
 
-def _per_example_xent(logits, labels):
+def per_example_xent(logits, labels):
+  """``f32[B]``: each example's cross-entropy (``labels``: ``i32[B]``)."""
   logp = jax.nn.log_softmax(logits)
   return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
 
@@ -106,10 +137,10 @@ def make_model(hidden):
   def tracked_loss(x, y):
     with gram_haiku.track():
       logits = net(x)
-    return _per_example_xent(logits, y).sum(), logits
+    return per_example_xent(logits, y).sum(), logits
 
   def plain_loss(x, y):
-    return _per_example_xent(net(x), y).sum()
+    return per_example_xent(net(x), y).sum()
 
   return (hk.transform_with_state(tracked_loss),
           hk.without_apply_rng(hk.transform(plain_loss)),
@@ -142,9 +173,9 @@ def gram_stats(gram: np.ndarray) -> dict[str, float]:
 
 def _check_config(cfg: DemoConfig, n_train: int) -> None:
   if cfg.steps < 1:
-    raise ValueError(f"--steps must be >= 1, got {cfg.steps}.")
+    raise ConfigError(f"--steps must be >= 1, got {cfg.steps}.")
   if not 2 <= cfg.batch_size <= n_train:
-    raise ValueError(
+    raise ConfigError(
         f"--batch_size must be between 2 and the {n_train} training examples "
         f"of the digits data ({1 - HELDOUT_FRACTION:.0%} of 1797; the rest "
         f"is held out), got {cfg.batch_size}.")
@@ -269,9 +300,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
   Raises:
     OutputDirError: if ``cfg.out`` cannot be written (before training).
-    ValueError: for ``steps < 1``, or a ``batch_size`` below 2 or above the
+    ConfigError: for ``steps < 1``, or a ``batch_size`` below 2 or above the
       number of training examples.
+    MissingExtraError: without the ``demo`` extra (scikit-learn, optax,
+      matplotlib, tqdm).
   """
+  require(DEMO_PACKAGES, "demo")
   import optax  # pylint: disable=g-import-not-at-top
   from tqdm import tqdm  # pylint: disable=g-import-not-at-top
 
@@ -300,7 +334,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
   @jax.jit
   def evaluate(params, x, y):
     logits = net.apply(params, x)
-    return (_per_example_xent(logits, y).mean(),
+    return (per_example_xent(logits, y).mean(),
             jnp.mean(jnp.argmax(logits, -1) == y))
 
   steps_per_epoch = max(1, n // cfg.batch_size)
