@@ -1,4 +1,5 @@
-"""Deprecated: ``python -m conformance`` is ``python -m gram_haiku.conformance``.
+"""Deprecated: ``python -m conformance`` is now
+``python -m gram_haiku.conformance``.
 
 Runs the same suite, with the same options, after a deprecation warning.
 """

@@ -1,5 +1,5 @@
-"""The multi-device runner protocol (conformance/runner.py) and the
-``python -m conformance`` command line."""
+"""The multi-device runner protocol (gram_haiku/conformance/runner.py) and
+the ``python -m gram_haiku.conformance`` command line."""
 
 import json
 import subprocess
@@ -95,7 +95,8 @@ def test_conformance_cli_help_shows_our_options(capsys):
     conformance_main.pytest_args(["--help"])
   assert e.value.code == 0
   out = capsys.readouterr().out
-  for option in ("--ops", "--thorough", "--timeout", "--pytest-help"):
+  for option in ("--ops", "--modules", "--thorough", "--timeout",
+                 "--pytest-help"):
     assert option in out
   assert len(out.splitlines()) < 40
 
@@ -108,6 +109,8 @@ def test_conformance_cli_translates_options_and_runs_in_parallel():
   assert "--conformance-thorough" in args
   assert args[args.index("--conformance-timeout") + 1] == "60"
   assert args[-2:] == ["-n", "auto"]  # pytest-xdist is installed here
+  args = conformance_main.pytest_args(["--modules", "my_ops,more"])
+  assert args[args.index("--conformance-modules") + 1] == "my_ops,more"
   assert "auto" not in conformance_main.pytest_args(["-n", "0"])
   assert conformance_main.pytest_args(["--pytest-help"])[0] == "--help"
 

@@ -23,6 +23,7 @@ Fixtures: ``conformance_op`` (parametrised over the selected ops) and
 present; the absent ones are named once in the terminal summary).
 """
 
+import collections
 import os
 
 import pytest
@@ -85,8 +86,10 @@ def pytest_configure(config):
   pin_worker_device()
   import importlib  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  if extra_modules(config) and str(config.rootpath) not in sys.path:
-    sys.path.insert(0, str(config.rootpath))
+  if extra_modules(config):  # Importable from where pytest runs.
+    for path in (str(config.rootpath), str(config.invocation_params.dir)):
+      if path not in sys.path:
+        sys.path.insert(0, path)
   for module in extra_modules(config):
     importlib.import_module(module)
   if config.getoption("--conformance-thorough", default=False):
@@ -94,11 +97,12 @@ def pytest_configure(config):
     # inherit the environment).
     os.environ["CONFORMANCE_THOROUGH"] = "1"
   timeout = config.getoption("--conformance-timeout", default=None)
-  if timeout is not None:  # Read by gram_haiku.conformance.runner, in workers too.
+  if timeout is not None:  # Read by the runner module, in workers too.
     os.environ["CONFORMANCE_TIMEOUT_S"] = str(timeout)
   config.addinivalue_line(
       "markers", "conformance_family(name): the check family of a test")
   config.addinivalue_line("markers", "conformance: a conformance-suite test")
+  check_selected_ops(config)
 
 
 def extra_modules(config) -> list[str]:
@@ -108,21 +112,78 @@ def extra_modules(config) -> list[str]:
 
 
 def selected_ops(config):
+  """The registered ops that ``--conformance-ops`` names (every registered op
+  when it names none); unknown names are left out here (they end the run
+  at configuration, see :func:`check_selected_ops`)."""
   from gram_haiku.conformance.registry import registered_ops  # pylint: disable=g-import-not-at-top
-  names = [n for n in config.getoption("--conformance-ops").split(",") if n]
-  ops = registered_ops()
-  unknown = set(names) - {op.name for op in ops}
+  names = _op_names(config)
+  return [op for op in registered_ops() if not names or op.name in names]
+
+
+def _op_names(config) -> list[str]:
+  return [n for n in config.getoption("--conformance-ops").split(",") if n]
+
+
+def check_selected_ops(config) -> None:
+  """Ends the run with one message (what ops exist, how to register one) when
+  ``--conformance-ops`` names an op that no module registered: not one
+  collection error per test module, nor an empty hypothesis search."""
+  names = _op_names(config)
+  if not names:
+    return
+  from gram_haiku.conformance import registry  # pylint: disable=g-import-not-at-top
+  known = [op.name for op in registry.registered_ops()]
+  unknown = set(names) - set(known)
   if unknown:
-    raise pytest.UsageError(
-        f"--conformance-ops: unknown ops {sorted(unknown)}; registered: "
-        f"{[op.name for op in ops]}")
-  return [op for op in ops if not names or op.name in names]
+    raise pytest.UsageError(registry.unknown_ops_message(unknown, known))
+
+
+class OpGroup:
+  """The ops one property-based search draws its models from: each model's
+  first op from ``first``, the others from ``rest``.
+
+  A third party's op has a group of its own (with the selected built-in ops
+  as the others), so that its row fails only for its own bugs; the selected
+  built-in ops share one group, labelled :data:`BUILTIN_GROUP` (or by the op's
+  name when only one is selected).
+  """
+
+  def __init__(self, label, first, rest):
+    self.label, self.first, self.rest = label, list(first), list(rest)
+
+  def __repr__(self):
+    return f"OpGroup({self.label!r})"
+
+
+#: The label of the built-in ops' property-search group in the table.
+BUILTIN_GROUP = "built-in"
+
+
+def op_groups(ops) -> list[OpGroup]:
+  """The property-search groups of the selected ``ops`` (see
+  :class:`OpGroup`)."""
+  from gram_haiku.conformance import registry  # pylint: disable=g-import-not-at-top
+  builtins = [op for op in ops if registry.is_builtin(op)]
+  groups = []
+  if builtins:
+    label = builtins[0].name if len(builtins) == 1 else BUILTIN_GROUP
+    groups.append(OpGroup(label, builtins,
+                          [op for op in builtins if not op.integer_input]))
+  for op in ops:
+    if not registry.is_builtin(op):
+      groups.append(OpGroup(op.name, [op], [
+          o for o in [op] + builtins if not o.integer_input]))
+  return groups
 
 
 def pytest_generate_tests(metafunc):
   if "conformance_op" in metafunc.fixturenames:
     ops = selected_ops(metafunc.config)
     metafunc.parametrize("conformance_op", ops, ids=[op.name for op in ops])
+  if "conformance_group" in metafunc.fixturenames:
+    groups = op_groups(selected_ops(metafunc.config))
+    metafunc.parametrize("conformance_group", groups,
+                         ids=[g.label for g in groups])
   if "conformance_platform" in metafunc.fixturenames:
     metafunc.parametrize("conformance_platform", present_platforms(),
                          indirect=True)
@@ -159,14 +220,15 @@ def pytest_terminal_summary(terminalreporter):
 
 
 #: In the default budget, each case of a family (a dtype, a layout, a
-#: transform) runs on about this many of the selected ops, spread so that
-#: every op still runs every family; ``--conformance-thorough`` runs every
-#: (op, case) pair. With fewer than twice this many ops selected, every pair
-#: runs.
+#: transform) runs on about this many of the selected built-in ops, spread
+#: so that every op still runs every family; ``--conformance-thorough`` runs
+#: every (op, case) pair. With fewer than twice this many built-in ops
+#: selected, every pair runs. A third party's ops are never sampled: every
+#: case of theirs runs (see :func:`gram_haiku.conformance.registry.is_builtin`).
 OPS_PER_CASE = 1
 #: Families never sampled (every case of every op runs). The sharded
 #: family is sampled like the others: its runner computes only the kept
-#: (op, layout) pairs (conformance/test_sharded.py).
+#: (op, layout) pairs (gram_haiku/conformance/test_sharded.py).
 UNSAMPLED_FAMILIES = ()
 
 
@@ -181,7 +243,9 @@ def _case_key(item):
 def sample_items(items, op_names):
   """The items of the default budget, and the deselected rest.
 
-  Among the tests of one function, op ``i`` (in registration order) runs
+  Only the ops ``op_names`` (the selected built-in ops) are sampled: an
+  item of any other op is kept. Among the tests of one function, op ``i``
+  (in registration order) runs
   its ``r``-th applicable case when ``(i + r) % stride == 0``, with
   ``stride = min(n_ops // OPS_PER_CASE, n)`` and ``n`` the op's number of
   applicable cases: every op runs at least one applicable case of every
@@ -213,14 +277,15 @@ def sample_items(items, op_names):
     op = callspec.params["conformance_op"].name
     per_op = rank.get((item.originalname, op))
     family = item.get_closest_marker("conformance_family")
-    if family is not None and family.args[0] in UNSAMPLED_FAMILIES:
+    if op not in op_index or (family is not None and
+                              family.args[0] in UNSAMPLED_FAMILIES):
       keep.append(item)
     elif not per_op or not _applies(item):
       (drop if family is not None else keep).append(item)
     else:
       r = per_op[_case_key(item)]
       n = min(stride, len(per_op))
-      (keep if (op_index.get(op, 0) + r) % n == 0 else drop).append(item)
+      (keep if (op_index[op] + r) % n == 0 else drop).append(item)
   return keep, drop
 
 
@@ -234,33 +299,50 @@ def _applies(item) -> bool:
                                           params.get("case", ""))
 
 
+def _row(item):
+  """The summary table's (op, family, platform) of a conformance item, or
+  None for any other item."""
+  callspec = getattr(item, "callspec", None)
+  family = item.get_closest_marker("conformance_family")
+  if callspec is None or family is None:
+    return None
+  op = callspec.params.get("conformance_op")
+  group = callspec.params.get("conformance_group")
+  if op is None and group is None:
+    return None
+  return (op.name if op is not None else group.label, family.args[0],
+          callspec.params.get("conformance_platform", "cpu"))
+
+
 def pytest_collection_modifyitems(session, config, items):
   """Samples the default budget (see :func:`sample_items`); records op,
-  family and platform of each test (for the summary table), and the
-  platforms that are absent."""
+  family and platform of each test (for the summary table), how many of
+  its row's cases the budget deselected, and the platforms that are
+  absent."""
   del session
+  deselected = collections.Counter()
   if not thorough() and any(getattr(item, "callspec", None) is not None and
                             "conformance_op" in item.callspec.params
                             for item in items):
-    keep, drop = sample_items(items, [op.name for op in
-                                      selected_ops(config)])
+    from gram_haiku.conformance import registry  # pylint: disable=g-import-not-at-top
+    sampled = [op.name for op in selected_ops(config)
+               if registry.is_builtin(op)]
+    keep, drop = sample_items(items, sampled)
     if drop:
       config.hook.pytest_deselected(items=drop)
       items[:] = keep
+      # Rows whose cases the budget left out (not those known not to apply).
+      deselected.update(filter(None, (_row(i) for i in drop
+                                      if _applies(i))))
   absent = None
   for item in items:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-      continue
-    op = callspec.params.get("conformance_op")
-    family = item.get_closest_marker("conformance_family")
-    if op is None or family is None:
+    row = _row(item)
+    if row is None:
       continue
     if absent is None:
       absent = [p for p in PLATFORMS if p not in present_platforms()]
-    item.user_properties.append(("conformance_op", op.name))
-    item.user_properties.append(("conformance_family", family.args[0]))
-    item.user_properties.append(
-        ("conformance_platform", callspec.params.get("conformance_platform",
-                                                     "cpu")))
+    item.user_properties.append(("conformance_op", row[0]))
+    item.user_properties.append(("conformance_family", row[1]))
+    item.user_properties.append(("conformance_platform", row[2]))
     item.user_properties.append(("conformance_absent", ",".join(absent)))
+    item.user_properties.append(("conformance_deselected", deselected[row]))

@@ -71,6 +71,33 @@ def registering_modules(names) -> list[str]:
                  and not _MODULES[n].startswith("gram_haiku.conformance.ops")})
 
 
+def is_builtin(spec: OpSpec) -> bool:
+  """Whether ``spec`` ships with gram_haiku (its functions are defined in
+  gram_haiku's own modules, as the built-in ops and the documented example
+  are). The default budget samples the cases of these alone: CI and the
+  nightly run check every case of them, and a third party's op runs every
+  case of every family."""
+  return all(
+      (getattr(fn, "__module__", None) or "").startswith("gram_haiku.")
+      for fn in (spec.make_params, spec.make_example, spec.apply, spec.plain))
+
+
+def unknown_ops_message(unknown, known) -> str:
+  """What ``--conformance-ops`` (``--ops``) says of op names that no module
+  registered: the ops there are, and how to register one."""
+  names = ", ".join(repr(n) for n in sorted(unknown))
+  return (
+      f"--conformance-ops: no op is registered as {names}. "
+      f"Registered ops: {', '.join(sorted(known))}.\n"
+      "To add yours, register it at the top level of a module that is "
+      "imported before the suite collects, e.g. a conftest.py in the "
+      "directory you run from:\n"
+      "    from gram_haiku import conformance\n"
+      "    conformance.register(conformance.OpSpec(name=..., ...))\n"
+      "or name that module: --conformance-modules my_ops (python -m "
+      "gram_haiku.conformance passes it on; env CONFORMANCE_MODULES).")
+
+
 def registered_ops() -> list[OpSpec]:
   """All registered specs, the built-in gram_haiku ops included."""
   from gram_haiku.conformance import ops  # pylint: disable=g-import-not-at-top

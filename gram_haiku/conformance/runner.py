@@ -70,6 +70,36 @@ def child_environ(environ=None) -> dict:
   return env
 
 
+def import_roots(modules) -> list[str]:
+  """The directories from which this process imported ``modules`` (names):
+  for ``pkg.mod`` loaded from ``/a/pkg/mod.py``, ``/a``. A runner given
+  them on ``PYTHONPATH`` imports the same files (a conftest.py found by
+  pytest is imported from its own directory, wherever pytest runs)."""
+  roots = []
+  for name in modules:
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if not path:
+      continue
+    root = os.path.dirname(os.path.abspath(path))
+    depth = name.count(".") + (os.path.basename(path) == "__init__.py")
+    for _ in range(depth):
+      root = os.path.dirname(root)
+    if root not in roots:
+      roots.append(root)
+  return roots
+
+
+def with_import_path(environ: dict, paths) -> dict:
+  """``environ`` with ``paths`` put first on its ``PYTHONPATH`` (the rest
+  of it kept)."""
+  old = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  new = list(paths) + [p for p in old if p not in paths]
+  if new:
+    environ["PYTHONPATH"] = os.pathsep.join(new)
+  return environ
+
+
 def strip_device_count_flag(environ) -> None:
   """Removes ``--xla_force_host_platform_device_count=...`` from
   ``environ["XLA_FLAGS"]`` in place (and the variable, if nothing is left)."""

@@ -1,9 +1,10 @@
-"""The conformance families over every registered op (``pytest conformance``).
+"""The conformance families over every registered op (``pytest --pyargs
+gram_haiku.conformance``).
 
 Each test takes the ``conformance_op`` and ``conformance_platform`` fixtures
-from :mod:`gram_haiku.conformance.plugin`: ops are the registered :class:`OpSpec` s,
-platforms those ``jax.devices()`` reports (an absent one is skipped, and the
-skip says so).
+from :mod:`gram_haiku.conformance.plugin`: ops are the registered
+:class:`OpSpec` s, platforms those ``jax.devices()`` reports (an absent one
+is skipped, and the skip says so).
 """
 
 import pytest

@@ -12,28 +12,20 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import pytest
 
+from gram_haiku.conformance import checks
 from gram_haiku.conformance import plugin
 from gram_haiku.conformance import properties
-from gram_haiku.conformance.registry import registered_ops
 
 pytestmark = pytest.mark.conformance
 
 BUDGET, THOROUGH_BUDGET = 3, 150
 
 
-
-
-def _ops(selected):
-  ops = registered_ops()
-  names = [n for n in selected.split(",") if n]
-  return [op for op in ops if not names or op.name in names]
-
-
 @st.composite
-def random_models(draw, ops):
-  first = draw(st.sampled_from(ops))
-  rest_pool = [op for op in ops if not op.integer_input]
-  rest = draw(st.lists(st.sampled_from(rest_pool), max_size=2))
+def random_models(draw, group):
+  first = draw(st.sampled_from(group.first))
+  rest = draw(st.lists(st.sampled_from(group.rest), max_size=2)
+              if group.rest else st.just([]))
   depth = draw(st.integers(0, 2))
   in_axes = tuple(draw(st.integers(0, 1 - level)) for level in range(depth))
   return properties.RandomModel(
@@ -42,14 +34,19 @@ def random_models(draw, ops):
       seed=draw(st.integers(0, 2**16)))
 
 
-def test_random_models_match_reference(pytestconfig):
+@pytest.mark.conformance_family("properties")
+def test_random_models_match_reference(conformance_group,
+                                       conformance_platform):
+  """One search per group of ops (:func:`plugin.op_groups`): a third
+  party's op first in every model of its own search, the selected built-in
+  ops together in one."""
   thorough = plugin.thorough()
-  ops = _ops(pytestconfig.getoption("--conformance-ops"))
 
   @settings(max_examples=THOROUGH_BUDGET if thorough else BUDGET, deadline=None,
             derandomize=not thorough, database=None,
             suppress_health_check=[HealthCheck.too_slow])
-  @given(random_models(ops))
+  @given(random_models(conformance_group))
   def search(model):
     properties.check_random_model(model)
-  search()
+  with checks.on_platform(conformance_platform):
+    search()

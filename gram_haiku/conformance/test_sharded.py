@@ -1,4 +1,5 @@
-"""Sharded vs single device, from :mod:`gram_haiku.conformance.sharded` (own process).
+"""Sharded vs single device, from :mod:`gram_haiku.conformance.sharded` (a
+process of its own).
 
 The runner starts once per pytest run, however many xdist workers there are
 (:mod:`gram_haiku.conformance.runner`).
@@ -32,14 +33,18 @@ def sharded_records(tmp_path_factory, pytestconfig, request):
   ops = [op.name for op in plugin.selected_ops(pytestconfig)]
   modules = sorted(set(registry.registering_modules(ops)) | set(
       plugin.extra_modules(pytestconfig)))
-  env = runner.child_environ()
+  # The runner imports the modules that registered the ops from where this
+  # process found them, and starts in the directory pytest was run from.
+  env = runner.with_import_path(runner.child_environ(),
+                                runner.import_roots(modules))
   return runner.run_once(
       "conformance-sharded",
-      runner.python_cmd("gram_haiku.conformance.sharded", "--ops", ",".join(ops),
-                        "--modules", ",".join(modules),
+      runner.python_cmd("gram_haiku.conformance.sharded",
+                        "--ops", ",".join(ops), "--modules", ",".join(modules),
                         "--cases", _kept_cases(request.session),
                         "--platforms", ",".join(plugin.present_platforms())),
-      tmp_path_factory, env=env, cwd=str(pytestconfig.rootpath))
+      tmp_path_factory, env=env,
+      cwd=str(pytestconfig.invocation_params.dir))
 
 
 @pytest.mark.conformance_family("sharded")
