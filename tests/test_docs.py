@@ -141,6 +141,65 @@ def test_readme_layout_names_every_private_module():
   assert not missing, f"README.md's Layout does not name {sorted(missing)}"
 
 
+def _layer_table():
+  """Rows of the supported-layers table of docs/layers.rst: (the Haiku
+  classes named in the first cell, the rule cell)."""
+  with open(os.path.join(DOCS, "layers.rst"), encoding="utf-8") as f:
+    text = f.read()
+  table = text.split(".. list-table::", 1)[1].split("\n\n", 2)[1]
+  rows = []
+  for row in re.split(r"^   \* - ", table, flags=re.M)[2:]:   # after header
+    cells = re.split(r"^     - ", row, flags=re.M)
+    names = re.findall(r"``(hk\.[\w.]+)``", cells[0])
+    rows.append((names, cells[1].strip()))
+  return rows
+
+
+def _haiku_class(name):
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  obj = hk
+  for part in name.split(".")[1:]:
+    obj = getattr(obj, part)
+  return obj
+
+
+def _handler(cls):
+  """The handler track() runs for ``cls``: its own, else that of the class
+  defining its ``__call__``."""
+  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  definer = next(c for c in cls.__mro__ if "__call__" in vars(c))
+  return registry.handler_for(cls) or registry.handler_for(definer)
+
+
+def test_supported_layers_table_matches_the_registry():
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  gram_haiku.track  # pylint: disable=pointless-statement  (registers)
+  rows = _layer_table()
+  assert len(rows) > 10, rows
+  tracked = {}
+  for names, rule in rows:
+    for name in names:
+      cls = _haiku_class(name)
+      if not isinstance(cls, type):   # hk.get_parameter
+        continue
+      handler = _handler(cls)
+      m = re.fullmatch(r"``(\w+)``", rule)
+      if m:
+        assert handler is not None, f"{name}: the table says {rule}, " \
+                                    "but track() has no rule for it"
+        assert handler.__name__ == m.group(1), (name, handler.__name__, rule)
+        tracked[cls] = name
+      else:   # made of tracked parts, or untracked: no rule of its own
+        assert handler is None, f"{name}: the table says {rule}, but " \
+                                f"track() runs {handler.__name__} for it"
+  # Haiku's own classes (a test may have registered one of its own).
+  missing = [f"hk.{c.__name__} ({h.__name__})"
+             for c, h in registry._HANDLERS.items()  # pylint: disable=protected-access
+             if c.__module__.startswith("haiku.") and c not in tracked]
+  assert not missing, f"registered but not in docs/layers.rst: {missing}"
+
+
 def _public_modules():
   names = []
   for package in ("gram_haiku", "conformance"):
