@@ -16,7 +16,8 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
   :class:`GramOp`, the base class of every Gram op (the lower-level way to
   write one), the :class:`Plan` it is bound with, and
   :func:`register_layer` to route a Haiku module to it in ``track()`` (its
-  handler applies the op through a :class:`LayerCall`).
+  handler applies the op through a :class:`LayerCall`);
+  :class:`KernelConfig`, the ``cfg`` a rule's functions receive.
 """
 
 # Importing gram_haiku alone is light (no JAX, Haiku or NumPy): the public
@@ -35,6 +36,7 @@ _SOURCES = {
     "MeanLossWarning": "gram_haiku._src.loss_scale",
     "GramOp": "gram_haiku._src.ops.base",
     "GramFunction": "gram_haiku._src.ops.function",
+    "KernelConfig": "gram_haiku._src.kernels",
     "gram_affine": "gram_haiku._src.ops.affine",
     "gram_conv": "gram_haiku._src.ops.conv",
     "gram_conv_transpose": "gram_haiku._src.ops.conv",
@@ -64,6 +66,7 @@ __all__ = (
     "GramFunction",
     "GramOp",
     "Grams",
+    "KernelConfig",
     "LayerCall",
     "MeanLossWarning",
     "PROBE_NAME",
