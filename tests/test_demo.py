@@ -111,6 +111,13 @@ def test_cli_help_shows_plain_percent(capsys):
     cli.run(["demo", "--help"])
   out = capsys.readouterr().out
   assert "80% for" in out and "%%" not in out
+  with pytest.raises(SystemExit):
+    cli.run(["dp-demo", "--help"])
+  out = " ".join(capsys.readouterr().out.split())  # Unwrapped.
+  # Where the bound 718 comes from, and what the default C is.
+  assert "2 to 718, half of the 1437 training examples" in out
+  assert "median per-example gradient norm at initialisation over the " \
+      "held-out examples" in out
 
 
 def test_gram_stats_values():
