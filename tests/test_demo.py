@@ -68,6 +68,12 @@ def test_cli_unwritable_out_is_a_clear_error(tmp_path, capsys):
   assert rc == 2
   err = capsys.readouterr().err
   assert "cannot write to --out" in err and str(blocker / "sub") in err
+  assert "gram-haiku demo: error:" in err and "--out ./gram_out" in err
+  rc = cli.run(["dp-demo", "--out", str(blocker / "sub"), "--no_progress"])
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert "gram-haiku dp-demo: error: cannot write to --out" in err
+  assert "--out ./dp_out" in err
 
 
 def test_cli_demo_small(tmp_path, capsys):

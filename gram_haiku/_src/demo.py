@@ -85,8 +85,9 @@ def require(packages: dict[str, str], what: str) -> None:
         what=what, missing=", ".join(missing)))
 
 
-def prepare_out_dir(path: str) -> str:
-  """Creates ``path`` and checks it is writable, before any training.
+def prepare_out_dir(path: str, example: str = "./gram_out") -> str:
+  """Creates ``path`` and checks it is writable, before any training
+  (``example``: a directory the error message suggests).
 
   Raises:
     OutputDirError: with the path and the reason, if it cannot be written.
@@ -100,7 +101,7 @@ def prepare_out_dir(path: str) -> str:
   except OSError as e:
     raise OutputDirError(
         f"cannot write to --out={path!r} ({e.strerror or e}). "
-        "Pass a directory you can write to, e.g. --out ./gram_out.") from e
+        f"Pass a directory you can write to, e.g. --out {example}.") from e
   return path
 
 

@@ -153,7 +153,7 @@ def run_dp_demo(cfg: DPDemoConfig) -> dict[str, Any]:
                                               seed=cfg.seed)
   n = x_tr.shape[0]
   _check(cfg, n)
-  out_dir = demo.prepare_out_dir(cfg.out)
+  out_dir = demo.prepare_out_dir(cfg.out, example="./dp_out")
   start = time.perf_counter()
 
   # Privacy: Poisson sampling at rate q, truncated to a fixed padded size.
