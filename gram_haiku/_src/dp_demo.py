@@ -20,15 +20,16 @@ gram_haiku's Grams), so about half of the examples are clipped at the
 start. The guarantee covers the 1437 training examples; the held-out 20%
 play the part of public data from the same distribution (in practice: a
 public or separately consented set), so choosing ``C`` from them spends no
-privacy budget. Choosing ``C`` from the training examples' norms would:
-the printed epsilon would not account for it (a private quantile
-estimate, as in Andrew et al. 2021, "Differentially private learning with
-adaptive clipping", would). ``--clip-norm C`` fixes a public value
-instead. The fraction of examples clipped is reported per epoch: the
-norms grow as the noisy training proceeds, so a ``C`` fixed at the start
-ends up clipping most examples (the regime De et al. 2022, "Unlocking
-high-accuracy differentially private image classification through scale",
-recommend: a small ``C``, every example clipped).
+privacy budget. Choosing it from the training examples' norms would not
+be private: the printed epsilon does not account for that choice (a
+private quantile estimate, as in Andrew et al. 2021, "Differentially
+private learning with adaptive clipping", spends part of the budget on
+it). ``--clip-norm C`` fixes a public value instead. The fraction of the
+examples clipped is reported per epoch: here the norms grow as the noisy
+training proceeds, so a ``C`` fixed at the start ends up clipping most
+examples (the regime De et al. 2022, "Unlocking high-accuracy
+differentially private image classification through scale", recommend: a
+small ``C``, every example clipped).
 
 What is private. Only the trained parameters carry the ``(epsilon,
 delta)`` guarantee. The diagnostics read the data without noise and are
