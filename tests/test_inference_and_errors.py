@@ -367,9 +367,8 @@ def test_frozen_with_distinct_names_matches_plain_gradient():
   f = _stack_model("head")
   x, y = _x(), _x(1, (B, H))
   params, state = f.init(jax.random.PRNGKey(1), x, y)
-  grads, _ = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1e6,
-                                     frozen="head/w")(params, state, None, x,
-                                                      y)
+  grads = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1e6,
+                                  frozen="head/w")(params, state, None, x, y)
   plain = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
   np.testing.assert_array_equal(grads["head"]["w"], 0.0)
   plain["head"]["w"] = jnp.zeros_like(plain["head"]["w"])
@@ -421,7 +420,7 @@ def test_empty_batch_after_init(name, mode):
 @pytest.mark.parametrize("name", ["Linear", "MLP", "layer_stack", "Conv1D"])
 def test_empty_batch_clipped_sum_is_zero(name):
   f, params, state, empty = _empty_case(name, "norms")
-  grads, _ = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)(
+  grads = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)(
       params, state, None, empty)
   _close(grads, jax.tree.map(jnp.zeros_like, params), 0, 0)
 
@@ -454,7 +453,7 @@ def test_clipped_grad_warns_on_a_mean_loss_only(name):
   params, state = f.init(jax.random.PRNGKey(1), x, y)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    grads, _ = gram_haiku.clipped_grad(f.apply, l2_clip_norm=0.5)(
+    grads = gram_haiku.clipped_grad(f.apply, l2_clip_norm=0.5)(
         params, state, None, x, y)
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
   mean = [w for w in caught if issubclass(w.category,

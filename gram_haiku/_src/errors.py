@@ -793,3 +793,115 @@ EXAMPLE_AXES_THAT_FIT = (
     "layer's example axis and the loss as per-example terms: if that is "
     "where the examples are (a named hk.vmap(..., in_axes=1, "
     "axis_name=...) over them says so), pass example_axes={axes!r}.")
+
+# -- jax-privacy's clipped_grad options that gram_haiku cannot honour --------
+# (gram_haiku.clipped_grad takes jax_privacy.clipping.clipped_grad's
+# arguments; each of these names what to use instead.)
+
+JAXP_ARGNUMS = (
+    "gram_haiku.clipped_grad: argnums={argnums!r}. fun is the apply of "
+    "hk.transform_with_state(f), called fun(params, state, rng, *batch), and "
+    "the gradient is taken with respect to params, argument 0.\n"
+    "What to do: leave argnums out (or pass 0); to freeze some parameters "
+    "pass frozen=, to differentiate an input make it a parameter of a "
+    "tracked module.")
+
+JAXP_BATCH_ARGNUMS = (
+    "gram_haiku.clipped_grad: batch_argnums={batch_argnums!r}: {problem}. fun "
+    "is called fun(params, state, rng, *batch): the examples can only be in "
+    "the arguments after rng, numbers 3 and up (jax-privacy's default "
+    "batch_argnums=1 would be Haiku's state).\n"
+    "What to do: leave batch_argnums out (every argument after rng holds "
+    "examples on axis 0, where its leading size is the batch's), or pass "
+    "the numbers of the batch arguments, e.g. batch_argnums=(3, 4) for "
+    "fun(params, state, rng, x, y).")
+
+JAXP_BATCH_ARGS = (
+    "gram_haiku.clipped_grad: {problem}.\n"
+    "What to do: pass every argument named in batch_argnums, each with the "
+    "examples on axis 0 and the same number of them.")
+
+JAXP_KEEP_BATCH_DIM = (
+    "gram_haiku.clipped_grad: keep_batch_dim=False (fun written for one "
+    "example, or clipping per user/group over an extra axis) cannot be "
+    "honoured: gram_haiku calls fun once on the whole batch and clips each "
+    "row of axis 0 of the batch arguments, which fun must accept as a batch "
+    "(jax-privacy's keep_batch_dim=True: the same per-example gradients).\n"
+    "What to do: write fun for a batch and return the sum of the "
+    "per-example losses. Per-group clipping (one clip per user over several "
+    "examples) is not supported.")
+
+JAXP_PRE_CLIPPING_TRANSFORM = (
+    "gram_haiku.clipped_grad: pre_clipping_transform cannot be honoured: "
+    "the per-example gradients are never formed (each example's norm comes "
+    "from the Gram of the one backward pass), so there is no per-example "
+    "gradient to transform before clipping.\n"
+    "What to do: leave it out. To give layers different weights in the "
+    "clip, clip per layer: clipping='per-layer' with a dict {{module: C_l}} "
+    "or layer_split= ('equal', 'by_size' or a function).")
+
+JAXP_MICROBATCH_SIZE = (
+    "gram_haiku.clipped_grad: microbatch_size={size!r}. It exists to bound "
+    "the memory of vmapped per-example gradients, which gram_haiku never "
+    "forms: the clipped sum costs one backward pass over the whole batch "
+    "(memory close to a plain step's).\n"
+    "What to do: leave microbatch_size out. If even a plain step does not "
+    "fit, split the batch yourself and add the clipped sums (each call's "
+    "sensitivity is per example, so the sum's bound is the same).")
+
+JAXP_PRNG_ARGNUM = (
+    "gram_haiku.clipped_grad: prng_argnum={argnum!r} cannot be honoured "
+    "exactly: jax-privacy splits that key into one key per example and "
+    "vmaps fun, while gram_haiku calls fun once on the whole batch with the "
+    "one rng of fun(params, state, rng, *batch) (argument 2), so random "
+    "draws (dropout) would differ from jax-privacy's.\n"
+    "What to do: leave prng_argnum out and pass the key as rng: "
+    "hk.next_rng_key() inside f draws batch-shaped randomness from it (each "
+    "example's rows of a dropout mask are independent draws).")
+
+JAXP_SPMD_AXIS_NAME = (
+    "gram_haiku.clipped_grad: spmd_axis_name={name!r} (jax.vmap's sharding "
+    "of the per-example axis) has no counterpart: no per-example vmap "
+    "runs. The examples are split over devices by mesh_axes= (inside your "
+    "shard_map) or mesh= (clipped_grad builds the shard_map).\n"
+    "What to do: drop spmd_axis_name and pass mesh_axes={name!r} inside "
+    "shard_map, or mesh=your_mesh outside it.")
+
+JAXP_RESCALE = (
+    "gram_haiku.clipped_grad: rescale_to_unit_norm=True with "
+    "l2_clip_norm={c!r}: the clipped sum is divided by l2_clip_norm "
+    "(normalize_by=l2_clip_norm does the same), which needs a positive, "
+    "finite l2_clip_norm.\n"
+    "What to do: pass a positive, finite l2_clip_norm (or leave "
+    "rescale_to_unit_norm out and pass normalize_by=C). For each example "
+    "scaled to unit norm (jax-privacy's limit l2_clip_norm -> 0), use "
+    "clip_fn='automatic': C / (|g_i| + gamma).")
+
+JAXP_TRACED_PER_LAYER = (
+    "gram_haiku.clipped_grad: a traced l2_clip_norm with "
+    "clipping='per-layer'. Per-layer thresholds are applied inside each "
+    "layer's backward rule and are fixed when the step is built.\n"
+    "What to do: pass a number (each value compiles its own step), or use "
+    "clipping='all-layer', which takes a traced l2_clip_norm under jit.")
+
+JAXP_FULL_AUX_WITH = (
+    "gram_haiku.clipped_grad: full_aux=True returns (grads, ClippedGradAux), "
+    "whose fields are the whole batch's value and aux and the per-example "
+    "grad_norms; {given} ask for jax-privacy's AuxiliaryOutput instead.\n"
+    "What to do: pass either full_aux=True or "
+    "return_values=/return_grad_norms=, not both.")
+
+GETTER_NOT_BOUNDED = (
+    "gram_haiku.clipped_grad: module {module!r} reads its parameters "
+    "through a custom getter (or an apply wrapper) whose VJP uses {why}, "
+    "which the clipping bound cannot bound: each example's norm is taken "
+    "from its stored gradient pulled back through that VJP, and a sound "
+    "upper bound of the true norm needs the VJP's operator norm, read "
+    "equation by equation (gram_haiku/_src/linear_bound.py has a rule for "
+    "casts, reshapes, sums, broadcasts, products and quotients by values "
+    "of the parameters, dot products, concatenation, zero padding, "
+    "select and cumsum), and a VJP linear in the cotangent.\n"
+    "What to do: write the getter with those operations (a custom VJP "
+    "rule must be linear in its cotangent), or freeze the parameters it "
+    "reads (frozen=...); gram_haiku.value_grad_and_gram, which needs no "
+    "bound, still gives this module's Gram.")
