@@ -3,6 +3,7 @@ the project and its users alone."""
 
 import doctest
 import importlib
+import importlib.util
 import os
 import pkgutil
 import re
@@ -200,9 +201,59 @@ def test_supported_layers_table_matches_the_registry():
   assert not missing, f"registered but not in docs/layers.rst: {missing}"
 
 
+def test_api_page_states_the_probe_name():
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(DOCS, "api.rst"), encoding="utf-8") as f:
+    text = f.read()
+  assert f':value: "{gram_haiku.PROBE_NAME}"' in text
+
+
+def test_rendered_pages_show_public_names_only(tmp_path):
+  """The Sphinx build (warnings as errors) of docs/: docs/conf.py warns for
+  a private path (``_src``) or "see the module docstring" on any rendered
+  page, and for a docstring reference it cannot map to a public page."""
+  pytest.importorskip("sphinx")
+  proc = subprocess.run(
+      [sys.executable, "-m", "sphinx", "-q", "-W", "--keep-going", "-b",
+       "text", DOCS, str(tmp_path / "text")],
+      capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  pending = {f"{name}.txt" for name in _conf().PENDING}
+  for name in os.listdir(tmp_path / "text"):
+    if name.endswith(".txt") and name not in pending:
+      text = (tmp_path / "text" / name).read_text(encoding="utf-8")
+      assert "_src" not in text, name
+      assert not re.search(r"see\s+the\s+module\s+docstring", text), name
+
+
+def _conf():
+  spec = importlib.util.spec_from_file_location(
+      "docs_conf", os.path.join(DOCS, "conf.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_rendered_page_check_can_fail():
+  conf = _conf()
+  for line in ("see gram_haiku._src.norm_bounds", "(see the module\n"
+               "docstring)"):
+    assert any(p.search(line) for p, _ in conf.FORBIDDEN), line
+  assert not any(p.search("gram_haiku.Rule; sources") for p, _ in
+                 conf.FORBIDDEN)
+  lines = [":mod:`gram_haiku._src.norm_bounds` and "
+           ":class:`gram_haiku._src.nowhere.Thing`"]
+  conf._process_docstring(None, "function", "f", None, None, lines)  # pylint: disable=protected-access
+  assert "_src.norm_bounds" not in lines[0] and "Formal guarantees" in lines[0]
+  assert "gram_haiku._src.nowhere.Thing" in lines[0]   # left: reported
+  assert conf._public_types("x: ~jax._src.mesh.Mesh, p: "  # pylint: disable=protected-access
+                            "gram_haiku._src.plan.Plan") == (
+                                "x: ~jax.sharding.Mesh, p: gram_haiku.Plan")
+
+
 def _public_modules():
   names = []
-  for package in ("gram_haiku", "conformance"):
+  for package in ("gram_haiku",):   # gram_haiku.conformance included
     pkg = importlib.import_module(package)
     names.append(package)
     for info in pkgutil.walk_packages(pkg.__path__, package + "."):

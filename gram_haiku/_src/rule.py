@@ -101,8 +101,8 @@ def _key(v):
 
 @dataclasses.dataclass(frozen=True, repr=False, eq=False)
 class Rule:
-  """One layer's Gram rule: pure functions of arrays (see the module
-  docstring for the shapes every function receives).
+  """One layer's Gram rule: pure functions of arrays (the shapes every
+  function receives: "Writing a Gram rule" in the API docs).
 
   A rule is a static parameter of its op (hashed into the ``jit`` cache key
   and printed in the jaxpr), so its functions should be module-level

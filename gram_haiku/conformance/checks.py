@@ -35,11 +35,11 @@ from gram_haiku.conformance.registry import OpSpec
 from gram_haiku._src import reference
 from gram_haiku import ExampleAxis
 
-#: dtype case -> (rtol, atol as a fraction of the reference's max |entry|).
-#: f32: reordered float32 reductions; bf16/f16: the op computes in the low
-#: precision dtype while the reference runs in float32.
-#: dtype case -> (rtol, atol as a fraction of the reference's largest entry):
-#: gram_haiku's one tolerance table.
+#: dtype case -> ``(rtol, atol)``, ``atol`` a fraction of the reference's
+#: largest entry: gram_haiku's one tolerance table. float32: reordered
+#: float32 sums; bfloat16 and float16: the op computes in that dtype while
+#: the reference runs in float32; "mixed": bfloat16 parameters with float32
+#: activations.
 TOLERANCES = reference.TOLERANCES
 
 #: Parity dtype cases: name -> (parameter dtype, activation dtype).

@@ -210,8 +210,8 @@ class GramAffine(function.GramFunction):
   ``offset`` (each None or broadcastable to the trailing axes, without
   leading size-1 axes), ``probe``. Op params: ``feature_ndim``,
   ``offset_multiplier`` (:func:`affine_rule`). Cotangents of ``xhat``,
-  ``scale``, ``offset`` are JAX's own; the probe gets ``F F^T`` (see the
-  module docstring).
+  ``scale``, ``offset`` are JAX's own; the probe gets ``F F^T``, ``F`` the
+  per-example gradients of ``scale`` and ``offset``, flattened.
   """
 
   @functools.cached_property

@@ -79,7 +79,9 @@ from gram_haiku._src.rule import Rule
 
 
 class GramOp(adapter.Adapter):
-  """Base class of Gram-emitting primitives; see the module docstring.
+  """Base class of Gram-emitting primitives (the lower-level interface;
+  a :class:`~gram_haiku.Rule` bound by :class:`~gram_haiku.GramFunction` is
+  the shorter one).
 
   Inputs: ``x``, then one input per name in ``param_names`` (None for an
   absent one, e.g. no bias), then the probe. Output: ``forward(x, *params)``.
@@ -244,7 +246,7 @@ class GramOp(adapter.Adapter):
     Raises:
       ValueError: for an unknown ``mode`` or ``strategy``, a bad
         ``example_axis`` or budget; at differentiation time for a probe of
-        the wrong shape (see the module docstring).
+        the wrong shape (its shape for each ``mode``: ``probe`` above).
     """
     if plan is None:
       plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,

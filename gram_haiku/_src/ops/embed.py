@@ -568,16 +568,16 @@ def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
     name: module name used in error messages.
     example_axis: which axis is the example axis (as
       :func:`gram_haiku.gram_linear`; axis 0 of ``ids`` by default).
-    strategy: ``"auto"``, ``"ghost"`` or ``"materialize"`` (see the module
-      docstring).
+    strategy: ``"auto"``, ``"ghost"`` or ``"materialize"`` (the ghost,
+      dense and segment forms; see "Embeddings" in the Layers docs).
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
     memory_budget_bytes, plan: as :func:`gram_haiku.gram_linear`.
 
   Returns:
     ``ids.shape + (D,)``, exactly ``hk.Embed``'s output. The cotangent of
     ``probe`` is ``G[i, j] = sum_{t,s} [id_it = id_js] d_it . d_js`` over the
-    lookups that have a gradient (see the module docstring for
-    out-of-range ids).
+    lookups that have a gradient (an id outside ``[0, V)`` that the lookup
+    clamps has none; see "Embeddings" in the Layers docs).
 
   Raises:
     ValueError: for non-integer ids, an unknown strategy or mode; at
