@@ -7,8 +7,8 @@ examples, a batch of one each) and ``gram_haiku.clipped_grad`` with the same
 arguments, and asserts the same outputs: the values, the pytree structure
 (jax-privacy's ``AuxiliaryOutput`` with its ``None`` fields) and the dtypes;
 where it makes sense also against a float64 reference clipped from
-``vmap(grad)``. jax-privacy gets the loss as ``lambda *a: f.apply(*a)[0]``
-(``f.apply`` also returns Haiku's state); gram_haiku gets ``f.apply``. The
+``vmap(grad)``. Both get the loss as ``lambda *a: f.apply(*a)[0]`` (the
+function jax-privacy takes; gram_haiku also takes ``f.apply`` itself). The
 losses are sums over the examples (jax-privacy's scenarios use means, which
 agree with sums on its batches of one; gram_haiku runs the whole batch).
 
@@ -86,10 +86,11 @@ def _mlp(seed: int, b: int = 8, with_aux: bool = False):
 
 
 def _both(f, *args, **kwargs):
-  """The same arguments to jax-privacy's clipped_grad and to ours."""
-  theirs = jp_clipping.clipped_grad(lambda *a: f.apply(*a)[0], *args,
-                                    **kwargs)
-  ours = gram_haiku.clipped_grad(f.apply, *args, **kwargs)
+  """The same function and arguments to jax-privacy's clipped_grad and to
+  ours: the loss without Haiku's state, as jax-privacy takes it."""
+  loss = lambda *a: f.apply(*a)[0]
+  theirs = jp_clipping.clipped_grad(loss, *args, **kwargs)
+  ours = gram_haiku.clipped_grad(loss, *args, **kwargs)
   return theirs, ours
 
 
@@ -486,3 +487,48 @@ def test_batch_argnums_checks_match_jax_privacy():
     fn(params2, state2, None, inputs, targets[:2])
   with pytest.raises(ValueError, match="names argument 4"):
     fn(params2, state2, None, inputs)
+
+
+# -- The function: the loss alone, or Haiku's apply -----------------------
+
+def _shared():
+  """One hk.Linear applied twice (its per-example gradient sums both
+  applications)."""
+  def loss(x, y):
+    with gram_haiku.track():
+      lin = hk.Linear(4, name="shared")
+      out = lin(jnp.tanh(lin(x)))
+    return jnp.sum((out - y) ** 2)
+  f = hk.transform_with_state(loss)
+  kx, ky = jax.random.split(jax.random.PRNGKey(3))
+  x, y = jax.random.normal(kx, (6, 4)), jax.random.normal(ky, (6, 4))
+  params, state = f.init(jax.random.PRNGKey(4), x, y)
+  return f, params, state, x, y
+
+
+@pytest.mark.parametrize("model", [_mlp, _shared])
+def test_apply_and_the_loss_alone_give_the_same(model):
+  """``f.apply`` (which returns Haiku's state) and the loss without it give
+  the same clipped sum and aux; a module applied twice included (without
+  the new state it keeps per-example gradients, never a wrong sum)."""
+  f, params, state, x, y = model(0) if model is _mlp else model()
+  kw = dict(l2_clip_norm=0.7, batch_argnums=(3, 4), return_values=True,
+            return_grad_norms=True)
+  with_state = jax.jit(gram_haiku.clipped_grad(f.apply, **kw))(
+      params, state, None, x, y)
+  theirs, ours = _both(f, **kw)
+  alone = jax.jit(ours)(params, state, None, x, y)
+  _assert_same(alone, with_state, rtol=1e-5, atol=1e-6)
+  _assert_same(alone, jax.jit(theirs)(params, state, None, x, y), rtol=1e-4,
+               atol=1e-6)
+
+
+def test_apply_with_has_aux_reads_the_state_as_aux():
+  """jax-privacy's reading of ``clipped_grad(f.apply, has_aux=True)`` for a
+  scalar ``f``: the aux is each example's new Haiku state."""
+  f, params, state, x, y = _mlp(9)
+  kw = dict(has_aux=True, l2_clip_norm=1.0, batch_argnums=(3, 4))
+  got = gram_haiku.clipped_grad(f.apply, **kw)(params, state, None, x, y)
+  want = jp_clipping.clipped_grad(f.apply, **kw)(params, state, None, x, y)
+  _assert_same(got, want)
+  assert set(got[1].aux) == set(state)

@@ -44,10 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import errors
+from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src import reweight
 from gram_haiku._src import shard_examples
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
+from gram_haiku._src.probes import PROBE_NAME
 from gram_haiku._src.result import Grams
 
 CLIPPINGS = ("all-layer", "per-layer")
@@ -252,6 +254,35 @@ def _batch_example_axes(batch: tuple[int, ...], args) -> tuple:
   return tuple(0 if i in batch else None for i in range(3, len(args)))
 
 
+def _returns_state(out, has_aux: bool) -> bool:
+  """Whether ``out`` is a Haiku apply's ``(loss or (loss, aux), new
+  state)``: a pair whose second entry is a state holding the probes (a
+  tracked model's state always does)."""
+  if not (isinstance(out, tuple) and len(out) == 2 and
+          isinstance(out[1], Mapping) and any(
+              isinstance(v, Mapping) and PROBE_NAME in v
+              for v in out[1].values())):
+    return False
+  return not has_aux or isinstance(out[0], (tuple, list))
+
+
+def _as_apply(fun, has_aux: bool):
+  """``fun`` as a Haiku apply returning ``(out, new_state)``.
+
+  jax-privacy's users pass the loss alone (``lambda *a: f.apply(*a)[0]``
+  drops the state): the state it was given then stands for the new state
+  (the pass sees that no slot counter came back advanced and keeps the
+  per-example gradients of a module applied more than once instead). The
+  apply of ``hk.transform`` is passed on as is (the pass names the fix)."""
+  if hkc.is_pure_apply(fun):
+    return fun
+
+  def apply(params, state, rng, *args, **kwargs):
+    out = fun(params, state, rng, *args, **kwargs)
+    return out if _returns_state(out, has_aux) else (out, state)
+  return apply
+
+
 def _per_example_forward(apply_fn, has_aux: bool, args, kwargs,
                          example_axes, size: int):
   """``(values, aux)`` of ``apply_fn`` run on each example alone, vmapped
@@ -354,9 +385,14 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
   Args:
     fun: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` runs its
       model inside ``gram_haiku.track()`` and returns ``sum_i l_i``, or
-      ``(sum_i l_i, aux)`` with ``has_aux``. Called ``fun(params, state,
-      rng, *batch, **kwargs)``. (jax-privacy's own ``clipped_grad`` takes
-      the same loss as ``lambda *a: fun(*a)[0]``.)
+      ``(sum_i l_i, aux)`` with ``has_aux``; or a function of the same
+      arguments that returns what ``f`` returns, without the state (e.g.
+      ``lambda *a: f.apply(*a)[0]``: the form jax-privacy's
+      ``clipped_grad`` takes, so one function serves both; a model state
+      other than the probes is then not updated). Called ``fun(params,
+      state, rng, *batch, **kwargs)``. jax-privacy's reading of
+      ``f.apply`` itself with ``has_aux=True`` and a scalar ``f`` (the new
+      state as the aux) holds here too.
     argnums: the argument differentiated: ``0`` (the default) or ``(0,)``.
       ``clipped_grad(fun, C)`` with a number or dict ``C`` and no
       ``l2_clip_norm=`` is this library's earlier form: it means
@@ -439,7 +475,7 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
       break the privacy guarantee.
     ImportError: without jax-privacy (``pip install 'gram_haiku[dp]'``).
   """
-  apply_fn = fun
+  apply_fn = _as_apply(fun, has_aux)
   if l2_clip_norm is _UNSET:
     if argnums is _UNSET:
       raise TypeError("gram_haiku.clipped_grad() missing the keyword "
