@@ -24,6 +24,7 @@ import pytest
 
 from gram_haiku.conformance import plugin
 import gram_haiku
+from gram_haiku._src import linear_bound
 from gram_haiku._src import norm_bounds
 from gram_haiku._src.reference import assert_sound_norms
 from gram_haiku._src.reference import per_example_grads
@@ -241,6 +242,140 @@ def test_a_sensor_offset_with_a_temporal_difference_loss():
     exact = np.minimum(1, c / true)
     assert np.all(weights <= exact * (1 + 1e-6))
     assert np.all(weights >= exact * 0.95), weights / exact
+
+
+def _scaled_lora(nxt, v, c):
+  """LoRA (``W0 + A B``) whose factors are large: the pull-back maps the
+  stored gradient's rounding ``|A|``- and ``|B|``-fold."""
+  if c.name != "w":
+    return nxt(v)
+  a = hk.get_parameter("lora_a", (v.shape[0], 2), v.dtype,
+                       init=hk.initializers.RandomNormal(30.0))
+  b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
+                       init=hk.initializers.RandomNormal(30.0))
+  return jax.lax.stop_gradient(nxt(v)) + a @ b
+
+
+#: Reparametrising getters whose pull-back ``J^T`` enlarges the stored
+#: gradient's rounding error (``|J| >> 1``).
+GETTERS = {
+    "scale": lambda n, v, c: 1e3 * n(v),
+    "weight-norm": lambda n, v, c: (
+        300.0 * n(v) / jnp.linalg.norm(n(v), axis=0) if c.name == "w"
+        else n(v)),
+    "lora": _scaled_lora,
+}
+
+
+@pytest.mark.parametrize("getter", sorted(GETTERS))
+def test_a_cancelling_example_through_a_getter_is_clipped(getter):
+  """A reparametrised layer keeps per-example gradients with respect to
+  its operands ``W'`` and pulls them back to the parameters ``theta``
+  through the getter's VJP ``J^T``; the stored gradient's rounding bound
+  (in ``W'`` units) is pulled back too (``|J^T|`` read from the VJP's
+  program, :mod:`gram_haiku._src.linear_bound`). Without it, a cancelling
+  example entered at up to ``|J|`` times its rounding error above ``C``."""
+  rng = np.random.RandomState(3)
+  x = _cancelling(rng, 4, 3, 6, 1e4, jnp.float32)
+  v = rng.normal(size=(4, 3, 5)).astype(np.float32)
+  v[0, 1] = v[0, 0]
+
+  def body(x):
+    with hk.custom_getter(GETTERS[getter]):
+      return hk.Linear(5, with_bias=False, name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track():
+      out = body(x)
+    return jnp.sum(out * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  ref = _reference("linear", body, params, x, v)
+  true = np.linalg.norm(ref, axis=1)
+  for clipping, clip_fn in [("all-layer", "abadi"), ("per-layer",
+                                                     "automatic")]:
+    c = float(np.median(true))
+    step = jax.jit(gram_haiku.clipped_grad(f.apply, c, clipping=clipping,
+                                           clip_fn=clip_fn))
+    _, aux = step(params, state, None, x, v)
+    (weights,) = aux.weights.values()
+    assert np.all(np.asarray(weights, np.float64) * true <= c * (1 + 1e-6)), (
+        clipping, np.asarray(weights) * true / c)
+    assert np.all(np.asarray(aux.grad_norms) >= true * (1 - 1e-9))
+    assert_sound_norms(np.asarray(aux.grad_norms)[1:], true[1:])
+
+
+@jax.custom_vjp
+def _doubled(w):
+  return w
+
+
+_doubled.defvjp(lambda w: (w, None), lambda _, g: (2.0 * g,))
+
+
+def _standardised(w):
+  m = w.mean(axis=(0, 1), keepdims=True)
+  return (w - m) * jax.lax.rsqrt(w.var(axis=(0, 1), keepdims=True) + 1e-5)
+
+
+#: name -> (fn(*theta) -> operands, theta shapes).
+VJP_PROGRAMS = {
+    "scale": (lambda w: [2.5 * w], [(4, 3)]),
+    "weight-norm": (lambda w: [w / jnp.linalg.norm(w, axis=0)], [(3, 4)]),
+    "lora": (lambda a, b: [a @ b], [(4, 2), (2, 3)]),
+    "standardised": (lambda w: [_standardised(w)], [(3, 3, 2)]),
+    "custom-vjp": (lambda w: [_doubled(w)], [(4, 3)]),
+    "two-operands": (lambda w, s: [jnp.concatenate([w, w * s]), 1.0 + s],
+                     [(2, 3), (3,)]),
+    "cumsum": (lambda w: [jnp.cumsum(w, axis=0) * 0.5], [(5, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VJP_PROGRAMS))
+def test_the_vjp_operator_norm_bound_is_an_upper_bound(name):
+  """:func:`linear_bound.bound` of a getter's VJP against its exact
+  operator 2-norm (the VJP applied to each basis cotangent, SVD)."""
+  fn, shapes = VJP_PROGRAMS[name]
+  rng = np.random.RandomState(sum(map(ord, name)))
+  theta = [jnp.asarray(rng.normal(size=s) * 3, jnp.float32) for s in shapes]
+  out, vjp = jax.vjp(fn, *theta)
+  got = {}
+
+  def traced(*t):  # (L in the trace, as the clipping pass forms it)
+    l, got["n"], _, got["why"] = linear_bound.bound(
+        jax.vjp(fn, *t)[1], [jnp.zeros_like(o) for o in out])
+    return l
+  l = jax.jit(traced)(*theta)
+  assert got["why"] is None and got["n"] > 0
+  sizes = [o.size for o in out]
+  cols = []
+  for e in np.eye(sum(sizes), dtype=np.float32):
+    cts = [jnp.asarray(c.reshape(o.shape)) for c, o in
+           zip(np.split(e, np.cumsum(sizes)[:-1]), out)]
+    cols.append(np.concatenate([np.ravel(g) for g in vjp(cts)]))
+  exact = np.linalg.norm(np.stack(cols, 1).astype(np.float64), 2)
+  assert exact * (1 - 1e-6) <= float(l) < np.inf, (float(l), exact)
+
+
+def test_a_getter_whose_vjp_has_no_bound_is_refused():
+  """A custom VJP rule that is not linear in its cotangent: no operator
+  norm, so no sound clip factor; value_grad_and_gram still runs."""
+  @jax.custom_vjp
+  def squashed(w):
+    return w
+
+  squashed.defvjp(lambda w: (w, None), lambda _, g: (jnp.tanh(g),))
+  x = np.random.RandomState(0).normal(size=(3, 4)).astype(np.float32)
+
+  def loss_fn(x):
+    with gram_haiku.track(), hk.custom_getter(
+        lambda n, v, c: squashed(n(v))):
+      return jnp.sum(hk.Linear(2, name="layer")(x) ** 2)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"(?s)'layer'.*`tanh`.*What to do"):
+    gram_haiku.clipped_grad(f.apply, 1.0)(params, state, None, x)
+  gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
 
 
 def test_a_non_finite_example_contributes_nothing():

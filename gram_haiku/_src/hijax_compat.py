@@ -415,15 +415,21 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
                            list(inner.consts), list(body.invars),
                            list(body.outvars), *ins)
     else:
-      bind = eqn.primitive.get_bind_params(eqn.params)
-      # (A dict since JAX 0.10; (subfuns, params) before.)
-      subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
-      with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*subfuns, *ins, **params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
+      outs = bind_equation(eqn, ins)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in outvars]
+
+
+def bind_equation(eqn: Any, ins: list) -> list:
+  """A jaxpr equation's primitive applied to the values ``ins``: its
+  outputs, as a list."""
+  bind = eqn.primitive.get_bind_params(eqn.params)
+  # (A dict since JAX 0.10; (subfuns, params) before.)
+  subfuns, params = bind if isinstance(bind, tuple) else ((), bind)
+  with eqn.ctx.manager:
+    outs = eqn.primitive.bind(*subfuns, *ins, **params)
+  return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def live_part(jaxpr: Any) -> Any:

@@ -78,16 +78,18 @@ def dot_error(n, dtype, precision) -> jax.Array:
   unit roundoff (float32 at ``Precision.HIGHEST`` counted as
   ``4 * 2^-24`` in a program compiled for a TPU, which forms such products
   from several bfloat16 passes; IEEE float32 elsewhere), plus ``2^-7``
-  below ``HIGHEST``, where a TPU or GPU may round each factor to bfloat16
-  first. A float32 scalar (inf where ``(n + 1) u >= 1``)."""
+  below ``HIGHEST`` in a program compiled for a TPU or GPU, which may round
+  each factor to bfloat16 (or TF32) first (XLA's CPU backend multiplies
+  float32 in float32 at every precision). A float32 scalar (inf where ``(n + 1) u >= 1``)."""
   u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
   if jnp.dtype(dtype) != jnp.float64:
     u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
                                    default=lambda: jnp.float32(1))
   nu = (count(n) + 1) * u
   out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
-  if precision != lax.Precision.HIGHEST:
-    out = out + 2.0 ** -7
+  if precision != lax.Precision.HIGHEST:  # (XLA's CPU dots stay float32.)
+    out = out + lax.platform_dependent(cpu=lambda: jnp.float32(0),
+                                       default=lambda: jnp.float32(2.0 ** -7))
   return out
 
 

@@ -27,8 +27,11 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
 from gram_haiku._src import kernels
+from gram_haiku._src import linear_bound
+from gram_haiku._src import norm_bounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,31 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
     g = kernels.rows(g).astype(acc)
     cols.append(jnp.zeros_like(g) if k in skip else g)
   return jnp.concatenate(cols, axis=1)
+
+
+def per_example_error(op, pb, f, leaves: Sequence[Any], err, module: str):
+  """``[B]``: a bound of ``|J^T w_i - fl(J^T f_i)|`` (norm units), the error
+  of :func:`per_example`'s rows against the pull-back of the exact
+  per-example gradients ``w_i``, from the stored gradients ``f: [B, P']``
+  and their rounding bound ``err: [B]`` (``|f_i - w_i| <= err_i``):
+  ``L (err_i + r |f_i|)``, ``L >= |J^T|`` and ``r`` the VJP's relative
+  rounding, read from its program (:mod:`gram_haiku._src.linear_bound`).
+
+  Raises:
+    ValueError: the getter's VJP has an equation with no norm rule (or is
+      not linear in the cotangent): no sound bound, so no clipping.
+  """
+  acc = f.dtype
+  like = list(leaves)
+  for k in pb.leaves:
+    like[k] = hx.vary_like(leaves[k], f)
+  vjp, avals = _operands(op, pb, like, acc)
+  cts = [hx.vary_like(jnp.zeros(a.shape, acc), f) for a in avals]
+  l, n, precision, why = linear_bound.bound(vjp, cts)
+  if why:
+    raise ValueError(errors.GETTER_NOT_BOUNDED.format(module=module, why=why))
+  r = norm_bounds.dot_error(n, acc, precision)
+  return l * (err.astype(jnp.float32) + r * norm_bounds.row_norms(f))
 
 
 def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any]) -> dict:

@@ -305,6 +305,10 @@ def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
     elif modes[m] == "per_example":
       g, slack = _split_slack(g, upper_bound)
       f = vgg.per_example_of(t.found, m, g, leaves, skip)
+      pb = t.found.pullbacks.get(m)
+      if bound and pb is not None:  # Its rounding bound, pulled back.
+        slack = reparam.per_example_error(t.found.ops[m], pb, g, leaves,
+                                          slack, m)
       if bound:  # The stored gradients, with their rounding bound.
         val = norm_bounds.of_rows(
             vgg._stacked_to_columns(f), slack)  # pylint: disable=protected-access

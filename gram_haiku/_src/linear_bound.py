@@ -1,0 +1,300 @@
+"""Operator-norm and rounding bounds of a linear program, read from its jaxpr.
+
+A reparametrising getter's pull-back ``g_i = J^T f_i``
+(:mod:`gram_haiku._src.reparam`) maps each example's stored gradient
+``f_i`` (off by at most ``e_i`` in norm, its rounding bound) through the
+getter's VJP. For the clip factor's norm to stay a sound upper bound of the
+true ``|J^T w_i|`` (``w_i`` the exact ``f_i``),
+
+    ``|J^T w_i| <= |fl(J^T f_i)| + L (e_i + r |f_i|)``,
+
+with ``L >= |J^T|`` (the operator 2-norm) and ``r`` the VJP's own relative
+rounding. Both are read here from the VJP's program, which is linear in the
+cotangent: every equation that depends on it is linear in it, its other
+operands are constants of the program (the residuals at ``theta``). A table
+keyed by primitive gives each linear equation's norm factor from its
+constants:
+
+* ``mul``/``div`` by a constant ``a``: ``max|a|`` (``max|1/a|``): a diagonal
+  map;
+* ``dot_general`` with a constant ``a``: ``|a|_F`` (Cauchy-Schwarz per output
+  entry, summed);
+* ``reduce_sum`` of ``n`` terms into each output: ``sqrt(n)``; a broadcast
+  copying each entry ``n`` times: ``sqrt(n)``; ``cumsum`` over ``n``: ``n``;
+* ``add``/``sub``/``select_n``: the sum of the operands' factors (the
+  triangle inequality); ``concatenate``: their root sum of squares;
+* reshapes, transposes, casts, slices, zero padding: 1.
+
+Along the program the factors compose: a variable's ``L`` bounds the norm of
+the map from the cotangent to it (sums over paths of products along them).
+The rounding count ``N`` of a variable is the largest, over its paths, of
+the summed term counts of the equations on the path (``n`` per ``n``-term
+dot product or sum, 1 per elementwise operation); with ``r = gamma_N``
+(:func:`gram_haiku._src.norm_bounds.dot_error`) each equation's rounding,
+``<= u k_j |v_j|``, carried through the rest of the program, sums to at most
+``r L |f|`` (first order in ``u``; ``gamma`` covers the rest).
+
+An equation the table does not know, or one that is not linear in the
+cotangent (a product of two dependent operands), leaves the program
+unbounded: :func:`bound` then says which, and the caller refuses.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src import hijax_compat as hx
+
+
+class _Lin:
+  """A variable that depends on the cotangent: ``|v| <= L |ct|``, rounded
+  at most ``n`` times along any path.
+
+  Where it is a product by a value or a broadcast, its form too, so that
+  a sum or product that follows is bounded per output entry
+  (Cauchy-Schwarz) rather than by ``sqrt(n) max |c|``:
+  ``scaled = (u, c)``: ``v = c * u`` elementwise; ``spread = (u, axes,
+  c)``: ``v_j = c_j u_{o(j)}``, ``u`` copied along ``axes`` (``c`` None:
+  1)."""
+  __slots__ = ("l", "n", "scaled", "spread")
+
+  def __init__(self, l, n: int, scaled=None, spread=None):
+    self.l, self.n, self.scaled, self.spread = l, n, scaled, spread
+
+
+def _grouped(c, axes) -> jax.Array:
+  """``max_o sqrt(sum_{j in o} c_j^2)``, ``o`` ranging over the entries
+  of ``c`` with ``axes`` summed out."""
+  c = jnp.square(jnp.asarray(c, jnp.float32))
+  return jnp.sqrt(jnp.max(jnp.sum(c, axis=tuple(axes)))) if c.size else (
+      jnp.float32(0))
+
+
+def _size(aval) -> int:
+  return math.prod(aval.shape)
+
+
+def _max_abs(a) -> jax.Array:
+  return jnp.max(jnp.abs(jnp.asarray(a, jnp.float32))) if jnp.size(a) else (
+      jnp.float32(0))
+
+
+def _frobenius(a) -> jax.Array:
+  a = jnp.asarray(a, jnp.float32)
+  return jnp.sqrt(jnp.sum(jnp.square(a)))
+
+
+def _unary(k: float = 1.0, rounds: int = 0):
+  """A map that keeps norms (times ``k``): casts, reshapes, slices."""
+  def rule(eqn, ins):
+    (lin,) = [x for x in ins if isinstance(x, _Lin)]
+    return _Lin(lin.l * k, lin.n + rounds)
+  return rule
+
+
+def _resized(eqn, ins):
+  """``reduce_sum`` (``n`` terms into each output) and broadcasts (each
+  entry copied ``n`` times): a factor ``sqrt(n)``; a sum rounds ``n``
+  times. A sum of a product ``c * u`` is bounded by ``max_o |c_o|``."""
+  (lin,) = [x for x in ins if isinstance(x, _Lin)]
+  n_in, n_out = _size(eqn.invars[0].aval), _size(eqn.outvars[0].aval)
+  if eqn.primitive.name == "reduce_sum":  # A sum of n_in / n_out terms.
+    n = max(n_in // max(n_out, 1), 1)
+    l = lin.l * math.sqrt(n)
+    if lin.scaled is not None:
+      u, c = lin.scaled
+      l = jnp.minimum(l, u.l * _grouped(c, eqn.params["axes"]))
+    return _Lin(l, lin.n + n)
+  shape_in = eqn.invars[0].aval.shape
+  shape_out = eqn.outvars[0].aval.shape
+  kept = eqn.params["broadcast_dimensions"]
+  axes = tuple(d for d in range(len(shape_out)) if d not in kept) + tuple(
+      d for k, d in enumerate(kept) if shape_in[k] != shape_out[d])
+  spread = (lin, axes, None)
+  if lin.scaled is not None and jnp.shape(lin.scaled[1]) == shape_in:
+    u, c = lin.scaled
+    spread = (u, axes, lax.broadcast_in_dim(c, shape_out, kept))
+  return _Lin(lin.l * math.sqrt(n_out // max(n_in, 1)), lin.n, spread=spread)
+
+
+def _sum_of(eqn, ins):
+  """``add``, ``sub``, ``add_any``, ``select_n`` (its predicate constant):
+  the sum of the dependent operands' factors."""
+  lins = [x for x in ins if isinstance(x, _Lin)]
+  if eqn.primitive.name == "select_n" and isinstance(ins[0], _Lin):
+    return None  # A predicate that depends on the cotangent.
+  rounds = 0 if eqn.primitive.name == "select_n" else 1
+  return _Lin(sum(x.l for x in lins), max(x.n for x in lins) + rounds)
+
+
+def _scaled(eqn, ins):
+  """``mul`` by a constant (a diagonal map: ``max|a|``), ``div`` of a
+  dependent operand by a constant (``max|1/a|``); products compose, and a
+  product of a broadcast is bounded by ``max_o |c_o|``."""
+  lins = [k for k, x in enumerate(ins) if isinstance(x, _Lin)]
+  if len(lins) != 1:
+    return None  # Quadratic in the cotangent.
+  k = lins[0]
+  lin, const = ins[k], ins[1 - k]
+  c = jnp.broadcast_to(jnp.asarray(const, jnp.float32),
+                       eqn.outvars[0].aval.shape)
+  if eqn.primitive.name == "div":
+    if k != 0:
+      return None  # a / ct is not linear.
+    c = 1.0 / c
+  l = lin.l * _max_abs(c)
+  base = lin
+  if lin.scaled is not None:  # c * (c0 * u)
+    base, c0 = lin.scaled
+    c = c * c0
+    l = jnp.minimum(l, base.l * _max_abs(c))
+  if lin.spread is not None:  # c_j c0_j u_{o(j)}
+    u, axes, c0 = lin.spread
+    l = jnp.minimum(l, u.l * _grouped(c if c0 is None else c * c0, axes))
+  return _Lin(l, lin.n + 1, scaled=(base, c))
+
+
+def _dot(eqn, ins):
+  """``dot_general`` with one constant operand ``a``: ``|a|_F``; its
+  contraction of ``n`` terms rounds ``n`` times."""
+  lins = [k for k, x in enumerate(ins) if isinstance(x, _Lin)]
+  if len(lins) != 1:
+    return None
+  k = lins[0]
+  (contract, _), _ = eqn.params["dimension_numbers"]
+  n = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
+  return _Lin(ins[k].l * _frobenius(ins[1 - k]), ins[k].n + max(n, 1))
+
+
+def _concatenate(eqn, ins):
+  lins = [x for x in ins if isinstance(x, _Lin)]
+  return _Lin(jnp.sqrt(sum(jnp.square(jnp.asarray(x.l, jnp.float32))
+                           for x in lins)), max(x.n for x in lins))
+
+
+def _cumsum(eqn, ins):
+  (lin,) = [x for x in ins if isinstance(x, _Lin)]
+  n = eqn.invars[0].aval.shape[eqn.params["axis"]]
+  return _Lin(lin.l * n, lin.n + n)
+
+
+def _pad(eqn, ins):
+  """Padding with a constant zero keeps norms (a nonzero padding value is
+  an affine, not linear, map)."""
+  if isinstance(ins[1], _Lin):
+    return None
+  return _unary()(eqn, ins[:1])
+
+
+def _update(eqn, ins):
+  """``dynamic_update_slice``: the operand and the update, summed."""
+  return _sum_of(eqn, [x for x in ins[:2]])
+
+
+#: Primitive name -> ``rule(eqn, ins) -> _Lin or None`` for an equation
+#: with at least one operand that depends on the cotangent (the others
+#: are values); None: not linear in it.
+RULES: dict[str, Callable[..., Optional[_Lin]]] = {
+    **{name: _unary() for name in (
+        "neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
+        "copy_p", "rev", "slice", "dynamic_slice", "real", "imag",
+        "reduce_precision", "optimization_barrier", "split")},
+    "convert_element_type": _unary(rounds=1),
+    "reduce_sum": _resized,
+    "broadcast_in_dim": _resized,
+    "add": _sum_of, "sub": _sum_of, "add_any": _sum_of, "select_n": _sum_of,
+    "mul": _scaled, "div": _scaled,
+    "dot_general": _dot,
+    "concatenate": _concatenate,
+    "cumsum": _cumsum,
+    "pad": _pad,
+    "dynamic_update_slice": _update,
+}
+
+#: Calls whose body is a program of its own: interpreted inline.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+def _body(eqn):
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    inner = eqn.params.get(key)
+    if inner is not None:
+      return inner
+  return None
+
+
+def _run(jaxpr, consts, ins):
+  """Interprets ``jaxpr``: constants by value, dependent variables as
+  :class:`_Lin`; ``(outs, why)``, ``why`` a string where a dependent
+  equation is not in :data:`RULES` or not linear."""
+  env = {}
+  read = lambda v: v.val if isinstance(v, hx.Literal) else env[v]
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, ins):
+    env[v] = a
+  for eqn in jaxpr.eqns:
+    vals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if not any(isinstance(x, _Lin) for x in vals):
+      outs = hx.bind_equation(eqn, vals)
+    elif name in _CALLS and _body(eqn) is not None:
+      inner = _body(eqn)
+      body = getattr(inner, "jaxpr", inner)
+      outs, why = _run(body, list(getattr(inner, "consts", ())), vals)
+      if why:
+        return None, why
+    else:
+      rule = RULES.get(name)
+      out = rule(eqn, vals) if rule is not None else None
+      if out is None:
+        return None, f"`{name}`"
+      outs = [out] * len(eqn.outvars)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+  return [read(v) for v in jaxpr.outvars], None
+
+
+def bound(fun: Callable[..., Any], *args: Any):
+  """``(L, N, precision, None)`` for a function ``fun`` linear in its
+  arguments (all of them depend on the cotangent): ``|fun(*args)| <= L
+  |args|`` (all outputs together, in the 2-norm), and every output
+  rounds at most ``N`` times along any path (see the module docstring);
+  ``precision`` the lowest of its dot products' (``None`` for none, else
+  a ``lax.Precision``). ``L`` is a float32 scalar computed in the
+  caller's trace. ``(None, None, None, why)`` where the program is not
+  linear in its arguments, or uses a primitive without a rule here."""
+  closed = jax.make_jaxpr(fun)(*args)
+  n_in = len(jax.tree.leaves(args))
+  outs, why = _run(closed.jaxpr, list(closed.consts),
+                   [_Lin(jnp.float32(1), 0)] * n_in)
+  if why:
+    return None, None, None, why
+  lins = [o for o in outs if isinstance(o, _Lin)]
+  if not lins:
+    return jnp.float32(0), 0, None, None
+  # Each output's L bounds it by max_k |ct_k| <= |ct| (every argument
+  # started at L = 1); the outputs together by their root sum of squares.
+  l = jnp.sqrt(sum(jnp.square(jnp.asarray(o.l, jnp.float32)) for o in lins))
+  return l, max(o.n for o in lins), _lowest_precision(closed.jaxpr), None
+
+
+def _lowest_precision(jaxpr):
+  """``lax.Precision.HIGHEST`` where every dot product of the program
+  (nested calls included) asks for it, else ``lax.Precision.DEFAULT``."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      p = eqn.params.get("precision")
+      p = p[0] if isinstance(p, tuple) else p
+      if p != lax.Precision.HIGHEST:
+        return lax.Precision.DEFAULT
+    for inner in hx.jaxprs_of(eqn):
+      if _lowest_precision(inner) != lax.Precision.HIGHEST:
+        return lax.Precision.DEFAULT
+  return lax.Precision.HIGHEST
