@@ -128,6 +128,21 @@ def test_quickstart_is_the_same_in_readme_and_docs():
           first_doctest(os.path.join(DOCS, "quickstart.rst")))
 
 
+def test_readme_set_up_is_two_commands():
+  """One installs and runs the demo, one installs and runs the tests."""
+  readme = os.path.join(ROOT, "README.md")
+  with open(readme, encoding="utf-8") as f:
+    text = f.read()
+  start = text.index("## Set up")
+  end = text.index("\n## ", start + 1)
+  first = text[:start].count("\n") + 1
+  last = text[:end].count("\n") + 1
+  shell = [b.code.strip() for b in doctest_file.blocks(readme)
+           if first <= b.line <= last and b.kind == "shell"]
+  assert shell == ['pip install ".[demo]" && python -m gram_haiku demo',
+                   'pip install -e ".[test]" && python -m pytest -n auto']
+
+
 def test_readme_layout_names_every_private_module():
   """The README's map of ``gram_haiku/_src`` stays current."""
   with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
