@@ -195,6 +195,23 @@ def test_padding_examples_under_jit():
     np.testing.assert_allclose(got["p"]["b"], [want_b], atol=1e-6)
 
 
+def test_padding_rows_keep_their_values_and_norms():
+  """Padded rows add nothing to the sum; their values and norms are still
+  reported, as jax-privacy's are."""
+  f, params, state, x, y = _mlp(11, b=6, with_aux=True)
+  pad = jnp.array([False, True, False, False, True, False])
+  theirs, ours = _both(f, 0, True, l2_clip_norm=0.8, batch_argnums=(3, 4),
+                       return_values=True, return_grad_norms=True)
+  got = jax.jit(ours)(params, state, None, x, y, is_padding_example=pad)
+  _assert_same(got, jax.jit(theirs)(params, state, None, x, y,
+                                    is_padding_example=pad),
+               rtol=2e-5, atol=1e-6)
+  want, norms = _reference(f, params, state, (x, y), 0.8, pad=pad)
+  _assert_same(got[0], jax.tree.map(lambda a: a.astype(np.float32), want),
+               rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(got[1].grad_norms, norms, rtol=1e-5)
+
+
 def test_has_aux_gives_per_example_aux():
   f, params, state, x = _quadratic(with_aux=True)
   theirs, ours = _both(f, argnums=0, has_aux=True, batch_argnums=3,

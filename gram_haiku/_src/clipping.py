@@ -29,8 +29,15 @@ gets weight 0 with its rows masked (jax-privacy's ``nan_safe``).
 
 The result is jax-privacy's ``BoundedSensitivityCallable`` (its
 ``sensitivity()`` is what jax-privacy's noise calibration and accounting
-read), with the conventions of ``jax_privacy.clipping.clipped_grad``
-(``l2_clip_norm``, ``normalize_by``, ``is_padding_example``).
+read). :func:`clipped_grad` takes the arguments of
+``jax_privacy.clipping.clipped_grad`` and returns its structure (bare
+gradients, or jax-privacy's ``AuxiliaryOutput`` with per-example fields),
+so that a jax-privacy user switches by changing the import; the options
+that need per-example gradients or a per-example vmap
+(``pre_clipping_transform``, ``microbatch_size``, ``prng_argnum``,
+``spmd_axis_name``, ``keep_batch_dim=False``) are refused with a message
+that names what to use here. ``full_aux=True`` returns this library's
+:class:`ClippedGradAux` instead.
 """
 
 from __future__ import annotations
@@ -110,7 +117,8 @@ def split_threshold(total: float, sizes: Mapping[str, int],
 
 
 class ClippedGradAux(NamedTuple):
-  """The auxiliary output of :func:`clipped_grad`'s callable.
+  """The auxiliary output of :func:`clipped_grad`'s callable with
+  ``full_aux=True`` (or the form ``clipped_grad(apply, C)``).
 
   Per-example fields are not privatised: handle them with care (as
   jax-privacy's ``AuxiliaryOutput``).
