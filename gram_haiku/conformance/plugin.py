@@ -1,26 +1,34 @@
 """pytest plugin for the conformance suite (pytest11 entry point
 ``gram_haiku_conformance``).
 
+It loads in every pytest run of an environment that has gram_haiku
+installed, so it imports nothing heavy (no JAX, NumPy or hypothesis) until
+a run selects ops or collects a conformance test.
+
 Options (each also an environment variable, for tox and CI):
 
 * ``--conformance-ops`` / ``CONFORMANCE_OPS``: comma-separated op names to
-  check (default: every registered op).
+  check (default: every registered op). A name no module registered ends
+  the run with one message: the registered ops, and how to register one.
 * ``--conformance-thorough`` / ``CONFORMANCE_THOROUGH=1``: every (op, case)
   pair, every layout and a larger hypothesis budget (nightly runs); by
-  default each case runs on at least :data:`OPS_PER_CASE` ops (see
-  :func:`sample_items`).
+  default each case runs on at least :data:`OPS_PER_CASE` of the built-in
+  ops (see :func:`sample_items`), and every case of a third party's op
+  runs.
 * ``--conformance-modules`` / ``CONFORMANCE_MODULES``: comma-separated
   modules to import first (they register your ops; the sharded runner
-  imports them too).
+  imports them too). Not needed for a ``conftest.py`` that registers them.
 * ``--conformance-timeout`` / ``CONFORMANCE_TIMEOUT_S``: seconds a
   multi-device runner subprocess may take (default 3600; 0 for none).
 * ``CONFORMANCE_PIN_DEVICES=1``: under pytest-xdist, each worker sees one
   accelerator (``CUDA_VISIBLE_DEVICES`` / ``TPU_VISIBLE_CHIPS`` set from
   ``PYTEST_XDIST_WORKER`` before JAX starts) and does not preallocate.
 
-Fixtures: ``conformance_op`` (parametrised over the selected ops) and
-``conformance_platform`` (over the platforms of cpu/gpu/tpu that are
-present; the absent ones are named once in the terminal summary).
+Fixtures: ``conformance_op`` (parametrised over the selected ops),
+``conformance_group`` (over the property searches' groups of ops, see
+:func:`op_groups`) and ``conformance_platform`` (over the platforms of
+cpu/gpu/tpu that are present; the absent ones are named once in the
+terminal summary).
 """
 
 import collections
