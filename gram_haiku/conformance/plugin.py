@@ -322,11 +322,13 @@ def _row(item):
           callspec.params.get("conformance_platform", "cpu"))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
   """Samples the default budget (see :func:`sample_items`); records op,
   family and platform of each test (for the summary table), how many of
   its row's cases the budget deselected, and the platforms that are
-  absent."""
+  absent. Runs after ``-k``/``-m`` have deselected theirs: a row counts
+  the cases the budget left out of those selected."""
   del session
   deselected = collections.Counter()
   if not thorough() and any(getattr(item, "callspec", None) is not None and
