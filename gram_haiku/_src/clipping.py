@@ -415,7 +415,9 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
       no other; one number ``C`` is then split over the ``L`` tracked
       modules by ``layer_split``, so that the bound is ``C`` either way.
     rescale_to_unit_norm: divide the clipped sum by ``C`` (sensitivity
-      ``1 / normalize_by``).
+      ``1 / normalize_by``). ``C`` must be positive and finite; a traced
+      ``C <= 0`` gives a zero gradient (jax-privacy's limit ``C -> 0``,
+      each ``g_i / |g_i|``, is ``clip_fn="automatic"`` here).
     normalize_by: the clipped sum is divided by it (e.g. the expected batch
       size); the sensitivity is divided too.
     batch_argnums: which positional arguments hold the examples (on axis 0),

@@ -837,7 +837,7 @@ JAXP_PRE_CLIPPING_TRANSFORM = (
     "from the Gram of the one backward pass), so there is no per-example "
     "gradient to transform before clipping.\n"
     "What to do: leave it out. To give layers different weights in the "
-    "clip, clip per layer: clipping='per-layer' with a dict {{module: C_l}} "
+    "clip, clip per layer: clipping='per-layer' with a dict {module: C_l} "
     "or layer_split= ('equal', 'by_size' or a function).")
 
 JAXP_MICROBATCH_SIZE = (
