@@ -405,3 +405,18 @@ def test_the_old_import_path_warns_and_is_the_same_suite():
   assert proc.returncode == 0, proc.stderr
   assert "python -m gram_haiku.conformance instead" in proc.stderr
   assert "--ops" in proc.stdout
+
+
+def test_gram_haiku_public_names_load_on_first_use():
+  """``import gram_haiku`` (what the plugin's import starts with) imports no
+  JAX; every name of ``__all__`` is one that loads on first use."""
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  assert set(gram_haiku.__all__) == set(gram_haiku._SOURCES)  # pylint: disable=protected-access
+  code = ("import sys, gram_haiku\n"
+          "assert 'jax' not in sys.modules and 'haiku' not in sys.modules\n"
+          "gram_haiku.track\n"
+          "assert 'jax' in sys.modules\n"
+          "assert all(hasattr(gram_haiku, n) for n in gram_haiku.__all__)\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, check=False, timeout=120)
+  assert proc.returncode == 0, proc.stderr
