@@ -109,6 +109,15 @@ class FreezesEverythingLinear(GramLinear):
     return value, provided
 
 
+class UnboundedNormsLinear(GramLinear):
+  """Ignores ``cfg.upper_bound``: its ghost norms carry no rounding bound,
+  so a cancelling example's norm may come out below the truth."""
+
+  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
+    return super().probe_cotangent_and_grads(
+        x, g, params, wanted, cfg.replace(upper_bound=False))
+
+
 def test_wrong_cotangent_dtype_fails_parity():
   spec = _spec(WrongDtypeLinear)
   with pytest.raises(AssertionError, match="cotangent dtype float32"):
@@ -226,3 +235,11 @@ def test_property_search_catches_missing_cross_terms():
   good = properties.RandomModel(ops=(_spec(GramLinear),) * 2, batch=3,
                                 within=3, in_axes=(0, 0), seed=1)
   properties.check_random_model(good)
+
+
+def test_norms_without_their_rounding_bound_fail_bounds():
+  spec = _spec(UnboundedNormsLinear)
+  with pytest.raises(AssertionError, match="below the float64 truth"):
+    checks.check_norm_bounds(spec, "cancelling", "norms")
+  checks.check_norm_bounds(spec, "ordinary", "per_example")
+  checks.check_norm_bounds(_spec(GramLinear), "cancelling", "norms")

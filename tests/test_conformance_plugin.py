@@ -376,7 +376,7 @@ def test_every_collected_family_has_a_row(tmp_path):
         assert marks, f"{module.__name__}.{name} has no family"
         families.add(marks[0].args[0])
   assert families == {"parity", "reference", "vmap", "transforms", "frozen",
-                      "sharded", "properties"}
+                      "bounds", "sharded", "properties"}
 
 
 def test_the_old_import_path_warns_and_is_the_same_suite():

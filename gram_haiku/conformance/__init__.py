@@ -5,7 +5,7 @@ A Gram op is described by an :class:`OpSpec` (how to build inputs, how to
 call the op, and the matching untracked per-example loss) and registered
 with :func:`register`. The check families in
 :mod:`gram_haiku.conformance.checks` (parity, reference, vmap, transforms,
-frozen, sharded, properties) then run every registered op.
+frozen, bounds, sharded, properties) then run every registered op.
 
 Run it with ``python -m gram_haiku.conformance`` (in parallel, with a
 summary table), ``pytest --pyargs gram_haiku.conformance`` (an installed

@@ -32,6 +32,8 @@ import numpy as np
 
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
+from gram_haiku._src import norm_bounds
+from gram_haiku._src import plan as plan_lib
 from gram_haiku._src import reference
 from gram_haiku import ExampleAxis
 
@@ -633,6 +635,64 @@ def check_frozen(spec: OpSpec, seed=0):
           err_msg=f"{spec.name}: per-example columns of frozen {k} not zero")
     assert_close(per @ per.T, ref,
                  what=f"Gram of the per-example gradients ({label})")
+
+
+#: Inputs of the bounds family: as drawn, and with example 0's first two
+#: positions riding on a large offset of opposite signs (``x + a``,
+#: ``x - a``, ``|a| = 1e3 |x|``), whose gradient terms nearly cancel.
+BOUND_CASES = ("ordinary", "cancelling")
+
+
+def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
+  """In a clipping pass (``Plan.upper_bound``, ``cfg.upper_bound`` for the
+  rule) the op's squared norms (``mode="norms"``), or its per-example rows
+  with their rounding bound (``mode="per_example"``: the store's last
+  column), are never below the float64 truth: a clip factor taken from a
+  smaller norm lets the example in unclipped. The loss is linear in the
+  op's output (``sum(out * v)``, ``v`` drawn, equal at example 0's first
+  two positions), so the reference gradient is the exact one of the
+  cotangents the op sees."""
+  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  if case == "cancelling":
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise NotApplicable("the op's input is not floating-point")
+    a = 1e3 * jnp.max(jnp.abs(x)) * jax.random.normal(
+        jax.random.PRNGKey(seed + 7), x.shape[2:], x.dtype)
+    x = x.at[0, 0].add(a).at[0, 1].add(-a)
+  out = jax.eval_shape(lambda: spec.plain(params, x[0]))
+  v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
+                        jnp.float32)
+  v = v.at[0, 1].set(v[0, 0])
+  f = np.asarray(reference.per_example_grads(
+      lambda p, xi, vi: jnp.sum(spec.plain(p, xi).astype(jnp.float32) * vi),
+      params, x, v, upcast=True), np.float64)
+  true = np.sqrt(np.sum(f * f, axis=1))
+  plan = plan_lib.Plan.make(mode=mode, example_axis=0).replace(
+      upper_bound=True)
+  width = f.shape[1] + 1
+  probe = _probe((B,) if mode == "norms" else (B, width))
+
+  def loss(probe):
+    out = spec.apply(params, probe, x, plan=plan)
+    return jnp.sum(out.astype(jnp.float32) * v)
+  got = jax.jit(jax.grad(loss))(probe)
+  if mode == "norms":
+    sq = np.asarray(got, np.float64)
+  else:
+    sq = np.asarray(norm_bounds.of_rows(got[:, :-1], got[:, -1]), np.float64)
+  low = np.flatnonzero(np.sqrt(np.maximum(sq, 0)) < true * (1 - 1e-9))
+  if low.size:
+    raise AssertionError(
+        f"{spec.name} ({case} inputs, mode={mode!r}): in a clipping pass "
+        f"(cfg.upper_bound) the norm bounds of examples {low.tolist()} are "
+        f"below the float64 truth: {np.sqrt(sq[low])} < {true[low]}. A clip "
+        "factor from such a norm lets the example in unclipped.\nWhat to "
+        "do: where cfg.upper_bound, make the rule's sq_norms return an "
+        "upper bound (the value plus a bound of its rounding error, "
+        "e.g. gamma_n sum_{t,s} |x_t . x_s| |d_t . d_s| for a ghost "
+        "norm), and give Rule.per_example_error; or leave sq_norms out: "
+        "the norms are then formed from the per-example gradients with "
+        "their rounding bound.")
 
 
 TRANSFORM_CHECKS = {

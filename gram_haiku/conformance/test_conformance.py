@@ -133,3 +133,11 @@ def test_transforms(conformance_op, conformance_platform, name):
 def test_frozen(conformance_op, conformance_platform):
   with checks.on_platform(conformance_platform):
     _run(checks.check_frozen, conformance_op)
+
+
+@pytest.mark.conformance_family("bounds")
+@pytest.mark.parametrize("mode", ["norms", "per_example"])
+@pytest.mark.parametrize("case", list(checks.BOUND_CASES))
+def test_norm_bounds(conformance_op, conformance_platform, case, mode):
+  with checks.on_platform(conformance_platform):
+    _run(checks.check_norm_bounds, conformance_op, case, mode)

@@ -77,6 +77,17 @@ class GramOpTestMixin:
     self._each("check", list(checks.TRANSFORM_CHECKS),
                lambda c: checks.TRANSFORM_CHECKS[c](self._spec()))
 
+  def test_norm_bounds(self):
+    cases = [(c, m) for c in checks.BOUND_CASES
+             for m in ("norms", "per_example")]
+
+    def one(cm):
+      try:
+        checks.check_norm_bounds(self._spec(), *cm)
+      except checks.NotApplicable:
+        pass  # (an integer input cannot be offset; the other cases ran)
+    self._each("case", cases, one)
+
   def test_frozen(self):
     # Skipped (with the reason), not failed, when the family cannot apply:
     # an ``apply`` without ``plan=``, or parameters reshaped before the op.
