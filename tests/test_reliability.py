@@ -432,7 +432,8 @@ def test_verify_detects_a_mean_loss():
   x, y = _data(11, (5, 4), 2)
   f, _ = _transforms(lambda x, y: jnp.mean((hk.Linear(2)(x) - y) ** 2))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  report = gram_haiku.verify(f.apply, params, state, None, x, y)
+  with pytest.warns(gram_haiku.MeanLossWarning):
+    report = gram_haiku.verify(f.apply, params, state, None, x, y)
   assert report.ok and report.loss_scale == "mean", str(report)
 
 
