@@ -12,6 +12,7 @@ from gram_haiku import ExampleAxis
 from gram_haiku import gram_linear
 from gram_haiku._src import errors
 from gram_haiku._src import cost_model
+from gram_haiku._src import kernels
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import assert_probe_value_close
 from gram_haiku._src.reference import per_example_grads
@@ -188,9 +189,13 @@ def test_zero_positions(mode):
 def test_cost_model_choice():
   assert cost_model.linear_method(128, 1, 784, 512, 4) == "ghost"
   assert cost_model.linear_method(8, 512, 16, 16, 4) == "materialize"
-  # Materialised gradients that would not fit the budget: ghost.
-  assert cost_model.linear_method(4096, 512, 4096, 4096, 4) == "ghost"
-  assert cost_model.linear_method(8, 512, 16, 16, 4, budget=1000) == "ghost"
+  # Materialised gradients that do not fit the budget are formed by chunks
+  # of output features (fewer multiply-adds than ghost's B^2 T^2 (N + M));
+  # where not even one feature's (cols, N) fit: ghost.
+  assert cost_model.linear_method(4096, 512, 4096, 4096, 4) == "materialize"
+  assert cost_model.linear_method(8, 512, 16, 16, 4, budget=1000) == (
+      "materialize")
+  assert cost_model.linear_method(8, 512, 16, 16, 4, budget=500) == "ghost"
   # Per-example mode always materialises; a forced strategy is kept.
   assert cost_model.linear_method(128, 1, 784, 512, 4,
                                   mode="per_example") == "materialize"
@@ -199,6 +204,26 @@ def test_cost_model_choice():
   with pytest.raises(ValueError, match="Unknown Gram strategy"):
     gram_linear(jnp.ones((2, 3)), jnp.ones((3, 2)), None, jnp.zeros((2, 2)),
                 strategy="fast")
+
+
+@pytest.mark.parametrize("budget", [None, 3 * 5 * 7 * 4, 5 * 7 * 4])
+def test_materialised_gram_by_chunks_of_features(budget):
+  """Per-example gradients over the memory budget: the Gram is the sum of
+  their chunks' Grams (chunks of 3 and of 1 output features of 11, the
+  last chunk padded), equal to the float64 reference."""
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.normal(size=(5, 4, 7)), jnp.float32)
+  d = jnp.asarray(rng.normal(size=(5, 4, 11)) * 10.0 ** rng.randint(
+      -3, 3, size=(5, 1, 1)), jnp.float32)
+  cfg = kernels.KernelConfig(precision=jax.lax.Precision.HIGHEST,
+                             **({} if budget is None else
+                                {"memory_budget_bytes": budget}))
+  f = np.einsum("itn,itm->inm", np.asarray(x, np.float64),
+                np.asarray(d, np.float64)).reshape(5, -1)
+  got = jax.jit(lambda x, d: kernels.materialized_gram(x, d, cfg))(x, d)
+  assert kernels.materialized_chunk(x, d, cfg) == {
+      None: 11, 3 * 5 * 7 * 4: 3, 5 * 7 * 4: 1}[budget]
+  assert_gram_close(got, f @ f.T)
 
 
 def test_checkpoint_keeps_the_gram():

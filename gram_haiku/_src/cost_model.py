@@ -141,8 +141,9 @@ def linear_method(b: int, t: int, n: int, m: int, acc_bytes: int, *,
     budget: the memory budget in bytes.
 
   ``"auto"``, full Gram: the fewer multiply-adds (plus gathered bytes under
-  ``shard_map``), materialised only when the ``cols x N x M`` per-example
-  gradients fit ``budget``. ``"auto"``, diagonal: ghost costs ``B T^2 (N +
+  ``shard_map``); the materialised per-example gradients are formed by
+  chunks of output features where the ``cols x N x M`` of them exceed
+  ``budget`` (materialised only where one feature's ``cols x N`` fit). ``"auto"``, diagonal: ghost costs ``B T^2 (N +
   M)``; materialised ``B T N M`` to form the per-example gradients, but their
   sum is the weight gradient, which the op then does not compute again, so
   what is extra is ``B N M``.
@@ -155,7 +156,10 @@ def linear_method(b: int, t: int, n: int, m: int, acc_bytes: int, *,
   if mode == "norms":
     fits = b * n * m * acc_bytes <= budget
     return "materialize" if fits and n * m < t * t * (n + m) else "ghost"
-  fits = cols * n * m * acc_bytes <= budget
+  # The full Gram's per-example gradients are formed by chunks of output
+  # features where all of them do not fit (kernels.materialized_gram):
+  # materialising only needs one feature's worth, at the same cost.
+  fits = cols * n * acc_bytes <= budget
   ghost = ghost_flops(b, t, n, m, cols)
   mat = materialize_flops(b, t, n, m, cols)
   if cols > b:

@@ -496,13 +496,41 @@ def materialized_gram(x: jax.Array, d: jax.Array,
                       cfg: KernelConfig) -> jax.Array:
   """Weight Gram (1) from materialised per-example gradients ``x_i^T d_i``.
 
-  Args and returns as :func:`ghost_gram`. Builds ``(B, N, M)`` per-example
-  gradients; the cost model only picks this when they fit
-  ``cfg.memory_budget_bytes``.
+  Args and returns as :func:`ghost_gram`. Builds the ``(B, N, M)``
+  per-example gradients where their ``cols x N x M`` numbers fit
+  ``cfg.memory_budget_bytes``; else their slices ``(B, N, M_c)`` over
+  chunks of the output features, one chunk at a time (a loop), summing
+  the chunks' Grams: ``F F^T = sum_c F_c F_c^T`` over any split of the
+  columns of ``F``. Same multiply-adds, ``M / M_c`` times less memory.
   """
-  g = jnp.einsum("itn,itm->inm", x, d, precision=cfg.precision)
-  g = rows(g)
-  return gram_matmul(g, g, cfg)
+  m = d.shape[-1]
+  chunk = materialized_chunk(x, d, cfg)
+
+  def one(dc):
+    g = rows(jnp.einsum("itn,itm->inm", x, dc, precision=cfg.precision))
+    return gram_matmul(g, g, cfg)
+  if chunk >= m:
+    return one(d)
+  k = -(-m // chunk)
+  if k * chunk > m:  # Zero columns: nothing in any example's gradient.
+    d = jnp.pad(d, ((0, 0), (0, 0), (0, k * chunk - m)))
+  return lax.fori_loop(
+      1, k, lambda c, acc: acc + one(lax.dynamic_slice_in_dim(
+          d, c * chunk, chunk, axis=2)),
+      one(d[..., :chunk]))
+
+
+def materialized_chunk(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> int:
+  """Output features per chunk of :func:`materialized_gram`: all ``M``
+  where the ``(cols, N, M)`` per-example gradients fit the budget, else the
+  most that fit (at least one; a symbolic ``M`` is never chunked)."""
+  m = d.shape[-1]
+  if not isinstance(m, int):
+    return m
+  per_feature = (cfg.column_count(cost_model.size_hint(x.shape[0])) *
+                 cost_model.size_hint(x.shape[-1]) *
+                 jnp.dtype(d.dtype).itemsize)
+  return int(min(m, max(1, cfg.memory_budget_bytes // max(per_feature, 1))))
 
 
 
