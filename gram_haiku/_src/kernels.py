@@ -522,15 +522,22 @@ def materialized_gram(x: jax.Array, d: jax.Array,
 
 def materialized_chunk(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> int:
   """Output features per chunk of :func:`materialized_gram`: all ``M``
-  where the ``(cols, N, M)`` per-example gradients fit the budget, else the
-  most that fit (at least one; a symbolic ``M`` is never chunked)."""
+  where the ``(cols, N, M)`` per-example gradients fit the budget; else
+  ``M`` split evenly into as few chunks as fit (a divisor of ``M`` where
+  one is at least half that size: no padding), at least one feature; a
+  symbolic ``M`` is never chunked."""
   m = d.shape[-1]
   if not isinstance(m, int):
     return m
   per_feature = (cfg.column_count(cost_model.size_hint(x.shape[0])) *
                  cost_model.size_hint(x.shape[-1]) *
                  jnp.dtype(d.dtype).itemsize)
-  return int(min(m, max(1, cfg.memory_budget_bytes // max(per_feature, 1))))
+  most = int(max(1, cfg.memory_budget_bytes // max(per_feature, 1)))
+  if most >= m:
+    return m
+  even = -(-m // -(-m // most))  # ceil(m / fewest chunks)
+  divisor = max(k for k in range(1, even + 1) if m % k == 0)
+  return divisor if 2 * divisor >= even else even
 
 
 

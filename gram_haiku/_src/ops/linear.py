@@ -145,7 +145,11 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   xm, dm = kernels.linear_factors(x, g, example_dim)
   positions = xm.shape[1]
   method = _method(x, g, params, example_dim, cfg, mode)
-  if method == "ghost":
+  chunked = (mode == "gram" and
+             kernels.materialized_chunk(xm, dm, cfg) < dm.shape[-1])
+  if method == "ghost" or chunked:
+    # (Per-example gradients over the budget: formed by chunks of output
+    # features inside the Gram, none of them whole to give dw.)
     fn = (kernels.linear_sq_norms if mode == "norms"
           else kernels.linear_gram)
     return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
