@@ -7,6 +7,8 @@ Examples::
   python -m benchmarks --model lm --batch_size 4 --seq_len 64
   python -m benchmarks --suite scaling --out docs/perf  # curves for the docs
   python -m benchmarks --suite all --out docs/perf      # everything
+  python -m benchmarks --suite real --scale cpu         # WRN, ViT, GPT
+  python -m benchmarks --suite real --scale full        # the same, a TPU
 
 Outputs in ``--out``: ``<suite>.json`` (every figure, the environment and
 the command), ``<suite>*.png`` and ``<suite>*_table.inc`` (reStructuredText
@@ -20,10 +22,12 @@ import datetime
 import os
 import platform
 import sys
+import time
 from typing import Optional, Sequence
 
 from benchmarks import jax_methods
 from benchmarks import models
+from benchmarks import realistic
 from benchmarks import report
 from benchmarks import runner
 from benchmarks import scaling
@@ -54,18 +58,23 @@ def parser() -> argparse.ArgumentParser:
       description="Step time, memory and FLOPs of gram_haiku against plain "
       "value_and_grad, naive vmap(grad) and (with the bench-torch extra) "
       "Opacus and BackPACK.")
-  p.add_argument("--suite", choices=("models", "scaling", "all"),
+  p.add_argument("--suite", choices=("models", "scaling", "all", "real"),
                  default="models",
                  help="models: the step-time table of every model and "
-                 "method; scaling: the B and T sweeps; all: both "
+                 "method; scaling: the B and T sweeps; all: both; real: "
+                 "WRN-16-4, ViT-S/4 and a GPT-2-style decoder against "
+                 "jax-privacy (see --scale; not part of all) "
                  "(default: %(default)s)")
-  p.add_argument("--model", type=_csv("model", models.MODEL_NAMES),
-                 default=list(models.MODEL_NAMES),
+  p.add_argument("--model", type=_csv("model", models.MODEL_NAMES +
+                                      models.REAL_MODEL_NAMES),
+                 default=None,
                  help="comma-separated: " + ",".join(models.MODEL_NAMES) +
-                 " (default: all)")
+                 " (models suite), " + ",".join(models.REAL_MODEL_NAMES) +
+                 " (real suite) (default: all of the suite's)")
   p.add_argument("--method", type=_csv("method", ALL_METHODS),
-                 default=list(ALL_METHODS),
-                 help="comma-separated, default all: " + ",".join(ALL_METHODS))
+                 default=None,
+                 help="comma-separated, default all: " + ",".join(ALL_METHODS)
+                 + " (real suite: " + ",".join(realistic.METHODS) + ")")
   p.add_argument("--batch_size", type=int, default=None,
                  help="B for every model (default: mlp 128, cnn 64, lm 8, "
                  "lstm 64, tiny_mlp 32, small_cnn 32, attn64 16)")
@@ -82,10 +91,32 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tied", choices=models.TIED_FORMS, default="auto",
                  help="lm output layer: gram_haiku.unembed(embed, h) "
                  "(auto: when available) or raw h @ embed.embeddings.T")
-  p.add_argument("--repeats", type=int, default=4,
-                 help="timed steps per method per round")
-  p.add_argument("--rounds", type=int, default=8,
-                 help="rounds; methods interleaved, order rotated")
+  p.add_argument("--repeats", type=int, default=None,
+                 help="timed steps per method per round (default 4; real "
+                 "suite 3: on an accelerator, timed calls of each looped "
+                 "program)")
+  p.add_argument("--rounds", type=int, default=None,
+                 help="rounds; methods interleaved, order rotated (default "
+                 "8; real suite 2: on an accelerator, the device-time "
+                 "differences whose median is taken)")
+  p.add_argument("--scale", choices=realistic.SCALE_NAMES, default="cpu",
+                 help="real suite: full (the issue's sizes, an "
+                 "accelerator), cpu (scaled down) or smoke (tiny) "
+                 "(default: %(default)s)")
+  p.add_argument("--memory_budget_gb", type=float, default=None,
+                 help="real suite: the budget of the largest-batch search "
+                 "in GiB (default: the device's limit; on a CPU 16 (full), "
+                 "1 (cpu), 1/256 (smoke))")
+  p.add_argument("--fit_steps", type=int, default=2,
+                 help="real suite: compiles per method of the largest-batch "
+                 "search (default: %(default)s)")
+  p.add_argument("--timer", choices=("auto", "wall", "device"),
+                 default="auto",
+                 help="real suite: device time (looped programs; auto: off "
+                 "a CPU) or wall time (default: %(default)s)")
+  p.add_argument("--k", type=int, default=4,
+                 help="real suite, device time: steps in the long looped "
+                 "program (default: %(default)s)")
   p.add_argument("--warmup", type=int, default=2,
                  help="untimed steps per method after compilation "
                  "(default: %(default)s)")
@@ -105,7 +136,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--sweep", type=_csv("sweep", ("batch", "seq")),
                  default=["batch", "seq"], help="scaling sweeps to run")
   p.add_argument("--batch_sizes", type=_ints, default=None,
-                 help="scaling: B values (default 16,...,4096)")
+                 help="scaling: B values (default 16,...,4096); real: the "
+                 "two batch sizes of every model")
   p.add_argument("--seq_lens", type=_ints, default=None,
                  help="scaling: T values (default 1,...,1024)")
   p.add_argument("--scaling_repeats", type=int, default=3,
@@ -140,6 +172,13 @@ def replot(out: str) -> int:
     report.plot_models(data["records"], os.path.join(out, "models.png"),
                        "Step-time ratio to own plain backward: " +
                        _title(data["environment"]))
+  for scale in realistic.SCALE_NAMES:
+    path = os.path.join(out, f"real_{scale}.json")
+    if os.path.exists(path):
+      found = True
+      with open(path) as f:
+        data = json.load(f)
+      _real_outputs(data, out, scale)
   path = os.path.join(out, "scaling.json")
   if os.path.exists(path):
     found = True
@@ -149,7 +188,8 @@ def replot(out: str) -> int:
     _scaling_outputs(recs, sorted({r["sweep"] for r in recs}), out,
                      data["environment"])
   if not found:
-    print(f"no models.json or scaling.json in {out}", file=sys.stderr)
+    print(f"no models.json, scaling.json or real_*.json in {out}",
+          file=sys.stderr)
     return 2
   return 0
 
@@ -166,6 +206,47 @@ def _scaling_outputs(records, sweeps, out, env) -> None:
     report.plot_seq_sweep(
         records, os.path.join(out, "scaling_seq.png"),
         f"hk.Linear(256) on f32[B=32, T, 256]: {_title(env)}")
+
+
+def _real_outputs(data: dict, out: str, scale: str) -> None:
+  """Prints the real suite's table and writes it as ``.inc``."""
+  print(report.text_table(*report.real_rows(data), max_status=200))
+  with open(os.path.join(out, f"real_{scale}_table.inc"), "w") as f:
+    f.write(report.real_rst(data))
+
+
+def _main_real(args, argv) -> int:
+  """``--suite real``: writes ``real_<scale>.json`` and its table."""
+  bad = [m for m in args.model or () if m not in models.REAL_MODEL_NAMES]
+  bad += [m for m in args.method or () if m not in realistic.METHODS]
+  if bad:
+    parser().error(f"not in the real suite: {bad}")
+  os.makedirs(args.out, exist_ok=True)
+  env = environment()
+  if argv is not None:
+    env["command"] = " ".join(["python -m benchmarks", *argv])
+  log = lambda s: print(s, flush=True)
+  log(f"# {_title(env)}; {env['command']}")
+  opts = realistic.Options(
+      models=args.model or list(models.REAL_MODEL_NAMES),
+      methods=args.method or list(realistic.METHODS), scale=args.scale,
+      batch_sizes=args.batch_sizes,
+      budget_bytes=(None if args.memory_budget_gb is None
+                    else int(args.memory_budget_gb * 2**30)),
+      fit_steps=args.fit_steps, timer=args.timer,
+      repeats=3 if args.repeats is None else args.repeats,
+      rounds=2 if args.rounds is None else args.rounds, k=args.k,
+      gram_precision=args.gram_precision,
+      progress=not args.no_progress)
+  t0 = time.perf_counter()
+  result = realistic.run(opts, log)
+  env["wall_s"] = time.perf_counter() - t0
+  data = {"environment": env, "options": vars(args), **result}
+  report.write_json(os.path.join(args.out, f"real_{args.scale}.json"), data)
+  log("")
+  _real_outputs(data, args.out, args.scale)
+  log(f"wrote {os.path.abspath(args.out)} in {env['wall_s']:.0f} s")
+  return 0
 
 
 def environment() -> dict:
@@ -211,6 +292,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser().parse_args(argv)
   if args.replot:
     return replot(args.out)
+  if args.suite == "real":
+    return _main_real(args, argv)
+  bad = [m for m in args.model or () if m not in models.MODEL_NAMES]
+  if bad:
+    parser().error(f"--model {bad}: only in --suite real")
+  args.model = args.model or list(models.MODEL_NAMES)
+  args.method = args.method or list(ALL_METHODS)
+  args.repeats = 4 if args.repeats is None else args.repeats
+  args.rounds = 8 if args.rounds is None else args.rounds
   os.makedirs(args.out, exist_ok=True)
   env = environment()
   if argv is not None:

@@ -66,6 +66,32 @@ def step_device_s(step: Callable, args: tuple, *, k: int, reps: int,
       for _ in range(reps)]))
 
 
+def dispatched_step_s(dispatch: Callable[[], object], *, k: int,
+                      reps: int, calls: int) -> float:
+  """Seconds of device time of one step, from ``k + 1`` steps dispatched
+  back to back (``dispatch()`` starts one and returns at once, as a
+  compiled JAX function does) against one: ``(t(k + 1) - t(1)) / k``, the
+  median of ``reps`` such differences, each of the median of ``calls``
+  timings. The device runs the queued steps in sequence while Python
+  dispatches the next, so the dispatch is amortised as in
+  :func:`step_device_s`, without compiling the step again (a looped
+  program is a new compile: tens of seconds for a large model on a TPU
+  host). It measures the device time when one step's device time exceeds
+  its dispatch (large steps); for steps of microseconds use
+  :func:`step_device_s`.
+  """
+  def run(n):
+    def go():
+      out = None
+      for _ in range(n):
+        out = dispatch()
+      jax.block_until_ready(out)
+    return go
+  return float(np.median([
+      (_median_call_s(run(k + 1), calls) - _median_call_s(run(1), calls)) / k
+      for _ in range(reps)]))
+
+
 def measure(model: str, methods: Sequence[str], *, k: int = 20, reps: int = 3,
             calls: int = 11, gram_precision: str = "highest") -> dict:
   """``{method: {"device_s", "ratio"}}`` for one benchmark model; the

@@ -14,10 +14,12 @@ rounds. So a ratio always compares steps timed within seconds of each other.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -35,6 +37,9 @@ class Compiled:
   flops: Optional[float]
   bytes_accessed: Optional[float]
   lowered_text: str = ""
+  #: runs the step without waiting for it (``jax``'s asynchronous
+  #: dispatch); returns its outputs.
+  dispatch: Optional[Callable[[], object]] = None
 
   @property
   def has_loops(self) -> bool:
@@ -64,26 +69,70 @@ def _cost(compiled) -> dict:
 def compile_jax(fn: Callable, args: tuple) -> Compiled:
   """``jax.jit(fn).lower(*args).compile()``, its memory and cost analyses.
 
-  Raises whatever tracing or compiling raises (an unsupported layer).
+  ``args`` may be ``jax.ShapeDtypeStruct`` (enough for the analyses; such
+  a program cannot run). Raises whatever tracing or compiling raises (an
+  unsupported layer).
   """
   t0 = time.perf_counter()
   lowered = jax.jit(fn).lower(*args)
+  return _compiled(lowered, args, time.perf_counter() - t0)
+
+
+def compile_many(jobs: Sequence[tuple[Callable, tuple]],
+                 workers: Optional[int] = None) -> list:
+  """:func:`compile_jax` of each ``(fn, args)``, XLA's compiles at once.
+
+  Tracing and lowering (Python, under the GIL) run in turn; the compiles
+  run in a thread pool of ``workers`` threads (default: the CPU count, at
+  most 16), since XLA releases the GIL while it compiles: on a many-core
+  accelerator host a model's programs compile in about the time of the
+  slowest. ``compile_s`` is then each program's lowering plus its own
+  compile, timed in its thread. Returns, per job, its :class:`Compiled` or
+  the exception it raised.
+  """
+  lowered = []
+  for fn, args in jobs:
+    t0 = time.perf_counter()
+    try:
+      lowered.append((jax.jit(fn).lower(*args), args,
+                      time.perf_counter() - t0))
+    except Exception as e:  # pylint: disable=broad-except
+      lowered.append(e)
+
+  def finish(item):
+    if isinstance(item, Exception):
+      return item
+    try:
+      return _compiled(*item)
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+  workers = workers or min(16, os.cpu_count() or 1)
+  if workers <= 1 or len(lowered) <= 1:
+    return [finish(item) for item in lowered]
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    return list(pool.map(finish, lowered))
+
+
+def _compiled(lowered, args: tuple, lower_s: float) -> Compiled:
+  t0 = time.perf_counter()
   compiled = lowered.compile()
-  compile_s = time.perf_counter() - t0
+  compile_s = lower_s + time.perf_counter() - t0
   mem = compiled.memory_analysis()
   cost = _cost(compiled)
 
   def run():
     return jax.block_until_ready(compiled(*args))
   get = lambda name: None if mem is None else int(getattr(mem, name))
-  return Compiled(run=run, compile_s=compile_s,
-                  temp_bytes=get("temp_size_in_bytes"),
-                  argument_bytes=get("argument_size_in_bytes"),
-                  output_bytes=get("output_size_in_bytes"),
-                  alias_bytes=get("alias_size_in_bytes"),
-                  flops=cost.get("flops"),
-                  bytes_accessed=cost.get("bytes accessed"),
-                  lowered_text=lowered.as_text())
+  c = Compiled(run=run, compile_s=compile_s,
+               temp_bytes=get("temp_size_in_bytes"),
+               argument_bytes=get("argument_size_in_bytes"),
+               output_bytes=get("output_size_in_bytes"),
+               alias_bytes=get("alias_size_in_bytes"),
+               flops=cost.get("flops"),
+               bytes_accessed=cost.get("bytes accessed"),
+               lowered_text=lowered.as_text())
+  c.dispatch = lambda: compiled(*args)
+  return c
 
 
 def _quartiles(a) -> tuple[float, float, float]:

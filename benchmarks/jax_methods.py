@@ -20,6 +20,7 @@ Gram is reported, never timed as if it were right).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import haiku as hk
@@ -63,23 +64,37 @@ def _tracked(net, mode: str, strategy: str, gram_precision: str):
 
 
 def prepare(bench: Bench, strategy: str = "auto", seed: int = 0,
-            gram_precision: str = "highest") -> Prepared:
+            gram_precision: str = "highest", params=None,
+            abstract: bool = False) -> Prepared:
   """Transforms the model plain and tracked; initialises the parameters.
 
   The parameters come from the plain model: ``track()`` creates the same
   ones (same names, shapes, initialisers). Tracked inits that raise (a layer
   kind not supported yet) are left out of ``states`` and reported by
-  :func:`build`.
+  :func:`build`. ``params``: given parameters (they do not depend on the
+  batch size) instead of new ones. ``abstract``: parameters and states as
+  ``jax.ShapeDtypeStruct`` (enough to compile a step, not to run it).
   """
   plain = hk.without_apply_rng(hk.transform(_summed(bench.net)))
   rng = jax.random.PRNGKey(seed)
-  params = plain.init(rng, *bench.batch)
+  if params is None:
+    init = (functools.partial(jax.eval_shape, plain.init) if abstract
+            else jax.jit(plain.init))
+    params = init(rng, *bench.batch)
   tracked, states = {}, {}
   for mode in TRACKED:
     tracked[mode] = hk.without_apply_rng(hk.transform_with_state(
         _tracked(bench.net, mode, strategy, gram_precision)))
     try:
-      _, states[mode] = tracked[mode].init(rng, *bench.batch)
+      _, shapes = jax.eval_shape(tracked[mode].init, rng, *bench.batch)
+      if abstract:
+        states[mode] = shapes
+      elif all(set(v) == {gram_haiku.PROBE_NAME} for v in shapes.values()):
+        # Nothing but probes, which are zeros: no init to compile.
+        states[mode] = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    shapes)
+      else:
+        _, states[mode] = jax.jit(tracked[mode].init)(rng, *bench.batch)
     except Exception as e:  # pylint: disable=broad-except
       states[mode] = e
   return Prepared(bench, plain, tracked, params, states)

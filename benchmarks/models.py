@@ -35,6 +35,7 @@ tracked Gram must still be no slower than naive ``vmap(grad)``:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional, Sequence
 
@@ -306,3 +307,159 @@ def make(name: str, batch_size: Optional[int] = None,
   if name in small:
     return small[name](**kwargs)
   raise ValueError(f"Unknown model {name!r}; expected one of {MODEL_NAMES}.")
+
+
+# -- realistic models (the ``real`` suite, :mod:`benchmarks.realistic`) -------
+#
+# Sized by keyword so that one builder serves the full size (a TPU), a
+# CPU-scaled size and the test suite's smoke size.
+
+REAL_MODEL_NAMES = ("wrn", "vit", "gpt")
+
+
+def standardise(w: jax.Array, eps: float = 1e-4) -> jax.Array:
+  """Weight standardisation of a kernel ``[..., C_in, C_out]``: zero mean
+  and unit variance over everything but the output channel."""
+  axes = tuple(range(w.ndim - 1))
+  mean = w.mean(axis=axes, keepdims=True)
+  var = jnp.square(w - mean).mean(axis=axes, keepdims=True)
+  return (w - mean) * jax.lax.rsqrt(var + eps)
+
+
+def _ws_getter(next_getter, value, context):
+  """A custom getter standardising every convolution kernel (rank 4)."""
+  value = next_getter(value)
+  if context.name == "w" and value.ndim == 4:
+    return standardise(value)
+  return value
+
+
+def make_wrn(batch_size: int = 256, depth: int = 16, width: int = 4,
+             base: int = 16, image: int = 32, groups: int = 16,
+             classes: int = 10, weight_standardisation: bool = True,
+             seed: int = 0) -> Bench:
+  """A pre-activation wide ResNet ``WRN-depth-width`` with GroupNorm (and
+  weight standardisation of every convolution kernel by a custom getter),
+  as in DP image classification (De et al. 2022): a 3x3 stem of ``base``
+  channels, three groups of ``(depth - 4) / 6`` blocks of ``base * width
+  * (1, 2, 4)`` channels (strides 1, 2, 2; a 1x1 projection where the
+  shape changes), GroupNorm + ReLU, mean pool, ``hk.Linear(classes)``."""
+  if (depth - 4) % 6:
+    raise ValueError(f"depth={depth}: expected 6 n + 4.")
+  per_group = (depth - 4) // 6
+  stages = [(base * width, 1), (2 * base * width, 2), (4 * base * width, 2)]
+
+  def net(x, y):
+    ctx = (hk.custom_getter(_ws_getter) if weight_standardisation
+           else contextlib.nullcontext())
+    with ctx:
+      h = hk.Conv2D(base, 3, name="stem")(x)
+      for g, (channels, stride) in enumerate(stages):
+        for b in range(per_group):
+          s = stride if b == 0 else 1
+          name = f"g{g}_b{b}"
+          a = jax.nn.relu(hk.GroupNorm(groups, name=f"{name}_norm1")(h))
+          shortcut = h
+          if s != 1 or h.shape[-1] != channels:
+            shortcut = hk.Conv2D(channels, 1, stride=s,
+                                 name=f"{name}_proj")(a)
+          a = hk.Conv2D(channels, 3, stride=s, name=f"{name}_conv1")(a)
+          a = jax.nn.relu(hk.GroupNorm(groups, name=f"{name}_norm2")(a))
+          h = shortcut + hk.Conv2D(channels, 3, name=f"{name}_conv2")(a)
+      h = jax.nn.relu(hk.GroupNorm(groups, name="final_norm")(h))
+      return xent(hk.Linear(classes, name="head")(h.mean(axis=(1, 2))), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, image, image, 3), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  ws = ", weight standardisation" if weight_standardisation else ""
+  return Bench("wrn", net, (jnp.asarray(x), jnp.asarray(y)), [], batch_size,
+               None, f"WRN-{depth}-{width} (base {base}), GroupNorm({groups})"
+               f"{ws}, {image}x{image}x3, {classes} classes")
+
+
+def _block(h, i: int, heads: int, mlp: int, mask=None, init=None):
+  """A pre-LayerNorm transformer block (attention, then a GELU MLP)."""
+  d = h.shape[-1]
+  a = hk.LayerNorm(-1, True, True, name=f"ln_attn_{i}")(h)
+  h = h + hk.MultiHeadAttention(
+      heads, d // heads, w_init=init or hk.initializers.VarianceScaling(1.0),
+      name=f"attn_{i}")(a, a, a, mask=mask)
+  a = hk.LayerNorm(-1, True, True, name=f"ln_mlp_{i}")(h)
+  a = jax.nn.gelu(hk.Linear(mlp, w_init=init, name=f"mlp_in_{i}")(a))
+  return h + hk.Linear(d, w_init=init, name=f"mlp_out_{i}")(a)
+
+
+#: Learned CLS token and positions: small random values (zeros would make
+#: the first block's attention scores constant at initialisation).
+_POSITION_INIT = hk.initializers.RandomNormal(0.02)
+
+
+def make_vit(batch_size: int = 128, d_model: int = 384, layers: int = 6,
+             heads: int = 6, patch: int = 4, image: int = 32,
+             classes: int = 10, seed: int = 0) -> Bench:
+  """A ViT encoder on ``image x image x 3``: ``patch x patch`` patches
+  embedded by ``hk.Linear(d)``, a learned CLS token and learned positions
+  (``hk.Bias`` over the token and position axes), pre-LN blocks with an MLP
+  of ``4 d``, LayerNorm of the CLS token, ``hk.Linear(classes)``."""
+  side = image // patch
+  tokens = side * side + 1
+
+  def net(x, y):
+    b = x.shape[0]
+    p = x.reshape(b, side, patch, side, patch, 3).transpose(0, 1, 3, 2, 4, 5)
+    h = hk.Linear(d_model, name="patch_embed")(
+        p.reshape(b, side * side, patch * patch * 3))
+    cls = hk.Bias(bias_dims=[-2, -1], b_init=_POSITION_INIT, name="cls")(
+        jnp.zeros((b, 1, d_model), h.dtype))
+    h = hk.Bias(bias_dims=[-2, -1], b_init=_POSITION_INIT, name="positions")(
+        jnp.concatenate([cls, h], axis=1))
+    for i in range(layers):
+      h = _block(h, i, heads, 4 * d_model)
+    h = hk.LayerNorm(-1, True, True, name="ln_final")(h[:, 0])
+    return xent(hk.Linear(classes, name="head")(h), y)
+
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((batch_size, image, image, 3), np.float32)
+  y = rng.integers(0, classes, (batch_size,)).astype(np.int32)
+  return Bench("vit", net, (jnp.asarray(x), jnp.asarray(y)), [], batch_size,
+               tokens, f"ViT/{patch} d={d_model}, {layers} layers, {heads} "
+               f"heads, {tokens} tokens, {image}x{image}x3, {classes} classes")
+
+
+def make_gpt(batch_size: int = 16, seq_len: int = 256, d_model: int = 768,
+             layers: int = 6, heads: int = 12, vocab: int = 32000,
+             seed: int = 0) -> Bench:
+  """A GPT-2-style decoder: token embedding tied with the output layer
+  (``gram_haiku.unembed``), learned positions (``hk.Bias`` over the
+  position and feature axes), causal pre-LN blocks with an MLP of ``4 d``,
+  a final LayerNorm; next-token cross-entropy summed over positions."""
+  init = hk.initializers.VarianceScaling(2.0 / layers)
+
+  def net(tokens, targets):
+    t = tokens.shape[-1]
+    embed = hk.Embed(vocab, d_model, name="embed")
+    h = hk.Bias(bias_dims=[-2, -1], b_init=_POSITION_INIT,
+                name="positions")(embed(tokens))
+    mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+    for i in range(layers):
+      h = _block(h, i, heads, 4 * d_model, mask=mask, init=init)
+    h = hk.LayerNorm(-1, True, True, name="ln_final")(h)
+    return xent(gram_haiku.unembed(embed, h), targets).sum(axis=-1)
+
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, vocab, (batch_size, seq_len + 1)).astype(np.int32)
+  return Bench("gpt", net, (jnp.asarray(tokens[:, :-1]),
+                            jnp.asarray(tokens[:, 1:])), [], batch_size,
+               seq_len, f"GPT-2-style decoder d={d_model}, {layers} layers, "
+               f"{heads} heads, T={seq_len}, vocab {vocab}, tied embedding, "
+               "learned positions")
+
+
+def make_real(name: str, **kwargs) -> Bench:
+  """Builds realistic model ``name`` (:data:`REAL_MODEL_NAMES`)."""
+  makers = {"wrn": make_wrn, "vit": make_vit, "gpt": make_gpt}
+  if name not in makers:
+    raise ValueError(f"Unknown model {name!r}; expected one of "
+                     f"{REAL_MODEL_NAMES}.")
+  return makers[name](**kwargs)

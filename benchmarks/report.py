@@ -328,3 +328,62 @@ def scaling_rows(records: Sequence[dict]):
                  ratio, _fmt_mb(m.get("temp_bytes")),
                  _fmt_x(m.get("temp_ratio"))])
   return header, rows
+
+
+# -- the ``real`` suite ------------------------------------------------------
+
+_REAL_AGAINST = {"jaxp_clipped": "jax-privacy", "naive": "vmap F F^T",
+                 "jaxp_clipped per-layer": "jax-privacy per-layer"}
+
+
+def real_rows(data: dict) -> tuple[list[str], list[list[str]]]:
+  """Header and rows of the ``real`` suite's table from its JSON (one row
+  per model, batch size and method)."""
+  budget = data.get("budget_bytes")
+  head_fit = ("largest B" if not budget else
+              f"largest B in {budget / 2**30:.3g} GiB")
+  header = ["model", "B", "method", "step ms", "x plain", "temp MiB",
+            "x plain temp", head_fit, "max rel diff (vs)", "note"]
+  fits = {(f["model"], f["method"]): f for f in data.get("fits", [])}
+  rows = []
+  for r in data["records"]:
+    t, m = r.get("time"), r.get("memory") or {}
+    f = fits.get((r["model"], r["method"]))
+    largest = "-"
+    if f is not None:
+      largest = str(f["max_batch"])
+      if f.get("first_over") is None:
+        largest = ">= " + largest
+      elif f["first_over"] - f["max_batch"] > max(1, f["max_batch"] // 16):
+        largest += f" (< {f['first_over']})"
+    a = r.get("agreement")
+    agree = "-" if not a else (
+        f"{a['max_rel_diff']:.1e} "
+        f"({_REAL_AGAINST.get(a['reference'], a['reference'])})")
+    note = [] if r["status"] == "ok" else [r["status"]]
+    if r.get("microbatch_size"):
+      note.append(f"microbatch {r['microbatch_size']}")
+    if t and t.get("timer"):
+      note.append(t["timer"] + " time")
+    rows.append([r["model"], str(r["batch_size"]), r["method"],
+                 _fmt_ms(t["median_s"]) if t else "-",
+                 _fmt_x(t.get("ratio")) if t else "-",
+                 _fmt_mb(m.get("temp_bytes")), _fmt_x(m.get("temp_ratio")),
+                 largest, agree, "; ".join(note)])
+  return header, rows
+
+
+def real_rst(data: dict) -> str:
+  """The ``real`` suite's JSON as a reStructuredText ``list-table``, titled
+  with the hardware and the date (for ``docs/performance.rst``)."""
+  env = data.get("environment") or {}
+  title = ", ".join(str(x) for x in (
+      env.get("device_kind"), env.get("backend"),
+      f"jax {env['jax']}" if env.get("jax") else None,
+      env.get("date", "")[:10] or None) if x)
+  header, rows = real_rows(data)
+  models = {}
+  for r in data["records"]:
+    models.setdefault(r["model"], r["description"])
+  legend = "".join(f"* ``{k}``: {v}\n" for k, v in models.items())
+  return (rst_table(header, rows, title) + "\n" + legend)

@@ -184,3 +184,106 @@ def test_conv_kernels_agree_with_the_plain_gradient_and_each_other(capsys):
   lines = capsys.readouterr().out.splitlines()[1:]
   assert len(lines) == 3 * 3
   assert {ln.split()[1] for ln in lines} == {"plain", "patches", "phases"}
+
+
+# -- the ``real`` suite (benchmarks.realistic) -------------------------------
+
+def test_largest_fitting_brackets_the_budget_in_few_compiles():
+  from benchmarks import realistic
+  mem = lambda b: 1000 + 37 * b + b * b // 8  # bytes at batch size b
+  limit = mem(700) + 5  # the largest fitting B is 700
+  found = realistic.largest_fitting(mem, {8: mem(8), 16: mem(16)}, limit,
+                                    steps=5)
+  assert len(found["probes"]) <= 5
+  assert found["max_batch"] <= 700 < (found["first_over"] or 10**9)
+  assert found["first_over"] - found["max_batch"] <= 700 // 8
+  assert all(m == mem(b) for b, m in found["probes"])
+  # A linear memory is found in one probe; no probe past the budget's cap.
+  lin = lambda b: 100 * b
+  found = realistic.largest_fitting(lin, {2: 200, 4: 400}, 100 * 50, 3)
+  assert found["max_batch"] == 50 and found["probes"][0] == [50, 5000]
+  assert found["first_over"] == 52  # one grain above: the bracket
+  # Without steps: the secant's prediction only; a failing measure (a
+  # compile that raises) counts as not fitting.
+  found = realistic.largest_fitting(lin, {2: 200, 4: 400}, 5000, 0)
+  assert found == {"max_batch": 4, "first_over": None, "predicted": 50.0,
+                   "probes": []}
+
+  def broken(b):
+    raise RuntimeError("resource exhausted")
+  found = realistic.largest_fitting(broken, {2: 200}, 5000, 1)
+  assert found["max_batch"] == 2 and found["first_over"] == 50
+
+
+def test_weight_standardisation_and_the_real_table():
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import models
+  from benchmarks import report
+  w = jnp.asarray(np.random.default_rng(0).normal(2.0, 3.0, (3, 3, 4, 5)),
+                  "float32")
+  s = np.asarray(models.standardise(w))
+  np.testing.assert_allclose(s.mean(axis=(0, 1, 2)), 0, atol=1e-5)
+  np.testing.assert_allclose(s.std(axis=(0, 1, 2)), 1, atol=1e-3)
+  rec = lambda method, **kw: {
+      "model": "gpt", "description": "GPT", "batch_size": 8, "status": "ok",
+      "method": method, "time": {"median_s": 0.002, "ratio": 2.0,
+                                 "timer": "device"},
+      "memory": {"temp_bytes": 3 * 2**20, "temp_ratio": 1.5},
+      "agreement": None, "microbatch_size": None, **kw}
+  data = {"environment": {"device_kind": "TPU v5 lite", "backend": "tpu",
+                          "jax": "0.10.2", "date": "2026-12-06T07:00:00"},
+          "budget_bytes": 2**34,
+          "records": [rec("dp_all", agreement={"reference": "jaxp_clipped",
+                                               "max_rel_diff": 1.5e-7}),
+                      rec("jaxp_clipped", microbatch_size=4)],
+          "fits": [{"model": "gpt", "method": "dp_all", "max_batch": 96,
+                    "first_over": 100},
+                   {"model": "gpt", "method": "jaxp_clipped", "max_batch": 32,
+                    "first_over": None}]}
+  header, rows = report.real_rows(data)
+  assert header[7] == "largest B in 16 GiB"
+  assert rows[0][3:9] == ["2.00", "2.00x", "3.0", "1.50x", "96",
+                          "1.5e-07 (jax-privacy)"]
+  assert rows[1][7] == ">= 32" and rows[1][9] == "microbatch 4; device time"
+  rst = report.real_rst(data)
+  assert rst.startswith(".. list-table:: TPU v5 lite, tpu, jax 0.10.2, "
+                        "2026-12-06")
+  assert "* ``gpt``: GPT" in rst
+
+
+# jax-privacy's clipped_grad calls optax.global_norm.
+@pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated")
+def test_real_suite_smoke(tmp_path):
+  """The ``real`` suite's smoke scale from the command line: every method
+  compiles, runs, agrees with its reference (jax-privacy, per-layer
+  jax-privacy, ``vmap(grad)``), and the JSON renders to the table. The
+  test suite runs the GPT decoder at one batch size (about 20 s of CPU);
+  ``--thorough`` runs the whole smoke configuration."""
+  from benchmarks import realistic
+  out = tmp_path / "real"
+  args = ["--suite", "real", "--scale", "smoke", "--repeats", "1",
+          "--rounds", "1", "--no_progress", "--out", str(out)]
+  if thorough():
+    args += ["--fit_steps", "1"]
+  else:
+    args += ["--model", "gpt", "--batch_sizes", "2", "--fit_steps", "0"]
+  assert cli.main(args) == 0
+  with open(out / "real_smoke.json") as f:
+    data = json.load(f)
+  names = ("wrn", "vit", "gpt") if thorough() else ("gpt",)
+  recs = {(r["model"], r["batch_size"], r["method"]): r
+          for r in data["records"]}
+  sizes = (2, 4) if thorough() else (2,)
+  assert set(recs) == {(m, b, k) for m in names for b in sizes
+                       for k in realistic.METHODS}
+  for r in recs.values():
+    assert r["status"] == "ok", r
+    assert r["time"]["median_s"] > 0 and r["memory"]["temp_bytes"] > 0
+    if r["method"] in ("dp_all", "dp_layer", "gram"):
+      assert r["agreement"]["max_rel_diff"] < 1e-4, r
+  fits = {(f["model"], f["method"]): f for f in data["fits"]}
+  assert set(fits) == {(m, k) for m in names for k in realistic.METHODS}
+  assert all(f["max_batch"] >= 2 and f["predicted"] for f in fits.values())
+  inc = (out / "real_smoke_table.inc").read_text()
+  assert inc.startswith(".. list-table::") and "jax-privacy" in inc
