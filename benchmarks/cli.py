@@ -114,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
                  default="auto",
                  help="real suite: device time (looped programs; auto: off "
                  "a CPU) or wall time (default: %(default)s)")
+  p.add_argument("--merge", action="store_true",
+                 help="real suite: keep the other models' results of the "
+                 "JSON already in --out (one table from runs of one model "
+                 "each)")
   p.add_argument("--k", type=int, default=4,
                  help="real suite, device time: steps in the long looped "
                  "program (default: %(default)s)")
@@ -242,11 +246,36 @@ def _main_real(args, argv) -> int:
   result = realistic.run(opts, log)
   env["wall_s"] = time.perf_counter() - t0
   data = {"environment": env, "options": vars(args), **result}
-  report.write_json(os.path.join(args.out, f"real_{args.scale}.json"), data)
+  path = os.path.join(args.out, f"real_{args.scale}.json")
+  if args.merge and os.path.exists(path):
+    data = _merge_real(path, data, opts.models)
+  report.write_json(path, data)
   log("")
   _real_outputs(data, args.out, args.scale)
   log(f"wrote {os.path.abspath(args.out)} in {env['wall_s']:.0f} s")
   return 0
+
+
+def _merge_real(path: str, data: dict, ran) -> dict:
+  """``data`` with the models of ``path``'s JSON that this run left out
+  (their records, largest batches and environment, under ``"merged"``)."""
+  import json  # pylint: disable=g-import-not-at-top
+  with open(path) as f:
+    old = json.load(f)
+  if old.get("budget_bytes") != data["budget_bytes"]:
+    print(f"note: {path} had another memory budget; not merged")
+    return data
+  keep = lambda rows: [r for r in rows if r["model"] not in ran]
+  kept = keep(old["records"])
+  if kept:
+    merged = old.get("merged", []) + [
+        {"models": sorted({r["model"] for r in kept}),
+         "environment": old["environment"]}]
+    merged = [m for m in merged if set(m["models"]) - set(ran)]
+    data = {**data, "records": kept + data["records"],
+            "fits": keep(old.get("fits", [])) + data["fits"],
+            "merged": merged}
+  return data
 
 
 def environment() -> dict:

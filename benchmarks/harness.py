@@ -36,10 +36,20 @@ class Compiled:
   alias_bytes: Optional[int]
   flops: Optional[float]
   bytes_accessed: Optional[float]
-  lowered_text: str = ""
+  #: the lowered program (its text, :attr:`lowered_text`, is printed on
+  #: first use: for a large model, seconds under the GIL).
+  lowered: object = None
   #: runs the step without waiting for it (``jax``'s asynchronous
   #: dispatch); returns its outputs.
   dispatch: Optional[Callable[[], object]] = None
+
+  @property
+  def lowered_text(self) -> str:
+    if self.lowered is None:
+      return ""
+    if not hasattr(self, "_text"):
+      self._text = self.lowered.as_text()  # pylint: disable=attribute-defined-outside-init
+    return self._text
 
   @property
   def has_loops(self) -> bool:
@@ -130,7 +140,7 @@ def _compiled(lowered, args: tuple, lower_s: float) -> Compiled:
                alias_bytes=get("alias_size_in_bytes"),
                flops=cost.get("flops"),
                bytes_accessed=cost.get("bytes accessed"),
-               lowered_text=lowered.as_text())
+               lowered=lowered)
   c.dispatch = lambda: compiled(*args)
   return c
 

@@ -264,9 +264,11 @@ class Search:
       cand = (lo + hi) // 2
     return cand if lo < cand <= self.cap else None
 
-  def add(self, b: int, measured: Optional[int]) -> None:
+  def add(self, b: int, measured: Optional[int],
+          error: Optional[str] = None) -> None:
+    """Records a measurement (None: does not fit, ``error`` says why)."""
     self.pts[int(b)] = measured
-    self.probes.append([int(b), measured])
+    self.probes.append([int(b), measured] + ([error] if error else []))
 
   def result(self) -> dict:
     lo, hi = self._bracket()
@@ -301,10 +303,9 @@ def largest_fitting(measure: Callable[[int], Optional[int]],
   search = Search(points, limit, steps, cap)
   while (b := search.next()) is not None:
     try:
-      m = measure(b)
-    except Exception:  # pylint: disable=broad-except
-      m = None
-    search.add(b, m)
+      search.add(b, measure(b))
+    except Exception as e:  # pylint: disable=broad-except
+      search.add(b, None, jax_methods.first_line(e))
   return search.result()
 
 
@@ -511,7 +512,8 @@ def run_model(name: str, opts: Options, log=print) -> tuple[list, list]:
       except Exception as e:  # pylint: disable=broad-except
         jobs.append((_raise(e), ()))
     for (m, b), c in zip(want.items(), harness.compile_many(jobs)):
-      searches[m].add(b, _total(c))
+      searches[m].add(b, _total(c), jax_methods.first_line(c)
+                      if isinstance(c, Exception) else None)
   fits = []
   for m, s in searches.items():
     found = s.result()

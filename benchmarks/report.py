@@ -386,4 +386,9 @@ def real_rst(data: dict) -> str:
   for r in data["records"]:
     models.setdefault(r["model"], r["description"])
   legend = "".join(f"* ``{k}``: {v}\n" for k, v in models.items())
+  for m in data.get("merged", []):
+    e = m["environment"]
+    legend += (f"* {', '.join(m['models'])}: measured "
+               f"{e.get('date', '')[:10]} on {e.get('device_kind')}, "
+               f"jax {e.get('jax')}\n")
   return (rst_table(header, rows, title) + "\n" + legend)

@@ -213,6 +213,8 @@ def test_largest_fitting_brackets_the_budget_in_few_compiles():
     raise RuntimeError("resource exhausted")
   found = realistic.largest_fitting(broken, {2: 200}, 5000, 1)
   assert found["max_batch"] == 2 and found["first_over"] == 50
+  assert found["probes"] == [[50, None,
+                              "RuntimeError: resource exhausted"]]
 
 
 def test_weight_standardisation_and_the_real_table():
@@ -250,6 +252,27 @@ def test_weight_standardisation_and_the_real_table():
   assert rst.startswith(".. list-table:: TPU v5 lite, tpu, jax 0.10.2, "
                         "2026-12-06")
   assert "* ``gpt``: GPT" in rst
+
+
+def test_real_runs_of_one_model_each_merge(tmp_path):
+  # --merge keeps the other models' rows of the JSON already there.
+  path = tmp_path / "real_full.json"
+  row = lambda model, method: {"model": model, "method": method}
+  env = lambda date: {"date": date, "device_kind": "TPU v5 lite",
+                      "jax": "0.10.2"}
+  old = {"environment": env("2026-12-05"), "budget_bytes": 8,
+         "records": [row("wrn", "plain"), row("gpt", "plain")],
+         "fits": [row("wrn", "plain"), row("gpt", "plain")]}
+  path.write_text(json.dumps(old))
+  new = {"environment": env("2026-12-06"), "budget_bytes": 8,
+         "records": [row("gpt", "dp_all")], "fits": [row("gpt", "dp_all")]}
+  got = cli._merge_real(str(path), new, ["gpt"])
+  assert got["records"] == [row("wrn", "plain"), row("gpt", "dp_all")]
+  assert got["fits"] == [row("wrn", "plain"), row("gpt", "dp_all")]
+  assert got["merged"] == [{"models": ["wrn"],
+                            "environment": env("2026-12-05")}]
+  assert cli._merge_real(str(path), {**new, "budget_bytes": 9},
+                         ["gpt"])["records"] == new["records"]
 
 
 # jax-privacy's clipped_grad calls optax.global_norm.
