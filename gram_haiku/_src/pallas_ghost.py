@@ -46,9 +46,11 @@ Tiling of :func:`ghost_gram_pallas` (see :func:`gram_tiles`):
   (an ``inf`` entry stays in its own entry). The output block is
   ``(be, 128)`` lanes of which the first ``be`` are kept.
 
-:func:`ghost_sq_norms_pallas` computes the diagonal ``G[i, i]`` with the
-same position tiles, one example at a time (``(tp, tp)`` kernels), over
-the pairs ``t <= s`` (off-diagonal tile pairs counted twice).
+:func:`ghost_sq_norms_pallas` computes the diagonal ``G[i, i]`` one
+example at a time, over its own position tiles (``T`` rounded up to 128 or
+256 positions, so that each ``(tp, tp)`` kernel fills whole lanes) and the
+pairs of them ``t <= s`` (off-diagonal tile pairs counted twice), up to 8
+examples per program.
 
 Every ``jax.experimental.pallas`` import of the package is in this module
 (an experimental API). Interpret mode (``interpret=True``) runs the same
@@ -372,16 +374,18 @@ def _norms_vmem(eb, tp, n, m, itemsize) -> int:
 def norm_tiles(b: int, t: int, n: int, m: int, dtype,
                block_positions: Optional[int] = None):
   """``(examples per block, tiles)`` of :func:`ghost_sq_norms_pallas`:
-  ``tp`` positions (all of ``T`` up to 256, rounded up to a native tile),
-  as many examples (up to 8) as fit :data:`VMEM_BUDGET_BYTES`."""
+  ``tp`` positions (``T`` rounded up to 128, at most 256: the ``(tp, tp)``
+  kernels fill whole lanes), as many examples (up to 8) as fit
+  :data:`VMEM_BUDGET_BYTES`. ``block_positions`` overrides ``tp`` (a
+  multiple of 8 sublanes, 16 for bfloat16)."""
   itemsize = jnp.dtype(dtype).itemsize
   n_p, m_p = _round_up(max(n, 1), LANES), _round_up(max(m, 1), LANES)
   sub = _sublanes(dtype)
   if block_positions is None:
-    tp = min(_round_up(t, sub), 2 * LANES)
-    while tp > sub and _norms_vmem(1, tp, n_p, m_p, itemsize) > (
+    tp = min(_round_up(t, LANES), 2 * LANES)
+    if tp > LANES and _norms_vmem(1, tp, n_p, m_p, itemsize) > (
         VMEM_BUDGET_BYTES):
-      tp = max(sub, _round_up(tp // 2, sub))
+      tp = LANES
   else:
     tp = block_positions
   if tp % sub:

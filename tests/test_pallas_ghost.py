@@ -1,0 +1,187 @@
+"""The Pallas ghost Gram and ghost norms (``pallas_ghost``), in interpret mode.
+
+CI has no TPU, so the kernels run in Pallas interpret mode on the CPU and
+are checked against a float64 numpy evaluation of
+``G[i, j] = sum_{t,s} (x_it . x_js)(d_it . d_js)`` and against the XLA path
+(``kernels.ghost_gram``, ``kernels.ghost_sq_norms`` at ``HIGHEST``), for
+float32 and bfloat16 inputs, sizes that are no tile multiples, several
+tiles of examples and positions, and a zero cotangent beside an ``inf``
+input. The benchmark script's smoke shape runs too.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from gram_haiku._src import kernels
+from gram_haiku._src import pallas_ghost as pg
+
+HIGHEST = lax.Precision.HIGHEST
+XLA = kernels.LOCAL.replace(precision=HIGHEST)
+
+#: The largest difference relative to the largest entry: both paths
+#: accumulate in float32 (bfloat16 products are exact in float32).
+TOL = {"float32": 2e-6, "bfloat16": 2e-6}
+
+
+def _inputs(b, t, n, m, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((b, t, n)), dtype)
+  d = jnp.asarray(rng.standard_normal((b, t, m)), dtype)
+  return x, d
+
+
+def _reference(x, d):
+  x = np.asarray(x, np.float64)
+  d = np.asarray(d, np.float64)
+  kx = np.einsum("itn,jsn->itjs", x, x)
+  kd = np.einsum("itm,jsm->itjs", d, d)
+  return np.einsum("itjs->ij", kx * kd)
+
+
+def _rel(a, ref):
+  ref = np.asarray(ref, np.float64)
+  return np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref))
+
+
+# (B, T, N, M, dtype, tiling): odd sizes in one tile; then several example
+# blocks (20 = 3 blocks of 8) with several position tiles (37 = 3 of 16),
+# so that off-diagonal block pairs, diagonal tile pairs t < s and the
+# padding all occur.
+CASES = [
+    (5, 7, 33, 17, "float32", {}),
+    (5, 7, 33, 17, "bfloat16", {}),
+    (20, 37, 40, 130, "float32", dict(block_examples=8, block_positions=16)),
+]
+
+
+@pytest.mark.parametrize("b,t,n,m,dtype,tiling", CASES)
+def test_gram_matches_float64_and_the_xla_path(b, t, n, m, dtype, tiling):
+  x, d = _inputs(b, t, n, m, dtype)
+  g = pg.ghost_gram_pallas(x, d, precision=HIGHEST, interpret=True,
+                           **tiling)
+  assert g.shape == (b, b) and g.dtype == jnp.float32
+  ref = _reference(x, d)
+  assert _rel(g, ref) < TOL[dtype]
+  xla = kernels.ghost_gram(x.astype(jnp.float32), d.astype(jnp.float32), XLA)
+  assert _rel(g, xla) < TOL[dtype]
+  np.testing.assert_array_equal(g, g.T)  # G = U + U^T: exactly symmetric
+
+
+@pytest.mark.parametrize("b,t,n,m,dtype,tiling", CASES)
+def test_sq_norms_match_float64_and_the_xla_path(b, t, n, m, dtype, tiling):
+  x, d = _inputs(b, t, n, m, dtype)
+  # Two position tiles where the case has several (pairs t < s count twice).
+  bp = tiling.get("block_positions")
+  nrm = pg.ghost_sq_norms_pallas(x, d, precision=HIGHEST, interpret=True,
+                                 block_positions=bp)
+  assert nrm.shape == (b,) and nrm.dtype == jnp.float32
+  assert _rel(nrm, np.diag(_reference(x, d))) < TOL[dtype]
+  xla = kernels.ghost_sq_norms(x.astype(jnp.float32), d.astype(jnp.float32),
+                               XLA)
+  assert _rel(nrm, xla) < TOL[dtype]
+
+
+def test_zero_cotangent_beside_inf_input_gives_zero_not_nan():
+  """An example whose cotangent is 0 has gradient 0 even where its input
+  overflowed: its kernel entries are inf (or NaN against a zero column),
+  its cotangent's are 0, and their product counts 0, as in
+  ``kernels._product_of_kernels``."""
+  x, d = _inputs(5, 7, 33, 17, "float32", seed=1)
+  x = x.at[2, 3, 0].set(jnp.inf)
+  d = d.at[2].set(0.0)
+  g = pg.ghost_gram_pallas(x, d, precision=HIGHEST, interpret=True)
+  nrm = pg.ghost_sq_norms_pallas(x, d, precision=HIGHEST, interpret=True)
+  assert np.all(np.isfinite(g)) and np.all(np.isfinite(nrm))
+  np.testing.assert_array_equal(g[2], 0.0)
+  np.testing.assert_array_equal(g[:, 2], 0.0)
+  assert nrm[2] == 0.0
+  ref = _reference(x.at[2].set(0.0), d)
+  assert _rel(g, ref) < TOL["float32"]
+  assert _rel(nrm, np.diag(ref)) < TOL["float32"]
+  xla = kernels.ghost_gram(x, d, XLA)
+  assert np.all(np.isfinite(xla)) and _rel(g, xla) < TOL["float32"]
+
+
+def test_default_precision_and_mixed_dtypes_run():
+  """``precision=None`` is the library's ``HIGHEST``; a bfloat16 input
+  beside a float32 one is computed in float32."""
+  x, d = _inputs(5, 7, 33, 17, "float32")
+  g = pg.ghost_gram_pallas(x.astype(jnp.bfloat16), d, interpret=True)
+  ref = _reference(x.astype(jnp.bfloat16), d)
+  assert _rel(g, ref) < TOL["float32"]
+
+
+def test_empty_and_featureless_inputs_give_zeros():
+  x, d = _inputs(0, 3, 4, 5, "float32")
+  assert pg.ghost_gram_pallas(x, d).shape == (0, 0)
+  assert pg.ghost_sq_norms_pallas(x, d).shape == (0,)
+  x, d = _inputs(3, 4, 0, 5, "float32")
+  np.testing.assert_array_equal(pg.ghost_gram_pallas(x, d), np.zeros((3, 3)))
+  np.testing.assert_array_equal(pg.ghost_sq_norms_pallas(x, d), np.zeros(3))
+
+
+def test_bad_shapes_dtypes_and_tilings_are_refused():
+  x, d = _inputs(3, 4, 5, 6, "float32")
+  with pytest.raises(ValueError, match=r"x: \(B, T, N\)"):
+    pg.ghost_gram_pallas(x, d[:2])
+  with pytest.raises(ValueError, match=r"ghost_sq_norms_pallas"):
+    pg.ghost_sq_norms_pallas(x[:, 0], d)
+  with pytest.raises(TypeError, match="float32 or bfloat16"):
+    pg.ghost_gram_pallas(x.astype(jnp.int32), d)
+  with pytest.raises(ValueError, match="block_examples=24"):
+    pg.ghost_gram_pallas(x, d, block_examples=24)
+  with pytest.raises(ValueError, match="block_positions=4"):
+    pg.ghost_gram_pallas(x, d, block_examples=8, block_positions=4)
+  with pytest.raises(ValueError, match="multiple of 16 for bfloat16"):
+    pg.ghost_gram_pallas(x.astype(jnp.bfloat16), d.astype(jnp.bfloat16),
+                         block_examples=8)
+
+
+@pytest.mark.parametrize("b,t,n,m", [(128, 65, 384, 1536),
+                                     (16, 256, 768, 3072),
+                                     (8, 1024, 512, 512),
+                                     (1000, 50, 1024, 4096)])
+def test_tiles_of_the_benchmark_layers_fit_vmem(b, t, n, m):
+  """The tiling (no kernel runs): whole 128-lane rows, the VMEM budget."""
+  for dtype in (jnp.float32, jnp.bfloat16):
+    tiles = pg.gram_tiles(b, t, n, m, dtype)
+    assert (tiles.tp * tiles.be) % pg.LANES == 0
+    assert tiles.be <= pg.LANES and tiles.b % tiles.be == 0
+    assert tiles.t % tiles.tp == 0 and tiles.t >= t
+    assert tiles.vmem_bytes <= pg.VMEM_BUDGET_BYTES
+    eb, ntiles = pg.norm_tiles(b, t, n, m, dtype)
+    assert ntiles.tp % pg.LANES == 0 and 1 <= eb <= 8
+    assert ntiles.vmem_bytes <= pg.VMEM_BUDGET_BYTES
+
+
+def test_tpu_lowering_of_both_kernels():
+  """Both kernels lower to Mosaic for a TPU (from the CPU, by
+  ``jax.export``), at both precisions: what a TPU compiles."""
+  args = (jax.ShapeDtypeStruct((20, 37, 40), jnp.float32),
+          jax.ShapeDtypeStruct((20, 37, 130), jnp.float32))
+  for fn in (pg.ghost_gram_pallas, pg.ghost_sq_norms_pallas):
+    for p in (lax.Precision.DEFAULT, HIGHEST):
+      exported = jax.export.export(
+          jax.jit(lambda x, d, fn=fn, p=p: fn(x, d, precision=p)),
+          platforms=["tpu"])(*args)
+      assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_benchmark_smoke(tmp_path):
+  """``python -m benchmarks.pallas_ghost --smoke``: the tiny shape, in
+  interpret mode off a TPU, every method within float32 rounding of the
+  XLA path at ``HIGHEST``."""
+  from benchmarks import pallas_ghost as bench  # pylint: disable=g-import-not-at-top
+  assert bench.main(["--out", str(tmp_path), "--smoke", "--calls", "1"]) == 0
+  result = json.loads((tmp_path / "pallas_ghost.json").read_text())
+  rows = result["rows"]
+  assert {r["method"] for r in rows} == {
+      "xla_default", "xla_highest", "pallas_default", "pallas_highest"}
+  assert all("error" not in r and r["time_ms"] > 0 for r in rows), rows
+  if result["backend"] != "tpu":  # Off a TPU, DEFAULT is float32 too.
+    assert all(r["rel_err"] < 1e-5 for r in rows), rows
