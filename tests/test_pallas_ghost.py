@@ -138,8 +138,19 @@ def test_bad_shapes_dtypes_and_tilings_are_refused():
   with pytest.raises(ValueError, match="block_positions=4"):
     pg.ghost_gram_pallas(x, d, block_examples=8, block_positions=4)
   with pytest.raises(ValueError, match="multiple of 16 for bfloat16"):
-    pg.ghost_gram_pallas(x.astype(jnp.bfloat16), d.astype(jnp.bfloat16),
-                         block_examples=8)
+    pg.ghost_sq_norms_pallas(x.astype(jnp.bfloat16), d.astype(jnp.bfloat16),
+                             block_positions=8)
+
+
+def test_default_precision_on_a_tpu_reads_bfloat16():
+  """At ``DEFAULT`` on a TPU the float32 inputs are rounded to bfloat16
+  ahead of the kernel (one MXU pass, as XLA's); interpret mode and
+  ``HIGHEST`` keep float32."""
+  x, d = _inputs(2, 3, 4, 5, "float32")
+  default, highest = lax.Precision.DEFAULT, HIGHEST
+  assert pg._compute_dtype(x, d, default, False) == jnp.bfloat16  # pylint: disable=protected-access
+  assert pg._compute_dtype(x, d, default, True) == jnp.float32  # pylint: disable=protected-access
+  assert pg._compute_dtype(x, d, highest, False) == jnp.float32  # pylint: disable=protected-access
 
 
 @pytest.mark.parametrize("b,t,n,m", [(128, 65, 384, 1536),

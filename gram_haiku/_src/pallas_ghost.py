@@ -20,9 +20,10 @@ Tiling of :func:`ghost_gram_pallas` (see :func:`gram_tiles`):
 
 * the inputs are zero-padded (``B`` to a multiple of ``be``, ``T`` of
   ``tp``, ``N`` and ``M`` of 128 lanes; zero rows and positions add
-  nothing) and laid out position-major, ``(T, B, F)``, so that a tile
-  ``(tp, be, F)`` is a ``(tp be, F)`` matrix whose rows are
-  ``(position, example)``;
+  nothing) and laid out as ``(B / be, T be, F)``: example block, then
+  position-major rows, so that a tile of ``tp`` positions of a block is
+  one contiguous ``(tp be, F)`` matrix whose rows are ``(position,
+  example)`` (no relayout in the kernel, whatever the dtype's tiling);
 * the grid is ``(pairs, tp tiles, tp tiles)``: ``pairs`` lists the
   ``nb (nb + 1) / 2`` pairs of example blocks ``I <= J`` (scalar-prefetched
   tables), then the row block's position tiles ``t`` and the column
@@ -76,10 +77,13 @@ from gram_haiku._src.plan import DEFAULT_PRECISION
 #: multiple of it, and an output block is this wide.
 LANES = 128
 
-#: Rows ``tp * be`` a tile aims at: the MXU's work per byte fetched is
-#: about ``rows / itemsize`` multiply-adds, and the ``(rows, rows)`` kernels
-#: must stay small in VMEM.
-TARGET_ROWS = 256
+#: Rows ``tp * be`` a tile aims at: each step fetches one column tile,
+#: ``rows (N + M)`` elements, for ``rows^2 (N + M)`` multiply-adds, so the
+#: MXU's work per byte is ``rows / itemsize``; a TPU v5e's MXUs do about
+#: 120 bfloat16 multiply-adds per byte of HBM bandwidth, hence 512 rows
+#: (128 per byte in float32, 256 in bfloat16). The ``(rows, rows)``
+#: float32 kernels take 1 MiB each in VMEM.
+TARGET_ROWS = 512
 
 #: VMEM a kernel's double-buffered tiles and intermediates may take; the
 #: kernel asks Mosaic for this plus a margin (a TPU v5e core has 128 MiB).
@@ -151,13 +155,13 @@ def gram_tiles(b: int, t: int, n: int, m: int, dtype,
   itemsize = jnp.dtype(dtype).itemsize
   n_p, m_p = _round_up(max(n, 1), LANES), _round_up(max(m, 1), LANES)
   if block_examples is None:
-    be = min(LANES, max(_sublanes(dtype), _pow2_at_least(b)))
+    be = min(LANES, max(8, _pow2_at_least(b)))
   else:
     be = block_examples
-  if be > LANES or LANES % be or be % _sublanes(dtype):
+  if be > LANES or LANES % be or be % 8:
     raise ValueError(
         f"ghost_gram_pallas: block_examples={be} must divide {LANES} and be "
-        f"a multiple of {_sublanes(dtype)} for {jnp.dtype(dtype).name}.")
+        "a multiple of 8.")
   unit = LANES // be  # tp * be must be a multiple of 128 lanes
   if block_positions is None:
     tp = _round_up(max(1, TARGET_ROWS // be), unit)
@@ -188,9 +192,14 @@ def _check(x, d, name: str):
                                           "ghost_gram_pallas", name))
 
 
-def _compute_dtype(x, d):
-  """bfloat16 where both inputs are, else float32 (both cast)."""
+def _compute_dtype(x, d, precision: lax.Precision, interpret: bool):
+  """The dtype the kernel reads: bfloat16 where both inputs are, and where
+  a TPU runs it at ``DEFAULT`` precision (one bfloat16 pass of the MXU, as
+  XLA's ``DEFAULT`` float32 products on a TPU: the cast ahead of the
+  kernel halves its HBM and VMEM traffic); else float32 (both cast)."""
   if x.dtype == d.dtype == jnp.bfloat16:
+    return jnp.dtype(jnp.bfloat16)
+  if precision == lax.Precision.DEFAULT and not interpret:
     return jnp.dtype(jnp.bfloat16)
   return jnp.dtype(jnp.float32)
 
@@ -250,12 +259,8 @@ def _gram_kernel(pi_ref, pj_ref, xr_ref, dr_ref, xc_ref, dc_ref, o_ref, *,
 
   @pl.when((bi < bj) | (t <= s))
   def _():
-    rows = tp * be
-    xr = xr_ref[...].reshape(rows, xr_ref.shape[-1])
-    xc = xc_ref[...].reshape(rows, xc_ref.shape[-1])
-    dr = dr_ref[...].reshape(rows, dr_ref.shape[-1])
-    dc = dc_ref[...].reshape(rows, dc_ref.shape[-1])
-    prod = _product(_dot_t(xr, xc, precision), _dot_t(dr, dc, precision))
+    prod = _product(_dot_t(xr_ref[...], xc_ref[...], precision),
+                    _dot_t(dr_ref[...], dc_ref[...], precision))
     r = prod[:be]
     for k in range(1, tp):  # the row tile's positions
       r = r + prod[k * be:(k + 1) * be]
@@ -279,10 +284,12 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
     d: ``f32[B, T, M]`` or ``bf16[B, T, M]`` output cotangents. Mixed
       dtypes are both cast to float32.
     precision: the ``lax.Precision`` of the MXU products: ``HIGHEST``
-      (float32 products; ``HIGH`` means the same) or ``DEFAULT`` (one
-      bfloat16 pass for float32 inputs). None: the library's default,
-      ``HIGHEST``. bfloat16 inputs are multiplied exactly either way;
-      every product accumulates in float32.
+      (float32 products; ``HIGH`` means the same) or ``DEFAULT`` (on a
+      TPU, float32 inputs are rounded to bfloat16 ahead of the kernel:
+      one MXU pass, as XLA's ``DEFAULT``; in interpret mode they stay
+      float32). None: the library's default, ``HIGHEST``. bfloat16 inputs
+      are multiplied exactly either way; every product accumulates in
+      float32.
     interpret: run in Pallas interpret mode (any backend; the tests).
     block_examples, block_positions: override the tiling
       (:func:`gram_tiles`).
@@ -299,16 +306,19 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
   m = d.shape[-1]
   if b == 0 or t == 0 or n == 0 or m == 0:
     return jnp.zeros((b, b), jnp.float32)
-  dtype = _compute_dtype(x, d)
   precision = _precision(precision)
+  dtype = _compute_dtype(x, d, precision, interpret)
+  if dtype == jnp.bfloat16:  # exact products in one pass
+    precision = lax.Precision.DEFAULT
   tiles = gram_tiles(b, t, n, m, dtype, block_examples, block_positions)
   be, tp = tiles.be, tiles.tp
   nb, nt = tiles.b // be, tiles.t // tp
 
-  def layout(a, f):  # (B, T, F) -> (T', B', F') zero-padded
+  def layout(a, f):  # (B, T, F) -> (B' / be, T' be, F') zero-padded
     a = jnp.pad(a.astype(dtype), ((0, tiles.b - b), (0, tiles.t - t),
                                   (0, f - a.shape[-1])))
-    return jnp.transpose(a, (1, 0, 2))
+    a = jnp.transpose(a.reshape(nb, be, tiles.t, f), (0, 2, 1, 3))
+    return a.reshape(nb, tiles.t * be, f)
   xt, dt = layout(x, tiles.n), layout(d, tiles.m)
 
   pairs = [(i, j) for i in range(nb) for j in range(i, nb)]
@@ -317,19 +327,19 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
 
   def row_map(p, t_, s_, pi_ref, pj_ref):
     del s_, pj_ref
-    return t_, pi_ref[p], 0
+    return pi_ref[p], t_, 0
 
   def col_map(p, t_, s_, pi_ref, pj_ref):
     # A skipped step (diagonal pair, t > s) names the tile of the step
     # before it (s = t), so nothing is fetched for it.
     s_ = jnp.where(pi_ref[p] == pj_ref[p], jnp.maximum(s_, t_), s_)
-    return s_, pj_ref[p], 0
+    return pj_ref[p], s_, 0
 
   def out_map(p, t_, s_, pi_ref, pj_ref):
     del t_, s_
     return pi_ref[p], pj_ref[p]
 
-  spec = lambda f, index: pl.BlockSpec((tp, be, f), index)
+  spec = lambda f, index: pl.BlockSpec((pl.squeezed, tp * be, f), index)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(len(pairs), nt, nt),
@@ -442,8 +452,10 @@ def ghost_sq_norms_pallas(x: jax.Array, d: jax.Array, *, precision=None,
   m = d.shape[-1]
   if b == 0 or t == 0 or n == 0 or m == 0:
     return jnp.zeros((b,), jnp.float32)
-  dtype = _compute_dtype(x, d)
   precision = _precision(precision)
+  dtype = _compute_dtype(x, d, precision, interpret)
+  if dtype == jnp.bfloat16:  # exact products in one pass
+    precision = lax.Precision.DEFAULT
   eb, tiles = norm_tiles(b, t, n, m, dtype, block_positions)
   tp = tiles.tp
   ne, nt = tiles.b // eb, tiles.t // tp
