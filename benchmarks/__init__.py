@@ -2,6 +2,8 @@
 
 Suites: ``models`` (MLP, CNN, transformer LM, LSTM x plain / tracked Gram /
 tracked norms / naive ``vmap(grad)``, and the torch peers with the
-``bench-torch`` extra) and ``scaling`` (batch and sequence sweeps). See
+``bench-torch`` extra), ``scaling`` (batch and sequence sweeps) and
+``real`` (WRN-16-4, ViT-S/4 and a GPT-2-style decoder against jax-privacy:
+:mod:`benchmarks.realistic`). See
 ``docs/performance.rst`` for the protocol and the measured numbers.
 """

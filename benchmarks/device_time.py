@@ -78,7 +78,10 @@ def dispatched_step_s(dispatch: Callable[[], object], *, k: int,
   program is a new compile: tens of seconds for a large model on a TPU
   host). It measures the device time when one step's device time exceeds
   its dispatch (large steps); for steps of microseconds use
-  :func:`step_device_s`.
+  :func:`step_device_s`. The two agreed on a TPU v5e (2026-12-06, the
+  ``real`` suite's WRN-16-4 at B=128): 3.27 / 3.25 ms (plain), 49.62 /
+  49.76 ms (``dp_all``), 51.24 / 51.20 ms (``dp_layer``), looped /
+  dispatched.
   """
   def run(n):
     def go():

@@ -34,6 +34,20 @@ un-microbatched).
 
 A method whose program does not fit the device (its total bytes above the
 device's limit) is compiled and reported, never run.
+
+Cost on one TPU v5e chip (2026-12-06, jax 0.10.2, 13 host cores): compiling
+dominates. The WRN's 14 programs (6 methods at 2 batch sizes, and
+jax-privacy's per-layer reference) compiled in 305 s at once (about 30 to
+40 s each alone), the GPT's in 130 s; the timing took 50 s and 25 s, one
+round of the largest-batch search 111 s (WRN). So one command for all three
+models takes over 8 minutes; one per model with ``--merge`` (one JSON, one
+table)::
+
+  python -m benchmarks --suite real --scale full --fit_steps 1 --model wrn
+  python -m benchmarks --suite real --scale full --fit_steps 1 --model vit \
+      --merge
+  python -m benchmarks --suite real --scale full --fit_steps 1 --model gpt \
+      --merge
 """
 
 from __future__ import annotations
@@ -188,6 +202,11 @@ def build(prep, method: str, microbatch_size: Optional[int] = None):
 
 # -- the largest batch in a memory budget ------------------------------------
 
+#: The fraction of the way to the secant's estimate that a probe far past
+#: every measured batch size goes (see :meth:`Search.next`).
+SHORT = 0.85
+
+
 class Search:
   """The largest batch ``B`` whose program fits ``limit`` bytes, by a
   secant search on measured sizes (see :func:`largest_fitting`).
@@ -251,6 +270,11 @@ class Search:
       return None
     if self.predicted is None or not math.isfinite(self.predicted):
       cand = (lo + hi) // 2 if hi is not None else 2 * max(lo, 1)
+    elif hi is None and self.predicted > 2 * lo:
+      # Far past every measured point: compiled memory grows faster than
+      # a line from small batches (on a CPU and a TPU the first secant
+      # overshot by 10 to 20%), so aim short, for a lower bound that fits.
+      cand = int(lo + SHORT * (self.predicted - lo)) // grain * grain
     else:
       cand = int(self.predicted) // grain * grain
     if hi is not None:
@@ -520,7 +544,7 @@ def run_model(name: str, opts: Options, log=print) -> tuple[list, list]:
     found.update(model=name, method=m, budget_bytes=limit, scale=opts.scale)
     log(f"    {m:13s} largest batch in {limit / 2**30:.3g} GiB: "
         f"{found['max_batch']} (first over: {found['first_over']}; "
-        f"probes {found['probes']})")
+        f"secant {found['predicted'] or 0:.0f}; probes {found['probes']})")
     fits.append(found)
   log(f"    largest-batch search: {time.perf_counter() - t0:.1f} s")
   return records, fits

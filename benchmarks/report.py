@@ -350,7 +350,10 @@ def real_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     t, m = r.get("time"), r.get("memory") or {}
     f = fits.get((r["model"], r["method"]))
     largest = "-"
-    if f is not None:
+    if f is not None and f.get("probes") == [] and f.get("predicted"):
+      # Nothing compiled past the timed batch sizes (--fit_steps 0).
+      largest = f"~{int(f['predicted'])} (secant, not compiled)"
+    elif f is not None:
       largest = str(f["max_batch"])
       if f.get("first_over") is None:
         largest = ">= " + largest
