@@ -137,6 +137,11 @@ def test_bad_shapes_dtypes_and_tilings_are_refused():
     pg.ghost_gram_pallas(x, d, block_examples=24)
   with pytest.raises(ValueError, match="block_positions=4"):
     pg.ghost_gram_pallas(x, d, block_examples=8, block_positions=4)
+  wide = jax.ShapeDtypeStruct((2, 3, 30000), jnp.float32)
+  with pytest.raises(ValueError, match="N \\+ M = 60000 features"):
+    jax.eval_shape(pg.ghost_gram_pallas, wide, wide)
+  with pytest.raises(ValueError, match="ghost_sq_norms_pallas: the smallest"):
+    jax.eval_shape(pg.ghost_sq_norms_pallas, wide, wide)
   with pytest.raises(ValueError, match="multiple of 16 for bfloat16"):
     pg.ghost_sq_norms_pallas(x.astype(jnp.bfloat16), d.astype(jnp.bfloat16),
                              block_positions=8)

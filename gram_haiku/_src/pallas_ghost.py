@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -89,6 +88,15 @@ TARGET_ROWS = 512
 #: kernel asks Mosaic for this plus a margin (a TPU v5e core has 128 MiB).
 VMEM_BUDGET_BYTES = 40 * 2**20
 
+#: The most VMEM a kernel asks for; a layer whose smallest tiles need more
+#: (float32 features ``N + M`` beyond about 45,000) is refused.
+VMEM_LIMIT_BYTES = 100 * 2**20
+
+_TOO_WIDE = (
+    "{}: the smallest tile of a layer of N + M = {} features needs {} MiB "
+    "of VMEM, more than the {} MiB a kernel may take (the features are not "
+    "tiled). Use kernels.ghost_gram / kernels.ghost_sq_norms (XLA) for it.")
+
 _BAD_SHAPES = (
     "ghost_gram_pallas: expected x: (B, T, N) and d: (B, T, M) with the "
     "same B and T (example axis first; kernels.linear_factors gives them), "
@@ -104,7 +112,8 @@ class Tiles:
   """A kernel's tiling.
 
   Attributes:
-    be: examples per block (a power of two up to :data:`LANES`).
+    be: examples per block (Gram: a power of two from 8 to
+      :data:`LANES`; norms: 1 to 8).
     tp: positions per tile (``tp * be`` a multiple of :data:`LANES`
       where ``be < LANES``).
     b: padded examples, a multiple of ``be``.
@@ -146,8 +155,8 @@ def gram_tiles(b: int, t: int, n: int, m: int, dtype,
                block_positions: Optional[int] = None) -> Tiles:
   """The tiling of :func:`ghost_gram_pallas` for ``(B, T, N)``, ``(B, T, M)``.
 
-  ``be``: the examples (at least a native tile of sublanes) rounded up to
-  a power of two, at most :data:`LANES`; ``tp``: enough positions for
+  ``be``: the examples (at least 8) rounded up to a power of two, at most
+  :data:`LANES`; ``tp``: enough positions for
   :data:`TARGET_ROWS` rows ``tp * be``, no more than ``T`` needs, fewer
   while the tiles exceed :data:`VMEM_BUDGET_BYTES`. ``block_examples`` and
   ``block_positions`` override the choice (tests, tuning).
@@ -298,7 +307,9 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
     ``f32[B, B]``, exactly symmetric.
 
   Raises:
-    ValueError: shapes other than ``(B, T, N)``, ``(B, T, M)``.
+    ValueError: shapes other than ``(B, T, N)``, ``(B, T, M)``; a tiling
+      override that does not divide the lanes; features so wide that the
+      smallest tile exceeds :data:`VMEM_LIMIT_BYTES`.
     TypeError: dtypes other than float32 and bfloat16.
   """
   _check(x, d, "ghost_gram_pallas")
@@ -355,7 +366,8 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
       out_shape=jax.ShapeDtypeStruct((tiles.b, nb * LANES), jnp.float32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes)),
+          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes, "ghost_gram_pallas",
+                                       n + m)),
       cost_estimate=pl.CostEstimate(
           flops=flops, transcendentals=0,
           bytes_accessed=(nb * nt + len(pairs) * nt * nt) * tp * be * (
@@ -370,8 +382,12 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
   return (u + u.T)[:b, :b]
 
 
-def _vmem_limit(need: int) -> int:
-  return int(min(100 * 2**20, max(32 * 2**20, need + 16 * 2**20)))
+def _vmem_limit(need: int, name: str, features: int) -> int:
+  limit = max(32 * 2**20, need + 16 * 2**20)
+  if limit > VMEM_LIMIT_BYTES:
+    raise ValueError(_TOO_WIDE.format(name, features, need >> 20,
+                                      VMEM_LIMIT_BYTES >> 20))
+  return int(limit)
 
 
 # -- The diagonal. ----------------------------------------------------------
@@ -446,6 +462,9 @@ def ghost_sq_norms_pallas(x: jax.Array, d: jax.Array, *, precision=None,
 
   Returns:
     ``f32[B]``.
+
+  Raises:
+    As :func:`ghost_gram_pallas`.
   """
   _check(x, d, "ghost_sq_norms_pallas")
   b, t, n = x.shape
@@ -476,7 +495,8 @@ def ghost_sq_norms_pallas(x: jax.Array, d: jax.Array, *, precision=None,
       out_shape=jax.ShapeDtypeStruct((ne, eb, LANES), jnp.float32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes)),
+          vmem_limit_bytes=_vmem_limit(
+              tiles.vmem_bytes, "ghost_sq_norms_pallas", n + m)),
       cost_estimate=pl.CostEstimate(
           flops=2 * tiles.b * tiles.t * tiles.t * (tiles.n + tiles.m),
           transcendentals=0,
