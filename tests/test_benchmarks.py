@@ -286,6 +286,7 @@ def test_real_suite_smoke(tmp_path):
   test suite runs the GPT decoder at one batch size (about 20 s of CPU);
   ``--thorough`` runs the whole smoke configuration."""
   from benchmarks import realistic
+  from gram_haiku._src.reference import CLIP_BOUND_SLACK
   out = tmp_path / "real"
   args = ["--suite", "real", "--scale", "smoke", "--repeats", "1",
           "--rounds", "1", "--no_progress", "--out", str(out)]
@@ -305,8 +306,13 @@ def test_real_suite_smoke(tmp_path):
   for r in recs.values():
     assert r["status"] == "ok", r
     assert r["time"]["median_s"] > 0 and r["memory"]["temp_bytes"] > 0
-    if r["method"] in ("dp_all", "dp_layer", "gram"):
-      assert r["agreement"]["max_rel_diff"] < 1e-4, r
+    # gram_haiku clips by sound upper bounds of the norms, up to
+    # CLIP_BOUND_SLACK above them (the weight-standardised WRN's at 1.4e-4
+    # here): its clipped sums differ from jax-privacy's by about as much.
+    if r["method"] in ("dp_all", "dp_layer"):
+      assert r["agreement"]["max_rel_diff"] < 2 * CLIP_BOUND_SLACK, r
+    if r["method"] == "gram":
+      assert r["agreement"]["max_rel_diff"] < 1e-5, r
   fits = {(f["model"], f["method"]): f for f in data["fits"]}
   assert set(fits) == {(m, k) for m in names for k in realistic.METHODS}
   assert all(f["max_batch"] >= 2 and f["predicted"] for f in fits.values())
