@@ -366,8 +366,6 @@ def real_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     note = [] if r["status"] == "ok" else [r["status"]]
     if r.get("microbatch_size"):
       note.append(f"microbatch {r['microbatch_size']}")
-    if t and t.get("timer"):
-      note.append(t["timer"] + " time")
     rows.append([r["model"], str(r["batch_size"]), r["method"],
                  _fmt_ms(t["median_s"]) if t else "-",
                  _fmt_x(t.get("ratio")) if t else "-",
@@ -380,10 +378,15 @@ def real_rst(data: dict) -> str:
   """The ``real`` suite's JSON as a reStructuredText ``list-table``, titled
   with the hardware and the date (for ``docs/performance.rst``)."""
   env = data.get("environment") or {}
+  timers = sorted({r["time"]["timer"] for r in data["records"]
+                   if r.get("time") and r["time"].get("timer")})
+  device = env.get("device_kind")
+  if device and env.get("cpu_count"):
+    device += f" ({env.get('backend')}, {env['cpu_count']} CPU cores)"
   title = ", ".join(str(x) for x in (
-      env.get("device_kind"), env.get("backend"),
-      f"jax {env['jax']}" if env.get("jax") else None,
-      env.get("date", "")[:10] or None) if x)
+      device, f"jax {env['jax']}" if env.get("jax") else None,
+      env.get("date", "")[:10] or None,
+      " and ".join(timers) + " time" if timers else None) if x)
   header, rows = real_rows(data)
   models = {}
   for r in data["records"]:
