@@ -93,8 +93,8 @@ def parser() -> argparse.ArgumentParser:
                  "(auto: when available) or raw h @ embed.embeddings.T")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed steps per method per round (default 4; real "
-                 "suite 3: on an accelerator, timed calls of each looped "
-                 "program)")
+                 "suite 3: on an accelerator, timed calls of each run of k "
+                 "+ 1 and of 1 dispatched steps)")
   p.add_argument("--rounds", type=int, default=None,
                  help="rounds; methods interleaved, order rotated (default "
                  "8; real suite 2: on an accelerator, the device-time "
@@ -112,15 +112,16 @@ def parser() -> argparse.ArgumentParser:
                  "search (default: %(default)s)")
   p.add_argument("--timer", choices=("auto", "wall", "device"),
                  default="auto",
-                 help="real suite: device time (looped programs; auto: off "
-                 "a CPU) or wall time (default: %(default)s)")
+                 help="real suite: device time (k + 1 steps dispatched back "
+                 "to back against one, benchmarks.device_time; auto: off a "
+                 "CPU) or wall time (default: %(default)s)")
   p.add_argument("--merge", action="store_true",
                  help="real suite: keep the other models' results of the "
                  "JSON already in --out (one table from runs of one model "
                  "each)")
   p.add_argument("--k", type=int, default=4,
-                 help="real suite, device time: steps in the long looped "
-                 "program (default: %(default)s)")
+                 help="real suite, device time: k + 1 steps dispatched "
+                 "against one (default: %(default)s)")
   p.add_argument("--warmup", type=int, default=2,
                  help="untimed steps per method after compilation "
                  "(default: %(default)s)")
