@@ -5,5 +5,6 @@ tracked norms / naive ``vmap(grad)``, and the torch peers with the
 ``bench-torch`` extra), ``scaling`` (batch and sequence sweeps) and
 ``real`` (WRN-16-4, ViT-S/4 and a GPT-2-style decoder against jax-privacy:
 :mod:`benchmarks.realistic`). See
-``docs/performance.rst`` for the protocol and the measured numbers.
+``benchmarks/README.md`` for the protocol and the measured numbers
+(``docs/performance.rst``: what users need of them).
 """

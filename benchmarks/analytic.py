@@ -24,7 +24,7 @@ symmetric ``[B, B]`` products from their upper block triangle
 ``F F^T`` count ``(n + 1) / 2n`` of the full product's. It is still a floor for the kernels as specified: it does
 not assume a ``syrk`` (half of the products exactly), nor that the plain
 weight gradient is read off materialised per-example gradients (each would
-lower it further; see ``docs/performance.rst``).
+lower it further; see ``benchmarks/README.md``).
 
 A convolution is a linear layer on im2col patches (``N = k_h k_w C_in``,
 ``T`` = output positions). Norm layers (GroupNorm, LayerNorm) have

@@ -12,7 +12,8 @@ Examples::
 
 Outputs in ``--out``: ``<suite>.json`` (every figure, the environment and
 the command), ``<suite>*.png`` and ``<suite>*_table.inc`` (reStructuredText
-tables included by ``docs/performance.rst``); the tables are also printed.
+tables kept in ``benchmarks/README.md`` and ``docs/performance.rst``); the
+tables are also printed.
 """
 
 from __future__ import annotations
