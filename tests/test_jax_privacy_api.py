@@ -542,10 +542,43 @@ def test_apply_and_the_loss_alone_give_the_same(model):
 
 def test_apply_with_has_aux_reads_the_state_as_aux():
   """jax-privacy's reading of ``clipped_grad(f.apply, has_aux=True)`` for a
-  scalar ``f``: the aux is each example's new Haiku state."""
+  scalar ``f``: the aux is each example's new Haiku state, that of the
+  untracked model (the Gram probes are this library's own entries: every
+  example's copy of them would be ``B^3`` numbers per layer)."""
   f, params, state, x, y = _mlp(9)
+  counter = lambda: hk.get_state("seen", (), jnp.int32, init=jnp.zeros)
+
+  def untracked(x, y):
+    hk.set_state("seen", counter() + 1)
+    out = hk.nets.MLP([5, 3], activation=jnp.tanh)(x)
+    return jnp.sum((out - y) ** 2)
+
+  def tracked(x, y):
+    hk.set_state("seen", counter() + 1)
+    with gram_haiku.track():
+      out = hk.nets.MLP([5, 3], activation=jnp.tanh)(x)
+    return jnp.sum((out - y) ** 2)
+  plain, ours = (hk.transform_with_state(fn) for fn in (untracked, tracked))
+  params, plain_state = plain.init(jax.random.PRNGKey(0), x, y)
+  _, state = ours.init(jax.random.PRNGKey(0), x, y)
   kw = dict(has_aux=True, l2_clip_norm=1.0, batch_argnums=(3, 4))
-  got = gram_haiku.clipped_grad(f.apply, **kw)(params, state, None, x, y)
-  want = jp_clipping.clipped_grad(f.apply, **kw)(params, state, None, x, y)
+  got = gram_haiku.clipped_grad(ours.apply, **kw)(params, state, None, x, y)
+  want = jp_clipping.clipped_grad(plain.apply, **kw)(params, plain_state,
+                                                     None, x, y)
   _assert_same(got, want)
-  assert set(got[1].aux) == set(state)
+  assert set(got[1].aux) == set(plain_state) == {"~"}
+  b = x.shape[0]
+  shapes = jax.eval_shape(
+      gram_haiku.clipped_grad(ours.apply, **kw), params, state, None,
+      jnp.zeros((4 * b,) + x.shape[1:]), jnp.zeros((4 * b,) + y.shape[1:]))
+  assert all(leaf.size <= 4 * b for leaf in jax.tree.leaves(shapes[1].aux))
+
+
+def test_a_call_without_state_and_rng_says_how_to_call():
+  f, params, state, x, y = _mlp(10)
+  step = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)
+  with pytest.raises(ValueError, match=r"(?s)1 positional.*params, "
+                     r"state, rng, \*batch.*What to do"):
+    step(params)
+  with pytest.raises(ValueError, match="2 positional"):
+    step(params, (x, y))

@@ -400,3 +400,14 @@ def test_rules_compare_by_value_and_reject_malformed_fields():
   with pytest.raises(TypeError, match="needs rule="):
     gram_haiku.GramFunction.apply(jnp.ones((2, 3)), (jnp.ones((3, 2)),),
                                   jnp.zeros((2, 2)), name="nothing")
+
+
+def test_a_droppable_parameter_forward_cannot_take_says_what_to_do():
+  """``droppable`` lists ``s``, but ``forward`` multiplies by it: the
+  per-example gradients of ``w`` with ``s`` dropped (frozen) call
+  ``forward`` with None for it, and the error says what the contract is."""
+  x, w, s = _gain_problem(3)
+  with pytest.raises(TypeError, match=r"(?s)dropped \(frozen\).*\[1\].*"
+                     r"forward included.*What to do"):
+    rule_lib.per_example_grads_by_vjp(_gain_forward, x, jnp.ones(
+        x.shape[:-1] + (2,)), (w, None), 0)

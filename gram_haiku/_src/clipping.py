@@ -291,6 +291,23 @@ def _as_apply(fun, has_aux: bool):
   return apply
 
 
+def _without_probes(aux):
+  """``aux`` without the Gram probes where it is a Haiku state (``f.apply``
+  with ``has_aux=True`` reads the new state as the aux, as jax-privacy
+  does): they are this library's own entries, ``[B, B]`` each, and every
+  example's copy of them would take ``B^3`` numbers per tracked layer."""
+  if not isinstance(aux, Mapping):
+    return aux
+  out = {}
+  for module, entries in aux.items():
+    if isinstance(entries, Mapping) and PROBE_NAME in entries:
+      entries = {k: v for k, v in entries.items() if k != PROBE_NAME}
+      if not entries:
+        continue
+    out[module] = entries
+  return out
+
+
 def _per_example_forward(apply_fn, has_aux: bool, args, kwargs,
                          example_axes, size: int):
   """``(values, aux)`` of ``apply_fn`` run on each example alone, vmapped
@@ -316,7 +333,8 @@ def _per_example_forward(apply_fn, has_aux: bool, args, kwargs,
             for r, ax in zip(rows, axes)]
     out, _ = apply_fn(params, state, rng,
                       *jax.tree_util.tree_unflatten(treedef, full), **kwargs)
-    return out if has_aux else (out, None)
+    value, aux = out if has_aux else (out, None)
+    return value, _without_probes(aux)
 
   values, aux = jax.vmap(one, in_axes=tuple(axes))(*leaves)
   squeeze = lambda x: (jnp.squeeze(x, 1) if jnp.ndim(x) >= 2 and
@@ -353,7 +371,12 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
   what it returns, so that switching is a change of import; ``fun`` is a
   tracked Haiku ``apply`` (see below), and a few of jax-privacy's options
   cannot be honoured in one pass: they raise a ``ValueError`` that names
-  what to use instead. jax-privacy's options, in this function:
+  what to use instead. One difference of meaning: jax-privacy evaluates
+  ``fun`` on one example at a time, where a mean over the batch and a sum
+  agree; here ``fun`` sees the whole batch, so it must return the *sum*
+  of the per-example losses (a mean divides every gradient by ``B``: a
+  :class:`MeanLossWarning` says so). jax-privacy's options, in this
+  function:
 
   ============================  ================================================
   jax-privacy                   here
@@ -424,7 +447,11 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
       numbered as ``fun``'s: 3 and up. None: the rule of ``example_axes``.
     keep_batch_dim: must be True (``fun`` takes a batch).
     return_values: the aux's ``values``: each example's loss ``l_i``,
-      ``[B]``.
+      ``[B]``, from a forward pass of each example alone (vmapped), as
+      jax-privacy computes them: with randomness (dropout) they are not
+      the losses of the batch pass the gradient was clipped for (the same
+      ``rng`` drives every example's pass, as in jax-privacy without
+      ``prng_argnum``).
     return_grad_norms: the aux's ``grad_norms``: ``f32[B]``, each example's
       gradient norm before clipping, the sound upper bound its clip factor
       was computed from (at most about ``1e-4`` relative above the exact
@@ -631,6 +658,8 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
     jp_aux_type = jp_clipping.AuxiliaryOutput
 
   def g(*args, is_padding_example=None, **kwargs):
+    if len(args) < 3:
+      raise ValueError(errors.CLIPPED_GRAD_ARGUMENTS.format(n=len(args)))
     pass_axes, fn = example_axes, default_fn
     if batch is not None:
       pass_axes = _batch_example_axes(batch, args)

@@ -71,7 +71,8 @@ DP_PACKAGES = {**DEMO_PACKAGES, "jax_privacy": "jax-privacy",
                "dp_accounting": "dp-accounting"}
 NEEDS_DEMO_EXTRA = (
     "the {what} needs {missing}, not installed here.\n"
-    "What to do: pip install 'gram_haiku[demo]'.")
+    "What to do: pip install 'gram_haiku[demo]' (in a checkout: pip "
+    "install '.[demo]').")
 
 
 def require(packages: dict[str, str], what: str) -> None:

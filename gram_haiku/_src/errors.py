@@ -559,7 +559,8 @@ PER_LAYER_THRESHOLDS = (
 NEEDS_JAX_PRIVACY = (
     "gram_haiku.clipped_grad returns jax-privacy's BoundedSensitivityCallable, "
     "and jax-privacy is not installed ({error}).\n"
-    "What to do: pip install 'gram_haiku[dp]' (jax-privacy and "
+    "What to do: pip install 'gram_haiku[dp]' (in a checkout: pip "
+    "install '.[dp]') (jax-privacy and "
     "dp-accounting).")
 
 REORDERED_ROWS_MEET_DATA = (
@@ -756,8 +757,11 @@ MEAN_LOSS_CLIPPED = (
     "(a sum over the batch divided by a multiple of {batch}, e.g. "
     "jnp.mean). Each example's gradient is then g_i / {batch}, so the clip "
     "norm acts as {batch} times l2_clip_norm on the real per-example "
-    "gradients, and the noise calibrated to l2_clip_norm does not give the "
-    "privacy you account for.\n"
+    "gradients (jax-privacy, which evaluates one example at a time, sees "
+    "g_i: the clipped sums differ). Each example still moves the sum by at "
+    "most l2_clip_norm, but only while the divisor does not depend on the "
+    "data: a mean over a Poisson-sampled batch's actual size changes every "
+    "example's term when one is added or removed.\n"
     "What to do: return the sum of the per-example losses (`.sum()`, not "
     "`.mean()`), and divide the clipped sum by the batch size afterwards "
     "with normalize_by= (e.g. the expected batch size). If the division is "
@@ -905,3 +909,12 @@ GETTER_NOT_BOUNDED = (
     "rule must be linear in its cotangent), or freeze the parameters it "
     "reads (frozen=...); gram_haiku.value_grad_and_gram, which needs no "
     "bound, still gives this module's Gram.")
+
+CLIPPED_GRAD_ARGUMENTS = (
+    "gram_haiku.clipped_grad: the step was called with {n} positional "
+    "argument(s); it takes those of the tracked model's apply, `(params, "
+    "state, rng, *batch)` (f.apply of hk.transform_with_state; jax-privacy's "
+    "`fun(params, batch)` becomes `f.apply(params, state, rng, *batch)` with "
+    "the model built inside gram_haiku.track()).\n"
+    "What to do: call it as `step(params, state, rng, *batch)` with `params, "
+    "state = f.init(rng, *batch)` (rng may be None).")

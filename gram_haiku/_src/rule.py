@@ -171,8 +171,11 @@ class Rule:
       rule whose per-position gradients themselves sum cancelling terms
       should give its own).
     droppable: indices (into ``param_names``) of parameters whose terms
-      the functions above leave out, exactly, when given None for them,
-      and whose values no other parameter's gradient reads (``x @ w + b``:
+      the functions above leave out, exactly, when given None for them
+      (``forward`` included: the per-example gradients of the others are
+      taken through ``forward`` with None in their place, so ``x * gamma
+      + beta`` must read ``x if gamma is None else x * gamma``), and
+      whose values no other parameter's gradient reads (``x @ w + b``:
       both). A frozen parameter among them costs nothing; for any other,
       the Gram of the trainable parameters is formed from their exact
       per-example gradients.
@@ -296,7 +299,19 @@ def per_example_grads_by_vjp(forward, x, g, params, example_dim: int,
       for i, p in zip(which, ps):
         full[i] = p
       full = [None if p is None else p.astype(acc) for p in full]
-      return forward(xi, *full).astype(acc)
+      try:
+        return forward(xi, *full).astype(acc)
+      except TypeError as e:
+        if all(p is not None for p in full):
+          raise
+        dropped = [i for i, p in enumerate(full) if p is None]
+        raise TypeError(
+            f"gram_haiku: a rule's forward failed when given None for the "
+            f"dropped (frozen) parameter(s) at {dropped} ({e}). A rule "
+            "whose `droppable` lists a parameter must accept None for it "
+            "in every function, forward included.\nWhat to do: leave "
+            "None's term out in forward (e.g. `x if gamma is None else x "
+            "* gamma`), or remove the index from droppable.") from e
     _, vjp = jax.vjp(fwd, *live)
     return vjp(gi)
   return jax.vmap(one)(xm, gm)

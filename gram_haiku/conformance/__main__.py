@@ -19,7 +19,8 @@ try:
   import pytest
 except ImportError:  # A [demo] or [dp] install: the suite needs pytest.
   sys.exit("python -m gram_haiku.conformance needs pytest, pytest-xdist "
-           "and hypothesis: pip install 'gram_haiku[conformance]'.")
+           "and hypothesis: pip install 'gram_haiku[conformance]' (in a "
+           "checkout: pip install '.[conformance]').")
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed")
 PACKAGE = "gram_haiku.conformance"
