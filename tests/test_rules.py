@@ -411,3 +411,26 @@ def test_a_droppable_parameter_forward_cannot_take_says_what_to_do():
                      r"forward included.*What to do"):
     rule_lib.per_example_grads_by_vjp(_gain_forward, x, jnp.ones(
         x.shape[:-1] + (2,)), (w, None), 0)
+
+
+@pytest.mark.parametrize("mode", ["gram", "norms"])
+def test_a_rule_result_narrower_than_the_accumulation_dtype_is_an_error(
+    mode):
+  """A rule's Gram (or norms) in bfloat16 for float32 operands would be
+  rounded to bfloat16 silently: the op says so, naming the function."""
+  x, w, s = _gain_problem(4)
+  b = x.shape[0]
+  narrow = gram_haiku.Rule(
+      forward=_gain_forward, param_names=("w", "s"),
+      gram=lambda *a: _gain_gram(*a).astype(jnp.bfloat16),
+      sq_norms=lambda *a: jnp.diag(_gain_gram(*a)).astype(jnp.bfloat16))
+  probe = jnp.zeros((b, b) if mode == "gram" else (b,))
+
+  def loss(probe):
+    y = gram_haiku.GramFunction.apply(x, (w, s), probe, rule=narrow,
+                                      name="gain", mode=mode)
+    return jnp.sum(y ** 2)
+  fn = "gram" if mode == "gram" else "sq_norms"
+  with pytest.raises(ValueError, match=rf"(?s)\.{fn} for layer 'gain' "
+                     r"returned bfloat16.*float32.*What to do"):
+    jax.grad(loss)(probe)

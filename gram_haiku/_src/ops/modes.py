@@ -213,6 +213,21 @@ def _check_shape(op, value, x, cfg: KernelConfig, fused: bool) -> None:
         f"What to do: return the {what} of the per-example gradients; "
         "the conformance suite (python -m gram_haiku.conformance) checks a "
         "rule's shapes.")
+  acc = jnp.dtype(op.accumulation_dtype())
+  got = jnp.dtype(value.dtype)
+  if (jnp.issubdtype(got, jnp.floating) and
+      jnp.issubdtype(acc, jnp.floating) and got.itemsize < acc.itemsize):
+    method = (f"probe_cotangent_and_grads (mode {op.mode!r})" if fused else
+              {"gram": "gram", "norms": "sq_norms"}.get(
+                  op.mode, "per_example_grads"))
+    raise ValueError(
+        f"gram_haiku: {type(op).__name__}.{method} for layer {op.name!r} "
+        f"returned {got.name}, narrower than the accumulation dtype "
+        f"{acc.name} of its operands: the {op.mode} would be rounded to "
+        f"{got.name} (about {jnp.finfo(got).eps:.0e} relative).\n"
+        "What to do: compute and return it in the accumulation dtype "
+        "(float32, or float64 where x or a parameter is float64): cast x "
+        "and g to it first, as the built-in rules do.")
 
 
 def products(op, x, g, params, wanted, cfg: KernelConfig,
