@@ -12,6 +12,7 @@ import pytest
 
 from gram_haiku.conformance import plugin
 from gram_haiku.conformance import runner
+from tests.test_runner import _Item  # A pytest item as the table reads it.
 
 pytestmark = pytest.mark.conformance
 
@@ -274,27 +275,6 @@ def test_only_ops_shipped_with_gram_haiku_are_builtin():
   assert registry.is_builtin(scaled_linear.SPEC)
   assert not registry.is_builtin(_spec("mine"))
   assert registry.is_builtin(_spec("ours", "gram_haiku.conformance.ops.x"))
-
-
-class _Op:
-  def __init__(self, name):
-    self.name = name
-
-
-class _Item:
-  """What :func:`plugin.sample_items` and the table's rows read of an
-  item."""
-
-  def __init__(self, fn, family, op, case):
-    self.originalname = fn
-    self._family = family
-    self.callspec = type("CallSpec", (), {})()
-    self.callspec.params = {"conformance_op": _Op(op), "case": case,
-                            "conformance_platform": "cpu"}
-
-  def get_closest_marker(self, name):
-    assert name == "conformance_family"
-    return type("Marker", (), {"args": (self._family,)})()
 
 
 def test_a_third_party_op_is_never_sampled():
