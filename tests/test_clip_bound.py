@@ -357,6 +357,51 @@ def test_the_vjp_operator_norm_bound_is_an_upper_bound(name):
   assert exact * (1 - 1e-6) <= float(l) < np.inf, (float(l), exact)
 
 
+def _affine_vjps():
+  """Custom VJP rules that are affine, not linear, in the cotangent: each
+  adds a constant (weight decay folded into the rule, a mask filled with
+  ones, padding or concatenation with ones, an integer round trip)."""
+  def rule(bwd):
+    @jax.custom_vjp
+    def ident(w):
+      return w
+    ident.defvjp(lambda w: (w, w), lambda w, g: (bwd(w, g),))
+    return ident
+  return {
+      "decay": rule(lambda w, g: g + 1.0 * w),
+      "where-ones": rule(lambda w, g: jnp.where(w > 0, g, 1.0)),
+      "pad-ones": rule(lambda w, g: jnp.pad(g[1:], ((1, 0), (0, 0)),
+                                            constant_values=1.0)),
+      "concat-ones": rule(lambda w, g: jnp.concatenate(
+          [g[1:], jnp.ones_like(g[:1])])),
+      "int-round-trip": rule(lambda w, g: g.astype(jnp.int32).astype(
+          g.dtype)),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_affine_vjps()))
+def test_a_getter_whose_vjp_is_affine_is_refused(name):
+  """``g -> g + k`` passes every per-operation check of a linear rule but
+  the constant: per example it is added ``B`` times, in the one pull-back
+  of the weighted sum once, unclipped (one example moved the sum by 50 C
+  before). Refused by clipped_grad and reweighted_grad alike."""
+  fn = _affine_vjps()[name]
+  x = np.abs(np.random.RandomState(0).normal(size=(3, 4))).astype(np.float32)
+
+  def loss_fn(x):
+    with gram_haiku.track(), hk.custom_getter(
+        lambda n, v, c: fn(n(v)) if c.name == "w" else n(v)):
+      return jnp.sum(hk.Linear(2, name="layer")(x))
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"(?s)'layer'.*What to do"):
+    gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)(params, state, None,
+                                                        x)
+  with pytest.raises(ValueError, match=r"(?s)'layer'.*not linear.*What to"):
+    gram_haiku.reweighted_grad(f.apply, lambda g: jnp.ones(3))(
+        params, state, None, x)
+
+
 def test_a_getter_whose_vjp_has_no_bound_is_refused():
   """A custom VJP rule that is not linear in its cotangent: no operator
   norm, so no sound clip factor; value_grad_and_gram still runs."""

@@ -309,6 +309,11 @@ def test_traced_clip_norm_under_jit():
   # (jax-privacy reports the negative c / normalize_by).
   _assert_same(got[0], want[0], rtol=0, atol=0)
   assert float(got[1]) == 0.0 and float(want[1]) == -0.25
+  # A traced NaN (a diverged adaptive estimate) acts as 0: a zero
+  # gradient with sensitivity 0, never the unclipped sum.
+  grads, sens = jax.jit(lambda c: step(ours, c))(jnp.nan)
+  assert all(float(jnp.max(jnp.abs(g))) == 0.0
+             for g in jax.tree.leaves(grads)) and float(sens) == 0.0
   # A static norm compiles the same sum.
   got = jax.jit(lambda c: step(ours, c))(0.3)[0]
   static = gram_haiku.clipped_grad(f.apply, l2_clip_norm=0.3,
@@ -582,3 +587,17 @@ def test_a_call_without_state_and_rng_says_how_to_call():
     step(params)
   with pytest.raises(ValueError, match="2 positional"):
     step(params, (x, y))
+
+
+def test_a_shared_argument_of_the_batch_size_is_refused():
+  """An argument left out of batch_argnums whose axis 0 happens to be B
+  (prototypes every example reads): jax-privacy gives it whole to each
+  example, the batch pass would pair its rows with the examples'."""
+  f, params, state, x, y = _mlp(11, b=4)
+  protos = jnp.ones((4, 3))
+  step = gram_haiku.clipped_grad(lambda p, s, r, x, y, protos: f.apply(
+      p, s, r, x, y), l2_clip_norm=1.0, batch_argnums=(3, 4))
+  with pytest.raises(ValueError, match=r"(?s)argument 5 .*size, 4.*"
+                     r"add 5 to batch_argnums.*\[None\]"):
+    step(params, state, None, x, y, protos)
+  step(params, state, None, x, y, protos[:3])  # Another size: shared.

@@ -529,3 +529,23 @@ def test_memory_budget_option_is_validated():
     gram_haiku.track(memory_budget_bytes=0)
   with pytest.raises(ValueError, match="Unknown Gram strategy"):
     gram_haiku.track(strategy="fast")
+
+
+def test_memory_budget_takes_any_positive_integer():
+  """A NumPy integer (from a config file, np.prod of a shape) is a budget
+  like a Python int; a bool, a float or a non-positive one is an error."""
+  x = jnp.asarray(np.random.RandomState(0).normal(size=(4, 3, 5)),
+                  jnp.float32)
+
+  def grams(budget):
+    def loss(x):
+      with gram_haiku.track(memory_budget_bytes=budget):
+        return jnp.sum(hk.Linear(6)(x) ** 2)
+    f = hk.transform_with_state(loss)
+    params, state = f.init(jax.random.PRNGKey(0), x)
+    return gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                   x)[2].total
+  np.testing.assert_array_equal(grams(np.int64(4 * 5 * 4)), grams(4 * 5 * 4))
+  for bad in (True, 1.5, 0, np.int32(-3)):
+    with pytest.raises(ValueError, match="positive integer"):
+      grams(bad)

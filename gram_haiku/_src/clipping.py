@@ -259,6 +259,11 @@ def _batch_example_axes(batch: tuple[int, ...], args) -> tuple:
     raise ValueError(errors.JAXP_BATCH_ARGS.format(
         problem="the batch arguments' leading (Batch axis) sizes differ or "
         f"are missing: {sizes} (argument number: sizes)"))
+  (b,) = flat
+  for i in range(3, len(args)):
+    if i not in batch and any(jnp.ndim(x) and jnp.shape(x)[0] == b
+                              for x in jax.tree_util.tree_leaves(args[i])):
+      raise ValueError(errors.JAXP_SHARED_ARGUMENT.format(i=i, b=b))
   return tuple(0 if i in batch else None for i in range(3, len(args)))
 
 
@@ -566,7 +571,9 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
                              allow_inf=clip_fn == "abadi", allow_zero=True,
                              allow_traced=True)
   traced = isinstance(bound, jax.core.Tracer)
-  total = jnp.maximum(bound, 0.0) if traced else float(bound)
+  # (A traced NaN, e.g. a diverged adaptive estimate, acts as 0, like a
+  # negative one: a zero gradient, never an unclipped one.)
+  total = jnp.where(bound > 0, bound, 0.0) if traced else float(bound)
   if rescale_to_unit_norm and not traced and not 0 < total < math.inf:
     raise ValueError(errors.JAXP_RESCALE.format(c=total))
   axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")

@@ -918,3 +918,27 @@ CLIPPED_GRAD_ARGUMENTS = (
     "the model built inside gram_haiku.track()).\n"
     "What to do: call it as `step(params, state, rng, *batch)` with `params, "
     "state = f.init(rng, *batch)` (rng may be None).")
+
+GETTER_NOT_LINEAR = (
+    "gram_haiku: module {module!r} reads its parameters through a custom "
+    "getter (or an apply wrapper) whose VJP is not linear in its cotangent "
+    "(it uses {why}; e.g. a custom VJP rule that clips or squashes the "
+    "gradient). Each example's gradient is that VJP of its own cotangent, "
+    "and a weighted sum of them is not the VJP of the weighted sum, which "
+    "is what one pass forms.\n"
+    "What to do: make the custom VJP rule linear in its cotangent (clip "
+    "the summed gradient afterwards instead), or freeze the parameters it "
+    "reads (frozen=...); gram_haiku.value_grad_and_gram still gives this "
+    "module's Gram, whose per-example gradients are exact.")
+
+JAXP_SHARED_ARGUMENT = (
+    "gram_haiku.clipped_grad: argument {i} is not in batch_argnums, but its "
+    "axis 0 has the batch's size, {b}. jax-privacy gives it whole to each "
+    "example's call (a batch of one), while here fun sees the whole batch "
+    "at once, so wherever the model pairs its rows with the examples' rows "
+    "(broadcasting (B, ...) against (B, ...)), row i would meet example i "
+    "only: the gradients would be those of another loss, with no error.\n"
+    "What to do: if it holds one row per example, add {i} to "
+    "batch_argnums; if it is data every example reads, pass it with a "
+    "leading axis of 1 (`arg[None]`) and write the model so that it "
+    "broadcasts that axis over the examples.")

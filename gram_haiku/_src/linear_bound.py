@@ -35,8 +35,11 @@ dot product or sum, 1 per elementwise operation); with ``r = gamma_N``
 ``r L |f|`` (first order in ``u``; ``gamma`` covers the rest).
 
 An equation the table does not know, or one that is not linear in the
-cotangent (a product of two dependent operands), leaves the program
-unbounded: :func:`bound` then says which, and the caller refuses.
+cotangent (a product of two dependent operands, a cast to integers, a
+constant added to a dependent value: ``g + k`` is affine, and only a
+constant known to be zero, a literal 0 and what reshapes, broadcasts and
+casts make of it, may join a dependent value), leaves the program
+unbounded: :func:`bound` then says why, and the caller refuses.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from gram_haiku._src import hijax_compat as hx
 
@@ -122,12 +126,45 @@ def _resized(eqn, ins):
   return _Lin(lin.l * math.sqrt(n_out // max(n_in, 1)), lin.n, spread=spread)
 
 
+class _Zero:
+  """A constant of the program known to be exactly zero (a literal 0 and
+  what reshapes, broadcasts, casts and slices make of it): the only
+  constant a linear map may add to what depends on the cotangent."""
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+
+def _value(x):
+  return x.value if isinstance(x, _Zero) else x
+
+
+def _affine(eqn, ins, operands):
+  """Why ``eqn`` is not linear, where one of ``operands`` (indices) is a
+  constant not known to be zero (``g + k``: an affine map); else None."""
+  for k in operands:
+    if not isinstance(ins[k], (_Lin, _Zero)):
+      return (f"`{eqn.primitive.name}` of a value that depends on the "
+              "cotangent and a constant not known to be zero (an affine "
+              "map, not a linear one)")
+  return None
+
+
 def _sum_of(eqn, ins):
   """``add``, ``sub``, ``add_any``, ``select_n`` (its predicate constant):
-  the sum of the dependent operands' factors."""
+  the sum of the dependent operands' factors; any constant operand must
+  be a known zero."""
+  cases = range(len(ins))
+  if eqn.primitive.name == "select_n":
+    if isinstance(ins[0], _Lin):
+      return (f"`select_n` whose predicate depends on the cotangent (not "
+              "linear)")
+    cases = range(1, len(ins))
+  why = _affine(eqn, ins, cases)
+  if why:
+    return why
   lins = [x for x in ins if isinstance(x, _Lin)]
-  if eqn.primitive.name == "select_n" and isinstance(ins[0], _Lin):
-    return None  # A predicate that depends on the cotangent.
   rounds = 0 if eqn.primitive.name == "select_n" else 1
   return _Lin(sum(x.l for x in lins), max(x.n for x in lins) + rounds)
 
@@ -138,14 +175,15 @@ def _scaled(eqn, ins):
   product of a broadcast is bounded by ``max_o |c_o|``."""
   lins = [k for k, x in enumerate(ins) if isinstance(x, _Lin)]
   if len(lins) != 1:
-    return None  # Quadratic in the cotangent.
+    return (f"`{eqn.primitive.name}` of two values that depend on the "
+            "cotangent (quadratic, not linear)")
   k = lins[0]
-  lin, const = ins[k], ins[1 - k]
+  lin, const = ins[k], _value(ins[1 - k])
   c = jnp.broadcast_to(jnp.asarray(const, jnp.float32),
                        eqn.outvars[0].aval.shape)
   if eqn.primitive.name == "div":
     if k != 0:
-      return None  # a / ct is not linear.
+      return "`div` by a value that depends on the cotangent (not linear)"
     c = 1.0 / c
   l = lin.l * _max_abs(c)
   base = lin
@@ -164,14 +202,19 @@ def _dot(eqn, ins):
   contraction of ``n`` terms rounds ``n`` times."""
   lins = [k for k, x in enumerate(ins) if isinstance(x, _Lin)]
   if len(lins) != 1:
-    return None
+    return ("`dot_general` of two values that depend on the cotangent "
+            "(quadratic, not linear)")
   k = lins[0]
   (contract, _), _ = eqn.params["dimension_numbers"]
   n = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
-  return _Lin(ins[k].l * _frobenius(ins[1 - k]), ins[k].n + max(n, 1))
+  return _Lin(ins[k].l * _frobenius(_value(ins[1 - k])),
+              ins[k].n + max(n, 1))
 
 
 def _concatenate(eqn, ins):
+  why = _affine(eqn, ins, range(len(ins)))
+  if why:
+    return why
   lins = [x for x in ins if isinstance(x, _Lin)]
   return _Lin(jnp.sqrt(sum(jnp.square(jnp.asarray(x.l, jnp.float32))
                            for x in lins)), max(x.n for x in lins))
@@ -184,27 +227,45 @@ def _cumsum(eqn, ins):
 
 
 def _pad(eqn, ins):
-  """Padding with a constant zero keeps norms (a nonzero padding value is
-  an affine, not linear, map)."""
-  if isinstance(ins[1], _Lin):
+  """Padding with a known zero keeps norms (any other padding value is an
+  affine, not linear, map)."""
+  if not isinstance(ins[1], _Zero):
+    return ("`pad` with a padding value not known to be zero (an affine "
+            "map, not a linear one)")
+  if not isinstance(ins[0], _Lin):
     return None
   return _unary()(eqn, ins[:1])
 
 
 def _update(eqn, ins):
-  """``dynamic_update_slice``: the operand and the update, summed."""
-  return _sum_of(eqn, [x for x in ins[:2]])
+  """``dynamic_update_slice``: the operand and the update, summed (both
+  dependent, or a known zero)."""
+  why = _affine(eqn, ins, (0, 1))
+  if why:
+    return why
+  lins = [x for x in ins[:2] if isinstance(x, _Lin)]
+  return _Lin(sum(x.l for x in lins), max(x.n for x in lins))
 
 
-#: Primitive name -> ``rule(eqn, ins) -> _Lin or None`` for an equation
-#: with at least one operand that depends on the cotangent (the others
-#: are values); None: not linear in it.
-RULES: dict[str, Callable[..., Optional[_Lin]]] = {
+def _cast(eqn, ins):
+  """A cast keeps norms, rounding once; to an integer or boolean type it
+  is not linear."""
+  if not jnp.issubdtype(eqn.params["new_dtype"], jnp.inexact):
+    return (f"`convert_element_type` to {jnp.dtype(eqn.params['new_dtype'])}"
+            " of a value that depends on the cotangent (not linear)")
+  return _unary(rounds=1)(eqn, ins)
+
+
+#: Primitive name -> ``rule(eqn, ins) -> _Lin or str`` for an equation
+#: with at least one operand that depends on the cotangent (the others are
+#: values, :class:`_Zero` where known to be zero); a string says why it is
+#: not linear in it.
+RULES: dict[str, Callable[..., Any]] = {
     **{name: _unary() for name in (
         "neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
         "copy_p", "rev", "slice", "dynamic_slice", "real", "imag",
         "reduce_precision", "optimization_barrier", "split")},
-    "convert_element_type": _unary(rounds=1),
+    "convert_element_type": _cast,
     "reduce_sum": _resized,
     "broadcast_in_dim": _resized,
     "add": _sum_of, "sub": _sum_of, "add_any": _sum_of, "select_n": _sum_of,
@@ -215,6 +276,24 @@ RULES: dict[str, Callable[..., Optional[_Lin]]] = {
     "pad": _pad,
     "dynamic_update_slice": _update,
 }
+
+#: Primitives whose result is zero where their first ``k`` operands are
+#: (by name: ``k``); other constants are not known to be zero.
+_KEEPS_ZERO = {
+    **{name: 1 for name in (
+        "broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
+        "expand_dims", "transpose", "copy", "copy_p", "slice", "rev", "neg",
+        "dynamic_slice", "reduce_sum", "real", "imag", "split")},
+    "pad": 2, "concatenate": 1 << 30, "add": 2, "add_any": 2, "sub": 2,
+}
+
+
+def _is_zero_literal(val) -> bool:
+  try:
+    return bool(np.all(np.asarray(val) == 0))
+  except Exception:  # pylint: disable=broad-except
+    return False
+
 
 #: Calls whose body is a program of its own: interpreted inline.
 _CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
@@ -234,7 +313,11 @@ def _run(jaxpr, consts, ins):
   :class:`_Lin`; ``(outs, why)``, ``why`` a string where a dependent
   equation is not in :data:`RULES` or not linear."""
   env = {}
-  read = lambda v: v.val if isinstance(v, hx.Literal) else env[v]
+
+  def read(v):
+    if isinstance(v, hx.Literal):
+      return _Zero(v.val) if _is_zero_literal(v.val) else v.val
+    return env[v]
   for v, c in zip(jaxpr.constvars, consts):
     env[v] = c
   for v, a in zip(jaxpr.invars, ins):
@@ -243,7 +326,11 @@ def _run(jaxpr, consts, ins):
     vals = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
     if not any(isinstance(x, _Lin) for x in vals):
-      outs = hx.bind_equation(eqn, vals)
+      zero = name in _KEEPS_ZERO and all(
+          isinstance(x, _Zero) for x in vals[:_KEEPS_ZERO[name]])
+      outs = hx.bind_equation(eqn, [_value(x) for x in vals])
+      if zero:
+        outs = [_Zero(o) for o in outs]
     elif name in _CALLS and _body(eqn) is not None:
       inner = _body(eqn)
       body = getattr(inner, "jaxpr", inner)
@@ -253,8 +340,8 @@ def _run(jaxpr, consts, ins):
     else:
       rule = RULES.get(name)
       out = rule(eqn, vals) if rule is not None else None
-      if out is None:
-        return None, f"`{name}`"
+      if not isinstance(out, _Lin):
+        return None, out or f"`{name}`"
       outs = [out] * len(eqn.outvars)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
@@ -276,6 +363,10 @@ def bound(fun: Callable[..., Any], *args: Any):
                    [_Lin(jnp.float32(1), 0)] * n_in)
   if why:
     return None, None, None, why
+  if any(not isinstance(o, (_Lin, _Zero)) for o in outs):
+    return None, None, None, ("an output that does not depend on the "
+                              "cotangent and is not known to be zero (an "
+                              "affine map, not a linear one)")
   lins = [o for o in outs if isinstance(o, _Lin)]
   if not lins:
     return jnp.float32(0), 0, None, None

@@ -16,9 +16,11 @@ mesh axes split the examples), or by a binder such as
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Literal, Optional, Union, get_args
 
 from jax import lax
+import numpy as np
 
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
@@ -85,11 +87,14 @@ def check_strategy(strategy) -> None:
                      f"{STRATEGIES}.")
 
 
-def check_memory_budget(value) -> None:
-  """Raises ValueError unless ``value`` is a positive int (bytes)."""
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"memory_budget_bytes must be a positive int (bytes), "
-                     f"got {value!r}.")
+def check_memory_budget(value) -> int:
+  """``value`` as a Python int (bytes; a NumPy integer too), or ValueError
+  unless it is a positive integer."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, numbers.Integral) or value < 1:
+    raise ValueError(f"memory_budget_bytes must be a positive integer "
+                     f"(bytes), got {value!r}.")
+  return int(value)
 
 
 def check_clip_function(clip_fn) -> None:
@@ -188,7 +193,8 @@ class Plan:
       raise ValueError(f"Plan(mode={self.mode!r}, clip={self.clip!r}): a "
                        f"Clip is given exactly in 'clip' mode.")
     check_strategy(self.strategy)
-    check_memory_budget(self.memory_budget_bytes)
+    object.__setattr__(self, "memory_budget_bytes",
+                       check_memory_budget(self.memory_budget_bytes))
     if not isinstance(self.example_axis, ExampleAxis):
       raise TypeError(f"Plan.example_axis must be an ExampleAxis, got "
                       f"{self.example_axis!r}.")

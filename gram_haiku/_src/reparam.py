@@ -188,9 +188,18 @@ def per_example_error(op, pb, f, leaves: Sequence[Any], err, module: str):
   return l * (err.astype(jnp.float32) + r * norm_bounds.row_norms(f))
 
 
-def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any]) -> dict:
+def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any],
+           module: str) -> dict:
   """``{leaf: cotangent}``: the pull-back of the op's operand cotangents
-  ``cts`` (``{operand index: sum_i c_i f_i}``) to the leaves ``pb.leaves``."""
+  ``cts`` (``{operand index: sum_i c_i f_i}``) to the leaves ``pb.leaves``:
+  ``J^T sum_i c_i f_i = sum_i c_i J^T f_i`` where the getter's VJP is
+  linear in its cotangent, as JAX's own are.
+
+  Raises:
+    ValueError: a VJP that is not (a custom VJP rule that clips or
+      squashes its cotangent): its sum is not the sum of the per-example
+      pull-backs.
+  """
   present = [k for k, a in enumerate(op.param_avals) if a is not None]
   acc = next(iter(cts.values())).dtype if cts else jnp.float32
   like = list(leaves)
@@ -199,4 +208,7 @@ def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any]) -> dict:
   vjp, avals = _operands(op, pb, like, acc)
   full = [cts[k].astype(acc) if k in cts else jnp.zeros(a.shape, acc)
           for k, a in zip(present, avals)]
+  why = linear_bound.bound(vjp, full)[3]
+  if why:
+    raise ValueError(errors.GETTER_NOT_LINEAR.format(module=module, why=why))
   return dict(zip(pb.leaves, vjp(full)))

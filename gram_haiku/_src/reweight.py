@@ -352,7 +352,7 @@ def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
       cts = bk.recontract_per_example(op, g, weights[m])
       pb = t.found.pullbacks.get(m)
       if pb is not None:  # With respect to the leaves its getter reads.
-        for k, ct in reparam.summed(op, pb, cts, leaves).items():
+        for k, ct in reparam.summed(op, pb, cts, leaves, m).items():
           if k not in skip:
             grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
         continue
