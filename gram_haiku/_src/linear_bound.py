@@ -264,7 +264,10 @@ RULES: dict[str, Callable[..., Any]] = {
     **{name: _unary() for name in (
         "neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
         "copy_p", "rev", "slice", "dynamic_slice", "real", "imag",
-        "reduce_precision", "optimization_barrier", "split")},
+        "reduce_precision", "optimization_barrier", "split", "pvary")},
+    "pcast": lambda eqn, ins: (
+        _unary()(eqn, ins) if eqn.params.get("to") == "varying" else
+        f"`pcast` to {eqn.params.get('to')!r} (not known to keep values)"),
     "convert_element_type": _cast,
     "reduce_sum": _resized,
     "broadcast_in_dim": _resized,
@@ -283,7 +286,8 @@ _KEEPS_ZERO = {
     **{name: 1 for name in (
         "broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
         "expand_dims", "transpose", "copy", "copy_p", "slice", "rev", "neg",
-        "dynamic_slice", "reduce_sum", "real", "imag", "split")},
+        "dynamic_slice", "reduce_sum", "real", "imag", "split", "pvary",
+        "pcast")},
     "pad": 2, "concatenate": 1 << 30, "add": 2, "add_any": 2, "sub": 2,
 }
 
