@@ -63,7 +63,7 @@ conformance.register(scaled_linear.SPEC)
 # run every layer through the same code (test_composites, conformance/);
 # what is sampled is the cross product of layer x option.
 SAMPLED_SWEEPS = {
-    "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 4,
+    "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 6,
     "tests/test_export.py::"
     "test_forced_methods_and_blocks_export_with_a_symbolic_batch": 2,
     "tests/test_export.py::test_a_symbolic_sequence_length_exports": 2,
@@ -73,7 +73,9 @@ SAMPLED_SWEEPS = {
     "test_every_layer_from_blocks_matches_the_reference": 4,
     "tests/test_reparam.py::test_reparametrised_layer_is_exact": 3,
     "tests/test_norms.py::test_every_module_and_flag_x64": 2,
-    "tests/test_rules.py::test_conv_rule": 2,
+    "tests/test_rules.py::test_conv_rule": 3,
+    "tests/test_composites.py::test_layer_matches_reference": 2,
+    "tests/test_reweight.py::test_all_layer_clipping_matches_reference": 2,
     "tests/test_rules.py::test_embed_rule": 2,
     "tests/test_conv.py::test_op_explicit_batch": 2,
     "tests/test_reliability.py::"
