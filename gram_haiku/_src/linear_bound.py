@@ -94,10 +94,17 @@ def _frobenius(a) -> jax.Array:
 
 
 def _unary(k: float = 1.0, rounds: int = 0):
-  """A map that keeps norms (times ``k``): casts, reshapes, slices."""
+  """A map of its first operand that keeps norms (times ``k``): casts,
+  reshapes, slices (whose other operands, start indices, must be
+  constants)."""
   def rule(eqn, ins):
-    (lin,) = [x for x in ins if isinstance(x, _Lin)]
-    return _Lin(lin.l * k, lin.n + rounds)
+    if not isinstance(ins[0], _Lin) or any(
+        isinstance(x, _Lin) for x in ins[1:]):
+      if eqn.primitive.name != "optimization_barrier":
+        return (f"`{eqn.primitive.name}` whose indices or shape depend on "
+                "the cotangent (not linear)")
+    lins = [x for x in ins if isinstance(x, _Lin)]
+    return _Lin(sum(x.l for x in lins) * k, max(x.n for x in lins) + rounds)
   return rule
 
 
@@ -293,6 +300,9 @@ _KEEPS_ZERO = {
 
 
 def _is_zero_literal(val) -> bool:
+  """Whether ``val`` is a concrete value (not traced), all zeros."""
+  if isinstance(val, jax.core.Tracer):
+    return False
   try:
     return bool(np.all(np.asarray(val) == 0))
   except Exception:  # pylint: disable=broad-except
@@ -323,7 +333,7 @@ def _run(jaxpr, consts, ins):
       return _Zero(v.val) if _is_zero_literal(v.val) else v.val
     return env[v]
   for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
+    env[v] = _Zero(c) if _is_zero_literal(c) else c  # (a concrete zero)
   for v, a in zip(jaxpr.invars, ins):
     env[v] = a
   for eqn in jaxpr.eqns:
