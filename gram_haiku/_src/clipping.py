@@ -54,6 +54,7 @@ from gram_haiku._src import errors
 from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src import reweight
 from gram_haiku._src import shard_examples
+from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.probes import PROBE_NAME
@@ -301,16 +302,10 @@ def _without_probes(aux):
   with ``has_aux=True`` reads the new state as the aux, as jax-privacy
   does): they are this library's own entries, ``[B, B]`` each, and every
   example's copy of them would take ``B^3`` numbers per tracked layer."""
-  if not isinstance(aux, Mapping):
+  if not (isinstance(aux, Mapping) and
+          all(isinstance(v, Mapping) for v in aux.values())):
     return aux
-  out = {}
-  for module, entries in aux.items():
-    if isinstance(entries, Mapping) and PROBE_NAME in entries:
-      entries = {k: v for k, v in entries.items() if k != PROBE_NAME}
-      if not entries:
-        continue
-    out[module] = entries
-  return out
+  return vgg.split_probes(aux)[0]
 
 
 def _per_example_forward(apply_fn, has_aux: bool, args, kwargs,

@@ -529,10 +529,8 @@ def materialized_chunk(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> int:
   m = d.shape[-1]
   if not isinstance(m, int):
     return m
-  per_feature = (cfg.column_count(cost_model.size_hint(x.shape[0])) *
-                 cost_model.size_hint(x.shape[-1]) *
-                 jnp.dtype(d.dtype).itemsize)
-  most = int(max(1, cfg.memory_budget_bytes // max(per_feature, 1)))
+  most = int(max(1, cfg.memory_budget_bytes //
+                 max(_per_feature_bytes(x, d, cfg), 1)))
   if most >= m:
     return m
   even = -(-m // -(-m // most))  # ceil(m / fewest chunks)
@@ -757,13 +755,18 @@ def bias_sq_norm_bounds(d: jax.Array, precision) -> jax.Array:
       lax.Precision.HIGHEST)
 
 
+def _per_feature_bytes(x, d, cfg: KernelConfig) -> int:
+  """Bytes of the ``(cols, N)`` per-example gradients of one output
+  feature (:func:`materialized_gram` forms ``M`` or a chunk of them)."""
+  return (cfg.column_count(cost_model.size_hint(x.shape[0])) *
+          cost_model.size_hint(x.shape[-1]) * jnp.dtype(d.dtype).itemsize)
+
+
 def _materialized_fits(x, d, cfg: KernelConfig) -> bool:
   """Whether the ``(cols, N, M)`` per-example gradients of
-  :func:`materialized_gram` fit the memory budget."""
-  b, _, n = x.shape
-  cols = cfg.column_count(cost_model.size_hint(b))
-  return cols * cost_model.size_hint(n) * cost_model.size_hint(
-      d.shape[-1]) * jnp.dtype(d.dtype).itemsize <= cfg.memory_budget_bytes
+  :func:`materialized_gram` fit the memory budget, unchunked."""
+  return (_per_feature_bytes(x, d, cfg) * cost_model.size_hint(d.shape[-1])
+          <= cfg.memory_budget_bytes)
 
 
 def any_example(flags: jax.Array, cfg: KernelConfig) -> jax.Array:

@@ -299,7 +299,7 @@ _KEEPS_ZERO = {
 }
 
 
-def _is_zero_literal(val) -> bool:
+def _is_concrete_zero(val) -> bool:
   """Whether ``val`` is a concrete value (not traced), all zeros."""
   if isinstance(val, jax.core.Tracer):
     return False
@@ -330,10 +330,10 @@ def _run(jaxpr, consts, ins):
 
   def read(v):
     if isinstance(v, hx.Literal):
-      return _Zero(v.val) if _is_zero_literal(v.val) else v.val
+      return _Zero(v.val) if _is_concrete_zero(v.val) else v.val
     return env[v]
   for v, c in zip(jaxpr.constvars, consts):
-    env[v] = _Zero(c) if _is_zero_literal(c) else c  # (a concrete zero)
+    env[v] = _Zero(c) if _is_concrete_zero(c) else c  # (a concrete zero)
   for v, a in zip(jaxpr.invars, ins):
     env[v] = a
   for eqn in jaxpr.eqns:

@@ -126,10 +126,12 @@ def read_pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
   return PullBack(slices[0][1], slices[0][2]), None
 
 
-def _operands(op, pb, leaves, acc):
+def _operands(op, pb, leaves, acc, *likes):
   """``(vjp, present operand types)``: the VJP of ``fn`` at the parameter
-  leaves, its operands in the accumulation dtype ``acc``."""
-  thetas = [leaves[k] for k in pb.leaves]
+  leaves, its operands in the accumulation dtype ``acc``; the leaves cast
+  to vary over the mesh axes ``likes`` vary over (``shard_map``: taken
+  per device, so not summed over devices)."""
+  thetas = [hx.vary_like(leaves[k], *likes) for k in pb.leaves]
   avals = [a for a in op.param_avals if a is not None]
 
   def fn(*theta):
@@ -143,10 +145,7 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
   that order, each flattened), from the op's ``f: [B, P']`` per-example
   gradients of its operands; leaves in ``skip`` (frozen) get zeros."""
   acc = f.dtype
-  like = list(leaves)
-  for k in pb.leaves:  # (shard_map: per-example, so not summed over devices)
-    like[k] = hx.vary_like(leaves[k], f)
-  vjp, avals = _operands(op, pb, like, acc)
+  vjp, avals = _operands(op, pb, leaves, acc, f)
   cts, start = [], 0
   for a in avals:
     n = math.prod(a.shape)
@@ -176,10 +175,7 @@ def per_example_error(op, pb, f, leaves: Sequence[Any], err, module: str):
       not linear in the cotangent): no sound bound, so no clipping.
   """
   acc = f.dtype
-  like = list(leaves)
-  for k in pb.leaves:
-    like[k] = hx.vary_like(leaves[k], f)
-  vjp, avals = _operands(op, pb, like, acc)
+  vjp, avals = _operands(op, pb, leaves, acc, f)
   cts = [hx.vary_like(jnp.zeros(a.shape, acc), f) for a in avals]
   l, n, precision, why = linear_bound.bound(vjp, cts)
   if why:
@@ -202,10 +198,8 @@ def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any],
   """
   present = [k for k, a in enumerate(op.param_avals) if a is not None]
   acc = next(iter(cts.values())).dtype if cts else jnp.float32
-  like = list(leaves)
-  for k in pb.leaves:  # (shard_map: each device's share; to_leaf sums them)
-    like[k] = hx.vary_like(leaves[k], *cts.values())
-  vjp, avals = _operands(op, pb, like, acc)
+  # (shard_map: each device's share; to_leaf sums them)
+  vjp, avals = _operands(op, pb, leaves, acc, *cts.values())
   full = [cts[k].astype(acc) if k in cts else jnp.zeros(a.shape, acc)
           for k, a in zip(present, avals)]
   why = linear_bound.bound(vjp, full)[3]

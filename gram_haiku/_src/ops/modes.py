@@ -191,11 +191,13 @@ def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
     provided = {}
   fused = (rule is not None and rule.probe_cotangent_and_grads is not None
            and not by_rows)
-  _check_shape(op, value, x, cfg, fused)
+  _check_result(op, value, x, cfg, fused)
   return value, provided
 
 
-def _check_shape(op, value, x, cfg: KernelConfig, fused: bool) -> None:
+def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
+  """A rule's value for the probe: a teaching error for a shape that is
+  not the mode's or a dtype narrower than the accumulation dtype."""
   b = op.example_size(x.shape)
   want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(op.mode)
   if want is not None and tuple(value.shape) != want:
