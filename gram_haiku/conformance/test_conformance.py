@@ -29,17 +29,22 @@ def test_backward_parity(conformance_op, conformance_platform, case):
     _run(checks.check_backward_parity, conformance_op, case)
 
 
+def _batched_both_ways(values, default_keeps):
+  """``pytest.param(value, vmapped)`` for each value explicitly batched and
+  under vmap; in the default (CI) budget only the pairs
+  ``default_keeps(index, value, vmapped)`` keeps."""
+  return [pytest.param(v, vmapped,
+                       id=f"{v}-{'vmap' if vmapped else 'explicit'}")
+          for i, v in enumerate(values) for vmapped in (False, True)
+          if plugin.thorough() or default_keeps(i, v, vmapped)]
+
+
 def _reference_cases():
   """Every dtype explicitly batched and under vmap; in the default (CI)
   budget, the low-precision dtypes only explicitly batched."""
-  cases = []
-  for case in checks.REFERENCE_CASES:
-    for vmapped in (False, True):
-      if vmapped and case != "float32" and not plugin.thorough():
-        continue
-      cases.append(pytest.param(case, vmapped, id=f"{case}-"
-                                f"{'vmap' if vmapped else 'explicit'}"))
-  return cases
+  return _batched_both_ways(checks.REFERENCE_CASES,
+                            lambda i, case, vmapped: (not vmapped or
+                                                      case == "float32"))
 
 
 @pytest.mark.conformance_family("reference")
@@ -105,14 +110,8 @@ def test_example_axis_selection(conformance_op, conformance_platform, case):
 def _checkpoint_cases():
   """Every policy under vmap and explicitly batched; in the default (CI)
   budget, every policy once (alternating the batching style)."""
-  cases = []
-  for i, policy in enumerate(checks.CHECKPOINT_POLICIES):
-    for vmapped in (False, True):
-      if not plugin.thorough() and vmapped != bool(i % 2):
-        continue
-      cases.append(pytest.param(policy, vmapped, id=f"{policy}-"
-                                f"{'vmap' if vmapped else 'explicit'}"))
-  return cases
+  return _batched_both_ways(checks.CHECKPOINT_POLICIES,
+                            lambda i, policy, vmapped: vmapped == bool(i % 2))
 
 
 @pytest.mark.conformance_family("transforms")
