@@ -533,9 +533,12 @@ def test_memory_budget_option_is_validated():
 
 def test_memory_budget_takes_any_positive_integer():
   """A NumPy integer (from a config file, np.prod of a shape) is a budget
-  like a Python int; a bool, a float or a non-positive one is an error."""
+  like a Python int; a bool, a float or a non-positive one is an error.
+  At one output feature's worth of per-example gradients (4 x 5 floats)
+  the tracked layer forms its Gram feature by feature: the reference."""
   x = jnp.asarray(np.random.RandomState(0).normal(size=(4, 3, 5)),
                   jnp.float32)
+  plain = hk.transform(lambda x: jnp.sum(hk.Linear(6)(x) ** 2))
 
   def grams(budget):
     def loss(x):
@@ -543,8 +546,11 @@ def test_memory_budget_takes_any_positive_integer():
         return jnp.sum(hk.Linear(6)(x) ** 2)
     f = hk.transform_with_state(loss)
     params, state = f.init(jax.random.PRNGKey(0), x)
-    return gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
-                                                   x)[2].total
+    total = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                    x)[2].total
+    assert_gram_close(total, reference_gram(
+        lambda p, xi: plain.apply(p, None, xi), params, x))
+    return total
   np.testing.assert_array_equal(grams(np.int64(4 * 5 * 4)), grams(4 * 5 * 4))
   for bad in (True, 1.5, 0, np.int32(-3)):
     with pytest.raises(ValueError, match="positive integer"):
