@@ -402,6 +402,21 @@ def test_a_getter_whose_vjp_is_affine_is_refused(name):
         params, state, None, x)
 
 
+def test_a_vjp_that_rounds_to_bfloat16_counts_its_roundings():
+  """A getter's VJP through bfloat16 (a mixed-precision policy) rounds at
+  bfloat16's unit: each such rounding counts as 2^16 of float32's, so the
+  rounding bound r is bfloat16's, not float32's."""
+  fn = lambda w: [(w.astype(jnp.bfloat16) * 3).astype(jnp.float32)]
+  w = jnp.ones((4, 3), jnp.float32)
+  out, vjp = jax.vjp(fn, w)
+  _, n, precision, why = linear_bound.bound(vjp, out)
+  assert why is None and n >= 2 * 2 ** 16
+  r = float(norm_bounds.dot_error(n, jnp.float32, precision))
+  assert r >= 2 * 2.0 ** -9  # Two roundings to bfloat16.
+  _, n32, _, _ = linear_bound.bound(jax.vjp(lambda w: [w * 3], w)[1], out)
+  assert n32 == 1
+
+
 def test_a_getter_whose_vjp_has_no_bound_is_refused():
   """A custom VJP rule that is not linear in its cotangent: no operator
   norm, so no sound clip factor; value_grad_and_gram still runs."""

@@ -322,10 +322,20 @@ def _body(eqn):
   return None
 
 
-def _run(jaxpr, consts, ins):
+def _rounds_in(dtype, unit: float) -> int:
+  """Roundings of relative size ``unit`` that one rounding in ``dtype``
+  counts for (a bfloat16 operation in a float32 program: ``2^16``)."""
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    return 1
+  return max(1, math.ceil(float(jnp.finfo(dtype).eps) / unit))
+
+
+def _run(jaxpr, consts, ins, unit: float):
   """Interprets ``jaxpr``: constants by value, dependent variables as
   :class:`_Lin`; ``(outs, why)``, ``why`` a string where a dependent
-  equation is not in :data:`RULES` or not linear."""
+  equation is not in :data:`RULES` or not linear. Rounding counts are in
+  roundings of relative size ``unit`` (an equation computed in a wider
+  unit counts as several, :func:`_rounds_in`)."""
   env = {}
 
   def read(v):
@@ -348,7 +358,8 @@ def _run(jaxpr, consts, ins):
     elif name in _CALLS and _body(eqn) is not None:
       inner = _body(eqn)
       body = getattr(inner, "jaxpr", inner)
-      outs, why = _run(body, list(getattr(inner, "consts", ())), vals)
+      outs, why = _run(body, list(getattr(inner, "consts", ())), vals,
+                       unit)
       if why:
         return None, why
     else:
@@ -356,6 +367,10 @@ def _run(jaxpr, consts, ins):
       out = rule(eqn, vals) if rule is not None else None
       if not isinstance(out, _Lin):
         return None, out or f"`{name}`"
+      base = max(x.n for x in vals if isinstance(x, _Lin))
+      if out.n > base:  # Its own roundings, in its output's dtype.
+        out = _Lin(out.l, base + (out.n - base) * _rounds_in(
+            eqn.outvars[0].aval.dtype, unit), out.scaled, out.spread)
       outs = [out] * len(eqn.outvars)
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
@@ -366,15 +381,19 @@ def bound(fun: Callable[..., Any], *args: Any):
   """``(L, N, precision, None)`` for a function ``fun`` linear in its
   arguments (all of them depend on the cotangent): ``|fun(*args)| <= L
   |args|`` (all outputs together, in the 2-norm), and every output
-  rounds at most ``N`` times along any path (see the module docstring);
+  rounds at most ``N`` times along any path, in roundings of the
+  arguments' dtype (an operation in a narrower dtype counts for as many
+  as its unit roundoff is larger; see the module docstring);
   ``precision`` the lowest of its dot products' (``None`` for none, else
   a ``lax.Precision``). ``L`` is a float32 scalar computed in the
   caller's trace. ``(None, None, None, why)`` where the program is not
   linear in its arguments, or uses a primitive without a rule here."""
   closed = jax.make_jaxpr(fun)(*args)
-  n_in = len(jax.tree.leaves(args))
+  leaves = jax.tree.leaves(args)
+  # Counts in roundings of the arguments' (the accumulation) dtype.
+  unit = float(jnp.finfo(jnp.result_type(*leaves)).eps)
   outs, why = _run(closed.jaxpr, list(closed.consts),
-                   [_Lin(jnp.float32(1), 0)] * n_in)
+                   [_Lin(jnp.float32(1), 0)] * len(leaves), unit)
   if why:
     return None, None, None, why
   if any(not isinstance(o, (_Lin, _Zero)) for o in outs):
