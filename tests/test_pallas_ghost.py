@@ -201,3 +201,87 @@ def test_benchmark_smoke(tmp_path):
   assert all("error" not in r and r["time_ms"] > 0 for r in rows), rows
   if result["backend"] != "tpu":  # Off a TPU, DEFAULT is float32 too.
     assert all(r["rel_err"] < 1e-5 for r in rows), rows
+
+
+# -- the cost model's selection (kernels.ghost_gram) ---------------------------
+
+def test_ghost_gram_selects_the_pallas_kernel_on_its_platforms(monkeypatch):
+  """``kernels.ghost_gram`` runs the Pallas kernel on the platforms of
+  ``cost_model.PALLAS_GHOST_GRAM`` (a TPU; here the CPU, in interpret
+  mode) and XLA's path elsewhere: the lowered program holds the kernel
+  only when the platform is listed, and both agree with float64."""
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  x, d = _inputs(6, 9, 24, 40, "float32", seed=3)
+  ref = _reference(x, d)
+  gram = jax.jit(lambda x, d: kernels.ghost_gram(x, d, XLA))
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ())
+  xla_text = gram.lower(x, d).as_text()
+  xla = gram(x, d)
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
+  gram = jax.jit(lambda x, d: kernels.ghost_gram(x, d, XLA))
+  pallas_text = gram.lower(x, d).as_text()
+  got = gram(x, d)
+  assert pallas_text != xla_text
+  assert _rel(xla, ref) < TOL["float32"]
+  assert _rel(got, ref) < TOL["float32"]
+  assert got.dtype == xla.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("case", ["sharded_columns", "float64", "symbolic"])
+def test_pallas_is_not_selected_where_it_cannot_run(case, monkeypatch):
+  """The XLA path is kept under ``shard_map`` (the columns come from other
+  devices), for float64 factors and for ``jax.export``'s symbolic sizes."""
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu", "tpu"))
+  x = jax.ShapeDtypeStruct((4, 3, 8), jnp.float32)
+  d = jax.ShapeDtypeStruct((4, 3, 5), jnp.float32)
+  axes = ()
+  if case == "sharded_columns":
+    axes = ("data",)
+  elif case == "float64":
+    x = jax.ShapeDtypeStruct((4, 3, 8), np.float64)
+  else:
+    b, = jax.export.symbolic_shape("b")
+    x = jax.ShapeDtypeStruct((b, 3, 8), jnp.float32)
+  assert cost_model.pallas_ghost_gram_platforms(x, d, axes) == ()
+  x = jax.ShapeDtypeStruct((4, 3, 8), jnp.float32)
+  assert cost_model.pallas_ghost_gram_platforms(x, d, ()) == ("cpu", "tpu")
+
+
+def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):
+  """End to end: ``value_grad_and_gram`` of a two-layer sequence model with
+  the ghost method forced, its ghost Grams by the Pallas kernel (interpret
+  mode), against ``F F^T`` of ``vmap(grad)`` in float64 numpy."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
+  calls = []
+  kernel = pg.ghost_gram_pallas
+
+  def spy(x, d, **kw):
+    calls.append((*x.shape, d.shape[-1]))
+    return kernel(x, d, **kw)
+  monkeypatch.setattr(pg, "ghost_gram_pallas", spy)
+
+  def net(x):
+    h = jnp.tanh(hk.Linear(12)(x))
+    return jnp.sum(hk.Linear(3)(h) ** 2, axis=(-2, -1))
+
+  def tracked(x):
+    with gram_haiku.track(strategy="ghost"):
+      return net(x).sum()
+
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 6, 7)),
+                  jnp.float32)
+  plain = hk.without_apply_rng(hk.transform(net))
+  params = plain.init(jax.random.key(0), x)
+  f = hk.without_apply_rng(hk.transform_with_state(tracked))
+  _, state = f.init(jax.random.key(0), x)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, x)
+  per_example = lambda p, xi: plain.apply(p, xi).sum()
+  ref = reference.reference_gram(per_example, params, x, upcast=True)
+  assert sorted(calls) == [(5, 6, 7, 12), (5, 6, 12, 3)]
+  assert _rel(grams.total, ref) < 1e-5

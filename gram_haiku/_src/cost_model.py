@@ -55,6 +55,35 @@ GATHER_WEIGHT = 4
 SYMBOLIC_SIZE = 1024
 
 
+#: Platforms where the sequence ghost Gram of a linear map (the
+#: ``(B, B)`` Gram, equation (1) of :mod:`gram_haiku._src.kernels`) runs
+#: as the Pallas kernel of :mod:`gram_haiku._src.pallas_ghost` rather than
+#: as XLA's blocked ops. Measured on one TPU v5e chip (2026-12-06, jax
+#: 0.10.2, ``python -m benchmarks.pallas_ghost``; float32, the layers of a
+#: ViT-S/4, a GPT-style decoder and a T = 1024 sequence): the kernel took
+#: 1.4x to 2.5x less time at ``DEFAULT`` precision and 1.5x to 2.7x less at
+#: ``HIGHEST``, with the same error. Its ghost norms were not faster (0.7x
+#: to 1.2x), so the norms stay on XLA's path everywhere. Elsewhere Pallas
+#: runs only in interpret mode (the tests put ``"cpu"`` here).
+PALLAS_GHOST_GRAM = ("tpu",)
+
+
+def pallas_ghost_gram_platforms(x, d, column_axes) -> tuple[str, ...]:
+  """The platforms of :data:`PALLAS_GHOST_GRAM` on which the ghost Gram of
+  ``x: (B, T, N)``, ``d: (B, T, M)`` can run as the Pallas kernel: one
+  device's examples (no ``column_axes``: under ``shard_map`` the XLA path
+  gathers the columns), every size known (not a ``jax.export`` symbolic
+  one), float32 or bfloat16 factors. ``()``: XLA's path."""
+  if column_axes or not PALLAS_GHOST_GRAM:
+    return ()
+  if not all(isinstance(n, int) for n in (*x.shape, *d.shape)):
+    return ()
+  ok = ("float32", "bfloat16")
+  if str(x.dtype) not in ok or str(d.dtype) not in ok:
+    return ()
+  return tuple(PALLAS_GHOST_GRAM)
+
+
 def size_hint(n) -> int:
   """``n``, or :data:`SYMBOLIC_SIZE` for a symbolic size (``jax.export``),
   which cannot be compared with a number."""

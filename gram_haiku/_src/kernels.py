@@ -460,6 +460,28 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   _, t, _ = x.shape
   if t == 1:
     return _one_position_ghost_gram(x[:, 0], d[:, 0], False, cfg)
+  platforms = cost_model.pallas_ghost_gram_platforms(x, d, cfg.column_axes)
+  if not platforms:
+    return _xla_ghost_gram(x, d, cfg)
+  # The Pallas kernel where the cost model measured it faster (one branch
+  # per platform, the others lowered only for their own platforms).
+  def pallas(platform):
+    def gram(x, d):
+      from gram_haiku._src import pallas_ghost  # pylint: disable=g-import-not-at-top
+      return pallas_ghost.ghost_gram_pallas(
+          x, d, precision=cfg.precision,
+          interpret=platform != "tpu").astype(x.dtype)
+    return gram
+  return lax.platform_dependent(
+      x, d, default=lambda x, d: _xla_ghost_gram(x, d, cfg),
+      **{p: pallas(p) for p in platforms})
+
+
+def _xla_ghost_gram(x: jax.Array, d: jax.Array,
+                    cfg: KernelConfig) -> jax.Array:
+  """:func:`ghost_gram` by XLA's ops, in blocks within the memory
+  budget."""
+  _, t, _ = x.shape
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   t_hint = cost_model.size_hint(t)
