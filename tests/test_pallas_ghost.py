@@ -285,3 +285,22 @@ def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):
   ref = reference.reference_gram(per_example, params, x, upcast=True)
   assert sorted(calls) == [(5, 6, 7, 12), (5, 6, 12, 3)]
   assert _rel(grams.total, ref) < 1e-5
+
+
+def test_the_selected_kernel_is_differentiable_like_the_xla_path(
+    monkeypatch):
+  """A loss of the Gram differentiates through the Pallas branch (the
+  kernel has no JVP of its own; XLA's path's is used), under ``grad`` and
+  ``jvp``, with the XLA path's values."""
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  x, d = _inputs(4, 5, 9, 6, "float32", seed=7)
+  loss = lambda x, d: jnp.sum(jnp.sin(kernels.ghost_gram(x, d, XLA)))
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ())
+  want = jax.grad(loss, argnums=(0, 1))(x, d)
+  want_t = jax.jvp(loss, (x, d), (d[..., :1] * x, x[..., :6]))[1]
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
+  got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, d)
+  got_t = jax.jvp(loss, (x, d), (d[..., :1] * x, x[..., :6]))[1]
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+  np.testing.assert_allclose(got_t, want_t, rtol=1e-5)

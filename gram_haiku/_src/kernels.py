@@ -465,16 +465,22 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
     return _xla_ghost_gram(x, d, cfg)
   # The Pallas kernel where the cost model measured it faster (one branch
   # per platform, the others lowered only for their own platforms).
+  xla = lambda x, d: _xla_ghost_gram(x, d, cfg)
+
   def pallas(platform):
+    @jax.custom_jvp
     def gram(x, d):
       from gram_haiku._src import pallas_ghost  # pylint: disable=g-import-not-at-top
       return pallas_ghost.ghost_gram_pallas(
           x, d, precision=cfg.precision,
           interpret=platform != "tpu").astype(x.dtype)
+
+    @gram.defjvp
+    def _(primals, tangents):  # The kernel has no JVP: XLA's path's.
+      return jax.jvp(xla, primals, tangents)
     return gram
-  return lax.platform_dependent(
-      x, d, default=lambda x, d: _xla_ghost_gram(x, d, cfg),
-      **{p: pallas(p) for p in platforms})
+  return lax.platform_dependent(x, d, default=xla,
+                                **{p: pallas(p) for p in platforms})
 
 
 def _xla_ghost_gram(x: jax.Array, d: jax.Array,
