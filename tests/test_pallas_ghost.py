@@ -227,17 +227,17 @@ def test_ghost_gram_selects_the_pallas_kernel_on_its_platforms(monkeypatch):
   assert got.dtype == xla.dtype == jnp.float32
 
 
-@pytest.mark.parametrize("case", ["sharded_columns", "float64", "symbolic"])
+@pytest.mark.parametrize("case", ["spread", "float64", "symbolic"])
 def test_pallas_is_not_selected_where_it_cannot_run(case, monkeypatch):
-  """The XLA path is kept under ``shard_map`` (the columns come from other
-  devices), for float64 factors and for ``jax.export``'s symbolic sizes."""
+  """The XLA path is kept where the examples are spread over a mesh, for
+  float64 factors and for ``jax.export``'s symbolic sizes."""
   from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu", "tpu"))
   x = jax.ShapeDtypeStruct((4, 3, 8), jnp.float32)
   d = jax.ShapeDtypeStruct((4, 3, 5), jnp.float32)
-  axes = ()
-  if case == "sharded_columns":
-    axes = ("data",)
+  axes = False
+  if case == "spread":
+    axes = True
   elif case == "float64":
     x = jax.ShapeDtypeStruct((4, 3, 8), np.float64)
   else:
@@ -245,7 +245,32 @@ def test_pallas_is_not_selected_where_it_cannot_run(case, monkeypatch):
     x = jax.ShapeDtypeStruct((b, 3, 8), jnp.float32)
   assert cost_model.pallas_ghost_gram_platforms(x, d, axes) == ()
   x = jax.ShapeDtypeStruct((4, 3, 8), jnp.float32)
-  assert cost_model.pallas_ghost_gram_platforms(x, d, ()) == ("cpu", "tpu")
+  assert cost_model.pallas_ghost_gram_platforms(x, d, False) == ("cpu",
+                                                                 "tpu")
+
+
+@pytest.mark.parametrize("spec", ["rows", "replicated"])
+def test_examples_sharded_on_an_explicit_mesh_keep_the_xla_path(
+    spec, monkeypatch):
+  """Under an Explicit mesh, rows sharded or not, no Pallas call is traced
+  (the XLA path's blocks follow the mesh; the kernel's own ops carry no
+  sharding types: in interpret mode they failed with a ShardingTypeError)."""
+  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
+  calls = []
+  kernel = pg.ghost_gram_pallas
+  monkeypatch.setattr(pg, "ghost_gram_pallas",
+                      lambda *a, **k: calls.append(1) or kernel(*a, **k))
+  mesh = jax.make_mesh((1,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  p = jax.sharding.PartitionSpec("data" if spec == "rows" else None)
+  x, d = _inputs(4, 3, 8, 5, "float32", seed=2)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(x, p)
+    d = jax.device_put(d, p)
+    got = jax.jit(lambda x, d: kernels.ghost_gram(x, d, XLA))(x, d)
+  assert not calls
+  assert _rel(got, _reference(x, d)) < TOL["float32"]
 
 
 def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):

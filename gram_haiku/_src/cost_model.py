@@ -68,13 +68,14 @@ SYMBOLIC_SIZE = 1024
 PALLAS_GHOST_GRAM = ("tpu",)
 
 
-def pallas_ghost_gram_platforms(x, d, column_axes) -> tuple[str, ...]:
+def pallas_ghost_gram_platforms(x, d, spread: bool) -> tuple[str, ...]:
   """The platforms of :data:`PALLAS_GHOST_GRAM` on which the ghost Gram of
-  ``x: (B, T, N)``, ``d: (B, T, M)`` can run as the Pallas kernel: one
-  device's examples (no ``column_axes``: under ``shard_map`` the XLA path
-  gathers the columns), every size known (not a ``jax.export`` symbolic
-  one), float32 or bfloat16 factors. ``()``: XLA's path."""
-  if column_axes or not PALLAS_GHOST_GRAM:
+  ``x: (B, T, N)``, ``d: (B, T, M)`` can run as the Pallas kernel: the
+  examples on one device (not ``spread`` over a mesh: under ``shard_map``
+  or an Explicit mesh XLA's path lays the blocks out over the devices),
+  every size known (not a ``jax.export`` symbolic one), float32 or
+  bfloat16 factors. ``()``: XLA's path."""
+  if spread or not PALLAS_GHOST_GRAM:
     return ()
   if not all(isinstance(n, int) for n in (*x.shape, *d.shape)):
     return ()

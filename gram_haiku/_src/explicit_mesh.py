@@ -45,6 +45,13 @@ def explicit_spec(a: jax.Array):
   return spec_of_type(jax.typeof(a))
 
 
+def under_explicit_mesh() -> bool:
+  """Whether the current mesh (``jax.set_mesh``) has an Explicit axis."""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = jax.sharding.AxisType.Explicit
+  return not mesh.empty and any(t == explicit for t in mesh.axis_types)
+
+
 def spec_of_type(aval):
   """:func:`explicit_spec` of an array type (``jax.typeof`` of an array)."""
   sharding = getattr(aval, "sharding", None)

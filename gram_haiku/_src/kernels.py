@@ -460,7 +460,11 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   _, t, _ = x.shape
   if t == 1:
     return _one_position_ghost_gram(x[:, 0], d[:, 0], False, cfg)
-  platforms = cost_model.pallas_ghost_gram_platforms(x, d, cfg.column_axes)
+  # Examples spread over devices (shard_map's columns, an Explicit mesh,
+  # whose sharding types the kernel's own ops do not carry): XLA's path,
+  # which lays its blocks out over the mesh.
+  spread = bool(cfg.column_axes) or explicit_mesh.under_explicit_mesh()
+  platforms = cost_model.pallas_ghost_gram_platforms(x, d, spread)
   if not platforms:
     return _xla_ghost_gram(x, d, cfg)
   # The Pallas kernel where the cost model measured it faster (one branch
