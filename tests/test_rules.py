@@ -37,7 +37,8 @@ def reference_flat(forward, x, g, params, example_dim):
     for i, p in zip(present, ps):
       full[i] = p
     return jnp.sum(forward(xi, *full) * gi)
-  grads = jax.vmap(jax.grad(loss), in_axes=(None, example_dim, example_dim))(
+  grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, example_dim,
+                                                     example_dim)))(
       [params[i] for i in present], x, g)
   return np.concatenate([np.asarray(a, np.float64).reshape(a.shape[0], -1)
                          for a in grads], axis=1)
@@ -51,33 +52,51 @@ def _cotangent(seed, forward, x, params):
 def check_rule(rule, x, params, example_dim, gram_methods, norm_methods,
                seed=0):
   """The rule's Gram, norms and per-example gradients (and its fused form,
-  in every mode) equal the reference, for each method."""
+  in every mode) equal the reference, for each method.
+
+  The rule's functions run in one jitted program (as in a backward pass,
+  where they are always traced): one compile instead of one per primitive.
+  """
   g = _cotangent(seed, rule.forward, x, params)
   f = reference_flat(rule.forward, x, g, params, example_dim)
   assert np.abs(f).max() > 0  # never a vacuous comparison
   ref = f @ f.T
+  present = tuple(i for i, p in enumerate(params) if p is not None)
+  fused_modes = (("gram", gram_methods), ("norms", norm_methods),
+                 ("per_example", ("materialize",)))
+
+  @jax.jit
+  def values(x, g, params):
+    out = {}
+    for method in gram_methods:
+      out[f"gram/{method}"] = rule_lib.gram_of(
+          rule, x, g, params, example_dim, KernelConfig(method=method))
+    for method in norm_methods:
+      out[f"norms/{method}"] = rule_lib.sq_norms_of(
+          rule, x, g, params, example_dim, KernelConfig(method=method))
+    out["pe"] = rule_lib.flat(
+        rule_lib.per_example_grads_of(rule, x, g, params, example_dim))
+    if rule.probe_cotangent_and_grads is not None:
+      for mode, methods in fused_modes:
+        for method in methods:
+          out[f"fused/{mode}/{method}"] = rule.probe_cotangent_and_grads(
+              x, g, params, example_dim, mode, present,
+              KernelConfig(method=method))
+    return out
+  got = values(x, g, params)
   for method in gram_methods:
-    cfg = KernelConfig(method=method)
-    assert_gram_close(rule_lib.gram_of(rule, x, g, params, example_dim, cfg),
-                      ref, what=f"gram ({method})")
+    assert_gram_close(got[f"gram/{method}"], ref, what=f"gram ({method})")
   for method in norm_methods:
-    cfg = KernelConfig(method=method)
-    assert_gram_close(
-        rule_lib.sq_norms_of(rule, x, g, params, example_dim, cfg),
-        np.diag(ref), what=f"sq_norms ({method})")
-  pe = rule_lib.per_example_grads_of(rule, x, g, params, example_dim)
-  assert_gram_close(rule_lib.flat(pe), f, what="per_example_grads")
+    assert_gram_close(got[f"norms/{method}"], np.diag(ref),
+                      what=f"sq_norms ({method})")
+  assert_gram_close(got["pe"], f, what="per_example_grads")
   if rule.probe_cotangent_and_grads is not None:
-    present = tuple(i for i, p in enumerate(params) if p is not None)
     want = {"gram": ref, "norms": np.diag(ref), "per_example": f}
     sums = np.split(f.sum(axis=0), np.cumsum(
         [params[i].size for i in present])[:-1])
-    for mode, methods in (("gram", gram_methods), ("norms", norm_methods),
-                          ("per_example", ("materialize",))):
+    for mode, methods in fused_modes:
       for method in methods:
-        value, provided = rule.probe_cotangent_and_grads(
-            x, g, params, example_dim, mode, present,
-            KernelConfig(method=method))
+        value, provided = got[f"fused/{mode}/{method}"]
         assert_gram_close(value, want[mode], what=f"{mode} ({method})")
         for i, ct in provided.items():
           k = present.index(i)
