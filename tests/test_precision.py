@@ -40,8 +40,9 @@ def _lowered(entry, **track_kw):
   tracked = hk.transform_with_state(
       layer_zoo._tracked(fn, entry, **track_kw))
   plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))
-  params, state = tracked.init(jax.random.PRNGKey(1), x)
-  _, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  # Only lowered, never run: the initial values' shapes are enough.
+  params, state = jax.eval_shape(tracked.init, jax.random.PRNGKey(1), x)
+  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
   vgg = gram_haiku.value_grad_and_gram(tracked.apply)
   plain_vg = jax.value_and_grad(
       lambda p, x: plain.apply(p, plain_state, None, x)[0])
