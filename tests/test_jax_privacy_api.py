@@ -50,7 +50,7 @@ def _quadratic(with_aux: bool = False):
     return (value, {"key": jnp.mean(x, axis=0)}) if with_aux else value
   f = hk.transform_with_state(loss)
   x = jnp.array([[1.0], [4.0], [7.0]])
-  params, state = f.init(jax.random.PRNGKey(0), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x)
   params = {"p": {"b": jnp.array([2.0])}}
   return f, params, state, x
 
@@ -65,7 +65,7 @@ def _logistic():
   f = hk.transform_with_state(loss)
   inputs = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
   targets = jnp.array([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
-  params, state = f.init(jax.random.PRNGKey(0), inputs, targets)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), inputs, targets)
   return f, params, state, inputs, targets
 
 
@@ -81,7 +81,7 @@ def _mlp(seed: int, b: int = 8, with_aux: bool = False):
   kx, ky, kp = jax.random.split(jax.random.PRNGKey(seed), 3)
   x = jax.random.normal(kx, (b, 4))
   y = jax.random.normal(ky, (b, 3))
-  params, state = f.init(kp, x, y)
+  params, state = jax.jit(f.init)(kp, x, y)
   return f, params, state, x, y
 
 
@@ -109,6 +109,13 @@ def _assert_same(got, want, rtol=1e-5, atol=1e-6):
                                atol=atol)
 
 
+def _jit(fn):
+  """``fn`` called under ``jax.jit`` (keyword arguments traced too): one
+  compile per call instead of one per primitive, as a training step runs it."""
+  return lambda *args, **kwargs: jax.jit(
+      lambda args, kwargs: fn(*args, **kwargs))(args, kwargs)
+
+
 def _assert_same_callable(ours, theirs):
   assert type(ours) is type(theirs)
   assert ours.has_aux == theirs.has_aux
@@ -128,8 +135,8 @@ def _reference(f, params, state, args, c, pad=None):
     def one(p, *example):
       out = f.apply(p, state, None, *[e[None] for e in example])[0]
       return out[0] if isinstance(out, tuple) else out
-    grads = jax.vmap(jax.grad(one), in_axes=(None,) + (0,) * len(a64))(
-        p64, *a64)
+    grads = jax.jit(jax.vmap(jax.grad(one), in_axes=(None,) + (0,) * len(
+        a64)))(p64, *a64)
     sq = sum(jnp.sum(g.reshape(g.shape[0], -1) ** 2, axis=1)
              for g in jax.tree.leaves(grads))
     norms = jnp.sqrt(sq)
@@ -152,8 +159,8 @@ def test_basic_clipped_sum():
   f, params, state, x = _quadratic()
   theirs, ours = _both(f, argnums=0, batch_argnums=3, l2_clip_norm=2.5,
                        rescale_to_unit_norm=False)
-  want = theirs(params, state, None, x)
-  got = ours(params, state, None, x)
+  want = _jit(theirs)(params, state, None, x)
+  got = _jit(ours)(params, state, None, x)
   _assert_same(got, want)
   np.testing.assert_allclose(got["p"]["b"], [-3.5], atol=1e-6)
   _assert_same_callable(ours, theirs)
@@ -175,8 +182,8 @@ def test_rescale_to_unit_norm():
   f, params, state, x = _quadratic()
   theirs, ours = _both(f, argnums=0, batch_argnums=3, l2_clip_norm=2.5,
                        rescale_to_unit_norm=True)
-  got = ours(params, state, None, x)
-  _assert_same(got, theirs(params, state, None, x))
+  got = _jit(ours)(params, state, None, x)
+  _assert_same(got, _jit(theirs)(params, state, None, x))
   np.testing.assert_allclose(got["p"]["b"], [-3.5 / 2.5], atol=1e-6)
   _assert_same_callable(ours, theirs)
   assert ours.sensitivity() == 1.0
@@ -190,8 +197,9 @@ def test_padding_examples_under_jit():
   for pad, want_b in (([False] * 3, -3.5 / 2.5), ([True] * 3, 0.0),
                       ([False, True, True], 1.0 / 2.5)):
     pad = jnp.array(pad)
-    got = ours(params, state, None, x, is_padding_example=pad)
-    _assert_same(got, theirs(params, state, None, x, is_padding_example=pad))
+    got = _jit(ours)(params, state, None, x, is_padding_example=pad)
+    _assert_same(got, _jit(theirs)(params, state, None, x,
+                                   is_padding_example=pad))
     np.testing.assert_allclose(got["p"]["b"], [want_b], atol=1e-6)
 
 
@@ -216,8 +224,8 @@ def test_has_aux_gives_per_example_aux():
   f, params, state, x = _quadratic(with_aux=True)
   theirs, ours = _both(f, argnums=0, has_aux=True, batch_argnums=3,
                        l2_clip_norm=10.0)
-  got = ours(params, state, None, x)
-  want = theirs(params, state, None, x)
+  got = _jit(ours)(params, state, None, x)
+  want = _jit(theirs)(params, state, None, x)
   _assert_same(got, want)
   grads, aux = got
   assert isinstance(aux, jp_clipping.AuxiliaryOutput)
@@ -232,8 +240,8 @@ def test_return_grad_norms():
   f, params, state, x = _quadratic()
   theirs, ours = _both(f, argnums=0, batch_argnums=3, l2_clip_norm=10.0,
                        rescale_to_unit_norm=False, return_grad_norms=True)
-  grads, aux = got = ours(params, state, None, x)
-  _assert_same(got, theirs(params, state, None, x))
+  grads, aux = got = _jit(ours)(params, state, None, x)
+  _assert_same(got, _jit(theirs)(params, state, None, x))
   np.testing.assert_allclose(aux.grad_norms, [1.0, 2.0, 5.0], rtol=1e-5)
   assert aux.values is None and aux.aux is None
   np.testing.assert_allclose(grads["p"]["b"], [1.0 - 2.0 - 5.0], atol=1e-6)
@@ -246,8 +254,8 @@ def test_return_values(with_aux):
   theirs, ours = _both(f, argnums=0, has_aux=with_aux, batch_argnums=3,
                        l2_clip_norm=10.0, rescale_to_unit_norm=False,
                        return_values=True)
-  got = ours(params, state, None, x)
-  _assert_same(got, theirs(params, state, None, x))
+  got = _jit(ours)(params, state, None, x)
+  _assert_same(got, _jit(theirs)(params, state, None, x))
   np.testing.assert_allclose(got[1].values, [0.5, 2.0, 12.5], rtol=1e-6)
   assert (got[1].aux is not None) == with_aux
 
@@ -270,8 +278,8 @@ def test_positional_form_and_tuple_argnums():
   grad takes them: a tuple ``argnums`` returns a tuple of gradients."""
   f, params, state, x = _quadratic(with_aux=True)
   theirs, ours = _both(f, (0,), True, l2_clip_norm=2.5, batch_argnums=(3,))
-  got = ours(params, state, None, x)
-  _assert_same(got, theirs(params, state, None, x))
+  got = _jit(ours)(params, state, None, x)
+  _assert_same(got, _jit(theirs)(params, state, None, x))
   assert isinstance(got[0], tuple) and len(got[0]) == 1
 
 
@@ -281,8 +289,8 @@ def test_zero_clip_norm_is_a_zero_gradient():
   f, params, state, x, y = _mlp(1)
   theirs, ours = _both(f, l2_clip_norm=0.0, batch_argnums=(3, 4),
                        return_grad_norms=True)
-  got = ours(params, state, None, x, y)
-  _assert_same(got, theirs(params, state, None, x, y), rtol=1e-4)
+  got = _jit(ours)(params, state, None, x, y)
+  _assert_same(got, _jit(theirs)(params, state, None, x, y), rtol=1e-4)
   assert not any(np.any(g) for g in jax.tree.leaves(got[0]))
   _assert_same_callable(ours, theirs)
   assert ours.sensitivity() == 0.0
@@ -364,11 +372,11 @@ def test_default_batch_arguments_and_dtype():
   both); ``dtype`` sets the sum's dtype."""
   f, params, state, x, y = _mlp(4)
   for dtype in (jnp.float32, jnp.bfloat16):
-    got = gram_haiku.clipped_grad(f.apply, l2_clip_norm=0.5, dtype=dtype)(
-        params, state, None, x, y)
-    want = jp_clipping.clipped_grad(
+    got = _jit(gram_haiku.clipped_grad(f.apply, l2_clip_norm=0.5,
+                                       dtype=dtype))(params, state, None, x, y)
+    want = _jit(jp_clipping.clipped_grad(
         lambda *a: f.apply(*a)[0], l2_clip_norm=0.5, dtype=dtype,
-        batch_argnums=(3, 4))(params, state, None, x, y)
+        batch_argnums=(3, 4)))(params, state, None, x, y)
     _assert_same(got, want, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5,
                  atol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
 
@@ -381,15 +389,15 @@ def test_huge_norm_example_moves_the_sum_by_at_most_c():
   big_x, big_y = x.at[2].set(1e6), y.at[2].set(-1e6)
   theirs, ours = _both(f, l2_clip_norm=1.0, batch_argnums=(3, 4),
                        return_grad_norms=True)
-  got = ours(params, state, None, big_x, big_y)
-  want = theirs(params, state, None, big_x, big_y)
+  got = _jit(ours)(params, state, None, big_x, big_y)
+  want = _jit(theirs)(params, state, None, big_x, big_y)
   _assert_same(got[0], want[0], rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(got[1].grad_norms, want[1].grad_norms,
                              rtol=1e-4)
   ref, _ = _reference(f, params, state, (big_x, big_y), 1.0)
   _assert_same(got[0], jax.tree.map(lambda a: a.astype(np.float32), ref),
                rtol=1e-4, atol=1e-5)
-  base = ours(params, state, None, x, y)[0]
+  base = _jit(ours)(params, state, None, x, y)[0]
   moved = np.sqrt(sum(np.sum((np.asarray(a, np.float64) - b) ** 2)
                       for a, b in zip(jax.tree.leaves(got[0]),
                                       jax.tree.leaves(base))))
@@ -407,14 +415,14 @@ def test_nan_example_contributes_nothing(nan_safe):
   theirs, ours = _both(f, l2_clip_norm=1.0, batch_argnums=(3, 4),
                        return_values=True, return_grad_norms=True,
                        nan_safe=nan_safe)
-  got = ours(params, state, None, bad, y)
-  want = theirs(params, state, None, bad, y)
+  got = _jit(ours)(params, state, None, bad, y)
+  want = _jit(theirs)(params, state, None, bad, y)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(got[0]))
   if nan_safe:
     _assert_same(got[0], want[0], rtol=1e-5, atol=1e-6)
   # The clipped sum of the other examples.
   keep = jnp.arange(x.shape[0]) != 4
-  rest = ours(params, state, None, x, y, is_padding_example=~keep)
+  rest = _jit(ours)(params, state, None, x, y, is_padding_example=~keep)
   _assert_same(got[0], rest[0], rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.isnan(got[1].values),
                                 np.isnan(want[1].values))
@@ -564,12 +572,13 @@ def test_apply_with_has_aux_reads_the_state_as_aux():
       out = hk.nets.MLP([5, 3], activation=jnp.tanh)(x)
     return jnp.sum((out - y) ** 2)
   plain, ours = (hk.transform_with_state(fn) for fn in (untracked, tracked))
-  params, plain_state = plain.init(jax.random.PRNGKey(0), x, y)
-  _, state = ours.init(jax.random.PRNGKey(0), x, y)
+  params, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(0), x, y)
+  _, state = jax.jit(ours.init)(jax.random.PRNGKey(0), x, y)
   kw = dict(has_aux=True, l2_clip_norm=1.0, batch_argnums=(3, 4))
-  got = gram_haiku.clipped_grad(ours.apply, **kw)(params, state, None, x, y)
-  want = jp_clipping.clipped_grad(plain.apply, **kw)(params, plain_state,
-                                                     None, x, y)
+  got = _jit(gram_haiku.clipped_grad(ours.apply, **kw))(params, state, None,
+                                                         x, y)
+  want = _jit(jp_clipping.clipped_grad(plain.apply, **kw))(
+      params, plain_state, None, x, y)
   _assert_same(got, want)
   assert set(got[1].aux) == set(plain_state) == {"~"}
   b = x.shape[0]
@@ -600,4 +609,4 @@ def test_a_shared_argument_of_the_batch_size_is_refused():
   with pytest.raises(ValueError, match=r"(?s)argument 5 .*size, 4.*"
                      r"add 5 to batch_argnums.*\[None\]"):
     step(params, state, None, x, y, protos)
-  step(params, state, None, x, y, protos[:3])  # Another size: shared.
+  _jit(step)(params, state, None, x, y, protos[:3])  # Another size: shared.
