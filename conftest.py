@@ -97,14 +97,56 @@ SAMPLED_SWEEPS = {
 }
 
 
+# Sweeps that run each case both eagerly and under jit (function -> the
+# parameter that says which): the default budget runs each case once, the
+# placements taken in turn over the cases, so that every case and every
+# placement still runs; the thorough env runs every pair.
+ALTERNATED_SWEEPS = {
+    "tests/test_example_flow.py::"
+    "test_batch_values_under_stop_gradient_are_constants": "jit",
+    "tests/test_example_flow.py::"
+    "test_outputs_reordered_with_their_own_data_are_exact": "jit",
+    "tests/test_example_flow.py::"
+    "test_per_token_losses_summed_by_segments_are_exact": "jit",
+    "tests/test_example_flow.py::"
+    "test_functions_of_one_example_segment_sums_are_exact": "jit",
+}
+
+
+def _alternated(items):
+  """The items of :data:`ALTERNATED_SWEEPS` to keep: the case (the other
+  parameters) ranked ``r`` in order of appearance runs with the parameter's
+  ``r % n``-th value (``n`` values, in order of appearance)."""
+  values, cases, keyed = {}, {}, []
+  for item in items:
+    key = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
+    name = ALTERNATED_SWEEPS.get(key)
+    if name is None or name not in getattr(item, "callspec", None).params:
+      continue
+    params = item.callspec.params
+    value = repr(params[name])
+    case = tuple(sorted((k, repr(v)) for k, v in params.items() if k != name))
+    vals = values.setdefault(key, {})
+    vals.setdefault(value, len(vals))
+    ranks = cases.setdefault(key, {})
+    ranks.setdefault(case, len(ranks))
+    keyed.append((item, key, value, case))
+  return {id(item) for item, key, value, case in keyed
+          if values[key][value] == cases[key][case] % len(values[key])}
+
+
 def pytest_collection_modifyitems(config, items):
-  """Samples :data:`SAMPLED_SWEEPS` outside the thorough budget, and says
-  how many cases it left out."""
+  """Samples :data:`SAMPLED_SWEEPS` and :data:`ALTERNATED_SWEEPS` outside
+  the thorough budget, and says how many cases it left out."""
   if _plugin.thorough():
     return
   seen, keep, drop = {}, [], []
+  alternated = _alternated(items)
   for item in items:
     key = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
+    if key in ALTERNATED_SWEEPS and hasattr(item, "callspec"):
+      (keep if id(item) in alternated else drop).append(item)
+      continue
     every = SAMPLED_SWEEPS.get(key)
     if every is None:
       keep.append(item)
@@ -121,5 +163,6 @@ def pytest_terminal_summary(terminalreporter, config):
   if not _plugin.thorough():
     terminalreporter.write_line(
         "gram_haiku: the layer-zoo sweeps of conftest.SAMPLED_SWEEPS ran one "
-        "case in k (the default budget; in the deselected count); tox -e "
+        "case in k, and those of conftest.ALTERNATED_SWEEPS each case in one "
+        "jit placement (the default budget; in the deselected count); tox -e "
         "conformance-thorough runs them all.")
