@@ -1164,7 +1164,8 @@ def _axes_reference(plain, params, batch, axes):
   def one(p, *example):
     return plain(p, *(e if ax is None else jnp.expand_dims(e, ax)
                       for e, ax in zip(example, axes)))
-  grads = jax.vmap(jax.grad(one), in_axes=(None, *axes))(params, *batch)
+  grads = jax.jit(jax.vmap(jax.grad(one), in_axes=(None, *axes)))(params,
+                                                                   *batch)
   f = np.concatenate([np.asarray(l, np.float64).reshape(B, -1)
                       for l in jax.tree.leaves(grads)], axis=1)
   return f @ f.T
@@ -1199,13 +1200,13 @@ def test_example_axes_say_where_the_examples_are(name):
   _, grads, grams = fn(params, state, None, *batch)
   ref = _axes_reference(plain, params, batch, axes)
   assert_gram_close(grams.total, ref)
-  chex.assert_trees_all_close(grads, jax.grad(plain)(params, *batch),
+  chex.assert_trees_all_close(grads, jax.jit(jax.grad(plain))(params, *batch),
                               rtol=1e-5, atol=1e-6)
   if name == "time_major_lstm":
     return  # (the others check the clipped gradient and verify too)
   # The clipped gradient and verify take the same axes.
-  clipped, aux = gram_haiku.clipped_grad(f.apply, 1.0, example_axes=axes)(
-      params, state, None, *batch)
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(
+      f.apply, 1.0, example_axes=axes))(params, state, None, *batch)
   np.testing.assert_allclose(aux.grad_norms, np.sqrt(np.diag(ref)),
                              rtol=1e-4)
   report = gram_haiku.verify(f.apply, params, state, None, *batch,
@@ -1959,7 +1960,8 @@ def test_a_batch_of_one_is_exact_whatever_the_loss(loss, per_token):
   norm = float(np.sqrt(ref[0, 0]))
   grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, norm / 2))(
       params, state, None, x, y)
-  want = jax.tree.map(lambda g: g / 2, jax.grad(plain.apply)(params, x, y))
+  want = jax.tree.map(lambda g: g / 2,
+                      jax.jit(jax.grad(plain.apply))(params, x, y))
   scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
   chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
                               atol=ATOL_F32 * scale)
