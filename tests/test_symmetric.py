@@ -40,10 +40,9 @@ def _kernel(xi, di, xj, dj):
 def test_blocks_match_the_full_evaluation_and_are_symmetric(b, n_blocks):
   x = problems.normal(jax.random.PRNGKey(b), (b, 6))
   d = problems.normal(jax.random.PRNGKey(b + 100), (b, 2))
-  out = jax.jit(lambda x, d: kernels.symmetric_blocks(_kernel, (x, d),
-                                                     n_blocks))(x, d)
+  out = kernels.symmetric_blocks(_kernel, (x, d), n_blocks)
   assert out.shape == (b, b)
-  np.testing.assert_allclose(out, jax.jit(_kernel)(x, d, x, d), rtol=1e-6,
+  np.testing.assert_allclose(out, _kernel(x, d, x, d), rtol=1e-6,
                              atol=1e-6)
   np.testing.assert_array_equal(out, out.T)
 
@@ -167,8 +166,7 @@ def test_pair_kernels_from_blocks_match_every_pair(budget, monkeypatch):
   cfg = kernels.KernelConfig(memory_budget_bytes=budget,
                              precision=jax.lax.Precision.HIGHEST)
   kernels_ = _pair_kernels(budget)
-  full = {n: np.asarray(jax.jit(lambda f=f: f(cfg))())
-          for n, f in kernels_.items()}
+  full = {n: np.asarray(f(cfg)) for n, f in kernels_.items()}
   monkeypatch.setattr(kernels, "SYMMETRIC_MIN_ROWS", 1)
   monkeypatch.setattr(kernels, "SYMMETRIC_BLOCKS", 3)
   for name, f in kernels_.items():
