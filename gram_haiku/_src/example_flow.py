@@ -155,10 +155,10 @@ def _picks_rows(eqn, operand: State) -> bool:
           operand.dim not in getattr(dn, "operand_batching_dims", ()))
 
 
-class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
-            flow_rules.ContractionRules, flow_rules.ControlFlowRules):
+class _Flow:
   """The abstract interpreter (one instance per check); the rules per
-  primitive are :mod:`flow_rules`'."""
+  primitive are :data:`flow_rules.RULES`, each given this object as its
+  context."""
 
   def __init__(self, batch: int, gram_op_type, strict: bool = False,
                consts: Optional[dict] = None, model_state=frozenset()):
@@ -337,7 +337,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
           self._origin[(self._run, id(eqn.outvars[0]))] = origin
       if (UNKNOWN in outs and UNKNOWN not in ins_now and
           (not hx.jaxprs_of(eqn) or
-           hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
+           hx.rule_of(flow_rules.RULES, eqn) is not None)):
         self.unknown.add(eqn.primitive.name)
       # What the user stops the gradient of is a constant for
       # differentiation, like input data (an explicit opt-in: a comparison
@@ -493,7 +493,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if all(s == CONST for s in ins) and not hx.jaxprs_of(eqn):
       return [CONST] * n_out
     name = eqn.primitive.name
-    rule = getattr(self, "_" + name.replace("-", "_"), None)
+    rule = hx.rule_of(flow_rules.RULES, eqn)
     self._deps = deps
     self.consts.update(hx.closed_consts_of(eqn))
     if name in _ELEMENTWISE:
@@ -501,7 +501,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
       ins = self._data_as_constant(eqn, ins, deps)
     if rule is not None:
-      return rule(eqn, ins)
+      return rule(self, eqn, ins)
     if name in _ELEMENTWISE:
       return [self._elementwise(name, ins)] * n_out
     subs = hx.jaxprs_of(eqn)
