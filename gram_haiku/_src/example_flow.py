@@ -58,8 +58,9 @@ the examples, never as safe:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -155,6 +156,133 @@ def _picks_rows(eqn, operand: State) -> bool:
           operand.dim not in getattr(dn, "operand_batching_dims", ()))
 
 
+@dataclasses.dataclass(frozen=True)
+class FlowRecord:
+  """What one run of the example-flow analysis found, read by :func:`check`
+  (:meth:`FlowLog.read`).
+
+  Attributes:
+    findings: per Gram op application, in program order (every round of a
+      loop body), ``(op, state of its input)``; a candidate's tag is its
+      index here.
+    verdicts: candidate tag -> whether every meeting with the examples put
+      them along its axis (absent: never met).
+    combined: candidates whose rows were combined before meeting them.
+    reordered: candidates whose rows were reordered before meeting them.
+    looped_over_examples: a ``scan`` ran over the examples (``hk.scan``,
+      ``hk.map`` over the batch).
+    unknown: primitives without a rule that the examples met.
+    paired_with_others: the first equation where reordered rows of the
+      parameters' values met data rows in another order: ``(primitive,
+      operand shapes, user line)``.
+    split_examples: the first reshape that split the examples' rows in two
+      ``(n, b, k, where)``.
+    closed_shapes: the shapes of closed-over arrays with an axis of ``B``.
+  """
+  findings: tuple
+  verdicts: Mapping[int, bool]
+  combined: frozenset
+  reordered: frozenset
+  looped_over_examples: bool
+  unknown: frozenset
+  paired_with_others: Optional[tuple[str, str, str]]
+  split_examples: Optional[tuple[int, int, int, str]]
+  closed_shapes: tuple
+
+
+class FlowLog:
+  """The findings of one run, appended by the interpreter and its rules
+  through typed methods (nothing is overwritten or removed); :meth:`read`
+  gives the :class:`FlowRecord` that :func:`check` turns into errors."""
+
+  def __init__(self):
+    self._findings: list = []
+    self._verdicts: list[tuple[int, bool]] = []
+    self._combined: list[int] = []
+    self._reordered: list[int] = []
+    self._looped = False
+    self._unknown: list[str] = []
+    self._paired: list[tuple[str, str, str]] = []
+    self._splits: list[tuple[int, int, int, str]] = []
+    self._closed_shapes: list[tuple[int, ...]] = []
+
+  def finding(self, op, state: State) -> None:
+    """A Gram op application, with its input's state."""
+    self._findings.append((op, state))
+
+  def next_tag(self) -> int:
+    """The tag of a candidate recorded by the next :meth:`finding`."""
+    return len(self._findings)
+
+  def verdict(self, tag: int, right: bool) -> None:
+    """Candidate ``tag`` met the examples, along its axis or not."""
+    self._verdicts.append((tag, bool(right)))
+
+  def right_so_far(self, tag: int, default: bool = True) -> bool:
+    """Whether every verdict on ``tag`` so far was right (``default`` if
+    none)."""
+    answers = [right for t, right in self._verdicts if t == tag]
+    return all(answers) if answers else default
+
+  def combined(self, tag: int) -> None:
+    """Candidate ``tag``'s rows were combined before meeting the examples
+    (settled as wrong)."""
+    self.verdict(tag, False)
+    self._combined.append(tag)
+
+  def reordered(self, tag: int) -> None:
+    self._reordered.append(tag)
+
+  def looped_over_examples(self) -> None:
+    self._looped = True
+
+  def unknown(self, primitive: str) -> None:
+    self._unknown.append(primitive)
+
+  def paired_with_others(self, site: tuple[str, str, str]) -> None:
+    self._paired.append(site)
+
+  def split(self, split: tuple[int, int, int, str]) -> None:
+    self._splits.append(split)
+
+  @property
+  def split_examples(self) -> Optional[tuple[int, int, int, str]]:
+    return self._splits[0] if self._splits else None
+
+  def closed_shape(self, shape: tuple[int, ...]) -> None:
+    if shape not in self._closed_shapes:
+      self._closed_shapes.append(shape)
+
+  def closed_shapes(self) -> tuple:
+    return tuple(self._closed_shapes)
+
+  def read(self) -> FlowRecord:
+    verdicts: dict[int, bool] = {}
+    for tag, right in self._verdicts:
+      verdicts[tag] = verdicts.get(tag, True) and right
+    return FlowRecord(
+        findings=tuple(self._findings), verdicts=verdicts,
+        combined=frozenset(self._combined),
+        reordered=frozenset(self._reordered),
+        looped_over_examples=self._looped, unknown=frozenset(self._unknown),
+        paired_with_others=self._paired[0] if self._paired else None,
+        split_examples=self.split_examples,
+        closed_shapes=self.closed_shapes())
+
+
+class _Verdicts:
+  """``flow_states.join``'s ``verdicts`` mapping, written to a log."""
+
+  def __init__(self, log: FlowLog):
+    self._log = log
+
+  def get(self, tag: int, default: bool = True) -> bool:
+    return self._log.right_so_far(tag, default)
+
+  def __setitem__(self, tag: int, right: bool) -> None:
+    self._log.verdict(tag, right)
+
+
 class _Flow:
   """The abstract interpreter (one instance per check); the rules per
   primitive are :data:`flow_rules.RULES`, each given this object as its
@@ -166,15 +294,7 @@ class _Flow:
     self.model_state = model_state  # constants that are apply's own state
     self.gram_op_type = gram_op_type
     self.strict = strict
-    self.findings: list[tuple[Any, State]] = []
-    self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
-    self.combined: set[int] = set()  # candidates whose rows were combined
-    self.reordered: set[int] = set()  # candidates whose rows were reordered
-    self.looped_over_examples = False  # a scan (hk.scan, hk.map) over them
-    self.unknown: set[str] = set()  # primitives not modelled, met by examples
-    # Where reordered rows of the parameters' values met data rows in
-    # another order: (primitive, operand shapes) of the first such equation.
-    self.paired_with_others: Optional[tuple[str, str, str]] = None
+    self.log = FlowLog()  # what the run finds (see FlowRecord)
     self.last_sites: Optional[list] = None  # of the last run's outputs
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
@@ -197,13 +317,9 @@ class _Flow:
     # (run, id(variable)), a set of CLOSED and ("loop", site) notes,
     # carried forward to everything computed from the value.
     self._notes: dict[tuple[Any, int], frozenset] = {}
-    self.closed_shapes: list[tuple[int, ...]] = []  # (for messages)
-    # The first reshape that split the examples' rows in two (n, b, k,
-    # where), for messages (views of one example: VIEWS_SPLIT_BY_RESHAPE).
-    self.split_examples: Optional[tuple[int, int, int, str]] = None
 
   def join(self, a: State, b: State) -> State:
-    return join(a, b, self.verdicts)
+    return join(a, b, _Verdicts(self.log))
 
   def origin(self, v) -> Any:
     """A key equal for two variables that hold the same values by
@@ -338,7 +454,7 @@ class _Flow:
       if (UNKNOWN in outs and UNKNOWN not in ins_now and
           (not hx.jaxprs_of(eqn) or
            hx.rule_of(flow_rules.RULES, eqn) is not None)):
-        self.unknown.add(eqn.primitive.name)
+        self.log.unknown(eqn.primitive.name)
       # What the user stops the gradient of is a constant for
       # differentiation, like input data (an explicit opt-in: a comparison
       # or count of the parameters' values still couples the examples).
@@ -395,8 +511,7 @@ class _Flow:
         v in self.model_state):
       return CONST
     self._add_notes(v, frozenset({CLOSED}))
-    if shape not in self.closed_shapes:
-      self.closed_shapes.append(shape)
+    self.log.closed_shape(shape)
     value = self.consts.get(v)
     dtype = getattr(v.aval, "dtype", None)
     index_like = dtype is not None and (
@@ -445,7 +560,7 @@ class _Flow:
     """The strict refusal at ``eqn`` of a data input with ``notes``."""
     if CLOSED in notes:
       message = errors.CLOSED_OVER_BATCH_DATA.format(
-          batch=self.batch, shapes=", ".join(map(str, self.closed_shapes)),
+          batch=self.batch, shapes=", ".join(map(str, self.log.closed_shapes())),
           where=_site(eqn))
     else:
       message = errors.DATA_COUPLED.format(
@@ -482,11 +597,10 @@ class _Flow:
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
       x = ins[0]
-      self.findings.append((op, x))
       if x == CONST:  # A candidate: settled where it meets the examples.
         x = Ex(op.example_axis.resolved_position() or 0,
-               tag=len(self.findings) - 1)
-        self.findings[-1] = (op, x)
+               tag=self.log.next_tag())
+      self.log.finding(op, x)
       lead = len(op.lead_shape(op.x_aval.shape))
       out = x if not isinstance(x, Ex) or x.dim < lead else UNKNOWN
       return [out] * n_out
@@ -513,7 +627,7 @@ class _Flow:
             any(isinstance(a, Ex) for a in ins)):
         # Its backward rule is a Python function, not a program here: what
         # it does with the examples' cotangents is not known.
-        self.unknown.add(name)
+        self.log.unknown(name)
         outs = [UNKNOWN if isinstance(o, Ex) else o for o in outs]
       return outs
     if MIXED in ins:
@@ -528,7 +642,7 @@ class _Flow:
     outs = None
     for sub in subs:
       if len(sub.invars) != len(ins):
-        self.unknown.add(eqn.primitive.name)  # Operands not its body's.
+        self.log.unknown(eqn.primitive.name)  # Operands not its body's.
         return [UNKNOWN] * n_out
       self.notes_into(sub.invars, eqn.invars, self.eqn_key(eqn))
       res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars],
@@ -538,7 +652,7 @@ class _Flow:
           if isinstance(o, tuple) and o and o[0] == "value":
             self._origin[(self._run, id(v))] = o
       if len(res) != n_out:
-        self.unknown.add(eqn.primitive.name)
+        self.log.unknown(eqn.primitive.name)
         return [UNKNOWN] * n_out
       outs = (res if outs is None else
               [self.join(a, b) for a, b in zip(outs, res)])
@@ -553,7 +667,7 @@ class _Flow:
     rule = hx.custom_jvp_rule(eqn)
     if rule is None:
       if any(isinstance(s, Ex) for s in ins):
-        self.unknown.add(eqn.primitive.name)
+        self.log.unknown(eqn.primitive.name)
         return [UNKNOWN if isinstance(s, Ex) else s for s in outs]
       return outs
     jaxpr, consts, out_zeros = rule
@@ -583,7 +697,7 @@ class _Flow:
     (``s.tag``) that settles it as wrong: its layer's row ``i`` would then
     meet another example than ``i``."""
     if s.tag is not None:
-      self.reordered.add(s.tag)
+      self.log.reordered(s.tag)
       return self._combined(s, CONST)
     return _reordered(s, key)
 
@@ -592,7 +706,7 @@ class _Flow:
     order (:func:`~gram_haiku._src.flow_states.pick_rows`); a candidate is
     settled as wrong, as by :meth:`_reorder`."""
     if s.tag is not None:
-      self.reordered.add(s.tag)
+      self.log.reordered(s.tag)
       return self._combined(s, CONST)
     return _pick_rows(s, positions, size, self.batch)
 
@@ -664,10 +778,9 @@ class _Flow:
     which is recorded (``paired_with_others``, refused after the pass);
     under ``strict`` (and ``strict=True`` here) any other order than the
     outputs' own is an error at once."""
-    if (param_order is not None and param_order != data_order and
-        self.paired_with_others is None):
-      self.paired_with_others = (eqn.primitive.name, _operand_shapes(eqn),
-                                 _user_line(eqn))
+    if param_order is not None and param_order != data_order:
+      self.log.paired_with_others((eqn.primitive.name, _operand_shapes(eqn),
+                                   _user_line(eqn)))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",
@@ -723,17 +836,138 @@ class _Flow:
     holds. What is left does not depend on the examples."""
     if s.tag is None:
       return state
-    self.verdicts[s.tag] = False
-    self.combined.add(s.tag)
+    self.log.combined(s.tag)
     return CONST
 
 
-def _views_hint(flow: _Flow) -> str:
+def _views_hint(record: FlowRecord) -> str:
   """VIEWS_SPLIT_BY_RESHAPE where a reshape split the examples' rows."""
-  if flow.split_examples is None:
+  if record.split_examples is None:
     return ""
-  n, b, k, where = flow.split_examples
+  n, b, k, where = record.split_examples
   return errors.VIEWS_SPLIT_BY_RESHAPE.format(n=n, b=b, k=k, where=where)
+
+
+def _candidate_found(record: FlowRecord, op, tag: int, batch: int) -> str:
+  """How a candidate (a layer input that does not depend on the examples)
+  was settled as wrong, for EXAMPLE_AXIS_NOT_EXAMPLES."""
+  if record.looped_over_examples and op.example_size() == 1:
+    return (f"holds {op.example_size()} row(s) of a loop over the "
+            f"examples (hk.scan or hk.map over the batch, one "
+            f"example per step), not the batch's {batch} examples")
+  if tag in record.reordered:
+    return ("does not depend on the examples, and its output's rows "
+            "along that axis are reordered, repeated or subset (a "
+            "reversal, a roll, rows picked by index, one row "
+            "broadcast to the batch) before they "
+            "meet them, so no row can be told to be one example's "
+            "(where a later step puts the rows back in order, the "
+            "layer between sees them in another order: reorder the "
+            "data instead)")
+  if tag in record.combined:
+    return ("does not depend on the examples, and its output is "
+            "summed, reduced or contracted over that axis before it "
+            "meets them")
+  return ("does not depend on the examples, and its output meets "
+          "them along another axis")
+
+
+def _check_candidate(record: FlowRecord, op, state: Ex, module: str,
+                     batch: int) -> tuple[bool, bool, bool]:
+  """A candidate's finding: ``(verified, unfollowed, done)``; ``done`` when
+  nothing else is to be checked (a shared input broadcast along the
+  examples, or one they never met).
+
+  Raises:
+    ValueError: a candidate settled as wrong (EXAMPLE_AXIS_NOT_EXAMPLES).
+  """
+  position = op.example_axis.resolved_position()
+  if not record.verdicts.get(state.tag, True):
+    raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
+        module=module, shape=tuple(op.x_aval.shape), position=position,
+        found=_candidate_found(record, op, state.tag, batch)))
+  met = state.tag in record.verdicts
+  # (Met the examples only past the unknown: not followed.)
+  unfollowed = not met and bool(record.unknown)
+  done = (state.dim, state.order, state.inner, state.outer) == (
+      position, None, 1, 1)
+  # Otherwise computed from another layer's candidate (a closed-over input
+  # whose rows were taken as the examples) but moved off this op's example
+  # axis on the way (time-major with T == B): the caller's checks say how.
+  return met, unfollowed, done
+
+
+def _check_axis(op, state: Ex, module: str, batch: int, single: bool) -> None:
+  """Raises unless ``state`` holds the examples alone, in order, along the
+  op's example axis, all ``batch`` of them."""
+  position = op.example_axis.resolved_position()
+  shape = tuple(op.x_aval.shape)
+  if state.order is not None and not single:
+    raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
+                                                      shape=shape))
+  if state.dim != position:
+    raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
+        module=module, shape=shape, position=position,
+        found=f"holds the examples along axis {state.dim}"))
+  if state.inner != 1 or state.outer != 1:
+    raise ValueError(errors.EXAMPLES_MERGED.format(
+        module=module, shape=shape, position=position, inner=state.inner,
+        outer=state.outer))
+  if state.tag is None and op.example_size() != batch:
+    raise ValueError(errors.EXAMPLES_SUBSET.format(
+        module=module, shape=shape, size=op.example_size(), batch=batch))
+
+
+def _check_finding(record: FlowRecord, op, state: State, module: str,
+                   batch: int) -> tuple[bool, bool]:
+  """One Gram op's input: ``(verified, unfollowed)``.
+
+  Raises:
+    ValueError: see :func:`check`.
+  """
+  if state == UNKNOWN:
+    return False, True
+  verified, unfollowed = True, False
+  if isinstance(state, Ex) and state.tag is not None:
+    verified, unfollowed, done = _check_candidate(record, op, state, module,
+                                                  batch)
+    if done:
+      return verified, unfollowed
+  if state in (MIXED, SUM):
+    if batch == 1 and op.example_size() == 1:
+      return False, unfollowed  # Exact all the same; its axis not followed.
+    raise ValueError(errors.EXAMPLES_COUPLED.format(
+        module=module, shape=tuple(op.x_aval.shape)) + _views_hint(record))
+  _check_axis(op, state, module, batch, batch == 1)
+  return verified, unfollowed
+
+
+def _check_loss(flow: "_Flow", outs: list, record: FlowRecord,
+                single: bool) -> None:
+  """Raises where the loss is not a sum of per-example terms, or pairs
+  reordered outputs with other examples' data."""
+  if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
+    primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
+                                                     "")
+    raise ValueError(errors.LOSS_COUPLED.format(
+        primitive=primitive, shapes=shapes, line=line) + (
+            _views_hint(record) if primitive == "reshape" else ""))
+  if record.paired_with_others is not None and not single:
+    primitive, shapes, line = record.paired_with_others
+    raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
+        primitive=primitive, shapes=shapes, line=line))
+
+
+def _not_followed(record: FlowRecord, unfollowed: list, strict: bool):
+  """Warns (raises under ``strict``) that the examples could not be
+  followed to the ``unfollowed`` modules (or the loss)."""
+  message = errors.EXAMPLES_NOT_FOLLOWED.format(
+      primitives=", ".join(sorted(record.unknown)) or "(none recorded)",
+      where=", ".join(dict.fromkeys(unfollowed)))
+  if strict:
+    raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
+  warnings.warn(message, ExampleFlowWarning,
+                stacklevel=warning_site.user_stacklevel())
 
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
@@ -779,90 +1013,19 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   flow = _Flow(batch, gram_op_type, strict, consts, model_state)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.run(jaxpr, list(in_states), deps)
+  record = flow.log.read()
   names = names or {}
   verified = True
   unfollowed = []  # modules the examples could not be followed to
-  for op, state in flow.findings:
+  for op, state in record.findings:
     module = names.get(op.name, op.name)
-    position = op.example_axis.resolved_position()
-    shape = tuple(op.x_aval.shape)
-    if state == UNKNOWN:
-      verified = False
+    ok, lost = _check_finding(record, op, state, module, batch)
+    verified = verified and ok
+    if lost:
       unfollowed.append(module)
-      continue
-    if isinstance(state, Ex) and state.tag is not None:
-      if flow.verdicts.get(state.tag, True):
-        if state.tag not in flow.verdicts and flow.unknown:
-          unfollowed.append(module)  # Met the examples only past the unknown.
-        verified = verified and state.tag in flow.verdicts
-        if (state.dim, state.order, state.inner, state.outer) == (
-            position, None, 1, 1):
-          continue  # A shared input broadcast along the examples (or unmet).
-        # Computed from another layer's candidate (a closed-over input
-        # whose rows were taken as the examples) but moved off this op's
-        # example axis on the way (time-major with T == B): the checks
-        # below say how.
-      else:
-        if flow.looped_over_examples and op.example_size() == 1:
-          found = (f"holds {op.example_size()} row(s) of a loop over the "
-                   f"examples (hk.scan or hk.map over the batch, one "
-                   f"example per step), not the batch's {batch} examples")
-        elif state.tag in flow.reordered:
-          found = ("does not depend on the examples, and its output's rows "
-                   "along that axis are reordered, repeated or subset (a "
-                   "reversal, a roll, rows picked by index, one row "
-                   "broadcast to the batch) before they "
-                   "meet them, so no row can be told to be one example's "
-                   "(where a later step puts the rows back in order, the "
-                   "layer between sees them in another order: reorder the "
-                   "data instead)")
-        elif state.tag in flow.combined:
-          found = ("does not depend on the examples, and its output is "
-                   "summed, reduced or contracted over that axis before it "
-                   "meets them")
-        else:
-          found = ("does not depend on the examples, and its output meets "
-                   "them along another axis")
-        raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-            module=module, shape=shape, position=position, found=found))
-    if state in (MIXED, SUM):
-      if single and op.example_size() == 1:
-        verified = False  # Exact all the same; its axis is not followed.
-        continue
-      raise ValueError(errors.EXAMPLES_COUPLED.format(
-          module=module, shape=shape) + _views_hint(flow))
-    if state.order is not None and not single:
-      raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
-                                                        shape=shape))
-    if state.dim != position:
-      raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-          module=module, shape=shape, position=position,
-          found=f"holds the examples along axis {state.dim}"))
-    if state.inner != 1 or state.outer != 1:
-      raise ValueError(errors.EXAMPLES_MERGED.format(
-          module=module, shape=shape, position=position, inner=state.inner,
-          outer=state.outer))
-    if state.tag is None and op.example_size() != batch:
-      raise ValueError(errors.EXAMPLES_SUBSET.format(
-          module=module, shape=shape, size=op.example_size(), batch=batch))
-  if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
-    primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
-                                                     "")
-    raise ValueError(errors.LOSS_COUPLED.format(
-        primitive=primitive, shapes=shapes, line=line) + (
-            _views_hint(flow) if primitive == "reshape" else ""))
-  if flow.paired_with_others is not None and not single:
-    primitive, shapes, line = flow.paired_with_others
-    raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
-        primitive=primitive, shapes=shapes, line=line))
+  _check_loss(flow, outs, record, single)
   if outs and outs[0] == UNKNOWN and flow.last_deps[0]:
     unfollowed.append("the loss")
   if unfollowed:
-    message = errors.EXAMPLES_NOT_FOLLOWED.format(
-        primitives=", ".join(sorted(flow.unknown)) or "(none recorded)",
-        where=", ".join(dict.fromkeys(unfollowed)))
-    if strict:
-      raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
-    warnings.warn(message, ExampleFlowWarning,
-                  stacklevel=warning_site.user_stacklevel())
-  return verified and bool(flow.findings)
+    _not_followed(record, unfollowed, strict)
+  return verified and bool(record.findings)

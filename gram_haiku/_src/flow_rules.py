@@ -108,15 +108,14 @@ def _reshape(ctx, eqn, ins):
       return [dataclasses.replace(s, dim=k, inner=inner,
                                   outer=new[k] // (inner * size))]
   if (s.inner == s.outer == 1 and s.tag is None and
-      ctx.split_examples is None):
+      ctx.log.split_examples is None):
     # The examples' rows split into (b, k): perhaps k views of each of b
     # examples (augmentation multiplicity), which the errors then name.
     lead = math.prod(old[:s.dim])
     for k in range(len(new) - 1):
       if (math.prod(new[:k]) == lead and new[k] * new[k + 1] == size and
           1 < new[k + 1] < size):
-        ctx.split_examples = (size, new[k], new[k + 1],
-                               ctx.user_line(eqn))
+        ctx.log.split((size, new[k], new[k + 1], ctx.user_line(eqn)))
         break
   return [MIXED]
 
@@ -257,7 +256,7 @@ def _concatenate(ctx, eqn, ins):
     real = None
     for x in ins:
       if isinstance(x, Ex) and x.tag is not None:
-        ctx.reordered.add(x.tag)  # A candidate's rows among others.
+        ctx.log.reordered(x.tag)  # A candidate's rows among others.
         ctx._combined(x, CONST)
       elif isinstance(x, Ex) and real is None:
         real = x
@@ -506,8 +505,7 @@ def _gather(ctx, eqn, ins):
                operand.order == indices.order)
     if operand.tag is not None and indices.tag is None:
       # A candidate meets the examples (indices): settled here.
-      ctx.verdicts[operand.tag] = ctx.verdicts.get(operand.tag,
-                                                     True) and aligned
+      ctx.log.verdict(operand.tag, aligned)
       return [dataclasses.replace(indices, dim=out)]
     if aligned:  # take_along_axis: each example indexes its own row.
       return [dataclasses.replace(operand, dim=out)]
@@ -596,8 +594,7 @@ def _dot_general(ctx, eqn, ins):
     # A candidate meets the examples: right only along a shared batch dim.
     cand, real = (ex[0], ex[1]) if s1.tag is not None else (ex[1], ex[0])
     right = cand[0] == real[0] == "batch" and cand[1] == real[1]
-    ctx.verdicts[cand[2].tag] = ctx.verdicts.get(cand[2].tag,
-                                                   True) and right
+    ctx.log.verdict(cand[2].tag, right)
     kind, pos, s = real
     return [SUM if kind == "contracted" else
             dataclasses.replace(s, dim=pos)]
@@ -698,7 +695,7 @@ def _scan(ctx, eqn, ins):
       # carry that accumulates them, or a layer applied to them, mixes
       # the examples).
       if s.dim == 0:
-        ctx.looped_over_examples = True
+        ctx.log.looped_over_examples()
       sliced.append(ctx._combined(s, SUM) if s.dim == 0 else
                     dataclasses.replace(s, dim=s.dim - 1))
     else:
