@@ -453,11 +453,11 @@ def _loop_body(ctx, eqn, body, inner: list, n_consts: int,
     return outs, new
 
   # (A bound the lattice never reaches.)
-  found = ctx.fixed_point(step, list(inner), 4 * n_carry + 4)
-  if found is None:
+  outs, _, reached = ctx.fixed_point(step, list(inner), 4 * n_carry + 4)
+  if not reached:
     raise AssertionError("gram_haiku internal error: the sources of a loop "
                          "carry did not reach a fixed point.")
-  return found[0]
+  return outs
 
 
 def _cond(ctx, eqn, ins) -> list:

@@ -237,35 +237,39 @@ def _concatenate(ctx, eqn, ins):
   dim = eqn.params["dimension"]
   if dim == len(_shape(eqn.outvars[0])) - 1:
     # Perhaps an index array (x[rows, cols]): its columns' sources.
-    ctx._pieces[(ctx._run, id(eqn.outvars[0]))] = [
+    ctx._pieces[(ctx.site, id(eqn.outvars[0]))] = [
         (s, v, _shape(v)[dim]) for s, v in zip(ins, eqn.invars)]
   if any(isinstance(s, Ex) and s.dim == dim for s in ins):
-    if any(s in (MIXED, SUM) for s in ins):
-      return [MIXED]
-    if any(s == UNKNOWN for s in ins):
-      return [UNKNOWN]
-    rows = [_rows_of(x, _shape(v)[dim]) if isinstance(x, Ex) and
-            x.dim == dim else None for x, v in zip(ins, eqn.invars)]
-    first = ins[0]
-    if all(r is not None for r in rows) and all(
-        (x.dim, x.inner, x.outer) == (first.dim, first.inner, first.outer)
-        for x in ins):
-      # Pieces whose rows are known, put back together (h[:2], h[2:]).
-      return [_with_rows(first, (r for piece in rows for r in piece),
-                         ctx.batch)]
-    real = None
-    for x in ins:
-      if isinstance(x, Ex) and x.tag is not None:
-        ctx.log.reordered(x.tag)  # A candidate's rows among others.
-        ctx._combined(x, CONST)
-      elif isinstance(x, Ex) and real is None:
-        real = x
-    return [CONST if real is None else
-            ctx._reorder(real, ("concat", ctx.eqn_key(eqn)))]
+    return [_concatenate_examples(ctx, eqn, ins, dim)]
   out = CONST
   for s in ins:
     out = ctx.join(out, s)
   return [out]
+
+
+def _concatenate_examples(ctx, eqn, ins, dim: int):
+  """A concatenation along the examples' axis of some operand."""
+  if any(s in (MIXED, SUM) for s in ins):
+    return MIXED
+  if any(s == UNKNOWN for s in ins):
+    return UNKNOWN
+  rows = [_rows_of(x, _shape(v)[dim]) if isinstance(x, Ex) and
+          x.dim == dim else None for x, v in zip(ins, eqn.invars)]
+  first = ins[0]
+  if all(r is not None for r in rows) and all(
+      (x.dim, x.inner, x.outer) == (first.dim, first.inner, first.outer)
+      for x in ins):
+    # Pieces whose rows are known, put back together (h[:2], h[2:]).
+    return _with_rows(first, (r for piece in rows for r in piece), ctx.batch)
+  real = None
+  for x in ins:
+    if isinstance(x, Ex) and x.tag is not None:
+      ctx.log.reordered(x.tag)  # A candidate's rows among others.
+      ctx._combined(x, CONST)
+    elif isinstance(x, Ex) and real is None:
+      real = x
+  return (CONST if real is None else
+          ctx._reorder(real, ("concat", ctx.eqn_key(eqn))))
 
 
 def _pad(ctx, eqn, ins):
@@ -374,10 +378,34 @@ def _segments_by_example(ctx, eqn, updates: Ex) -> Optional[Ex]:
   any function of a row stays per-example. Else None (the caller keeps the
   result a sum over the examples).
   """
+  ids = _segment_ids(ctx, eqn, updates)
+  if ids is None:
+    return None
+  dn = eqn.params["dimension_numbers"]
+  seg_axis = dn.scatter_dims_to_operand_dims[0]
+  num_segments = _shape(eqn.invars[0])[seg_axis]
+  size = _shape(eqn.invars[2])[updates.dim]
+  if (num_segments != ctx.batch or ids.shape[0] != size or
+      size != updates.outer * ctx.batch * updates.inner):
+    return None
+  if ids.min() < 0 or ids.max() >= num_segments:
+    return None  # dropped or clipped, by the scatter's mode
+  owner = _segment_owners(ids, (np.arange(size) // updates.inner) %
+                          ctx.batch, num_segments, ctx.batch)
+  if owner is None:
+    return None
+  # The operand's axes other than the segments' are the update's window
+  # axes, in order: the segments' axis takes the examples.
+  s = Ex(dim=seg_axis)
+  return _with_rows(s, (owner[k] for k in range(num_segments)), ctx.batch)
+
+
+def _segment_ids(ctx, eqn, updates: Ex):
+  """A scatter's segment ids (one per row of the updates' examples' axis,
+  known on the host), where it is a segment sum of rows of the examples in
+  the batch's order; else None."""
   dn = eqn.params["dimension_numbers"]
   ids = ctx._value_of(eqn.invars[1])
-  upd_shape = _shape(eqn.invars[2])
-  op_shape = _shape(eqn.invars[0])
   if (ids is None or updates.tag is not None or updates.order is not None
       or len(dn.scatter_dims_to_operand_dims) != 1
       or tuple(dn.inserted_window_dims) != tuple(
@@ -385,34 +413,25 @@ def _segments_by_example(ctx, eqn, updates: Ex) -> Optional[Ex]:
       or getattr(dn, "operand_batching_dims", ())
       or updates.dim in dn.update_window_dims):
     return None
-  scatter_axes = [d for d in range(len(upd_shape))
+  scatter_axes = [d for d in range(len(_shape(eqn.invars[2])))
                   if d not in dn.update_window_dims]
   if scatter_axes != [updates.dim] or ids.ndim != 2 or ids.shape[1] != 1:
     return None
-  seg_axis = dn.scatter_dims_to_operand_dims[0]
-  num_segments = op_shape[seg_axis]
-  ids = ids[:, 0].astype(np.int64)
-  size = upd_shape[updates.dim]
-  if (num_segments != ctx.batch or ids.shape[0] != size or
-      size != updates.outer * ctx.batch * updates.inner):
-    return None
-  if ids.min() < 0 or ids.max() >= num_segments:
-    return None  # dropped or clipped, by the scatter's mode
-  example = (np.arange(size) // updates.inner) % ctx.batch
+  return ids[:, 0].astype(np.int64)
+
+
+def _segment_owners(ids, example, num_segments: int, batch: int):
+  """Segment -> the one example whose rows it gathers, where each segment
+  gathers one example's rows and each example fills one segment; else
+  None."""
   owner = {}
   for seg, ex in zip(ids.tolist(), example.tolist()):
     if owner.setdefault(seg, ex) != ex:
       return None  # a segment mixing examples
   if sorted(owner) != list(range(num_segments)) or sorted(
-      owner.values()) != list(range(ctx.batch)):
+      owner.values()) != list(range(batch)):
     return None
-  # The operand's axes other than the segments' are the update's window
-  # axes, in order: the segments' axis takes the examples.
-  s = Ex(dim=seg_axis)
-  return _with_rows(s, (owner[k] for k in range(num_segments)), ctx.batch)
-
-# A set and an add (or product, min, max) of rows aligned with the
-# operand's are alike for the examples.
+  return owner
 
 
 def _write(ctx, operand, update, full, to_update):
@@ -473,104 +492,151 @@ def _gather(ctx, eqn, ins):
     return [MIXED]
   if UNKNOWN in (operand, indices) or SUM in (operand, indices):
     return [UNKNOWN if SUM not in (operand, indices) else MIXED]
+  if isinstance(indices, Ex):
+    return [_gather_by_example_indices(ctx, eqn, operand, indices)]
+  return [_gather_by_constant_indices(ctx, eqn, operand)]
+
+
+def _gather_out_dim(eqn, d: int) -> Optional[int]:
+  """The output position of a gather's indices axis ``d`` (output dims not
+  in ``offset_dims`` follow the indices' dims but the last, the index
+  vector, in order); None for the index vector."""
   dn = eqn.params["dimension_numbers"]
   out_ndim = len(_shape(eqn.outvars[0]))
   idx_ndim = len(_shape(eqn.invars[1]))
-  # Output dims not in offset_dims follow the indices' dims (but the last,
-  # the index vector), in order.
-  batch_dims = [d for d in range(out_ndim) if d not in dn.offset_dims]
+  batch_dims = [k for k in range(out_ndim) if k not in dn.offset_dims]
+  return batch_dims[d] if d < idx_ndim - 1 and d < len(batch_dims) else None
+
+
+def _gather_by_example_indices(ctx, eqn, operand, indices: Ex):
+  """A gather whose indices hold the examples."""
+  dn = eqn.params["dimension_numbers"]
+  op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
+  idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  out = _gather_out_dim(eqn, indices.dim)
+  if out is None:
+    return MIXED
+  if operand == CONST:  # a table looked up by per-example ids
+    return dataclasses.replace(indices, dim=out)
+  e = operand.dim
+  if e in dn.start_index_map and eqn.params["slice_sizes"][e] != 1:
+    return MIXED  # Each index picks a window of several examples' rows.
+  if (ctx._deps[0] and not ctx._deps[1] and operand.tag is None and
+      indices.tag is None and e in dn.start_index_map):
+    own = _rows_by_data_index(ctx, eqn, operand, indices, dn)
+    if own is not None:
+      return dataclasses.replace(operand, dim=out)
+  aligned = (e in op_batching and
+             idx_batching[op_batching.index(e)] == indices.dim and
+             operand.order == indices.order)
+  if operand.tag is not None and indices.tag is None:
+    # A candidate meets the examples (indices): settled here.
+    ctx.log.verdict(operand.tag, aligned)
+    return dataclasses.replace(indices, dim=out)
+  if aligned:  # take_along_axis: each example indexes its own row.
+    return dataclasses.replace(operand, dim=out)
+  if e in dn.start_index_map:
+    # Rows picked by per-example indices (x[perm], o[arange(B), t]):
+    # one example each, in an order the program does not show.
+    return ctx._reorder(dataclasses.replace(operand, dim=out),
+                        ("gather", ctx.origin(eqn.invars[1]),
+                         str(eqn.params.get("mode"))))
+  return MIXED
+
+
+def _gather_by_constant_indices(ctx, eqn, operand: Ex):
+  """A gather of the examples' rows by constant indices."""
+  dn = eqn.params["dimension_numbers"]
   collapsed = tuple(getattr(dn, "collapsed_slice_dims", ()))
   op_batching = tuple(getattr(dn, "operand_batching_dims", ()))
   idx_batching = tuple(getattr(dn, "start_indices_batching_dims", ()))
-
-  def idx_out(d):  # output position of an indices dim
-    return batch_dims[d] if d < idx_ndim - 1 and d < len(batch_dims) else None
-
-  if isinstance(indices, Ex):
-    out = idx_out(indices.dim)
-    if out is None:
-      return [MIXED]
-    if operand == CONST:  # a table looked up by per-example ids
-      return [dataclasses.replace(indices, dim=out)]
-    e = operand.dim
-    if e in dn.start_index_map and eqn.params["slice_sizes"][e] != 1:
-      return [MIXED]  # Each index picks a window of several examples' rows.
-    if (ctx._deps[0] and not ctx._deps[1] and operand.tag is None and
-        indices.tag is None and e in dn.start_index_map):
-      own = _rows_by_data_index(ctx, eqn, operand, indices, dn)
-      if own is not None:
-        return [dataclasses.replace(operand, dim=out)]
-    aligned = (e in op_batching and
-               idx_batching[op_batching.index(e)] == indices.dim and
-               operand.order == indices.order)
-    if operand.tag is not None and indices.tag is None:
-      # A candidate meets the examples (indices): settled here.
-      ctx.log.verdict(operand.tag, aligned)
-      return [dataclasses.replace(indices, dim=out)]
-    if aligned:  # take_along_axis: each example indexes its own row.
-      return [dataclasses.replace(operand, dim=out)]
-    if e in dn.start_index_map:
-      # Rows picked by per-example indices (x[perm], o[arange(B), t]):
-      # one example each, in an order the program does not show.
-      return [ctx._reorder(dataclasses.replace(operand, dim=out),
-                         ("gather", ctx.origin(eqn.invars[1]),
-                          str(eqn.params.get("mode"))))]
-    return [MIXED]
-  # Constant indices.
   if operand.dim in op_batching:
     # Batched along the examples (take_along_axis with constant indices):
     # each example indexes its own row.
-    out = idx_out(idx_batching[op_batching.index(operand.dim)])
-    return [UNKNOWN if out is None else
-            dataclasses.replace(operand, dim=out)]
+    out = _gather_out_dim(eqn, idx_batching[op_batching.index(operand.dim)])
+    return UNKNOWN if out is None else dataclasses.replace(operand, dim=out)
   if operand.dim in dn.start_index_map or operand.dim in collapsed:
+    batch_dims = [k for k in range(len(_shape(eqn.outvars[0])))
+                  if k not in dn.offset_dims]
     if tuple(dn.start_index_map) == (operand.dim,) and batch_dims and (
         operand.dim in collapsed):
-      return [ctx._reorder(dataclasses.replace(operand, dim=batch_dims[0]),
-                         ("gather", ctx.origin(eqn.invars[1]),
-                          str(eqn.params.get("mode"))))]
-    return [MIXED]
+      return ctx._reorder(dataclasses.replace(operand, dim=batch_dims[0]),
+                          ("gather", ctx.origin(eqn.invars[1]),
+                           str(eqn.params.get("mode"))))
+    return MIXED
   full = eqn.params["slice_sizes"][operand.dim] == _shape(
       eqn.invars[0])[operand.dim]
   if not full:
-    return [MIXED]
+    return MIXED
   kept = [d for d in range(len(_shape(eqn.invars[0])))
           if d not in collapsed and d not in op_batching]
-  return [dataclasses.replace(operand,
-                              dim=dn.offset_dims[kept.index(operand.dim)])]
+  return dataclasses.replace(operand,
+                             dim=dn.offset_dims[kept.index(operand.dim)])
 
 
 # -- contractions and windows -------------------------------------------------
 # Contractions and windows: ``dot_general``, convolutions, ``reduce_window``.
 
 
-def _dot_general(ctx, eqn, ins):
+def _dot_roles(eqn, ins) -> list[tuple]:
+  """Per operand of a ``dot_general``: ``("plain", state)`` where it does
+  not hold the examples, else ``(role, position, state)`` for the role of
+  its examples' axis: ``"contracted"`` (its position among the contracting
+  dims), ``"batch"`` (among the batch dims) or ``"free"`` (its output
+  axis)."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-  lhs, rhs = ins
   lnd, rnd = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
   lfree = [d for d in range(lnd) if d not in lc and d not in lb]
   rfree = [d for d in range(rnd) if d not in rc and d not in rb]
-
-  def out_dim(side, d):
-    if side == 0:
-      if d in lb:
-        return list(lb).index(d)
-      return len(lb) + lfree.index(d)
-    if d in rb:
-      return list(rb).index(d)
-    return len(lb) + len(lfree) + rfree.index(d)
-
-  states = []
-  for side, s, contract, batch in ((0, lhs, lc, lb), (1, rhs, rc, rb)):
+  # Output axes: the batch dims, the lhs's free dims, the rhs's.
+  free_at = (len(lb), len(lb) + len(lfree))
+  roles = []
+  for side, s, contract, batch, free in ((0, ins[0], lc, lb, lfree),
+                                         (1, ins[1], rc, rb, rfree)):
     if not isinstance(s, Ex):
-      states.append(("plain", s))
+      roles.append(("plain", s))
     elif s.dim in contract:
-      states.append(("contracted", list(contract).index(s.dim), s))
+      roles.append(("contracted", list(contract).index(s.dim), s))
     elif s.dim in batch:
-      states.append(("batch", list(batch).index(s.dim), s))
+      roles.append(("batch", list(batch).index(s.dim), s))
     else:
-      states.append(("free", out_dim(side, s.dim), s))
-  plain = [st[1] for st in states if st[0] == "plain"]
+      roles.append(("free", free_at[side] + free.index(s.dim), s))
+  return roles
+
+
+def _dot_of_one(ctx, role: tuple):
+  """A ``dot_general`` where one operand holds the examples (the other is
+  constant)."""
+  kind, pos, s = role
+  if kind == "contracted":
+    return ctx._combined(s, SUM)
+  return dataclasses.replace(s, dim=pos)
+
+
+def _dot_of_two(ctx, ex: list[tuple]):
+  """A ``dot_general`` where both operands hold examples."""
+  (k1, p1, s1), (k2, p2, s2) = ex
+  if (s1.tag is None) != (s2.tag is None):
+    # A candidate meets the examples: right only along a shared batch dim.
+    cand, real = (ex[0], ex[1]) if s1.tag is not None else (ex[1], ex[0])
+    right = cand[0] == real[0] == "batch" and cand[1] == real[1]
+    ctx.log.verdict(cand[2].tag, right)
+    kind, pos, s = real
+    return SUM if kind == "contracted" else dataclasses.replace(s, dim=pos)
+  # The same examples (in the same order, merged alike) paired by one
+  # batch or contracting dimension; each operand may hold them on an axis
+  # of its own (q (B, T, D) against keys (T, B, D), batch dims (0, 1)).
+  same = dataclasses.replace(s1, dim=0) == dataclasses.replace(s2, dim=0)
+  if k1 == k2 == "batch" and p1 == p2 and same:
+    return dataclasses.replace(s1, dim=p1)
+  if k1 == k2 == "contracted" and p1 == p2 and same:
+    return SUM  # sum_i f(x_i) g(x_i)
+  return MIXED  # e.g. x x^T over the batch: pairs of examples
+
+
+def _dot_general(ctx, eqn, ins):
+  roles = _dot_roles(eqn, ins)
+  plain = [r[1] for r in roles if r[0] == "plain"]
   if MIXED in plain:
     return [MIXED]
   if UNKNOWN in plain:
@@ -579,34 +645,12 @@ def _dot_general(ctx, eqn, ins):
     # A sum over the examples times constants is still one; times one
     # example's values (or another sum) it is not.
     return [SUM if plain.count(CONST) == 1 else MIXED]
-  ex = [st for st in states if st[0] != "plain"]
+  ex = [r for r in roles if r[0] != "plain"]
   if not ex:
     return [CONST]
   if len(ex) == 1:
-    kind, pos, s = ex[0]
-    if kind == "contracted":
-      return [ctx._combined(s, SUM)]
-    if kind == "batch":
-      return [dataclasses.replace(s, dim=pos)]
-    return [dataclasses.replace(s, dim=pos)]
-  (k1, p1, s1), (k2, p2, s2) = ex
-  if (s1.tag is None) != (s2.tag is None):
-    # A candidate meets the examples: right only along a shared batch dim.
-    cand, real = (ex[0], ex[1]) if s1.tag is not None else (ex[1], ex[0])
-    right = cand[0] == real[0] == "batch" and cand[1] == real[1]
-    ctx.log.verdict(cand[2].tag, right)
-    kind, pos, s = real
-    return [SUM if kind == "contracted" else
-            dataclasses.replace(s, dim=pos)]
-  # The same examples (in the same order, merged alike) paired by one
-  # batch or contracting dimension; each operand may hold them on an axis
-  # of its own (q (B, T, D) against keys (T, B, D), batch dims (0, 1)).
-  same = dataclasses.replace(s1, dim=0) == dataclasses.replace(s2, dim=0)
-  if k1 == k2 == "batch" and p1 == p2 and same:
-    return [dataclasses.replace(s1, dim=p1)]
-  if k1 == k2 == "contracted" and p1 == p2 and same:
-    return [SUM]  # sum_i f(x_i) g(x_i)
-  return [MIXED]  # e.g. x x^T over the batch: pairs of examples
+    return [_dot_of_one(ctx, ex[0])]
+  return [_dot_of_two(ctx, ex)]
 
 
 def _conv_general_dilated(ctx, eqn, ins):
@@ -664,10 +708,10 @@ def _carried(ctx, eqn, outs):
 
 def _cond(ctx, eqn, ins):
   index, ops = ins[0], ins[1:]
-  deps = list(ctx._deps)  # run() below moves ctx._deps on
+  deps = list(ctx._deps)  # follow() below moves ctx._deps on
   outs = None
-  for branch in eqn.params["branches"]:
-    res = ctx.run(branch.jaxpr, ops, deps[1:], site=ctx.eqn_key(eqn))
+  for branch in hx.cond_branches(eqn):
+    res = ctx.follow(branch, ops, deps[1:], site=ctx.eqn_key(eqn))
     outs = (res if outs is None else
             [ctx.join(a, b) for a, b in zip(outs, res)])
   if index in (SUM, MIXED) or (ctx.strict and index != CONST):
@@ -683,8 +727,7 @@ def _cond(ctx, eqn, ins):
 
 
 def _scan(ctx, eqn, ins):
-  body = eqn.params["jaxpr"].jaxpr
-  n_consts, n_carry = hx.scan_counts(eqn)
+  body, n_consts, n_carry, _ = hx.scan_parts(eqn)
   consts, carry, xs = (ins[:n_consts], ins[n_consts:n_consts + n_carry],
                        ins[n_consts + n_carry:])
   sliced = []
@@ -700,18 +743,21 @@ def _scan(ctx, eqn, ins):
                     dataclasses.replace(s, dim=s.dim - 1))
     else:
       sliced.append(s)
-  deps = list(ctx._deps)  # run() below moves ctx._deps on
-  for _ in range(_rounds(carry)):  # The carries' fixed point.
-    outs = ctx.run(body, list(consts) + list(carry) + sliced,
-                    list(deps[:n_consts]) + [True] * n_carry +
-                    list(deps[n_consts + n_carry:]),
-                    site=ctx.eqn_key(eqn))
-    new = [ctx.join(a, b) for a, b in
-           zip(carry, _carried(ctx, eqn, outs[:n_carry]))]
-    if new == list(carry):
-      break
-    carry = new
-  else:
+  deps = list(ctx._deps)  # follow() below moves ctx._deps on
+  body_deps = (list(deps[:n_consts]) + [True] * n_carry +
+               list(deps[n_consts + n_carry:]))
+
+  def step(carry):
+    outs = ctx.follow(body, list(consts) + carry + sliced, body_deps,
+                      site=ctx.eqn_key(eqn))
+    return outs, [ctx.join(a, b) for a, b in
+                  zip(carry, _carried(ctx, eqn, outs[:n_carry]))]
+
+  # The carries' fixed point (every round's findings kept: they only
+  # accumulate).
+  outs, carry, reached = ctx.fixed_point(step, list(carry), _rounds(carry),
+                                         every_round=True)
+  if not reached:
     carry = [MIXED] * n_carry  # Not reached (see _rounds).
   ys = [dataclasses.replace(s, dim=s.dim + 1) if isinstance(s, Ex) else s
         for s in outs[n_carry:]]
@@ -727,12 +773,10 @@ def _while(ctx, eqn, ins):
   ``while_loop`` under ``vmap``: each row stops on its own condition,
   later rounds leave it as it was), otherwise on every example
   (``MIXED``)."""
-  cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-  cond = eqn.params["cond_jaxpr"].jaxpr
-  body = eqn.params["body_jaxpr"].jaxpr
+  cond, cond_n, body, body_n = hx.while_parts(eqn)
   cond_consts = ins[:cond_n]
   consts, carry = ins[cond_n:cond_n + body_n], ins[cond_n + body_n:]
-  deps = list(ctx._deps)  # run() below moves ctx._deps on
+  deps = list(ctx._deps)  # follow() below moves ctx._deps on
   n = len(carry)
   # A carry the body hands on as it is keeps its value, however many
   # rounds run (a fori_loop's upper bound).
@@ -741,25 +785,28 @@ def _while(ctx, eqn, ins):
   # The condition reads a carry as dependent on the parameters where it
   # starts so or the body may make it so (the body reads them as such).
   body_deps = any(deps[cond_n:cond_n + body_n])
-  carry_deps = [d or body_deps for d in deps[cond_n + body_n:]]
-  rounds = CONST
-  for _ in range(_rounds(carry) + 2):  # The carries' fixed point.
+  cond_deps = list(deps[:cond_n]) + [d or body_deps
+                                     for d in deps[cond_n + body_n:]]
+  step_deps = list(deps[cond_n:cond_n + body_n]) + [True] * n
+
+  def step(carry):
     ctx.notes_into(cond.invars, eqn.invars[:cond_n] +
-                    eqn.invars[cond_n + body_n:], site)
-    pred = ctx.run(cond, list(cond_consts) + list(carry),
-                    list(deps[:cond_n]) + carry_deps, site=site)[0]
+                   eqn.invars[cond_n + body_n:], site)
+    pred = ctx.follow(cond, list(cond_consts) + carry, cond_deps,
+                      site=site)[0]
     rounds = _rounds_state(ctx, pred)
-    outs = ctx.run(body, list(consts) + list(carry),
-                    list(deps[cond_n:cond_n + body_n]) + [True] * n,
-                    site=site)
+    outs = ctx.follow(body, list(consts) + carry, step_deps, site=site)
     new = [ctx.join(a, b) for a, b in zip(carry, _carried(ctx, eqn, outs))]
     if rounds != CONST:
       new = [s if keep else ctx.join(s, rounds)
              for s, keep in zip(new, kept)]
-    if new == list(carry):
-      break
-    carry = new
-  else:
+    return rounds, new
+
+  # The carries' fixed point (every round's findings kept).
+  rounds, carry, reached = ctx.fixed_point(step, list(carry),
+                                           _rounds(carry) + 2,
+                                           every_round=True)
+  if not reached:
     carry = [MIXED] * n  # Not reached (see _rounds).
   if rounds == MIXED:
     where = f"{eqn.primitive.name}{ctx.user_line(eqn)}"

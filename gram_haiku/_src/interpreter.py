@@ -101,6 +101,10 @@ class Domain:
       program (``bottom`` if None).
     output: ``output(ctx, v, state)``, the state stored for an output
       variable (``state`` if None).
+    equation: ``equation(ctx, eqn, ins) -> outs``, for a domain whose
+      states are a product (a state and facts about the value) that it
+      unpacks around its rule table: every equation goes to it (None: the
+      rule table's rule, :meth:`Interpreter.dispatch`).
   """
   name: str
   rules: Mapping[Any, Rule]
@@ -110,6 +114,7 @@ class Domain:
   literal: Optional[Callable] = None
   constant: Optional[Callable] = None
   output: Optional[Callable] = None
+  equation: Optional[Callable] = None
 
 
 class Interpreter:
@@ -120,14 +125,15 @@ class Interpreter:
     config: the domain's parameters for this run (any value; the domain's
       rules read it).
     gram_op_type: the base class of Gram ops (their equations go to the
-      :data:`GRAM_OP` rule).
+      :data:`GRAM_OP` rule); None for a domain without such a rule.
     log: the findings so far (the current round's or branch's).
     depth: 1 while running the program's own equations, more inside calls,
       loops and branches.
     site: the key of the current run (:meth:`key`).
   """
 
-  def __init__(self, domain: Domain, gram_op_type: type, config: Any = None):
+  def __init__(self, domain: Domain, gram_op_type: Optional[type],
+               config: Any = None):
     self.domain = domain
     self.config = config
     self.gram_op_type = gram_op_type
@@ -175,8 +181,17 @@ class Interpreter:
     return env.get(v, d.bottom)
 
   def eqn(self, eqn, ins: list) -> list:
-    """The states of one equation's outputs: its rule's."""
-    op = hx.gram_op_of(eqn, self.gram_op_type)
+    """The states of one equation's outputs: its rule's (or the domain's
+    ``equation``)."""
+    if self.domain.equation is not None:
+      return self.domain.equation(self, eqn, ins)
+    return self.dispatch(eqn, ins)
+
+  def dispatch(self, eqn, ins: list) -> list:
+    """The outputs of ``eqn``'s rule in the domain's table (its Gram op
+    rule, its primitive's, or the default)."""
+    op = (None if self.gram_op_type is None else
+          hx.gram_op_of(eqn, self.gram_op_type))
     if op is not None:
       return self.domain.rules[GRAM_OP](self, eqn, op, ins)
     rule = hx.rule_of(self.domain.rules, eqn)
@@ -228,34 +243,39 @@ class Interpreter:
     return outs
 
   def fixed_point(self, step: Callable[[list], tuple[Any, list]],
-                  carry: list, rounds: int) -> Optional[tuple[Any, list]]:
+                  carry: list, rounds: int, every_round: bool = False
+                  ) -> tuple[Any, list, bool]:
     """A loop's carries at their fixed point.
 
     ``step(carry) -> (result, new_carry)`` runs one round (the loop's
     programs, under the loop equation's :meth:`key`); rounds repeat until
     ``new_carry == carry``, at most ``rounds`` times. Only the findings
     of the last round are kept (earlier ones saw carries below the fixed
-    point).
+    point), unless ``every_round`` (a domain whose findings only
+    accumulate).
 
     Returns:
-      ``(result, carry)`` of the last round, or None where ``rounds`` did
-      not reach the fixed point.
+      ``(result, carry, reached)``: the last round's result and carry, and
+      whether the carries reached their fixed point within ``rounds``.
     """
-    outer = self.log
+    outer, result = self.log, None
     try:
       for _ in range(rounds):
-        self.log = Log()
+        if not every_round:
+          self.log = Log()
         result, new = step(list(carry))
         if list(new) == list(carry):
-          outer.extend(self.log.entries())
-          return result, list(carry)
+          if not every_round:
+            outer.extend(self.log.entries())
+          return result, list(carry), True
         carry = new
     finally:
       self.log = outer
-    return None
+    return result, list(carry), False
 
 
-def interpret(domain: Domain, jaxpr, ins: Sequence[Any], gram_op_type: type,
+def interpret(domain: Domain, jaxpr, ins: Sequence[Any],
+              gram_op_type: Optional[type] = None,
               config: Any = None) -> tuple[list, tuple]:
   """Runs ``domain`` over ``jaxpr``: ``(output states, log entries)``."""
   ctx = Interpreter(domain, gram_op_type, config)
