@@ -62,6 +62,59 @@ _ELEMENTWISE: dict[str, Callable[..., Any]] = {
 }
 
 
+def _elementwise(f):
+  return lambda values, params, dtype: f(*values)
+
+
+def _reshape(values, params, dtype):
+  # ``dimensions``: the operand's axes read in that order first
+  # (x.reshape(..., order="F")).
+  del dtype
+  dims = params.get("dimensions")
+  v = values[0] if dims is None else np.transpose(values[0], dims)
+  return np.reshape(v, tuple(params["new_sizes"]))
+
+
+#: Primitive name -> ``rule(values, params, out_dtype) -> value``: one grep
+#: shows what is evaluated.
+RULES: dict[str, Callable[..., Any]] = {
+    **{name: _elementwise(f) for name, f in _ELEMENTWISE.items()},
+    "select_n": _elementwise(_select_n),
+    "convert_element_type": lambda values, params, dtype: values[0],
+    "broadcast_in_dim": lambda values, params, dtype: _broadcast_in_dim(
+        values[0], tuple(params["shape"]),
+        tuple(params["broadcast_dimensions"])),
+    "iota": lambda values, params, dtype: _iota(
+        dtype, tuple(params["shape"]), params["dimension"]),
+    "reshape": _reshape,
+    "squeeze": lambda values, params, dtype: np.squeeze(
+        values[0], tuple(params["dimensions"])),
+    "concatenate": lambda values, params, dtype: np.concatenate(
+        values, axis=params["dimension"]),
+    "stack": lambda values, params, dtype: np.stack(values,
+                                                    axis=params["axis"]),
+    "rev": lambda values, params, dtype: np.flip(
+        values[0], tuple(params["dimensions"])),
+    "tile": lambda values, params, dtype: np.tile(values[0],
+                                                  tuple(params["reps"])),
+    "transpose": lambda values, params, dtype: np.transpose(
+        values[0], tuple(params["permutation"])),
+}
+
+
+def _integer_kinds(values, out_dtype) -> Optional[np.dtype]:
+  """``out_dtype`` where it and every operand are integer or boolean;
+  else None (a float, a PRNG key or other extended dtype: not modelled)."""
+  try:
+    out_dtype = np.dtype(out_dtype)
+    kinds = [np.dtype(v.dtype).kind for v in values]
+  except TypeError:
+    return None
+  if out_dtype.kind not in "iub" or any(k not in "iub" for k in kinds):
+    return None
+  return out_dtype
+
+
 def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
              out_dtype: Any) -> Optional[np.ndarray]:
   """The value of equation ``name(*values, **params)``, or None where it is
@@ -74,45 +127,12 @@ def evaluate(name: str, params: dict, values: Sequence[np.ndarray],
     out_dtype: the output's dtype; only integer and boolean ones are
       evaluated (exact on the host as on a device).
   """
-  try:
-    out_dtype = np.dtype(out_dtype)
-    kinds = [np.dtype(v.dtype).kind for v in values]
-  except TypeError:  # A PRNG key or other extended dtype: not modelled.
-    return None
-  if out_dtype.kind not in "iub" or any(k not in "iub" for k in kinds):
+  out_dtype = _integer_kinds(values, out_dtype)
+  rule = RULES.get(name)
+  if out_dtype is None or rule is None:
     return None
   try:
-    if name in _ELEMENTWISE:
-      out = _ELEMENTWISE[name](*values)
-    elif name == "select_n":
-      out = _select_n(*values)
-    elif name == "convert_element_type":
-      out = values[0]
-    elif name == "broadcast_in_dim":
-      out = _broadcast_in_dim(values[0], tuple(params["shape"]),
-                              tuple(params["broadcast_dimensions"]))
-    elif name == "iota":
-      out = _iota(out_dtype, tuple(params["shape"]), params["dimension"])
-    elif name == "reshape":
-      # ``dimensions``: the operand's axes read in that order first
-      # (x.reshape(..., order="F")).
-      dims = params.get("dimensions")
-      v = values[0] if dims is None else np.transpose(values[0], dims)
-      out = np.reshape(v, tuple(params["new_sizes"]))
-    elif name == "squeeze":
-      out = np.squeeze(values[0], tuple(params["dimensions"]))
-    elif name == "concatenate":
-      out = np.concatenate(values, axis=params["dimension"])
-    elif name == "stack":
-      out = np.stack(values, axis=params["axis"])
-    elif name == "rev":
-      out = np.flip(values[0], tuple(params["dimensions"]))
-    elif name == "tile":
-      out = np.tile(values[0], tuple(params["reps"]))
-    elif name == "transpose":
-      out = np.transpose(values[0], tuple(params["permutation"]))
-    else:
-      return None
+    out = rule(values, params, out_dtype)
   except (ValueError, TypeError, KeyError, IndexError):
     return None
   out = np.asarray(out)

@@ -36,6 +36,7 @@ from typing import Any, Mapping, Optional
 from gram_haiku._src import errors
 from gram_haiku._src import explicit_mesh
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import interpreter
 from gram_haiku._src import reparam
 
 #: Primitives that keep every value of a parameter (so its Gram): casts,
@@ -244,178 +245,256 @@ def _not_exact(sources: Sources, via: str) -> Sources:
                    for s in sources)
 
 
-class _Walk:
-  """Follows parameter leaves through a jaxpr (and its sub-jaxprs)."""
+# -- the domain: sources of values, on the program interpreter ----------------
+#
+# The state of a value is the set of :class:`Source`\ s it is computed from
+# (the lattice of sets, joined by union, bottom empty). Findings go to the
+# run's log as :class:`Application`, :class:`_Use` and :class:`_OtherUse`
+# records, which :func:`read_log` reads.
 
-  def __init__(self, gram_op_type):
-    self.gram_op_type = gram_op_type
-    self.applications: list[Application] = []
-    # (leaf, sliced) -> number of uses per pass; module names per leaf.
-    self.uses: collections.Counter = collections.Counter()
-    # leaf -> the first primitive outside every Gram op's parameters that
-    # reads it unchanged (its gradient then has a part no Gram holds).
-    self.other_uses: dict[int, str] = {}
-    self.depth = 0  # 1 while reading the program's own equations
 
-  def _other_use(self, sources, name: str) -> None:
-    for s in sources:
-      if s.exact:
-        self.other_uses.setdefault(s.leaf, name)
+@dataclasses.dataclass(frozen=True)
+class _Use:
+  """A finding: a Gram op reads parameter ``leaf`` (a loop's slice of it:
+  ``sliced``) ``count`` times per pass."""
+  leaf: int
+  sliced: bool
+  count: int
 
-  def run(self, jaxpr, in_sources: list) -> list:
-    env: dict = {}
-    for v, s in zip(jaxpr.invars, in_sources):
-      env[v] = s
-    read = lambda v: (frozenset() if isinstance(v, hx.Literal)
-                      else env.get(v, frozenset()))
-    self.depth += 1
-    try:
-      for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        outs = self.eqn(eqn, ins)
-        for v, s in zip(eqn.outvars, outs):
-          # An integer or boolean value carries no gradient (a comparison,
-          # a cast to int and back): nothing reaches through it.
-          env[v] = s if hx.may_carry_gradient(v) else frozenset()
-    finally:
-      self.depth -= 1
-    return [read(v) for v in jaxpr.outvars]
 
-  def eqn(self, eqn, ins: list) -> list:
-    name = eqn.primitive.name
-    n_out = len(eqn.outvars)
-    union = frozenset().union(*ins) if ins else frozenset()
-    op = hx.gram_op_of(eqn, self.gram_op_type)
-    if op is not None:
-      # Absent parameters (None, e.g. no scale) are not operands of the
-      # equation: align the operands' sources with the op's parameters.
-      present = iter(ins[1:-1])
-      sources = tuple(frozenset() if aval is None else next(present)
-                      for aval in op.param_avals)
-      self.applications.append(Application(
-          op, sources, ins[-1], eqn if self.depth == 1 else None))
-      self._other_use(ins[0], f"the input of {op.name}")
-      for s in frozenset().union(*sources) if sources else ():
-        self.uses[(s.leaf, s.sliced)] += 2 if s.repeated else 1
-      return [_not_exact(union, op.name)] * n_out
-    if name in _VALUE_PRESERVING:
-      return [union] * n_out
-    if name == "scan":
-      return self.scan(eqn, ins)
-    if name == "while":
-      return self.while_loop(eqn, ins)
-    if name == "cond":
-      return self.cond(eqn, ins)
-    subs = hx.jaxprs_of(eqn)
-    if subs:
-      outs = None
-      known = name in _CALLS
-      if not known:  # How often its body runs is not known.
-        ins = [frozenset(_sub(x, trips=None) for x in s) for s in ins]
-        union = frozenset().union(*ins) if ins else frozenset()
-      for sub in subs:
-        if len(sub.invars) == len(ins):
-          res = self.run(sub, ins)
-        else:  # Unknown calling convention: every input may reach it.
-          res = self.run(sub, [union] * len(sub.invars))
-        if len(res) == n_out:
-          outs = res if outs is None else [a | b for a, b in zip(outs, res)]
-      if outs is not None:
-        if name in _CUSTOM_DERIVATIVES:
-          # Its own derivative rule may send any output's cotangent to any
-          # input, whatever the forward reads (a forward that stops the
-          # gradient and a backward that passes it on): every output
-          # depends on every input.
-          self._other_use(union, name)
-          return [_not_exact(union, name)] * n_out
-        if known:
-          return outs
-        return [_not_exact(o, name) for o in outs]
-    if name == "stop_gradient":
-      # No gradient flows through it: what it gives is a constant for the
-      # differentiated parameters (a frozen weight; see
-      # Discovery.frozen_layers).
-      return [frozenset()] * n_out
-    if any(hx.may_carry_gradient(v) for v in eqn.outvars):
-      # (A comparison or an integer result passes no gradient back: not a
-      # use that the Gram would miss.)
-      self._other_use(union, name)
+@dataclasses.dataclass(frozen=True)
+class _OtherUse:
+  """A finding: primitive ``name``, outside every Gram op's parameters,
+  reads parameter ``leaf`` unchanged (its gradient then has a part no
+  Gram holds)."""
+  leaf: int
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+  """What one run of the domain found (:func:`read_log`).
+
+  Attributes:
+    applications: the Gram op applications, in program order.
+    uses: ``(leaf, sliced)`` -> number of uses per pass (the branches of a
+      ``cond`` count as alternatives: the most of any branch).
+    other_uses: leaf -> the first primitive outside every Gram op's
+      parameters that reads it unchanged.
+  """
+  applications: tuple
+  uses: Mapping[tuple, int]
+  other_uses: Mapping[int, str]
+
+
+def _count_uses(entries) -> collections.Counter:
+  uses: collections.Counter = collections.Counter()
+  for e in entries:
+    if isinstance(e, interpreter.Branches):
+      most: collections.Counter = collections.Counter()
+      for branch in e.logs:
+        for k, n in _count_uses(branch).items():
+          most[k] = max(most[k], n)
+      uses = uses + most
+    elif isinstance(e, _Use):
+      uses[(e.leaf, e.sliced)] += e.count
+  return uses
+
+
+def read_log(entries) -> Findings:
+  """The :class:`Findings` of a run's log."""
+  flat = list(interpreter.flatten(entries))
+  other: dict[int, str] = {}
+  for e in flat:
+    if isinstance(e, _OtherUse):
+      other.setdefault(e.leaf, e.name)
+  return Findings(
+      applications=tuple(e for e in flat if isinstance(e, Application)),
+      uses=_count_uses(entries), other_uses=other)
+
+
+def _union(states) -> Sources:
+  return frozenset().union(*states) if states else frozenset()
+
+
+def _other_use(ctx, sources, name: str) -> None:
+  for s in sources:
+    if s.exact:
+      ctx.log.append(_OtherUse(s.leaf, name))
+
+
+def _gram_op(ctx, eqn, op, ins) -> list:
+  """A Gram op application: recorded with the sources of its parameter
+  operands and its probe; its outputs are computed from every operand."""
+  # Absent parameters (None, e.g. no scale) are not operands of the
+  # equation: align the operands' sources with the op's parameters.
+  present = iter(ins[1:-1])
+  sources = tuple(frozenset() if aval is None else next(present)
+                  for aval in op.param_avals)
+  ctx.log.append(Application(op, sources, ins[-1],
+                             eqn if ctx.depth == 1 else None))
+  _other_use(ctx, ins[0], f"the input of {op.name}")
+  for s in _union(sources):
+    ctx.log.append(_Use(s.leaf, s.sliced, 2 if s.repeated else 1))
+  return [_not_exact(_union(ins), op.name)] * len(eqn.outvars)
+
+
+def _value_preserving(ctx, eqn, ins) -> list:
+  del ctx
+  return [_union(ins)] * len(eqn.outvars)
+
+
+def _stop_gradient(ctx, eqn, ins) -> list:
+  # No gradient flows through it: what it gives is a constant for the
+  # differentiated parameters (a frozen weight; see
+  # Discovery.frozen_layers).
+  del ctx, ins
+  return [frozenset()] * len(eqn.outvars)
+
+
+def _other(ctx, eqn, ins) -> list:
+  """Any other primitive: its outputs are computed from every operand, not
+  exactly; a use outside the Gram ops where a gradient passes."""
+  name = eqn.primitive.name
+  union = _union(ins)
+  if any(hx.may_carry_gradient(v) for v in eqn.outvars):
+    # (A comparison or an integer result passes no gradient back: not a
+    # use that the Gram would miss.)
+    _other_use(ctx, union, name)
+  return [_not_exact(union, name)] * len(eqn.outvars)
+
+
+def _through_subs(ctx, eqn, ins, known: bool) -> list:
+  """A primitive with sub-programs: a call (``known``: its body runs once,
+  on its own operands) or another one (how often unknown)."""
+  name = eqn.primitive.name
+  if not hx.jaxprs_of(eqn):
+    return _other(ctx, eqn, ins)
+  if not known:  # How often its body runs is not known.
+    ins = [frozenset(_sub(x, trips=None) for x in s) for s in ins]
+  union = _union(ins)
+  n_out = len(eqn.outvars)
+  # (An unknown calling convention: every input may reach every input.)
+  res = ctx.run_subs(eqn, lambda sub: ins if len(sub.invars) == len(ins)
+                     else [union] * len(sub.invars))
+  outs = ctx.join_all([r if len(r) == n_out else None for r in res])
+  if outs is None:
+    return _other(ctx, eqn, ins)
+  if name in _CUSTOM_DERIVATIVES:
+    # Its own derivative rule may send any output's cotangent to any
+    # input, whatever the forward reads (a forward that stops the
+    # gradient and a backward that passes it on): every output
+    # depends on every input.
+    _other_use(ctx, union, name)
     return [_not_exact(union, name)] * n_out
+  if known:
+    return outs
+  return [_not_exact(o, name) for o in outs]
 
-  def scan(self, eqn, ins):
-    body = eqn.params["jaxpr"].jaxpr
-    n_consts, n_carry = hx.scan_counts(eqn)
-    length = eqn.params["length"]
-    loops = length > 1
-    times = lambda x: None if x.trips is None else x.trips * length
-    inner = []
-    for k, s in enumerate(ins):
-      if k < n_consts + n_carry:
-        inner.append(frozenset(
-            _sub(x, repeated=x.repeated or loops, trips=times(x))
-            for x in s))
-      else:  # A scanned input: each step reads its own slice.
-        inner.append(frozenset(_sub(x, sliced=True, trips=times(x))
-                               for x in s))
-    outs = self._run_loop_body(body, inner, n_consts, n_carry)
-    return [_not_exact(o, "scan") for o in outs]
 
-  def while_loop(self, eqn, ins):
-    cond_n = eqn.params["cond_nconsts"]
-    body_n = eqn.params["body_nconsts"]
-    body = eqn.params["body_jaxpr"].jaxpr
-    inner = [frozenset(_sub(x, repeated=True, trips=None) for x in s)
-             for s in ins[cond_n:]]
-    outs = self._run_loop_body(body, inner, body_n, len(inner) - body_n)
-    return [_not_exact(o, "while") for o in outs]
+def _call(ctx, eqn, ins) -> list:
+  return _through_subs(ctx, eqn, ins, known=True)
 
-  def _run_loop_body(self, body, inner: list, n_consts: int,
-                     n_carry: int) -> list:
-    """Runs a loop body with each carry's sources grown by what the body's
-    later steps feed into it, to the fixed point (a leaf may reach a carry
-    only after several steps: a delay line, a rotation of the carries).
-    Returns the body's output sources.
 
-    A leaf fed back is marked read by every step, how often unknown; one
-    already in that carry in the same form (an unchanged carry) is left as
-    it is, so the rounds end (at most one per carry and form of a leaf).
-    Most loops need one round; a round that grows a carry is undone
-    (applications and uses) before the next.
-    """
-    inner = list(inner)
-    carries = range(n_consts, n_consts + n_carry)
-    for _ in range(4 * n_carry + 4):  # A bound the lattice never reaches.
-      mark = (len(self.applications), collections.Counter(self.uses),
-              dict(self.other_uses))
-      outs = self.run(body, inner)
-      changed = False
-      for k, out in zip(carries, outs[:n_carry]):
-        forms = {(x.leaf, x.exact, x.via, x.sliced) for x in inner[k]}
-        new = frozenset(_sub(x, repeated=True, trips=None) for x in out
-                        if (x.leaf, x.exact, x.via, x.sliced) not in forms)
-        if new:
-          inner[k] = inner[k] | new
-          changed = True
-      if not changed:
-        return outs
-      del self.applications[mark[0]:]
-      self.uses, self.other_uses = mark[1], mark[2]
+def _default(ctx, eqn, ins) -> list:
+  if hx.jaxprs_of(eqn):
+    return _through_subs(ctx, eqn, ins, known=False)
+  return _other(ctx, eqn, ins)
+
+
+def _scan(ctx, eqn, ins) -> list:
+  body, n_consts, n_carry, length = hx.scan_parts(eqn)
+  loops = length > 1
+  times = lambda x: None if x.trips is None else x.trips * length
+  inner = []
+  for k, s in enumerate(ins):
+    if k < n_consts + n_carry:
+      inner.append(frozenset(
+          _sub(x, repeated=x.repeated or loops, trips=times(x)) for x in s))
+    else:  # A scanned input: each step reads its own slice.
+      inner.append(frozenset(_sub(x, sliced=True, trips=times(x))
+                             for x in s))
+  outs = _loop_body(ctx, eqn, body, inner, n_consts, n_carry)
+  return [_not_exact(o, "scan") for o in outs]
+
+
+def _while(ctx, eqn, ins) -> list:
+  _, cond_n, body, body_n = hx.while_parts(eqn)
+  inner = [frozenset(_sub(x, repeated=True, trips=None) for x in s)
+           for s in ins[cond_n:]]
+  outs = _loop_body(ctx, eqn, body, inner, body_n, len(inner) - body_n)
+  return [_not_exact(o, "while") for o in outs]
+
+
+def _fed_back(inner: Sources, out: Sources) -> Sources:
+  """A carry's sources grown by what the body feeds into it: a leaf fed
+  back is marked read by every step, how often unknown; one already in
+  the carry in the same form (an unchanged carry) is left as it is, so
+  the rounds end (at most one per carry and form of a leaf)."""
+  forms = {(x.leaf, x.exact, x.via, x.sliced) for x in inner}
+  new = frozenset(_sub(x, repeated=True, trips=None) for x in out
+                  if (x.leaf, x.exact, x.via, x.sliced) not in forms)
+  return inner | new if new else inner
+
+
+def _loop_body(ctx, eqn, body, inner: list, n_consts: int,
+               n_carry: int) -> list:
+  """Runs a loop body with each carry's sources grown by what the body's
+  later steps feed into it (:func:`_fed_back`), to the fixed point (a
+  leaf may reach a carry only after several steps: a delay line, a
+  rotation of the carries). Returns the body's output sources."""
+  carries = range(n_consts, n_consts + n_carry)
+
+  def step(ins):
+    outs = ctx.run(body, ins, ctx.key(eqn))
+    new = list(ins)
+    for k, out in zip(carries, outs[:n_carry]):
+      new[k] = _fed_back(ins[k], out)
+    return outs, new
+
+  # (A bound the lattice never reaches.)
+  outs, _, reached = ctx.fixed_point(step, list(inner), 4 * n_carry + 4)
+  if not reached:
     raise AssertionError("gram_haiku internal error: the sources of a loop "
                          "carry did not reach a fixed point.")
+  return outs
 
-  def cond(self, eqn, ins):
-    before = self.uses
-    most: collections.Counter = collections.Counter()
-    outs = None
-    uncounted = [frozenset(_sub(x, trips=None) for x in s) for s in ins[1:]]
-    for branch in eqn.params["branches"]:
-      self.uses = collections.Counter()
-      res = self.run(branch.jaxpr, uncounted)
-      for k, n in self.uses.items():
-        most[k] = max(most[k], n)
-      outs = res if outs is None else [a | b for a, b in zip(outs, res)]
-    self.uses = before + most
-    return [_not_exact(o, "cond") for o in (outs or [])]
+
+def _cond(ctx, eqn, ins) -> list:
+  uncounted = [frozenset(_sub(x, trips=None) for x in s) for s in ins[1:]]
+  outs = ctx.join_all(ctx.branches(eqn, hx.cond_branches(eqn), uncounted))
+  return [_not_exact(o, "cond") for o in (outs or [])]
+
+
+def _output(ctx, v, sources: Sources) -> Sources:
+  # An integer or boolean value carries no gradient (a comparison, a cast
+  # to int and back): nothing reaches through it.
+  del ctx
+  return sources if hx.may_carry_gradient(v) else frozenset()
+
+
+#: The domain's rules, by primitive.
+RULES = hx.rule_table({
+    interpreter.GRAM_OP: _gram_op,
+    **{name: _value_preserving for name in _VALUE_PRESERVING},
+    **{name: _call for name in _CALLS},
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "stop_gradient": _stop_gradient,
+})
+
+#: Which parameter leaves (and probe leaves) each value is computed from.
+SOURCES = interpreter.Domain(
+    name="sources", rules=RULES, default=_default,
+    join=lambda a, b: a | b, bottom=frozenset(), output=_output)
+
+
+def follow(jaxpr, ins: list, gram_op_type) -> tuple[list, Findings]:
+  """Runs :data:`SOURCES` over ``jaxpr`` from the inputs' sources ``ins``:
+  the outputs' sources and the :class:`Findings`."""
+  outs, log = interpreter.interpret(SOURCES, jaxpr, ins, gram_op_type)
+  return outs, read_log(log)
 
 
 @dataclasses.dataclass
@@ -460,7 +539,78 @@ def _layer_kind(op) -> str:
   return f"{type(op).__name__}({params})"
 
 
-def _read_applications(walk: "_Walk", module_of, num_param_leaves: int
+def _own_leaves(app: Application, num_param_leaves: int) -> tuple:
+  """Per parameter operand of ``app``'s op: the one parameter leaf it is
+  computed from, or None (absent, none, or several)."""
+  leaves = []
+  for sources, aval in zip(app.param_sources, app.op.param_avals):
+    own = {s.leaf for s in sources if s.leaf < num_param_leaves}
+    leaves.append(own.pop() if aval is not None and len(own) == 1 else None)
+  return tuple(leaves)
+
+
+def _frozen_operands(app: Application, num_param_leaves: int) -> tuple:
+  """The indices of ``app``'s present parameter operands that no parameter
+  leaf reaches."""
+  return tuple(
+      k for k, (sources, aval) in enumerate(zip(app.param_sources,
+                                                app.op.param_avals))
+      if aval is not None and
+      not any(s.leaf < num_param_leaves for s in sources))
+
+
+def _read_op(r: _Reading, module: str, app: Application,
+             num_param_leaves: int) -> None:
+  """Records ``app``'s op for ``module``: its sizes, mode and sharding.
+
+  Raises:
+    ValueError: for a module applied under two modes, or a module name
+      used by two different tracked layers.
+  """
+  op = app.op
+  r.n_apps[module] += 1
+  r.frozen_of[op.name].add(_frozen_operands(app, num_param_leaves))
+  if module in r.ops and _param_set(r.ops[module]) != _param_set(op):
+    raise ValueError(errors.MODULE_NAME_TWO_LAYERS.format(
+        module=module, first=_layer_kind(r.ops[module]),
+        second=_layer_kind(op)))
+  if module not in r.ops:
+    r.ops[module] = op
+    r.leaves_of[module] = _own_leaves(app, num_param_leaves)
+  r.sizes[module] = op.example_size()
+  r.counts[module] = op.num_params()
+  r.dtypes[module] = op.accumulation_dtype()
+  if op.example_axis.kind == "default":
+    r.vmapped.setdefault(module, op.example_axis.vmapped)
+  if r.modes.setdefault(module, op.mode) != op.mode:
+    raise ValueError(errors.MIXED_MODES.format(
+        module=module, modes=sorted({r.modes[module], op.mode})))
+  spec = explicit_mesh.spec_of_type(op.x_aval)
+  position = op.example_axis.resolved_position()
+  if spec is not None and position < len(spec) and spec[position]:
+    r.specs[module] = spec[position]
+
+
+def _read_sources(r: _Reading, module: str, app: Application,
+                  found: Findings, num_param_leaves: int) -> None:
+  """Records how each parameter leaf reaches ``app``'s op: exactly (and
+  whether shared) or transformed."""
+  op = app.op
+  for pname, sources, aval in zip(op.param_names, app.param_sources,
+                                  op.param_avals):
+    if aval is None:
+      continue
+    for s in sources:
+      if s.leaf >= num_param_leaves:
+        continue  # Computed from a probe (a generated weight): no use.
+      r.modules_of_leaf[s.leaf].add(module)
+      if not s.exact:
+        r.transformed.setdefault(module, (app, pname, s))
+      elif found.uses[(s.leaf, s.sliced)] > 1:
+        r.shared.add(module)
+
+
+def _read_applications(found: Findings, module_of, num_param_leaves: int
                        ) -> _Reading:
   """Per module: its op, sizes, mode and sharding, and how each parameter
   leaf reaches it (exactly, shared, transformed or not at all).
@@ -470,55 +620,14 @@ def _read_applications(walk: "_Walk", module_of, num_param_leaves: int
       used by two different tracked layers.
   """
   r = _Reading()
-  for app in walk.applications:
-    op = app.op
+  for app in found.applications:
     module = module_of(app)
-    r.n_apps[module] += 1
-    r.frozen_of[op.name].add(tuple(
-        k for k, (sources, aval) in enumerate(zip(app.param_sources,
-                                                  op.param_avals))
-        if aval is not None and
-        not any(s.leaf < num_param_leaves for s in sources)))
-    if module in r.ops and _param_set(r.ops[module]) != _param_set(op):
-      raise ValueError(errors.MODULE_NAME_TWO_LAYERS.format(
-          module=module, first=_layer_kind(r.ops[module]),
-          second=_layer_kind(op)))
-    if module not in r.ops:
-      r.ops[module] = op
-      leaves = []
-      for sources, aval in zip(app.param_sources, op.param_avals):
-        own = {s.leaf for s in sources if s.leaf < num_param_leaves}
-        leaves.append(own.pop() if aval is not None and len(own) == 1
-                      else None)
-      r.leaves_of[module] = tuple(leaves)
-    r.sizes[module] = op.example_size()
-    r.counts[module] = op.num_params()
-    r.dtypes[module] = op.accumulation_dtype()
-    if op.example_axis.kind == "default":
-      r.vmapped.setdefault(module, op.example_axis.vmapped)
-    if r.modes.setdefault(module, op.mode) != op.mode:
-      raise ValueError(errors.MIXED_MODES.format(
-          module=module, modes=sorted({r.modes[module], op.mode})))
-    spec = explicit_mesh.spec_of_type(op.x_aval)
-    position = op.example_axis.resolved_position()
-    if spec is not None and position < len(spec) and spec[position]:
-      r.specs[module] = spec[position]
-    for pname, sources, aval in zip(op.param_names, app.param_sources,
-                                    op.param_avals):
-      if aval is None:
-        continue
-      for s in sources:
-        if s.leaf >= num_param_leaves:
-          continue  # Computed from a probe (a generated weight): no use.
-        r.modules_of_leaf[s.leaf].add(module)
-        if not s.exact:
-          r.transformed.setdefault(module, (app, pname, s))
-        elif walk.uses[(s.leaf, s.sliced)] > 1:
-          r.shared.add(module)
+    _read_op(r, module, app, num_param_leaves)
+    _read_sources(r, module, app, found, num_param_leaves)
   return r
 
 
-def _read_pullbacks(jaxpr, consts, walk: "_Walk", module_of, r: _Reading,
+def _read_pullbacks(jaxpr, consts, found: Findings, module_of, r: _Reading,
                     num_param_leaves: int, leaf_names: list[str],
                     gram_op_type) -> dict:
   """Module -> its :class:`~gram_haiku._src.reparam.PullBack`, for each
@@ -530,7 +639,7 @@ def _read_pullbacks(jaxpr, consts, walk: "_Walk", module_of, r: _Reading,
   pullbacks = {}
   for module, (_, pname, s) in r.transformed.items():
     pb, why = reparam.read_pullback(
-        jaxpr, consts, [a for a in walk.applications
+        jaxpr, consts, [a for a in found.applications
                         if module_of(a) == module],
         num_param_leaves, gram_op_type)
     if pb is None:
@@ -541,7 +650,7 @@ def _read_pullbacks(jaxpr, consts, walk: "_Walk", module_of, r: _Reading,
   return pullbacks
 
 
-def _shared_layer_names(walk: "_Walk", module_of, shared: set):
+def _shared_layer_names(found: Findings, module_of, shared: set):
   """``(layer_names, shared_names)``: op (layer) name -> the modules applied
   under it, and the layer names of the shared modules.
 
@@ -550,7 +659,7 @@ def _shared_layer_names(walk: "_Walk", module_of, shared: set):
       is not (the real pass tells modules apart by layer name).
   """
   layer_names = collections.defaultdict(set)  # op name -> module names
-  for app in walk.applications:
+  for app in found.applications:
     layer_names[app.op.name].add(module_of(app))
   shared_names = set()
   for name, keys in layer_names.items():
@@ -578,7 +687,7 @@ def _frozen_layers(frozen_of: Mapping[str, set], ops: Mapping[str, Any]
   return {n: next(iter(ks)) for n, ks in frozen_of.items() if next(iter(ks))}
 
 
-def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
+def _untracked_uses(found: Findings, modules_of_leaf: Mapping[int, set],
                     pulled: set, leaf_names: list[str],
                     num_param_leaves: int) -> dict:
   """Parameter name -> the primitive that reads it outside every Gram op,
@@ -590,7 +699,7 @@ def _untracked_uses(walk: "_Walk", modules_of_leaf: Mapping[int, set],
       ops of two modules.
   """
   untracked = {}
-  for leaf, use in walk.other_uses.items():
+  for leaf, use in found.other_uses.items():
     if leaf >= num_param_leaves or leaf in pulled:
       continue  # (a pulled-back leaf's every use is its getter's)
     if leaf in modules_of_leaf:
@@ -639,6 +748,21 @@ def _check_probe(app: Application, num_param_leaves: int,
                                                       found=found))
 
 
+def _slotted(modules, apps, module_of, num_param_leaves: int,
+             probe_names: list[str]) -> dict:
+  """Module -> its slot count (:attr:`Discovery.slot_counts`), for those of
+  ``modules`` (shared, with their own probe and layer name) whose
+  applications ``apps`` can keep their factors in slots."""
+  slotted = {}
+  for module in modules:
+    uses = _slot_count(
+        [a for a in apps if module_of(a) == module],
+        num_param_leaves + probe_names.index(module))
+    if uses is not None:
+      slotted[module] = uses
+  return slotted
+
+
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
              probe_names: list[str], gram_op_type,
              full_jaxpr=None, consts: Mapping[Any, Any] = None
@@ -673,14 +797,14 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
       reaches the ops of two modules, a module applied under two modes, or
       an example axis that cannot be found.
   """
-  walk = _Walk(gram_op_type)
   n_probes = len(probe_names)
   ins = [frozenset({Source(k)}) if k < num_param_leaves + n_probes
          else frozenset() for k in range(len(jaxpr.invars))]
   # The leaves the loss's value is computed from, not only through
   # stop_gradient: the others have no gradient.
-  reaching = {s.leaf for out in walk.run(jaxpr, ins) for s in out}
-  for app in walk.applications:
+  outs, found = follow(jaxpr, ins, gram_op_type)
+  reaching = {s.leaf for out in outs for s in out}
+  for app in found.applications:
     _check_probe(app, num_param_leaves, probe_names)
 
   def module_of(app) -> str:
@@ -689,33 +813,26 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
               if s.leaf >= num_param_leaves}
     return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
 
-  r = _read_applications(walk, module_of, num_param_leaves)
-  pullbacks = _read_pullbacks(jaxpr, consts or {}, walk, module_of, r,
+  r = _read_applications(found, module_of, num_param_leaves)
+  pullbacks = _read_pullbacks(jaxpr, consts or {}, found, module_of, r,
                               num_param_leaves, leaf_names, gram_op_type)
   # A pulled-back module keeps per-example gradients of its operands.
   shared = r.shared | set(pullbacks)
-  layer_names, shared_names = _shared_layer_names(walk, module_of, shared)
+  layer_names, shared_names = _shared_layer_names(found, module_of, shared)
   frozen_layers = _frozen_layers(r.frozen_of, r.ops)
   ops = {m: op.with_plan(frozen=frozen_layers.get(op.name, ()))
          for m, op in r.ops.items()}
   pulled = {k for pb in pullbacks.values() for k in pb.leaves}
-  untracked = _untracked_uses(walk, r.modules_of_leaf, pulled, leaf_names,
+  untracked = _untracked_uses(found, r.modules_of_leaf, pulled, leaf_names,
                               num_param_leaves)
-  slot_apps = walk.applications
+  slot_apps = found.applications
   if full_jaxpr is not None and shared:  # (only shared modules get slots)
-    full = _Walk(gram_op_type)
-    full.run(full_jaxpr, ins)
-    slot_apps = full.applications
-  slotted = {}
-  for module in shared:
-    if (module in r.specs or module not in probe_names or
-        module in pullbacks or len(layer_names[ops[module].name]) != 1):
-      continue
-    uses = _slot_count(
-        [a for a in slot_apps if module_of(a) == module],
-        num_param_leaves + probe_names.index(module))
-    if uses is not None:
-      slotted[module] = uses
+    slot_apps = follow(full_jaxpr, ins, gram_op_type)[1].applications
+  slotted = _slotted(
+      [m for m in shared
+       if not (m in r.specs or m not in probe_names or m in pullbacks or
+               len(layer_names[ops[m].name]) != 1)],
+      slot_apps, module_of, num_param_leaves, probe_names)
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,

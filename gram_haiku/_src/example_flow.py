@@ -7,10 +7,14 @@ and if the loss is a sum of per-example terms. Sizes cannot tell (a sequence
 of length ``T == B``, positions from ``jnp.arange``, an unbatched memory of
 length ``B``); the program can. :func:`check` follows the example axis of the
 batch through the traced loss (``jax.make_jaxpr``, after every ``vmap`` has
-been batched) with a small abstract interpretation: this module holds the
-interpreter and :func:`check`; the states (``Ex``, ``CONST``, ``SUM``,
-``MIXED``, ``UNKNOWN``) are :mod:`gram_haiku._src.flow_states`', the rules
-per primitive :mod:`gram_haiku._src.flow_rules`'.
+been batched) with a small abstract interpretation, a domain on the one
+program interpreter (:mod:`gram_haiku._src.interpreter`, which runs the
+programs, calls, loops and branches): this module holds the domain's step
+per equation, its context, its log of findings (:class:`FlowLog`, read as a
+:class:`FlowRecord`) and :func:`check`, the reader that turns the record
+into errors; the states (``Ex``, ``CONST``, ``SUM``, ``MIXED``,
+``UNKNOWN``) are :mod:`gram_haiku._src.flow_states`', the rules per
+primitive :data:`gram_haiku._src.flow_rules.RULES`.
 
 Each Gram op's input must be ``Ex`` at the op's example-axis position with
 nothing merged into it; otherwise :func:`check` raises a teaching error.
@@ -58,8 +62,9 @@ the examples, never as safe:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -69,6 +74,7 @@ from gram_haiku._src import errors
 from gram_haiku._src import warning_site
 from gram_haiku._src import flow_rules
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import interpreter
 from gram_haiku._src.flow_states import ELEMENTWISE as _ELEMENTWISE
 from gram_haiku._src.flow_states import LINEAR as _LINEAR
 from gram_haiku._src.flow_states import CLOSED
@@ -93,6 +99,26 @@ _CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
 #: Constants of at most this many entries (index arrays) are told apart by
 #: their contents; larger ones by identity.
 _CONTENT_KEY_MAX = 1 << 16
+
+
+def _used_as_index(eqn, ins) -> set:
+  """The operands of ``eqn`` that it uses as an index picking rows along
+  the examples' axis (``out[idx]``), placing rows (a scatter's known
+  index: segments, permutations) or as a piece of such an index
+  (``x[rows, cols]``'s columns)."""
+  name = eqn.primitive.name
+  if name == "gather" and _picks_rows(eqn, ins[0]) and (
+      ins[1] != CONST or tuple(
+          eqn.params["dimension_numbers"].start_index_map) == (ins[0].dim,)):
+    return {1}
+  if name.startswith("scatter") and len(ins) == 3 and isinstance(
+      ins[2], Ex) and ins[2].tag is None:
+    return {1}
+  if (name == "concatenate" and
+      eqn.params["dimension"] == len(_shape(eqn.outvars[0])) - 1 and
+      not hx.may_carry_gradient(eqn.outvars[0])):
+    return set(range(len(ins)))
+  return set()
 
 
 class ExampleFlowWarning(UserWarning):
@@ -143,6 +169,27 @@ def _rows_paired(eqn, ins, deps) -> bool:
   return False
 
 
+def _check_data_rows(eqn, ins, deps, param_rows) -> None:
+  """Under ``strict``: raises where data rows meet the parameters' rows
+  other than each example's with its own (data rows meeting them in the
+  same order, both in the batch's or both reordered alike: ``out[::-1]``
+  with ``y[::-1]``, pair each example's outputs with its own data)."""
+  for s, d in zip(ins, deps):
+    if d:
+      continue
+    if s in (MIXED, SUM) or (isinstance(s, Ex) and s.tag is None and (
+        any((p.dim, p.inner, p.outer, p.order) !=
+            (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
+      raise ValueError(errors.DATA_COUPLED.format(
+          state="rows of other examples, or in another order",
+          where=_site(eqn)))
+  if eqn.primitive.name == "dot_general" and not _rows_paired(
+      eqn, ins, deps):
+    raise ValueError(errors.DATA_COUPLED.format(
+        state="a product of every example's outputs with every "
+        "example's data", where=_site(eqn)))
+
+
 def _picks_rows(eqn, operand: State) -> bool:
   """Whether a ``gather`` picks rows of ``operand`` along its examples' axis
   by its index alone (``out[idx]``, ``x[rows, labels]``'s row column), not
@@ -155,26 +202,157 @@ def _picks_rows(eqn, operand: State) -> bool:
           operand.dim not in getattr(dn, "operand_batching_dims", ()))
 
 
-class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
-            flow_rules.ContractionRules, flow_rules.ControlFlowRules):
-  """The abstract interpreter (one instance per check); the rules per
-  primitive are :mod:`flow_rules`'."""
+@dataclasses.dataclass(frozen=True)
+class FlowRecord:
+  """What one run of the example-flow analysis found, read by :func:`check`
+  (:meth:`FlowLog.read`).
+
+  Attributes:
+    findings: per Gram op application, in program order (every round of a
+      loop body), ``(op, state of its input)``; a candidate's tag is its
+      index here.
+    verdicts: candidate tag -> whether every meeting with the examples put
+      them along its axis (absent: never met).
+    combined: candidates whose rows were combined before meeting them.
+    reordered: candidates whose rows were reordered before meeting them.
+    looped_over_examples: a ``scan`` ran over the examples (``hk.scan``,
+      ``hk.map`` over the batch).
+    unknown: primitives without a rule that the examples met.
+    paired_with_others: the first equation where reordered rows of the
+      parameters' values met data rows in another order: ``(primitive,
+      operand shapes, user line)``.
+    split_examples: the first reshape that split the examples' rows in two
+      ``(n, b, k, where)``.
+    closed_shapes: the shapes of closed-over arrays with an axis of ``B``.
+  """
+  findings: tuple
+  verdicts: Mapping[int, bool]
+  combined: frozenset
+  reordered: frozenset
+  looped_over_examples: bool
+  unknown: frozenset
+  paired_with_others: Optional[tuple[str, str, str]]
+  split_examples: Optional[tuple[int, int, int, str]]
+  closed_shapes: tuple
+
+
+class FlowLog:
+  """The findings of one run, appended by the interpreter and its rules
+  through typed methods (nothing is overwritten or removed); :meth:`read`
+  gives the :class:`FlowRecord` that :func:`check` turns into errors."""
+
+  def __init__(self):
+    self._findings: list = []
+    self._verdicts: list[tuple[int, bool]] = []
+    self._combined: list[int] = []
+    self._reordered: list[int] = []
+    self._looped = False
+    self._unknown: list[str] = []
+    self._paired: list[tuple[str, str, str]] = []
+    self._splits: list[tuple[int, int, int, str]] = []
+    self._closed_shapes: list[tuple[int, ...]] = []
+
+  def finding(self, op, state: State) -> None:
+    """A Gram op application, with its input's state."""
+    self._findings.append((op, state))
+
+  def next_tag(self) -> int:
+    """The tag of a candidate recorded by the next :meth:`finding`."""
+    return len(self._findings)
+
+  def verdict(self, tag: int, right: bool) -> None:
+    """Candidate ``tag`` met the examples, along its axis or not."""
+    self._verdicts.append((tag, bool(right)))
+
+  def right_so_far(self, tag: int, default: bool = True) -> bool:
+    """Whether every verdict on ``tag`` so far was right (``default`` if
+    none)."""
+    answers = [right for t, right in self._verdicts if t == tag]
+    return all(answers) if answers else default
+
+  def combined(self, tag: int) -> None:
+    """Candidate ``tag``'s rows were combined before meeting the examples
+    (settled as wrong)."""
+    self.verdict(tag, False)
+    self._combined.append(tag)
+
+  def reordered(self, tag: int) -> None:
+    self._reordered.append(tag)
+
+  def looped_over_examples(self) -> None:
+    self._looped = True
+
+  def unknown(self, primitive: str) -> None:
+    self._unknown.append(primitive)
+
+  def paired_with_others(self, site: tuple[str, str, str]) -> None:
+    self._paired.append(site)
+
+  def split(self, split: tuple[int, int, int, str]) -> None:
+    self._splits.append(split)
+
+  @property
+  def split_examples(self) -> Optional[tuple[int, int, int, str]]:
+    return self._splits[0] if self._splits else None
+
+  def closed_shape(self, shape: tuple[int, ...]) -> None:
+    if shape not in self._closed_shapes:
+      self._closed_shapes.append(shape)
+
+  def closed_shapes(self) -> tuple:
+    return tuple(self._closed_shapes)
+
+  def read(self) -> FlowRecord:
+    verdicts: dict[int, bool] = {}
+    for tag, right in self._verdicts:
+      verdicts[tag] = verdicts.get(tag, True) and right
+    return FlowRecord(
+        findings=tuple(self._findings), verdicts=verdicts,
+        combined=frozenset(self._combined),
+        reordered=frozenset(self._reordered),
+        looped_over_examples=self._looped, unknown=frozenset(self._unknown),
+        paired_with_others=self._paired[0] if self._paired else None,
+        split_examples=self.split_examples,
+        closed_shapes=self.closed_shapes())
+
+
+class _Verdicts:
+  """``flow_states.join``'s ``verdicts`` mapping, written to a log."""
+
+  def __init__(self, log: FlowLog):
+    self._log = log
+
+  def get(self, tag: int, default: bool = True) -> bool:
+    return self._log.right_so_far(tag, default)
+
+  def __setitem__(self, tag: int, right: bool) -> None:
+    self._log.verdict(tag, right)
+
+
+class _Val(NamedTuple):
+  """What the interpreter holds per variable in this domain: its
+  :data:`State`, whether it depends on the parameters (``dep``), and where
+  a ``MIXED`` value's examples were first combined with the parameters'
+  values (``site``: primitive, operand shapes, user line), for messages."""
+  state: State
+  dep: bool = False
+  site: Optional[tuple] = None
+
+
+class _Flow(interpreter.Interpreter):
+  """The example-flow domain's context on the program interpreter (one per
+  check): the batch size, ``strict``, the log of findings and the facts
+  kept per variable and call site (constants' origins, notes, index
+  pieces). The rules per primitive are :data:`flow_rules.RULES`, each given
+  this object as its context; :func:`_equation` is the domain's step."""
 
   def __init__(self, batch: int, gram_op_type, strict: bool = False,
                consts: Optional[dict] = None, model_state=frozenset()):
+    super().__init__(EXAMPLES, gram_op_type)
     self.batch = batch
     self.model_state = model_state  # constants that are apply's own state
-    self.gram_op_type = gram_op_type
     self.strict = strict
-    self.findings: list[tuple[Any, State]] = []
-    self.verdicts: dict[int, bool] = {}  # candidate tag -> right so far
-    self.combined: set[int] = set()  # candidates whose rows were combined
-    self.reordered: set[int] = set()  # candidates whose rows were reordered
-    self.looped_over_examples = False  # a scan (hk.scan, hk.map) over them
-    self.unknown: set[str] = set()  # primitives not modelled, met by examples
-    # Where reordered rows of the parameters' values met data rows in
-    # another order: (primitive, operand shapes) of the first such equation.
-    self.paired_with_others: Optional[tuple[str, str, str]] = None
+    self.log = FlowLog()  # what the run finds (see FlowRecord)
     self.last_sites: Optional[list] = None  # of the last run's outputs
     # A constant's origin (see origin()), so that two gathers by equal
     # index arrays are known to pick the same rows.
@@ -182,10 +360,8 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # helper) holds the same variable objects in both runs, which must not
     # share a key unless their values are equal by construction.
     self._origin: dict[tuple[Any, int], Any] = {}
-    # The current run()'s key: its call site (an eqn_key), or a fresh
-    # number for a run of a program of its own.
-    self._run: Any = 0
-    self._runs = 0
+    self.last_deps: list[bool] = []  # of the last run's outputs
+    self.last_origins: list = []  # of the last run's outputs
     self.consts: dict[Any, Any] = dict(consts or {})
     self._in_rule = 0  # inside a custom JVP rule's program (_custom_jvp)
     self._deps: list[bool] = []  # the current equation's input dependences
@@ -197,22 +373,18 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     # (run, id(variable)), a set of CLOSED and ("loop", site) notes,
     # carried forward to everything computed from the value.
     self._notes: dict[tuple[Any, int], frozenset] = {}
-    self.closed_shapes: list[tuple[int, ...]] = []  # (for messages)
-    # The first reshape that split the examples' rows in two (n, b, k,
-    # where), for messages (views of one example: VIEWS_SPLIT_BY_RESHAPE).
-    self.split_examples: Optional[tuple[int, int, int, str]] = None
 
   def join(self, a: State, b: State) -> State:
-    return join(a, b, self.verdicts)
+    return join(a, b, _Verdicts(self.log))
 
-  def origin(self, v) -> Any:
+  def origin(self, v, site: Any = None) -> Any:
     """A key equal for two variables that hold the same values by
     construction: a small constant by its contents, a constant computed
     from such by its computation (:meth:`_constant_origin`); else ``v``'s
     own."""
     if isinstance(v, hx.Literal):
       return _value_key(np.asarray(v.val, v.aval.dtype))
-    key = (self._run, id(v))
+    key = (self.site if site is None else site, id(v))
     if key not in self._origin and v in self.consts:
       value = self.consts[v]
       # (A constant of this trace may be a value of an enclosing one.)
@@ -240,8 +412,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
   def eqn_key(self, eqn) -> tuple[Any, int]:
-    """A key of one equation in this run (see ``_origin``)."""
-    return (self._run, id(eqn))
+    """A key of one equation in this run (see ``_origin``): the
+    interpreter's per-call-site key."""
+    return self.key(eqn)
 
   def _constant_origin(self, eqn) -> Any:
     """The origin of a constant equation's one output: the primitive, its
@@ -262,97 +435,77 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     params = tuple(sorted((k, repr(p)) for k, p in eqn.params.items()))
     return ("eqn", eqn.primitive.name, params, ins)
 
-  def run(self, jaxpr, ins: Sequence[State],
-          deps: Optional[Sequence[bool]] = None,
-          origins: Optional[Sequence[int]] = None,
-          site: Any = None) -> list[State]:
-    """Abstract states of ``jaxpr``'s outputs.
+  def follow(self, jaxpr, ins: Sequence[State],
+             deps: Optional[Sequence[bool]] = None,
+             origins: Optional[Sequence[int]] = None,
+             site: Any = None) -> list[State]:
+    """Abstract states of ``jaxpr``'s outputs (the interpreter runs it;
+    :func:`_equation` is each equation's step).
 
     ``deps``: per input, whether it depends on the parameters. A sum over,
     or a mix of, the examples that does not (a statistic of the input data:
     centring by the batch mean) is input data for every example's gradient
     and is treated as a constant; one that does couples the examples.
+    ``origins``: the inputs' origins (:meth:`origin`). ``site``: the calling
+    equation's key (:meth:`eqn_key`), so that a helper called from two
+    places runs under two keys, and a loop body's rounds (one call site)
+    under one; None for a program of its own (a fresh key).
     """
-    outer = self._run
     if site is None:
       self._runs += 1
-      site = self._runs
-    # ``site``: the calling equation's key (eqn_key), so that a helper
-    # called from two places runs under two keys, and a loop body's rounds
-    # (one call site) under one.
-    self._run = site
-    try:
-      return self._run_body(jaxpr, ins, deps, origins)
-    finally:
-      self._run = outer
-
-  def _run_body(self, jaxpr, ins, deps, origins) -> list[State]:
+      site = ("run", self._runs)
     deps = list(deps) if deps is not None else [True] * len(ins)
-    env = dict(zip(jaxpr.invars, ins))
-    dep = dict(zip(jaxpr.invars, deps))
-    for v in jaxpr.constvars:
-      env.setdefault(v, self._closed_over(v))
-      dep.setdefault(v, False)
     for v, o in zip(jaxpr.invars, origins or ()):
-      self._origin[(self._run, id(v))] = o
-    literal = lambda v: isinstance(v, hx.Literal)
-    read = lambda v: CONST if literal(v) else env.get(v, CONST)
-    # Where each combined (MIXED) value's examples were first combined with
-    # the parameters' values: (primitive, operand shapes), for messages.
-    combined_at = {}
-    for eqn in jaxpr.eqns:
-      in_deps = [False if literal(v) else dep.get(v, False)
-                 for v in eqn.invars]
-      notes = [self.notes_of(v) for v in eqn.invars] if self._notes else []
-      ins_now = list(map(read, eqn.invars))
-      if any(CLOSED in n for n in notes):
-        ins_now = self._closed_as_data(eqn, ins_now, in_deps, notes)
-      for k, (s, d) in enumerate(zip(ins_now, in_deps)):
-        if s in (SUM, MIXED) and not d:
-          if not self.strict:
-            s = CONST  # Data of several examples: input data (see above).
-          elif any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type):
-            raise ValueError(self._data_coupled_message(
-                eqn, notes[k] if notes else frozenset()))
-        ins_now[k] = s
-      for v in eqn.outvars:  # (what an earlier round of a loop left)
-        self._origin.pop((self._run, id(v)), None)
-      self.last_sites = None  # (set by a sub-program's run)
-      outs = self.eqn(eqn, ins_now, in_deps)
-      if any(notes):
-        carried = frozenset().union(*notes)
-        for v in eqn.outvars:
-          self._add_notes(v, carried)
-        if (any(CLOSED in n for n in notes) and
-            all(s == CONST for s in ins_now)):
-          # Closed-over integers turned into values (a cast to float, a
-          # one-hot, a mean): data of unknown examples.
-          outs = [MIXED if s == CONST and hx.may_carry_gradient(v) else s
-                  for v, s in zip(eqn.outvars, outs)]
-      if MIXED in outs and any(in_deps):
-        self._record_combined(eqn, ins_now, outs, combined_at)
-      if all(s == CONST for s in ins_now):
-        origin = self._constant_origin(eqn)
-        if origin is not None:
-          self._origin[(self._run, id(eqn.outvars[0]))] = origin
-      if (UNKNOWN in outs and UNKNOWN not in ins_now and
-          (not hx.jaxprs_of(eqn) or
-           hasattr(self, "_" + eqn.primitive.name.replace("-", "_")))):
-        self.unknown.add(eqn.primitive.name)
-      # What the user stops the gradient of is a constant for
-      # differentiation, like input data (an explicit opt-in: a comparison
-      # or count of the parameters' values still couples the examples).
-      out_dep = eqn.primitive.name != "stop_gradient" and (
-          any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type) is not None)
-      for v, s in zip(eqn.outvars, outs):
-        env[v] = s
-        dep[v] = out_dep
-    self.last_deps = [False if literal(v) else dep.get(v, False)
-                      for v in jaxpr.outvars]
-    self.last_origins = [self.origin(v) for v in jaxpr.outvars]
-    self.last_sites = [None if literal(v) else combined_at.get(v)
-                       for v in jaxpr.outvars]
-    return [read(v) for v in jaxpr.outvars]
+      self._origin[(site, id(v))] = o
+    outs = self.run(jaxpr, [_Val(s, d) for s, d in zip(ins, deps)], site)
+    self.last_deps = [o.dep for o in outs]
+    self.last_origins = [self.origin(v, site) for v in jaxpr.outvars]
+    self.last_sites = [o.site for o in outs]
+    return [o.state for o in outs]
+
+  def _inputs(self, eqn, vals: list) -> tuple[list, list, list]:
+    """``(states, deps, notes)`` of an equation's operands, as its rules
+    see them: closed-over integers used as data are ``MIXED``; data of
+    several examples are constants (outside ``strict``).
+
+    Raises:
+      ValueError: under ``strict``, data of several examples met by the
+        parameters' values or a Gram op.
+    """
+    in_deps = [v.dep for v in vals]
+    notes = [self.notes_of(v) for v in eqn.invars] if self._notes else []
+    ins = [v.state for v in vals]
+    if any(CLOSED in n for n in notes):
+      ins = self._closed_as_data(eqn, ins, in_deps, notes)
+    for k, (s, d) in enumerate(zip(ins, in_deps)):
+      if s in (SUM, MIXED) and not d:
+        if not self.strict:
+          s = CONST  # Data of several examples: input data (see above).
+        elif any(in_deps) or hx.gram_op_of(eqn, self.gram_op_type):
+          raise ValueError(self._data_coupled_message(
+              eqn, notes[k] if notes else frozenset()))
+      ins[k] = s
+    return ins, in_deps, notes
+
+  def _with_notes(self, eqn, ins, outs, notes) -> list[State]:
+    """``outs`` with the operands' notes carried to the outputs; closed-over
+    integers turned into values (a cast to float, a one-hot, a mean) are
+    data of unknown examples."""
+    if not any(notes):
+      return outs
+    carried = frozenset().union(*notes)
+    for v in eqn.outvars:
+      self._add_notes(v, carried)
+    if any(CLOSED in n for n in notes) and all(s == CONST for s in ins):
+      outs = [MIXED if s == CONST and hx.may_carry_gradient(v) else s
+              for v, s in zip(eqn.outvars, outs)]
+    return outs
+
+  def _note_unknown(self, eqn, ins, outs) -> None:
+    if (UNKNOWN in outs and UNKNOWN not in ins and
+        (not hx.jaxprs_of(eqn) or
+         hx.rule_of(flow_rules.RULES, eqn) is not None)):
+      self.log.unknown(eqn.primitive.name)
 
   # -- closed-over arrays (see the module docstring) ---------------------------
 
@@ -364,11 +517,11 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     """The notes (``_notes``) of variable ``v`` in the current run."""
     if isinstance(v, hx.Literal):
       return frozenset()
-    return self._notes.get((self._run, id(v)), frozenset())
+    return self._notes.get((self.site, id(v)), frozenset())
 
   def _add_notes(self, v, notes: frozenset, run: Any = None) -> None:
     if notes:
-      key = (self._run if run is None else run, id(v))
+      key = (self.site if run is None else run, id(v))
       self._notes[key] = self._notes.get(key, frozenset()) | notes
 
   def notes_into(self, sub_invars, invars, site) -> None:
@@ -395,8 +548,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         v in self.model_state):
       return CONST
     self._add_notes(v, frozenset({CLOSED}))
-    if shape not in self.closed_shapes:
-      self.closed_shapes.append(shape)
+    self.log.closed_shape(shape)
     value = self.consts.get(v)
     dtype = getattr(v.aval, "dtype", None)
     index_like = dtype is not None and (
@@ -425,19 +577,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
              hx.gram_op_of(eqn, self.gram_op_type) is not None)
     if not meets and not subs:
       return ins
-    keep = set()
-    if name == "gather" and _picks_rows(eqn, ins[0]) and (
-        ins[1] != CONST or tuple(
-            eqn.params["dimension_numbers"].start_index_map) == (
-                ins[0].dim,)):
-      keep = {1}
-    elif name.startswith("scatter") and len(ins) == 3 and isinstance(
-        ins[2], Ex) and ins[2].tag is None:
-      keep = {1}  # rows placed by a known index (segments, permutations)
-    elif (name == "concatenate" and
-          eqn.params["dimension"] == len(_shape(eqn.outvars[0])) - 1 and
-          not hx.may_carry_gradient(eqn.outvars[0])):
-      keep = set(range(len(ins)))  # an index's columns (x[rows, cols])
+    keep = _used_as_index(eqn, ins)
     return [MIXED if c and k not in keep else s
             for k, (s, c) in enumerate(zip(ins, closed))]
 
@@ -445,7 +585,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     """The strict refusal at ``eqn`` of a data input with ``notes``."""
     if CLOSED in notes:
       message = errors.CLOSED_OVER_BATCH_DATA.format(
-          batch=self.batch, shapes=", ".join(map(str, self.closed_shapes)),
+          batch=self.batch, shapes=", ".join(map(str, self.log.closed_shapes())),
           where=_site(eqn))
     else:
       message = errors.DATA_COUPLED.format(
@@ -456,44 +596,45 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
       message += errors.LOOP_TRIP_COUPLED.format(where=", ".join(loops))
     return message
 
-  def _record_combined(self, eqn, ins, outs, combined_at: dict) -> None:
-    """Where the MIXED outputs of ``eqn`` were combined: where a MIXED
-    input was, else inside its sub-program (``last_sites``), else here."""
-    mixed = [v for v, s in zip(eqn.invars, ins)
-             if s == MIXED and v in combined_at]
+  def _combined_sites(self, eqn, vals, ins, outs) -> list:
+    """Where the MIXED outputs of ``eqn`` were combined (None for the
+    others): where a MIXED input was, else inside its sub-program
+    (``last_sites``), else here."""
+    mixed = [(v, val.site) for v, val, s in zip(eqn.invars, vals, ins)
+             if s == MIXED and val.site is not None]
     # A float operand's combination first (a median's sort, not its NaN
     # check's reduce_or).
-    mixed.sort(key=lambda v: not hx.may_carry_gradient(v))
-    inherited = combined_at[mixed[0]] if mixed else None
+    mixed.sort(key=lambda m: not hx.may_carry_gradient(m[0]))
+    inherited = mixed[0][1] if mixed else None
     inner = self.last_sites if hx.jaxprs_of(eqn) else None
     here = None  # (read from the traceback only where it is the answer)
-    for k, (v, s) in enumerate(zip(eqn.outvars, outs)):
+    sites = []
+    for k, s in enumerate(outs):
+      site = None
       if s == MIXED:
         sub = inner[k] if inner and k < len(inner) else None
         if not (inherited or sub) and here is None:
           here = (eqn.primitive.name, _operand_shapes(eqn),
                   _user_line(eqn))
-        combined_at[v] = inherited or sub or here
+        site = inherited or sub or here
+      sites.append(site)
+    return sites
 
   # -- one equation -------------------------------------------------------------
 
-  def eqn(self, eqn, ins: list[State], deps: list[bool]) -> list[State]:
+  def transfer(self, eqn, ins: list[State], deps: list[bool]
+               ) -> list[State]:
+    """The states of one equation's outputs, from its operands' (as
+    :meth:`_inputs` gives them): a Gram op's, a rule's, an elementwise
+    primitive's, a call's."""
     n_out = len(eqn.outvars)
     op = hx.gram_op_of(eqn, self.gram_op_type)
     if op is not None:
-      x = ins[0]
-      self.findings.append((op, x))
-      if x == CONST:  # A candidate: settled where it meets the examples.
-        x = Ex(op.example_axis.resolved_position() or 0,
-               tag=len(self.findings) - 1)
-        self.findings[-1] = (op, x)
-      lead = len(op.lead_shape(op.x_aval.shape))
-      out = x if not isinstance(x, Ex) or x.dim < lead else UNKNOWN
-      return [out] * n_out
+      return [self._gram_op(op, ins[0])] * n_out
     if all(s == CONST for s in ins) and not hx.jaxprs_of(eqn):
       return [CONST] * n_out
     name = eqn.primitive.name
-    rule = getattr(self, "_" + name.replace("-", "_"), None)
+    rule = hx.rule_of(flow_rules.RULES, eqn)
     self._deps = deps
     self.consts.update(hx.closed_consts_of(eqn))
     if name in _ELEMENTWISE:
@@ -501,24 +642,40 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     if name in _ELEMENTWISE or name in ("dot_general", "concatenate"):
       ins = self._data_as_constant(eqn, ins, deps)
     if rule is not None:
-      return rule(eqn, ins)
+      return rule(self, eqn, ins)
     if name in _ELEMENTWISE:
       return [self._elementwise(name, ins)] * n_out
     subs = hx.jaxprs_of(eqn)
     if subs and name not in ("scan", "while", "cond"):
-      outs = self._call(eqn, subs, ins, deps)
-      if name == "custom_jvp_call" and not self._in_rule:
-        outs = self._custom_jvp(eqn, ins, deps, outs)
-      elif (name in _CUSTOM_VJP and not self._in_rule and any(deps) and
-            any(isinstance(a, Ex) for a in ins)):
-        # Its backward rule is a Python function, not a program here: what
-        # it does with the examples' cotangents is not known.
-        self.unknown.add(name)
-        outs = [UNKNOWN if isinstance(o, Ex) else o for o in outs]
-      return outs
+      return self._through_call(eqn, subs, ins, deps)
     if MIXED in ins:
       return [MIXED] * n_out
     return [UNKNOWN] * n_out
+
+  def _gram_op(self, op, x: State) -> State:
+    """A Gram op application with input state ``x``: recorded (a candidate
+    where ``x`` does not depend on the examples); its output's state."""
+    if x == CONST:  # A candidate: settled where it meets the examples.
+      x = Ex(op.example_axis.resolved_position() or 0,
+             tag=self.log.next_tag())
+    self.log.finding(op, x)
+    lead = len(op.lead_shape(op.x_aval.shape))
+    return x if not isinstance(x, Ex) or x.dim < lead else UNKNOWN
+
+  def _through_call(self, eqn, subs, ins, deps) -> list[State]:
+    """A call's outputs (:meth:`_call`), with a custom derivative's own
+    rule followed (``custom_jvp``) or not taken on trust (``custom_vjp``)."""
+    name = eqn.primitive.name
+    outs = self._call(eqn, subs, ins, deps)
+    if name == "custom_jvp_call" and not self._in_rule:
+      outs = self._custom_jvp(eqn, ins, deps, outs)
+    elif (name in _CUSTOM_VJP and not self._in_rule and any(deps) and
+          any(isinstance(a, Ex) for a in ins)):
+      # Its backward rule is a Python function, not a program here: what
+      # it does with the examples' cotangents is not known.
+      self.log.unknown(name)
+      outs = [UNKNOWN if isinstance(o, Ex) else o for o in outs]
+    return outs
 
   def _call(self, eqn, subs, ins, deps) -> list[State]:
     """A call of sub-programs on the equation's own operands (``jit``,
@@ -528,17 +685,17 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     outs = None
     for sub in subs:
       if len(sub.invars) != len(ins):
-        self.unknown.add(eqn.primitive.name)  # Operands not its body's.
+        self.log.unknown(eqn.primitive.name)  # Operands not its body's.
         return [UNKNOWN] * n_out
       self.notes_into(sub.invars, eqn.invars, self.eqn_key(eqn))
-      res = self.run(sub, ins, deps, [self.origin(v) for v in eqn.invars],
-                     site=self.eqn_key(eqn))
+      res = self.follow(sub, ins, deps, [self.origin(v) for v in eqn.invars],
+                        site=self.eqn_key(eqn))
       if len(subs) == 1:  # (a jit call: its known values are the caller's)
         for v, o in zip(eqn.outvars, self.last_origins):
           if isinstance(o, tuple) and o and o[0] == "value":
-            self._origin[(self._run, id(v))] = o
+            self._origin[(self.site, id(v))] = o
       if len(res) != n_out:
-        self.unknown.add(eqn.primitive.name)
+        self.log.unknown(eqn.primitive.name)
         return [UNKNOWN] * n_out
       outs = (res if outs is None else
               [self.join(a, b) for a, b in zip(outs, res)])
@@ -553,7 +710,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     rule = hx.custom_jvp_rule(eqn)
     if rule is None:
       if any(isinstance(s, Ex) for s in ins):
-        self.unknown.add(eqn.primitive.name)
+        self.log.unknown(eqn.primitive.name)
         return [UNKNOWN if isinstance(s, Ex) else s for s in outs]
       return outs
     jaxpr, consts, out_zeros = rule
@@ -569,7 +726,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
                     self.eqn_key(eqn))
     self._in_rule += 1
     try:
-      res = self.run(jaxpr, primals + primals, primal_deps + primal_deps,
+      res = self.follow(jaxpr, primals + primals, primal_deps + primal_deps,
                      [self.origin(v) for v in eqn.invars[k:]] * 2,
                      site=self.eqn_key(eqn))
     finally:
@@ -583,7 +740,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     (``s.tag``) that settles it as wrong: its layer's row ``i`` would then
     meet another example than ``i``."""
     if s.tag is not None:
-      self.reordered.add(s.tag)
+      self.log.reordered(s.tag)
       return self._combined(s, CONST)
     return _reordered(s, key)
 
@@ -592,7 +749,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     order (:func:`~gram_haiku._src.flow_states.pick_rows`); a candidate is
     settled as wrong, as by :meth:`_reorder`."""
     if s.tag is not None:
-      self.reordered.add(s.tag)
+      self.log.reordered(s.tag)
       return self._combined(s, CONST)
     return _pick_rows(s, positions, size, self.batch)
 
@@ -637,23 +794,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
         if (p.dim, p.inner, p.outer) == (s.dim, s.inner, s.outer):
           self.check_pairing(eqn, p.order, s.order, strict=False)
     if self.strict:
-      for s, d in zip(ins, deps):
-        if d:
-          continue
-        # Data rows meeting the parameters' rows in the same order (both
-        # in the batch's, or both reordered alike: out[::-1] with y[::-1])
-        # pair each example's outputs with its own data.
-        if s in (MIXED, SUM) or (isinstance(s, Ex) and s.tag is None and (
-            any((p.dim, p.inner, p.outer, p.order) !=
-                (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
-          raise ValueError(errors.DATA_COUPLED.format(
-              state="rows of other examples, or in another order",
-              where=_site(eqn)))
-      if eqn.primitive.name == "dot_general" and not _rows_paired(
-          eqn, ins, deps):
-        raise ValueError(errors.DATA_COUPLED.format(
-            state="a product of every example's outputs with every "
-            "example's data", where=_site(eqn)))
+      _check_data_rows(eqn, ins, deps, param_rows)
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
 
@@ -664,10 +805,9 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     which is recorded (``paired_with_others``, refused after the pass);
     under ``strict`` (and ``strict=True`` here) any other order than the
     outputs' own is an error at once."""
-    if (param_order is not None and param_order != data_order and
-        self.paired_with_others is None):
-      self.paired_with_others = (eqn.primitive.name, _operand_shapes(eqn),
-                                 _user_line(eqn))
+    if param_order is not None and param_order != data_order:
+      self.log.paired_with_others((eqn.primitive.name, _operand_shapes(eqn),
+                                   _user_line(eqn)))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",
@@ -681,7 +821,7 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     value = self._value_of(v)
     if value is not None:
       return [(CONST, value[..., j]) for j in range(n)]
-    pieces = self._pieces.get((self._run, id(v)))
+    pieces = self._pieces.get((self.site, id(v)))
     if pieces is None:
       return None
     cols = []
@@ -723,17 +863,179 @@ class _Flow(flow_rules.ShapeRules, flow_rules.IndexRules,
     holds. What is left does not depend on the examples."""
     if s.tag is None:
       return state
-    self.verdicts[s.tag] = False
-    self.combined.add(s.tag)
+    self.log.combined(s.tag)
     return CONST
 
 
-def _views_hint(flow: _Flow) -> str:
+def _equation(flow: _Flow, eqn, vals: list) -> list:
+  """The example-flow domain's step (:attr:`interpreter.Domain.equation`):
+  one equation's output values from its operands'."""
+  ins, in_deps, notes = flow._inputs(eqn, vals)  # pylint: disable=protected-access
+  for v in eqn.outvars:  # (what an earlier round of a loop left)
+    flow._origin.pop((flow.site, id(v)), None)  # pylint: disable=protected-access
+  flow.last_sites = None  # (set by a sub-program's run)
+  outs = flow.transfer(eqn, ins, in_deps)
+  outs = flow._with_notes(eqn, ins, outs, notes)  # pylint: disable=protected-access
+  sites = [None] * len(outs)
+  if MIXED in outs and any(in_deps):
+    sites = flow._combined_sites(eqn, vals, ins, outs)  # pylint: disable=protected-access
+  if all(s == CONST for s in ins):
+    origin = flow._constant_origin(eqn)  # pylint: disable=protected-access
+    if origin is not None:
+      flow._origin[(flow.site, id(eqn.outvars[0]))] = origin  # pylint: disable=protected-access
+  flow._note_unknown(eqn, ins, outs)  # pylint: disable=protected-access
+  # What the user stops the gradient of is a constant for differentiation,
+  # like input data (an explicit opt-in: a comparison or count of the
+  # parameters' values still couples the examples).
+  out_dep = eqn.primitive.name != "stop_gradient" and (
+      any(in_deps) or hx.gram_op_of(eqn, flow.gram_op_type) is not None)
+  return [_Val(s, out_dep, site) for s, site in zip(outs, sites)]
+
+
+def _join_vals(a: _Val, b: _Val) -> _Val:
+  """Two values' join (candidates are settled by :meth:`_Flow.join`, which
+  the rules use; the interpreter joins none in this domain)."""
+  return _Val(join(a.state, b.state), a.dep or b.dep, a.site or b.site)
+
+
+#: Where the examples flow: states per value (:mod:`flow_states`), rules
+#: per primitive (:data:`flow_rules.RULES`), each equation through
+#: :func:`_equation`.
+EXAMPLES = interpreter.Domain(
+    name="examples", rules=flow_rules.RULES, default=None, join=_join_vals,
+    bottom=_Val(CONST),
+    constant=lambda flow, v: _Val(flow._closed_over(v)),  # pylint: disable=protected-access
+    equation=_equation)
+
+
+def _views_hint(record: FlowRecord) -> str:
   """VIEWS_SPLIT_BY_RESHAPE where a reshape split the examples' rows."""
-  if flow.split_examples is None:
+  if record.split_examples is None:
     return ""
-  n, b, k, where = flow.split_examples
+  n, b, k, where = record.split_examples
   return errors.VIEWS_SPLIT_BY_RESHAPE.format(n=n, b=b, k=k, where=where)
+
+
+def _candidate_found(record: FlowRecord, op, tag: int, batch: int) -> str:
+  """How a candidate (a layer input that does not depend on the examples)
+  was settled as wrong, for EXAMPLE_AXIS_NOT_EXAMPLES."""
+  if record.looped_over_examples and op.example_size() == 1:
+    return (f"holds {op.example_size()} row(s) of a loop over the "
+            f"examples (hk.scan or hk.map over the batch, one "
+            f"example per step), not the batch's {batch} examples")
+  if tag in record.reordered:
+    return ("does not depend on the examples, and its output's rows "
+            "along that axis are reordered, repeated or subset (a "
+            "reversal, a roll, rows picked by index, one row "
+            "broadcast to the batch) before they "
+            "meet them, so no row can be told to be one example's "
+            "(where a later step puts the rows back in order, the "
+            "layer between sees them in another order: reorder the "
+            "data instead)")
+  if tag in record.combined:
+    return ("does not depend on the examples, and its output is "
+            "summed, reduced or contracted over that axis before it "
+            "meets them")
+  return ("does not depend on the examples, and its output meets "
+          "them along another axis")
+
+
+def _check_candidate(record: FlowRecord, op, state: Ex, module: str,
+                     batch: int) -> tuple[bool, bool, bool]:
+  """A candidate's finding: ``(verified, unfollowed, done)``; ``done`` when
+  nothing else is to be checked (a shared input broadcast along the
+  examples, or one they never met).
+
+  Raises:
+    ValueError: a candidate settled as wrong (EXAMPLE_AXIS_NOT_EXAMPLES).
+  """
+  position = op.example_axis.resolved_position()
+  if not record.verdicts.get(state.tag, True):
+    raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
+        module=module, shape=tuple(op.x_aval.shape), position=position,
+        found=_candidate_found(record, op, state.tag, batch)))
+  met = state.tag in record.verdicts
+  # (Met the examples only past the unknown: not followed.)
+  unfollowed = not met and bool(record.unknown)
+  done = (state.dim, state.order, state.inner, state.outer) == (
+      position, None, 1, 1)
+  # Otherwise computed from another layer's candidate (a closed-over input
+  # whose rows were taken as the examples) but moved off this op's example
+  # axis on the way (time-major with T == B): the caller's checks say how.
+  return met, unfollowed, done
+
+
+def _check_axis(op, state: Ex, module: str, batch: int, single: bool) -> None:
+  """Raises unless ``state`` holds the examples alone, in order, along the
+  op's example axis, all ``batch`` of them."""
+  position = op.example_axis.resolved_position()
+  shape = tuple(op.x_aval.shape)
+  if state.order is not None and not single:
+    raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
+                                                      shape=shape))
+  if state.dim != position:
+    raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
+        module=module, shape=shape, position=position,
+        found=f"holds the examples along axis {state.dim}"))
+  if state.inner != 1 or state.outer != 1:
+    raise ValueError(errors.EXAMPLES_MERGED.format(
+        module=module, shape=shape, position=position, inner=state.inner,
+        outer=state.outer))
+  if state.tag is None and op.example_size() != batch:
+    raise ValueError(errors.EXAMPLES_SUBSET.format(
+        module=module, shape=shape, size=op.example_size(), batch=batch))
+
+
+def _check_finding(record: FlowRecord, op, state: State, module: str,
+                   batch: int) -> tuple[bool, bool]:
+  """One Gram op's input: ``(verified, unfollowed)``.
+
+  Raises:
+    ValueError: see :func:`check`.
+  """
+  if state == UNKNOWN:
+    return False, True
+  verified, unfollowed = True, False
+  if isinstance(state, Ex) and state.tag is not None:
+    verified, unfollowed, done = _check_candidate(record, op, state, module,
+                                                  batch)
+    if done:
+      return verified, unfollowed
+  if state in (MIXED, SUM):
+    if batch == 1 and op.example_size() == 1:
+      return False, unfollowed  # Exact all the same; its axis not followed.
+    raise ValueError(errors.EXAMPLES_COUPLED.format(
+        module=module, shape=tuple(op.x_aval.shape)) + _views_hint(record))
+  _check_axis(op, state, module, batch, batch == 1)
+  return verified, unfollowed
+
+
+def _check_loss(flow: "_Flow", outs: list, record: FlowRecord,
+                single: bool) -> None:
+  """Raises where the loss is not a sum of per-example terms, or pairs
+  reordered outputs with other examples' data."""
+  if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
+    primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
+                                                     "")
+    raise ValueError(errors.LOSS_COUPLED.format(
+        primitive=primitive, shapes=shapes, line=line) + (
+            _views_hint(record) if primitive == "reshape" else ""))
+  if record.paired_with_others is not None and not single:
+    primitive, shapes, line = record.paired_with_others
+    raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
+        primitive=primitive, shapes=shapes, line=line))
+
+
+def _not_followed(record: FlowRecord, unfollowed: list, strict: bool):
+  """Warns (raises under ``strict``) that the examples could not be
+  followed to the ``unfollowed`` modules (or the loss)."""
+  message = errors.EXAMPLES_NOT_FOLLOWED.format(
+      primitives=", ".join(sorted(record.unknown)) or "(none recorded)",
+      where=", ".join(dict.fromkeys(unfollowed)))
+  if strict:
+    raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
+  warnings.warn(message, ExampleFlowWarning,
+                stacklevel=warning_site.user_stacklevel())
 
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
@@ -778,91 +1080,20 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   single = batch == 1
   flow = _Flow(batch, gram_op_type, strict, consts, model_state)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
-  outs = flow.run(jaxpr, list(in_states), deps)
+  outs = flow.follow(jaxpr, list(in_states), deps)
+  record = flow.log.read()
   names = names or {}
   verified = True
   unfollowed = []  # modules the examples could not be followed to
-  for op, state in flow.findings:
+  for op, state in record.findings:
     module = names.get(op.name, op.name)
-    position = op.example_axis.resolved_position()
-    shape = tuple(op.x_aval.shape)
-    if state == UNKNOWN:
-      verified = False
+    ok, lost = _check_finding(record, op, state, module, batch)
+    verified = verified and ok
+    if lost:
       unfollowed.append(module)
-      continue
-    if isinstance(state, Ex) and state.tag is not None:
-      if flow.verdicts.get(state.tag, True):
-        if state.tag not in flow.verdicts and flow.unknown:
-          unfollowed.append(module)  # Met the examples only past the unknown.
-        verified = verified and state.tag in flow.verdicts
-        if (state.dim, state.order, state.inner, state.outer) == (
-            position, None, 1, 1):
-          continue  # A shared input broadcast along the examples (or unmet).
-        # Computed from another layer's candidate (a closed-over input
-        # whose rows were taken as the examples) but moved off this op's
-        # example axis on the way (time-major with T == B): the checks
-        # below say how.
-      else:
-        if flow.looped_over_examples and op.example_size() == 1:
-          found = (f"holds {op.example_size()} row(s) of a loop over the "
-                   f"examples (hk.scan or hk.map over the batch, one "
-                   f"example per step), not the batch's {batch} examples")
-        elif state.tag in flow.reordered:
-          found = ("does not depend on the examples, and its output's rows "
-                   "along that axis are reordered, repeated or subset (a "
-                   "reversal, a roll, rows picked by index, one row "
-                   "broadcast to the batch) before they "
-                   "meet them, so no row can be told to be one example's "
-                   "(where a later step puts the rows back in order, the "
-                   "layer between sees them in another order: reorder the "
-                   "data instead)")
-        elif state.tag in flow.combined:
-          found = ("does not depend on the examples, and its output is "
-                   "summed, reduced or contracted over that axis before it "
-                   "meets them")
-        else:
-          found = ("does not depend on the examples, and its output meets "
-                   "them along another axis")
-        raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-            module=module, shape=shape, position=position, found=found))
-    if state in (MIXED, SUM):
-      if single and op.example_size() == 1:
-        verified = False  # Exact all the same; its axis is not followed.
-        continue
-      raise ValueError(errors.EXAMPLES_COUPLED.format(
-          module=module, shape=shape) + _views_hint(flow))
-    if state.order is not None and not single:
-      raise ValueError(errors.EXAMPLES_REORDERED.format(module=module,
-                                                        shape=shape))
-    if state.dim != position:
-      raise ValueError(errors.EXAMPLE_AXIS_NOT_EXAMPLES.format(
-          module=module, shape=shape, position=position,
-          found=f"holds the examples along axis {state.dim}"))
-    if state.inner != 1 or state.outer != 1:
-      raise ValueError(errors.EXAMPLES_MERGED.format(
-          module=module, shape=shape, position=position, inner=state.inner,
-          outer=state.outer))
-    if state.tag is None and op.example_size() != batch:
-      raise ValueError(errors.EXAMPLES_SUBSET.format(
-          module=module, shape=shape, size=op.example_size(), batch=batch))
-  if outs and outs[0] == MIXED and flow.last_deps[0] and not single:
-    primitive, shapes, line = flow.last_sites[0] or ("(not recorded)", "",
-                                                     "")
-    raise ValueError(errors.LOSS_COUPLED.format(
-        primitive=primitive, shapes=shapes, line=line) + (
-            _views_hint(flow) if primitive == "reshape" else ""))
-  if flow.paired_with_others is not None and not single:
-    primitive, shapes, line = flow.paired_with_others
-    raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(
-        primitive=primitive, shapes=shapes, line=line))
+  _check_loss(flow, outs, record, single)
   if outs and outs[0] == UNKNOWN and flow.last_deps[0]:
     unfollowed.append("the loss")
   if unfollowed:
-    message = errors.EXAMPLES_NOT_FOLLOWED.format(
-        primitives=", ".join(sorted(flow.unknown)) or "(none recorded)",
-        where=", ".join(dict.fromkeys(unfollowed)))
-    if strict:
-      raise ValueError(message + errors.EXAMPLES_NOT_FOLLOWED_PRIVACY)
-    warnings.warn(message, ExampleFlowWarning,
-                  stacklevel=warning_site.user_stacklevel())
-  return verified and bool(flow.findings)
+    _not_followed(record, unfollowed, strict)
+  return verified and bool(record.findings)

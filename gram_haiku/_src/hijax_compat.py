@@ -438,3 +438,71 @@ def live_part(jaxpr: Any) -> Any:
   live, _ = _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars),
                           instantiate=[True] * len(jaxpr.invars))
   return live
+
+
+# -- primitives and their parameters, for the program interpreter -------------
+
+
+def primitive_named(name: str) -> Any:
+  """JAX's primitive called ``name`` where ``jax.extend.core.primitives``
+  exports it (``add`` -> ``add_p``, ``jit``, ``remat2`` -> ``remat_p``),
+  else the name itself: a rule table (:mod:`gram_haiku._src.interpreter`)
+  is keyed by the primitive object where this JAX names it publicly, by
+  its name otherwise (``pvary``, ``shard_map``, a hijax primitive)."""
+  table = _exported_primitives()
+  return table.get(name, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _exported_primitives() -> dict:
+  from jax.extend.core import primitives  # pylint: disable=g-import-not-at-top
+  out = {}
+  for attr in dir(primitives):
+    prim = getattr(primitives, attr)
+    name = getattr(prim, "name", None)
+    if attr.endswith("_p") and isinstance(name, str):
+      out.setdefault(name, prim)
+  return out
+
+
+def rule_table(rules: dict) -> dict:
+  """``rules`` (primitive name -> rule) keyed by primitive (see
+  :func:`primitive_named`)."""
+  return {primitive_named(name) if isinstance(name, str) else name: rule
+          for name, rule in rules.items()}
+
+
+def rule_of(table: dict, eqn: Any) -> Any:
+  """The rule of ``eqn``'s primitive in a :func:`rule_table`, or None."""
+  rule = table.get(eqn.primitive)
+  if rule is None:  # (another primitive object of an exported name)
+    rule = table.get(primitive_named(eqn.primitive.name))
+  return rule
+
+
+def scan_parts(eqn: Any) -> tuple[Any, int, int, int]:
+  """``(body, num_consts, num_carry, length)`` of a ``scan`` equation; the
+  body an open jaxpr."""
+  n_consts, n_carry = scan_counts(eqn)
+  return eqn.params["jaxpr"].jaxpr, n_consts, n_carry, eqn.params["length"]
+
+
+def while_parts(eqn: Any) -> tuple[Any, int, Any, int]:
+  """``(cond, cond_nconsts, body, body_nconsts)`` of a ``while``
+  equation; both programs open jaxprs. Its operands are the condition's
+  constants, the body's, then the carries."""
+  p = eqn.params
+  return (p["cond_jaxpr"].jaxpr, p["cond_nconsts"], p["body_jaxpr"].jaxpr,
+          p["body_nconsts"])
+
+
+def cond_branches(eqn: Any) -> list:
+  """The branches (open jaxprs) of a ``cond`` equation, whose operands are
+  the branch index, then the branches' operands."""
+  return [b.jaxpr for b in eqn.params["branches"]]
+
+
+def num_consts(eqn: Any) -> int:
+  """The leading constant operands of a call (``custom_jvp_call``'s
+  ``num_consts``; 0 where it has none)."""
+  return eqn.params.get("num_consts", 0)

@@ -53,6 +53,7 @@ from jax import lax
 import numpy as np
 
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import interpreter
 
 
 class _Lin:
@@ -330,51 +331,92 @@ def _rounds_in(dtype, unit: float) -> int:
   return max(1, math.ceil(float(jnp.finfo(dtype).eps) / unit))
 
 
+# -- the domain on the program interpreter ---------------------------------------
+#
+# A value is a constant (by value; a concrete zero as :class:`_Zero`) or a
+# :class:`_Lin`. Constant equations are evaluated; calls are followed
+# inside; every other equation that depends on the cotangent goes to
+# :data:`RULES`, and one it does not bound ends the run (:class:`_Unbounded`).
+
+
+class _Unbounded(Exception):
+  """An equation that leaves the program unbounded, and why."""
+
+  def __init__(self, why: str):
+    super().__init__(why)
+    self.why = why
+
+
+class _Config:
+  """A run's constants (by constant variable; a call's are added as it
+  runs) and its rounding unit."""
+
+  def __init__(self, consts: dict, unit: float):
+    self.consts, self.unit = consts, unit
+
+
+def _known(c):
+  return _Zero(c) if _is_concrete_zero(c) else c
+
+
+def _constant_eqn(eqn, vals) -> list:
+  """An equation of constants alone, evaluated (a concrete zero kept as
+  one where the primitive keeps zeros)."""
+  name = eqn.primitive.name
+  zero = name in _KEEPS_ZERO and all(
+      isinstance(x, _Zero) for x in vals[:_KEEPS_ZERO[name]])
+  outs = hx.bind_equation(eqn, [_value(x) for x in vals])
+  return [_Zero(o) for o in outs] if zero else outs
+
+
+def _linear_eqn(ctx, eqn, vals) -> list:
+  """An equation that depends on the cotangent: its rule's bound, with its
+  own roundings counted in its output's dtype."""
+  name = eqn.primitive.name
+  rule = RULES.get(name)
+  out = rule(eqn, vals) if rule is not None else None
+  if not isinstance(out, _Lin):
+    raise _Unbounded(out or f"`{name}`")
+  base = max(x.n for x in vals if isinstance(x, _Lin))
+  if out.n > base:  # Its own roundings, in its output's dtype.
+    out = _Lin(out.l, base + (out.n - base) * _rounds_in(
+        eqn.outvars[0].aval.dtype, ctx.config.unit), out.scaled, out.spread)
+  return [out] * len(eqn.outvars)
+
+
+def _equation(ctx, eqn, vals) -> list:
+  """The domain's step (:attr:`interpreter.Domain.equation`)."""
+  if not any(isinstance(x, _Lin) for x in vals):
+    return _constant_eqn(eqn, vals)
+  if eqn.primitive.name in _CALLS and _body(eqn) is not None:
+    inner = _body(eqn)
+    body = getattr(inner, "jaxpr", inner)
+    ctx.config.consts.update(zip(body.constvars,
+                                 getattr(inner, "consts", ())))
+    return ctx.run(body, vals, ctx.key(eqn))
+  return _linear_eqn(ctx, eqn, vals)
+
+
+#: The linear bound of each value (see the module docstring).
+LINEAR = interpreter.Domain(
+    name="linear_bound", rules={}, default=None, join=None, bottom=None,
+    literal=lambda ctx, v: _known(v.val),
+    constant=lambda ctx, v: _known(ctx.config.consts[v]),
+    equation=_equation)
+
+
 def _run(jaxpr, consts, ins, unit: float):
   """Interprets ``jaxpr``: constants by value, dependent variables as
   :class:`_Lin`; ``(outs, why)``, ``why`` a string where a dependent
   equation is not in :data:`RULES` or not linear. Rounding counts are in
   roundings of relative size ``unit`` (an equation computed in a wider
   unit counts as several, :func:`_rounds_in`)."""
-  env = {}
-
-  def read(v):
-    if isinstance(v, hx.Literal):
-      return _Zero(v.val) if _is_concrete_zero(v.val) else v.val
-    return env[v]
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = _Zero(c) if _is_concrete_zero(c) else c  # (a concrete zero)
-  for v, a in zip(jaxpr.invars, ins):
-    env[v] = a
-  for eqn in jaxpr.eqns:
-    vals = [read(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if not any(isinstance(x, _Lin) for x in vals):
-      zero = name in _KEEPS_ZERO and all(
-          isinstance(x, _Zero) for x in vals[:_KEEPS_ZERO[name]])
-      outs = hx.bind_equation(eqn, [_value(x) for x in vals])
-      if zero:
-        outs = [_Zero(o) for o in outs]
-    elif name in _CALLS and _body(eqn) is not None:
-      inner = _body(eqn)
-      body = getattr(inner, "jaxpr", inner)
-      outs, why = _run(body, list(getattr(inner, "consts", ())), vals,
-                       unit)
-      if why:
-        return None, why
-    else:
-      rule = RULES.get(name)
-      out = rule(eqn, vals) if rule is not None else None
-      if not isinstance(out, _Lin):
-        return None, out or f"`{name}`"
-      base = max(x.n for x in vals if isinstance(x, _Lin))
-      if out.n > base:  # Its own roundings, in its output's dtype.
-        out = _Lin(out.l, base + (out.n - base) * _rounds_in(
-            eqn.outvars[0].aval.dtype, unit), out.scaled, out.spread)
-      outs = [out] * len(eqn.outvars)
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
-  return [read(v) for v in jaxpr.outvars], None
+  config = _Config(dict(zip(jaxpr.constvars, consts)), unit)
+  try:
+    outs, _ = interpreter.interpret(LINEAR, jaxpr, ins, config=config)
+  except _Unbounded as e:
+    return None, e.why
+  return outs, None
 
 
 def bound(fun: Callable[..., Any], *args: Any):

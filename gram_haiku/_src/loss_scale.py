@@ -17,6 +17,7 @@ never a guess that could refuse a sum.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from gram_haiku._src import errors
 from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src import interpreter
 from gram_haiku._src import warning_site
 
 
@@ -41,21 +43,22 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call",
                     "custom_jvp_call", "custom_vjp_call", "remat",
                     "checkpoint"})
 
+# -- the domain: what a value is, for the loss's scale --------------------------
+#
+# ``SUM``: a ``reduce_sum`` over an axis of the batch's size (through
+# transparent primitives and calls); ``MEAN``: such a sum divided by (or
+# multiplied by the inverse of) a multiple of the batch's size; a
+# :class:`_Scalar`: a scalar literal or constant of the program, read as
+# such only where it is an operand itself; ``OTHER``: anything else.
 
-def _sub_jaxpr(eqn):
-  """``(jaxpr, consts)`` that a call primitive runs, or ``(None, {})``."""
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    sub = eqn.params.get(key)
-    if sub is None:
-      continue
-    if hasattr(sub, "consts"):  # A ClosedJaxpr.
-      return sub.jaxpr, dict(zip(sub.jaxpr.constvars, sub.consts))
-    return sub, {}
-  return None, {}
+OTHER = "other"
+SUM = "sum"
+MEAN = "mean"
 
 
-def _producers(jaxpr) -> dict:
-  return {v: e for e in jaxpr.eqns for v in e.outvars}
+@dataclasses.dataclass(frozen=True)
+class _Scalar:
+  value: float
 
 
 def _scalar(v, consts: Mapping) -> Optional[float]:
@@ -75,39 +78,27 @@ def _scalar(v, consts: Mapping) -> Optional[float]:
   return float(a.reshape(()))
 
 
-def _source(jaxpr, var, consts, depth: int = 0):
-  """``(jaxpr, eqn, consts)`` that produces ``var``, looking through
-  transparent primitives and into calls; None at an input."""
-  while depth < 64:
-    depth += 1
-    eqn = _producers(jaxpr).get(var)
-    if eqn is None:
-      return None
-    name = eqn.primitive.name
-    if name in _TRANSPARENT and eqn.invars:
-      var = eqn.invars[0]
-      continue
-    if name in _CALLS:
-      sub, sub_consts = _sub_jaxpr(eqn)
-      if sub is None:
-        return None
-      var = sub.outvars[eqn.outvars.index(var)]
-      jaxpr, consts = sub, sub_consts
-      continue
-    return jaxpr, eqn, consts
-  return None
+def _as_scalar(ctx, v):
+  c = _scalar(v, ctx.config.consts)
+  return OTHER if c is None else _Scalar(c)
 
 
-def _sums_over_examples(jaxpr, var, consts, batch: int) -> bool:
-  """Whether ``var`` is a ``reduce_sum`` over an axis of size ``batch``."""
-  found = _source(jaxpr, var, consts)
-  if found is None:
-    return False
-  _, eqn, _ = found
-  if eqn.primitive.name != "reduce_sum":
-    return False
+def _summed(s):
+  """What a transparent primitive or a call hands on: a sum or a mean (a
+  scalar only where it is the operand itself)."""
+  return s if s in (SUM, MEAN) else OTHER
+
+
+def _transparent(ctx, eqn, ins):
+  del ctx
+  return [_summed(ins[0]) if ins else OTHER] * len(eqn.outvars)
+
+
+def _reduce_sum(ctx, eqn, ins):
+  del ins
   shape = getattr(eqn.invars[0].aval, "shape", ())
-  return any(shape[a] == batch for a in eqn.params.get("axes", ()))
+  over = any(shape[a] == ctx.config.batch for a in eqn.params.get("axes", ()))
+  return [SUM if over else OTHER]
 
 
 def _multiple_of(c: Optional[float], batch: int) -> bool:
@@ -117,6 +108,63 @@ def _multiple_of(c: Optional[float], batch: int) -> bool:
   return abs(k - round(k)) <= 1e-6 * k
 
 
+def _div(ctx, eqn, ins):
+  del eqn
+  num, den = ins
+  mean = (num == SUM and isinstance(den, _Scalar) and
+          _multiple_of(den.value, ctx.config.batch))
+  return [MEAN if mean else OTHER]
+
+
+def _mul(ctx, eqn, ins):
+  del eqn
+  for value, other in (ins, ins[::-1]):
+    c = value.value if isinstance(value, _Scalar) else None
+    if c and c > 0 and _multiple_of(1.0 / c, ctx.config.batch) and (
+        other == SUM):
+      return [MEAN]
+  return [OTHER]
+
+
+def _call(ctx, eqn, ins):
+  """A call: its (first) program's outputs, read inside it only (its
+  operands are not followed out of it)."""
+  del ins
+  subs = hx.jaxprs_of(eqn)
+  if not subs:
+    return [OTHER] * len(eqn.outvars)
+  ctx.config.consts.update(hx.closed_consts_of(eqn))
+  outs = ctx.run(subs[0], [OTHER] * len(subs[0].invars), ctx.key(eqn))
+  if len(outs) != len(eqn.outvars):
+    return [OTHER] * len(eqn.outvars)
+  return [_summed(s) for s in outs]
+
+
+def _other(ctx, eqn, ins):
+  del ctx, ins
+  return [OTHER] * len(eqn.outvars)
+
+
+#: The loss-scale rules, by primitive.
+RULES = hx.rule_table({
+    **{name: _transparent for name in _TRANSPARENT},
+    **{name: _call for name in _CALLS},
+    "reduce_sum": _reduce_sum, "div": _div, "mul": _mul,
+})
+
+#: What each value is for the loss's scale (see above).
+SCALE = interpreter.Domain(
+    name="loss_scale", rules=RULES, default=_other,
+    join=lambda a, b: a if a == b else OTHER, bottom=OTHER,
+    literal=_as_scalar, constant=_as_scalar)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  batch: int
+  consts: dict  # constant variable -> value (a call's added as it runs)
+
+
 def looks_like_mean(jaxpr, consts: Mapping[Any, Any], batch: int) -> bool:
   """Whether the first output of ``jaxpr`` (the loss) is a sum over an axis
   of size ``batch`` divided by a multiple of ``batch`` (see the module
@@ -124,22 +172,10 @@ def looks_like_mean(jaxpr, consts: Mapping[Any, Any], batch: int) -> bool:
   if batch is None or not isinstance(batch, int) or batch < 2 or (
       not jaxpr.outvars):
     return False
-  found = _source(jaxpr, jaxpr.outvars[0], dict(consts))
-  if found is None:
-    return False
-  inner, eqn, inner_consts = found
-  name = eqn.primitive.name
-  if name == "div":
-    num, den = eqn.invars
-    return (_multiple_of(_scalar(den, inner_consts), batch) and
-            _sums_over_examples(inner, num, inner_consts, batch))
-  if name == "mul":
-    for value, other in (eqn.invars, eqn.invars[::-1]):
-      c = _scalar(value, inner_consts)
-      if c and c > 0 and _multiple_of(1.0 / c, batch) and (
-          _sums_over_examples(inner, other, inner_consts, batch)):
-        return True
-  return False
+  outs, _ = interpreter.interpret(
+      SCALE, jaxpr, [OTHER] * len(jaxpr.invars),
+      config=_Config(batch, dict(consts)))
+  return outs[0] == MEAN
 
 
 def warn_if_mean(fn_name: str, jaxpr, consts, batch: int) -> None:

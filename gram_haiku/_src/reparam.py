@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,25 +86,44 @@ def read_pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
   parameter operands from parameter leaves alone, by the same equations,
   and uses those leaves nowhere else; else ``(None, why)``."""
   eqns = list(jaxpr.eqns)
-  position = {v: k for k, v in enumerate(jaxpr.invars)}
-  slices = []
-  for app in apps:
-    found = _slice(jaxpr, eqns, app, gram_op_type)
-    if isinstance(found, str):
-      return None, found
-    chosen, needed = found
-    inputs = sorted(position[v] for v in needed if v in position)
-    if any(k >= num_param_leaves for k in inputs):
-      return None, "an operand is computed from the data or a probe"
-    fn, key = hx.sub_program(jaxpr, consts,
-                             [jaxpr.invars[k] for k in inputs],
-                             list(app.eqn.invars[1:-1]), chosen)
-    slices.append((chosen, tuple(inputs), fn, key))
+  slices = _slices(jaxpr, consts, eqns, apps, num_param_leaves, gram_op_type)
+  if isinstance(slices, str):
+    return None, slices
   if len({(inputs, key) for _, inputs, _, key in slices}) > 1:
     # Its uses sum into one store of per-example gradients, which one
     # pull-back maps to the parameters only if they all compute alike.
     return None, ("it is applied more than once, with its operands "
                   "computed differently")
+  why = _other_reads(jaxpr, eqns, slices, apps)
+  if why is not None:
+    return None, why
+  return PullBack(slices[0][1], slices[0][2]), None
+
+
+def _slices(jaxpr, consts, eqns, apps, num_param_leaves: int, gram_op_type):
+  """Per application: ``(equations, parameter inputs, fn, key)`` of the
+  program slice computing its parameter operands; or why not (a string)."""
+  position = {v: k for k, v in enumerate(jaxpr.invars)}
+  slices = []
+  for app in apps:
+    found = _slice(jaxpr, eqns, app, gram_op_type)
+    if isinstance(found, str):
+      return found
+    chosen, needed = found
+    inputs = sorted(position[v] for v in needed if v in position)
+    if any(k >= num_param_leaves for k in inputs):
+      return "an operand is computed from the data or a probe"
+    fn, key = hx.sub_program(jaxpr, consts,
+                             [jaxpr.invars[k] for k in inputs],
+                             list(app.eqn.invars[1:-1]), chosen)
+    slices.append((chosen, tuple(inputs), fn, key))
+  return slices
+
+
+def _other_reads(jaxpr, eqns, slices, apps) -> Optional[str]:
+  """Why the slices' parameter leaves (and what they compute) are read
+  elsewhere than by the slices and as the layers' parameter operands; None
+  where they are not."""
   derived = {jaxpr.invars[k] for k in slices[0][1]}
   in_slice = {id(e) for chosen, *_ in slices for e in chosen}
   layers = {id(app.eqn) for app in apps}
@@ -115,15 +134,15 @@ def read_pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
       continue
     if id(e) in layers:
       if any(k == 0 or k == len(e.invars) - 1 for k in reads):
-        return None, "it is also the layer's input"
+        return "it is also the layer's input"
     elif id(e) in in_slice:
       derived |= set(e.outvars)
     else:
-      return None, f"it is also read by `{e.primitive.name}`"
+      return f"it is also read by `{e.primitive.name}`"
   if any(v in derived for v in jaxpr.outvars
          if not isinstance(v, hx.Literal)):
-    return None, "it is also an output of the loss"
-  return PullBack(slices[0][1], slices[0][2]), None
+    return "it is also an output of the loss"
+  return None
 
 
 def _operands(op, pb, leaves, acc, *likes):
