@@ -35,7 +35,8 @@ python -m pip install -q "${wheel}[conformance]"
 mkdir "$work/project" "$work/unrelated"
 cd "$work/project"
 cat > my_ops.py <<'PY'
-"""A third party's op: y = x @ w + c (c a learned scalar), with its Gram."""
+"""A third party's layer: y = x @ w + c (c a learned scalar), as a rule
+with its Gram, and its spec."""
 import jax
 import jax.numpy as jnp
 
@@ -43,42 +44,34 @@ import gram_haiku
 from gram_haiku import conformance
 
 
-class ShiftedLinearOp(gram_haiku.GramOp):
-  param_names = ("w", "c")
-  feature_ndim = 1
-
-  def forward(self, x, w, c):
-    return jnp.dot(x, w) + c
-
-  def gram(self, x, g, params, example_dim, cfg):
-    del cfg
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    x = jnp.moveaxis(x, example_dim, 0).astype(acc)
-    g = jnp.moveaxis(g, example_dim, 0).astype(acc)
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    g = g.reshape(g.shape[0], -1, g.shape[-1])
-    hi = jax.lax.Precision.HIGHEST
-    kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
-    kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
-    gc = g.sum(axis=(1, 2))  # dL_i/dc
-    return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
+def shifted_linear(x, w, c):
+  return jnp.dot(x, w) + c
 
 
-def shifted_linear(x, w, c, probe, **kwargs):
-  kwargs.setdefault("name", "shifted_linear")
-  return ShiftedLinearOp.apply(x, (w, c), probe, **kwargs)
+def shifted_linear_gram(x, g, params, example_dim, cfg):
+  del params, cfg
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  x = jnp.moveaxis(x, example_dim, 0).astype(acc)
+  g = jnp.moveaxis(g, example_dim, 0).astype(acc)
+  x = x.reshape(x.shape[0], -1, x.shape[-1])
+  g = g.reshape(g.shape[0], -1, g.shape[-1])
+  hi = jax.lax.Precision.HIGHEST
+  kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
+  kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
+  gc = g.sum(axis=(1, 2))  # dL_i/dc
+  return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
 
 
-conformance.register(conformance.OpSpec(
-    name="mine",
+RULE = gram_haiku.Rule(forward=shifted_linear, param_names=("w", "c"),
+                       gram=shifted_linear_gram)
+
+conformance.register(conformance.OpSpec.from_rule(
+    RULE, name="mine",
     make_params=lambda key, dtype: {
         "w": jax.random.normal(key, (4, 3)).astype(dtype),
         "c": jnp.asarray(0.5, dtype)},
     make_example=lambda key, lead, dtype: jax.random.normal(
-        key, lead + (4,)).astype(dtype),
-    apply=lambda p, probe, x, **kw: shifted_linear(x, p["w"], p["c"], probe,
-                                                   **kw),
-    plain=lambda p, x: jnp.dot(x, p["w"]) + p["c"]))
+        key, lead + (4,)).astype(dtype)))
 PY
 cat > buggy_ops.py <<'PY'
 """Three planted bugs, each in a third party's linear rule y = x @ w + b
@@ -158,16 +151,13 @@ BUGS = {
 def _register(name, functions):
   rule = gram_haiku.Rule(forward=forward, param_names=("w", "b"),
                          feature_ndim=1, **functions)
-  conformance.register(conformance.OpSpec(
-      name=name,
+  conformance.register(conformance.OpSpec.from_rule(
+      rule, name=name,
       make_params=lambda key, dtype: {
           "w": jax.random.normal(key, (4, 3)).astype(dtype),
           "b": jnp.linspace(-1, 1, 3).astype(dtype)},
       make_example=lambda key, lead, dtype: jax.random.normal(
-          key, lead + (4,)).astype(dtype),
-      apply=lambda p, probe, x, **kw: gram_haiku.GramFunction.apply(
-          x, (p["w"], p["b"]), probe, rule=rule, name=name, **kw),
-      plain=lambda p, x: forward(x, p["w"], p["b"])))
+          key, lead + (4,)).astype(dtype)))
 
 
 for _name, _functions in BUGS.items():

@@ -545,14 +545,14 @@ def op_param_indices(spec: OpSpec, params, x) -> dict:
       passes no parameter to it as it is.
   """
   from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.ops.base import GramOp  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops.op import RuleOp  # pylint: disable=g-import-not-at-top
   paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in paths]
   probe = _probe((B, B))
   jaxpr = jax.make_jaxpr(lambda *leaves: spec.apply(
       jax.tree.unflatten(treedef, leaves), probe, x))(
           *[v for _, v in paths]).jaxpr
-  ops = [(eqn, hx.gram_op_of(eqn, GramOp)) for eqn in jaxpr.eqns]
+  ops = [(eqn, hx.gram_op_of(eqn, RuleOp)) for eqn in jaxpr.eqns]
   ops = [(eqn, op) for eqn, op in ops if op is not None]
   if len(ops) != 1:
     raise NotApplicable(f"{spec.name}: apply binds {len(ops)} Gram ops, not "
