@@ -245,6 +245,53 @@ def test_the_cli_finds_the_conftest_of_the_current_directory(tmp_path):
   assert "0 cases deselected" in text
 
 
+_MY_FAMILY = """
+import jax.numpy as jnp
+
+from gram_haiku import conformance
+
+
+def check_output_is_finite(spec, scale):
+  params = spec.make_params(__import__("jax").random.PRNGKey(0), jnp.float32)
+  x = spec.make_example(__import__("jax").random.PRNGKey(1), (4, 2),
+                        jnp.float32)
+  out = spec.apply(params, jnp.zeros((4, 4)), x * scale)
+  assert bool(jnp.all(jnp.isfinite(out))), (spec.name, scale)
+
+
+conformance.register_check(conformance.Check(
+    name="output_is_finite", family="finite", run=check_output_is_finite,
+    params=("scale",), cases=[conformance.Case("small", (1e-3,)),
+                              conformance.Case("large", (1e3,))]))
+"""
+
+
+def test_a_third_party_family_is_collected_sampled_never_and_tabled(
+    tmp_path):
+  """A family registered by the conftest.py of the directory the run starts
+  in (one record, conformance.register_check) gets a test per case of every
+  selected op and a row in the table, like the built-in families."""
+  project = _third_party_dir(tmp_path)
+  (project / "my_family.py").write_text(_MY_FAMILY)
+  (project / "conftest.py").write_text("import my_ops\nimport my_family\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "gram_haiku.conformance", "--ops", "mine,linear",
+       "-n", "0", "-k", "finite", "-vv", *_plugin_args()],
+      cwd=project, capture_output=True, text=True, check=False, timeout=600,
+      env=_clean_environ(tmp_path))
+  text = proc.stdout + proc.stderr
+  assert proc.returncode == 0, text
+  for case in ("small", "large"):
+    assert f"test_output_is_finite[mine-cpu-{case}] PASSED" in text, text
+  rows = {tuple(line.split()[:3]): line.split()
+          for line in text.split("Conformance summary")[1].splitlines()[2:]
+          if line.split()[1:2] == ["finite"]}
+  assert rows[("mine", "finite", "cpu")][3:5] == ["2", "0"], text
+  assert rows[("mine", "finite", "cpu")][-1] == "pass", text
+  assert rows[("mine", "finite", "cpu")][7] == "0", text  # never sampled
+  assert ("linear", "finite", "cpu") in rows, text
+
+
 def test_sharded_runner_gets_the_registering_modules_directories(tmp_path):
   pkg = tmp_path / "top" / "pkg"
   pkg.mkdir(parents=True)
@@ -367,6 +414,17 @@ def test_every_collected_family_has_a_row(tmp_path):
         families.add(marks[0].args[0])
   assert families == {"parity", "reference", "vmap", "transforms", "frozen",
                       "bounds", "sharded", "properties"}
+  # One registry: every family collected is the registry's, and its checks
+  # with a runner of their own are the test functions of their modules.
+  from gram_haiku.conformance import families as registry  # pylint: disable=g-import-not-at-top
+  assert families == set(registry.families())
+  for check in registry.checks():
+    module = {"gram_haiku.conformance.test_sharded": test_sharded,
+              "gram_haiku.conformance.test_properties": test_properties}.get(
+                  check.runner, test_conformance)
+    fn = getattr(module, check.test_name)
+    marks = [m for m in fn.pytestmark if m.name == "conformance_family"]
+    assert marks[0].args[0] == check.family, check
 
 
 def test_the_old_import_path_warns_and_is_the_same_suite():
