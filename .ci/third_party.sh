@@ -8,7 +8,9 @@
 #     nothing of a third party's op is sampled;
 #  2. an unknown op name: one message saying how to register an op;
 #  3. three planted bugs next to "mine" in one run: each bug's row fails;
-#  4. a one-line unrelated pytest run imports no JAX (the pytest11 plugin).
+#  4. a check family of the third party's own (conformance.register_check):
+#     its row in the table, for its op and a built-in one;
+#  5. a one-line unrelated pytest run imports no JAX (the pytest11 plugin).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -252,7 +254,39 @@ expect_row bugs.log bug_cross reference FAIL
 expect_row bugs.log bug_cross vmap FAIL
 grep -q "^0 cases deselected" bugs.log
 
-echo "== 4. a one-line unrelated test imports no JAX"
+echo "== 4. a third party's own check family"
+cat > my_family.py <<'PY'
+"""A family of the third party's own: the Gram is finite, jit or not."""
+import jax
+import jax.numpy as jnp
+
+from gram_haiku import conformance
+from gram_haiku.conformance import variants
+
+
+def check_finite_gram(spec, jit):
+  params = spec.make_params(jax.random.PRNGKey(0), jnp.float32)
+  x = spec.make_example(jax.random.PRNGKey(1), (4, 2), jnp.float32)
+  loss = lambda probe: jnp.sum(spec.apply(params, probe, x) ** 2)
+  gram = variants.JIT[jit].around_grad(jax.grad(loss))(jnp.zeros((4, 4)))
+  assert bool(jnp.all(jnp.isfinite(gram))), spec.name
+
+
+conformance.register_check(conformance.Check(
+    name="finite_gram", family="finite", run=check_finite_gram,
+    params=("jit",),
+    cases=[conformance.Case(f"jit_{j}", (j,)) for j in ("none", "outside")]))
+PY
+cat > conftest.py <<'PY'
+import my_family  # registers the family "finite"
+import my_ops  # registers the op "mine"
+PY
+python -m gram_haiku.conformance --ops mine,linear -k finite_gram -n 2 \
+  > family.log 2>&1 || { tail -n 80 family.log; exit 1; }
+expect_row family.log mine finite pass
+expect_row family.log linear finite pass
+
+echo "== 5. a one-line unrelated test imports no JAX"
 cd "$work/unrelated"
 cat > test_one.py <<'PY'
 import sys
