@@ -1,12 +1,11 @@
 """The probe modes every rule gets: what the backward pass writes, by mode.
 
 A rule (a :class:`~gram_haiku._src.rule.Rule`) says how to compute one
-layer's Gram,
-squared norms and per-example gradients (``gram``, ``sq_norms``,
-``per_example_grads``, ``probe_cotangent_and_grads``) and which method they
-use (``cost``). This module is the one place that turns the op's plan
-(:class:`~gram_haiku._src.plan.Plan`) into calls of those functions, for
-every rule alike:
+layer's Gram, squared norms and per-example gradients (``gram``,
+``sq_norms``, ``per_example_grads``, ``probe_cotangent_and_grads``) and
+which method they use (``cost``). This module is the one place that turns
+the op's plan (:class:`~gram_haiku._src.plan.Plan`) into calls of those
+functions, for every rule alike:
 
 * ``"gram"``, ``"norms"``, ``"per_example"``: the rule's own products, of
   its trainable parameters only (:func:`products`: a parameter in
@@ -238,8 +237,8 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
                   op.mode, "per_example_grads"))
     raise ValueError(
         f"gram_haiku: the {method} of rule {op.kind!r} for layer "
-        f"{op.name!r} returned {got.name}, narrower than the accumulation dtype "
-        f"{acc.name} of its operands: the {op.mode} would be rounded to "
+        f"{op.name!r} returned {got.name}, narrower than the accumulation "
+        f"dtype {acc.name} of its operands: the {op.mode} would be rounded to "
         f"{got.name} (about {jnp.finfo(got).eps:.0e} relative).\n"
         "What to do: compute and return it in the accumulation dtype "
         "(float32, or float64 where x or a parameter is float64): cast x "

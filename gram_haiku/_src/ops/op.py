@@ -214,7 +214,7 @@ class RuleOp(adapter.Adapter):
     return is_float(self.x_aval.dtype)
 
   # -- the same op with another type or plan ----------------------------------
-  # (What each mode computes from the rule is :mod:`gram_haiku._src.ops.modes`'.)
+  # (What each mode computes from the rule: :mod:`gram_haiku._src.ops.modes`.)
 
   def rebuild(self, x_aval, example_axis: ExampleAxis) -> "RuleOp":
     """The same op for a new ``x`` type and example axis (batching rule)."""
