@@ -8,7 +8,9 @@
 #     nothing of a third party's op is sampled;
 #  2. an unknown op name: one message saying how to register an op;
 #  3. three planted bugs next to "mine" in one run: each bug's row fails;
-#  4. a one-line unrelated pytest run imports no JAX (the pytest11 plugin).
+#  4. a check family of the third party's own (conformance.register_check):
+#     its row in the table, for its op and a built-in one;
+#  5. a one-line unrelated pytest run imports no JAX (the pytest11 plugin).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
@@ -35,7 +37,8 @@ python -m pip install -q "${wheel}[conformance]"
 mkdir "$work/project" "$work/unrelated"
 cd "$work/project"
 cat > my_ops.py <<'PY'
-"""A third party's op: y = x @ w + c (c a learned scalar), with its Gram."""
+"""A third party's layer: y = x @ w + c (c a learned scalar), as a rule
+with its Gram, and its spec."""
 import jax
 import jax.numpy as jnp
 
@@ -43,42 +46,34 @@ import gram_haiku
 from gram_haiku import conformance
 
 
-class ShiftedLinearOp(gram_haiku.GramOp):
-  param_names = ("w", "c")
-  feature_ndim = 1
-
-  def forward(self, x, w, c):
-    return jnp.dot(x, w) + c
-
-  def gram(self, x, g, params, example_dim, cfg):
-    del cfg
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    x = jnp.moveaxis(x, example_dim, 0).astype(acc)
-    g = jnp.moveaxis(g, example_dim, 0).astype(acc)
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    g = g.reshape(g.shape[0], -1, g.shape[-1])
-    hi = jax.lax.Precision.HIGHEST
-    kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
-    kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
-    gc = g.sum(axis=(1, 2))  # dL_i/dc
-    return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
+def shifted_linear(x, w, c):
+  return jnp.dot(x, w) + c
 
 
-def shifted_linear(x, w, c, probe, **kwargs):
-  kwargs.setdefault("name", "shifted_linear")
-  return ShiftedLinearOp.apply(x, (w, c), probe, **kwargs)
+def shifted_linear_gram(x, g, params, example_dim, cfg):
+  del params, cfg
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  x = jnp.moveaxis(x, example_dim, 0).astype(acc)
+  g = jnp.moveaxis(g, example_dim, 0).astype(acc)
+  x = x.reshape(x.shape[0], -1, x.shape[-1])
+  g = g.reshape(g.shape[0], -1, g.shape[-1])
+  hi = jax.lax.Precision.HIGHEST
+  kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
+  kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
+  gc = g.sum(axis=(1, 2))  # dL_i/dc
+  return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
 
 
-conformance.register(conformance.OpSpec(
-    name="mine",
+RULE = gram_haiku.Rule(forward=shifted_linear, param_names=("w", "c"),
+                       gram=shifted_linear_gram)
+
+conformance.register(conformance.OpSpec.from_rule(
+    RULE, name="mine",
     make_params=lambda key, dtype: {
         "w": jax.random.normal(key, (4, 3)).astype(dtype),
         "c": jnp.asarray(0.5, dtype)},
     make_example=lambda key, lead, dtype: jax.random.normal(
-        key, lead + (4,)).astype(dtype),
-    apply=lambda p, probe, x, **kw: shifted_linear(x, p["w"], p["c"], probe,
-                                                   **kw),
-    plain=lambda p, x: jnp.dot(x, p["w"]) + p["c"]))
+        key, lead + (4,)).astype(dtype)))
 PY
 cat > buggy_ops.py <<'PY'
 """Three planted bugs, each in a third party's linear rule y = x @ w + b
@@ -158,16 +153,13 @@ BUGS = {
 def _register(name, functions):
   rule = gram_haiku.Rule(forward=forward, param_names=("w", "b"),
                          feature_ndim=1, **functions)
-  conformance.register(conformance.OpSpec(
-      name=name,
+  conformance.register(conformance.OpSpec.from_rule(
+      rule, name=name,
       make_params=lambda key, dtype: {
           "w": jax.random.normal(key, (4, 3)).astype(dtype),
           "b": jnp.linspace(-1, 1, 3).astype(dtype)},
       make_example=lambda key, lead, dtype: jax.random.normal(
-          key, lead + (4,)).astype(dtype),
-      apply=lambda p, probe, x, **kw: gram_haiku.GramFunction.apply(
-          x, (p["w"], p["b"]), probe, rule=rule, name=name, **kw),
-      plain=lambda p, x: forward(x, p["w"], p["b"])))
+          key, lead + (4,)).astype(dtype)))
 
 
 for _name, _functions in BUGS.items():
@@ -262,7 +254,39 @@ expect_row bugs.log bug_cross reference FAIL
 expect_row bugs.log bug_cross vmap FAIL
 grep -q "^0 cases deselected" bugs.log
 
-echo "== 4. a one-line unrelated test imports no JAX"
+echo "== 4. a third party's own check family"
+cat > my_family.py <<'PY'
+"""A family of the third party's own: the Gram is finite, jit or not."""
+import jax
+import jax.numpy as jnp
+
+from gram_haiku import conformance
+from gram_haiku.conformance import variants
+
+
+def check_finite_gram(spec, jit):
+  params = spec.make_params(jax.random.PRNGKey(0), jnp.float32)
+  x = spec.make_example(jax.random.PRNGKey(1), (4, 2), jnp.float32)
+  loss = lambda probe: jnp.sum(spec.apply(params, probe, x) ** 2)
+  gram = variants.JIT[jit].around_grad(jax.grad(loss))(jnp.zeros((4, 4)))
+  assert bool(jnp.all(jnp.isfinite(gram))), spec.name
+
+
+conformance.register_check(conformance.Check(
+    name="finite_gram", family="finite", run=check_finite_gram,
+    params=("jit",),
+    cases=[conformance.Case(f"jit_{j}", (j,)) for j in ("none", "outside")]))
+PY
+cat > conftest.py <<'PY'
+import my_family  # registers the family "finite"
+import my_ops  # registers the op "mine"
+PY
+python -m gram_haiku.conformance --ops mine,linear -k finite_gram -n 2 \
+  > family.log 2>&1 || { tail -n 80 family.log; exit 1; }
+expect_row family.log mine finite pass
+expect_row family.log linear finite pass
+
+echo "== 5. a one-line unrelated test imports no JAX"
 cd "$work/unrelated"
 cat > test_one.py <<'PY'
 import sys

@@ -39,6 +39,8 @@ PRIVATE_REFERENCES = {
     "ops.modes": '"How each Gram is formed" in :doc:`layers`',
     "cost_model": '"How each Gram is formed" in :doc:`layers`',
     "rule": '"Writing a Gram rule" in :doc:`api`',
+    "ops.op.bind": ":func:`gram_haiku.ops.bind`",
+    "ops.op": '"Writing a Gram rule" in :doc:`api`',
     "kernels.KernelConfig": ":class:`gram_haiku.KernelConfig`",
     "plan.Plan.precision": ":attr:`gram_haiku.Plan.precision`",
     "plan.Plan": ":class:`gram_haiku.Plan`",

@@ -9,15 +9,18 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`reweighted_grad`: ``sum_i c_i g_i`` with ``c`` chosen from the
   Grams of the same backward pass, and :func:`clipped_grad`: DP-SGD's
   clipped sum (all-layer or per-layer), both in one backward pass.
-* :func:`gram_linear`: the linear-layer primitive itself.
-* :class:`Rule`: a Gram rule for your own layer as pure functions
-  (``forward``, optionally a Gram function), bound by :class:`GramFunction`
-  or, in a ``track()`` handler, by :meth:`LayerCall.apply`;
-  :class:`GramOp`, the base class of every Gram op (the lower-level way to
-  write one), the :class:`Plan` it is bound with, and
-  :func:`register_layer` to route a Haiku module to it in ``track()`` (its
-  handler applies the op through a :class:`LayerCall`);
-  :class:`KernelConfig`, the ``cfg`` a rule's functions receive.
+* :class:`Rule`: a layer's Gram rule as pure functions (``forward``,
+  optionally a Gram function), the one way to write a Gram op: a
+  ``track()`` handler (:func:`register_layer`) gives it to
+  :meth:`LayerCall.apply`; :class:`KernelConfig`, the ``cfg`` a rule's
+  functions receive; the :class:`Plan` an op is bound with.
+
+The ops themselves, as functions on arrays (:func:`gram_haiku.ops.bind`,
+which binds any rule, and ``gram_linear``, ``gram_conv``...), are in the
+submodule :mod:`gram_haiku.ops`. ``GramOp``, ``GramFunction`` and the
+top-level ``gram_linear``, ``gram_conv``, ``gram_conv_transpose``,
+``gram_embed`` and ``gram_affine`` are deprecated aliases (they warn,
+naming the replacement) and leave in the next release.
 """
 
 # Importing gram_haiku alone is light (no JAX, Haiku or NumPy): the public
@@ -34,14 +37,7 @@ _SOURCES = {
     "ExampleAxis": "gram_haiku._src.example_axis",
     "ExampleFlowWarning": "gram_haiku._src.example_flow",
     "MeanLossWarning": "gram_haiku._src.loss_scale",
-    "GramOp": "gram_haiku._src.ops.base",
-    "GramFunction": "gram_haiku._src.ops.function",
     "KernelConfig": "gram_haiku._src.kernels",
-    "gram_affine": "gram_haiku._src.ops.affine",
-    "gram_conv": "gram_haiku._src.ops.conv",
-    "gram_conv_transpose": "gram_haiku._src.ops.conv",
-    "gram_embed": "gram_haiku._src.ops.embed",
-    "gram_linear": "gram_haiku._src.ops.linear",
     "Grams": "gram_haiku._src.result",
     "Plan": "gram_haiku._src.plan",
     "PROBE_NAME": "gram_haiku._src.probes",
@@ -57,14 +53,36 @@ _SOURCES = {
     "VerifyReport": "gram_haiku._src.verify",
 }
 
+#: Public submodules, imported on first use as attributes
+#: (``gram_haiku.ops.gram_linear`` after ``import gram_haiku``).
+_SUBMODULES = ("ops",)
+
+#: Deprecated names (one release): name -> (module, attribute, replacement).
+#: Each access warns with a DeprecationWarning naming the replacement.
+_DEPRECATED = {
+    "GramOp": ("gram_haiku._src.ops.deprecated", "GramOp",
+               "a gram_haiku.Rule, bound by gram_haiku.ops.bind (in a "
+               "track() handler: LayerCall.apply(rule, x, params))"),
+    "GramFunction": ("gram_haiku._src.ops.deprecated", "GramFunction",
+                     "gram_haiku.ops.bind(rule, x, params, probe, name=...)"),
+    "gram_affine": ("gram_haiku._src.ops.affine", "gram_affine",
+                    "gram_haiku.ops.gram_affine"),
+    "gram_conv": ("gram_haiku._src.ops.conv", "gram_conv",
+                  "gram_haiku.ops.gram_conv"),
+    "gram_conv_transpose": ("gram_haiku._src.ops.conv", "gram_conv_transpose",
+                            "gram_haiku.ops.gram_conv_transpose"),
+    "gram_embed": ("gram_haiku._src.ops.embed", "gram_embed",
+                   "gram_haiku.ops.gram_embed"),
+    "gram_linear": ("gram_haiku._src.ops.linear", "gram_linear",
+                    "gram_haiku.ops.gram_linear"),
+}
+
 __version__ = "0.1.0"
 
 __all__ = (
     "ClippedGradAux",
     "ExampleAxis",
     "ExampleFlowWarning",
-    "GramFunction",
-    "GramOp",
     "Grams",
     "KernelConfig",
     "LayerCall",
@@ -75,11 +93,6 @@ __all__ = (
     "Rule",
     "UntrackedParameterWarning",
     "clipped_grad",
-    "gram_affine",
-    "gram_conv",
-    "gram_conv_transpose",
-    "gram_embed",
-    "gram_linear",
     "register_layer",
     "resize_probes",
     "reweighted_grad",
@@ -102,8 +115,19 @@ def __getattr__(name: str):
   if name in _SOURCES:
     _load_public_api()
     return globals()[name]
+  if name in _SUBMODULES:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"gram_haiku.{name}")
+  if name in _DEPRECATED:
+    import importlib  # pylint: disable=g-import-not-at-top
+    import warnings  # pylint: disable=g-import-not-at-top
+    module, attr, replacement = _DEPRECATED[name]
+    warnings.warn(f"gram_haiku.{name} is deprecated and will be removed in "
+                  f"the next release: use {replacement}.",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), attr)
   raise AttributeError(f"module 'gram_haiku' has no attribute {name!r}")
 
 
 def __dir__():
-  return sorted(set(globals()) | set(_SOURCES))
+  return sorted(set(globals()) | set(_SOURCES) | set(_SUBMODULES))

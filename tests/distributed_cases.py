@@ -523,7 +523,7 @@ def case_errors():
   w = jax.random.normal(jax.random.PRNGKey(2), (6, 3))
 
   def raw(probe, x):
-    return jax.grad(lambda q: jnp.sum(gram_haiku.gram_linear(
+    return jax.grad(lambda q: jnp.sum(gram_haiku.ops.gram_linear(
         x, w, None, q, name="raw") ** 2))(probe)
   try:
     jax.jit(jax.shard_map(

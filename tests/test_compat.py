@@ -60,11 +60,11 @@ def test_a_bound_op_is_found_in_its_equation():
   # Every analysis finds the Gram ops in the traced program through
   # hijax_compat.gram_op_of; the equation's parameter holding the op moves
   # between jax releases ('prim' in 0.9, '_prim' from 0.10).
-  from gram_haiku._src.ops import base  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops import op as op_lib  # pylint: disable=g-import-not-at-top
   x, w, b = jnp.ones((4, 3)), jnp.ones((3, 2)), jnp.ones((2,))
-  jaxpr = jax.make_jaxpr(lambda x, w, b, p: gram_haiku.gram_linear(
+  jaxpr = jax.make_jaxpr(lambda x, w, b, p: gram_haiku.ops.gram_linear(
       x, w, b, p))(x, w, b, jnp.zeros((4, 4)))
-  ops = [hx.gram_op_of(e, base.GramOp) for e in jaxpr.jaxpr.eqns]
+  ops = [hx.gram_op_of(e, op_lib.RuleOp) for e in jaxpr.jaxpr.eqns]
   ops = [op for op in ops if op is not None]
   assert len(ops) == 1 and ops[0].name == "linear", jaxpr
 

@@ -1,10 +1,14 @@
 """Meta-tests: the suite catches deliberately broken ops, in the right family.
 
-Each broken op is ``GramLinear`` with one defect. The test asserts that the
-family meant to catch that defect fails, and that a family the defect does
-not touch still passes (so the failure is specific, not noise).
+Each broken op is the linear layer's rule (``gram_haiku.ops.linear_rule``)
+with one defect in one of its functions, as a third party's rule would
+have it, or (for a defect no rule can make: the batching rule) the op
+binding it with one defect. The test asserts that the family meant to catch
+that defect fails, and that a family the defect does not touch still passes
+(so the failure is specific, not noise).
 """
 
+import dataclasses
 import unittest
 
 import jax
@@ -18,36 +22,50 @@ from gram_haiku.conformance.ops.linear import _linear_params
 from gram_haiku.conformance.ops.linear import _linear_plain
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
-from gram_haiku import gram_linear
+from gram_haiku.ops import gram_linear
+from gram_haiku.ops import linear_rule
 from gram_haiku._src import kernels
-from gram_haiku._src.ops.linear import GramLinear
+from gram_haiku._src.ops import linear as linear_lib
+from gram_haiku._src.ops import op as op_lib
+from gram_haiku._src.ops.adapter import aval_of
+from gram_haiku._src.plan import Plan
+
+LINEAR = linear_rule()
 
 
-def _spec(op_cls, with_bias=True, apply=None):
+def _spec(rule=LINEAR, with_bias=True, apply=None, op_cls=op_lib.RuleOp):
   def default_apply(p, probe, x, example_axis=None, mode="gram", plan=None):
-    return op_cls.apply(x, (p["w"], p.get("b")), probe, name="broken",
-                        example_axis=example_axis, strategy="ghost",
-                        mode=mode, precision=None, plan=plan)
+    if plan is None:
+      plan = Plan.make(mode=mode, strategy="ghost", example_axis=example_axis)
+    params = (p["w"], p.get("b"))
+    op = op_cls(aval_of(x), tuple(map(aval_of, params)), aval_of(probe),
+                name="broken", plan=plan, rule=rule)
+    return op(x, *params, probe)
   return OpSpec(name="broken", make_params=_linear_params(with_bias),
                 make_example=lambda k, lead, dt: normal(k, lead + (5,), dt),
                 apply=apply or default_apply, plain=_linear_plain)
 
 
-def _upcast(acc):
-  """Makes accumulator ``acc`` receive float32 cotangents."""
-  accum = acc.accum
-  acc.accum = lambda ct: accum(ct.astype(jnp.float32))
-  return acc
+def _with_fused(fn):
+  """The linear rule with ``fn`` as its ``probe_cotangent_and_grads``."""
+  return dataclasses.replace(LINEAR, probe_cotangent_and_grads=fn)
 
 
-class WrongDtypeLinear(GramLinear):
-  """Returns the weight cotangent in float32 whatever the weight's dtype."""
+def _float32_weight_grad(x, g, params, example_dim, mode, wanted, cfg):
+  """Gives the weight's cotangent in float32 whatever the weight's dtype."""
+  value, provided = linear_lib.probe_cotangent_and_grads(
+      x, g, params, example_dim, mode, wanted, cfg)
+  if 0 in wanted and params[0] is not None:
+    xm, gm = kernels.linear_factors(x, g, example_dim)
+    provided[0] = jnp.einsum("btn,btm->nm", xm.astype(jnp.float32),
+                             gm.astype(jnp.float32))
+  return value, provided
 
-  def vjp_bwd(self, res, g, x_acc, w_acc, b_acc, probe_acc):
-    super().vjp_bwd(res, g, x_acc, _upcast(w_acc), b_acc, probe_acc)
+
+WRONG_DTYPE = _with_fused(_float32_weight_grad)
 
 
-class OverBatchedLinear(GramLinear):
+class OverBatchedOp(op_lib.RuleOp):
   """Its batching rule returns the output with the mapped axis twice."""
 
   def batch(self, axis_data, args, dims):
@@ -55,85 +73,88 @@ class OverBatchedLinear(GramLinear):
     return jnp.broadcast_to(out[None], (out.shape[0],) + out.shape), dim
 
 
-class _BrokenGramLinear(GramLinear):
-  """A linear op whose full Gram comes from ``broken_gram`` (norms intact)."""
+def _broken_gram(broken):
+  """The linear rule whose full Gram comes from ``broken(xm, gm, with_bias,
+  cfg)`` (norms intact)."""
+  def fused(x, g, params, example_dim, mode, wanted, cfg):
+    if mode != "gram":
+      return linear_lib.probe_cotangent_and_grads(x, g, params, example_dim,
+                                                  mode, wanted, cfg)
+    xm, gm = kernels.linear_factors(x, g, example_dim)
+    return broken(xm, gm, params[1] is not None, cfg), {}
+  return _with_fused(fused)
 
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    if self.mode != "gram":
-      return super().probe_cotangent_and_grads(x, g, params, wanted, cfg)
-    xm, gm = kernels.linear_factors(x, g,
-                                    self.example_axis.resolved_position())
-    return self.broken_gram(xm, gm, params[1] is not None, cfg), {}
 
-
-class NoCrossTermsLinear(_BrokenGramLinear):
+def _per_position_grams(xm, gm, with_bias, cfg):
   """Sums per-position Grams: drops the cross terms of a sequence."""
-
-  def broken_gram(self, xm, gm, with_bias, cfg):
-    total = 0.
-    for t in range(xm.shape[1]):
-      total = total + kernels.linear_gram(
-          xm[:, t:t + 1], gm[:, t:t + 1], with_bias=with_bias,
-          method="ghost", cfg=cfg)
-    return total
+  total = 0.
+  for t in range(xm.shape[1]):
+    total = total + kernels.linear_gram(
+        xm[:, t:t + 1], gm[:, t:t + 1], with_bias=with_bias,
+        method="ghost", cfg=cfg)
+  return total
 
 
-class PhantomBiasLinear(_BrokenGramLinear):
+def _phantom_bias_gram(xm, gm, with_bias, cfg):
   """Adds a bias term to the Gram of a layer that has no bias."""
-
-  def broken_gram(self, xm, gm, with_bias, cfg):
-    del with_bias
-    return kernels.linear_gram(xm, gm, with_bias=True, method="ghost",
-                               cfg=cfg)
+  del with_bias
+  return kernels.linear_gram(xm, gm, with_bias=True, method="ghost", cfg=cfg)
 
 
-class KeepsFrozenTermsLinear(GramLinear):
+NO_CROSS_TERMS = _broken_gram(_per_position_grams)
+PHANTOM_BIAS = _broken_gram(_phantom_bias_gram)
+
+
+def _keeps_frozen_terms(x, g, params, example_dim, mode, wanted, cfg):
   """Declares ``w`` and ``b`` droppable but keeps a dropped (frozen)
   parameter's term: a zero stands in for it, and the per-example gradient
   of ``x @ w + b`` does not depend on the value of ``w`` or ``b``."""
-
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    full = [jnp.zeros(a.shape, a.dtype) if p is None else p
-            for p, a in zip(params, self.param_avals)]
-    return super().probe_cotangent_and_grads(x, g, full, wanted, cfg)
-
-
-class FreezesEverythingLinear(GramLinear):
-  """Treats one frozen parameter as the whole layer frozen: no term at all."""
-
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    value, provided = super().probe_cotangent_and_grads(x, g, params, wanted,
-                                                        cfg)
-    if self.plan.frozen:
-      value = jnp.zeros_like(value)
-    return value, provided
+  n, m = x.shape[-1], g.shape[-1]
+  w, b = params
+  full = (jnp.zeros((n, m), x.dtype) if w is None else w,
+          jnp.zeros((m,), g.dtype) if b is None else b)
+  return linear_lib.probe_cotangent_and_grads(x, g, full, example_dim, mode,
+                                              wanted, cfg)
 
 
-class UnboundedNormsLinear(GramLinear):
+def _freezes_everything(x, g, params, example_dim, mode, wanted, cfg):
+  """Treats one frozen (dropped) parameter as the whole layer frozen: no
+  term at all."""
+  value, provided = linear_lib.probe_cotangent_and_grads(
+      x, g, params, example_dim, mode, wanted, cfg)
+  if any(p is None for p in params):
+    value = jnp.zeros_like(value)
+  return value, provided
+
+
+def _unbounded_norms(x, g, params, example_dim, mode, wanted, cfg):
   """Ignores ``cfg.upper_bound``: its ghost norms carry no rounding bound,
   so a cancelling example's norm may come out below the truth."""
+  return linear_lib.probe_cotangent_and_grads(
+      x, g, params, example_dim, mode, wanted, cfg.replace(upper_bound=False))
 
-  def probe_cotangent_and_grads(self, x, g, params, wanted, cfg):
-    return super().probe_cotangent_and_grads(
-        x, g, params, wanted, cfg.replace(upper_bound=False))
+
+KEEPS_FROZEN_TERMS = _with_fused(_keeps_frozen_terms)
+FREEZES_EVERYTHING = _with_fused(_freezes_everything)
+UNBOUNDED_NORMS = _with_fused(_unbounded_norms)
 
 
 def test_wrong_cotangent_dtype_fails_parity():
-  spec = _spec(WrongDtypeLinear)
+  spec = _spec(WRONG_DTYPE)
   with pytest.raises(AssertionError, match="cotangent dtype float32"):
     checks.check_backward_parity(spec, "bfloat16")
   checks.check_vmap_depth_invariance(spec, (0, 0), (0, 0), "none")
 
 
 def test_over_batched_output_fails_vmap():
-  spec = _spec(OverBatchedLinear)
+  spec = _spec(op_cls=OverBatchedOp)
   with pytest.raises((AssertionError, ValueError, TypeError)):
     checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
   checks.check_backward_parity(spec, "float32")  # no vmap: not affected
 
 
 def test_missing_cross_terms_fails_vmap():
-  spec = _spec(NoCrossTermsLinear)
+  spec = _spec(NO_CROSS_TERMS)
   with pytest.raises(AssertionError, match="reference"):
     checks.check_vmap_depth_invariance(spec, (), (), "none")
   with pytest.raises(AssertionError, match="reference"):
@@ -142,7 +163,7 @@ def test_missing_cross_terms_fails_vmap():
 
 
 def test_phantom_bias_fails_reference():
-  spec = _spec(PhantomBiasLinear, with_bias=False)
+  spec = _spec(PHANTOM_BIAS, with_bias=False)
   with pytest.raises(AssertionError, match="reference"):
     checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
   checks.check_backward_parity(spec, "float32")
@@ -154,7 +175,7 @@ def test_summing_per_application_grams_fails_sharing():
   def apply(p, probe, x, example_axis=None, mode="gram"):
     del mode  # The defect: always a Gram.
     return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis)
-  spec = _spec(GramLinear, apply=apply)
+  spec = _spec(apply=apply)
   with pytest.raises((AssertionError, ValueError)):
     checks.check_shared_twice(spec)
   with pytest.raises((AssertionError, ValueError)):
@@ -162,10 +183,10 @@ def test_summing_per_application_grams_fails_sharing():
   checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
 
 
-@pytest.mark.parametrize("op_cls", [KeepsFrozenTermsLinear,
-                                    FreezesEverythingLinear])
-def test_mishandled_frozen_parameter_fails_frozen(op_cls):
-  spec = _spec(op_cls)
+@pytest.mark.parametrize("rule", [KEEPS_FROZEN_TERMS, FREEZES_EVERYTHING],
+                         ids=["keeps_frozen_terms", "freezes_everything"])
+def test_mishandled_frozen_parameter_fails_frozen(rule):
+  spec = _spec(rule)
   with pytest.raises(AssertionError, match="frozen"):
     checks.check_frozen(spec)
   checks.check_vmap_depth_invariance(spec, (0,), (0,), "none")
@@ -175,7 +196,7 @@ def test_frozen_family_needs_plan_passed_on():
   def apply(p, probe, x, example_axis=None, mode="gram"):
     return gram_linear(x, p["w"], p["b"], probe, example_axis=example_axis,
                        mode=mode)
-  spec = _spec(GramLinear, apply=apply)
+  spec = _spec(apply=apply)
   with pytest.raises(checks.NotApplicable, match="plan"):
     checks.check_frozen(spec)
 
@@ -187,13 +208,13 @@ def test_mixin_skips_the_frozen_family_that_cannot_apply():
                        mode=mode)
 
   class NoPlan(testing.GramOpTestMixin, unittest.TestCase):
-    op_spec = _spec(GramLinear, apply=apply)
+    op_spec = _spec(apply=apply)
 
   class Good(testing.GramOpTestMixin, unittest.TestCase):
-    op_spec = _spec(GramLinear)
+    op_spec = _spec()
 
   class Broken(testing.GramOpTestMixin, unittest.TestCase):
-    op_spec = _spec(KeepsFrozenTermsLinear)
+    op_spec = _spec(KEEPS_FROZEN_TERMS)
 
   outcomes = {}
   for case in (NoPlan, Good, Broken):
@@ -212,7 +233,7 @@ def test_sharded_cases_parse_op_names_with_colons():
 
 
 def test_good_op_passes_every_family():
-  spec = _spec(GramLinear)
+  spec = _spec()
   for case in ("float32", "bfloat16", "mixed"):
     checks.check_backward_parity(spec, case)
   for ins, outs in checks.VMAP_LAYOUTS[2]:
@@ -227,19 +248,19 @@ def test_good_op_passes_every_family():
 
 def test_property_search_catches_missing_cross_terms():
   from gram_haiku.conformance import properties  # pylint: disable=g-import-not-at-top
-  broken = _spec(NoCrossTermsLinear)
+  broken = _spec(NO_CROSS_TERMS)
   model = properties.RandomModel(ops=(broken,), batch=3, within=3,
                                  in_axes=(), seed=1)
   with pytest.raises(AssertionError, match="reference"):
     properties.check_random_model(model)
-  good = properties.RandomModel(ops=(_spec(GramLinear),) * 2, batch=3,
+  good = properties.RandomModel(ops=(_spec(),) * 2, batch=3,
                                 within=3, in_axes=(0, 0), seed=1)
   properties.check_random_model(good)
 
 
 def test_norms_without_their_rounding_bound_fail_bounds():
-  spec = _spec(UnboundedNormsLinear)
+  spec = _spec(UNBOUNDED_NORMS)
   with pytest.raises(AssertionError, match="below the float64 truth"):
     checks.check_norm_bounds(spec, "cancelling", "norms")
   checks.check_norm_bounds(spec, "ordinary", "per_example")
-  checks.check_norm_bounds(_spec(GramLinear), "cancelling", "norms")
+  checks.check_norm_bounds(_spec(), "cancelling", "norms")

@@ -134,36 +134,33 @@ import gram_haiku
 from gram_haiku import conformance
 
 
-class ShiftedLinearOp(gram_haiku.GramOp):
-  param_names = ("w", "c")
-  feature_ndim = 1
-
-  def forward(self, x, w, c):
-    return jnp.dot(x, w) + c
-
-  def gram(self, x, g, params, example_dim, cfg):
-    acc = jnp.promote_types(x.dtype, jnp.float32)
-    x = jnp.moveaxis(x, example_dim, 0).astype(acc)
-    g = jnp.moveaxis(g, example_dim, 0).astype(acc)
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    g = g.reshape(g.shape[0], -1, g.shape[-1])
-    hi = jax.lax.Precision.HIGHEST
-    kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
-    kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
-    gc = g.sum(axis=(1, 2))
-    return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
+def shifted_linear(x, w, c):
+  return jnp.dot(x, w) + c
 
 
-conformance.register(conformance.OpSpec(
-    name="mine",
+def shifted_linear_gram(x, g, params, example_dim, cfg):
+  acc = jnp.promote_types(x.dtype, jnp.float32)
+  x = jnp.moveaxis(x, example_dim, 0).astype(acc)
+  g = jnp.moveaxis(g, example_dim, 0).astype(acc)
+  x = x.reshape(x.shape[0], -1, x.shape[-1])
+  g = g.reshape(g.shape[0], -1, g.shape[-1])
+  hi = jax.lax.Precision.HIGHEST
+  kx = jnp.einsum("itn,jsn->ijts", x, x, precision=hi)
+  kg = jnp.einsum("itm,jsm->ijts", g, g, precision=hi)
+  gc = g.sum(axis=(1, 2))
+  return jnp.sum(kx * kg, axis=(2, 3)) + jnp.outer(gc, gc)
+
+
+RULE = gram_haiku.Rule(forward=shifted_linear, param_names=("w", "c"),
+                       gram=shifted_linear_gram)
+
+conformance.register(conformance.OpSpec.from_rule(
+    RULE, name="mine",
     make_params=lambda key, dtype: {
         "w": jax.random.normal(key, (4, 3)).astype(dtype),
         "c": jnp.asarray(0.5, dtype)},
     make_example=lambda key, lead, dtype: jax.random.normal(
-        key, lead + (4,)).astype(dtype),
-    apply=lambda p, probe, x, **kw: ShiftedLinearOp.apply(
-        x, (p["w"], p["c"]), probe, name="shifted_linear", **kw),
-    plain=lambda p, x: jnp.dot(x, p["w"]) + p["c"]))
+        key, lead + (4,)).astype(dtype)))
 """
 
 
@@ -177,13 +174,26 @@ def _third_party_dir(tmp_path):
   return project
 
 
-def _clean_environ():
+def _clean_environ(tmp_path):
   """This run's environment without what would point the child at the
-  repository (its root conftest.py is not the third party's)."""
+  repository (its root conftest.py is not the third party's), except the
+  packages under test: ``PYTHONPATH`` is a directory holding only links to
+  this run's ``gram_haiku`` and ``conformance``, so that the child imports
+  the same code as this process (a checkout run with ``PYTHONPATH``, not
+  another installed copy)."""
   env = runner.child_environ()
   env.pop("PYTHONPATH", None)
   for key in [k for k in env if k.startswith("CONFORMANCE_")]:
     env.pop(key)
+  packages = tmp_path / "packages_under_test"
+  packages.mkdir(exist_ok=True)
+  gram_haiku_dir = os.path.dirname(os.path.dirname(os.path.abspath(
+      plugin.__file__)))
+  for name in ("gram_haiku", "conformance"):
+    source = os.path.join(os.path.dirname(gram_haiku_dir), name)
+    if os.path.isdir(source) and not (packages / name).exists():
+      (packages / name).symlink_to(source)
+  env["PYTHONPATH"] = str(packages)
   return env
 
 
@@ -199,7 +209,7 @@ def test_an_unknown_op_is_one_message_saying_how_to_register(tmp_path,
   proc = subprocess.run(
       [sys.executable, *command, *_plugin_args()],
       cwd=_third_party_dir(tmp_path), capture_output=True, text=True,
-      check=False, timeout=300, env=_clean_environ())
+      check=False, timeout=300, env=_clean_environ(tmp_path))
   text = proc.stdout + proc.stderr
   assert proc.returncode == pytest.ExitCode.USAGE_ERROR, text
   assert text.count("no op is registered as 'nope'") == 1, text
@@ -222,7 +232,7 @@ def test_the_cli_finds_the_conftest_of_the_current_directory(tmp_path):
       [sys.executable, "-m", "gram_haiku.conformance", "--ops", "mine", "-n",
        "0", "-k", "sharded or frozen", *_plugin_args()],
       cwd=project, capture_output=True, text=True, check=False, timeout=600,
-      env=_clean_environ())
+      env=_clean_environ(tmp_path))
   text = proc.stdout + proc.stderr
   assert proc.returncode == 0, text
   rows = {tuple(line.split()[:3]): line.split()
@@ -233,6 +243,53 @@ def test_the_cli_finds_the_conftest_of_the_current_directory(tmp_path):
   assert sharded[-1] == "pass", text
   assert ("mine", "frozen", "cpu") in rows, text
   assert "0 cases deselected" in text
+
+
+_MY_FAMILY = """
+import jax.numpy as jnp
+
+from gram_haiku import conformance
+
+
+def check_output_is_finite(spec, scale):
+  params = spec.make_params(__import__("jax").random.PRNGKey(0), jnp.float32)
+  x = spec.make_example(__import__("jax").random.PRNGKey(1), (4, 2),
+                        jnp.float32)
+  out = spec.apply(params, jnp.zeros((4, 4)), x * scale)
+  assert bool(jnp.all(jnp.isfinite(out))), (spec.name, scale)
+
+
+conformance.register_check(conformance.Check(
+    name="output_is_finite", family="finite", run=check_output_is_finite,
+    params=("scale",), cases=[conformance.Case("small", (1e-3,)),
+                              conformance.Case("large", (1e3,))]))
+"""
+
+
+def test_a_third_party_family_is_collected_sampled_never_and_tabled(
+    tmp_path):
+  """A family registered by the conftest.py of the directory the run starts
+  in (one record, conformance.register_check) gets a test per case of every
+  selected op and a row in the table, like the built-in families."""
+  project = _third_party_dir(tmp_path)
+  (project / "my_family.py").write_text(_MY_FAMILY)
+  (project / "conftest.py").write_text("import my_ops\nimport my_family\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "gram_haiku.conformance", "--ops", "mine,linear",
+       "-n", "0", "-k", "finite", "-vv", *_plugin_args()],
+      cwd=project, capture_output=True, text=True, check=False, timeout=600,
+      env=_clean_environ(tmp_path))
+  text = proc.stdout + proc.stderr
+  assert proc.returncode == 0, text
+  for case in ("small", "large"):
+    assert f"test_output_is_finite[mine-cpu-{case}] PASSED" in text, text
+  rows = {tuple(line.split()[:3]): line.split()
+          for line in text.split("Conformance summary")[1].splitlines()[2:]
+          if line.split()[1:2] == ["finite"]}
+  assert rows[("mine", "finite", "cpu")][3:5] == ["2", "0"], text
+  assert rows[("mine", "finite", "cpu")][-1] == "pass", text
+  assert rows[("mine", "finite", "cpu")][7] == "0", text  # never sampled
+  assert ("linear", "finite", "cpu") in rows, text
 
 
 def test_sharded_runner_gets_the_registering_modules_directories(tmp_path):
@@ -357,6 +414,17 @@ def test_every_collected_family_has_a_row(tmp_path):
         families.add(marks[0].args[0])
   assert families == {"parity", "reference", "vmap", "transforms", "frozen",
                       "bounds", "sharded", "properties"}
+  # One registry: every family collected is the registry's, and its checks
+  # with a runner of their own are the test functions of their modules.
+  from gram_haiku.conformance import families as registry  # pylint: disable=g-import-not-at-top
+  assert families == set(registry.families())
+  for check in registry.checks():
+    module = {"gram_haiku.conformance.test_sharded": test_sharded,
+              "gram_haiku.conformance.test_properties": test_properties}.get(
+                  check.runner, test_conformance)
+    fn = getattr(module, check.test_name)
+    marks = [m for m in fn.pytestmark if m.name == "conformance_family"]
+    assert marks[0].args[0] == check.family, check
 
 
 def test_the_old_import_path_warns_and_is_the_same_suite():

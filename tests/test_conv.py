@@ -743,24 +743,27 @@ def test_report_max_rel_err():
 
 @pytest.mark.parametrize("mode", ["gram", "norms"])
 def test_rule_hooks_answer_in_any_mode(mode):
-  # The op's own gram/sq_norms hooks give the Gram and its diagonal whatever
-  # mode the op was bound in, equal to the base class's exact per-example
-  # formula.
+  # The op's rule's gram/sq_norms give the Gram and its diagonal whatever
+  # mode the op was bound in, equal to the exact per-example formula (vmap
+  # of the VJP of the rule's forward).
   from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
   from gram_haiku._src import kernels  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.ops import base  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src import rule as rule_lib  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops import op as op_lib  # pylint: disable=g-import-not-at-top
   case = CASES["2d_nhwc_s2_groups2"]
   p, x = case.make(12, lead=(4,))
   probe = jnp.zeros((4, 4) if mode == "gram" else (4,))
   jaxpr = jax.make_jaxpr(lambda p, q: case.tracked(p, q, x, mode=mode))(
       p, probe)
-  (op,) = [o for o in (hx.gram_op_of(e, base.GramOp)
+  (op,) = [o for o in (hx.gram_op_of(e, op_lib.RuleOp)
                        for e in jaxpr.jaxpr.eqns) if o is not None]
   g = problems.normal(jax.random.PRNGKey(13), op.out_aval.shape)
   params = (p["w"], p.get("b"))
-  want = base.GramOp.gram(op, x, g, params, 0, kernels.LOCAL)
-  gram = op.gram(x, g, params, 0, kernels.LOCAL)
-  sq = op.sq_norms(x, g, params, 0, kernels.LOCAL)
+  want = rule_lib.gram_from_per_example(
+      functools.partial(rule_lib.per_example_grads_by_vjp, op.rule.forward),
+      x, g, params, 0, kernels.LOCAL)
+  gram = rule_lib.gram_of(op.rule, x, g, params, 0, kernels.LOCAL)
+  sq = rule_lib.sq_norms_of(op.rule, x, g, params, 0, kernels.LOCAL)
   assert_gram_close(gram, want)
   np.testing.assert_allclose(sq, np.diag(np.asarray(want)), rtol=1e-4,
                              atol=1e-6 * float(np.abs(want).max()))

@@ -1,7 +1,12 @@
-"""The documented extension path: a third party's op, module and handler
+"""The documented extension path: a third party's rule, module and handler
 (``conformance/examples/scaled_linear.py``) inside ``track()``, against the
-reference (the op's own families, every dtype included, run in
-tests/test_conformance_example.py)."""
+reference (the rule's own families, every dtype included, run in
+tests/test_conformance_example.py); the deprecated ways to write an op
+(``GramOp``, ``GramFunction``, top-level ``gram_*``, a binder function given
+to ``LayerCall.apply``) still work for one release, and warn."""
+
+import dataclasses
+import re
 
 import haiku as hk
 import jax
@@ -88,9 +93,9 @@ def _bilinear(x, w):
   return jnp.dot(x, w) * x[..., :1]
 
 
-def _bilinear_gram(x, g, params, example_dim):
+def _bilinear_gram(x, g, params, example_dim, cfg=None):
   """Closed form: ``dL_i/dw = sum_t (x_it * x_it0)^T g_it`` (ghost form)."""
-  del params
+  del params, cfg
   x = jnp.moveaxis(x, example_dim, 0).astype(jnp.float32)
   g = jnp.moveaxis(g, example_dim, 0).astype(jnp.float32)
   u = (x * x[..., :1]).reshape(x.shape[0], -1, x.shape[-1])
@@ -102,7 +107,7 @@ def _bilinear_gram(x, g, params, example_dim):
 
 
 @pytest.mark.parametrize("closed_form", [False, True])
-def test_gram_function_rule_is_two_functions(closed_form):
+def test_a_rule_is_two_functions(closed_form):
   """A third-party rule as ``forward`` plus an optional Gram function; the
   Gram function alone is checked against the reference without a
   primitive, then the op is."""
@@ -117,12 +122,12 @@ def test_gram_function_rule_is_two_functions(closed_form):
   del out
   (g,) = vjp(jnp.ones(()))
   assert_gram_close(_bilinear_gram(x, g, (w,), 0), ref)
-  extra = dict(gram_fn=_bilinear_gram) if closed_form else {}
+  rule = gram_haiku.Rule(forward=_bilinear, param_names=("w",),
+                         feature_ndim=1,
+                         gram=_bilinear_gram if closed_form else None)
 
   def loss(w, probe):
-    y = gram_haiku.GramFunction.apply(
-        x, (w,), probe, name="bilinear", fn=_bilinear, param_names=("w",),
-        feature_ndim=1, **extra)
+    y = gram_haiku.ops.bind(rule, x, (w,), probe, name="bilinear")
     return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
   gram = jax.jit(jax.grad(loss, argnums=1))(w, jnp.zeros((6, 6)))
   assert_gram_close(gram, ref)
@@ -143,7 +148,12 @@ class _Gained(hk.Module):
 
 
 def _linear_op(x, w, probe, **kwargs):
-  return gram_haiku.gram_linear(x, w, None, probe, **kwargs)
+  """The deprecated form of ``LayerCall.apply``'s first argument: a function
+  that binds a Gram op itself."""
+  return gram_haiku.ops.gram_linear(x, w, None, probe, **kwargs)
+
+
+_LINEAR = gram_haiku.ops.linear_rule()
 
 
 @pytest.mark.parametrize("misuse", ["gain_outside", "in_the_input"])
@@ -155,8 +165,8 @@ def test_a_handler_that_applies_a_parameter_outside_its_op(misuse):
     w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
     g = hk.get_parameter("g", [], init=jnp.ones)
     if misuse == "gain_outside":
-      return g * call.apply(_linear_op, x, (w,))
-    return call.apply(_linear_op, x + g, (w,))
+      return g * call.apply(_LINEAR, x, (w, None))
+    return call.apply(_LINEAR, x + g, (w, None))
   del handler
   x = problems.normal(jax.random.PRNGKey(1), (5, 4))
 
@@ -172,18 +182,16 @@ def test_a_handler_that_applies_a_parameter_outside_its_op(misuse):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
 
 
-class _TupleOut(scaled_linear.ScaledLinearOp):
-  def forward(self, x, w, s):
-    return s * jnp.dot(x, w), w
+def _tuple_out(x, w, s):
+  return s * jnp.dot(x, w), w
 
 
-class _NoForward(gram_haiku.GramOp):
-  param_names = ("w",)
+def _first_row_gram(x, g, params, example_dim, cfg):
+  return scaled_linear.scaled_linear_gram(x, g, params, example_dim, cfg)[0]
 
 
-class _WrongShape(scaled_linear.ScaledLinearOp):
-  def gram(self, x, g, params, example_dim, cfg):
-    return super().gram(x, g, params, example_dim, cfg)[0]
+_TUPLE_OUT = gram_haiku.Rule(forward=_tuple_out, param_names=("w", "s"))
+_WRONG_SHAPE = dataclasses.replace(scaled_linear.RULE, gram=_first_row_gram)
 
 
 def test_sloppy_rules_get_errors_that_name_the_layer():
@@ -191,14 +199,18 @@ def test_sloppy_rules_get_errors_that_name_the_layer():
   w, s = jnp.ones((5, 3)), jnp.asarray(2.0)
   with pytest.raises(TypeError,
                      match=r"\(layer 'layer_a'\) must return one array"):
-    _TupleOut.apply(x, (w, s), jnp.zeros((4, 4)), name="layer_a")
-  with pytest.raises(NotImplementedError, match="must define forward"):
-    _NoForward.apply(x, (w,), jnp.zeros((4, 4)), name="layer_b")
+    gram_haiku.ops.bind(_TUPLE_OUT, x, (w, s), jnp.zeros((4, 4)),
+                        name="layer_a")
+  with pytest.raises(TypeError, match="A rule needs at least forward"):
+    gram_haiku.Rule(forward=None, param_names=("w",))
+  with pytest.raises(TypeError, match=r"takes parameters \('w', 's'\), got "
+                     r"1"):
+    gram_haiku.ops.bind(scaled_linear.RULE, x, (w,), jnp.zeros((4, 4)),
+                        name="layer_b")
   with pytest.raises(ValueError, match=r"'layer_c' returned shape \(4,\), "
                      r"expected \(4, 4\)"):
-    jax.grad(lambda p: jnp.sum(_WrongShape.apply(x, (w, s), p,
-                                                 name="layer_c")))(
-        jnp.zeros((4, 4)))
+    jax.grad(lambda p: jnp.sum(gram_haiku.ops.bind(
+        _WRONG_SHAPE, x, (w, s), p, name="layer_c")))(jnp.zeros((4, 4)))
 
 
 def test_layer_call_takes_a_tuple_of_parameters():
@@ -206,7 +218,7 @@ def test_layer_call_takes_a_tuple_of_parameters():
   def handler(call, module, x):
     del module
     w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
-    return call.apply(_linear_op, x, {"w": w})
+    return call.apply(_LINEAR, x, {"w": w})
   del handler
   f = hk.transform_with_state(lambda x: _tracked_gained(x))
   with pytest.raises(TypeError, match="params must be a tuple"):
@@ -247,3 +259,123 @@ def test_a_registered_subclass_that_inherits_call_gets_its_handler():
   (w_name,) = [k for k in grams.coverage if k.endswith("/w")]
   assert grams.coverage[w_name].rule == "handler"
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+
+
+# -- the deprecated ways to write an op: they work, and warn -------------------
+
+_DEPRECATED = {
+    "GramOp": "gram_haiku.ops.bind", "GramFunction": "gram_haiku.ops.bind",
+    "gram_linear": "gram_haiku.ops.gram_linear",
+    "gram_conv": "gram_haiku.ops.gram_conv",
+    "gram_conv_transpose": "gram_haiku.ops.gram_conv_transpose",
+    "gram_embed": "gram_haiku.ops.gram_embed",
+    "gram_affine": "gram_haiku.ops.gram_affine",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEPRECATED))
+def test_a_deprecated_name_warns_naming_its_replacement(name):
+  assert name not in gram_haiku.__all__
+  with pytest.warns(DeprecationWarning,
+                    match=rf"gram_haiku\.{name} is deprecated.*use .*"
+                    rf"{re.escape(_DEPRECATED[name])}"):
+    obj = getattr(gram_haiku, name)
+  if name.startswith("gram_"):
+    assert obj is getattr(gram_haiku.ops, name)
+  with pytest.warns(DeprecationWarning):  # Every access, not the first only.
+    getattr(gram_haiku, name)
+
+
+def _shifted_reference(x, w, c):
+  return reference_gram(
+      lambda p, xi: 0.5 * jnp.sum(jnp.tanh(jnp.dot(xi, p[0]) * 2.0 + p[1])
+                                  ** 2), (w, c), x)
+
+
+def _legacy_op_class():
+  with pytest.warns(DeprecationWarning):
+    base = gram_haiku.GramOp
+
+  class ShiftedLinearOp(base):
+    """The old lower-level way: an op class whose methods are the rule's,
+    reading a layer parameter (``gain``) as an attribute."""
+    param_names = ("w", "c")
+
+    def forward(self, x, w, c):
+      return jnp.dot(x, w) * self.gain + c
+
+    def gram(self, x, g, params, example_dim, cfg):
+      # The default Gram (from exact per-example gradients), by the base.
+      return super().gram(x, g, params, example_dim, cfg)
+  return ShiftedLinearOp
+
+
+def test_a_deprecated_gram_op_subclass_still_gives_its_gram():
+  op_cls = _legacy_op_class()
+  x = problems.normal(jax.random.PRNGKey(5), (6, 3, 4))
+  w = problems.normal(jax.random.PRNGKey(6), (4, 2))
+  c = jnp.asarray(0.5)
+
+  def loss(probe):
+    y = op_cls.apply(x, (w, c), probe, name="shifted", gain=2.0)
+    return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
+  gram = jax.jit(jax.grad(loss))(jnp.zeros((6, 6)))
+  assert_gram_close(gram, _shifted_reference(x, w, c))
+
+  class NoForward(op_cls.__mro__[1]):
+    param_names = ("w",)
+  with pytest.raises(NotImplementedError, match="must define forward"):
+    NoForward.apply(x, (w,), jnp.zeros((6, 6)), name="layer_b")
+
+
+def test_a_deprecated_gram_function_still_binds_a_rule():
+  with pytest.warns(DeprecationWarning):
+    gram_function = gram_haiku.GramFunction
+  kx, kw = jax.random.split(jax.random.PRNGKey(3))
+  x, w = problems.normal(kx, (5, 2, 4)), problems.normal(kw, (4, 3))
+  ref = reference_gram(lambda w, xi: 0.5 * jnp.sum(jnp.tanh(_bilinear(xi, w))
+                                                   ** 2), w, x)
+  rule = gram_haiku.Rule(forward=_bilinear, param_names=("w",),
+                         gram=_bilinear_gram)
+
+  class WithRule(gram_function):
+    rule = gram_haiku.Rule(forward=_bilinear, param_names=("w",))
+
+  binders = {
+      "rule": lambda p: gram_function.apply(x, (w,), p, rule=rule,
+                                            name="bilinear"),
+      "keywords": lambda p: gram_function.apply(
+          x, (w,), p, name="bilinear", fn=_bilinear, param_names=("w",),
+          gram_fn=lambda *a: _bilinear_gram(*a)),
+      "subclass": lambda p: WithRule.apply(x, (w,), p, name="bilinear"),
+  }
+  for how, bind in binders.items():
+    gram = jax.grad(lambda p: 0.5 * jnp.sum(jnp.tanh(bind(p)) ** 2))(
+        jnp.zeros((5, 5)))
+    assert_gram_close(gram, ref, what=how)
+  with pytest.raises(TypeError, match="needs rule="):
+    gram_function.apply(x, (w,), jnp.zeros((5, 5)), name="nothing")
+
+
+def test_a_binder_function_given_to_layer_call_warns_and_works():
+  @gram_haiku.register_layer(_Gained)
+  def handler(call, module, x):
+    del module
+    w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
+    return call.apply(_linear_op, x, (w,))
+  del handler
+  x = problems.normal(jax.random.PRNGKey(4), (5, 4))
+
+  def tracked(x):
+    with gram_haiku.track():
+      return 0.5 * jnp.sum(jnp.tanh(_Gained()(x)) ** 2)
+  f = hk.transform_with_state(tracked)
+  with pytest.warns(DeprecationWarning, match="pass the layer's "
+                    "gram_haiku.Rule"):
+    params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.warns(DeprecationWarning):
+    _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state,
+                                                          None, x)
+  (w,) = jax.tree.leaves(params)
+  assert_gram_close(grams.total, reference_gram(
+      lambda w, xi: 0.5 * jnp.sum(jnp.tanh(jnp.dot(xi, w)) ** 2), w, x))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gram_haiku import ExampleAxis
-from gram_haiku import gram_linear
+from gram_haiku.ops import gram_linear
 from gram_haiku._src import errors
 from gram_haiku._src import cost_model
 from gram_haiku._src import kernels

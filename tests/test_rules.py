@@ -330,16 +330,14 @@ def test_third_party_rule_bound_to_a_primitive():
   b = x.shape[0]
 
   def loss(w, s, probe):
-    y = gram_haiku.GramFunction.apply(x, (w, s), probe, rule=GAIN,
-                                      name="gain")
+    y = gram_haiku.ops.bind(GAIN, x, (w, s), probe, name="gain")
     return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
   gram = jax.jit(jax.grad(loss, argnums=2))(w, s, jnp.zeros((b, b)))
   assert_gram_close(gram, _tanh_reference(x, w, s))
   jaxpr = str(jax.make_jaxpr(loss)(w, s, jnp.zeros((b, b))))
   assert "_gain_gram" in jaxpr  # the rule's Gram, not the default
   norms = jax.grad(lambda w, s, p: 0.5 * jnp.sum(jnp.tanh(
-      gram_haiku.GramFunction.apply(x, (w, s), p, rule=GAIN, name="gain",
-                                    mode="norms")) ** 2), argnums=2)(
+      gram_haiku.ops.bind(GAIN, x, (w, s), p, name="gain", mode="norms")) ** 2), argnums=2)(
                                         w, s, jnp.zeros((b,)))
   assert_gram_close(norms, np.diag(np.asarray(gram)), what="norms")
   # The ordinary gradients are JAX's own.
@@ -360,8 +358,7 @@ def test_third_party_rule_under_vmap(in_axis):
 
   def loss(w, s, probe):
     def one(xi):
-      y = gram_haiku.GramFunction.apply(xi, (w, s), probe, rule=GAIN,
-                                        name="gain")
+      y = gram_haiku.ops.bind(GAIN, xi, (w, s), probe, name="gain")
       return 0.5 * jnp.sum(jnp.tanh(y) ** 2)
     return jnp.sum(jax.vmap(one, in_axes=in_axis)(xs))
   gram = jax.jit(jax.grad(loss, argnums=2))(w, s, jnp.zeros((b, b)))
@@ -416,9 +413,10 @@ def test_rules_compare_by_value_and_reject_malformed_fields():
     gram_haiku.Rule(forward=_gain_forward, param_names=["w", "s"])
   with pytest.raises(TypeError, match="droppable must be a tuple of indices"):
     gram_haiku.Rule(forward=_gain_forward, param_names=("w",), droppable=(1,))
-  with pytest.raises(TypeError, match="needs rule="):
-    gram_haiku.GramFunction.apply(jnp.ones((2, 3)), (jnp.ones((3, 2)),),
-                                  jnp.zeros((2, 2)), name="nothing")
+  with pytest.raises(TypeError, match="binds a gram_haiku.Rule, got "
+                     "function"):
+    gram_haiku.ops.bind(_gain_forward, jnp.ones((2, 3)), (jnp.ones((3, 2)),),
+                        jnp.zeros((2, 2)), name="nothing")
 
 
 def test_a_droppable_parameter_forward_cannot_take_says_what_to_do():
@@ -446,10 +444,11 @@ def test_a_rule_result_narrower_than_the_accumulation_dtype_is_an_error(
   probe = jnp.zeros((b, b) if mode == "gram" else (b,))
 
   def loss(probe):
-    y = gram_haiku.GramFunction.apply(x, (w, s), probe, rule=narrow,
-                                      name="gain", mode=mode)
+    y = gram_haiku.ops.bind(narrow, x, (w, s), probe, name="gain",
+                            mode=mode)
     return jnp.sum(y ** 2)
   fn = "gram" if mode == "gram" else "sq_norms"
-  with pytest.raises(ValueError, match=rf"(?s)\.{fn} for layer 'gain' "
+  with pytest.raises(ValueError, match=rf"(?s)the {fn} of rule 'gain' "
+                     r"for layer 'gain' "
                      r"returned bfloat16.*float32.*What to do"):
     jax.grad(loss)(probe)

@@ -371,7 +371,7 @@ def test_two_layer_kinds_under_one_module_name_are_refused(second, jit):
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
   with pytest.raises(ValueError, match=r"module name 'l1' is used by two "
-                     r"different tracked layers: GramLinear\(w\[6, 6\], "
+                     r"different tracked layers: linear\(w\[6, 6\], "
                      r"b\[6\]\) and .*force_name"):
     fn(params, state, None, x, y)
 

@@ -533,10 +533,10 @@ def _param_set(op) -> tuple:
 
 
 def _layer_kind(op) -> str:
-  """``GramLinear(w[6, 6], b[6])``: an op's type and parameters, for
+  """``linear(w[6, 6], b[6])``: an op's rule and parameters, for
   messages."""
   params = ", ".join(f"{n}{list(shape)}" for n, shape in _param_set(op))
-  return f"{type(op).__name__}({params})"
+  return f"{op.kind}({params})"
 
 
 def _own_leaves(app: Application, num_param_leaves: int) -> tuple:

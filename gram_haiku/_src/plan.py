@@ -10,7 +10,7 @@ The plan is resolved once per application, before the op is bound: by
 ``track()`` from its options and from the pass of
 :func:`gram_haiku.value_grad_and_gram` (which modules are shared, which
 mesh axes split the examples), or by a binder such as
-:func:`gram_haiku.gram_linear` from its arguments.
+:func:`gram_haiku.ops.gram_linear` from its arguments.
 """
 
 from __future__ import annotations

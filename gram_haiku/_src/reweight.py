@@ -32,7 +32,7 @@ from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import adapter
 from gram_haiku._src.ops import factors as factors_lib
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
@@ -250,7 +250,7 @@ def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
     # of its rows' rounding error (Plan.upper_bound).
     width = op.num_params() + int(upper_bound) if (
         modes[m] == "per_example") else factors_lib.factor_width(op)
-    shapes[m] = lead + base.probe_shape(modes[m], t.size, width)
+    shapes[m] = lead + adapter.probe_shape(modes[m], t.size, width)
   return modes, shapes
 
 

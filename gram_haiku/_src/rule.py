@@ -6,8 +6,9 @@ output cotangent ``g``. It is a frozen, hashable record of functions of
 arrays: none of them knows about primitives, ``vmap`` or the probe, so each
 can be called on plain arrays and checked against
 ``jax.vmap(jax.grad(...))``. A Gram op binds a rule
-(:class:`gram_haiku.GramFunction`); the op decides the mode and consults the
-rule's cost function once per application
+(:func:`gram_haiku.ops.bind`, or :meth:`gram_haiku.LayerCall.apply` in a
+``track()`` handler); the op decides the mode and consults the rule's cost
+function once per application
 (:mod:`gram_haiku._src.ops.modes`).
 
 Shapes, with ``B`` examples: ``x`` has the example axis at ``example_dim``
@@ -339,29 +340,47 @@ def sq_norms_from_per_example(per_example_grads, x, g, params,
   return kernels.probe_value("norms", f, cfg)
 
 
-def per_example_grads_of(rule: Rule, x, g, params, example_dim: int):
-  """The rule's per-example gradients, or the default (VJP by ``vmap``)."""
+def per_example_grads_of(rule: Rule, x, g, params, example_dim: int,
+                         acc=None):
+  """The rule's per-example gradients, or the default (VJP by ``vmap``, in
+  ``acc``: default :func:`accumulation_dtype`)."""
   if rule.per_example_grads is not None:
     return rule.per_example_grads(x, g, params, example_dim)
-  return per_example_grads_by_vjp(rule.forward, x, g, params, example_dim)
+  return per_example_grads_by_vjp(rule.forward, x, g, params, example_dim,
+                                  acc=acc)
 
 
 def gram_of(rule: Rule, x, g, params, example_dim: int,
-            cfg: KernelConfig = kernels.LOCAL) -> jax.Array:
+            cfg: KernelConfig = kernels.LOCAL, acc=None) -> jax.Array:
   """The rule's Gram ``[B, B]``, or the default (from per-example
-  gradients)."""
+  gradients, :func:`per_example_grads_of`)."""
   if rule.gram is not None:
     return rule.gram(x, g, params, example_dim, cfg)
-  return gram_from_per_example(functools.partial(per_example_grads_of, rule),
-                               x, g, params, example_dim, cfg)
+  return gram_from_per_example(
+      functools.partial(per_example_grads_of, rule, acc=acc), x, g, params,
+      example_dim, cfg)
 
 
 def sq_norms_of(rule: Rule, x, g, params, example_dim: int,
-                cfg: KernelConfig = kernels.LOCAL) -> jax.Array:
+                cfg: KernelConfig = kernels.LOCAL, acc=None) -> jax.Array:
   """The rule's squared norms ``[B]``, or the default (from per-example
-  gradients)."""
+  gradients, :func:`per_example_grads_of`)."""
   if rule.sq_norms is not None:
     return rule.sq_norms(x, g, params, example_dim, cfg)
   return sq_norms_from_per_example(
-      functools.partial(per_example_grads_of, rule), x, g, params,
+      functools.partial(per_example_grads_of, rule, acc=acc), x, g, params,
       example_dim, cfg)
+
+
+def rule_name(rule: Rule) -> str:
+  """A rule's short name, for messages: its ``forward``'s function name
+  without a ``_forward`` suffix or leading underscores (``linear``,
+  ``conv``, ``gru_cell``)."""
+  fn = rule.forward
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  name = getattr(fn, "__name__", None) or type(fn).__name__
+  name = name.lstrip("_")
+  if name.endswith("_forward") and len(name) > len("_forward"):
+    name = name[:-len("_forward")]
+  return name or "rule"

@@ -8,10 +8,12 @@ gradient with respect to that state entry is the module's Gram.
 
 Each supported module class has a *layer handler* (see
 :mod:`gram_haiku._src.registry`). The handler gets a :class:`LayerCall`, the
-narrow object through which it applies its op: :meth:`LayerCall.apply`
-resolves the op's :class:`~gram_haiku._src.plan.Plan` (from the context's
+narrow object through which it applies its layer's
+:class:`~gram_haiku._src.rule.Rule`: :meth:`LayerCall.apply` resolves the
+op's :class:`~gram_haiku._src.plan.Plan` (from the context's
 options and the running ``value_grad_and_gram`` pass), fetches or creates
-the probe (:mod:`gram_haiku._src.probes`) and binds the op. On the raw
+the probe (:mod:`gram_haiku._src.probes`) and binds the rule
+(:func:`gram_haiku._src.ops.op.bind`). On the raw
 ``jax.grad`` path, where no traced program says how a module is used, the
 plan carries :mod:`gram_haiku._src.raw_path`'s refusals.
 """
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Optional, Union
+import warnings
+from typing import Optional
 
 import haiku as hk
 import jax
@@ -34,7 +37,7 @@ from gram_haiku._src import raw_path
 from gram_haiku._src import registry
 from gram_haiku._src.coverage import Coverage
 from gram_haiku._src.example_axis import ExampleAxis, ExampleAxisSpec
-from gram_haiku._src.ops import function
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import DEFAULT_PRECISION
 from gram_haiku._src.plan import Plan
@@ -44,6 +47,13 @@ from gram_haiku._src.rule import Rule
 
 TRACK_MODES = ("gram", "norms")
 
+DEPRECATED_BINDER = (
+    "gram_haiku: LayerCall.apply for module {module!r} was given a function "
+    "that binds a Gram op; that form is deprecated and will be removed in "
+    "the next release.\nWhat to do: pass the layer's gram_haiku.Rule: "
+    "`call.apply(rule, x, params)` (the built-in binders' rules: "
+    "gram_haiku.ops.linear_rule, ...).")
+
 
 def current_tracker() -> Optional["track"]:
   """The innermost active :class:`track` context of this thread, or None."""
@@ -51,13 +61,14 @@ def current_tracker() -> Optional["track"]:
 
 
 class LayerCall:
-  """What a layer handler applies its Gram op through.
+  """What a layer handler applies its layer's rule through.
 
   A handler registered with :func:`gram_haiku.register_layer` is called as
   ``handler(call, module, *args, **kwargs)`` in place of the module's
   ``__call__``. It reads the module's parameters (``hk.get_parameter``
   inside the handler, so that they are recorded as tracked by it) and
-  returns ``call.apply(op, x, params)``.
+  returns ``call.apply(rule, x, params)`` with the layer's
+  :class:`gram_haiku.Rule`.
 
   Attributes:
     module: the Haiku module being called.
@@ -67,21 +78,19 @@ class LayerCall:
     self._tracker = tracker
     self.module = module
 
-  def apply(self, op: Union[Rule, Callable[..., jax.Array]], x: jax.Array,
-            params, *, coupled: Optional[str] = None) -> jax.Array:
-    """Applies a Gram op for the module: what a layer handler returns.
+  def apply(self, rule: Rule, x: jax.Array, params, *,
+            coupled: Optional[str] = None) -> jax.Array:
+    """Binds the layer's rule for the module: what a layer handler returns.
 
     Args:
-      op: the layer's :class:`gram_haiku.Rule` (bound by
-        :class:`gram_haiku.GramFunction`), or ``op(x, *params, probe, *,
-        name, plan)``: a function that binds a Gram op, e.g. ``lambda x, w,
-        b, probe, **kw: MyOp.apply(x, (w, b), probe, **kw)`` through
-        :meth:`gram_haiku.GramOp.apply` (which takes the parameters as one
-        sequence), or a built-in binder such as
-        :func:`gram_haiku.gram_linear` (both accept ``name`` and ``plan``).
+      rule: the layer's :class:`gram_haiku.Rule` (the built-in layers' are
+        plain rules too, e.g. ``hk.Linear``'s
+        ``gram_haiku.ops.linear_rule(precision)``). Deprecated:
+        a function ``op(x, *params, probe, *, name, plan)`` that binds a
+        Gram op itself (warns; pass its rule instead).
       x: the layer input, example axis first (or under ``vmap``).
-      params: the module's parameters in the op's order (None for absent
-        ones, e.g. no bias).
+      params: the module's parameters in the rule's order
+        (``rule.param_names``; None for absent ones, e.g. no bias).
       coupled: why this application mixes the examples in its forward pass
         (a teaching error, e.g. ``hk.BatchNorm`` with batch statistics), or
         None. Such an application has no per-example gradients: asking for
@@ -91,10 +100,12 @@ class LayerCall:
         gradients run as in plain Haiku.
 
     Returns:
-      ``op``'s output: the layer's output, exactly the untracked module's.
+      ``rule.forward(x, *params)``: the layer's output, exactly the
+      untracked module's.
 
     Raises:
-      TypeError: if ``params`` is not a tuple or list of arrays and Nones.
+      TypeError: if ``params`` is not a tuple or list of arrays and Nones,
+        or ``rule`` is neither a :class:`gram_haiku.Rule` nor a function.
       ValueError: on the raw ``jax.grad`` path, if the module's parameters
         are used more than once (weight sharing needs
         :func:`gram_haiku.value_grad_and_gram`).
@@ -105,9 +116,15 @@ class LayerCall:
           f"LayerCall.apply for module {self.module.module_name!r}: params "
           f"must be a tuple of the op's parameters (arrays, or None for an "
           f"absent one), in the op's order; got {type(params).__name__}.")
-    if isinstance(op, Rule):
-      op = function.rule_binder(op)
-    return self._tracker._apply(op, self.module, x, params, coupled)  # pylint: disable=protected-access
+    if not isinstance(rule, Rule):
+      if not callable(rule):
+        raise TypeError(
+            f"LayerCall.apply for module {self.module.module_name!r}: the "
+            f"first argument is the layer's gram_haiku.Rule, got "
+            f"{type(rule).__name__}.")
+      warnings.warn(DEPRECATED_BINDER.format(
+          module=self.module.module_name), DeprecationWarning, stacklevel=2)
+    return self._tracker._apply(rule, self.module, x, params, coupled)  # pylint: disable=protected-access
 
   def check_coupled(self, reason: str) -> None:
     """Declares that this application mixes the examples (``reason``, a
@@ -296,7 +313,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     if self._pass is not None and not hkc.running_init():
       raise ValueError(reason)
 
-  def _apply(self, op, module: hk.Module, x, params,
+  def _apply(self, rule, module: hk.Module, x, params,
              coupled: Optional[str] = None):
     name = module.module_name
     present = [p for p in params if p is not None]
@@ -328,4 +345,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                                     [p.dtype for p in present])
     if self._pass is None:
       plan = raw_path.refuse_seen_probe(plan, name, probe)
-    return op(x, *params, probe, name=name, plan=plan)
+    if isinstance(rule, Rule):
+      return op_lib.bind(rule, x, params, probe, name=name, plan=plan)
+    return rule(x, *params, probe, name=name, plan=plan)  # Deprecated form.

@@ -28,8 +28,9 @@ from gram_haiku._src import reparam
 from gram_haiku._src import shard_examples
 from gram_haiku._src import slots as slots_lib
 from gram_haiku._src.coverage import ParamCoverage
-from gram_haiku._src.ops import base
+from gram_haiku._src.ops import adapter
 from gram_haiku._src.ops import factors
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.result import Grams
 from gram_haiku._src.probes import PROBE_NAME
 from gram_haiku._src.probes import SLOT_NAME
@@ -96,7 +97,7 @@ def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
   own = 2 if mode == "gram" else 1
   rest, probes = split_probes(state)
   probes = {m: jnp.zeros(tuple(p.shape[:p.ndim - own]) +
-                         base.probe_shape(mode, batch_size, 0), p.dtype)
+                         adapter.probe_shape(mode, batch_size, 0), p.dtype)
             for m, p in probes.items()}
   return merge_probes(rest, probes)
 
@@ -301,7 +302,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   n_params = len(jax.tree_util.tree_leaves(params))
   assert len(jax.tree_util.tree_leaves(probes)) == len(probe_names)
   found = dataflow.discover(live, n_params, leaf_names(params),
-                            probe_names, base.GramOp,
+                            probe_names, op_lib.RuleOp,
                             full_jaxpr=closed.jaxpr,
                             consts=dict(zip(closed.jaxpr.constvars,
                                             closed.consts)))
@@ -341,7 +342,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
               shape=np.shape(a), axis=ax, size=size, batch=batch))
         states.append(example_flow.Ex(0 if ax == batch_args.AUTO else ax)
                       if size == batch else example_flow.CONST)
-      return example_flow.check(live, states, batch, base.GramOp,
+      return example_flow.check(live, states, batch, op_lib.RuleOp,
                                 consts=dict(zip(closed.jaxpr.constvars,
                                                 closed.consts)),
                                 strict=strict,
@@ -593,7 +594,7 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       for m, p in t.probes.items():
         mode = ("per_example" if m in found.shared
                 else found.modes.get(m, "gram"))
-        own = base.probe_shape(mode, size, found.param_counts.get(m, 0))
+        own = adapter.probe_shape(mode, size, found.param_counts.get(m, 0))
         if mode == "gram":
           own = (size, size * n_devices)  # This device's rows.
         if m in slotted:

@@ -8,6 +8,9 @@ Families (see ``docs/conformance.rst``):
 * **vmap**: :func:`check_vmap_depth_invariance` (depth 0 to 3, permuted
   ``in_axes``/``out_axes``, ``jit`` inside or outside) and
   :func:`check_example_axis_selection`; both compare with the reference.
+* **bounds**: :func:`check_norm_bounds`: a clipping pass's norms are never
+  below the truth.
+* **properties**: :mod:`gram_haiku.conformance.properties` (random models).
 * **transforms**: checkpoint policies, ``lax.scan`` over stacked and over
   shared parameters, ``jax.vjp(...).with_refs``, ``has_aux``, grad of a
   jitted function, ``vmap(grad)``, norms-only mode.
@@ -16,13 +19,16 @@ Families (see ``docs/conformance.rst``):
 * **sharded**: :mod:`gram_haiku.conformance.sharded` (its own process).
 
 Every Gram is compared with the reference ``F @ F.T`` of the plain op
-(:func:`reference_gram`) within :data:`TOLERANCES`, written once here.
+(:func:`reference_gram`) within :data:`TOLERANCES`, written once here. The
+transforms a check runs under (``jit`` placement, ``vmap`` layout,
+batching, ``jax.checkpoint`` policy) are the named values of
+:mod:`gram_haiku.conformance.variants`; which check runs on which cases is
+:mod:`gram_haiku.conformance.families`' registry.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from typing import Any, Iterator
 
 import chex
@@ -30,8 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gram_haiku.conformance import families
+from gram_haiku.conformance import variants
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
+from gram_haiku.conformance.variants import layout_order  # noqa: F401
 from gram_haiku._src import norm_bounds
 from gram_haiku._src import plan as plan_lib
 from gram_haiku._src import reference
@@ -55,13 +64,11 @@ DTYPE_CASES = {
 }
 
 #: Example-axis size and within-example axes used by the checks.
-B = 4
-WITHIN = (3, 2)
+B = variants.B
+WITHIN = variants.WITHIN
 
 
-class NotApplicable(Exception):
-  """The check does not apply to this op (e.g. integer inputs for a layer
-  that takes floats); the test is skipped with this message."""
+NotApplicable = families.NotApplicable
 
 
 @contextlib.contextmanager
@@ -187,14 +194,16 @@ def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
 REFERENCE_CASES = ("float32", "bfloat16", "float16", "float64", "mixed")
 
 
-def check_reference_equality(spec: OpSpec, case: str, vmapped: bool,
-                             seed=0):
+def check_reference_equality(spec: OpSpec, case: str, vmapped, seed=0):
   """The Gram equals ``F @ F.T`` within the tolerance of ``case``.
 
   ``case`` is a float key of :data:`DTYPE_CASES`; the reference runs in
   float32 (float64 under x64) on the same low-precision inputs. The op is
-  called explicitly batched, or under one ``vmap`` over examples.
+  called explicitly batched, or under one ``vmap`` over examples
+  (``vmapped``: a bool or a :class:`~variants.Batching`).
   """
+  batching = (vmapped if isinstance(vmapped, variants.Batching)
+              else variants.batching(vmapped))
   param_dtype, x_dtype = DTYPE_CASES[case]
   if spec.integer_input:
     x_dtype = "int32"
@@ -205,66 +214,24 @@ def check_reference_equality(spec: OpSpec, case: str, vmapped: bool,
     ref = reference_gram(spec, params, x)
 
     def loss(probe, x):
-      f = lambda xi: spec.apply(params, probe, xi)
-      return _loss(jax.vmap(f)(x) if vmapped else f(x))
+      return _loss(batching(lambda xi: spec.apply(params, probe, xi))(x))
     probe = _probe((B, B), x64)
     gram = jax.jit(jax.grad(loss))(probe, x)
     assert gram.dtype == probe.dtype, (gram.dtype, probe.dtype)
-    assert_close(gram, ref, case, what=f"Gram ({case}, "
-                 f"{'vmap' if vmapped else 'explicit'})")
+    assert_close(gram, ref, case, what=f"Gram ({case}, {batching})")
 
 
 # -- vmap depth --------------------------------------------------------------
 
 
-def layout_order(in_axes, nlead):
-  """Axis order putting lead axes ``0..d-1`` where nested vmaps map them.
-
-  ``in_axes[k]`` is the ``in_axes`` of vmap level ``k`` (outermost first);
-  level ``k`` maps lead axis ``k`` of the canonical ``(B, T1, T2, ...)``
-  layout. Feature axes stay last.
-  """
-  d = len(in_axes)
-  order = list(range(d, nlead))
-  for k in reversed(range(d)):
-    order.insert(in_axes[k], k)
-  return order
-
-
-def vmap_layouts(max_depth=3):
-  """``{depth: [(in_axes, out_axes), ...]}``: a fixed, varied selection.
-
-  Every valid ``in_axes`` permutation is listed for depth 1 and 2; depth 3
-  takes four, spread over the space. ``out_axes`` vary with them.
-  """
-  nlead = 1 + len(WITHIN)
-  out = {0: [((), ())]}
-  for depth in range(1, max_depth + 1):
-    choices = [range(0, nlead - k) for k in range(depth)]
-    all_in = list(itertools.product(*choices))
-    if depth == 3:
-      all_in = all_in[::max(1, len(all_in) // 4)][:4]
-    layouts = []
-    for i, ins in enumerate(all_in):
-      outs = tuple((a + i) % 2 for a in ins)
-      layouts.append((tuple(ins), outs))
-    out[depth] = layouts
-  return out
-
-
-VMAP_LAYOUTS = vmap_layouts()
-
-
-def _nest(f, in_axes, out_axes, axis_names=None):
-  for k in reversed(range(len(in_axes))):
-    name = axis_names[k] if axis_names else None
-    f = jax.vmap(f, in_axes=in_axes[k], out_axes=out_axes[k],
-                 axis_name=name)
-  return f
+#: ``{depth: [VmapLayout, ...]}`` (:data:`variants.VMAP_LAYOUTS`); a
+#: layout unpacks as ``in_axes, out_axes``.
+VMAP_LAYOUTS = variants.VMAP_LAYOUTS
+_nest = variants.nest
 
 
 def check_vmap_depth_invariance(spec: OpSpec, in_axes=(), out_axes=(),
-                                jit: str = "none", seed=0):
+                                jit="none", seed=0):
   """Explicit batching and nested vmaps all give the reference Gram.
 
   The canonical input is ``x: (B, T1, T2, *features)``. ``len(in_axes)``
@@ -272,23 +239,21 @@ def check_vmap_depth_invariance(spec: OpSpec, in_axes=(), out_axes=(),
   axis at ``in_axes[k]`` and puts it at ``out_axes[k]``. The outermost vmap
   is the example axis (the default rule). ``jit``: ``"none"``,
   ``"inside"`` (around the op, inside the vmaps) or ``"outside"`` (around
-  the gradient).
+  the gradient): a name or a :class:`~variants.Jit` of
+  :data:`variants.JIT`.
   """
+  layout = variants.VmapLayout(tuple(in_axes), tuple(out_axes))
+  jit = variants.JIT[jit] if isinstance(jit, str) else jit
   params, x = make_problem(spec, (B,) + WITHIN, seed=seed)
   ref = reference_gram(spec, params, x)
   nlead = 1 + len(WITHIN)
-  order = layout_order(in_axes, nlead) + list(range(nlead, x.ndim))
-  xs = jnp.transpose(x, order)
+  xs = jnp.transpose(x, layout.order(nlead) + list(range(nlead, x.ndim)))
 
   def loss(params, probe, xs):
-    f = lambda xi: spec.apply(params, probe, xi)
-    if jit == "inside":
-      f = jax.jit(f)
-    return _loss(_nest(f, in_axes, out_axes)(xs))
-  g = jax.grad(loss, argnums=1)
-  if jit == "outside":
-    g = jax.jit(g)
-  gram = g(params, _probe((B, B)), xs)
+    f = jit.around_op(lambda xi: spec.apply(params, probe, xi))
+    return _loss(layout(f)(xs))
+  gram = jit.around_grad(jax.grad(loss, argnums=1))(params, _probe((B, B)),
+                                                       xs)
   assert_close(gram, ref, what=f"Gram (vmap in_axes={in_axes}, "
                f"out_axes={out_axes}, jit={jit})")
 
@@ -345,12 +310,9 @@ def check_example_axis_selection(spec: OpSpec, case: str, seed=0):
 
 # -- transforms --------------------------------------------------------------
 
-CHECKPOINT_POLICIES = {
-    "default": None,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-    "everything_saveable": jax.checkpoint_policies.everything_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-}
+#: name -> ``jax.checkpoint`` policy (:data:`variants.CHECKPOINTS`).
+CHECKPOINT_POLICIES = {name: v.policy
+                       for name, v in variants.CHECKPOINTS.items()}
 
 
 def _explicit_problem(spec, seed):
@@ -358,18 +320,22 @@ def _explicit_problem(spec, seed):
   return params, x, reference_gram(spec, params, x)
 
 
-def check_checkpoint(spec: OpSpec, policy: str, vmapped: bool, seed=0):
-  """``jax.checkpoint`` with ``policy``, around the op (explicit or vmapped)."""
+def check_checkpoint(spec: OpSpec, policy, vmapped, seed=0):
+  """``jax.checkpoint`` with ``policy`` (a name or a
+  :class:`~variants.Checkpoint` of :data:`variants.CHECKPOINTS`), around
+  the op explicitly batched or vmapped (a bool or a
+  :class:`~variants.Batching`)."""
+  checkpoint = (variants.CHECKPOINTS[policy] if isinstance(policy, str)
+                else policy)
+  batching = (vmapped if isinstance(vmapped, variants.Batching)
+              else variants.batching(vmapped))
   params, x, ref = _explicit_problem(spec, seed)
 
   def loss(probe, x):
-    f = lambda xi: spec.apply(params, probe, xi)
-    if vmapped:
-      f = jax.vmap(f)
-    f = jax.checkpoint(f, policy=CHECKPOINT_POLICIES[policy])
-    return _loss(f(x))
+    f = batching(lambda xi: spec.apply(params, probe, xi))
+    return _loss(checkpoint(f)(x))
   assert_close(jax.jit(jax.grad(loss))(_probe((B, B)), x), ref,
-               what=f"Gram under jax.checkpoint(policy={policy})")
+               what=f"Gram under jax.checkpoint(policy={checkpoint})")
 
 
 def check_scan_stacked(spec: OpSpec, seed=0):
@@ -545,14 +511,14 @@ def op_param_indices(spec: OpSpec, params, x) -> dict:
       passes no parameter to it as it is.
   """
   from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.ops.base import GramOp  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops.op import RuleOp  # pylint: disable=g-import-not-at-top
   paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in paths]
   probe = _probe((B, B))
   jaxpr = jax.make_jaxpr(lambda *leaves: spec.apply(
       jax.tree.unflatten(treedef, leaves), probe, x))(
           *[v for _, v in paths]).jaxpr
-  ops = [(eqn, hx.gram_op_of(eqn, GramOp)) for eqn in jaxpr.eqns]
+  ops = [(eqn, hx.gram_op_of(eqn, RuleOp)) for eqn in jaxpr.eqns]
   ops = [(eqn, op) for eqn, op in ops if op is not None]
   if len(ops) != 1:
     raise NotApplicable(f"{spec.name}: apply binds {len(ops)} Gram ops, not "
@@ -705,6 +671,113 @@ TRANSFORM_CHECKS = {
     "has_aux_and_grad_of_jit": check_has_aux,
     "vmap_of_grad": check_vmap_of_grad,
 }
+
+
+# -- the built-in checks, in the registry every runner iterates --------------
+# (gram_haiku.conformance.families: the pytest plugin's tests and the absltest
+# mixin's methods are made from these records.)
+
+Case = families.Case
+
+
+def _both_batchings(values, default_keeps):
+  """``(value, vmapped)`` for each value explicitly batched and under vmap
+  (ids ``<value>-explicit``, ``<value>-vmap``, :data:`variants.BATCHING`);
+  in the default budget only the pairs ``default_keeps(index, value,
+  vmapped)`` keeps."""
+  def cases(thorough):
+    return [Case(f"{v}-{b}", (v, b.vmapped))
+            for i, v in enumerate(values)
+            for b in (variants.EXPLICIT, variants.VMAPPED)
+            if thorough or default_keeps(i, v, b.vmapped)]
+  return cases
+
+
+#: ``vmap`` layouts per depth in the default budget (all when thorough).
+DEFAULT_LAYOUTS_PER_DEPTH = 3
+
+
+def _vmap_cases(thorough):
+  """Up to three layouts per depth without jit, spread over the listed
+  ones; jit inside/outside on the first layout of each depth. Every layout
+  and jit placement when thorough."""
+  layouts = [l for ls in VMAP_LAYOUTS.values() for l in ls]
+  chosen = set()
+  for ls in VMAP_LAYOUTS.values():
+    step = max(1, len(ls) // DEFAULT_LAYOUTS_PER_DEPTH)
+    chosen.update(ls[::step][:DEFAULT_LAYOUTS_PER_DEPTH])
+  cases, firsts = [], {}
+  for layout in layouts:
+    if not thorough and layout not in chosen:
+      continue
+    firsts.setdefault(layout.depth, layout)
+    for jit in variants.JIT.values():
+      if jit is variants.JIT_INSIDE and layout.depth == 0:
+        continue  # depth 0 has no vmap to jit inside of
+      if (jit is not variants.JIT_NONE and not thorough and
+          firsts[layout.depth] != layout):
+        continue
+      cases.append(Case(f"{layout}-jit_{jit}",
+                        (layout.in_axes, layout.out_axes, jit.name)))
+  return cases
+
+
+def _run_transform(spec: OpSpec, name: str):
+  TRANSFORM_CHECKS[name](spec)
+
+
+def _parity_applies(spec: OpSpec, case: Case) -> str:
+  return parity_not_applicable(spec, case.args[0])
+
+
+_register = families._register_builtin  # pylint: disable=protected-access
+
+_register(families.Check(
+    name="backward_parity", family="parity", run=check_backward_parity,
+    params=("case",), cases=[Case(c, (c,)) for c in DTYPE_CASES],
+    applies=_parity_applies))
+_register(families.Check(
+    name="reference_equality", family="reference",
+    run=check_reference_equality, params=("case", "vmapped"),
+    # The low-precision dtypes only explicitly batched in the default budget.
+    cases=_both_batchings(REFERENCE_CASES, lambda i, case, vmapped: (
+        not vmapped or case == "float32"))))
+_register(families.Check(
+    name="vmap_depth_invariance", family="vmap",
+    run=check_vmap_depth_invariance, params=("in_axes", "out_axes", "jit"),
+    cases=_vmap_cases,
+    mixin_cases=[Case(f"{l}-jit_outside", (l.in_axes, l.out_axes, "outside"))
+                 for ls in VMAP_LAYOUTS.values() for l in ls]))
+_register(families.Check(
+    name="example_axis_selection", family="vmap",
+    run=check_example_axis_selection, params=("case",),
+    cases=[Case(c, (c,)) for c in EXAMPLE_AXIS_CASES]))
+_register(families.Check(
+    name="checkpoint", family="transforms", run=check_checkpoint,
+    params=("policy", "vmapped"),
+    # Every policy once in the default budget, alternating the batching.
+    cases=_both_batchings(list(variants.CHECKPOINTS),
+                          lambda i, policy, vmapped: vmapped == bool(i % 2)),
+    mixin_cases=[Case(f"{p}-vmap", (p, True)) for p in variants.CHECKPOINTS]))
+_register(families.Check(
+    name="transforms", family="transforms", run=_run_transform,
+    params=("name",), cases=[Case(n, (n,)) for n in TRANSFORM_CHECKS]))
+_register(families.Check(
+    name="frozen", family="frozen", run=check_frozen,
+    # Skipped (with the reason), not failed, when the family cannot apply:
+    # an ``apply`` without ``plan=``, or parameters reshaped before the op.
+    if_none_apply="skip"))
+_register(families.Check(
+    name="norm_bounds", family="bounds", run=check_norm_bounds,
+    params=("case", "mode"),
+    cases=[Case(f"{c}-{m}", (c, m)) for c in BOUND_CASES
+           for m in ("norms", "per_example")]))
+_register(families.Check(
+    name="sharded_equals_single_device", family="sharded",
+    runner="gram_haiku.conformance.test_sharded"))
+_register(families.Check(
+    name="random_models_match_reference", family="properties",
+    runner="gram_haiku.conformance.test_properties"))
 
 
 def platforms_present() -> list[str]:

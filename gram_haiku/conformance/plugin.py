@@ -24,6 +24,11 @@ Options (each also an environment variable, for tox and CI):
   accelerator (``CUDA_VISIBLE_DEVICES`` / ``TPU_VISIBLE_CHIPS`` set from
   ``PYTEST_XDIST_WORKER`` before JAX starts) and does not preallocate.
 
+The tests are made from the check registry
+(:mod:`gram_haiku.conformance.families`), one per check, so a family
+registered there (built in, or a third party's) is collected, sampled and
+tabled like the others.
+
 Fixtures: ``conformance_op`` (parametrised over the selected ops),
 ``conformance_group`` (over the property searches' groups of ops, see
 :func:`op_groups`) and ``conformance_platform`` (over the platforms of
@@ -298,13 +303,16 @@ def sample_items(items, op_names):
 
 
 def _applies(item) -> bool:
-  """False for a case known not to apply to the item's op."""
-  if item.originalname != "test_backward_parity":
+  """False for a case known not to apply to the item's op (its check's
+  ``applies``, :class:`gram_haiku.conformance.families.Check`)."""
+  from gram_haiku.conformance import families  # pylint: disable=g-import-not-at-top
+  check = families.check_named(item.originalname)
+  if check is None or check.applies is None:
     return True
-  from gram_haiku.conformance import checks  # pylint: disable=g-import-not-at-top
   params = item.callspec.params
-  return not checks.parity_not_applicable(params["conformance_op"],
-                                          params.get("case", ""))
+  case = families.Case(item.callspec.id,
+                       tuple(params[n] for n in check.params))
+  return not check.why_not(params["conformance_op"], case)
 
 
 def _row(item):

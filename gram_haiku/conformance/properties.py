@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku.conformance import checks
+from gram_haiku.conformance import variants
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku._src import reference
@@ -92,13 +93,12 @@ def check_random_model(model: RandomModel):
     return checks._loss(run(params, None, xi, tracked=False))  # pylint: disable=protected-access
   ref = reference.reference_gram(plain_one, params, x, upcast=True)
 
-  order = checks.layout_order(model.in_axes, 2) + list(range(2, x.ndim))
-  xs = jnp.transpose(x, order)
+  layout = variants.VmapLayout(tuple(model.in_axes),
+                              (0,) * len(model.in_axes))
+  xs = jnp.transpose(x, layout.order(2) + list(range(2, x.ndim)))
 
   def loss(probes, xs):
-    g = lambda xi: run(params, probes, xi, tracked=True)
-    for ax in reversed(model.in_axes):
-      g = jax.vmap(g, in_axes=ax)
+    g = layout(lambda xi: run(params, probes, xi, tracked=True))
     return checks._loss(g(xs))  # pylint: disable=protected-access
   probes = [jnp.zeros((b, b)) for _ in model.ops]
   grams = jax.grad(loss)(probes, xs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 # JAX and NumPy are imported where they are used: the pytest plugin
 # imports this package in every pytest run of an environment that has it
@@ -13,7 +13,8 @@ from typing import Any, Callable
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
-  """How to exercise one Gram op.
+  """How to exercise one Gram op (for a :class:`gram_haiku.Rule`:
+  :meth:`from_rule`).
 
   Attributes:
     name: a short id, used in test ids.
@@ -40,6 +41,49 @@ class OpSpec:
   apply: Callable[..., jax.Array]
   plain: Callable[[Any, jax.Array], jax.Array]
   integer_input: bool = False
+
+  @classmethod
+  def from_rule(cls, rule, make_params, make_example, *,
+                name: Optional[str] = None, plain=None,
+                integer_input: bool = False) -> "OpSpec":
+    """The spec of a :class:`gram_haiku.Rule`: its op is the rule bound by
+    :func:`gram_haiku.ops.bind`, its untracked computation the rule's own
+    ``forward``.
+
+    Args:
+      rule: the layer's :class:`gram_haiku.Rule`.
+      make_params: ``(key, dtype) -> {name: array}``, one entry per name in
+        ``rule.param_names`` (a name left out is an absent parameter: None).
+      make_example: as :attr:`make_example`.
+      name: the id in test ids (default: the rule's short name, its
+        ``forward``'s without ``_forward``).
+      plain: ``(params, x) -> y`` (default: ``rule.forward`` on the
+        parameters in ``rule.param_names`` order); give an independent
+        computation to check ``forward`` itself as well.
+      integer_input: as :attr:`integer_input`.
+
+    Returns:
+      The :class:`OpSpec`; register it with :func:`register`.
+    """
+    from gram_haiku._src.rule import rule_name  # pylint: disable=g-import-not-at-top
+    names = rule.param_names
+
+    def operands(p):
+      return tuple(p.get(n) for n in names)
+
+    def apply(p, probe, x, **kwargs):
+      from gram_haiku.ops import bind  # pylint: disable=g-import-not-at-top
+      kwargs.setdefault("name", spec_name)
+      return bind(rule, x, operands(p), probe, **kwargs)
+
+    def forward(p, x):
+      return rule.forward(x, *operands(p))
+
+    spec_name = name if name is not None else rule_name(rule)
+    return cls(name=spec_name, make_params=make_params,
+               make_example=make_example, apply=apply,
+               plain=forward if plain is None else plain,
+               integer_input=integer_input)
 
 
 _REGISTRY: dict[str, OpSpec] = {}

@@ -7,19 +7,36 @@ In the spirit of ``dm_env``'s ``EnvironmentTestMixin``: mix it into a
                          absltest.TestCase):
     op_spec = scaled_linear.SPEC
 
-Every family but ``sharded`` (which needs a process of its own: use the
-pytest plugin) runs on the default platform; each case is a ``subTest``, and
-a family none of whose cases applies to the op fails, except ``frozen``,
-which is skipped with its reason (its one check needs an ``apply`` that
-passes ``plan=`` on and parameters given to the op as they are).
+Its test methods are made from the check registry
+(:mod:`gram_haiku.conformance.families`), one ``test_<check>`` per check,
+as the pytest plugin's tests are: a family registered there (yours
+included, if registered before the test case class is defined) runs here
+too. Every family but those with a runner of their own (``sharded``, which
+needs a process of its own: use the pytest plugin; ``properties``) runs on
+the default platform; each case is a ``subTest``, and a check none of whose
+cases applies to the op fails, except ``frozen``, which is skipped with its
+reason (its one check needs an ``apply`` that passes ``plan=`` on and
+parameters given to the op as they are).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from gram_haiku.conformance import checks
+from gram_haiku.conformance import checks  # Registers the built-in checks.
+from gram_haiku.conformance import families
 from gram_haiku.conformance.registry import OpSpec
+
+del checks
+
+
+def _method(check: families.Check):
+  def test(self):
+    self._run_check(check)  # pylint: disable=protected-access
+  test.__name__ = test.__qualname__ = check.test_name
+  test.__doc__ = (f"The {check.family!r} family's check {check.name!r}, "
+                  "every case a subTest.")
+  return test
 
 
 class GramOpTestMixin:
@@ -27,71 +44,49 @@ class GramOpTestMixin:
 
   op_spec: Optional[OpSpec] = None
 
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    _add_check_methods(cls)
+
   def _spec(self) -> OpSpec:
     if self.op_spec is None:
       raise NotImplementedError(
           f"{type(self).__name__}: set `op_spec` to the OpSpec under test.")
     return self.op_spec
 
-  def _each(self, label, cases, run):
-    """Runs every case as a subTest; fails if none of them applies (a family
-    that checked nothing must not pass)."""
-    applied = 0
-    cases = list(cases)
+  def _run_check(self, check: families.Check):
+    """Runs every case of ``check`` as a subTest; a check none of whose
+    cases applies (all raised ``NotApplicable``) fails, or is skipped where
+    the check says so (a family that checked nothing must not pass)."""
+    spec = self._spec()
+    cases = check.cases_for_mixin()
+    applied, reasons = 0, []
     for case in cases:
-      with self.subTest(**{label: case}):  # pytype: disable=attribute-error
+      with self.subTest(case=case.id or check.name):  # pytype: disable=attribute-error
         try:
           applied += 1  # A failure below counts: it checked something.
-          run(case)
-        except checks.NotApplicable:
+          check.run(spec, *case.args)
+        except families.NotApplicable as e:
           applied -= 1
+          reasons.append(str(e))
     if cases and not applied:
+      if check.if_none_apply == "skip":
+        self.skipTest(f"{check.family} family not applicable: "  # pytype: disable=attribute-error
+                      f"{'; '.join(dict.fromkeys(reasons))}")
       raise AssertionError(
-          f"{type(self).__name__}: none of the {len(cases)} cases "
-          f"({label}s) applies to op {self._spec().name!r}, so this family "
+          f"{type(self).__name__}: none of the {len(cases)} cases of check "
+          f"{check.name!r} applies to op {spec.name!r}, so this family "
           "checked nothing.")
 
-  def test_reference_equality(self):
-    cases = [(c, v) for c in checks.REFERENCE_CASES for v in (False, True)]
-    self._each("case", cases, lambda c: checks.check_reference_equality(
-        self._spec(), c[0], c[1]))
 
-  def test_backward_parity(self):
-    self._each("dtype", list(checks.DTYPE_CASES),
-               lambda c: checks.check_backward_parity(self._spec(), c))
+def _add_check_methods(cls) -> None:
+  """A ``test_<check>`` method on ``cls`` for every registered check (with
+  no runner of its own) it does not define itself."""
+  for check in families.op_checks():
+    if check.test_name not in vars(cls) and not any(
+        check.test_name in vars(base) and base is not GramOpTestMixin
+        for base in cls.__mro__[1:]):
+      setattr(cls, check.test_name, _method(check))
 
-  def test_vmap_depth_invariance(self):
-    layouts = [(i, o) for ls in checks.VMAP_LAYOUTS.values() for i, o in ls]
-    self._each("layout", layouts, lambda l: checks.check_vmap_depth_invariance(
-        self._spec(), l[0], l[1], "outside"))
 
-  def test_example_axis_selection(self):
-    self._each("case", checks.EXAMPLE_AXIS_CASES,
-               lambda c: checks.check_example_axis_selection(self._spec(), c))
-
-  def test_checkpoint(self):
-    self._each("policy", list(checks.CHECKPOINT_POLICIES),
-               lambda p: checks.check_checkpoint(self._spec(), p, True))
-
-  def test_transforms(self):
-    self._each("check", list(checks.TRANSFORM_CHECKS),
-               lambda c: checks.TRANSFORM_CHECKS[c](self._spec()))
-
-  def test_norm_bounds(self):
-    cases = [(c, m) for c in checks.BOUND_CASES
-             for m in ("norms", "per_example")]
-
-    def one(cm):
-      try:
-        checks.check_norm_bounds(self._spec(), *cm)
-      except checks.NotApplicable:
-        pass  # (an integer input cannot be offset; the other cases ran)
-    self._each("case", cases, one)
-
-  def test_frozen(self):
-    # Skipped (with the reason), not failed, when the family cannot apply:
-    # an ``apply`` without ``plan=``, or parameters reshaped before the op.
-    try:
-      checks.check_frozen(self._spec())
-    except checks.NotApplicable as e:
-      self.skipTest(f"frozen family not applicable: {e}")  # pytype: disable=attribute-error
+_add_check_methods(GramOpTestMixin)

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import haiku_compat as hkc
-from gram_haiku._src.ops.conv import gram_conv
-from gram_haiku._src.ops.conv import gram_conv_transpose
+from gram_haiku._src.ops import conv as conv_op
 from gram_haiku._src.registry import register_layer
 
 DEPTHWISE_BIAS = (
@@ -78,7 +77,7 @@ def _masked(module, w):
 
 @register_layer(hk.ConvND)
 def conv_nd(call, module: hk.ConvND, inputs, *, precision=None):
-  """``hk.ConvND.__call__`` with :func:`gram_conv` (same parameters)."""
+  """``hk.ConvND.__call__`` with the convolution's rule (same parameters)."""
   inputs = jnp.asarray(inputs)
   _check_rank(module, inputs, "ConvND")
   channels = inputs.shape[_channel_axis(module, inputs)]
@@ -93,20 +92,19 @@ def conv_nd(call, module: hk.ConvND, inputs, *, precision=None):
   w = _masked(module, hk.get_parameter("w", w_shape, inputs.dtype,
                                       init=w_init))
   b = _bias(module, inputs.dtype)
-
-  def op(x, w, b, probe, **kwargs):
-    return gram_conv(x, w, b, probe, stride=module.stride,
-                     padding=module.padding, rate=module.kernel_dilation,
-                     feature_group_count=groups,
-                     data_format=module.data_format, precision=precision,
-                     **kwargs)
-  return call.apply(op, inputs, (w, b))
+  rule = conv_op.layer_rule(
+      w.shape, transpose=False, stride=module.stride, padding=module.padding,
+      rate=module.kernel_dilation, feature_group_count=groups,
+      data_format=module.data_format, precision=precision,
+      name=module.module_name)
+  return call.apply(rule, inputs, (w, b))
 
 
 @register_layer(hk.ConvNDTranspose)
 def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
                       precision=None):
-  """``hk.ConvNDTranspose.__call__`` with :func:`gram_conv_transpose`."""
+  """``hk.ConvNDTranspose.__call__`` with the transposed convolution's
+  rule."""
   inputs = jnp.asarray(inputs)
   _check_rank(module, inputs, "ConvNDTranspose")
   channel_axis = _channel_axis(module, inputs)
@@ -130,17 +128,15 @@ def conv_nd_transpose(call, module: hk.ConvNDTranspose, inputs, *,
                                                         module.padding),
         input_shape, module.output_shape, module.kernel_shape, module.stride))
   b = _bias(module, inputs.dtype)
-
-  def op(x, w, b, probe, **kwargs):
-    return gram_conv_transpose(x, w, b, probe, stride=module.stride,
-                               padding=padding,
-                               data_format=module.data_format,
-                               precision=precision, **kwargs)
-  return call.apply(op, inputs, (w, b))
+  rule = conv_op.layer_rule(
+      w.shape, transpose=True, stride=module.stride, padding=padding, rate=1,
+      feature_group_count=1, data_format=module.data_format,
+      precision=precision, name=module.module_name)
+  return call.apply(rule, inputs, (w, b))
 
 
 def depthwise_conv(call, module, inputs):
-  """``hk.DepthwiseConv{1,2,3}D.__call__`` with :func:`gram_conv`: one
+  """``hk.DepthwiseConv{1,2,3}D.__call__`` with the convolution's rule: one
   feature group per input channel, ``channel_multiplier`` outputs each
   (same parameters, same convolution)."""
   inputs = jnp.asarray(inputs)
@@ -163,13 +159,12 @@ def depthwise_conv(call, module, inputs):
     b_shape = ((module.channel_multiplier * channels,) if channel_index == -1
                else (module.channel_multiplier * channels, 1, 1))
     b = hk.get_parameter("b", b_shape, inputs.dtype, init=module.b_init)
-
-  def op(x, w, b, probe, **kwargs):
-    return gram_conv(x, w, b, probe, stride=module.stride,
-                     padding=module.padding, rate=module.rhs_dilation,
-                     feature_group_count=channels,
-                     data_format=module.data_format, **kwargs)
-  return call.apply(op, inputs, (w, b))
+  rule = conv_op.layer_rule(
+      w.shape, transpose=False, stride=module.stride, padding=module.padding,
+      rate=module.rhs_dilation, feature_group_count=channels,
+      data_format=module.data_format, precision=None,
+      name=module.module_name)
+  return call.apply(rule, inputs, (w, b))
 
 
 for _cls in (hk.DepthwiseConv1D, hk.DepthwiseConv2D, hk.DepthwiseConv3D):

@@ -11,13 +11,13 @@ embeddings) contributes gradient that this module's Gram does not contain.
 import haiku as hk
 import jax.numpy as jnp
 
-from gram_haiku._src.ops.embed import gram_embed
+from gram_haiku._src.ops import embed as embed_op
 from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Embed)
 def embed(call, module: hk.Embed, ids, lookup_style=None, precision=None):
-  """``hk.Embed.__call__`` with :func:`gram_embed` (same parameter)."""
+  """``hk.Embed.__call__`` with its rule (same parameter)."""
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError("hk.Embed's __call__ method must take an array of "
@@ -31,8 +31,5 @@ def embed(call, module: hk.Embed, ids, lookup_style=None, precision=None):
     raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
   precision = module.precision if precision is None else precision
   embeddings = module.embeddings  # The forward applies jnp.asarray.
-
-  def op(x, e, probe, **kwargs):
-    return gram_embed(x, e, probe, lookup_style=lookup_style.name,
-                      precision=precision, **kwargs)
-  return call.apply(op, ids, (embeddings,))
+  rule = embed_op.layer_rule(ids, lookup_style.name, precision)
+  return call.apply(rule, ids, (embeddings,))

@@ -4,13 +4,13 @@ import haiku as hk
 import jax.numpy as jnp
 import numpy as np
 
-from gram_haiku._src.ops.linear import gram_linear
+from gram_haiku._src.ops.linear import linear_rule
 from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Linear)
 def linear(call, module: hk.Linear, inputs, *, precision=None):
-  """``hk.Linear.__call__`` with :func:`gram_linear` (same parameters)."""
+  """``hk.Linear.__call__`` with its rule (same parameters)."""
   if not inputs.shape:
     raise ValueError("Input must not be scalar.")
   inputs = jnp.asarray(inputs)
@@ -24,7 +24,4 @@ def linear(call, module: hk.Linear, inputs, *, precision=None):
   b = None
   if module.with_bias:
     b = hk.get_parameter("b", [module.output_size], dtype, init=module.b_init)
-
-  def op(x, w, b, probe, **kwargs):
-    return gram_linear(x, w, b, probe, precision=precision, **kwargs)
-  return call.apply(op, inputs, (w, b))
+  return call.apply(linear_rule(precision), inputs, (w, b))

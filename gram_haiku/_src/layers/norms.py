@@ -3,9 +3,9 @@
 Each handler repeats the Haiku module's ``__call__`` (same checks, same
 parameters: names, shapes, dtypes, initialisers and creation order; same
 normalisation ops) and routes only the learnable elementwise affine part
-through :func:`gram_affine`. The normalised input ``xhat`` is computed by
-ordinary JAX ops, so the normalisation's own gradient reaches the input as
-it does in Haiku.
+through its rule (:func:`gram_haiku._src.ops.affine.affine_rule`). The
+normalised input ``xhat`` is computed by ordinary JAX ops, so the
+normalisation's own gradient reaches the input as it does in Haiku.
 
 * ``hk.LayerNorm`` (and ``hk.InstanceNorm``, a subclass whose ``__call__``
   is LayerNorm's, so the interceptor reports ``orig_class = hk.LayerNorm``):
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gram_haiku._src import haiku_compat as hkc
-from gram_haiku._src.ops.affine import gram_affine
+from gram_haiku._src.ops import affine as affine_op
 from gram_haiku._src.ops.affine import static_multiplier
 from gram_haiku._src.registry import register_layer
 
@@ -39,10 +39,10 @@ from gram_haiku._src.registry import register_layer
 def _affine(call, x, scale, offset, offset_multiplier=None, coupled=None):
   """``x * scale + offset`` (parameters, either may be None) via the Gram op
   (``coupled``: see :meth:`gram_haiku.LayerCall.apply`)."""
-  def op(x, scale, offset, probe, **kwargs):
-    return gram_affine(x, scale, offset, probe,
-                       offset_multiplier=offset_multiplier, **kwargs)
-  return call.apply(op, x, (scale, offset), coupled=coupled)
+  x = jnp.asarray(x)
+  rule, scale, offset = affine_op.layer_rule(
+      x, scale, offset, offset_multiplier, call.module.module_name)
+  return call.apply(rule, x, (scale, offset), coupled=coupled)
 
 
 def check_call_time_params(module, scale, offset):

@@ -6,8 +6,9 @@ every Gram op: ``expand`` (the forward pass), ``jvp``, ``vjp_fwd`` and
 ``batch`` (the ``vmap`` rule that moves the mapped axis to the front of the
 input, so that the backward rule sees every example) and ``remat``, plus the
 probe protocol's checks (shape, mesh variance, ref accumulators). What the
-op computes comes from the rule (:class:`gram_haiku.GramOp`): ``forward``,
-``example_size``, ``num_params`` and ``probe_cotangent_and_grads``.
+op computes comes from its rule (:class:`gram_haiku._src.ops.op.RuleOp`
+binds one): ``forward``, ``example_size``, ``num_params``, and the probe's
+value by :func:`gram_haiku._src.ops.modes.backward_products`.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ class Adapter(hx.VJPHiPrimitive):
     """
     idx = ([0] if want_x else []) + [i + 1 for i in wanted]
     # A frozen parameter known only as absent (after the pass, see
-    # GramOp.droppable) is held at zero: no wanted cotangent reads it.
+    # Rule.droppable) is held at zero: no wanted cotangent reads it.
     args = [x, *[jnp.zeros(a.shape, a.dtype) if p is None and a is not None
                  else p for p, a in zip(params, self.param_avals)]]
 

@@ -24,7 +24,7 @@ the diagonal is ``sum(F * F, axis=1)`` (``~B N``). A ghost form would cost
 more (``B^2 T^2 (C + 1)`` per parameter), so there is no strategy choice.
 
 The rule (:func:`affine_rule`) is these pure functions of arrays;
-:class:`GramAffine` binds it as a primitive.
+:func:`gram_affine` binds it as a Gram op.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from gram_haiku._src import norm_bounds
 from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
-from gram_haiku._src.ops import function
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.rule import Rule
@@ -179,13 +179,15 @@ def per_example_error(x, g, params, example_dim: int, cfg, *,
 
 
 def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
-  """The rule of ``xhat * scale + offset * offset_multiplier``.
+  """The rule of ``xhat * scale + offset * offset_multiplier``, parameters
+  ``(scale, offset)`` over the ``feature_ndim`` trailing axes of ``xhat``
+  (the learnable part of the norms and ``hk.Bias``).
 
-  ``per_example_grads``, and the norms with their rounding bound
-  (:func:`sq_norms`, :func:`per_example_error`): the default Gram
-  (``F F^T``, :mod:`gram_haiku._src.rule`) is this layer's formula, and its
-  ``gram_matmul`` gathers columns and shards rows (sharding-aware). Each
-  parameter's term is its own (both droppable).
+  It gives the per-example gradients (small: never more entries than the
+  output), and the squared norms with their rounding bound; the default
+  Gram, ``F F^T`` of the per-example gradients, is this layer's formula
+  and gathers columns and shards rows (sharding-aware). Each parameter's
+  term is its own (both droppable).
   """
   return Rule(
       forward=functools.partial(affine_forward,
@@ -202,21 +204,27 @@ def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
       droppable=(0, 1), sharding_aware=True)
 
 
-class GramAffine(function.GramFunction):
-  """Primitive for ``xhat * scale + offset``; the probe's cotangent is the Gram.
+def layer_rule(x, scale, offset, offset_multiplier=None, name="affine"):
+  """``(rule, scale, offset)``: :func:`affine_rule` for these operands, and
+  the parameters as the op takes them (leading size-1 axes dropped, a
+  reshape outside the op).
 
-  Inputs: ``xhat`` (any float dtype; the example axis and within-example
-  axes first, then ``feature_ndim`` parameter axes), ``scale`` and
-  ``offset`` (each None or broadcastable to the trailing axes, without
-  leading size-1 axes), ``probe``. Op params: ``feature_ndim``,
-  ``offset_multiplier`` (:func:`affine_rule`). Cotangents of ``xhat``,
-  ``scale``, ``offset`` are JAX's own; the probe gets ``F F^T``, ``F`` the
-  per-example gradients of ``scale`` and ``offset``, flattened.
+  Raises:
+    ValueError: when neither ``scale`` nor ``offset`` is given, or they do
+      not broadcast to ``x``.
+    NotImplementedError: for a non-static ``offset_multiplier``.
   """
-
-  @functools.cached_property
-  def rule(self) -> Rule:
-    return affine_rule(**self.layer_params)
+  if scale is None and offset is None:
+    raise ValueError("gram_affine needs a scale or an offset parameter.")
+  offset_multiplier = static_multiplier(offset_multiplier)
+  scale = _strip_leading_ones(scale)
+  offset = _strip_leading_ones(offset)
+  feature_ndim = max(p.ndim for p in (scale, offset) if p is not None)
+  if feature_ndim > jnp.ndim(x):
+    raise ValueError(
+        f"gram_affine ({name}): parameters of rank {feature_ndim} do not "
+        f"broadcast to an input of shape {jnp.shape(x)}.")
+  return affine_rule(feature_ndim, offset_multiplier), scale, offset
 
 
 def gram_affine(x: jax.Array, scale: Optional[jax.Array],
@@ -239,13 +247,13 @@ def gram_affine(x: jax.Array, scale: Optional[jax.Array],
       (``hk.Bias``'s ``multiplier``).
     name: module name used in error messages.
     example_axis: which axis is the example axis (as
-      :func:`gram_haiku.gram_linear`). Parameter axes are the trailing
+      :func:`gram_haiku.ops.gram_linear`). Parameter axes are the trailing
       ``max(ndim(scale), ndim(offset))`` axes of ``x`` (after leading
       size-1 parameter axes are dropped); the others are leading axes.
     strategy: accepted for a uniform interface; the Gram is always formed
       from the materialised per-example gradients.
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
-    memory_budget_bytes, plan: as :func:`gram_haiku.gram_linear`.
+    memory_budget_bytes, plan: as :func:`gram_haiku.ops.gram_linear`.
 
   Returns:
     ``x * scale + offset * offset_multiplier`` (absent terms left out). The
@@ -260,17 +268,6 @@ def gram_affine(x: jax.Array, scale: Optional[jax.Array],
   if plan is None:
     plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
                      memory_budget_bytes=memory_budget_bytes)
-  if scale is None and offset is None:
-    raise ValueError("gram_affine needs a scale or an offset parameter.")
-  offset_multiplier = static_multiplier(offset_multiplier)
   x = jnp.asarray(x)
-  scale = _strip_leading_ones(scale)
-  offset = _strip_leading_ones(offset)
-  feature_ndim = max(p.ndim for p in (scale, offset) if p is not None)
-  if feature_ndim > x.ndim:
-    raise ValueError(
-        f"gram_affine ({name}): parameters of rank {feature_ndim} do not "
-        f"broadcast to an input of shape {x.shape}.")
-  return GramAffine.apply(x, (scale, offset), probe, name=name, plan=plan,
-                         feature_ndim=feature_ndim,
-                         offset_multiplier=offset_multiplier)
+  rule, scale, offset = layer_rule(x, scale, offset, offset_multiplier, name)
+  return op_lib.bind(rule, x, (scale, offset), probe, name=name, plan=plan)

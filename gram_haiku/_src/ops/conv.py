@@ -5,9 +5,9 @@ with Haiku's dimension numbers (for a transposed conv, the very call that
 ``lax.conv_transpose`` makes), then the bias.
 The probe's cotangent is the per-example gradient Gram of ``w`` and ``b`` (or
 its diagonal, or the per-example gradients; see
-:mod:`gram_haiku._src.ops.base`). The rule (:func:`conv_rule`) is pure
-functions of arrays and a static :class:`ConvSpec`; :class:`GramConv` binds
-it as a primitive.
+:mod:`gram_haiku._src.ops.op`). The rule (:func:`conv_rule`) is pure
+functions of arrays and a static :class:`ConvSpec`; :func:`gram_conv` and
+:func:`gram_conv_transpose` bind it as a Gram op.
 
 **Math.** A convolution is a linear layer applied to *im2col patches*. With kernel
 spatial shape ``K`` (``nK = prod(K)`` taps), ``C`` input and ``O`` output
@@ -88,7 +88,7 @@ from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import function
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.rule import Rule
@@ -604,10 +604,17 @@ def sq_norms(x, g, params, example_dim: int, cfg: KernelConfig, *,
 
 
 def conv_rule(**spec_fields) -> Rule:
-  """The rule of ``hk.ConvND``/``hk.ConvNDTranspose`` with this
-  :class:`ConvSpec` (its fields as keywords). Sharding-aware; the bias is
-  droppable (a None bias is no bias); per-example gradients of a frozen
-  bias's kernel by the default ``vmap`` of the VJP."""
+  """The rule of ``hk.ConvND`` (``transpose=False``) or
+  ``hk.ConvNDTranspose`` (``transpose=True``), parameters ``(w, b)``.
+
+  Keywords (the fields of :class:`ConvSpec`), already normalised:
+  ``num_spatial_dims`` (``N``), ``channels_last``, ``transpose``,
+  ``stride`` and ``rate`` (``N``-tuples), ``padding`` (``"SAME"``,
+  ``"VALID"`` or ``N`` ``(low, high)`` pairs), ``feature_group_count`` and
+  ``precision``, as the Haiku module's (:func:`gram_conv` and
+  :func:`gram_conv_transpose` take Haiku's own arguments). Sharding-aware;
+  the bias is droppable (a None bias is no bias); per-example gradients of
+  a frozen bias's kernel by the default ``vmap`` of the VJP."""
   spec = ConvSpec(**spec_fields)
   bind = lambda fn: functools.partial(fn, spec=spec)
   return Rule(forward=bind(conv_forward), param_names=("w", "b"),
@@ -618,38 +625,38 @@ def conv_rule(**spec_fields) -> Rule:
               cost=bind(cost), droppable=(1,), sharding_aware=True)
 
 
-class GramConv(function.GramFunction):
-  """Primitive for ``hk.ConvND`` (``transpose=False``) or
-  ``hk.ConvNDTranspose`` (``transpose=True``); the probe's cotangent is the
-  Gram of ``(w, b)``.
+def layer_rule(w_shape, *, transpose: bool, stride, padding, rate,
+               feature_group_count, data_format, precision,
+               name: str) -> Rule:
+  """:func:`conv_rule` from ``hk.ConvND``'s (or ``hk.ConvNDTranspose``'s)
+  arguments, checked and made hashable, for a kernel of shape ``w_shape``.
 
-  Inputs: ``x: [..., *spatial, C]`` (channels last) or ``[..., C, *spatial]``
-  (channels first) with any leading axes, ``w`` with Haiku's layout
-  (``[*K, C / groups, O]``, transposed ``[*K, O, C]``), ``b`` (``[O]``, or
-  ``[O, 1, ...]`` channels first) or None, and the probe. Op parameters:
-  the fields of :class:`ConvSpec` (:func:`conv_rule`).
+  Raises:
+    ValueError: for a kernel of rank below 3, a bad
+      ``feature_group_count``, ``stride``, ``rate``, ``padding`` or
+      ``data_format``.
   """
-
-  @functools.cached_property
-  def rule(self) -> Rule:
-    return conv_rule(**self.layer_params)
+  n = len(w_shape) - 2
+  if n < 1:
+    raise ValueError(f"{name}: the kernel must have rank >= 3 "
+                     f"([*kernel, in, out]), got shape {tuple(w_shape)}.")
+  if not isinstance(feature_group_count, int) or feature_group_count < 1:
+    raise ValueError(f"{name}: feature_group_count must be a positive int, "
+                     f"got {feature_group_count!r}.")
+  return conv_rule(
+      num_spatial_dims=n, channels_last=channels_last_of(data_format),
+      transpose=transpose, stride=_tuple(stride, n, "stride"),
+      padding=_padding(padding, n), rate=_tuple(rate, n, "rate"),
+      feature_group_count=feature_group_count, precision=precision)
 
 
 def _conv_op(x, w, b, probe, *, transpose, stride, padding, rate,
              feature_group_count, data_format, precision, name, plan):
-  n = w.ndim - 2
-  if n < 1:
-    raise ValueError(f"{name}: the kernel must have rank >= 3 "
-                     f"([*kernel, in, out]), got shape {w.shape}.")
-  if not isinstance(feature_group_count, int) or feature_group_count < 1:
-    raise ValueError(f"{name}: feature_group_count must be a positive int, "
-                     f"got {feature_group_count!r}.")
-  return GramConv.apply(
-      x, (w, b), probe, name=name, plan=plan, num_spatial_dims=n,
-      channels_last=channels_last_of(data_format), transpose=transpose,
-      stride=_tuple(stride, n, "stride"), padding=_padding(padding, n),
-      rate=_tuple(rate, n, "rate"), feature_group_count=feature_group_count,
-      precision=precision)
+  rule = layer_rule(jnp.shape(w), transpose=transpose, stride=stride,
+                    padding=padding, rate=rate,
+                    feature_group_count=feature_group_count,
+                    data_format=data_format, precision=precision, name=name)
+  return op_lib.bind(rule, x, (w, b), probe, name=name, plan=plan)
 
 
 def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
@@ -677,7 +684,7 @@ def gram_conv(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
       ``hk.ConvND`` (``padding`` ``"SAME"``, ``"VALID"`` or ``N`` pairs).
     precision: passed to ``lax.conv_general_dilated`` as Haiku does.
     name, example_axis, strategy, mode, memory_budget_bytes, plan: as
-      :func:`gram_haiku.gram_linear`.
+      :func:`gram_haiku.ops.gram_linear`.
 
   Returns:
     Exactly ``hk.ConvND``'s output. The probe's cotangent is the Gram of the

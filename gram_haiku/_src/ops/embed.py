@@ -66,7 +66,7 @@ above matmul multiply-adds; :func:`gram_haiku._src.cost_model.embed_method`). Th
 needs anyway.
 
 The rule (:func:`embed_rule`) is pure functions of arrays;
-:class:`GramEmbed` binds it as a primitive.
+:func:`gram_embed` binds it as a Gram op.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ from gram_haiku._src import norm_bounds
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import function
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.rule import Rule
@@ -514,10 +514,13 @@ def factors_exact(ids, params, dtype) -> bool:
 
 def embed_rule(lookup_style: str = "ARRAY_INDEX", precision=None,
                scalar_ids: bool = False) -> Rule:
-  """``hk.Embed``'s rule (see the module docstring): ``feature_ndim=0``
-  (every axis of the ids is leading), sharding-aware; per-example
-  gradients by the default ``vmap`` of the lookup's VJP (``B x V x D``,
-  the size of the ``"per_example"`` probe anyway)."""
+  """``hk.Embed``'s rule, parameter ``(embeddings,)``: a lookup by
+  ``lookup_style`` (``"ARRAY_INDEX"``, a gather, or ``"ONE_HOT"``, a
+  one-hot matmul at ``precision``) of ids with any leading axes
+  (``scalar_ids``: one id, no axes). ``feature_ndim=0`` (every axis of the
+  ids is leading), sharding-aware; per-example gradients by the default
+  ``vmap`` of the lookup's VJP (``B x V x D``, the size of the
+  ``"per_example"`` probe anyway)."""
   style = dict(lookup_style=lookup_style, scalar_ids=scalar_ids)
   return Rule(
       forward=functools.partial(embed_forward, precision=precision, **style),
@@ -529,21 +532,25 @@ def embed_rule(lookup_style: str = "ARRAY_INDEX", precision=None,
       sharding_aware=True)
 
 
-class GramEmbed(function.GramFunction):
-  """Primitive for ``hk.Embed``'s lookup; the probe's cotangent is the Gram.
+def layer_rule(ids, lookup_style: str = "ARRAY_INDEX",
+               precision=None) -> Rule:
+  """:func:`embed_rule` for a lookup of these ``ids`` (checked: integer
+  ids, a supported style; ``precision`` dropped where the lookup does not
+  use it, so that equal lookups have equal rules).
 
-  Inputs: ``ids`` (any integer dtype, any shape: every axis is the example
-  axis or a within-example axis), ``embeddings: [V, D]``, ``probe``. Op
-  params: ``lookup_style``, ``precision``, ``scalar_ids``
-  (:func:`embed_rule`). Output: exactly ``hk.Embed``'s. ``ids`` get a
-  ``float0`` cotangent; the embeddings JAX's own. The probe gets (E),
-  accumulated in float32 (float64 for float64 inputs) and cast to the
-  probe's dtype.
+  Raises:
+    ValueError: for non-integer ids.
+    NotImplementedError: for an unknown ``lookup_style``.
   """
-
-  @functools.cached_property
-  def rule(self) -> Rule:
-    return embed_rule(**self.layer_params)
+  if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+    raise ValueError("gram_embed takes integer ids, got an array of "
+                     f"{jnp.result_type(ids)}.")
+  if lookup_style not in LOOKUP_STYLES:
+    raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
+  if lookup_style == "ARRAY_INDEX":
+    precision = None  # Unused by the gather; keeps the rule canonical.
+  return embed_rule(lookup_style=lookup_style, precision=precision,
+                    scalar_ids=jnp.ndim(ids) == 0)
 
 
 def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
@@ -567,11 +574,11 @@ def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
       default is ``HIGHEST``); unused by ``ARRAY_INDEX``.
     name: module name used in error messages.
     example_axis: which axis is the example axis (as
-      :func:`gram_haiku.gram_linear`; axis 0 of ``ids`` by default).
+      :func:`gram_haiku.ops.gram_linear`; axis 0 of ``ids`` by default).
     strategy: ``"auto"``, ``"ghost"`` or ``"materialize"`` (the ghost,
       dense and segment forms; see "Embeddings" in the Layers docs).
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
-    memory_budget_bytes, plan: as :func:`gram_haiku.gram_linear`.
+    memory_budget_bytes, plan: as :func:`gram_haiku.ops.gram_linear`.
 
   Returns:
     ``ids.shape + (D,)``, exactly ``hk.Embed``'s output. The cotangent of
@@ -587,13 +594,5 @@ def gram_embed(ids: jax.Array, embeddings: jax.Array, probe: jax.Array, *,
     plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
                      memory_budget_bytes=memory_budget_bytes)
   ids = jnp.asarray(ids)
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError("gram_embed takes integer ids, got an array of "
-                     f"{ids.dtype}.")
-  if lookup_style not in LOOKUP_STYLES:
-    raise NotImplementedError(f"{lookup_style} is not supported by hk.Embed.")
-  if lookup_style == "ARRAY_INDEX":
-    precision = None  # Unused by the gather; keeps the op's params canonical.
-  return GramEmbed.apply(ids, (embeddings,), probe, name=name, plan=plan,
-                        lookup_style=lookup_style, precision=precision,
-                        scalar_ids=ids.ndim == 0)
+  return op_lib.bind(layer_rule(ids, lookup_style, precision), ids,
+                     (embeddings,), probe, name=name, plan=plan)

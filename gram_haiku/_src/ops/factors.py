@@ -7,8 +7,8 @@ the rows again (:func:`split_factors`) and forms the Gram, the norms and any
 reweighted gradient ``sum_i c_i g_i`` from them by the layer's own rule
 (:func:`reweighted_param_grads`), with no second backward pass.
 
-These are functions of an op (a :class:`gram_haiku.GramOp`) and arrays; no
-rule overrides them.
+These are functions of an op (a bound :class:`gram_haiku.Rule`) and
+arrays; no rule overrides them.
 
 Source: Bu, Mao, Xu, Karypis (2023), "Differentially private optimization
 on large model at small cost" (ICML; the "BK" algorithm of fastDP).

@@ -5,8 +5,9 @@ pass, exactly ``hk.Linear.__call__``; the per-example gradient Gram of ``w``
 and ``b`` (or its diagonal, or the per-example gradients) by the ghost or
 the materialised method of :mod:`gram_haiku._src.kernels`, whichever
 :func:`cost` (:func:`gram_haiku._src.cost_model.linear_method`) says is
-cheaper. :class:`GramLinear` binds it as a primitive, consulting the cost
-once per application (:mod:`gram_haiku._src.ops.modes`).
+cheaper. :func:`gram_linear` binds it as a Gram op
+(:func:`gram_haiku._src.ops.op.bind`), which consults the cost once per
+application (:mod:`gram_haiku._src.ops.modes`).
 
 Shapes (see :mod:`gram_haiku._src.rule`): ``x: [..., N]``, ``g: [..., M]``
 (the output cotangent, same leading axes, example axis at ``example_dim``),
@@ -31,7 +32,7 @@ from gram_haiku._src import norm_bounds
 from gram_haiku._src.example_axis import ExampleAxis
 from gram_haiku._src.example_axis import ExampleAxisSpec
 from gram_haiku._src.kernels import KernelConfig
-from gram_haiku._src.ops import function
+from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
 from gram_haiku._src.plan import Plan
 from gram_haiku._src.rule import Rule
@@ -202,23 +203,6 @@ def linear_rule(precision: lax.Precision | None = None) -> Rule:
               cost=cost, droppable=(0, 1), sharding_aware=True)
 
 
-class GramLinear(function.GramFunction):
-  """Primitive for ``x @ w + b``; the probe's cotangent is the Gram of (w, b).
-
-  Inputs: ``x: [..., N]`` (any float dtype), ``w: [N, M]``, ``b: [M]`` or
-  None, ``probe`` (``f32[B, B]`` in ``"gram"`` mode; float64 under x64).
-  Op param: ``precision``. Output: the same array as ``hk.Linear``.
-  Cotangents of ``x``, ``w``, ``b`` are JAX's own; the probe gets the Gram
-  (:func:`linear_rule`), accumulated in float32 (float64) at the plan's
-  precision (``Precision.HIGHEST`` by default) and cast to the probe's
-  dtype.
-  """
-
-  @functools.cached_property
-  def rule(self) -> Rule:
-    return linear_rule(**self.layer_params)
-
-
 def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
                 probe: jax.Array, *, name: str = "linear",
                 example_axis: ExampleAxisSpec | ExampleAxis = None,
@@ -259,7 +243,6 @@ def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
       has the wrong shape, or under ``vmap`` when ``probe`` is batched.
     NotImplementedError: under ``vmap`` when ``w`` or ``b`` is batched.
   """
-  return GramLinear.apply(x, (w, b), probe, name=name, plan=plan,
-                          example_axis=example_axis, strategy=strategy,
-                          mode=mode, memory_budget_bytes=memory_budget_bytes,
-                          precision=precision)
+  return op_lib.bind(linear_rule(precision), x, (w, b), probe, name=name,
+                     plan=plan, example_axis=example_axis, strategy=strategy,
+                     mode=mode, memory_budget_bytes=memory_budget_bytes)

@@ -1,12 +1,11 @@
 """The probe modes every rule gets: what the backward pass writes, by mode.
 
-A rule (a :class:`~gram_haiku._src.rule.Rule`, or the hooks of a
-:class:`gram_haiku.GramOp` subclass) says how to compute one layer's Gram,
-squared norms and per-example gradients (``gram``, ``sq_norms``,
-``per_example_grads``, ``probe_cotangent_and_grads``) and which method they
-use (``cost``). This module is the one place that turns the op's plan
-(:class:`~gram_haiku._src.plan.Plan`) into calls of those functions, for
-every rule alike:
+A rule (a :class:`~gram_haiku._src.rule.Rule`) says how to compute one
+layer's Gram, squared norms and per-example gradients (``gram``,
+``sq_norms``, ``per_example_grads``, ``probe_cotangent_and_grads``) and
+which method they use (``cost``). This module is the one place that turns
+the op's plan (:class:`~gram_haiku._src.plan.Plan`) into calls of those
+functions, for every rule alike:
 
 * ``"gram"``, ``"norms"``, ``"per_example"``: the rule's own products, of
   its trainable parameters only (:func:`products`: a parameter in
@@ -25,6 +24,7 @@ The adapter (:mod:`gram_haiku._src.ops.adapter`) calls
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -88,7 +88,7 @@ def per_example_error(op, x, g, params, cfg: KernelConfig) -> jax.Array:
   rule = op.rule
   e = op.example_axis.resolved_position()
   acc = op.accumulation_dtype()
-  if rule is not None and rule.per_example_error is not None:
+  if rule.per_example_error is not None:
     return rule.per_example_error(x, g, params, e, cfg).astype(acc)
   lead_nd = x.ndim - op.feature_ndim
   b = x.shape[e]
@@ -101,7 +101,8 @@ def per_example_error(op, x, g, params, cfg: KernelConfig) -> jax.Array:
   per_row = max(1, op.num_params() * jnp.dtype(acc).itemsize)
   block = max(1, cfg.memory_budget_bytes // per_row)
   sq = kernels.map_row_blocks(
-      lambda xb, gb: op.sq_norms(xb, gb, params, 0, local), block,
+      lambda xb, gb: rule_lib.sq_norms_of(rule, xb, gb, params, 0, local,
+                                          acc=acc), block,
       (rows(x), rows(g)))
   norms = jnp.sqrt(jnp.maximum(sq, 0).astype(acc) * (
       1 + norm_bounds.squares_rel(op.num_params(), acc)))
@@ -128,7 +129,7 @@ def with_method(op, x, g, params, cfg: KernelConfig,
     rule's modes), else ``cfg.replace(method=...)``.
   """
   rule = op.rule
-  if rule is None or rule.cost is None or op.mode not in RULE_MODES:
+  if rule.cost is None or op.mode not in RULE_MODES:
     return cfg
   x, g, params = jax.tree_util.tree_map(_costed, (x, g, params))
   method = rule.cost(x, g, params, op.example_axis.resolved_position(), cfg,
@@ -151,46 +152,58 @@ def _costed(a):
 
 def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
   """The probe's cotangent in ``"gram"``, ``"norms"`` or ``"per_example"``
-  mode from the op's rule (``GramOp.probe_cotangent_and_grads`` by
-  default).
+  mode from the op's rule.
 
   The rule's fused ``probe_cotangent_and_grads`` where it has one (which
-  may also give parameter cotangents); else, by mode, the op's ``gram``,
-  ``sq_norms`` or flattened ``per_example_grads``. A rule that is not
-  ``sharding_aware`` gets the Gram of a sharded example axis from exact
-  per-example gradients, which gather their columns (``shard_map``) and
-  place their rows (Explicit meshes).
+  may also give parameter cotangents); else, by mode, its ``gram``,
+  ``sq_norms`` or flattened ``per_example_grads`` (each with its default,
+  :mod:`gram_haiku._src.rule`). A rule that is not ``sharding_aware``
+  gets the Gram of a sharded example axis from exact per-example
+  gradients, which gather their columns (``shard_map``) and place their
+  rows (Explicit meshes).
+
+  Args:
+    op: the Gram op (its plan gives the mode; its rule the functions).
+    x, g, params: the op's input, output cotangent and parameters (None
+      for absent ones).
+    wanted: indices (into ``params``) of the parameters whose ordinary
+      cotangent is needed.
+    cfg: as the rule's functions get it; ``cfg.method`` holds the method
+      the rule's cost function chose for this application.
 
   Returns:
-    ``(value, provided)`` as ``GramOp.probe_cotangent_and_grads``.
+    ``(value, provided)``: the probe's cotangent (Gram, squared norms or
+    per-example gradients, by mode) and ``{index: cotangent}`` for
+    parameters whose ordinary gradient was computed anyway (the sum of
+    materialised per-example gradients), in the parameter's dtype, so that
+    it is not computed twice.
 
   Raises:
     ValueError: when the rule's Gram or norms have the wrong shape.
   """
   rule = op.rule
+  acc = op.accumulation_dtype()
   e = op.example_axis.resolved_position()
   # A Gram whose examples are sharded, from a rule that does not gather its
   # columns itself: from exact per-example gradients (fused rules too).
   by_rows = op.mode == "gram" and not op.sharding_aware and bool(
       cfg.column_axes or explicit_mesh.explicit_spec(x) is not None)
-  if (rule is not None and rule.probe_cotangent_and_grads is not None
-      and not by_rows):
+  fused = rule.probe_cotangent_and_grads is not None and not by_rows
+  provided = {}
+  if fused:
     value, provided = rule.probe_cotangent_and_grads(x, g, params, e, op.mode,
                                                      tuple(wanted), cfg)
+  elif op.mode == "gram" and by_rows:
+    value = rule_lib.gram_from_per_example(
+        functools.partial(rule_lib.per_example_grads_of, rule, acc=acc),
+        x, g, params, e, cfg)
   elif op.mode == "gram":
-    if by_rows:
-      value = rule_lib.gram_from_per_example(op.per_example_grads, x, g,
-                                             params, e, cfg)
-    else:
-      value = op.gram(x, g, params, e, cfg)
-    provided = {}
+    value = rule_lib.gram_of(rule, x, g, params, e, cfg, acc=acc)
   elif op.mode == "norms":
-    value, provided = op.sq_norms(x, g, params, e, cfg), {}
+    value = rule_lib.sq_norms_of(rule, x, g, params, e, cfg, acc=acc)
   else:
-    value = rule_lib.flat(op.per_example_grads(x, g, params, e))
-    provided = {}
-  fused = (rule is not None and rule.probe_cotangent_and_grads is not None
-           and not by_rows)
+    value = rule_lib.flat(rule_lib.per_example_grads_of(rule, x, g, params,
+                                                        e, acc=acc))
   _check_result(op, value, x, cfg, fused)
   return value, provided
 
@@ -209,7 +222,7 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
     held = (f"b = {b} examples on this device, B = {cols} in all"
             if op.mode == "gram" and cols != b else f"B = {b} examples")
     raise ValueError(
-        f"gram_haiku: {type(op).__name__}.{method} for layer "
+        f"gram_haiku: the {method} of rule {op.kind!r} for layer "
         f"{op.name!r} returned shape {tuple(value.shape)}, expected "
         f"{want} ({held}, input shape {tuple(x.shape)}).\n"
         f"What to do: return the {what} of the per-example gradients; "
@@ -223,9 +236,9 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
               {"gram": "gram", "norms": "sq_norms"}.get(
                   op.mode, "per_example_grads"))
     raise ValueError(
-        f"gram_haiku: {type(op).__name__}.{method} for layer {op.name!r} "
-        f"returned {got.name}, narrower than the accumulation dtype "
-        f"{acc.name} of its operands: the {op.mode} would be rounded to "
+        f"gram_haiku: the {method} of rule {op.kind!r} for layer "
+        f"{op.name!r} returned {got.name}, narrower than the accumulation "
+        f"dtype {acc.name} of its operands: the {op.mode} would be rounded to "
         f"{got.name} (about {jnp.finfo(got).eps:.0e} relative).\n"
         "What to do: compute and return it in the accumulation dtype "
         "(float32, or float64 where x or a parameter is float64): cast x "
@@ -249,7 +262,7 @@ def products(op, x, g, params, wanted, cfg: KernelConfig,
   (:func:`per_example_error`).
 
   Returns:
-    ``(value, provided)`` as ``GramOp.probe_cotangent_and_grads``.
+    ``(value, provided)`` as :func:`rule_products`.
   """
   if op.plan.upper_bound:
     cfg = cfg.replace(upper_bound=True)
@@ -269,8 +282,8 @@ def _own_norms(op) -> bool:
   """Whether the op's rule forms its squared norms itself (and so honours
   ``cfg.upper_bound`` itself), rather than from per-example gradients."""
   rule = op.rule
-  return rule is not None and (rule.sq_norms is not None or
-                               rule.probe_cotangent_and_grads is not None)
+  return (rule.sq_norms is not None or
+          rule.probe_cotangent_and_grads is not None)
 
 
 def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
@@ -282,8 +295,7 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
   frozen = [i for i in op.plan.frozen or ()
             if op.param_avals[i] is not None]
   if not frozen:
-    return (*op.probe_cotangent_and_grads(x, g, params, wanted, cfg),
-            _own_norms(op))
+    return (*rule_products(op, x, g, params, wanted, cfg), _own_norms(op))
   wanted = [i for i in wanted if i not in frozen]
   keep = [i for i, a in enumerate(op.param_avals)
           if a is not None and i not in frozen]
@@ -297,11 +309,13 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
   if set(frozen) <= set(op.droppable):
     masked = [None if i in frozen else p for i, p in enumerate(params)]
     if op.mode != "per_example":
-      return (*op.probe_cotangent_and_grads(x, g, masked, wanted, cfg),
-              _own_norms(op))
-    grads = op.per_example_grads(x, g, masked, e)
+      return (*rule_products(op, x, g, masked, wanted, cfg), _own_norms(op))
+    grads = rule_lib.per_example_grads_of(op.rule, x, g, masked, e,
+                                          acc=op.accumulation_dtype())
   else:
-    grads = op.vjp_per_example(x, g, params, e, keep)
+    grads = rule_lib.per_example_grads_by_vjp(op.rule.forward, x, g, params,
+                                              e, keep,
+                                              acc=op.accumulation_dtype())
   f = jnp.concatenate([kernels.rows(a) for a in grads], axis=1)
   if op.mode != "per_example":
     return kernels.probe_value(op.mode, f, cfg), {}, False

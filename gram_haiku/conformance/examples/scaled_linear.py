@@ -1,7 +1,8 @@
 """A third-party layer with its own Gram rule: the rule (pure functions, so
-``scaled_linear_gram`` can be tested on plain arrays), the op that binds it,
-its Haiku module, the ``track()`` handler that routes the module to the op,
-and its conformance spec."""
+``scaled_linear_gram`` can be tested on plain arrays), the ``track()``
+handler that applies it for the Haiku module, and its conformance spec.
+A layer is a :class:`gram_haiku.Rule`, a handler and, for the suite,
+``OpSpec.from_rule``; the op that binds the rule is gram_haiku's own."""
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -42,23 +43,10 @@ def scaled_linear_gram(x, g, params, example_dim, cfg):
 
 
 #: The layer's rule: ``forward`` plus its Gram (norms and per-example
-#: gradients come from the rule's defaults).
+#: gradients come from the rule's defaults). On arrays,
+#: ``gram_haiku.ops.bind(RULE, x, (w, s), probe, name=...)`` binds it.
 RULE = gram_haiku.Rule(forward=scaled_linear_forward, param_names=("w", "s"),
                        feature_ndim=1, gram=scaled_linear_gram)
-
-
-class ScaledLinearOp(gram_haiku.GramFunction):
-  """The rule as an op class of its own (``GramFunction.apply(...,
-  rule=RULE)`` binds the same rule)."""
-  rule = RULE
-
-
-def scaled_linear(x, w, s, probe, **kwargs):
-  """The op on arrays: ``kwargs`` are ``name`` and ``plan``, or
-  ``example_axis``, ``mode`` and ``strategy`` (see
-  :meth:`gram_haiku.GramOp.apply`)."""
-  kwargs.setdefault("name", "scaled_linear")
-  return ScaledLinearOp.apply(x, (w, s), probe, **kwargs)
 
 
 class ScaledLinear(hk.Module):
@@ -77,28 +65,23 @@ class ScaledLinear(hk.Module):
     return w, s
 
   def __call__(self, x):
-    w, s = self.params(x)
-    return s * jnp.dot(x, w)
+    return scaled_linear_forward(x, *self.params(x))
 
 
 @gram_haiku.register_layer(ScaledLinear)
 def scaled_linear_handler(call, module, x):
   """Inside ``gram_haiku.track()``, ``ScaledLinear.__call__`` becomes this:
-  the same parameters, applied by the Gram op with the module's probe
-  (``call`` is a :class:`gram_haiku.LayerCall`; given the rule itself,
-  ``call.apply(RULE, x, (w, s))`` binds it the same way)."""
-  w, s = module.params(x)
-  return call.apply(scaled_linear, x, (w, s))
+  the same parameters, with the rule applied through ``call`` (a
+  :class:`gram_haiku.LayerCall`, which binds it with the module's plan and
+  probe)."""
+  return call.apply(RULE, x, module.params(x))
 
 
-SPEC = conformance.OpSpec(
-    name="example_scaled_linear",
+SPEC = conformance.OpSpec.from_rule(
+    RULE, name="example_scaled_linear",
     make_params=lambda key, dtype: {
         "w": jax.random.normal(key, (5, 3)).astype(dtype),
         "s": jnp.asarray(1.5, dtype)},
     make_example=lambda key, lead, dtype: jax.random.normal(
-        key, lead + (5,)).astype(dtype),
-    apply=lambda p, probe, x, **kw: scaled_linear(x, p["w"], p["s"], probe,
-                                                  **kw),
-    plain=lambda p, x: p["s"] * jnp.dot(x, p["w"]))
+        key, lead + (5,)).astype(dtype))
 # conformance.register(SPEC) adds it to `pytest conformance` runs.

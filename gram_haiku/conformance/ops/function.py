@@ -1,5 +1,6 @@
-"""``GramFunction`` ops: the GRU cell (``hk.GRU``) and the tied output layer
-(``gram_haiku.unembed``)."""
+"""Ops given as a bare :class:`gram_haiku.Rule` (``OpSpec.from_rule``): the
+GRU cell (``hk.GRU``) and the tied output layer (``gram_haiku.unembed``),
+both with the rule defaults' exact per-example gradients."""
 
 import functools
 
@@ -10,7 +11,7 @@ from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
 from gram_haiku._src.layers.recurrent import gru_cell
-from gram_haiku._src.ops.function import GramFunction
+from gram_haiku._src.rule import Rule
 from gram_haiku._src.tied import _unembed
 
 _IN, _HID, _V = 3, 4, 6
@@ -23,37 +24,21 @@ def _gru_params(key, dtype):
           "b": normal(k[2], (3 * _HID,), dtype)}
 
 
-_GRU = functools.partial(gru_cell, input_size=_IN, hidden_size=_HID)
+_GRU = Rule(forward=functools.partial(gru_cell, input_size=_IN,
+                                      hidden_size=_HID),
+            param_names=("w_i", "w_h", "b"), feature_ndim=1)
 
-
-def _gru_apply(p, probe, x, **kw):
-  return GramFunction.apply(x, (p["w_i"], p["w_h"], p["b"]), probe,
-                            name="gru", fn=_GRU,
-                            param_names=("w_i", "w_h", "b"), feature_ndim=1,
-                            **kw)
-
-
-register(OpSpec(
-    name="gru_cell",
-    make_params=_gru_params,
+register(OpSpec.from_rule(
+    _GRU, name="gru_cell", make_params=_gru_params,
     make_example=lambda key, lead, dtype: normal(key, lead + (_IN + _HID,),
-                                                 dtype),
-    apply=_gru_apply,
-    plain=lambda p, x: _GRU(x, p["w_i"], p["w_h"], p["b"])))
+                                                 dtype)))
 
-_UNEMBED = functools.partial(_unembed, precision=None)
+_UNEMBED = Rule(forward=functools.partial(_unembed, precision=None),
+                param_names=("embeddings",), feature_ndim=1)
 
-
-def _unembed_apply(p, probe, x, **kw):
-  return GramFunction.apply(x, (p["embeddings"],), probe, name="unembed",
-                            fn=_UNEMBED, param_names=("embeddings",),
-                            feature_ndim=1, **kw)
-
-
-register(OpSpec(
-    name="unembed",
+register(OpSpec.from_rule(
+    _UNEMBED, name="unembed",
     make_params=lambda key, dtype: {"embeddings": normal(key, (_V, _HID),
                                                          dtype)},
     make_example=lambda key, lead, dtype: normal(key, lead + (_HID,), dtype),
-    apply=_unembed_apply,
     plain=lambda p, x: jnp.dot(x, p["embeddings"].T)))

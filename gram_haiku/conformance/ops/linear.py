@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
-from gram_haiku import gram_linear
+from gram_haiku.ops import gram_linear
 
 _N, _M = 5, 3
 
