@@ -286,9 +286,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                               frozen=self._pass.frozen.get(name, ()),
                               upper_bound=self._pass.upper_bound)
     mode = self._pass.modes.get(name)
-    if mode is not None:
-      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)
-                          if mode == "clip" else None)
+    if mode is not None:  # (Only the layers that clip have a Clip.)
+      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name))
     return plan
 
   def _check_coupled(self, reason: str) -> None:
