@@ -18,7 +18,8 @@ Every public function that runs a tracked loss's backward pass
    from the same stores, for a reweighting objective).
 
 The decisions reach the ops through :class:`gram_haiku._src.ambient.PassPlan`
-(by layer name); nothing else in this module is read by ``track()``.
+(by layer name, decisions only); what ``track()`` sees while the pass is
+traced comes back in a :class:`gram_haiku._src.ambient.PassLog`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from gram_haiku._src.ops import factors as factors_lib
 from gram_haiku._src.pass_trace import TracedLoss
 from gram_haiku._src.pass_trace import coverage_of
 from gram_haiku._src.pass_trace import leaf_names
-from gram_haiku._src.pass_trace import probe_ndim
 from gram_haiku._src.pass_trace import restore_state
 from gram_haiku._src.pass_trace import trace_loss as trace
 from gram_haiku._src.result import Grams
@@ -160,6 +160,17 @@ class Pass:
   clips: Mapping[str, Any]
 
 
+def _init_ndim(probe, found, module: str) -> int:
+  """Trailing axes of an init-time ``probe`` that are its own.
+
+  The rest are stacked by ``hk.layer_stack``. ``init`` creates ``[n, n]``
+  probes in ``"gram"`` mode and ``[n]`` in ``"norms"`` mode (the module's
+  ``track(mode=...)``, the store it keeps by default).
+  """
+  own = 2 if found.modes.get(module, Store.GRAM) == Store.GRAM else 1
+  return min(own, probe.ndim)
+
+
 # -- which modules take part --------------------------------------------------
 
 
@@ -245,7 +256,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
       return Store.PER_EXAMPLE
     return found.modes.get(m, Store.GRAM)
   op, p = found.ops[m], t.probes[m]
-  stacked = p.ndim > probe_ndim(p, found, m)
+  stacked = p.ndim > _init_ndim(p, found, m)
   if (m in found.shared or stacked or m in found.example_specs or
       op.name in ambiguous or found.applications.get(m, 1) > 1):
     # Several applications (also alternatives, e.g. hk.cond branches): each
@@ -330,7 +341,7 @@ def _probe_shape(t: TracedLoss, m: str, store: str, slotted,
   """The shape of the probe that receives module ``m``'s ``store``: its
   init-time probe's leading (``hk.layer_stack``) axes, then the store's."""
   p, op, size = t.probes[m], t.found.ops.get(m), t.size
-  lead = tuple(p.shape[:p.ndim - probe_ndim(p, t.found, m)])
+  lead = tuple(p.shape[:p.ndim - _init_ndim(p, t.found, m)])
   if store == Store.GRAM:
     own = (size, size * t.n_devices)  # This device's rows.
   elif store == Store.SLOTS:
@@ -370,8 +381,7 @@ def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted, clips
       clips={name(m): clips[m] for m, s in stores.items()
              if s == Store.CLIP},
       slotted=frozenset(name(m) for m in slotted),
-      frozen=t.found.frozen_layers, slot_reads={},
-      upper_bound=objective.upper_bound)
+      frozen=t.found.frozen_layers, upper_bound=objective.upper_bound)
 
 
 def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
@@ -427,12 +437,13 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
       return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args,
                        kwargs, slots)
 
-    pass_plan = _pass_plan(t, objective, stores, slotted, clips)
-    with ambient.running(pass_plan):
+    log = ambient.PassLog()
+    with ambient.running(_pass_plan(t, objective, stores, slotted, clips),
+                         log):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
     return (stores, diff_idx, out), slots_lib.untrusted(
-        out[0][1][1], slots, pass_plan.slot_reads,
+        out[0][1][1], slots, log.slot_reads,
         {m: found.ops[m].name for m in slots})
 
   slotted = {m: u for m, u in slots_lib.slotted_modules(

@@ -57,16 +57,6 @@ def merge_probes(rest: State, probes: Mapping[str, Any]) -> dict:
   return out
 
 
-def probe_ndim(probe, found: dataflow.Discovery, module: str) -> int:
-  """Trailing axes of an init-time ``probe`` that are its own.
-
-  The rest are stacked by ``hk.layer_stack``. ``init`` creates ``[n, n]``
-  probes in ``"gram"`` mode and ``[n]`` in ``"norms"`` mode.
-  """
-  own = 2 if found.modes.get(module, "gram") == "gram" else 1
-  return min(own, probe.ndim)
-
-
 def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
   """The one example-axis size of the model, or a teaching error.
 
@@ -189,17 +179,14 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   """
   arrays, array_axes, rebuild = batch_args.split_batch(
       (rng, *args), kwargs, example_axes)
-  seen: dict = {}
-  untracked: dict = {}
 
   def traced(p, q, a):
     (rng_, *args_), kwargs_ = rebuild(a)
     return loss(p, q, rng_, tuple(args_), kwargs_)
-  raw_traced: set = set()
-  with ambient.running(ambient.PassPlan(column_axes=axes, coverage=seen,
-                                        untracked=untracked,
-                                        raw_traced=raw_traced)):
+  log = ambient.PassLog()
+  with ambient.running(ambient.PassPlan(column_axes=axes), log):
     closed = jax.make_jaxpr(traced)(params, probes, arrays)
+  seen, untracked, raw_traced = log.coverage, log.untracked, log.raw_traced
   live = hx.live_part(closed.jaxpr)  # what the loss depends on (no aux)
   probe_names = [m for m, _ in sorted(probes.items())]
   n_params = len(jax.tree_util.tree_leaves(params))
