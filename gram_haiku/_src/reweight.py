@@ -8,7 +8,9 @@ clipping). The parameters themselves are not differentiated by the pass
 (except those of ``"clip"`` layers), so the plain weight gradient is never
 formed. After the pass the Grams (or norms) come from what the layers kept,
 ``c = weight_fn(grams)``, and every parameter's ``sum_i c_i g_i`` is
-re-contracted from the same stores.
+re-contracted from the same stores. :func:`run` is that composition of the
+pass pipeline (:mod:`gram_haiku._src.pass_pipeline`), shared by
+:func:`reweighted_grad` and :func:`gram_haiku.clipped_grad`.
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ class PassResult:
     grams: the :class:`Grams` of the pass (``needs`` says full or norms).
     weights: module name -> the ``(B,)`` weights its gradient was formed
       with (one vector for all modules unless clipped per layer).
-    modes: module name -> what the layer kept (``"factors"``,
+    modes: module name -> what the layer kept, its
+      :class:`~gram_haiku._src.pass_pipeline.Store` (``"factors"``,
       ``"slots"``: the factors of each of its applications, or
-      ``"per_example"``) or ``"clip"``.
+      ``"per_example"``) or ``"clip"``; modules that keep nothing are left
+      out.
     clips: module name -> its :class:`~gram_haiku._src.plan.Clip` under
       per-layer clipping (empty otherwise).
   """
