@@ -115,11 +115,21 @@ class Objective:
       (:attr:`gram_haiku._src.plan.Plan.upper_bound`).
     frozen: full names (``module/name``) of the parameter leaves declared
       frozen (``frozen=``): no gradient, no term in the Grams.
+    clips: per-layer clipping: module -> its
+      :class:`~gram_haiku._src.plan.Clip` (every module that takes part;
+      known once :func:`participants` has said which do, see
+      :meth:`with_clips`); empty for one weight vector for all modules
+      (all-layer clipping, reweighting).
   """
   recontract: bool = False
   needs: Optional[str] = None
   upper_bound: bool = False
   frozen: frozenset = frozenset()
+  clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def with_clips(self, clips: Mapping[str, Any]) -> "Objective":
+    """This objective, clipping each module of ``clips`` per layer."""
+    return dataclasses.replace(self, clips=dict(clips))
 
   def wants(self, found, module: str) -> str:
     """``Store.GRAM`` or ``Store.NORMS``: what is read for ``module``."""
@@ -146,8 +156,6 @@ class Pass:
       re-contracts; then those of ``CLIP`` modules).
     slotted: module -> number of slots, for the ``SLOTS`` modules.
     slots_used: module -> its slot counter after the pass.
-    clips: module -> its :class:`~gram_haiku._src.plan.Clip`, for the
-      ``CLIP`` modules.
   """
   value: Any
   aux: Any
@@ -157,7 +165,6 @@ class Pass:
   param_grads: Mapping[int, jax.Array]
   slotted: Mapping[str, int]
   slots_used: Mapping[str, Any]
-  clips: Mapping[str, Any]
 
 
 def _init_ndim(probe, found, module: str) -> int:
@@ -241,7 +248,7 @@ def participants(t: TracedLoss, objective: Objective, params
 
 
 def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
-              clips, ambiguous: set) -> str:
+              ambiguous: set) -> str:
   """What module ``m`` keeps through the pass (see :func:`decide`)."""
   found = t.found
   if m not in live:
@@ -262,7 +269,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     # Several applications (also alternatives, e.g. hk.cond branches): each
     # has its own input layout, and only per-example gradients add up.
     return Store.PER_EXAMPLE
-  if m in clips:
+  if m in objective.clips:
     return Store.CLIP
   if not set(op.plan.frozen) <= set(op.droppable):
     # After the pass only the parameter leaves are known, not the values
@@ -280,8 +287,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
 
 
 def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
-           slotted: Mapping[str, int], clips: Mapping[str, Any]
-           ) -> dict[str, str]:
+           slotted: Mapping[str, int]) -> dict[str, str]:
   """Module -> its :class:`Store`, for every module with a probe.
 
   Args:
@@ -292,18 +298,16 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
     slotted: module -> number of applications, for the modules applied at
       every step of a loop that keep each application's factors in a slot
       (:func:`gram_haiku._src.slots.slotted_modules`): ``SLOTS``.
-    clips: module -> its clip (per-layer clipping): ``CLIP``, where the
-      module's probe and operands allow it.
 
   For Grams a module keeps its Gram or norms (its ``track(mode=...)``), or
   its per-example gradients where it is applied more than once. To
   re-contract, a module applied more than once (or stacked by
   ``hk.layer_stack``, sharded by an Explicit mesh, or sharing its layer
   name with another module) keeps per-example gradients; otherwise it
-  clips in its backward rule (``clips``), or keeps factors or per-example
-  gradients: per-example gradients where a frozen operand the rule reads
-  cannot be rebuilt after the pass, the full Gram's columns are gathered
-  over a mesh, the input does not survive the probe's dtype or
+  clips in its backward rule (``objective.clips``), or keeps factors or
+  per-example gradients: per-example gradients where a frozen operand the
+  rule reads cannot be rebuilt after the pass, the full Gram's columns are
+  gathered over a mesh, the input does not survive the probe's dtype or
   ``track(strategy="materialize")``; factors with ``strategy="ghost"``;
   else the smaller of the two
   (:func:`gram_haiku._src.cost_model.bookkeeping_method`).
@@ -313,7 +317,7 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
     if m in t.found.ops:  # (For Grams, a module never applied takes part.)
       by_name.setdefault(t.found.ops[m].name, set()).add(m)
   ambiguous = {n for n, ms in by_name.items() if len(ms) > 1}
-  return {m: _store_of(t, m, objective, live, slotted, clips, ambiguous)
+  return {m: _store_of(t, m, objective, live, slotted, ambiguous)
           for m in sorted(t.probes)}
 
 
@@ -370,7 +374,7 @@ def _fresh_probe(t: TracedLoss, m: str, store: str, shape, mask):
   return hx.vary_over(probe, t.axes) if t.axes else probe
 
 
-def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted, clips
+def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted
                ) -> ambient.PassPlan:
   """What ``track()`` is told for the pass, by layer name."""
   name = lambda m: t.found.ops[m].name
@@ -378,23 +382,20 @@ def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted, clips
       column_axes=t.axes,
       modes={name(m): _OP_MODE[s] for m, s in stores.items()
              if s in _OP_MODE},
-      clips={name(m): clips[m] for m, s in stores.items()
+      clips={name(m): objective.clips[m] for m, s in stores.items()
              if s == Store.CLIP},
       slotted=frozenset(name(m) for m in slotted),
       frozen=t.found.frozen_layers, upper_bound=objective.upper_bound)
 
 
 def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
-        live: Sequence[str], clips: Optional[Mapping[str, Any]] = None,
-        mask=None) -> Pass:
+        live: Sequence[str], mask=None) -> Pass:
   """Runs the one backward pass of the traced loss.
 
   Args:
     t, live: from :func:`participants`.
     objective: what the pass is for.
     params, rng, args, kwargs: the call's.
-    clips: module -> its :class:`~gram_haiku._src.plan.Clip` (per-layer
-      clipping), or None.
     mask: ``(B,)`` weights of the examples (a padding mask), the probes of
       ``CLIP`` modules; None for ones.
 
@@ -403,7 +404,6 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
     modules applied at every step of a loop start with ``SLOTS``, and the
     pass is traced once more without the slots it cannot trust.
   """
-  clips = dict(clips or {})
   found = t.found
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = leaf_names(params)
@@ -411,7 +411,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
     mask = jnp.ones((t.size,), jnp.float32)
 
   def attempt(slotted):
-    stores = decide(t, objective, live, slotted, clips)
+    stores = decide(t, objective, live, slotted)
     kept = {m: s for m, s in stores.items() if s != Store.NOTHING}
     diff_probes = {m: _fresh_probe(t, m, s, _probe_shape(
         t, m, s, slotted, objective.upper_bound), mask)
@@ -438,8 +438,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
                        kwargs, slots)
 
     log = ambient.PassLog()
-    with ambient.running(_pass_plan(t, objective, stores, slotted, clips),
-                         log):
+    with ambient.running(_pass_plan(t, objective, stores, slotted), log):
       out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
           [leaves[k] for k in diff_idx], diff_probes)
     return (stores, diff_idx, out), slots_lib.untrusted(
@@ -453,8 +452,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
   (value, (aux, new_state)), (param_cts, cotangents) = out
   new_state, used = restore_state(new_state, t.given_probes, slotted)
   return Pass(value, aux, new_state, stores, cotangents,
-              dict(zip(diff_idx, param_cts)), slotted, used,
-              {m: clips[m] for m, s in stores.items() if s == Store.CLIP})
+              dict(zip(diff_idx, param_cts)), slotted, used)
 
 
 # -- reading the stores -------------------------------------------------------

@@ -205,16 +205,16 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                  upper_bound=privacy,
                                  frozen=frozenset(frozen_names))
   t, live = pipeline.participants(t, objective, params)
-  layer_clips = (dict(clips(_trainable_sizes(t.found, live, leaves, names,
-                                             frozen_names)))
-                 if clips is not None else {})
+  if clips is not None:
+    objective = objective.with_clips(clips(_trainable_sizes(
+        t.found, live, leaves, names, frozen_names)))
   if example_weights is not None and jnp.shape(example_weights) != (t.size,):
     raise ValueError(errors.PADDING_MASK_SHAPE.format(
         shape=jnp.shape(example_weights), size=t.size))
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
   p = pipeline.run(t, objective, params, rng, args, kwargs, live=live,
-                   clips=layer_clips, mask=mask)
+                   mask=mask)
   value = (p.value, p.aux) if has_aux else p.value
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
@@ -230,14 +230,15 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     weights = {m: c * mask.astype(c.dtype) for m in kept}
   else:
     weights = {m: clip_weights(grams.sq_norms_by_layer[m],
-                               layer_clips[m]) * mask for m in kept}
+                               objective.clips[m]) * mask for m in kept}
   # Rows with weight 0 (padding, or an example whose norm is not finite
   # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip)
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
-                    weights, {m: p.stores[m] for m in kept}, layer_clips)
+                    weights, {m: p.stores[m] for m in kept},
+                    dict(objective.clips))
 
 
 def check_needs(needs) -> None:

@@ -18,16 +18,12 @@ from gram_haiku._src import pass_pipeline as pipeline
 from gram_haiku._src import plan as plan_lib
 from gram_haiku._src import shard_examples
 from gram_haiku._src.ops import base
-# The probes in the Haiku state, and the trace (the pipeline's first step),
-# where callers have always found them.
+# (The probes in the Haiku state, and the trace, the pipeline's first step,
+# are also read here.)
 from gram_haiku._src.pass_trace import State
-from gram_haiku._src.pass_trace import TracedLoss  # noqa: F401
-from gram_haiku._src.pass_trace import leaf_names  # noqa: F401
 from gram_haiku._src.pass_trace import merge_probes
 from gram_haiku._src.pass_trace import split_probes
 from gram_haiku._src.pass_trace import trace_loss
-
-_stacked_to_columns = pipeline.stacked_to_columns  # (tests read it here)
 
 
 def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
