@@ -15,7 +15,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src import errors
-from gram_haiku._src import value_grad_and_gram as vgg_lib
+from gram_haiku._src import pass_pipeline
 from gram_haiku._src.reference import assert_gram_close
 from gram_haiku._src.reference import clip_reference
 from gram_haiku._src.reference import per_example_grads
@@ -408,7 +408,7 @@ def test_layer_stack_body_that_shares_a_module():
 
 def test_stacked_per_example_gradients_are_concatenated():
   f = problems.normal(jax.random.PRNGKey(9), (3, 4, 5))  # [L, B, P]
-  cols = vgg_lib._stacked_to_columns(f)  # pylint: disable=protected-access
+  cols = pass_pipeline.stacked_to_columns(f)
   np.testing.assert_array_equal(cols[1], np.concatenate(list(f[:, 1])))
 
 

@@ -2,13 +2,14 @@
 
 Three things cannot travel as arguments through user code: the active
 ``track()`` contexts (a layer handler, or :func:`gram_haiku.unembed`, must
-find its tracker from inside the user's Haiku modules), the pass that
-:func:`gram_haiku.value_grad_and_gram` is running (which modules accumulate
-per-example gradients, over which mesh axes the examples are split), and,
-on the raw ``jax.grad`` path, the modules already applied in the current
-call of the transformed function (:func:`raw_uses`). All live here. They
-are read when a ``track()`` context is entered or a layer is applied, and
-by :func:`gram_haiku.unembed`, and turned into each op's
+find its tracker from inside the user's Haiku modules), the running pass
+(:mod:`gram_haiku._src.pass_pipeline`: its :class:`PassPlan`, what each
+module keeps and over which mesh axes the examples are split, and its
+:class:`PassLog`, where ``track()`` records what the trace shows), and, on
+the raw ``jax.grad`` path, the modules already applied in the current call
+of the transformed function (:func:`raw_uses`). All live here. They are
+read when a ``track()`` context is entered or a layer is applied, and by
+:func:`gram_haiku.unembed`, and turned into each op's
 :class:`~gram_haiku._src.plan.Plan` before the op is bound; no op, rule or
 kernel reads them.
 """
@@ -26,30 +27,21 @@ _LOCAL = threading.local()
 
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
-  """What :func:`gram_haiku.value_grad_and_gram` tells ``track()``.
+  """What a pass (:mod:`gram_haiku._src.pass_pipeline`) tells ``track()``:
+  its decisions only (what it learns while tracing goes to a
+  :class:`PassLog`).
 
   Attributes:
     column_axes: mesh axes the examples are split over (``shard_map``);
       ``()`` on one device.
-    coverage: where ``track()`` contexts report which parameters they saw
-      (a dict, filled in the discovery trace), or None.
-    untracked: where ``track()`` contexts put the untracked parameter
-      reads they saw in the discovery trace (name -> (policy, module
-      type)), for the pass to report once it knows which of them have a
-      gradient; or None.
     disabled: every ``track()`` context is inert: the model runs as plain
       Haiku (:func:`gram_haiku.verify`'s reference).
     modes: layer name -> the mode its op runs in for this pass, in place
-      of the context's own: ``"per_example"`` for the modules whose
-      parameters are used more than once (empty in the discovery trace,
-      which finds them), and for a reweighted gradient ``"factors"`` or
-      ``"clip"``.
+      of the context's own (the op mode of the module's
+      :class:`~gram_haiku._src.pass_pipeline.Store`): ``"per_example"``,
+      ``"factors"`` or ``"clip"``; empty in the discovery trace.
     clips: layer name -> its :class:`~gram_haiku._src.plan.Clip`, for the
-      layers in ``"clip"`` mode.
-    raw_traced: in the discovery trace, where ``track()`` records the
-      layer names applied inside a raw JAX transform (``jax.lax.scan``,
-      ``jax.vmap`` opened inside the model): their modules cannot keep a
-      slot counter in Haiku state. None in the real pass.
+      layers in ``"clip"`` mode (only those).
     slotted: layer names whose ``"factors"`` probe is a stack of slots, one
       per application, picked by a counter in the module's state (a module
       applied at every step of a loop; see
@@ -57,23 +49,55 @@ class PassPlan:
     frozen: layer name -> indices of its op's parameters that have no
       gradient (``Plan.frozen``; see
       :attr:`gram_haiku._src.dataflow.Discovery.frozen_layers`).
-    slot_reads: in a pass with slots, where each slotted layer records the
-      slot counter values its applications read (layer name -> values; see
-      :func:`gram_haiku._src.slots.untrusted`), or None.
     upper_bound: the pass clips (:attr:`gram_haiku._src.plan.Plan
       .upper_bound`): every op's norms are sound upper bounds.
   """
   column_axes: tuple[str, ...] = ()
-  coverage: Optional[dict] = None
-  untracked: Optional[dict] = None
   disabled: bool = False
   modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  raw_traced: Optional[set] = None
   slotted: frozenset = frozenset()
   frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
-  slot_reads: Optional[dict] = None
   upper_bound: bool = False
+
+
+class PassLog:
+  """What a pass learns while the model is traced, written by ``track()``.
+
+  One per trace, given with its :class:`PassPlan` to :func:`running` and
+  read by the pipeline afterwards.
+
+  Attributes:
+    coverage: parameter name -> :class:`~gram_haiku._src.coverage
+      .ParamCoverage`: what the ``track()`` contexts' getters saw.
+    untracked: parameter name -> ``(policy, module type)``: the untracked
+      reads the contexts saw, for the pass to report once it knows which
+      of them have a gradient.
+    raw_traced: layer names applied inside a raw JAX transform
+      (``jax.lax.scan``, ``jax.vmap`` opened inside the model): their
+      modules cannot keep a slot counter in Haiku state.
+    slot_reads: layer name -> the slot counter values its applications
+      read, in a pass with slots (see :func:`gram_haiku._src.slots
+      .untrusted`).
+  """
+
+  def __init__(self):
+    self.coverage: dict = {}
+    self.untracked: dict = {}
+    self.raw_traced: set = set()
+    self.slot_reads: dict = {}
+
+  def saw(self, seen: Mapping[str, Any]) -> None:
+    """Records the parameters a ``track()`` context's getters saw."""
+    self.coverage.update(seen)
+
+  def applied_in_raw_transform(self, layer: str) -> None:
+    """Records a layer applied inside a raw JAX transform."""
+    self.raw_traced.add(layer)
+
+  def slot_reads_of(self, layer: str) -> list:
+    """Where ``layer``'s applications record the slot counters they read."""
+    return self.slot_reads.setdefault(layer, [])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +106,20 @@ class Ambient:
 
   Attributes:
     tracker: the innermost active ``track()`` context, or None.
-    pass_plan: the running ``value_grad_and_gram`` pass, or None on the raw
-      ``jax.grad`` path.
+    pass_plan: the running pass, or None on the raw ``jax.grad`` path.
+    pass_log: where the running pass records what it learns, or None.
   """
   tracker: Any
   pass_plan: Optional[PassPlan]
+  pass_log: Optional[PassLog] = None
 
 
 def current() -> Ambient:
   """The ambient state now (the one reader)."""
   stack = getattr(_LOCAL, "trackers", ())
   return Ambient(stack[-1] if stack else None,
-                 getattr(_LOCAL, "pass_plan", None))
+                 getattr(_LOCAL, "pass_plan", None),
+                 getattr(_LOCAL, "pass_log", None))
 
 
 def push_tracker(tracker) -> None:
@@ -109,14 +135,17 @@ def pop_tracker(tracker) -> None:
 
 
 @contextlib.contextmanager
-def running(pass_plan: PassPlan) -> Iterator[None]:
-  """Marks a ``value_grad_and_gram`` pass (a trace of the model) as running."""
-  previous = getattr(_LOCAL, "pass_plan", None)
-  _LOCAL.pass_plan = pass_plan
+def running(pass_plan: PassPlan,
+            log: Optional[PassLog] = None) -> Iterator[None]:
+  """Marks a pass (a trace of the model) as running, told ``pass_plan``
+  and recording into ``log``."""
+  previous = (getattr(_LOCAL, "pass_plan", None),
+              getattr(_LOCAL, "pass_log", None))
+  _LOCAL.pass_plan, _LOCAL.pass_log = pass_plan, log
   try:
     yield
   finally:
-    _LOCAL.pass_plan = previous
+    _LOCAL.pass_plan, _LOCAL.pass_log = previous
 
 
 def raw_uses(call_id: int) -> set:

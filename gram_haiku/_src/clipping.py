@@ -54,7 +54,7 @@ from gram_haiku._src import errors
 from gram_haiku._src import haiku_compat as hkc
 from gram_haiku._src import reweight
 from gram_haiku._src import shard_examples
-from gram_haiku._src import value_grad_and_gram as vgg
+from gram_haiku._src.pass_trace import split_probes
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.probes import PROBE_NAME
@@ -305,7 +305,7 @@ def _without_probes(aux):
   if not (isinstance(aux, Mapping) and
           all(isinstance(v, Mapping) for v in aux.values())):
     return aux
-  return vgg.split_probes(aux)[0]
+  return split_probes(aux)[0]
 
 
 def _per_example_forward(apply_fn, has_aux: bool, args, kwargs,

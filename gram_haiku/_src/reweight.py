@@ -8,7 +8,9 @@ clipping). The parameters themselves are not differentiated by the pass
 (except those of ``"clip"`` layers), so the plain weight gradient is never
 formed. After the pass the Grams (or norms) come from what the layers kept,
 ``c = weight_fn(grams)``, and every parameter's ``sum_i c_i g_i`` is
-re-contracted from the same stores.
+re-contracted from the same stores. :func:`run` is that composition of the
+pass pipeline (:mod:`gram_haiku._src.pass_pipeline`), shared by
+:func:`reweighted_grad` and :func:`gram_haiku.clipped_grad`.
 """
 
 from __future__ import annotations
@@ -21,19 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gram_haiku._src import ambient
-from gram_haiku._src import bookkeeping as bk
-from gram_haiku._src import cost_model
 from gram_haiku._src import errors
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src import norm_bounds
-from gram_haiku._src import reparam
+from gram_haiku._src import pass_pipeline as pipeline
 from gram_haiku._src import shard_examples
-from gram_haiku._src import slots as slots_lib
-from gram_haiku._src import value_grad_and_gram as vgg
 from gram_haiku._src.coverage import ParamCoverage
-from gram_haiku._src.ops import adapter
-from gram_haiku._src.ops import factors as factors_lib
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.plan import Clip
 from gram_haiku._src.result import Grams
@@ -59,9 +52,11 @@ class PassResult:
     grams: the :class:`Grams` of the pass (``needs`` says full or norms).
     weights: module name -> the ``(B,)`` weights its gradient was formed
       with (one vector for all modules unless clipped per layer).
-    modes: module name -> what the layer kept (``"factors"``,
+    modes: module name -> what the layer kept, its
+      :class:`~gram_haiku._src.pass_pipeline.Store` (``"factors"``,
       ``"slots"``: the factors of each of its applications, or
-      ``"per_example"``) or ``"clip"``.
+      ``"per_example"``) or ``"clip"``; modules that keep nothing are left
+      out.
     clips: module name -> its :class:`~gram_haiku._src.plan.Clip` under
       per-layer clipping (empty otherwise).
   """
@@ -76,7 +71,7 @@ class PassResult:
 
 def frozen_leaves(frozen: Frozen, params) -> set[str]:
   """Full names (``module/name``) of the frozen parameter leaves."""
-  names = vgg.leaf_names(params)
+  names = pipeline.leaf_names(params)
   if frozen is None:
     return set()
   if isinstance(frozen, (bool, np.bool_)):
@@ -153,217 +148,6 @@ def _check_complete(fn_name: str, coverage, frozen: set[str],
                  if privacy else "")))
 
 
-def _mode_of(module: str, op, stacked: bool, found, ambiguous: set,
-             needs: str, axes, per_layer: bool, dtype) -> str:
-  """What a layer keeps through the pass (see the module docstring)."""
-  if (module in found.shared or stacked or module in found.example_specs or
-      op.name in ambiguous or found.applications.get(module, 1) > 1):
-    # Several applications (also alternatives, e.g. hk.cond branches): each
-    # has its own input layout, and only per-example gradients add up.
-    return "per_example"
-  if per_layer:
-    return "clip"
-  if not set(op.plan.frozen) <= set(op.droppable):
-    # After the pass only the parameter leaves are known, not the values
-    # of frozen operands the rule reads: keep per-example gradients.
-    return "per_example"
-  if axes and needs == "gram":
-    return "per_example"  # The Gram's columns are gathered from F rows.
-  exact = op.factors_exact(dtype)
-  if op.plan.strategy == "materialize" or not exact:
-    return "per_example"  # track(strategy=...) also chooses the store.
-  if op.plan.strategy == "ghost":
-    return "factors"
-  return cost_model.bookkeeping_method(
-      op.num_params(), factors_lib.factor_width(op), exact)
-
-
-def _frozen(found, names, frozen_names: set) -> tuple[set, dict]:
-  """``(cold, frozen)``: the tracked modules whose parameters are all
-  frozen (or that have none), which keep nothing; and for the others,
-  module -> the indices of their op's frozen parameter operands: declared
-  ``frozen=``, or reached by no parameter leaf (the discovered op's
-  ``Plan.frozen``)."""
-  cold, frozen = set(), {}
-  for m, idx in found.param_leaves.items():
-    op = found.ops[m]
-    mine = {k for k, a in enumerate(op.param_avals) if a is not None}
-    off = set(op.plan.frozen or ()) | {
-        k for k in mine if idx[k] is not None and names[idx[k]] in
-        frozen_names}
-    if not mine - off:
-      cold.add(m)
-    elif off:
-      frozen[m] = tuple(sorted(off))
-  return cold, frozen
-
-
-def _with_frozen(found, frozen: dict, live):
-  """``found`` with the ops of the ``live`` modules planned with their
-  frozen operands, and those operands by layer name."""
-  layers: dict = {}
-  owners: dict = {}
-  for m in live:
-    name = found.ops[m].name
-    mine = frozen.get(m, ())
-    if layers.setdefault(name, mine) != mine:
-      # Two modules (state keys) that see one layer name (one inside a
-      # nested transform): the pass plans by name, so it cannot tell them.
-      first = owners[name]
-      raise ValueError(errors.FROZEN_NAME_CLASH.format(
-          name=name, first=first, second=m,
-          first_frozen=[found.ops[first].param_names[k]
-                        for k in layers[name]],
-          second_frozen=[found.ops[m].param_names[k] for k in mine]))
-    owners.setdefault(name, m)
-  ops = {m: op.with_plan(frozen=frozen.get(m, ()))
-         for m, op in found.ops.items()}
-  return dataclasses.replace(found, ops=ops, frozen_layers={
-      n: ks for n, ks in layers.items() if ks})
-
-
-def _stores(t: vgg.TracedLoss, live, needs: str, axes, layer_clips,
-            slotted, upper_bound: bool):
-  """``(modes, probe shapes)``: what each live module keeps in the pass.
-
-  ``slotted``: modules applied several times that keep each application's
-  factors in a slot of a ``[U, B, K]`` probe (mode ``"slots"``; see
-  :func:`gram_haiku._src.slots.slotted_modules`).
-  """
-  found = t.found
-  by_name: dict[str, set] = {}
-  for m in live:
-    by_name.setdefault(found.ops[m].name, set()).add(m)
-  ambiguous = {n for n, ms in by_name.items() if len(ms) > 1}
-  modes, shapes = {}, {}
-  for m in live:
-    op, p = found.ops[m], t.probes[m]
-    lead = tuple(p.shape[:p.ndim - vgg._probe_ndim(p, found, m)])  # pylint: disable=protected-access
-    dtype = found.probe_dtypes.get(m, p.dtype)
-    if m in slotted:
-      modes[m] = "slots"
-      shapes[m] = (slotted[m], t.size, factors_lib.factor_width(op))
-      continue
-    modes[m] = _mode_of(m, op, bool(lead), found, ambiguous, needs, axes,
-                        m in layer_clips, dtype)
-    # A clipping pass's per-example store has one more column: the bound
-    # of its rows' rounding error (Plan.upper_bound).
-    width = op.num_params() + int(upper_bound) if (
-        modes[m] == "per_example") else factors_lib.factor_width(op)
-    shapes[m] = lead + adapter.probe_shape(modes[m], t.size, width)
-  return modes, shapes
-
-
-def _fresh_probe(t: vgg.TracedLoss, m: str, mode: str, shape, mask, axes):
-  """The pass's probe of module ``m``: zeros to receive its store, or in
-  ``"clip"`` mode each example's weight (the padding mask)."""
-  dtype = t.found.probe_dtypes.get(m, t.probes[m].dtype)
-  if mode == "clip":
-    probe = jnp.broadcast_to(mask.astype(dtype), shape)
-  else:
-    probe = jnp.zeros(shape, dtype)
-  own = 1 if mode == "clip" else 2
-  probe = vgg._rows_sharded(probe, t.found.example_specs.get(m), own)  # pylint: disable=protected-access
-  return hx.vary_over(probe, axes) if axes else probe
-
-
-def _open_factors(t: vgg.TracedLoss, live, modes, stores, leaves) -> dict:
-  """``{module: (rule, x, g, op params)}`` of the modules that kept
-  factors; a slotted module's ``U`` applications are one application of
-  ``rule`` (:func:`gram_haiku._src.slots.open_slots`)."""
-  out = {}
-  for m in live:
-    op = t.found.ops[m]
-    if modes[m] == "factors":
-      opened = (op, *factors_lib.split_factors(op, stores[m]))
-    elif modes[m] == "slots":
-      opened = slots_lib.open_slots(op, stores[m])
-    else:
-      continue
-    out[m] = (*opened, bk.op_params(op, leaves, t.found.param_leaves[m]))
-  return out
-
-
-def _grams(t: vgg.TracedLoss, live, modes, stores, factors, needs: str,
-           axes, coverage, slots_used, slotted, leaves, skip,
-           upper_bound: bool) -> Grams:
-  """Each live module's Gram (or squared norms) from what it kept; ``skip``:
-  frozen leaves (of reparametrised layers, whose operands mix leaves).
-  ``upper_bound``: squared norms as sound upper bounds, from which clip
-  factors are computed (:mod:`gram_haiku._src.norm_bounds`): of the exact
-  gradient of kept factors, or of the kept per-example gradients, which
-  are what is summed."""
-  want = "gram" if needs == "gram" else "norms"
-  bound = upper_bound and want == "norms"
-  full, diag = {}, {}
-  for m in live:
-    g = stores[m]
-    if modes[m] in ("factors", "slots"):
-      val = bk.from_factors(*factors[m], want, bound)
-      if modes[m] == "slots":
-        val = slots_lib.guard_slots(val, slots_used[m], slotted[m])
-    elif modes[m] == "per_example":
-      g, slack = _split_slack(g, upper_bound)
-      f = vgg.per_example_of(t.found, m, g, leaves, skip)
-      pb = t.found.pullbacks.get(m)
-      if bound and pb is not None:  # Its rounding bound, pulled back.
-        slack = reparam.per_example_error(t.found.ops[m], pb, g, leaves,
-                                          slack, m)
-      if bound:  # The stored gradients, with their rounding bound.
-        val = norm_bounds.of_rows(
-            vgg._stacked_to_columns(f), slack)  # pylint: disable=protected-access
-      else:
-        val = vgg._from_per_example(  # pylint: disable=protected-access
-            f, want, axes, t.found.ops[m].plan.precision)
-    else:
-      val = g  # "clip": the squared norms.
-    (full if want == "gram" and modes[m] != "clip" else diag)[m] = val
-  return Grams(full, diag, coverage, axes)
-
-
-def _split_slack(store, upper_bound: bool):
-  """``(per-example gradients, [B] rounding bound)`` of a per-example store:
-  in a clipping pass its last column is the bound of each row's rounding
-  error (:attr:`gram_haiku._src.plan.Plan.upper_bound`), summed here over
-  ``hk.layer_stack``'s layers (whose gradients are concatenated); else
-  ``(store, None)``."""
-  if not upper_bound:
-    return store, None
-  slack = store[..., -1]
-  lead = math.prod(slack.shape[:-1])
-  return store[..., :-1], slack.reshape(lead, slack.shape[-1]).sum(0)
-
-
-def _recontract(t: vgg.TracedLoss, live, modes, stores, factors, weights,
-                leaves, diff_idx, clip_grads, padded: bool, skip,
-                upper_bound: bool) -> list:
-  """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
-  the frozen leaves ``skip`` of reparametrised layers).
-  ``padded``: some rows may be padding, whose values may be anything."""
-  grads = [jnp.zeros_like(l) for l in leaves]
-  for k, ct in zip(diff_idx, clip_grads):
-    grads[k] = ct  # Clipped inside the backward rule.
-  for m in live:
-    op, g, idx = t.found.ops[m], stores[m], t.found.param_leaves[m]
-    if modes[m] in ("factors", "slots"):
-      cts = bk.recontract_factors(*factors[m], weights[m], padded)
-    elif modes[m] == "per_example":
-      g = _split_slack(g, upper_bound)[0]
-      cts = bk.recontract_per_example(op, g, weights[m])
-      pb = t.found.pullbacks.get(m)
-      if pb is not None:  # With respect to the leaves its getter reads.
-        for k, ct in reparam.summed(op, pb, cts, leaves, m).items():
-          if k not in skip:
-            grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
-        continue
-    else:
-      continue
-    for k, ct in cts.items():
-      if idx[k] is not None:
-        grads[idx[k]] = grads[idx[k]] + bk.to_leaf(ct, leaves[idx[k]])
-  return grads
-
-
 def _trainable_sizes(found, live, leaves, names, frozen_names
                      ) -> dict[str, int]:
   """Module name -> the number of trainable parameters it tracks, counted
@@ -394,7 +178,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                  Mapping[str, Clip]]] = None,
         example_weights: Optional[jax.Array] = None,
         privacy: bool = False, example_axes=None) -> PassResult:
-  """One reweighted pass (see the module docstring).
+  """One reweighted pass (see the module docstring): the pass pipeline
+  (:mod:`gram_haiku._src.pass_pipeline`) with a re-contracting objective.
 
   Exactly one of ``weight_fn`` (one ``c`` for every module, from the Grams)
   and ``clips`` (per-layer clipping: ``clips({module: number of
@@ -403,11 +188,10 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   ``privacy``: the completeness and example-flow checks a privacy
   guarantee needs.
   """
-  t = vgg.trace_loss(apply_fn, has_aux, params, state, rng, args, kwargs,
+  t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
                      axes, strict=privacy, example_axes=example_axes)
-  found = t.found
   leaves, treedef = jax.tree_util.tree_flatten(params)
-  names = vgg.leaf_names(params)
+  names = pipeline.leaf_names(params)
   frozen_names = frozen_leaves(frozen, params)
   if names and frozen_names >= set(names):
     raise ValueError(
@@ -415,94 +199,46 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         f"({sorted(names)}): every gradient would be zero and there is no "
         "per-example gradient to weight or clip.\nWhat to do: leave at "
         "least one parameter unfrozen, or skip the update.")
-  coverage = vgg._coverage(params, t.seen, found)  # pylint: disable=protected-access
+  coverage = pipeline.coverage_of(params, t.seen, t.found)
   _check_complete(fn_name, coverage, frozen_names, privacy)
-  cold, frozen_ops = _frozen(found, names, frozen_names)
-  live = sorted(m for m in t.probes if m in found.ops and m not in cold)
-  found = _with_frozen(found, frozen_ops, live)
-  t = dataclasses.replace(t, found=found)
-  layer_clips = (dict(clips(_trainable_sizes(found, live, leaves, names,
-                                             frozen_names)))
-                 if clips is not None else {})
-  slotted = {m: u for m, u in slots_lib.slotted_modules(
-      found, axes, params).items() if m in live}
+  objective = pipeline.Objective(recontract=True, needs=needs,
+                                 upper_bound=privacy,
+                                 frozen=frozenset(frozen_names))
+  t, live = pipeline.participants(t, objective, params)
+  if clips is not None:
+    objective = objective.with_clips(clips(_trainable_sizes(
+        t.found, live, leaves, names, frozen_names)))
   if example_weights is not None and jnp.shape(example_weights) != (t.size,):
     raise ValueError(errors.PADDING_MASK_SHAPE.format(
         shape=jnp.shape(example_weights), size=t.size))
   mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
           else example_weights)
-
-  def run_pass(slotted):
-    modes, shapes = _stores(t, live, needs, axes, layer_clips, slotted,
-                            privacy)
-    diff_probes = {m: _fresh_probe(t, m, modes[m], shapes[m], mask, axes)
-                   for m in live}
-    fixed_probes = {m: p for m, p in t.probes.items()
-                    if m not in diff_probes}
-    # Only the parameters of layers that clip inside their backward rule
-    # are differentiated: every other gradient is re-contracted after the
-    # pass.
-    diff_idx = sorted({k for m in live if modes[m] == "clip"
-                       for k in found.param_leaves[m]
-                       if k is not None and names[k] not in frozen_names})
-    slots = slots_lib.slot_state(slotted)
-
-    def loss(diff_leaves, diff_probes):
-      full = list(leaves)
-      for k, v in zip(diff_idx, diff_leaves):
-        full[k] = v
-      p = jax.tree_util.tree_unflatten(treedef, full)
-      return t.loss_of(p, {**fixed_probes, **diff_probes}, rng, args,
-                       kwargs, slots)
-
-    pass_plan = ambient.PassPlan(
-        column_axes=axes,
-        modes={found.ops[m].name: "factors" if modes[m] == "slots"
-               else modes[m] for m in live},
-        clips={found.ops[m].name: layer_clips[m] for m in live
-               if modes[m] == "clip"},
-        slotted=frozenset(found.ops[m].name for m in slotted),
-        frozen=found.frozen_layers, slot_reads={}, upper_bound=privacy)
-    with ambient.running(pass_plan):
-      out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-          [leaves[k] for k in diff_idx], diff_probes)
-    return (modes, diff_idx, out), slots_lib.untrusted(
-        out[0][1][1], slots, pass_plan.slot_reads,
-        {m: found.ops[m].name for m in slots})
-
-  slotted, (modes, diff_idx, out) = slots_lib.pass_with_slots(run_pass,
-                                                              slotted)
-  (value, (aux, new_state)), (clip_grads, stores) = out
-  if has_aux:
-    value = (value, aux)
-  new_state, slots_used = vgg.restore_state(new_state, t.given_probes, slotted)
+  p = pipeline.run(t, objective, params, rng, args, kwargs, live=live,
+                   mask=mask)
+  value = (p.value, p.aux) if has_aux else p.value
   for name in frozen_names:
     coverage[name] = ParamCoverage(True, "frozen", coverage[name].module_type)
-  factors = _open_factors(t, live, modes, stores, leaves)
+  opened = pipeline.open_stores(t, p, leaves)
   skip = frozenset(k for k, n in enumerate(names) if n in frozen_names)
-  grams = _grams(t, live, modes, stores, factors, needs, axes, coverage,
-                 slots_used, slotted, leaves, skip, privacy)
+  grams = pipeline.read_grams(t, p, objective, leaves, opened, coverage, skip)
+  kept = [m for m, s in p.stores.items() if s != pipeline.Store.NOTHING]
   if weight_fn is not None:
     c = jnp.asarray(weight_fn(grams))
     if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
       raise ValueError(errors.WEIGHTS_SHAPE.format(
           got=f"{c.dtype}{list(c.shape)}", size=t.size))
-    weights = {m: c * mask.astype(c.dtype) for m in live}
+    weights = {m: c * mask.astype(c.dtype) for m in kept}
   else:
     weights = {m: clip_weights(grams.sq_norms_by_layer[m],
-                                    layer_clips[m]) * mask for m in live}
+                               objective.clips[m]) * mask for m in kept}
   # Rows with weight 0 (padding, or an example whose norm is not finite
   # under clipping) may hold anything, even NaN: their inputs are masked.
-  grads = _recontract(t, live, modes, stores, factors, weights, leaves,
-                      diff_idx, clip_grads,
-                      example_weights is not None or privacy, skip, privacy)
-  for m in slotted:  # NaN, never a sum missing some applications.
-    for k in found.param_leaves[m]:
-      if k is not None:
-        grads[k] = slots_lib.guard_slots(grads[k], slots_used[m], slotted[m])
-  return PassResult(value, new_state,
+  grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
+                              example_weights is not None or privacy, skip)
+  return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
-                    weights, modes, layer_clips)
+                    weights, {m: p.stores[m] for m in kept},
+                    dict(objective.clips))
 
 
 def check_needs(needs) -> None:

@@ -61,12 +61,12 @@ def _short(v) -> str:
   return repr(v)
 
 
-def _name_of(fn) -> str:
+def name_of(fn) -> str:
   """A short, stable name for a rule's function (its ``repr`` in a jaxpr)."""
   if isinstance(fn, functools.partial):
-    args = [_name_of(a) if callable(a) else _short(a) for a in fn.args]
+    args = [name_of(a) if callable(a) else _short(a) for a in fn.args]
     args += [f"{k}={_short(v)}" for k, v in fn.keywords.items()]
-    return f"{_name_of(fn.func)}({', '.join(args)})"
+    return f"{name_of(fn.func)}({', '.join(args)})"
   name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
   return name if name is not None else repr(fn)
 
@@ -216,17 +216,17 @@ class Rule:
     names = self.param_names
     if not (isinstance(names, tuple) and all(isinstance(n, str)
                                              for n in names)):
-      raise TypeError(f"gram_haiku.Rule (forward {_name_of(self.forward)}): "
+      raise TypeError(f"gram_haiku.Rule (forward {name_of(self.forward)}): "
                       f"param_names must be a tuple of strings, got "
                       f"{names!r}.")
     if (isinstance(self.feature_ndim, bool) or
         not isinstance(self.feature_ndim, int) or self.feature_ndim < 0):
-      raise TypeError(f"gram_haiku.Rule (forward {_name_of(self.forward)}): "
+      raise TypeError(f"gram_haiku.Rule (forward {name_of(self.forward)}): "
                       f"feature_ndim must be an int >= 0, got "
                       f"{self.feature_ndim!r}.")
     if not (isinstance(self.droppable, tuple) and all(
         isinstance(i, int) and 0 <= i < len(names) for i in self.droppable)):
-      raise TypeError(f"gram_haiku.Rule (forward {_name_of(self.forward)}): "
+      raise TypeError(f"gram_haiku.Rule (forward {name_of(self.forward)}): "
                       f"droppable must be a tuple of indices into "
                       f"param_names {names}, got {self.droppable!r}.")
 
@@ -243,8 +243,8 @@ class Rule:
     return hash(self._fields())
 
   def __repr__(self):
-    parts = [f"forward={_name_of(self.forward)}"]
-    parts += [f"{f}={_name_of(getattr(self, f))}" for f in _FUNCTIONS[1:]
+    parts = [f"forward={name_of(self.forward)}"]
+    parts += [f"{f}={name_of(getattr(self, f))}" for f in _FUNCTIONS[1:]
               if getattr(self, f) is not None]
     parts += [f"param_names={self.param_names!r}",
               f"feature_ndim={self.feature_ndim}"]

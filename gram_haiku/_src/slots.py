@@ -135,7 +135,7 @@ def untrusted(new_state, slots: Mapping[str, Any],
   applications read one counter value (one traced value, e.g. a lifted
   transform's apply given the same Haiku state twice: they would write one
   slot). ``slot_reads``: layer name -> the counter values read (see
-  ``PassPlan.slot_reads``); ``layer_names``: module -> its layer name."""
+  ``PassLog.slot_reads``); ``layer_names``: module -> its layer name."""
   twice = {name for name, reads in slot_reads.items()
            if any(a is b for i, a in enumerate(reads) for b in reads[:i])}
   return unthreaded(new_state, slots) | {

@@ -232,6 +232,7 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     self._untracked = untracked
     self._coverage = Coverage(untracked)
     self._pass: Optional[ambient.PassPlan] = None
+    self._log: Optional[ambient.PassLog] = None
     self._stack: Optional[contextlib.ExitStack] = None
 
   @property
@@ -248,10 +249,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                          "track() for each use.")
     if not hkc.inside_transform():
       raise ValueError(errors.TRACK_OUTSIDE_TRANSFORM)
-    self._pass = ambient.current().pass_plan
-    # Under value_grad_and_gram the traced program tells which untracked
-    # reads matter (those with a gradient): it reports them (see
-    # PassPlan.untracked). `init` computes no Gram: the first apply reports.
+    now = ambient.current()
+    self._pass, self._log = now.pass_plan, now.pass_log
+    # Under a pass the traced program tells which untracked reads matter
+    # (those with a gradient): it reports them (see PassLog.untracked).
+    # `init` computes no Gram: the first apply reports.
     self._coverage = Coverage(
         self._untracked, active=self._innermost,
         defer=self._pass is not None or hkc.running_init())
@@ -266,12 +268,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
   def __exit__(self, *exc):
     ambient.pop_tracker(self)
     stack, self._stack = self._stack, None
-    if self._pass is not None and self._pass.coverage is not None:
-      self._pass.coverage.update(self._coverage.seen)
-      if self._pass.untracked is not None:
-        coverage_lib.merge_deferred(self._pass.untracked,
-                                    self._coverage.deferred)
-    self._pass = None
+    if self._log is not None:
+      self._log.saw(self._coverage.seen)
+      coverage_lib.merge_deferred(self._log.untracked,
+                                  self._coverage.deferred)
+    self._pass = self._log = None
     return stack.__exit__(*exc)
 
   def _innermost(self) -> bool:
@@ -303,9 +304,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                               frozen=self._pass.frozen.get(name, ()),
                               upper_bound=self._pass.upper_bound)
     mode = self._pass.modes.get(name)
-    if mode is not None:
-      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name)
-                          if mode == "clip" else None)
+    if mode is not None:  # (Only the layers that clip have a Clip.)
+      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name))
     return plan
 
   def _check_coupled(self, reason: str) -> None:
@@ -327,9 +327,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       plan = plan.replace(refusal=coupled)
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
-    if self._pass is not None and self._pass.raw_traced is not None and (
-        hkc.inside_raw_jax_transform()):
-      self._pass.raw_traced.add(name)
+    if self._log is not None and hkc.inside_raw_jax_transform():
+      self._log.applied_in_raw_transform(name)
     pure = hkc.innermost_transform_is_pure()
     if pure is not None:
       raise ValueError((errors.TRACK_IN_PURE_TRANSFORM if pure == "outer" else
@@ -337,8 +336,8 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                             module=name))
     with hkc.module_scope(module):
       if self._pass is not None and name in self._pass.slotted:
-        probe = probes.next_slot(None if self._pass.slot_reads is None else
-                                 self._pass.slot_reads.setdefault(name, []))
+        probe = probes.next_slot(None if self._log is None else
+                                 self._log.slot_reads_of(name))
       else:
         probe = probes.module_probe(x, plan.mode,
                                     sum(math.prod(p.shape) for p in present),

@@ -25,6 +25,7 @@ from gram_haiku._src import batch_args
 from gram_haiku._src import reference
 from gram_haiku._src import reweight
 from gram_haiku._src import value_grad_and_gram as vgg
+from gram_haiku._src.pass_trace import leaf_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
         "the batch, a contrastive loss) and per-example gradients are not "
         "defined.")
   c = 1.0 if scale is None else scale[1]
-  names = vgg.leaf_names(per_grad)
+  names = leaf_names(per_grad)
   flat = [np.asarray(l, np.float64).reshape(n, -1) * c
           for l in jax.tree.leaves(per_grad)]
   f = np.concatenate(flat, axis=1)

@@ -120,7 +120,7 @@ class _WithoutConfig:
     return self.fn(x, g, params, example_dim)
 
   def __repr__(self):
-    return rule_lib._name_of(self.fn)  # pylint: disable=protected-access
+    return rule_lib.name_of(self.fn)
 
 
 def function_rule(fn, param_names, feature_ndim: int = 1, gram_fn=None,
