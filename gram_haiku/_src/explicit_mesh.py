@@ -45,20 +45,22 @@ def explicit_spec(a: jax.Array):
   return spec_of_type(jax.typeof(a))
 
 
+def _has_explicit_axis(mesh) -> bool:
+  explicit = jax.sharding.AxisType.Explicit
+  return any(t == explicit for t in getattr(mesh, "axis_types", ()))
+
+
 def under_explicit_mesh() -> bool:
   """Whether the current mesh (``jax.set_mesh``) has an Explicit axis."""
   mesh = jax.sharding.get_abstract_mesh()
-  explicit = jax.sharding.AxisType.Explicit
-  return not mesh.empty and any(t == explicit for t in mesh.axis_types)
+  return not mesh.empty and _has_explicit_axis(mesh)
 
 
 def spec_of_type(aval):
   """:func:`explicit_spec` of an array type (``jax.typeof`` of an array)."""
   sharding = getattr(aval, "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  explicit = jax.sharding.AxisType.Explicit
-  if mesh is None or not any(t == explicit
-                             for t in getattr(mesh, "axis_types", ())):
+  if mesh is None or not _has_explicit_axis(mesh):
     return None
   if jax.sharding.get_abstract_mesh().empty:
     raise ValueError(errors.EXPLICIT_MESH_NOT_SET.format(

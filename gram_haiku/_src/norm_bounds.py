@@ -63,6 +63,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src import cost_model
+
 #: A ghost bound whose slack exceeds this fraction of the value is loose:
 #: the kernel then forms the materialised bound instead (its norm is then
 #: at most ``sqrt(1 + LOOSE)``, about 3%, above the truth; tighter bounds
@@ -219,8 +221,8 @@ def sum_of_squares(a: jax.Array) -> jax.Array:
   if split is None:
     return jnp.sum(jnp.square(a), axis=-1)
   rows, k = split
-  b = a.shape[0] if isinstance(a.shape[0], int) else 1024
-  if b * p * jnp.dtype(a.dtype).itemsize > LOOP_BYTES:
+  if (cost_model.size_hint(a.shape[0]) * p * jnp.dtype(a.dtype).itemsize >
+      LOOP_BYTES):
     return _chunked_sum_of_squares(a, k)
   a = jnp.pad(a, [(0, 0), (0, rows * k - p)])
   part = jnp.sum(jnp.square(a.reshape((a.shape[0], rows, k))), axis=-1)
