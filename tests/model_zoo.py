@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import models
+
 _TRUNC = hk.initializers.TruncatedNormal(0.02)
 
 
@@ -45,9 +47,7 @@ class ZooModel:
     return not self.untracked and not self.refused
 
 
-def _xent(logits, labels):
-  return -jnp.take_along_axis(jax.nn.log_softmax(logits),
-                              labels[..., None], axis=-1)[..., 0]
+_xent = models.xent
 
 
 # -- a decoder written like Haiku's transformer example ----------------------
@@ -118,11 +118,10 @@ def _vit(d=8, heads=2, patch=2, image=4, classes=3):
 # -- a ResNet with GroupNorm and weight standardisation ----------------------
 
 def _standardise(next_getter, value, context):
-  if context.full_name.endswith("conv2_d/w") or "/conv" in context.full_name:
-    if context.name == "w" and value.ndim == 4:
-      mean = value.mean(axis=(0, 1, 2), keepdims=True)
-      var = value.var(axis=(0, 1, 2), keepdims=True)
-      value = (value - mean) * jax.lax.rsqrt(var + 1e-4)
+  """Every convolution kernel (rank 4) standardised, as the getter reads
+  it."""
+  if context.name == "w" and value.ndim == 4:
+    value = models.standardise(value)
   return next_getter(value)
 
 
