@@ -43,7 +43,7 @@ import dataclasses
 
 import jax
 
-from gram_haiku._src import kernels
+from gram_haiku._src.compute import kernels
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
-from gram_haiku._src import reference
+from gram_haiku._src.core import reference
 
 DP_METHODS = ("dp_all", "dp_layer", "dp_noise", "dp_two_pass",
               "jaxp_clipped", "jaxp_micro", "optax_dp")
@@ -137,7 +137,7 @@ def check(method: str, out, refs: dict, rtol: float = 1e-3):
   """None when ``out`` is the reference clipped sum, else why not. The
   noisy step is checked for shape only (its noise is the point).
   gram_haiku's steps clip by sound upper bounds of the norms (see
-  ``gram_haiku/_src/norm_bounds.py``): those are checked against the
+  ``gram_haiku/_src/compute/norm_bounds.py``): those are checked against the
   reference norms (never below, at most ``reference.CLIP_BOUND_SLACK``
   above), and the sum against the reference clipped by them."""
   want = refs["per-layer" if method == "dp_layer" else "all-layer"]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
-from gram_haiku._src import reference
+from gram_haiku._src.core import reference
 from benchmarks.models import Bench
 
 from benchmarks import dp_methods

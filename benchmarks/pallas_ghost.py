@@ -3,7 +3,7 @@
 ``python -m benchmarks.pallas_ghost --out DIR``
 
 Times, on whatever backend is present, for the sequence ghost Gram (1) of
-:mod:`gram_haiku._src.kernels` and its diagonal:
+:mod:`gram_haiku._src.compute.kernels` and its diagonal:
 
 * the XLA path, :func:`kernels.ghost_gram` and :func:`kernels.ghost_sq_norms`
   with a :class:`kernels.KernelConfig` of the default memory budget, at
@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import kernels
-from gram_haiku._src import pallas_ghost
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import pallas_ghost
 
 #: (name, B, T, N, M) of the layers measured on a TPU.
 SHAPES = (

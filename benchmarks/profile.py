@@ -16,7 +16,7 @@ what a fusion holds), and the ``--top`` most costly ops printed per
 method, with the share of the step each takes.
 
 ``--loose_inf``: diagnostics only, the ghost norms' run-time fallback
-never taken (:data:`gram_haiku._src.norm_bounds.LOOSE` set to infinity);
+never taken (:data:`gram_haiku._src.compute.norm_bounds.LOOSE` set to infinity);
 its clip factors are then NOT sound, and the numbers only say what the
 fallback costs.
 """
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
   if a.loose_inf:
-    from gram_haiku._src import norm_bounds  # pylint: disable=g-import-not-at-top
+    from gram_haiku._src.compute import norm_bounds  # pylint: disable=g-import-not-at-top
     norm_bounds.LOOSE = float("inf")
   b = a.batch or realistic.SCALES[a.scale][a.model][1][0]
   prep = jax_methods.prepare(realistic.make(a.model, a.scale, b),

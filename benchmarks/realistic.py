@@ -72,7 +72,7 @@ from benchmarks import dp_methods
 from benchmarks import harness
 from benchmarks import jax_methods
 from benchmarks import models
-from gram_haiku._src import reference
+from gram_haiku._src.core import reference
 
 METHODS = ("plain", "dp_all", "dp_layer", "gram", "jaxp_clipped", "naive")
 SCALE_NAMES = ("full", "cpu", "smoke")

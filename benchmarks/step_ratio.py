@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import gram_haiku
-from gram_haiku._src import demo
+from gram_haiku.apps import demo
 
 
 def _time(fn, args, repeats):

@@ -4,7 +4,7 @@ The pages are a user's: they render only public names. Two hooks keep them
 so (both fail a ``-W`` build rather than let a private path through):
 
 * docstrings of public objects that point at a private module
-  (``gram_haiku._src.norm_bounds``) get the public page that explains the
+  (``gram_haiku._src.compute.norm_bounds``) get the public page that explains the
   same thing instead (:data:`PRIVATE_REFERENCES`), and private paths in
   signatures are shortened to the public name;
 * every rendered page is searched for ``_src`` and for "see the module
@@ -33,19 +33,19 @@ html_theme_options = {"page_width": "1100px", "body_max_width": "none"}
 #: A private module (or object) a public docstring refers to -> the public
 #: place that explains it, as reStructuredText.
 PRIVATE_REFERENCES = {
-    "norm_bounds": '"Formal guarantees" in :doc:`reweighting`',
-    "bookkeeping": '"How each Gram is formed" in :doc:`layers`',
+    "compute.norm_bounds": '"Formal guarantees" in :doc:`reweighting`',
+    "passes.bookkeeping": '"How each Gram is formed" in :doc:`layers`',
     "ops.factors": '"How each Gram is formed" in :doc:`layers`',
     "ops.modes": '"How each Gram is formed" in :doc:`layers`',
-    "cost_model": '"How each Gram is formed" in :doc:`layers`',
-    "rule": '"Writing a Gram rule" in :doc:`api`',
+    "compute.cost_model": '"How each Gram is formed" in :doc:`layers`',
+    "rules.rule": '"Writing a Gram rule" in :doc:`api`',
     "ops.op.bind": ":func:`gram_haiku.ops.bind`",
     "ops.op": '"Writing a Gram rule" in :doc:`api`',
-    "kernels.KernelConfig": ":class:`gram_haiku.KernelConfig`",
-    "plan.Plan.precision": ":attr:`gram_haiku.Plan.precision`",
-    "plan.Plan": ":class:`gram_haiku.Plan`",
-    "result.Grams": ":class:`gram_haiku.Grams`",
-    "example_axis": '"Example axis" in :doc:`semantics`',
+    "compute.kernels.KernelConfig": ":class:`gram_haiku.KernelConfig`",
+    "compute.plan.Plan.precision": ":attr:`gram_haiku.Plan.precision`",
+    "compute.plan.Plan": ":class:`gram_haiku.Plan`",
+    "core.result.Grams": ":class:`gram_haiku.Grams`",
+    "compute.example_axis": '"Example axis" in :doc:`semantics`',
 }
 
 _ROLE_REF = re.compile(
@@ -75,10 +75,10 @@ def _process_docstring(app, what, name, obj, options, lines):
 
 
 #: Private paths of types in signatures -> their public spelling.
-_PRIVATE_TYPE = re.compile(r"\bgram_haiku\._src\.[\w.]*?\.(\w+)\b")
+_PRIVATE_TYPE = re.compile(r"\bgram_haiku\._src\.(?:\w+\.)+(\w+)\b")
 _JAX_PRIVATE_TYPE = re.compile(r"\bjax\._src\.[\w.]*?\.(\w+)\b")
 _PRIVATE_TYPE_TEXT = re.compile(
-    r"(?<![`~.\w])gram_haiku\._src\.[\w.]*?\.(\w+)\b(?!`)")
+    r"(?<![`~.\w])gram_haiku\._src\.(?:\w+\.)+(\w+)\b(?!`)")
 _JAX_PUBLIC = {"Mesh": "jax.sharding.Mesh", "Precision": "jax.lax.Precision",
                "Array": "jax.Array"}
 

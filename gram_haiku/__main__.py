@@ -18,7 +18,7 @@ import sys
 import gram_haiku  # Light: its public names are imported on first use.
 
 #: Training examples of scikit-learn's digits once the demos hold out 20%
-#: (1797 - 360; gram_haiku._src.demo.split_heldout, tested).
+#: (1797 - 360; gram_haiku.apps.demo.split_heldout, tested).
 DIGITS_TRAIN = 1437
 
 
@@ -144,9 +144,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args) -> None:
   """Runs the parsed command (imports JAX, Haiku and the demo)."""
-  from gram_haiku._src import demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import demo  # pylint: disable=g-import-not-at-top
   if args.command == "dp-demo":
-    from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+    from gram_haiku.apps import dp_demo  # pylint: disable=g-import-not-at-top
     dp_demo.run_dp_demo(dp_demo.DPDemoConfig(
         epsilon=args.epsilon, delta=args.delta, steps=args.steps,
         expected_batch_size=args.expected_batch_size,
@@ -175,7 +175,7 @@ def run(argv=None) -> int:
     return 2
   # Imported here, after parsing: errors a user can fix are reported
   # without a traceback; any other exception keeps its traceback.
-  from gram_haiku._src import demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import demo  # pylint: disable=g-import-not-at-top
   try:
     _train(args)
   except (demo.OutputDirError, demo.ConfigError,

@@ -14,6 +14,8 @@ the probe for it.
 * :func:`linear_rule`, :func:`conv_rule`, :func:`embed_rule`,
   :func:`affine_rule`: the built-in layers' rules, plain :class:`Rule`
   values (``hk.Linear``'s is ``linear_rule(precision)``).
+* :func:`rule_name`: a rule's short name, as messages and the conformance
+  suite print it.
 """
 
 from gram_haiku._src.ops.affine import affine_rule
@@ -26,6 +28,7 @@ from gram_haiku._src.ops.embed import gram_embed
 from gram_haiku._src.ops.linear import gram_linear
 from gram_haiku._src.ops.linear import linear_rule
 from gram_haiku._src.ops.op import bind
+from gram_haiku._src.rules.rule import rule_name
 
 __all__ = (
     "affine_rule",
@@ -38,4 +41,5 @@ __all__ = (
     "gram_embed",
     "gram_linear",
     "linear_rule",
+    "rule_name",
 )

@@ -5,7 +5,7 @@
 runs every case below and writes one record per case to ``OUT``;
 ``tests/test_distributed.py`` starts it once and turns each record into a
 test. Every Gram is compared with ``F @ F.T`` of the untracked model on one
-device (:mod:`gram_haiku._src.reference`), every gradient with ``jax.grad`` of it.
+device (:mod:`gram_haiku._src.core.reference`), every gradient with ``jax.grad`` of it.
 
 Cases:
 
@@ -90,7 +90,7 @@ def _problem(entry, style, seed=0):
   import haiku as hk  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   fn = entry.fn if style == "explicit" else hk.vmap(entry.fn,
                                                      split_rng=False)
@@ -109,7 +109,7 @@ def _problem(entry, style, seed=0):
 
 def _tolerance(entry):
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
   return (reference.RTOL_BF16 if layer_zoo.is_low_precision(entry)
           else reference.RTOL_F32)
 
@@ -199,7 +199,7 @@ def case_shard_map(entry_name, style, mesh_shape=(N_DEVICES,),
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
 
   entry = layer_zoo.BY_NAME[entry_name]
   tracked, x, params, state, ref, grads, plain_loss = _problem(entry, style)
@@ -238,8 +238,8 @@ def case_rnn_shard_map(core_name):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   def make(tracked, sharded):
     def loss(x):  # x: (B, T, F)
@@ -277,7 +277,7 @@ def case_clipped(clipping, entry_name):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
 
   entry = layer_zoo.BY_NAME[entry_name]
   tracked, x, params, state, _, _, plain_loss = _problem(entry, "explicit")
@@ -365,8 +365,8 @@ def _norms_and_collectives():
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from benchmarks import collectives  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   make, x = _mlp_norms_problem()
   mesh = jax.make_mesh((N_DEVICES,), ("data",),
@@ -419,7 +419,7 @@ def case_jit(axis_type_name, entry_name):
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
   from tests import layer_zoo  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
 
   entry = layer_zoo.BY_NAME[entry_name]
   tracked, x, params, state, ref, grads, plain_loss = _problem(entry,
@@ -450,8 +450,8 @@ def case_jit_mixed_modes():
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import per_example_grads  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import per_example_grads  # pylint: disable=g-import-not-at-top
 
   def make(tracked):
     def loss(x):
@@ -615,7 +615,7 @@ def case_mesh_argument():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
 
   tracked, params, state, x, memory, plain_loss = _mesh_problem()
   f = np.asarray(reference.per_example_grads(plain_loss, params, x),
@@ -683,7 +683,7 @@ def case_reparam_mesh():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
   from tests import problems  # pylint: disable=g-import-not-at-top
 
   @jax.custom_vjp
@@ -764,7 +764,7 @@ def case_fused_rule_sharded():
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
 
   def forward(x, gamma):
     return x * gamma

@@ -1,8 +1,8 @@
 """The red-team corpus of the program interpreter, as a table.
 
-Every program the analyses on :mod:`gram_haiku._src.interpreter` were taught
-about (which parameter reaches which Gram op, :mod:`~gram_haiku._src.dataflow`;
-where the examples flow, :mod:`~gram_haiku._src.example_flow`) is a row: a
+Every program the analyses on :mod:`gram_haiku._src.analysis.interpreter` were taught
+about (which parameter reaches which Gram op, :mod:`~gram_haiku._src.analysis.dataflow`;
+where the examples flow, :mod:`~gram_haiku._src.analysis.example_flow`) is a row: a
 small Haiku loss ``body(x, y)`` over ``x: f32[B, T, F]``, ``y: f32[B, T, 3]``
 (``T == B`` on purpose: sizes cannot tell the axes apart), what
 ``value_grad_and_gram`` must give (:data:`EXACT`: the reference Gram, or a

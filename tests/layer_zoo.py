@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import jmp
 
 import gram_haiku
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import relative_error as rel_err
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import relative_error as rel_err
 from tests import problems
 
 B, K = 4, 2

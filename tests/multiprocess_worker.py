@@ -63,7 +63,7 @@ def run(process_id: int, num_processes: int, port: int) -> dict:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.reference import reference_gram  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import reference_gram  # pylint: disable=g-import-not-at-top
 
   n = len(jax.devices())
   assert n == num_processes * DEVICES_PER_PROCESS, jax.devices()

@@ -120,7 +120,7 @@ def test_the_analytic_floor_counts_the_symmetric_blocks():
   from benchmarks import harness
   from benchmarks import jax_methods
   from benchmarks import models
-  from gram_haiku._src import kernels
+  from gram_haiku._src.compute import kernels
   if jax.default_backend() != "cpu":
     pytest.skip("the blocks are lowered for the CPU only")
   b = kernels.SYMMETRIC_MIN_ROWS
@@ -286,7 +286,7 @@ def test_real_suite_smoke(tmp_path):
   test suite runs the GPT decoder at one batch size (about 20 s of CPU);
   ``--thorough`` runs the whole smoke configuration."""
   from benchmarks import realistic
-  from gram_haiku._src.reference import CLIP_BOUND_SLACK
+  from gram_haiku._src.core.reference import CLIP_BOUND_SLACK
   out = tmp_path / "real"
   args = ["--suite", "real", "--scale", "smoke", "--repeats", "1",
           "--rounds", "1", "--no_progress", "--out", str(out)]

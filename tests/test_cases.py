@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import gram_haiku
-from gram_haiku.ops import gram_linear
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import jacobian_gram
+from gram_haiku._src.core.reference import reference_gram
 from gram_haiku._src.ops import linear as linear_op
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import jacobian_gram
-from gram_haiku._src.reference import reference_gram
+from gram_haiku.ops import gram_linear
 from tests import problems
 
 

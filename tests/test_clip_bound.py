@@ -22,12 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gram_haiku.conformance import plugin
 import gram_haiku
-from gram_haiku._src import linear_bound
-from gram_haiku._src import norm_bounds
-from gram_haiku._src.reference import assert_sound_norms
-from gram_haiku._src.reference import per_example_grads
+from gram_haiku._src.analysis import linear_bound
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.core.reference import assert_sound_norms
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku.conformance import plugin
 
 C = 1.0
 BUDGET, THOROUGH_BUDGET = 12, 300
@@ -172,7 +172,7 @@ def test_the_issue_case_was_unclipped_by_ghost_norms():
   x = _cancelling(rng, 4, 2, 16, 1e4, jnp.float32)
   d = rng.normal(size=(4, 2, 64)).astype(np.float32)
   d[0, 1] = d[0, 0]
-  from gram_haiku._src import kernels  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
   cfg = kernels.KernelConfig()
   ghost = np.asarray(kernels.ghost_sq_norms(jnp.asarray(x), jnp.asarray(d),
                                             cfg))
@@ -273,7 +273,7 @@ def test_a_cancelling_example_through_a_getter_is_clipped(getter):
   its operands ``W'`` and pulls them back to the parameters ``theta``
   through the getter's VJP ``J^T``; the stored gradient's rounding bound
   (in ``W'`` units) is pulled back too (``|J^T|`` read from the VJP's
-  program, :mod:`gram_haiku._src.linear_bound`). Without it, a cancelling
+  program, :mod:`gram_haiku._src.analysis.linear_bound`). Without it, a cancelling
   example entered at up to ``|J|`` times its rounding error above ``C``."""
   rng = np.random.RandomState(3)
   x = _cancelling(rng, 4, 3, 6, 1e4, jnp.float32)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import pytest
 
 import gram_haiku
-from gram_haiku._src import haiku_compat as hkc
-from gram_haiku._src import hijax_compat as hx
+from gram_haiku._src.compat import haiku_compat as hkc
+from gram_haiku._src.compat import hijax_compat as hx
 
 SRC = pathlib.Path(gram_haiku.__file__).parent
 
@@ -148,26 +148,63 @@ def test_no_thread_local_state_outside_ambient():
   assert not offenders, offenders
 
 
-def test_import_graph_is_one_directional():
-  """Kernels, cost model and compat never import the Haiku glue or the API."""
-  lower = ["kernels.py", "cost_model.py", "explicit_mesh.py", "plan.py",
-           "example_axis.py", "example_sharding.py", "hijax_compat.py",
-           "errors.py", "ops"]
-  upper = ("gram_haiku._src.tracking", "gram_haiku._src.layers",
-           "gram_haiku._src.value_grad_and_gram", "gram_haiku._src.ambient",
-           "gram_haiku._src.pass_pipeline", "gram_haiku._src.pass_trace",
-           "gram_haiku._src.reweight", "gram_haiku._src.clipping",
-           "gram_haiku._src.registry", "gram_haiku._src.coverage",
-           "gram_haiku._src.tied", "gram_haiku._src.haiku_compat", "haiku")
+# The folders of ``gram_haiku/_src``, bottom layer first (the map is
+# gram_haiku/_src/README.md). A module imports from its own folder or the
+# folders before it, never after: the kernels do not know Haiku, the Haiku
+# front end does not know the passes, the passes do not know the API.
+_LAYER_ORDER = ("compat", "core", "compute", "rules", "ops", "frontend",
+                "layers", "analysis", "passes", "api")
+
+
+def _folder(module):
+  """The ``_src`` folder of a ``gram_haiku._src...`` module name, or None."""
+  parts = module.split(".")
+  return parts[2] if parts[:2] == ["gram_haiku", "_src"] and len(parts) > 2 else None
+
+
+def test_src_folders_are_the_layers_in_the_readme():
+  folders = sorted(p.name for p in (SRC / "_src").iterdir()
+                   if p.is_dir() and p.name != "__pycache__")
+  assert folders == sorted(_LAYER_ORDER)
+  readme = (SRC / "_src" / "README.md").read_text()
+  positions = [readme.index(f"{name}/") for name in _LAYER_ORDER]
+  # The README draws the layers top (API) to bottom (compat).
+  assert positions == sorted(positions, reverse=True), positions
+  # No module is left at the top of _src but the package's own __init__.
+  assert sorted(p.name for p in (SRC / "_src").glob("*.py")) == ["__init__.py"]
+
+
+def test_imports_point_down_the_layers():
+  """Every ``_src`` module imports only from its own folder or a lower one;
+  ``gram_haiku``'s public modules and the apps only from the public API
+  (``gram_haiku``, ``gram_haiku.ops``, ``gram_haiku.testing``) or, for the
+  public modules, ``_src``; the conformance suite's framework imports no
+  ``_src`` (its built-in op specs under ``conformance/ops/`` bind the
+  library's own rules, and may)."""
+  rank = {name: i for i, name in enumerate(_LAYER_ORDER)}
   offenders = []
-  for name in lower:
-    paths = (sorted((SRC / "_src" / name).rglob("*.py"))
-             if (SRC / "_src" / name).is_dir() else [SRC / "_src" / name])
-    for path in paths:
-      for module in _imports(path):
-        if module == "gram_haiku" or module.startswith(upper):
-          offenders.append(f"{path.name}: {module}")
-  assert not offenders, offenders
+  for path in sorted((SRC / "_src").rglob("*.py")):
+    rel = path.relative_to(SRC / "_src")
+    if len(rel.parts) == 1:  # _src/__init__.py registers the layers.
+      continue
+    own = rank[rel.parts[0]]
+    for module in _imports(path):
+      if module == "gram_haiku" or module.startswith((
+          "gram_haiku.conformance", "gram_haiku.apps", "gram_haiku.testing",
+          "gram_haiku.ops")):
+        offenders.append(f"_src/{rel}: {module} (a public module)")
+      folder = _folder(module)
+      if folder is not None and rank[folder] > own:
+        offenders.append(f"_src/{rel}: {module} (layer {folder!r} is above "
+                         f"{rel.parts[0]!r})")
+  outside = list((SRC / "apps").rglob("*.py")) + [
+      p for p in (SRC / "conformance").rglob("*.py")
+      if "ops" not in p.relative_to(SRC / "conformance").parts[:-1]]
+  for path in sorted(outside):
+    for module in _imports(path):
+      if module.startswith("gram_haiku._src"):
+        offenders.append(f"{path.relative_to(SRC)}: {module}")
+  assert not offenders, "\n".join(offenders)
 
 
 # Cross-module uses of another _src module's underscore names, each with the
@@ -206,7 +243,7 @@ def _private_uses(path):
 def test_no_module_uses_another_modules_private_names():
   """Inside ``_src`` a module reads only the public names of another (the
   pass pipeline's steps are public functions of
-  :mod:`gram_haiku._src.pass_pipeline`, not one driver's helpers called by
+  :mod:`gram_haiku._src.passes.pass_pipeline`, not one driver's helpers called by
   another)."""
   found = set()
   for path in sorted((SRC / "_src").rglob("*.py")):

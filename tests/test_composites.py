@@ -11,8 +11,8 @@ import pytest
 import gram_haiku
 from gram_haiku.conformance.plugin import thorough
 from tests import layer_zoo
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import RTOL_BF16
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import RTOL_BF16
 from tests import problems
 
 #: The one entry that runs eagerly (op by op) by default: eager dispatch

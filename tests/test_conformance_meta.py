@@ -15,6 +15,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute.plan import Plan
+from gram_haiku._src.ops import linear as linear_lib
+from gram_haiku._src.ops import op as op_lib
+from gram_haiku._src.ops.adapter import aval_of
 from gram_haiku.conformance import checks
 from gram_haiku.conformance import sharded
 from gram_haiku.conformance import testing
@@ -24,11 +29,6 @@ from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.ops import gram_linear
 from gram_haiku.ops import linear_rule
-from gram_haiku._src import kernels
-from gram_haiku._src.ops import linear as linear_lib
-from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.ops.adapter import aval_of
-from gram_haiku._src.plan import Plan
 
 LINEAR = linear_rule()
 

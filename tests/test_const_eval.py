@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gram_haiku._src import const_eval
+from gram_haiku._src.analysis import const_eval
 
 _RNG = np.random.default_rng(0)
 _A = _RNG.integers(-6, 6, (3, 4)).astype(np.int32)

@@ -19,23 +19,23 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import cost_model
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import assert_probe_value_close
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import relative_error as rel_err
+from gram_haiku._src.core.reference import RTOL_BF16
 from gram_haiku._src.layers import conv as conv_layers
 from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku._src.ops.conv import gram_conv
 from gram_haiku._src.ops.conv import gram_conv_transpose
 from gram_haiku._src.ops.conv import im2col
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import assert_probe_value_close
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import relative_error as rel_err
-from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
 
 
 def reference_gram(per_example_loss, params, *batch):
-  """``gram_haiku._src.reference.reference_gram`` with ``F`` computed under one ``jit``
+  """``gram_haiku._src.core.reference.reference_gram`` with ``F`` computed under one ``jit``
   (same ``F``, far fewer compilations on CPU), then ``F @ F.T`` in float64."""
   f = jax.jit(functools.partial(per_example_grads, per_example_loss))(
       params, *batch)
@@ -610,7 +610,7 @@ def test_track_registers_the_method_defining_classes():
       hk.Conv2DTranspose(2, 3)(x)
   hk.transform(fn).init(jax.random.PRNGKey(0), jnp.ones((1, 4, 4, 2)))
   assert seen == [hk.ConvND, hk.ConvNDTranspose]
-  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.frontend import registry  # pylint: disable=g-import-not-at-top
   assert registry.handler_for(hk.ConvND) is conv_layers.conv_nd
   assert registry.handler_for(hk.ConvNDTranspose) is (
       conv_layers.conv_nd_transpose)
@@ -746,9 +746,9 @@ def test_rule_hooks_answer_in_any_mode(mode):
   # The op's rule's gram/sq_norms give the Gram and its diagonal whatever
   # mode the op was bound in, equal to the exact per-example formula (vmap
   # of the VJP of the rule's forward).
-  from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import kernels  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import rule as rule_lib  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compat import hijax_compat as hx  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.rules import rule as rule_lib  # pylint: disable=g-import-not-at-top
   from gram_haiku._src.ops import op as op_lib  # pylint: disable=g-import-not-at-top
   case = CASES["2d_nhwc_s2_groups2"]
   p, x = case.make(12, lead=(4,))

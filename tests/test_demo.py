@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gram_haiku import __main__ as cli
-from gram_haiku._src import demo
+from gram_haiku.apps import demo
 
 PLOTS = ("gram_heatmap.png", "gram_by_layer.png", "norms.png", "training.png")
 
@@ -143,8 +143,8 @@ def test_dp_demo_runs_private_training(tmp_path, capsys):
   initialisation: about half the examples clipped at first, not all) and
   the non-private baseline on the same axes."""
   import jax  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import dp_demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
   out = tmp_path / "dp"
   summary = dp_demo.run_dp_demo(dp_demo.DPDemoConfig(
       epsilon=8.0, steps=24, expected_batch_size=128, timing_rounds=2,
@@ -195,7 +195,7 @@ def test_dp_demo_runs_private_training(tmp_path, capsys):
 
 
 def test_dp_demo_fraction_per_epoch():
-  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import dp_demo  # pylint: disable=g-import-not-at-top
   # 2.5 steps per epoch: steps 0-2 in epoch 0, 3-4 in 1, 5 in 2 (partial).
   got = dp_demo.fraction_per_epoch([1.0, 0.5, 0.0, 0.25, 1.0, 0.5],
                                    [2, 4, 2, 4, 0, 2], 2.5)
@@ -205,7 +205,7 @@ def test_dp_demo_fraction_per_epoch():
 @pytest.mark.parametrize("flag", ["--clip-norm", "--clip_norm",
                                   "--l2_clip_norm", "--l2-clip-norm"])
 def test_dp_demo_cli_fixed_clip_norm(flag, monkeypatch):
-  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import dp_demo  # pylint: disable=g-import-not-at-top
   seen = []
   monkeypatch.setattr(dp_demo, "run_dp_demo", seen.append)
   assert cli.run(["dp-demo", flag, "0.5", "--out", "/tmp/x"]) == 0
@@ -217,7 +217,7 @@ def test_dp_demo_cli_fixed_clip_norm(flag, monkeypatch):
 
 def test_dp_demo_rejects_a_bad_config(tmp_path):
   """Outside the command line, the config is checked before training."""
-  from gram_haiku._src import dp_demo  # pylint: disable=g-import-not-at-top
+  from gram_haiku.apps import dp_demo  # pylint: disable=g-import-not-at-top
   for cfg, match in [(dict(epsilon=0.0), "epsilon > 0"),
                      (dict(expected_batch_size=719), "<= 718"),
                      (dict(l2_clip_norm=float("inf")), "finite number > 0")]:
@@ -295,8 +295,8 @@ for argv in {argvs!r}:
     runpy.run_module("gram_haiku", run_name="__main__", alter_sys=True)
   except SystemExit as e:
     print(argv, "exit", e.code)
-heavy = ("jax", "haiku", "numpy", "gram_haiku._src.demo",
-         "gram_haiku._src.dp_demo", "gram_haiku._src")
+heavy = ("jax", "haiku", "numpy", "gram_haiku.apps.demo",
+         "gram_haiku.apps.dp_demo", "gram_haiku._src")
 print("imported:", [m for m in heavy if m in sys.modules])
 """
 

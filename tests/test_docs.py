@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
+from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku.conformance import runner
-from gram_haiku._src import hijax_compat as hx
 from tests import doctest_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,14 +182,14 @@ def _haiku_class(name):
 def _handler(cls):
   """The handler track() runs for ``cls``: its own, else that of the class
   defining its ``__call__``."""
-  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.frontend import registry  # pylint: disable=g-import-not-at-top
   definer = next(c for c in cls.__mro__ if "__call__" in vars(c))
   return registry.handler_for(cls) or registry.handler_for(definer)
 
 
 def test_supported_layers_table_matches_the_registry():
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import registry  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.frontend import registry  # pylint: disable=g-import-not-at-top
   gram_haiku.track  # pylint: disable=pointless-statement  (registers)
   rows = _layer_table()
   assert len(rows) > 10, rows
@@ -251,18 +251,18 @@ def _conf():
 
 def test_the_rendered_page_check_can_fail():
   conf = _conf()
-  for line in ("see gram_haiku._src.norm_bounds", "(see the module\n"
+  for line in ("see gram_haiku._src.compute.norm_bounds", "(see the module\n"
                "docstring)"):
     assert any(p.search(line) for p, _ in conf.FORBIDDEN), line
   assert not any(p.search("gram_haiku.Rule; sources") for p, _ in
                  conf.FORBIDDEN)
-  lines = [":mod:`gram_haiku._src.norm_bounds` and "
+  lines = [":mod:`gram_haiku._src.compute.norm_bounds` and "
            ":class:`gram_haiku._src.nowhere.Thing`"]
   conf._process_docstring(None, "function", "f", None, None, lines)  # pylint: disable=protected-access
   assert "_src.norm_bounds" not in lines[0] and "Formal guarantees" in lines[0]
   assert "gram_haiku._src.nowhere.Thing" in lines[0]   # left: reported
   assert conf._public_types("x: ~jax._src.mesh.Mesh, p: "  # pylint: disable=protected-access
-                            "gram_haiku._src.plan.Plan") == (
+                            "gram_haiku._src.compute.plan.Plan") == (
                                 "x: ~jax.sharding.Mesh, p: gram_haiku.Plan")
 
 

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import cost_model
-from gram_haiku._src import kernels
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import RTOL_BF16
 from gram_haiku._src.ops import embed as embed_op
 from gram_haiku._src.ops.embed import gram_embed
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
 
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import cost_model
-from gram_haiku._src import kernels
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import assert_sound_norms
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import weighted_sum
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import assert_sound_norms
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import weighted_sum
 from tests import layer_zoo
 from tests import problems
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import pytest
 
 import gram_haiku
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
 from gram_haiku.conformance.examples import scaled_linear
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
 from tests import problems
 
 

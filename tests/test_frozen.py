@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.core import reference
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import assert_sound_norms
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import RTOL_BF16
+from gram_haiku._src.core.reference import weighted_sum
 from gram_haiku.conformance.examples import scaled_linear
 from gram_haiku.conformance.plugin import thorough
-from gram_haiku._src import reference
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import assert_sound_norms
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import RTOL_BF16
-from gram_haiku._src.reference import weighted_sum
 from tests import layer_zoo
 from tests import problems
 from tests.test_reweight import _assert_tree_close

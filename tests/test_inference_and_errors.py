@@ -24,14 +24,14 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import ambient
-from gram_haiku._src import cost_model
-from gram_haiku._src import errors
-from gram_haiku._src import loss_scale
-from gram_haiku._src import value_grad_and_gram as vgg_lib
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.analysis import loss_scale
+from gram_haiku._src.api import value_grad_and_gram as vgg_lib
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.core import errors
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.frontend import ambient
 
 B, F, H = 4, 3, 5
 

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import primitives
 
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src import interpreter
+from gram_haiku._src.analysis import interpreter
+from gram_haiku._src.compat import hijax_compat as hx
 
 
 def _union(ctx, eqn, ins):

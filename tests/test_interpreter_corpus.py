@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src.reference import ATOL_F32
-from gram_haiku._src.reference import RTOL_F32
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import weighted_sum
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import ATOL_F32
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import RTOL_F32
+from gram_haiku._src.core.reference import weighted_sum
 from tests import interpreter_corpus as corpus
 from tests import problems
 

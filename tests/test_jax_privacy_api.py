@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import errors
+from gram_haiku._src.core import errors
 
 jp_clipping = pytest.importorskip("jax_privacy.clipping")
 

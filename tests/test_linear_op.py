@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from gram_haiku import ExampleAxis
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.core import errors
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import assert_probe_value_close
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import RTOL_BF16
 from gram_haiku.ops import gram_linear
-from gram_haiku._src import errors
-from gram_haiku._src import cost_model
-from gram_haiku._src import kernels
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import assert_probe_value_close
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
 
 

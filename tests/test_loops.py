@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku.conformance.plugin import thorough
-from gram_haiku._src import bookkeeping
-from gram_haiku._src import reweight
-from gram_haiku._src import slots as slots_lib
-from gram_haiku._src import value_grad_and_gram as vgg
+from gram_haiku._src.api import reweight
+from gram_haiku._src.api import value_grad_and_gram as vgg
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import weighted_sum
 from gram_haiku._src.ops import factors
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import weighted_sum
+from gram_haiku._src.passes import bookkeeping
+from gram_haiku._src.passes import slots as slots_lib
+from gram_haiku.conformance.plugin import thorough
 from tests import problems
 
 B, T, F, H = 5, 4, 3, 8

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import reference
+from gram_haiku._src.core import reference
 from tests import model_zoo
 
 jp_clipping = pytest.importorskip("jax_privacy.clipping")

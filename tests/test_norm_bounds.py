@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gram_haiku._src import norm_bounds
+from gram_haiku._src.compute import norm_bounds
 
 
 def _rows(b, p, seed):

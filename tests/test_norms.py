@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import RTOL_BF16
+from gram_haiku._src.core.reference import RTOL_F32
 from gram_haiku._src.ops import affine as affine_op
 from gram_haiku._src.ops.affine import gram_affine
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import RTOL_BF16
-from gram_haiku._src.reference import RTOL_F32
 from tests import problems
 
 
@@ -178,7 +178,7 @@ def _data(seed, shape, dtype=jnp.float32):
 def _references(g, params, x, y):
   """``F``, ``F F^T`` of the whole model and of each module, from one ``F``.
 
-  ``F`` is :func:`gram_haiku._src.reference.per_example_grads` (jitted) of the
+  ``F`` is :func:`gram_haiku._src.core.reference.per_example_grads` (jitted) of the
   untracked model, with the parameters' own dtype (a bf16 model's gradients
   are bf16, promoted to f32 for the product); its columns follow
   ``jax.tree.leaves(params)``, where each module's leaves are contiguous,

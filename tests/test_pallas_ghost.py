@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from gram_haiku._src import kernels
-from gram_haiku._src import pallas_ghost as pg
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import pallas_ghost as pg
 
 HIGHEST = lax.Precision.HIGHEST
 XLA = kernels.LOCAL.replace(precision=HIGHEST)
@@ -210,7 +210,7 @@ def test_ghost_gram_selects_the_pallas_kernel_on_its_platforms(monkeypatch):
   ``cost_model.PALLAS_GHOST_GRAM`` (a TPU; here the CPU, in interpret
   mode) and XLA's path elsewhere: the lowered program holds the kernel
   only when the platform is listed, and both agree with float64."""
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   x, d = _inputs(6, 9, 24, 40, "float32", seed=3)
   ref = _reference(x, d)
   gram = jax.jit(lambda x, d: kernels.ghost_gram(x, d, XLA))
@@ -231,7 +231,7 @@ def test_ghost_gram_selects_the_pallas_kernel_on_its_platforms(monkeypatch):
 def test_pallas_is_not_selected_where_it_cannot_run(case, monkeypatch):
   """The XLA path is kept where the examples are spread over a mesh, for
   float64 factors and for ``jax.export``'s symbolic sizes."""
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu", "tpu"))
   x = jax.ShapeDtypeStruct((4, 3, 8), jnp.float32)
   d = jax.ShapeDtypeStruct((4, 3, 5), jnp.float32)
@@ -255,7 +255,7 @@ def test_examples_sharded_on_an_explicit_mesh_keep_the_xla_path(
   """Under an Explicit mesh, rows sharded or not, no Pallas call is traced
   (the XLA path's blocks follow the mesh; the kernel's own ops carry no
   sharding types: in interpret mode they failed with a ShardingTypeError)."""
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
   calls = []
   kernel = pg.ghost_gram_pallas
@@ -279,8 +279,8 @@ def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):
   mode), against ``F F^T`` of ``vmap(grad)`` in float64 numpy."""
   import haiku as hk  # pylint: disable=g-import-not-at-top
   import gram_haiku  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src import reference  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
   calls = []
   kernel = pg.ghost_gram_pallas
@@ -317,7 +317,7 @@ def test_the_selected_kernel_is_differentiable_like_the_xla_path(
   """A loss of the Gram differentiates through the Pallas branch (the
   kernel has no JVP of its own; XLA's path's is used), under ``grad`` and
   ``jvp``, with the XLA path's values."""
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   x, d = _inputs(4, 5, 9, 6, "float32", seed=7)
   loss = lambda x, d: jnp.sum(jnp.sin(kernels.ghost_gram(x, d, XLA)))
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ())

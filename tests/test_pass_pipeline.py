@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 
 import gram_haiku
-from gram_haiku._src import pass_pipeline as pipeline
-from gram_haiku._src import plan as plan_lib
-from gram_haiku._src.pass_pipeline import Store
-from gram_haiku._src.plan import Clip
+from gram_haiku._src.compute import plan as plan_lib
+from gram_haiku._src.compute.plan import Clip
+from gram_haiku._src.passes import pass_pipeline as pipeline
+from gram_haiku._src.passes.pass_pipeline import Store
 
 B, N, M = 5, 4, 6
 

@@ -15,8 +15,8 @@ import pytest
 from jax import lax
 
 import gram_haiku
-from gram_haiku._src import plan as plan_lib
-from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.compute import plan as plan_lib
+from gram_haiku._src.core.reference import assert_gram_close
 from tests import layer_zoo
 
 # Entries whose plain model has no Gram kernel of its own to check (their

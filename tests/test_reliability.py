@@ -1,7 +1,7 @@
 """No silently wrong Gram: classes of models that must be exact or refused.
 
 Each test draws random inputs and compares with the reference ``F @ F.T``
-(:mod:`gram_haiku._src.reference`), or checks the teaching error.
+(:mod:`gram_haiku._src.core.reference`), or checks the teaching error.
 """
 
 import warnings
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import errors
-from gram_haiku._src import pass_pipeline
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import jacobian_gram
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import weighted_sum
+from gram_haiku._src.core import errors
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import jacobian_gram
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import weighted_sum
+from gram_haiku._src.passes import pass_pipeline
 from tests import problems
 
 

@@ -12,16 +12,16 @@ import optax
 import pytest
 
 import gram_haiku
+from gram_haiku._src.api import reweight
+from gram_haiku._src.compute.plan import Clip
+from gram_haiku._src.core.reference import ATOL_F32
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import column_groups
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import RTOL_BF16
+from gram_haiku._src.core.reference import RTOL_F32
+from gram_haiku._src.core.reference import weighted_sum
 from gram_haiku.conformance.plugin import thorough
-from gram_haiku._src import reweight
-from gram_haiku._src.plan import Clip
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import column_groups
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import ATOL_F32
-from gram_haiku._src.reference import RTOL_BF16
-from gram_haiku._src.reference import RTOL_F32
-from gram_haiku._src.reference import weighted_sum
 from tests import layer_zoo
 from tests import problems
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import rule as rule_lib
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.ops import affine
 from gram_haiku._src.ops import conv
 from gram_haiku._src.ops import embed
 from gram_haiku._src.ops import linear
-from gram_haiku._src.reference import assert_gram_close
+from gram_haiku._src.rules import rule as rule_lib
 from tests import problems
 
 HI = jax.lax.Precision.HIGHEST

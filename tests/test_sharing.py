@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import errors
-from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.api import value_grad_and_gram as gram_haiku_vgg
+from gram_haiku._src.core import errors
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
 from tests import problems
 
 

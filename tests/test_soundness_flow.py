@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src.reference import clip_reference
-from gram_haiku._src.reference import per_example_grads
-from gram_haiku._src.reference import weighted_sum
+from gram_haiku._src.core.reference import clip_reference
+from gram_haiku._src.core.reference import per_example_grads
+from gram_haiku._src.core.reference import weighted_sum
 
 B, F, O = 6, 3, 2
 C = 0.7  # the clip norm: some examples clipped, some not

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import gram_haiku
-from gram_haiku._src import kernels
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
 from tests import layer_zoo
 from tests import problems
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.api import value_grad_and_gram as gram_haiku_vgg
+from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
+from gram_haiku._src.core.reference import RTOL_BF16
 from gram_haiku.conformance.plugin import thorough
-from gram_haiku._src import value_grad_and_gram as gram_haiku_vgg
-from gram_haiku._src.reference import assert_gram_close
-from gram_haiku._src.reference import reference_gram
-from gram_haiku._src.reference import RTOL_BF16
 from tests import problems
 
 
@@ -507,7 +507,7 @@ def test_plan_is_in_the_jaxpr_and_the_cache_key():
 
 
 def test_cost_model_consulted_once_per_application(monkeypatch):
-  from gram_haiku._src import cost_model  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   calls = []
   original = cost_model.linear_method
   def counting(*args, **kwargs):

@@ -7,4 +7,4 @@ is used first.
 """
 
 from gram_haiku._src import layers as _layers  # noqa: F401
-from gram_haiku._src import export_serialization as _export  # noqa: F401
+from gram_haiku._src.api import export_serialization as _export  # noqa: F401

@@ -36,22 +36,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gram_haiku
+from gram_haiku import ExampleAxis
+from gram_haiku import testing
 from gram_haiku.conformance import families
 from gram_haiku.conformance import variants
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.variants import layout_order  # noqa: F401
-from gram_haiku._src import norm_bounds
-from gram_haiku._src import plan as plan_lib
-from gram_haiku._src import reference
-from gram_haiku import ExampleAxis
 
 #: dtype case -> ``(rtol, atol)``, ``atol`` a fraction of the reference's
 #: largest entry: gram_haiku's one tolerance table. float32: reordered
 #: float32 sums; bfloat16 and float16: the op computes in that dtype while
 #: the reference runs in float32; "mixed": bfloat16 parameters with float32
 #: activations.
-TOLERANCES = reference.TOLERANCES
+TOLERANCES = testing.TOLERANCES
 
 #: Parity dtype cases: name -> (parameter dtype, activation dtype).
 DTYPE_CASES = {
@@ -102,9 +101,9 @@ def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
   """``F``: ``[B, P]`` from ``vmap(grad)`` of the plain op, in float64.
 
   Each example is evaluated alone, as a batch of one, at float32 or wider
-  (:func:`gram_haiku._src.reference.per_example_grads`).
+  (:func:`gram_haiku.testing.per_example_grads`).
   """
-  f = reference.per_example_grads(lambda p, xi: _loss(spec.plain(p, xi)),
+  f = testing.per_example_grads(lambda p, xi: _loss(spec.plain(p, xi)),
                                   params, x, upcast=True)
   return np.asarray(f, np.float64)
 
@@ -118,7 +117,7 @@ def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
 def assert_close(got, ref, case="float32", what="Gram"):
   """``got`` equals ``ref`` within the tolerance of dtype ``case``."""
   chex.assert_shape(np.asarray(got), np.shape(ref))
-  reference.assert_gram_close(got, ref, case, what=what)
+  testing.assert_gram_close(got, ref, case, what=what)
 
 
 # -- parity ------------------------------------------------------------------
@@ -353,7 +352,7 @@ def check_scan_stacked(spec: OpSpec, seed=0):
   def plain_all(p, xi):
     return jax.lax.scan(lambda c, pl: (c + _loss(spec.plain(pl, xi)), None),
                         0.0, p)[0]
-  ref = reference.reference_gram(plain_all, params, x)
+  ref = testing.reference_gram(plain_all, params, x)
 
   def loss(probes, x):
     def body(c, pl_probe):
@@ -403,7 +402,7 @@ def check_shared_twice(spec: OpSpec, seed=0):
 
   def plain(p, xi, x2i):
     return _loss(spec.plain(p, xi)) + _loss(spec.plain(p, x2i))
-  ref = reference.reference_gram(plain, params, x, x2, upcast=True)
+  ref = testing.reference_gram(plain, params, x, x2, upcast=True)
 
   def loss(probe):
     return (_loss(spec.apply(params, probe, x, mode="per_example")) +
@@ -510,16 +509,13 @@ def op_param_indices(spec: OpSpec, params, x) -> dict:
     NotApplicable: when ``spec.apply`` binds no Gram op or several, or
       passes no parameter to it as it is.
   """
-  from gram_haiku._src import hijax_compat as hx  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.ops.op import RuleOp  # pylint: disable=g-import-not-at-top
   paths, treedef = jax.tree_util.tree_flatten_with_path(params)
   keys = [jax.tree_util.keystr(k) for k, _ in paths]
   probe = _probe((B, B))
   jaxpr = jax.make_jaxpr(lambda *leaves: spec.apply(
       jax.tree.unflatten(treedef, leaves), probe, x))(
           *[v for _, v in paths]).jaxpr
-  ops = [(eqn, hx.gram_op_of(eqn, RuleOp)) for eqn in jaxpr.eqns]
-  ops = [(eqn, op) for eqn, op in ops if op is not None]
+  ops = testing.gram_ops_in(jaxpr)
   if len(ops) != 1:
     raise NotApplicable(f"{spec.name}: apply binds {len(ops)} Gram ops, not "
                         f"one (the frozen family reads one op's parameters)")
@@ -629,11 +625,11 @@ def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
   v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
                         jnp.float32)
   v = v.at[0, 1].set(v[0, 0])
-  f = np.asarray(reference.per_example_grads(
+  f = np.asarray(testing.per_example_grads(
       lambda p, xi, vi: jnp.sum(spec.plain(p, xi).astype(jnp.float32) * vi),
       params, x, v, upcast=True), np.float64)
   true = np.sqrt(np.sum(f * f, axis=1))
-  plan = plan_lib.Plan.make(mode=mode, example_axis=0).replace(
+  plan = gram_haiku.Plan.make(mode=mode, example_axis=0).replace(
       upper_bound=True)
   width = f.shape[1] + 1
   probe = _probe((B,) if mode == "norms" else (B, width))
@@ -645,7 +641,8 @@ def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
   if mode == "norms":
     sq = np.asarray(got, np.float64)
   else:
-    sq = np.asarray(norm_bounds.of_rows(got[:, :-1], got[:, -1]), np.float64)
+    sq = np.asarray(testing.squared_norm_bounds(got[:, :-1], got[:, -1]),
+                    np.float64)
   low = np.flatnonzero(np.sqrt(np.maximum(sq, 0)) < true * (1 - 1e-9))
   if low.size:
     raise AssertionError(

@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gram_haiku import testing
 from gram_haiku.conformance import checks
 from gram_haiku.conformance import variants
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
-from gram_haiku._src import reference
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def check_random_model(model: RandomModel):
 
   def plain_one(params, xi):
     return checks._loss(run(params, None, xi, tracked=False))  # pylint: disable=protected-access
-  ref = reference.reference_gram(plain_one, params, x, upcast=True)
+  ref = testing.reference_gram(plain_one, params, x, upcast=True)
 
   layout = variants.VmapLayout(tuple(model.in_axes),
                               (0,) * len(model.in_axes))

@@ -65,7 +65,7 @@ class OpSpec:
     Returns:
       The :class:`OpSpec`; register it with :func:`register`.
     """
-    from gram_haiku._src.rule import rule_name  # pylint: disable=g-import-not-at-top
+    from gram_haiku.ops import rule_name  # pylint: disable=g-import-not-at-top
     names = rule.param_names
 
     def operands(p):

@@ -29,7 +29,7 @@ import sys
 import haiku as hk
 import pytest
 
-from gram_haiku._src import registry
+from gram_haiku._src.frontend import registry
 
 ALLOWLIST = os.path.join(os.path.dirname(__file__), "allowlist.txt")
 KINDS = ("state", "jaxpr")

@@ -25,10 +25,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import errors
+from gram_haiku._src.core import errors
+from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.layers.norms import _affine
 from gram_haiku._src.layers.norms import check_call_time_params
-from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.BatchNorm)

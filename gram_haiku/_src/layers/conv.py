@@ -12,7 +12,7 @@ shapes, dtypes, initialisers, creation order) and runs the Gram op.
 A weight ``mask`` is applied as Haiku applies it, ``w * mask`` before the
 convolution: the op then receives a function of the parameter, so the
 parameter's per-example gradients are pulled back through it
-(:mod:`gram_haiku._src.reparam`: ``mask * dl_i / d(w * mask)``, exact, at
+(:mod:`gram_haiku._src.analysis.reparam`: ``mask * dl_i / d(w * mask)``, exact, at
 ``B x P`` memory for the layer).
 """
 
@@ -20,9 +20,9 @@ import haiku as hk
 import jax.numpy as jnp
 import numpy as np
 
-from gram_haiku._src import haiku_compat as hkc
+from gram_haiku._src.compat import haiku_compat as hkc
+from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.ops import conv as conv_op
-from gram_haiku._src.registry import register_layer
 
 DEPTHWISE_BIAS = (
     "gram_haiku.track(): module {module!r} ({cls}) has a bias with "

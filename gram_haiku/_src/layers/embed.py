@@ -11,8 +11,8 @@ embeddings) contributes gradient that this module's Gram does not contain.
 import haiku as hk
 import jax.numpy as jnp
 
+from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.ops import embed as embed_op
-from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Embed)

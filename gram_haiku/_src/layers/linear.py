@@ -4,8 +4,8 @@ import haiku as hk
 import jax.numpy as jnp
 import numpy as np
 
+from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.ops.linear import linear_rule
-from gram_haiku._src.registry import register_layer
 
 
 @register_layer(hk.Linear)

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gram_haiku._src import haiku_compat as hkc
+from gram_haiku._src.compat import haiku_compat as hkc
+from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.ops import affine as affine_op
 from gram_haiku._src.ops.affine import static_multiplier
-from gram_haiku._src.registry import register_layer
 
 
 def _affine(call, x, scale, offset, offset_multiplier=None, coupled=None):

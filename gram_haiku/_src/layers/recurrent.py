@@ -3,11 +3,11 @@
 ``hk.GRU`` reads its weights with bare ``hk.get_parameter`` and slices
 ``w_h`` and ``b`` into two matmuls each, so it has no ``hk.Linear`` for
 ``track()`` to intercept. The handler re-creates its parameters exactly and
-runs the whole cell as one :class:`~gram_haiku._src.rule.Rule` that is
+runs the whole cell as one :class:`~gram_haiku._src.rules.rule.Rule` that is
 only a ``forward`` (exact per-example gradients of ``w_i``, ``w_h`` and
 ``b`` by the rule's default; inside ``hk.dynamic_unroll`` each step keeps
 its factors in a slot, and the per-example gradients are formed once after
-the pass, see :mod:`gram_haiku._src.slots`). ``hk.LSTM`` and
+the pass, see :mod:`gram_haiku._src.passes.slots`). ``hk.LSTM`` and
 ``hk.VanillaRNN`` need no handler: they are made of ``hk.Linear``.
 """
 
@@ -17,8 +17,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src.registry import register_layer
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.frontend.registry import register_layer
+from gram_haiku._src.rules.rule import Rule
 
 
 def gru_cell(xh, w_i, w_h, b, *, input_size: int, hidden_size: int,

@@ -19,12 +19,12 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import errors
-from gram_haiku._src import example_sharding
-from gram_haiku._src import explicit_mesh
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src.kernels import is_float
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import example_sharding
+from gram_haiku._src.compute import explicit_mesh
+from gram_haiku._src.compute.kernels import is_float
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.core import errors
 from gram_haiku._src.ops import modes
 
 

@@ -39,15 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import kernels
-from gram_haiku._src import norm_bounds
-from gram_haiku._src import rule as rule_lib
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.example_axis import ExampleAxis
+from gram_haiku._src.compute.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.rules import rule as rule_lib
+from gram_haiku._src.rules.rule import Rule
 
 
 def affine_forward(x, scale, offset, offset_multiplier=None):
@@ -147,7 +147,7 @@ def per_example_grads(x, g, params, example_dim: int, *, feature_ndim: int,
 def sq_norms(x, g, params, example_dim: int, cfg, *, feature_ndim: int,
              offset_multiplier=None):
   """``[B]`` squared norms ``sum(F * F)``; with ``cfg.upper_bound``, sound
-  upper bounds (:func:`gram_haiku._src.norm_bounds.materialized`): each
+  upper bounds (:func:`gram_haiku._src.compute.norm_bounds.materialized`): each
   entry of ``F`` sums ``g * xhat`` (or ``g``) over the summed axes, so it
   is off by at most ``e_T`` times the same sum of absolute values, which
   :func:`per_example_grads` of ``|xhat|`` and ``|g|`` gives."""

@@ -51,10 +51,10 @@ Cost (``B`` examples, ``T`` within-example positions including output
 positions, ``Cg nK`` patch features and ``Og`` outputs per group): the
 patches take ``B T C nK`` memory (im2col; the materialised method forms
 them a block of examples at a time, no larger than the layer's input, see
-:func:`gram_haiku._src.cost_model.patch_block`); ghost ~``F B^2 T^2 (Cg nK +
+:func:`gram_haiku._src.compute.cost_model.patch_block`); ghost ~``F B^2 T^2 (Cg nK +
 Og)`` multiply-adds in row blocks bounded by the plan's memory budget;
 materialised ~``B T C nK Og + B^2 C nK Og`` with ``B x P`` memory. ``"auto"``
-picks the cheaper by :func:`gram_haiku._src.cost_model.conv_method`. The diagonal
+picks the cheaper by :func:`gram_haiku._src.compute.cost_model.conv_method`. The diagonal
 (``mode="norms"``) costs ~``B T^2 (C nK + O)`` (ghost) or ``B T C nK Og``.
 
 Sources: Goodfellow (2015), "Efficient per-example gradient computations";
@@ -79,19 +79,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import cost_model
-from gram_haiku._src import explicit_mesh
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src import kernels
-from gram_haiku._src import norm_bounds
-from gram_haiku._src import rule as rule_lib
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_axis import ExampleAxisSpec
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import explicit_mesh
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.example_axis import ExampleAxis
+from gram_haiku._src.compute.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.compute.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.rules import rule as rule_lib
+from gram_haiku._src.rules.rule import Rule
 
 Padding = Union[str, Sequence[tuple[int, int]]]
 
@@ -413,7 +413,7 @@ def _triangle(p, d, example_dim, with_bias: bool):
   positions ``t`` and groups ``f`` (plus ``sum_t |d_t|`` for the bias), at
   most the Frobenius norm of the absolute terms that each entry of the
   per-example gradients sums over its ``T`` positions
-  (:mod:`gram_haiku._src.norm_bounds`)."""
+  (:mod:`gram_haiku._src.compute.norm_bounds`)."""
   groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
   pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
   dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
@@ -429,7 +429,7 @@ def _triangle(p, d, example_dim, with_bias: bool):
 def _materialized_bound(f, p, d, example_dim, with_bias: bool,
                         cfg: KernelConfig):
   """Sound upper bounds of the squared norms of materialised per-example
-  gradients ``f: [B, P]`` (:func:`gram_haiku._src.norm_bounds.materialized`
+  gradients ``f: [B, P]`` (:func:`gram_haiku._src.compute.norm_bounds.materialized`
   with :func:`_triangle`)."""
   tri, t = _triangle(p, d, example_dim, with_bias)
   return norm_bounds.of_rows(
@@ -497,7 +497,7 @@ def _per_example(p, d, example_dim, with_bias: bool, precision):
 
 def _example_block(spec: ConvSpec, x, p, example_dim):
   """Examples per block of the per-example gradients, or None for all at
-  once (see :func:`gram_haiku._src.cost_model.patch_block`). Blocked only
+  once (see :func:`gram_haiku._src.compute.cost_model.patch_block`). Blocked only
   with the examples as the one leading axis, a known number of them (not a
   symbolic size from ``jax.export``), outside explicit sharding."""
   if (example_dim != 0 or spec.lead_ndim(x) != 1 or

@@ -1,5 +1,5 @@
 """``GramOp`` and ``GramFunction``: the old ways to write a Gram op, kept for
-one release as shims over :class:`~gram_haiku._src.rule.Rule` (accessing
+one release as shims over :class:`~gram_haiku._src.rules.rule.Rule` (accessing
 ``gram_haiku.GramOp`` or ``gram_haiku.GramFunction`` warns; see
 ``gram_haiku/__init__.py``).
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from gram_haiku._src import rule as rule_lib
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.rules import rule as rule_lib
+from gram_haiku._src.rules.rule import Rule
 
 #: The hooks of a ``GramOp`` subclass that become the rule's functions.
 _HOOKS = ("forward", "gram", "sq_norms", "per_example_grads")

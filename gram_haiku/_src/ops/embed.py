@@ -58,7 +58,7 @@ embedding width ``D`` and (effective) vocabulary ``V``:
   independent of ``V``.
 
 ``strategy="auto"`` takes the cheapest by a cost count (gathers weighted
-above matmul multiply-adds; :func:`gram_haiku._src.cost_model.embed_method`). The diagonal (``mode="norms"``) is
+above matmul multiply-adds; :func:`gram_haiku._src.compute.cost_model.embed_method`). The diagonal (``mode="norms"``) is
 ``sum_{t,s} [key_it = key_is] w (d_it . d_is)`` (ghost, ``~B T^2 D``) or
 ``sum_u w_u |S_iu|^2`` over the segment sums (``~B T (D + log T)``).
 ``mode="per_example"`` (a module applied more than once) uses the default
@@ -80,16 +80,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gram_haiku._src import cost_model
-from gram_haiku._src import kernels
-from gram_haiku._src import norm_bounds
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_axis import ExampleAxisSpec
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.example_axis import ExampleAxis
+from gram_haiku._src.compute.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.compute.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.rules.rule import Rule
 
 LOOKUP_STYLES = ("ARRAY_INDEX", "ONE_HOT")
 
@@ -441,7 +441,7 @@ def sq_norms(ids, g, params, example_dim: int, cfg: KernelConfig, *,
 
 def _ghost_slack(key, weight, d, cfg: KernelConfig):
   """The rounding bound of the ghost diagonal of (E)
-  (:func:`gram_haiku._src.norm_bounds.coarse_ghost_slack`; the keys'
+  (:func:`gram_haiku._src.compute.norm_bounds.coarse_ghost_slack`; the keys'
   matches are exact)."""
   _, t, dim = d.shape
   return norm_bounds.coarse_ghost_slack(_triangle(key, weight, d), None, dim,
@@ -480,7 +480,7 @@ def per_example_error(ids, g, params, example_dim: int, cfg: KernelConfig, *,
 
 def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
   """Sound upper bounds of the diagonal of (E)
-  (:mod:`gram_haiku._src.norm_bounds`), with ``tri = sum_t sqrt(w_t)
+  (:mod:`gram_haiku._src.compute.norm_bounds`), with ``tri = sum_t sqrt(w_t)
   |d_t|``: the ghost value plus ``2 (e_D + e_{T^2}) tri^2`` where that is
   tight for every example, else the segment sums' bound: each summed row
   is off by at most ``e_T`` times the sum of its positions' ``|d_t|``."""

@@ -2,7 +2,7 @@
 
 In the ``"factors"`` probe mode a layer writes, per example, its input ``x_i``
 and its output cotangent ``d_i`` (flattened, one row ``[K]`` per example)
-instead of a Gram. After the pass :mod:`gram_haiku._src.bookkeeping` opens
+instead of a Gram. After the pass :mod:`gram_haiku._src.passes.bookkeeping` opens
 the rows again (:func:`split_factors`) and forms the Gram, the norms and any
 reweighted gradient ``sum_i c_i g_i`` from them by the layer's own rule
 (:func:`reweighted_param_grads`), with no second backward pass.
@@ -21,7 +21,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import kernels
+from gram_haiku._src.compute import kernels
 
 
 def factor_width(op) -> int:

@@ -3,13 +3,13 @@
 The rule (:func:`linear_rule`) is pure functions of arrays: the forward
 pass, exactly ``hk.Linear.__call__``; the per-example gradient Gram of ``w``
 and ``b`` (or its diagonal, or the per-example gradients) by the ghost or
-the materialised method of :mod:`gram_haiku._src.kernels`, whichever
-:func:`cost` (:func:`gram_haiku._src.cost_model.linear_method`) says is
+the materialised method of :mod:`gram_haiku._src.compute.kernels`, whichever
+:func:`cost` (:func:`gram_haiku._src.compute.cost_model.linear_method`) says is
 cheaper. :func:`gram_linear` binds it as a Gram op
 (:func:`gram_haiku._src.ops.op.bind`), which consults the cost once per
 application (:mod:`gram_haiku._src.ops.modes`).
 
-Shapes (see :mod:`gram_haiku._src.rule`): ``x: [..., N]``, ``g: [..., M]``
+Shapes (see :mod:`gram_haiku._src.rules.rule`): ``x: [..., N]``, ``g: [..., M]``
 (the output cotangent, same leading axes, example axis at ``example_dim``),
 ``params = (w, b)`` with ``w: [N, M]`` and ``b: [M]``, either of which may
 be None (no bias, or a frozen weight whose term is left out). With ``T``
@@ -26,16 +26,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gram_haiku._src import cost_model
-from gram_haiku._src import kernels
-from gram_haiku._src import norm_bounds
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_axis import ExampleAxisSpec
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.example_axis import ExampleAxis
+from gram_haiku._src.compute.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.compute.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.ops import op as op_lib
-from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.rule import Rule
+from gram_haiku._src.rules.rule import Rule
 
 
 def linear_forward(x, w, b, precision=None):
@@ -177,7 +177,7 @@ def per_example_error(x, g, params, example_dim: int,
                       cfg: KernelConfig) -> jax.Array:
   """``[B]``: the rounding bound of :func:`per_example_grads` in norm units,
   ``e_T (sum_t |x_t| |d_t| + sum_t |d_t|)`` (each entry sums ``T``
-  positions; :func:`gram_haiku._src.norm_bounds.dot_error`)."""
+  positions; :func:`gram_haiku._src.compute.norm_bounds.dot_error`)."""
   w, b = params
   xm, dm = kernels.linear_factors(x, g, example_dim)
   tri = jnp.zeros(dm.shape[:1], dm.dtype)
@@ -230,7 +230,7 @@ def gram_linear(x: jax.Array, w: jax.Array, b: Optional[jax.Array],
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
     memory_budget_bytes: the largest intermediate (bytes) a Gram kernel
       builds at once; larger Grams are computed in blocks.
-    plan: a :class:`~gram_haiku._src.plan.Plan` holding the four options
+    plan: a :class:`~gram_haiku._src.compute.plan.Plan` holding the four options
       above (``track()`` passes one); when given, they are ignored.
 
   Returns:

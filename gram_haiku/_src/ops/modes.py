@@ -1,10 +1,10 @@
 """The probe modes every rule gets: what the backward pass writes, by mode.
 
-A rule (a :class:`~gram_haiku._src.rule.Rule`) says how to compute one
+A rule (a :class:`~gram_haiku._src.rules.rule.Rule`) says how to compute one
 layer's Gram, squared norms and per-example gradients (``gram``,
 ``sq_norms``, ``per_example_grads``, ``probe_cotangent_and_grads``) and
 which method they use (``cost``). This module is the one place that turns
-the op's plan (:class:`~gram_haiku._src.plan.Plan`) into calls of those
+the op's plan (:class:`~gram_haiku._src.compute.plan.Plan`) into calls of those
 functions, for every rule alike:
 
 * ``"gram"``, ``"norms"``, ``"per_example"``: the rule's own products, of
@@ -14,7 +14,7 @@ functions, for every rule alike:
 * ``"factors"``: the layer's input and output cotangent per example
   (:mod:`gram_haiku._src.ops.factors`), for book-keeping after the pass;
 * ``"clip"``: sound upper bounds of the squared norms
-  (:mod:`gram_haiku._src.norm_bounds`), while the parameters get the
+  (:mod:`gram_haiku._src.compute.norm_bounds`), while the parameters get the
   clipped sum ``sum_i m_i c_i g_i`` with ``c`` computed from those bounds
   (per-layer clipping inside the backward rule).
 
@@ -30,14 +30,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import cost_model
-from gram_haiku._src import explicit_mesh
-from gram_haiku._src import hijax_compat as hx
-from gram_haiku._src import kernels
-from gram_haiku._src import norm_bounds
-from gram_haiku._src import rule as rule_lib
-from gram_haiku._src.kernels import KernelConfig
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import explicit_mesh
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.kernels import KernelConfig
 from gram_haiku._src.ops import factors
+from gram_haiku._src.rules import rule as rule_lib
 
 #: The modes whose value the rule's own functions give (and whose method
 #: its cost function decides).
@@ -45,7 +45,7 @@ RULE_MODES = ("gram", "norms", "per_example")
 
 
 def clip_weights(sq_norms, clip) -> jax.Array:
-  """``c_i`` of a :class:`~gram_haiku._src.plan.Clip` from squared norms.
+  """``c_i`` of a :class:`~gram_haiku._src.compute.plan.Clip` from squared norms.
 
   ``"abadi"``: ``min(1, C / |g_i|)``; ``"automatic"``: ``C / (|g_i| +
   gamma)``. A norm of zero gives 1 (``"abadi"``); a norm that is not finite
@@ -53,7 +53,7 @@ def clip_weights(sq_norms, clip) -> jax.Array:
 
   Args:
     sq_norms: ``[B]`` squared per-example gradient norms.
-    clip: the :class:`~gram_haiku._src.plan.Clip` (threshold ``C`` in the
+    clip: the :class:`~gram_haiku._src.compute.plan.Clip` (threshold ``C`` in the
       units of the gradient norm).
 
   Returns:
@@ -84,7 +84,7 @@ def per_example_error(op, x, g, params, cfg: KernelConfig) -> jax.Array:
   that of their sum over the ``T`` within-example positions,
   ``e_T sum_t |g_t|`` with each position's gradient norm ``|g_t|`` from
   the op's own squared norms of the positions taken as examples (in blocks
-  within the memory budget; :mod:`gram_haiku._src.norm_bounds`)."""
+  within the memory budget; :mod:`gram_haiku._src.compute.norm_bounds`)."""
   rule = op.rule
   e = op.example_axis.resolved_position()
   acc = op.accumulation_dtype()
@@ -140,7 +140,7 @@ def with_method(op, x, g, params, cfg: KernelConfig,
 def _costed(a):
   """``a`` itself when its sizes are known; else its shape and dtype with
   every symbolic size (``jax.export``'s shape polymorphism) replaced by
-  :data:`~gram_haiku._src.cost_model.SYMBOLIC_SIZE`. A cost function
+  :data:`~gram_haiku._src.compute.cost_model.SYMBOLIC_SIZE`. A cost function
   compares sizes, which a symbolic size cannot answer; every method is
   exact, so this choice moves only the time and memory of the program."""
   shape = getattr(a, "shape", None)
@@ -157,7 +157,7 @@ def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
   The rule's fused ``probe_cotangent_and_grads`` where it has one (which
   may also give parameter cotangents); else, by mode, its ``gram``,
   ``sq_norms`` or flattened ``per_example_grads`` (each with its default,
-  :mod:`gram_haiku._src.rule`). A rule that is not ``sharding_aware``
+  :mod:`gram_haiku._src.rules.rule`). A rule that is not ``sharding_aware``
   gets the Gram of a sharded example axis from exact per-example
   gradients, which gather their columns (``shard_map``) and place their
   rows (Explicit meshes).

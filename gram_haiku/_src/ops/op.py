@@ -2,9 +2,9 @@
 
 How the op is a JAX primitive (forward, backward, ``vmap``, remat) is the
 adapter's (:mod:`gram_haiku._src.ops.adapter`); what it computes is its
-:class:`~gram_haiku._src.rule.Rule`'s, a static parameter of the op (hashed
+:class:`~gram_haiku._src.rules.rule.Rule`'s, a static parameter of the op (hashed
 into the ``jit`` cache key and printed in the jaxpr, with the layer's
-``name`` and its :class:`~gram_haiku._src.plan.Plan`). Every layer, built-in
+``name`` and its :class:`~gram_haiku._src.compute.plan.Plan`). Every layer, built-in
 or a third party's, is a rule bound by :func:`bind`; there is no op class
 per layer.
 
@@ -26,21 +26,21 @@ cotangents and gives the probe, depending on ``mode``:
   factors: each example's input and output cotangent, flattened
   (:func:`~gram_haiku._src.ops.factors.factor_matrix`). After the pass the
   Gram, the norms and any reweighted gradient ``sum_i c_i g_i`` are formed
-  from them by this rule (:mod:`gram_haiku._src.bookkeeping`), with no
+  from them by this rule (:mod:`gram_haiku._src.passes.bookkeeping`), with no
   second backward pass.
 * ``"clip"``: probe ``[B]`` holding each example's weight ``m_i`` (1, or 0
   for a padded row); cotangent the squared norms, while the parameters get
   ``sum_i m_i c_i g_i`` with ``c_i`` from the plan's
-  :class:`~gram_haiku._src.plan.Clip` and this layer's own norm
+  :class:`~gram_haiku._src.compute.plan.Clip` and this layer's own norm
   (per-layer clipping inside the backward rule: no stored factors).
 
 How each mode is formed from the rule's functions (and their defaults,
-:mod:`gram_haiku._src.rule`) is the same for every rule:
+:mod:`gram_haiku._src.rules.rule`) is the same for every rule:
 :mod:`gram_haiku._src.ops.modes`.
 
 Under ``vmap`` the batching rule rebuilds the op with the mapped axis at the
 front of ``x``, so the backward rule sees every example at once (a
-``custom_vjp`` would see one). :mod:`gram_haiku._src.example_axis` says which
+``custom_vjp`` would see one). :mod:`gram_haiku._src.compute.example_axis` says which
 leading axis of ``x`` is the example axis.
 """
 
@@ -52,18 +52,18 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from gram_haiku._src import errors
-from gram_haiku._src import kernels
-from gram_haiku._src.example_axis import ExampleAxis
-from gram_haiku._src.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute.example_axis import ExampleAxis
+from gram_haiku._src.compute.example_axis import ExampleAxisSpec
+from gram_haiku._src.compute.plan import DEFAULT_MEMORY_BUDGET_BYTES
+from gram_haiku._src.compute.plan import Plan
+from gram_haiku._src.core import errors
 from gram_haiku._src.ops import adapter
 from gram_haiku._src.ops.adapter import aval_of
 from gram_haiku._src.ops.adapter import is_float
 from gram_haiku._src.ops.adapter import struct
-from gram_haiku._src.plan import DEFAULT_MEMORY_BUDGET_BYTES
-from gram_haiku._src.plan import Plan
-from gram_haiku._src.rule import Rule
-from gram_haiku._src.rule import rule_name
+from gram_haiku._src.rules.rule import Rule
+from gram_haiku._src.rules.rule import rule_name
 
 
 class RuleOp(adapter.Adapter):
@@ -73,7 +73,7 @@ class RuleOp(adapter.Adapter):
   Inputs: ``x``, then one input per name in ``rule.param_names`` (None for
   an absent one, e.g. no bias), then the probe. Output:
   ``rule.forward(x, *params)``. Static parameters: ``name`` (the layer's,
-  for messages), ``plan`` (a :class:`~gram_haiku._src.plan.Plan`: every
+  for messages), ``plan`` (a :class:`~gram_haiku._src.compute.plan.Plan`: every
   decision the op acts on) and ``rule``.
   """
 

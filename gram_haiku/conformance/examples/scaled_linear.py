@@ -7,8 +7,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gram_haiku import conformance
 import gram_haiku
+from gram_haiku import conformance
 
 HI = jax.lax.Precision.HIGHEST
 

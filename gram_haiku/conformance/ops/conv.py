@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src.ops.conv import dimension_numbers
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
-from gram_haiku._src.ops.conv import dimension_numbers
-from gram_haiku._src.ops.conv import gram_conv
-from gram_haiku._src.ops.conv import gram_conv_transpose
+from gram_haiku.ops import gram_conv
+from gram_haiku.ops import gram_conv_transpose
 
 # name -> configuration. ``spatial``: one example's spatial shape; ``c``/``o``:
 # input/output channels; ``kernel``: kernel spatial shape.

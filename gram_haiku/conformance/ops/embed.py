@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
-from gram_haiku._src.ops.embed import gram_embed
+from gram_haiku.ops import gram_embed
 
 _V, _D = 5, 3
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -7,12 +7,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gram_haiku import Rule
+from gram_haiku._src.layers.recurrent import gru_cell
+from gram_haiku._src.layers.tied import _unembed
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
-from gram_haiku._src.layers.recurrent import gru_cell
-from gram_haiku._src.rule import Rule
-from gram_haiku._src.tied import _unembed
 
 _IN, _HID, _V = 3, 4, 6
 

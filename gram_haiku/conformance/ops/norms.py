@@ -15,7 +15,7 @@ import jax
 from gram_haiku.conformance.registry import normal
 from gram_haiku.conformance.registry import OpSpec
 from gram_haiku.conformance.registry import register
-from gram_haiku._src.ops.affine import gram_affine
+from gram_haiku.ops import gram_affine
 
 # name -> (feature shape of one application, scale shape, offset shape,
 # offset multiplier).

@@ -1,0 +1,276 @@
+"""Sound upper bounds of per-example squared gradient norms in floating point.
+
+A clip factor ``c_i = min(1, C / |g_i|)`` bounds example ``i``'s
+contribution by ``C`` only if the norm it is computed from is not below the
+true ``|g_i|``. Floating point can break that:
+
+* **ghost norms cancel.** For a layer applied at ``T`` positions,
+  ``|g_i|^2 = sum_{t,s} (x_t . x_s)(d_t . d_s)`` (``x_t`` the input and
+  ``d_t`` the output cotangent at position ``t``). Each kernel entry is
+  computed with an absolute error up to ``gamma_N |x_t| |x_s|``, so the
+  sum has an absolute error up to about ``(N + M + T^2) u tri^2``, with
+
+      tri_i = sum_t |x_t| |d_t|  >=  |g_i|                          (T)
+
+  When the positions' terms are large and nearly cancel (an input with a
+  large common offset, ``x_1 = a + u``, ``x_2 = -a + u``), ``tri_i`` is
+  many times ``|g_i|`` and the float32 ghost value can be far below the
+  truth, even negative.
+* **materialised per-example gradients** ``ghat_i = sum_t x_t^T d_t`` carry
+  an absolute error up to ``gamma_T tri_i`` (entry by entry, ``gamma_T``
+  times ``sum_t |x_tn| |d_tm|``, whose Frobenius norm is at most
+  ``tri_i``): linear in the cancellation, not quadratic.
+
+So, with ``e_n = gamma_{n+1} = (n + 1) u / (1 - (n + 1) u)`` the error
+factor of an ``n``-term dot product (:func:`dot_error`; ``u`` the unit
+roundoff of the products, bfloat16's rounding added below
+``Precision.HIGHEST``) and ``xx_ts = |x_t| |x_s|``, ``dd_ts = |d_t| |d_s|``:
+
+    ghost:  |g|^2 <= ghost + e_N sum xx |kd| + e_M sum |kx| dd
+                           + e_N e_M tri^2 + e_{T^2} (1 + e_N + e_M)
+                             sum |kx kd|                              (G)
+    materialised:  |g| <= |ghat| sqrt(1 + r_P) + e_T tri              (M)
+
+with ``r_P`` the rounding bound of a sum of ``P`` squares, about
+``4 u sqrt(P)`` as :func:`sum_of_squares` forms it in two levels
+(Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002,
+section 3.1: ``|fl(x . y) - x . y| <= gamma_n |x| . |y|`` in any order of
+summation). ``tri`` and the row norms are sums of non-negative terms,
+rounded up by their own bounds.
+
+A kernel asked for bounds (``KernelConfig.upper_bound``) returns (G) where
+it is tight (its slack below :data:`LOOSE` of the value for every example
+of the block) and otherwise, at run time, forms the materialised
+per-example gradients and (M) (a loop of zero or one rounds,
+:func:`gram_haiku._src.compute.kernels.run_if`). Kept per-example gradients carry
+(M)'s ``e_T tri`` term in a column of their own
+(``Rule.per_example_error``). Every clip factor of
+:func:`gram_haiku.clipped_grad` is computed from such a bound; the Grams
+and norms :func:`gram_haiku.value_grad_and_gram` reports are the nearest
+estimates (the materialised form where a ghost value is loose).
+
+Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
+built-in ones do); a reparametrising getter's pull-back maps a kept
+per-example gradient's rounding bound, which is carried in the layer's
+operand space, by its Jacobian, which is not bounded here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src.compute import cost_model
+
+#: A ghost bound whose slack exceeds this fraction of the value is loose:
+#: the kernel then forms the materialised bound instead (its norm is then
+#: at most ``sqrt(1 + LOOSE)``, about 3%, above the truth; tighter bounds
+#: than the worst case would switch less often).
+LOOSE = 2.0 ** -4
+
+
+def dot_error(n, dtype, precision) -> jax.Array:
+  """``e`` with ``|fl(a . b) - a . b| <= e |a| . |b|`` for ``n``-term dot
+  products accumulated in ``dtype`` at ``precision``, in any order of
+  summation: ``gamma_{n+1} = (n + 1) u / (1 - (n + 1) u)`` (one rounding
+  per product, ``n - 1`` per sum, one spare), ``u`` the accumulation's
+  unit roundoff (float32 at ``Precision.HIGHEST`` counted as
+  ``4 * 2^-24`` in a program compiled for a TPU, which forms such products
+  from several bfloat16 passes; IEEE float32 elsewhere), plus ``2^-7``
+  below ``HIGHEST`` in a program compiled for a TPU or GPU, which may round
+  each factor to bfloat16 (or TF32) first (XLA's CPU backend multiplies
+  float32 in float32 at every precision). A float32 scalar (inf where ``(n + 1) u >= 1``)."""
+  u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
+  if jnp.dtype(dtype) != jnp.float64:
+    u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
+                                   default=lambda: jnp.float32(1))
+  nu = (count(n) + 1) * u
+  out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
+  if precision != lax.Precision.HIGHEST:  # (XLA's CPU dots stay float32.)
+    out = out + lax.platform_dependent(cpu=lambda: jnp.float32(0),
+                                       default=lambda: jnp.float32(2.0 ** -7))
+  return out
+
+
+def count(n) -> jax.Array:
+  """A size (an int, or a symbolic size under ``jax.export``) as a float32
+  scalar."""
+  if isinstance(n, int):
+    return jnp.float32(n)
+  return jnp.asarray(n).astype(jnp.float32)
+
+
+def _elementwise_u(dtype) -> float:
+  return float(jnp.finfo(dtype).eps) / 2
+
+
+def row_norms(a: jax.Array) -> jax.Array:
+  """``|a_t|`` over the last axis, rounded up by its own rounding bound."""
+  n = a.shape[-1]
+  sq = jnp.sum(jnp.square(a), axis=-1)
+  return jnp.sqrt(sq * (1 + 2 * _elementwise_u(a.dtype) * (count(n) + 4)))
+
+
+def triangle(x: jax.Array, d: jax.Array) -> jax.Array:
+  """(T): ``sum_t |x_t| |d_t|`` per example, ``x: (B, T, N)``,
+  ``d: (B, T, M)`` -> ``(B,)``, rounded up (see the module docstring)."""
+  acc = d.dtype
+  tri = jnp.sum(row_norms(x.astype(acc)) * row_norms(d), axis=1)
+  return tri * (1 + 2 * _elementwise_u(acc) * (count(x.shape[1]) + 4))
+
+
+def ghost_slack(kx: jax.Array, kd: jax.Array, xn: jax.Array, dn: jax.Array,
+                n, m, dtype, precision) -> jax.Array:
+  """The rounding bound of a ghost value ``sum_{t,s} kx_ts kd_ts`` per
+  example, from the computed kernels ``kx, kd: (R, T, T)`` and the row
+  norms ``xn, dn: (R, T)`` (:func:`row_norms`) of ``N``-wide inputs and
+  ``M``-wide cotangents, with ``e_k = dot_error(k)``:
+
+      e_N sum |x_t||x_s||kd_ts| + e_M sum |kx_ts||d_t||d_s|
+        + e_N e_M tri^2 + e_{T^2} (1 + e_N + e_M) sum |kx_ts kd_ts|
+
+  (each computed kernel entry is off by at most ``e_N |x_t||x_s|``, resp.
+  ``e_M |d_t||d_s|``, and the ``T^2`` products are summed), rounded up by
+  ``(1 + 16 u)`` for its own evaluation. Tighter than ``(e_N + e_M +
+  e_{T^2}) tri^2`` where the positions are not aligned.
+  """
+  t = kx.shape[-1]
+  xx = xn[:, :, None] * xn[:, None, :]
+  dd = dn[:, :, None] * dn[:, None, :]
+  akx, akd = jnp.abs(kx), jnp.abs(kd)
+  en = dot_error(n, dtype, precision)
+  em = dot_error(m, dtype, precision)
+  et = dot_error(t * t, dtype, lax.Precision.HIGHEST)
+  terms = (en * jnp.sum(xx * akd, axis=(1, 2)) +
+           em * jnp.sum(akx * dd, axis=(1, 2)) +
+           en * em * jnp.sum(xx * dd, axis=(1, 2)) +
+           et * (1 + en + em) * jnp.sum(akx * akd, axis=(1, 2)))
+  return terms * (1 + 16 * _elementwise_u(terms.dtype))
+
+
+def ghost(value: jax.Array, slack: jax.Array):
+  """(G): ``(bound, loose)`` from a ghost value ``[B]`` and its rounding
+  bound (:func:`ghost_slack`, or ``2 (N + M + T^2 + 8) u tri^2``).
+  ``loose``: ``bool[B]``, where the slack exceeds :data:`LOOSE` of the
+  value."""
+  base = jnp.maximum(value, 0)
+  return base + slack, slack > LOOSE * base
+
+
+def coarse_ghost_slack(tri: jax.Array, n, m, t, dtype,
+                       precision) -> jax.Array:
+  """The ghost value's rounding bound from :func:`triangle` alone:
+  ``2 (e_N + e_M + e_{T^2}) tri^2`` (see :func:`ghost_slack`; the factor 2
+  covers its second-order terms while each ``e`` is below 1/2). ``n=None``:
+  the input kernel is exact (an embedding's key matches), ``e_N = 0``."""
+  e = (dot_error(m, dtype, precision) +
+       dot_error(t * t, dtype, lax.Precision.HIGHEST))
+  if n is not None:
+    e = e + dot_error(n, dtype, precision)
+  return 2 * e * jnp.square(tri)
+
+
+#: Lanes of a TPU vector register: a level-one chunk of more terms is a
+#: multiple of this, so that :func:`sum_of_squares`'s chunks start on a
+#: lane boundary.
+_LANES = 128
+
+#: Per-example rows of more bytes than this are summed by a loop over
+#: column chunks rather than through a padded ``(B, rows, k)`` reshape:
+#: on a TPU that reshape of a ``[B, P]`` array is a relayout, which for the
+#: per-example gradients of a tied 32000 x 768 embedding (``B = 16``) took
+#: 49 ms and 3 GB of temp memory against 6.3 ms and none for the loop
+#: (one v5e chip, 2026-12-06). The two levels, and so :func:`squares_rel`,
+#: are the same either way.
+LOOP_BYTES = 1 << 24
+
+
+def _split(p):
+  """``(rows, k)`` of the two-level sum of ``p`` terms, or None for one
+  level (few terms, or a symbolic count): ``k`` about ``sqrt(p)`` (a
+  multiple of 128 above 128), ``rows = ceil(p / k)``."""
+  if not isinstance(p, int) or p <= 64:
+    return None
+  k = math.isqrt(p - 1) + 1
+  if k > _LANES:
+    k = -(-k // _LANES) * _LANES
+  return -(-p // k), k
+
+
+def squares_rel(p, dtype):
+  """The relative rounding bound of :func:`sum_of_squares` of ``p`` terms
+  in ``dtype``: ``2 u (rows + k + 4)`` for its two levels (``2 u (p + 2)``
+  for one)."""
+  split = _split(p)
+  terms = count(p) if split is None else count(sum(split) + 2)
+  return 2 * _elementwise_u(dtype) * (terms + 2)
+
+
+def sum_of_squares(a: jax.Array) -> jax.Array:
+  """The sum of the squares of ``a`` over its axes after the first, in two
+  levels of about ``sqrt(P)`` terms each, the partial sums kept apart
+  (``lax.optimization_barrier``), so that :func:`squares_rel` bounds its
+  rounding in any order of summation within a level (one level of ``P``
+  terms would only give ``2 u P``)."""
+  a = a.reshape(a.shape[:1] + (math.prod(a.shape[1:]),))
+  p = a.shape[-1]
+  split = _split(p)
+  if split is None:
+    return jnp.sum(jnp.square(a), axis=-1)
+  rows, k = split
+  if (cost_model.size_hint(a.shape[0]) * p * jnp.dtype(a.dtype).itemsize >
+      LOOP_BYTES):
+    return _chunked_sum_of_squares(a, k)
+  a = jnp.pad(a, [(0, 0), (0, rows * k - p)])
+  part = jnp.sum(jnp.square(a.reshape((a.shape[0], rows, k))), axis=-1)
+  return jnp.sum(lax.optimization_barrier(part), axis=-1)
+
+
+def _chunked_sum_of_squares(a: jax.Array, k: int) -> jax.Array:
+  """:func:`sum_of_squares` of ``a: [B, P]`` as a loop over its ``P // k``
+  column chunks of ``k`` (each summed alone, then added to the running
+  sum: the second level) and the remainder, with no reshape
+  (:data:`LOOP_BYTES`)."""
+  p = a.shape[-1]
+  full = p // k
+
+  def chunk(i, acc):
+    c = lax.dynamic_slice_in_dim(a, i * k, k, axis=1)
+    return acc + jnp.sum(jnp.square(c), axis=-1)
+  out = lax.fori_loop(0, full, chunk, jnp.zeros(a.shape[:1], a.dtype))
+  if full * k < p:
+    out = out + jnp.sum(jnp.square(a[:, full * k:]), axis=-1)
+  return out
+
+
+def materialized(value: jax.Array, rel, tri: jax.Array, positions,
+                 dtype, precision) -> jax.Array:
+  """(M), squared: the bound of ``|g|^2`` from ``|ghat|^2`` (``value``,
+  with the relative rounding bound ``rel`` of its sum of squares, see
+  :func:`sum_of_squares`) and the per-example sum of the absolute terms
+  (``tri``) over the ``positions`` summed per entry, each entry a
+  ``positions``-term dot product (:func:`dot_error`)."""
+  norm = jnp.sqrt(jnp.maximum(value, 0) * (1 + rel))
+  slack = dot_error(positions, dtype, precision) * tri
+  return jnp.square(norm + slack)
+
+
+def stored(value: jax.Array, rel) -> jax.Array:
+  """The bound of ``|f|^2`` from the sum of squares of stored numbers
+  ``f`` (per-example gradients that are themselves the summed quantity)
+  with the relative rounding bound ``rel`` (:func:`sum_of_squares`)."""
+  return value * (1 + rel)
+
+
+def of_rows(f: jax.Array, err=None) -> jax.Array:
+  """``[B]``: the bound of ``|g_i|^2`` from materialised per-example
+  gradients ``f: [B, P]`` that are off by at most ``err: [B]`` (norm
+  units; None: ``f`` is what is summed), ``(|f_i| sqrt(1 + r_P) +
+  err_i)^2``: (M) with ``err = e_T tri``."""
+  value = stored(sum_of_squares(f), squares_rel(f.shape[1], f.dtype))
+  if err is None:
+    return value
+  return jnp.square(jnp.sqrt(value) + err.astype(value.dtype))

@@ -1,0 +1,185 @@
+"""The ambient state of gram_haiku: the only thread-local state it keeps.
+
+Three things cannot travel as arguments through user code: the active
+``track()`` contexts (a layer handler, or :func:`gram_haiku.unembed`, must
+find its tracker from inside the user's Haiku modules), the running pass
+(:mod:`gram_haiku._src.passes.pass_pipeline`: its :class:`PassPlan`, what each
+module keeps and over which mesh axes the examples are split, and its
+:class:`PassLog`, where ``track()`` records what the trace shows), and, on
+the raw ``jax.grad`` path, the modules already applied in the current call
+of the transformed function (:func:`raw_uses`). All live here. They are
+read when a ``track()`` context is entered or a layer is applied, and by
+:func:`gram_haiku.unembed`, and turned into each op's
+:class:`~gram_haiku._src.compute.plan.Plan` before the op is bound; no op, rule or
+kernel reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from typing import Any, Iterator, Mapping, Optional
+
+_LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+  """What a pass (:mod:`gram_haiku._src.passes.pass_pipeline`) tells ``track()``:
+  its decisions only (what it learns while tracing goes to a
+  :class:`PassLog`).
+
+  Attributes:
+    column_axes: mesh axes the examples are split over (``shard_map``);
+      ``()`` on one device.
+    disabled: every ``track()`` context is inert: the model runs as plain
+      Haiku (:func:`gram_haiku.verify`'s reference).
+    modes: layer name -> the mode its op runs in for this pass, in place
+      of the context's own (the op mode of the module's
+      :class:`~gram_haiku._src.passes.pass_pipeline.Store`): ``"per_example"``,
+      ``"factors"`` or ``"clip"``; empty in the discovery trace.
+    clips: layer name -> its :class:`~gram_haiku._src.compute.plan.Clip`, for the
+      layers in ``"clip"`` mode (only those).
+    slotted: layer names whose ``"factors"`` probe is a stack of slots, one
+      per application, picked by a counter in the module's state (a module
+      applied at every step of a loop; see
+      :func:`gram_haiku._src.passes.slots.slotted_modules`).
+    frozen: layer name -> indices of its op's parameters that have no
+      gradient (``Plan.frozen``; see
+      :attr:`gram_haiku._src.analysis.dataflow.Discovery.frozen_layers`).
+    upper_bound: the pass clips (:attr:`gram_haiku._src.compute.plan.Plan
+      .upper_bound`): every op's norms are sound upper bounds.
+  """
+  column_axes: tuple[str, ...] = ()
+  disabled: bool = False
+  modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  slotted: frozenset = frozenset()
+  frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  upper_bound: bool = False
+
+
+class PassLog:
+  """What a pass learns while the model is traced, written by ``track()``.
+
+  One per trace, given with its :class:`PassPlan` to :func:`running` and
+  read by the pipeline afterwards.
+
+  Attributes:
+    coverage: parameter name -> :class:`~gram_haiku._src.frontend.coverage
+      .ParamCoverage`: what the ``track()`` contexts' getters saw.
+    untracked: parameter name -> ``(policy, module type)``: the untracked
+      reads the contexts saw, for the pass to report once it knows which
+      of them have a gradient.
+    raw_traced: layer names applied inside a raw JAX transform
+      (``jax.lax.scan``, ``jax.vmap`` opened inside the model): their
+      modules cannot keep a slot counter in Haiku state.
+    slot_reads: layer name -> the slot counter values its applications
+      read, in a pass with slots (see :func:`gram_haiku._src.passes.slots
+      .untrusted`).
+  """
+
+  def __init__(self):
+    self.coverage: dict = {}
+    self.untracked: dict = {}
+    self.raw_traced: set = set()
+    self.slot_reads: dict = {}
+
+  def saw(self, seen: Mapping[str, Any]) -> None:
+    """Records the parameters a ``track()`` context's getters saw."""
+    self.coverage.update(seen)
+
+  def applied_in_raw_transform(self, layer: str) -> None:
+    """Records a layer applied inside a raw JAX transform."""
+    self.raw_traced.add(layer)
+
+  def slot_reads_of(self, layer: str) -> list:
+    """Where ``layer``'s applications record the slot counters they read."""
+    return self.slot_reads.setdefault(layer, [])
+
+
+@dataclasses.dataclass(frozen=True)
+class Ambient:
+  """A snapshot of the ambient state.
+
+  Attributes:
+    tracker: the innermost active ``track()`` context, or None.
+    pass_plan: the running pass, or None on the raw ``jax.grad`` path.
+    pass_log: where the running pass records what it learns, or None.
+  """
+  tracker: Any
+  pass_plan: Optional[PassPlan]
+  pass_log: Optional[PassLog] = None
+
+
+def current() -> Ambient:
+  """The ambient state now (the one reader)."""
+  stack = getattr(_LOCAL, "trackers", ())
+  return Ambient(stack[-1] if stack else None,
+                 getattr(_LOCAL, "pass_plan", None),
+                 getattr(_LOCAL, "pass_log", None))
+
+
+def push_tracker(tracker) -> None:
+  _LOCAL.trackers = getattr(_LOCAL, "trackers", ()) + (tracker,)
+
+
+def pop_tracker(tracker) -> None:
+  stack = getattr(_LOCAL, "trackers", ())
+  if not stack or stack[-1] is not tracker:
+    raise RuntimeError("gram_haiku.track() contexts must be exited in the "
+                       "reverse order of entering them.")
+  _LOCAL.trackers = stack[:-1]
+
+
+@contextlib.contextmanager
+def running(pass_plan: PassPlan,
+            log: Optional[PassLog] = None) -> Iterator[None]:
+  """Marks a pass (a trace of the model) as running, told ``pass_plan``
+  and recording into ``log``."""
+  previous = (getattr(_LOCAL, "pass_plan", None),
+              getattr(_LOCAL, "pass_log", None))
+  _LOCAL.pass_plan, _LOCAL.pass_log = pass_plan, log
+  try:
+    yield
+  finally:
+    _LOCAL.pass_plan, _LOCAL.pass_log = previous
+
+
+def raw_uses(call_id: int) -> set:
+  """The names of the modules applied so far in this call of a transformed
+  function (raw ``jax.grad`` path), across ``track()`` contexts and Haiku's
+  lifted transforms.
+
+  ``call_id`` identifies that call: the ``frame_id`` of its outermost Haiku
+  frame (the bottom of the frame stack, which ``hk.remat``, ``hk.vmap`` and
+  ``hk.cond`` push their frames above; Haiku numbers every frame it makes,
+  never reusing a number). A new call starts an empty set. Only that number
+  and the names are held: never the frame, whose parameters, state and rng
+  (tracers, under ``jit``) must not outlive the call (JAX's
+  ``jax_check_tracer_leaks`` checks it).
+  """
+  held = getattr(_LOCAL, "raw_uses", None)
+  if held is None or held[0] != call_id:
+    held = (call_id, set())
+    _LOCAL.raw_uses = held
+  return held[1]
+
+
+def probe_seen_before(probe) -> bool:
+  """Raw ``jax.grad`` path: whether this very probe value (one traced value)
+  was handed to a tracked op before, e.g. by another call of the
+  transformed function on the same state (a siamese loss ``f.apply(...,
+  x1) - f.apply(..., x2)``); records it. Held weakly: a value no longer
+  alive cannot be seen again."""
+  seen = getattr(_LOCAL, "probes", None)
+  if seen is None:
+    seen = _LOCAL.probes = weakref.WeakValueDictionary()
+  try:
+    before = seen.get(id(probe)) is probe
+    seen[id(probe)] = probe
+  except TypeError:  # not weakly referenceable: nothing to tell
+    return False
+  return before

@@ -1,0 +1,74 @@
+"""The zero probes: where a tracked module's Gram leaves the backward pass.
+
+Each tracked module keeps its probe in its own ``hk.State`` entry
+``gram_probe``: zeros, ``[B, B]`` in ``"gram"`` mode, ``[B]`` in
+``"norms"`` mode (:func:`gram_haiku._src.ops.adapter.probe_shape`), float32
+(float64 for float64 inputs). The op ignores it in the forward pass; its
+gradient is the module's Gram. A module applied several times inside a
+:func:`gram_haiku.value_grad_and_gram` pass may instead get a *slotted*
+probe ``[U, B, K]`` with a counter ``gram_slot`` beside it (see
+:mod:`gram_haiku._src.passes.slots`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.ops import adapter
+
+#: Name of the probe entry in each tracked module's ``hk.State``.
+PROBE_NAME = "gram_probe"
+#: The slot counter of a slotted probe (only during a
+#: ``value_grad_and_gram`` pass, which adds and removes it).
+SLOT_NAME = "gram_slot"
+
+
+def probe_dtype(*dtypes) -> jnp.dtype:
+  """float32, or float64 for float64 inputs (under ``jax_enable_x64``)."""
+  return kernels.accumulation_dtype(*dtypes)
+
+
+def module_probe(x: jax.Array, mode: str, num_params: int,
+                 dtypes) -> jax.Array:
+  """The current module's probe (created as zeros at ``init``).
+
+  Args:
+    x: the layer input.
+    mode: the op's probe mode (``"gram"``, ``"norms"``, ...).
+    num_params: the module's parameter entries (a ``"per_example"`` probe's
+      width).
+    dtypes: the parameters' dtypes; with a float input's, they set the
+      probe's dtype (:func:`probe_dtype`).
+  """
+  # At init, per-example code under vmap cannot see B: the size here is a
+  # placeholder that value_grad_and_gram / resize_probes corrects.
+  size = x.shape[0] if x.ndim >= 2 else 1
+  shape = adapter.probe_shape(mode, size, num_params)
+  dtypes = [x.dtype, *dtypes] if kernels.is_float(x.dtype) else list(dtypes)
+  # Under hk.transform (no state) Haiku itself raises NonEmptyStateError
+  # after the function returns, telling the user to use
+  # hk.transform_with_state.
+  return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
+                      init=jnp.zeros)
+
+
+def next_slot(reads: Optional[list]) -> jax.Array:
+  """This application's slot ``[B, K]`` of the current module's slotted
+  probe ``[U, B, K]``; advances the module's slot counter.
+
+  Inside ``hk.scan`` (``hk.dynamic_unroll``) the counter is part of the
+  carried state, so every step gets its own slot. The counter value read is
+  appended to ``reads`` (two applications reading the same one would share
+  a slot).
+  """
+  stack = hk.get_state(PROBE_NAME)
+  slot = hk.get_state(SLOT_NAME)
+  if reads is not None:
+    reads.append(slot)
+  hk.set_state(SLOT_NAME, slot + 1)
+  return jax.lax.dynamic_index_in_dim(stack, slot, 0, keepdims=False)

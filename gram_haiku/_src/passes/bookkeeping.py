@@ -1,0 +1,103 @@
+"""Book-keeping: a layer's Gram and reweighted gradient from what it kept.
+
+In a reweighted pass (:func:`gram_haiku.reweighted_grad`) each tracked
+layer keeps, through the one backward pass, either its *factors* (every
+example's input ``x_i`` and output cotangent ``d_i``: probe mode
+``"factors"``) or its flattened *per-example gradients* ``F`` (probe mode
+``"per_example"``), whichever
+:func:`gram_haiku._src.compute.cost_model.bookkeeping_method` finds smaller. Once
+every layer's contribution to the per-example norms (or Gram) is known and
+the weights ``c`` are chosen, this module re-contracts:
+
+* factors: ``sum_i c_i g_i = J^T (c * d)``, the layer's own weight VJP at
+  its inputs with the output cotangent scaled per example (exact for every
+  rule, since a per-example gradient is linear in its output cotangent;
+  ``x^T diag(c) d`` for a linear layer);
+* per-example gradients: ``c^T F``.
+
+Source: Bu, Mao, Xu, Karypis (2023), "Differentially private optimization
+on large model at small cost" (ICML; the "BK" algorithm of fastDP).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.ops import factors
+from gram_haiku._src.ops import modes
+
+
+def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
+  """The op's parameter operands rebuilt from the parameter leaves.
+
+  ``leaf_index[k]`` is the leaf that operand ``k`` is a cast or reshape of
+  (the traced program says so; anything else was refused), or None for an
+  absent operand.
+  """
+  out = []
+  for aval, k in zip(op.param_avals, leaf_index):
+    if aval is None or k is None:
+      out.append(None)
+    else:
+      out.append(jnp.reshape(leaves[k], aval.shape).astype(aval.dtype))
+  return out
+
+
+def from_factors(op, x, g, params, mode: str,
+                 upper_bound: bool = False) -> jax.Array:
+  """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
+  factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
+  ``[B, K]`` store) of one application, by the op's own rule. Its cost
+  function is told that nothing reuses materialised per-example gradients
+  here (the weight gradient is re-contracted anyway). ``upper_bound``:
+  squared norms as sound upper bounds (clip factors;
+  :mod:`gram_haiku._src.compute.norm_bounds`)."""
+  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
+                     precision=op.plan.precision, upper_bound=upper_bound)
+  return modes.products(op.in_mode(mode), x, g, params, (), cfg,
+                        reuse=False)[0]
+
+
+def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
+  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k`` that is
+  not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one
+  application; ``mask_inputs``: rows with ``c_i = 0`` may hold anything
+  (padding), so their inputs are zeroed too (see
+  :func:`~gram_haiku._src.ops.factors.reweighted_param_grads`)."""
+  wanted = [k for k, p in enumerate(params)
+            if p is not None and k not in (op.plan.frozen or ())]
+  return factors.reweighted_param_grads(op, x, g, params, c, wanted,
+                                        mask_inputs)
+
+
+def recontract_per_example(op, f, c) -> dict:
+  """``{k: sum_i c_i g_i}`` for each present parameter operand ``k``, from
+  per-example gradients ``f: [..., B, P]`` (the columns of the operands in
+  order; leading axes are ``hk.layer_stack``'s, one slice per layer)."""
+  acc = f.dtype
+  cb = c.astype(acc).reshape((1,) * (f.ndim - 2) + (-1, 1))
+  weighted = jnp.sum(jnp.where(cb != 0, f * cb, jnp.zeros((), acc)), axis=-2)
+  out, start = {}, 0
+  lead = weighted.shape[:-1]
+  for k, aval in enumerate(op.param_avals):
+    if aval is None:
+      continue
+    size = math.prod(aval.shape)
+    if k not in (op.plan.frozen or ()):  # (a frozen one's are zero)
+      out[k] = weighted[..., start:start + size].reshape(lead + aval.shape)
+    start += size
+  return out
+
+
+def to_leaf(ct, leaf):
+  """A cotangent in a parameter leaf's shape and dtype, summed over the mesh
+  axes the leaf is invariant along (``shard_map``: replicated parameters get
+  every device's share, as JAX's own AD gives them)."""
+  ct = hx.reduce_to_type_of(ct, leaf)
+  return jnp.reshape(ct, leaf.shape).astype(leaf.dtype)
