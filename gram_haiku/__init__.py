@@ -9,6 +9,8 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`reweighted_grad`: ``sum_i c_i g_i`` with ``c`` chosen from the
   Grams of the same backward pass, and :func:`clipped_grad`: DP-SGD's
   clipped sum (all-layer or per-layer), both in one backward pass.
+* :func:`empirical_ntk`: the empirical neural tangent kernel per output
+  (neural-tangents' ``trace_axes`` / ``diagonal_axes``), from one Gram pass.
 * :class:`Rule`: a layer's Gram rule as pure functions (``forward``,
   optionally a Gram function), the one way to write a Gram op: a
   ``track()`` handler (:func:`register_layer`) gives it to
@@ -34,6 +36,7 @@ _SOURCES = {
     "ClippedGradAux": "gram_haiku._src.api.clipping",
     "ParamCoverage": "gram_haiku._src.frontend.coverage",
     "UntrackedParameterWarning": "gram_haiku._src.frontend.coverage",
+    "empirical_ntk": "gram_haiku._src.api.ntk",
     "ExampleAxis": "gram_haiku._src.compute.example_axis",
     "ExampleFlowWarning": "gram_haiku._src.analysis.example_flow",
     "MeanLossWarning": "gram_haiku._src.analysis.loss_scale",
@@ -93,6 +96,7 @@ __all__ = (
     "Rule",
     "UntrackedParameterWarning",
     "clipped_grad",
+    "empirical_ntk",
     "register_layer",
     "resize_probes",
     "reweighted_grad",

@@ -942,3 +942,36 @@ JAXP_SHARED_ARGUMENT = (
     "batch_argnums; if it is data every example reads, pass it with a "
     "leading axis of 1 (`arg[None]`) and write the model so that it "
     "broadcasts that axis over the examples.")
+
+NTK_BAD_AXES = (
+    "gram_haiku.empirical_ntk: {what} = {axes} do not name distinct axes of "
+    "the model's output, which has rank {ndim} (axis 0 the examples; "
+    "negative axes count from the end), or name one axis as both traced and "
+    "diagonal.\n"
+    "What to do: give each output axis at most once, in range(-{ndim}, "
+    "{ndim}); e.g. trace_axes=(-1,) sums over the logits, trace_axes=() "
+    "keeps every pair of outputs, diagonal_axes=(0,) keeps each example "
+    "with itself only.")
+
+NTK_DIAGONAL_BATCH = (
+    "gram_haiku.empirical_ntk: diagonal_axes includes the example axis 0, "
+    "which pairs example i of x1 with example i of x2, but x1 has {n1} "
+    "examples and x2 {n2}.\n"
+    "What to do: give x2 as many examples as x1 (or x2=None for x1 with "
+    "itself), or leave 0 out of diagonal_axes for the full x1 x x2 kernel.")
+
+NTK_BAD_BATCH = (
+    "gram_haiku.empirical_ntk: every leaf of {name} must have the examples "
+    "on axis 0, with one size; got leaf shapes {shapes}.\n"
+    "What to do: pass the inputs as arrays (or a pytree of arrays) whose "
+    "axis 0 is the examples, one size for all of them.")
+
+NTK_UNTRACKED = (
+    "gram_haiku.empirical_ntk: the parameters {names} are read outside every "
+    "tracked layer, so their part of each output's gradient, and of the "
+    "kernel, would be missing.\n"
+    "What to do: create them inside a tracked Haiku module (gram_haiku.track "
+    "covers hk.Linear, hk.Conv*, hk.Embed, hk.LayerNorm, ...: see the "
+    "'Supported layers' in docs/layers.rst; a learned position table is "
+    "hk.Bias(bias_dims=[-2, -1])), or write a Gram rule for their layer "
+    "(gram_haiku.Rule with gram_haiku.register_layer).")

@@ -1,0 +1,172 @@
+"""``gram_haiku.empirical_ntk`` against ``jax.jacrev`` of the untracked
+model, float64, with neural-tangents' ``trace_axes`` / ``diagonal_axes``
+layout: ``zip(f(x1).shape, f(x2).shape)``, traced pairs absent, diagonal
+pairs once."""
+
+import contextlib
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+
+
+def _mlp(x):
+  return hk.Linear(3)(jnp.tanh(hk.Linear(5)(x)))
+
+
+def _cnn(x):
+  h = jax.nn.gelu(hk.Conv2D(3, 3, padding="VALID")(x))
+  return hk.Linear(3)(h.reshape(h.shape[0], -1))
+
+
+def _attention(x):
+  """Per-token outputs ``[N, T, 2]``: two output axes."""
+  a = hk.LayerNorm(-1, True, True)(x)
+  h = x + hk.MultiHeadAttention(2, 2, w_init=hk.initializers.VarianceScaling(
+      1.0))(a, a, a)
+  return hk.Linear(2)(h)
+
+
+def _lstm(x):
+  core = hk.LSTM(4)
+  out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1),
+                             core.initial_state(x.shape[0]))
+  return hk.Linear(2)(out[-1])
+
+
+def _shared(x):
+  """One layer applied twice: the kernel's cross terms between the uses."""
+  layer = hk.Linear(4)
+  return hk.Linear(2)(jnp.tanh(layer(jnp.tanh(layer(x)))))
+
+
+# name -> (model, example shape)
+MODELS = {
+    "mlp": (_mlp, (6,)),
+    "cnn": (_cnn, (5, 5, 2)),
+    "attention": (_attention, (3, 4)),
+    "lstm": (_lstm, (3, 2)),
+    "shared": (_shared, (4,)),
+}
+
+
+def _transformed(model, tracked: bool):
+  def f(x):
+    with gram_haiku.track() if tracked else contextlib.nullcontext():
+      return model(x)
+  return hk.transform_with_state(f)
+
+
+def _problem(name, n1=3, n2=2, dtype=jnp.float64):
+  model, shape = MODELS[name]
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(len(name)), 3)
+  x1 = jax.random.normal(k1, (n1,) + shape, dtype)
+  x2 = jax.random.normal(k2, (n2,) + shape, dtype)
+  tracked = _transformed(model, True)
+  params, state = tracked.init(k3, x1)
+  plain = _transformed(model, False)
+  return tracked, plain, params, state, x1, x2
+
+
+def _jacobian(plain, params, x):
+  """``[N, *O, P]``: every output entry's flattened parameter gradient."""
+  def out(p):
+    return plain.apply(p, {}, None, x)[0]
+  y = out(params)
+  jac = jax.jacrev(out)(params)
+  return jnp.concatenate([j.reshape(y.shape + (-1,))
+                          for j in jax.tree.leaves(jac)], axis=-1)
+
+
+def _assert_kernel(got, want):
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_allclose(got, want, rtol=1e-10,
+                             atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "shared"])
+def test_the_full_kernel_matches_jacrev(name):
+  with jax.enable_x64(True):
+    tracked, plain, params, state, x1, x2 = _problem(name)
+    j1, j2 = _jacobian(plain, params, x1), _jacobian(plain, params, x2)
+    ntk = jax.jit(gram_haiku.empirical_ntk(tracked.apply, trace_axes=()))
+    _assert_kernel(np.asarray(ntk(params, state, x1, x2)),
+                   np.einsum("iap,jbp->ijab", np.asarray(j1), np.asarray(j2)))
+
+
+def test_one_output_axis_in_each_layout():
+  """Output ``[N, K]``: the default traces the logits (``[N1, N2]``);
+  ``trace_axes=1`` is the same axis; a diagonal pair stays once."""
+  with jax.enable_x64(True):
+    tracked, plain, params, state, x1, x2 = _problem("mlp")
+    full = np.einsum("iap,jbp->ijab",
+                     np.asarray(_jacobian(plain, params, x1)),
+                     np.asarray(_jacobian(plain, params, x2)))
+    for trace, diagonal, spec in [((-1,), (), "ijaa->ij"),
+                                  ((1,), (), "ijaa->ij"),
+                                  ((), (-1,), "ijaa->ija")]:
+      ntk = gram_haiku.empirical_ntk(tracked.apply, trace_axes=trace,
+                                     diagonal_axes=diagonal)
+      _assert_kernel(np.asarray(ntk(params, state, x1, x2)),
+                     np.einsum(spec, full))
+
+
+def test_two_output_axes_and_the_batch_diagonal():
+  with jax.enable_x64(True):
+    tracked, plain, params, state, x1, x2 = _problem("attention")
+    j1, j2 = _jacobian(plain, params, x1), _jacobian(plain, params, x2)
+    # j: [N, T, K, P]; the full kernel in zip layout [N1, N2, T1, T2, K1, K2].
+    full = np.einsum("itap,jubp->ijtuab", np.asarray(j1), np.asarray(j2))
+    self_full = np.einsum("itap,jubp->ijtuab", np.asarray(j1), np.asarray(j1))
+    cases = [
+        ((), (), None, full, "ijtuab->ijtuab"),
+        ((-1, 1), (), None, full, "ijttaa->ij"),
+        ((-1,), (1,), None, full, "ijttaa->ijt"),
+        ((-1,), (0, -2), x1, self_full, "iittaa->it"),
+    ]
+    for trace, diagonal, same, ref, spec in cases:
+      ntk = gram_haiku.empirical_ntk(tracked.apply, trace_axes=trace,
+                                     diagonal_axes=diagonal)
+      got = np.asarray(ntk(params, state, x1, None if same is not None
+                           else x2))
+      _assert_kernel(got, np.einsum(spec, ref))
+
+
+def test_x2_none_is_x1_with_itself_and_symmetric():
+  with jax.enable_x64(True):
+    tracked, plain, params, state, x1, _ = _problem("mlp", n1=4)
+    j = np.asarray(_jacobian(plain, params, x1))
+    got = np.asarray(gram_haiku.empirical_ntk(tracked.apply, trace_axes=())(
+        params, state, x1))
+    np.testing.assert_allclose(got, np.einsum("iap,jbp->ijab", j, j),
+                               rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(got, got.transpose(1, 0, 3, 2), rtol=1e-12)
+
+
+def test_bad_axes_and_batches_are_refused():
+  tracked, _, params, state, x1, x2 = _problem("mlp", dtype=jnp.float32)
+  for kwargs in ({"trace_axes": (2,)}, {"trace_axes": (-1, 1)},
+                 {"trace_axes": (-1,), "diagonal_axes": (1,)}):
+    with pytest.raises(ValueError, match="do not name distinct axes"):
+      gram_haiku.empirical_ntk(tracked.apply, **kwargs)(params, state, x1)
+  with pytest.raises(ValueError, match="x1 has 3 examples and x2 2"):
+    gram_haiku.empirical_ntk(tracked.apply, diagonal_axes=(0,))(
+        params, state, x1, x2)
+  with pytest.raises(ValueError, match="examples on axis 0"):
+    gram_haiku.empirical_ntk(tracked.apply)(params, state, x1, (x2, x2[:1]))
+
+
+def test_a_parameter_outside_every_tracked_layer_is_refused():
+  def f(x):
+    with gram_haiku.track():
+      h = hk.Linear(3)(x)
+    return h * hk.get_parameter("scale", [3], init=jnp.ones)
+  t = hk.transform_with_state(f)
+  x = jnp.ones((2, 4))
+  params, state = t.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"parameters ~/scale are read outside"):
+    gram_haiku.empirical_ntk(t.apply)(params, state, x)
