@@ -9,6 +9,9 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`reweighted_grad`: ``sum_i c_i g_i`` with ``c`` chosen from the
   Grams of the same backward pass, and :func:`clipped_grad`: DP-SGD's
   clipped sum (all-layer or per-layer), both in one backward pass.
+* :func:`cross_gram`: the Gram block ``<g_i, h_q>`` between a training
+  step's examples and a set of queries (:class:`CrossGrams`), in the
+  step's one backward pass, the queries kept out of the update.
 * :func:`empirical_ntk`: the empirical neural tangent kernel per output
   (neural-tangents' ``trace_axes`` / ``diagonal_axes``), from one Gram pass.
 * :class:`Rule`: a layer's Gram rule as pure functions (``forward``,
@@ -34,6 +37,8 @@ naming the replacement) and leave in the next release.
 _SOURCES = {
     "clipped_grad": "gram_haiku._src.api.clipping",
     "ClippedGradAux": "gram_haiku._src.api.clipping",
+    "cross_gram": "gram_haiku._src.api.cross_gram",
+    "CrossGrams": "gram_haiku._src.core.result",
     "ParamCoverage": "gram_haiku._src.frontend.coverage",
     "UntrackedParameterWarning": "gram_haiku._src.frontend.coverage",
     "empirical_ntk": "gram_haiku._src.api.ntk",
@@ -84,6 +89,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "ClippedGradAux",
+    "CrossGrams",
     "ExampleAxis",
     "ExampleFlowWarning",
     "Grams",
@@ -96,6 +102,7 @@ __all__ = (
     "Rule",
     "UntrackedParameterWarning",
     "clipped_grad",
+    "cross_gram",
     "empirical_ntk",
     "register_layer",
     "resize_probes",

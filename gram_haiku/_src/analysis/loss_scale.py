@@ -30,8 +30,9 @@ from gram_haiku._src.core import warning_site
 
 
 class MeanLossWarning(UserWarning):
-  """The loss given to :func:`gram_haiku.clipped_grad` looks like a mean
-  over the examples (it must be their sum)."""
+  """The loss given to :func:`gram_haiku.clipped_grad` (or
+  :func:`gram_haiku.cross_gram`) looks like a mean over the examples (it
+  must be their sum)."""
 
 
 #: Primitives a loss value passes through unchanged in what it sums.
@@ -185,5 +186,10 @@ def warn_if_mean(fn_name: str, jaxpr, consts, batch: int) -> None:
   except Exception:  # pylint: disable=broad-except
     return  # A program this reading does not know: say nothing.
   if mean:
-    warnings.warn(errors.MEAN_LOSS_CLIPPED.format(fn=fn_name, batch=batch),
+    warnings.warn(_MESSAGES[fn_name].format(fn=fn_name, batch=batch),
                   MeanLossWarning, stacklevel=warning_site.user_stacklevel())
+
+
+#: The public function that needs a sum -> what a mean does to its result.
+_MESSAGES = {"clipped_grad": errors.MEAN_LOSS_CLIPPED,
+             "cross_gram": errors.MEAN_LOSS_CROSS}

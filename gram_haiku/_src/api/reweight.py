@@ -59,6 +59,9 @@ class PassResult:
       out.
     clips: module name -> its :class:`~gram_haiku._src.compute.plan.Clip` under
       per-layer clipping (empty otherwise).
+    cross: with ``cross_rows=s``, module name -> its Gram block
+      ``[s, B - s]`` between the first ``s`` examples and the others
+      (:func:`~gram_haiku._src.passes.pass_pipeline.read_cross`); else None.
   """
   value: Any
   state: Any
@@ -67,6 +70,7 @@ class PassResult:
   weights: Mapping[str, jax.Array]
   modes: Mapping[str, str]
   clips: Mapping[str, Clip] = dataclasses.field(default_factory=dict)
+  cross: Optional[Mapping[str, jax.Array]] = None
 
 
 def frozen_leaves(frozen: Frozen, params) -> set[str]:
@@ -177,7 +181,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         clips: Optional[Callable[[Mapping[str, int]],
                                  Mapping[str, Clip]]] = None,
         example_weights: Optional[jax.Array] = None,
-        privacy: bool = False, example_axes=None) -> PassResult:
+        privacy: bool = False, example_axes=None,
+        cross_rows: Optional[int] = None) -> PassResult:
   """One reweighted pass (see the module docstring): the pass pipeline
   (:mod:`gram_haiku._src.passes.pass_pipeline`) with a re-contracting objective.
 
@@ -186,10 +191,13 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   parameters}) -> {module: Clip}``) is given. ``example_weights``: ``(B,)``
   factors every ``c`` is multiplied by (a padding mask), or None.
   ``privacy``: the completeness and example-flow checks a privacy
-  guarantee needs.
+  guarantee needs. ``cross_rows``: also read each module's Gram block
+  between the first ``cross_rows`` examples and the others
+  (:attr:`PassResult.cross`).
   """
   t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
-                     axes, strict=privacy, example_axes=example_axes)
+                     axes, strict=privacy, example_axes=example_axes,
+                     sum_for=None if cross_rows is None else "cross_gram")
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = pipeline.leaf_names(params)
   frozen_names = frozen_leaves(frozen, params)
@@ -235,10 +243,12 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip)
+  cross = (None if cross_rows is None else
+           pipeline.read_cross(t, p, leaves, opened, cross_rows, skip))
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},
-                    dict(objective.clips))
+                    dict(objective.clips), cross)
 
 
 def check_needs(needs) -> None:

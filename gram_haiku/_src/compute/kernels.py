@@ -70,30 +70,51 @@ class KernelConfig:
     upper_bound: squared norms are wanted as sound upper bounds of the
       exact values (a clip factor's input; see
       :mod:`gram_haiku._src.compute.norm_bounds`), not as the nearest estimate.
+    row_split: a block across two sets of examples: the Gram's rows are
+      the first ``row_split`` examples of the factors and its columns the
+      others, ``G[:s, s:]`` (:func:`gram_haiku.cross_gram`: training
+      examples against queries); None: the whole Gram. Every Gram kernel
+      takes its rows through :meth:`rows` and its columns through
+      :meth:`columns`, so a rule's ``gram`` gives the block unchanged.
   """
   column_axes: tuple[str, ...] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
   method: Optional[str] = None
   precision: lax.Precision = DEFAULT_PRECISION
   upper_bound: bool = False
+  row_split: Optional[int] = None
 
   def replace(self, **changes) -> "KernelConfig":
     return dataclasses.replace(self, **changes)
+
+  def rows(self, a: jax.Array) -> jax.Array:
+    """The row factor of a Gram: ``a`` (example axis 0), its first
+    :attr:`row_split` examples where there is a split."""
+    return a if self.row_split is None else a[:self.row_split]
 
   def columns(self, a: jax.Array) -> jax.Array:
     """The column factor of a Gram: ``a`` (example axis 0) from every device.
 
     ``f[b, ...] -> f[B, ...]`` by a tiled ``all_gather`` over
-    :attr:`column_axes`; ``a`` itself when there are none.
+    :attr:`column_axes`; ``a`` itself when there are none; the examples
+    after :attr:`row_split` where there is a split.
     """
+    if self.row_split is not None:
+      a = a[self.row_split:]
     axes = self.column_axes
     if not axes:
       return a
     return lax.all_gather(a, axes if len(axes) > 1 else axes[0], axis=0,
                           tiled=True)
 
+  def row_count(self, rows: int) -> int:
+    """Rows of a Gram block of factors with ``rows`` local examples."""
+    return rows if self.row_split is None else self.row_split
+
   def column_count(self, rows: int) -> int:
-    """Columns of a Gram block whose rows are ``rows`` local examples."""
+    """Columns of a Gram block of factors with ``rows`` local examples."""
+    if self.row_split is not None:
+      rows = rows - self.row_split
     return rows * example_sharding.axes_size(self.column_axes)
 
 
@@ -265,6 +286,7 @@ def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
   The columns are ``cfg.columns`` of ``col_arrays`` (every device's examples
   under ``shard_map``).
   """
+  row_arrays = tuple(cfg.rows(a) for a in row_arrays)
   b = row_arrays[0].shape[0]
   budget = cfg.memory_budget_bytes
   col_arrays = tuple(cfg.columns(a) for a in col_arrays)
@@ -387,7 +409,7 @@ def uses_symmetry(cfg: KernelConfig, *arrays: jax.Array) -> bool:
   :data:`SYMMETRIC_MIN_ROWS` of them, a known number (a symbolic batch
   size, from ``jax.export``, keeps the full products)."""
   b = arrays[0].shape[0]
-  return (not cfg.column_axes and isinstance(b, int)
+  return (not cfg.column_axes and cfg.row_split is None and isinstance(b, int)
           and b >= SYMMETRIC_MIN_ROWS
           and all(explicit_mesh.explicit_spec(a) is None for a in arrays))
 
@@ -463,7 +485,9 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   # Examples spread over devices (shard_map's columns, an Explicit mesh,
   # whose sharding types the kernel's own ops do not carry): XLA's path,
   # which lays its blocks out over the mesh.
-  spread = bool(cfg.column_axes) or explicit_mesh.under_explicit_mesh()
+  # (And a block across two sets of examples: XLA's path too.)
+  spread = (bool(cfg.column_axes) or cfg.row_split is not None or
+            explicit_mesh.under_explicit_mesh())
   platforms = cost_model.pallas_ghost_gram_platforms(x, d, spread)
   if not platforms:
     return _xla_ghost_gram(x, d, cfg)
@@ -583,7 +607,7 @@ def gram_matmul(a: jax.Array, b: jax.Array,
   if b is a and uses_symmetry(cfg, a):
     return symmetric_gram(
         lambda ai, aj: jnp.matmul(ai, aj.T, precision=cfg.precision), (a,))
-  return jnp.matmul(a, cfg.columns(b).T, precision=cfg.precision,
+  return jnp.matmul(cfg.rows(a), cfg.columns(b).T, precision=cfg.precision,
                     out_sharding=rows_sharding(a, 2))
 
 

@@ -975,3 +975,35 @@ NTK_UNTRACKED = (
     "'Supported layers' in docs/layers.rst; a learned position table is "
     "hk.Bias(bias_dims=[-2, -1])), or write a Gram rule for their layer "
     "(gram_haiku.Rule with gram_haiku.register_layer).")
+
+MEAN_LOSS_CROSS = (
+    "gram_haiku.{fn}: the loss looks like a mean over the {batch} examples "
+    "(a sum over the batch divided by a multiple of {batch}, e.g. "
+    "jnp.mean). cross_gram evaluates the training examples and the queries "
+    "as one batch of {batch}, so a mean divides every example's gradient, "
+    "and the training update, by {batch} instead of by the number of "
+    "training examples: the update and the blocks would both be scaled.\n"
+    "What to do: return the sum of the per-example losses (`.sum()`, not "
+    "`.mean()`), and scale the gradient and the blocks afterwards (divide "
+    "the gradient by B, the blocks by B * V for a mean over each set).")
+
+CROSS_QUERIES = (
+    "gram_haiku.cross_gram: queries= must be a tuple with one query "
+    "argument per positional argument of the step ({n}), got {got}.\n"
+    "What to do: pass queries=(x_query, y_query) for a step called as "
+    "fn(params, state, rng, x, y, queries=...).")
+
+CROSS_QUERY_SHAPES = (
+    "gram_haiku.cross_gram: argument {k} and its queries differ in "
+    "structure or in shape off the example axis {axis}: argument leaves "
+    "{args}, query leaves {queries}.\n"
+    "What to do: give the queries the arguments' structure and shapes, with "
+    "their own number of examples on the example axis (or mark a shared, "
+    "not per-example, argument None in example_axes).")
+
+CROSS_SIZES = (
+    "gram_haiku.cross_gram: the arguments and queries hold (training, "
+    "query) example counts {sizes}; one B and one V are needed.\n"
+    "What to do: give every per-example argument the same number of "
+    "training examples, and every query argument the same number of "
+    "queries (mark a shared argument None in example_axes).")

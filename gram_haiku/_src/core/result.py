@@ -1,4 +1,4 @@
-"""The :class:`Grams` result type."""
+"""The result types: :class:`Grams` and :class:`CrossGrams`."""
 
 from __future__ import annotations
 
@@ -148,3 +148,48 @@ def _diagonal(g: jax.Array, mesh_axes: tuple[str, ...]) -> jax.Array:
   start = jax.lax.axis_index(names) * rows
   block = jax.lax.dynamic_slice_in_dim(g, start, rows, axis=-1)
   return jnp.diagonal(block, axis1=-2, axis2=-1)
+
+
+@jax.tree_util.register_pytree_node_class
+class CrossGrams:
+  """Gram blocks between two sets of examples, from one backward pass.
+
+  Attributes:
+    by_layer: ``{module name: f32[B, V]}``, per tracked module
+      ``G[i, q] = <g_i, h_q>``: ``g_i`` the gradient of training example
+      ``i``'s loss, ``h_q`` that of query ``q``'s, both with respect to the
+      module's parameters.
+    coverage: as :attr:`Grams.coverage`.
+
+  Units: squared units of the loss per squared parameter unit (for a loss
+  ``sum_i l_i``; see :func:`gram_haiku.cross_gram`).
+  """
+
+  def __init__(self, by_layer: Mapping[str, jax.Array],
+               coverage: Mapping[str, Any] | None = None):
+    self.by_layer = dict(by_layer)
+    self.coverage = dict(coverage or {})
+
+  @property
+  def total(self) -> jax.Array:
+    """``f32[B, V]``: the whole model's block, the sum over tracked layers."""
+    return _sum(list(self.by_layer.values()))
+
+  @property
+  def complete(self) -> bool:
+    """True when every trainable parameter is covered (:attr:`Grams.complete`)."""
+    return all(c.tracked for c in self.coverage.values())
+
+  def tree_flatten(self):
+    keys = tuple(sorted(self.by_layer))
+    return (tuple(self.by_layer[k] for k in keys),
+            (keys, tuple(sorted(self.coverage.items()))))
+
+  @classmethod
+  def tree_unflatten(cls, aux, leaves):
+    keys, coverage = aux
+    return cls(dict(zip(keys, leaves)), dict(coverage))
+
+  def __repr__(self):
+    shapes = {k: tuple(jnp.shape(v)) for k, v in self.by_layer.items()}
+    return f"CrossGrams(by_layer={shapes})"

@@ -184,10 +184,12 @@ def rule_products(op, x, g, params, wanted, cfg: KernelConfig):
   rule = op.rule
   acc = op.accumulation_dtype()
   e = op.example_axis.resolved_position()
-  # A Gram whose examples are sharded, from a rule that does not gather its
-  # columns itself: from exact per-example gradients (fused rules too).
+  # A Gram whose examples are sharded (or a block across two sets of
+  # examples), from a rule that does not take its rows and columns through
+  # cfg itself: from exact per-example gradients (fused rules too).
   by_rows = op.mode == "gram" and not op.sharding_aware and bool(
-      cfg.column_axes or explicit_mesh.explicit_spec(x) is not None)
+      cfg.column_axes or cfg.row_split is not None or
+      explicit_mesh.explicit_spec(x) is not None)
   fused = rule.probe_cotangent_and_grads is not None and not by_rows
   provided = {}
   if fused:
@@ -212,7 +214,8 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
   """A rule's value for the probe: a teaching error for a shape that is
   not the mode's or a dtype narrower than the accumulation dtype."""
   b = op.example_size(x.shape)
-  want = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(op.mode)
+  want = {"gram": (cfg.row_count(b), cfg.column_count(b)),
+          "norms": (b,)}.get(op.mode)
   if want is not None and tuple(value.shape) != want:
     method, what = (("gram", "(B, B) Gram") if op.mode == "gram" else
                     ("sq_norms", "(B,) squared norms"))
@@ -302,8 +305,8 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
   e = op.example_axis.resolved_position()
   if not keep:  # A frozen layer: no term at all.
     b = x.shape[e]
-    shape = {"gram": (b, cfg.column_count(b)), "norms": (b,)}.get(
-        op.mode, (b, op.num_params()))
+    shape = {"gram": (cfg.row_count(b), cfg.column_count(b)),
+             "norms": (b,)}.get(op.mode, (b, op.num_params()))
     return (hx.vary_like(jnp.zeros(shape, op.accumulation_dtype()), x, g),
             {}, True)
   if set(frozen) <= set(op.droppable):

@@ -22,7 +22,7 @@ on large model at small cost" (ICML; the "BK" algorithm of fastDP).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -50,16 +50,20 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
 
 
 def from_factors(op, x, g, params, mode: str,
-                 upper_bound: bool = False) -> jax.Array:
+                 upper_bound: bool = False,
+                 row_split: Optional[int] = None) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
   factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
   ``[B, K]`` store) of one application, by the op's own rule. Its cost
   function is told that nothing reuses materialised per-example gradients
   here (the weight gradient is re-contracted anyway). ``upper_bound``:
   squared norms as sound upper bounds (clip factors;
-  :mod:`gram_haiku._src.compute.norm_bounds`)."""
+  :mod:`gram_haiku._src.compute.norm_bounds`). ``row_split``: the Gram's
+  block ``G[:s, s:]`` across the first ``s`` examples and the others
+  (:attr:`~gram_haiku._src.compute.kernels.KernelConfig.row_split`)."""
   cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
-                     precision=op.plan.precision, upper_bound=upper_bound)
+                     precision=op.plan.precision, upper_bound=upper_bound,
+                     row_split=row_split)
   return modes.products(op.in_mode(mode), x, g, params, (), cfg,
                         reuse=False)[0]
 

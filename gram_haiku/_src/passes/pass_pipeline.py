@@ -490,17 +490,18 @@ def stacked_to_columns(f):
 
 
 def _from_per_example(f, want: str, axes: tuple[str, ...],
-                      precision=kernels.DEFAULT_PRECISION):
+                      precision=kernels.DEFAULT_PRECISION, row_split=None):
   """Gram (or squared norms) of accumulated per-example gradients ``[B, P]``.
 
   Under ``shard_map`` (``axes``), this device's rows ``[b, B]``: the other
-  devices' per-example gradients are gathered.
+  devices' per-example gradients are gathered. ``row_split``: the block
+  ``G[:s, s:]``.
   """
   f = stacked_to_columns(f)
   if want == Store.NORMS:
     return jnp.sum(f * f, axis=-1)
-  return kernels.gram_matmul(f, f, kernels.KernelConfig(column_axes=axes,
-                                                        precision=precision))
+  return kernels.gram_matmul(f, f, kernels.KernelConfig(
+      column_axes=axes, precision=precision, row_split=row_split))
 
 
 def _split_slack(store, upper_bound: bool):
@@ -534,12 +535,12 @@ def open_stores(t: TracedLoss, p: Pass, leaves) -> dict:
 
 
 def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
-              p: Pass, leaves, skip, upper_bound: bool):
-  """Module ``m``'s Gram (``want == GRAM``) or squared norms, from its
-  ``store`` ``g``."""
+              p: Pass, leaves, skip, upper_bound: bool, row_split=None):
+  """Module ``m``'s Gram (``want == GRAM``; its block ``G[:s, s:]`` with
+  ``row_split``) or squared norms, from its ``store`` ``g``."""
   bound = upper_bound and want == Store.NORMS
   if store in _OF_FACTORS:
-    val = bk.from_factors(*opened[m], want, bound)
+    val = bk.from_factors(*opened[m], want, bound, row_split)
     if store == Store.SLOTS:
       val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
     return val
@@ -552,10 +553,26 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
                                         slack, m)
     if bound:  # The stored gradients, with their rounding bound.
       return norm_bounds.of_rows(stacked_to_columns(f), slack)
-    return _from_per_example(f, want, t.axes, t.found.ops[m].plan.precision)
+    return _from_per_example(f, want, t.axes, t.found.ops[m].plan.precision,
+                             row_split)
   if store == Store.CLIP:
     return g  # The squared norms.
   return _sum_leading(g, _OWN_NDIM[store])  # GRAM, NORMS: formed already.
+
+
+def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
+               skip=frozenset()) -> dict:
+  """``{module: [s, B - s]}``: each module's Gram block ``G[:s, s:]``
+  between the first ``s`` examples and the others, from what it kept in a
+  re-contracting pass (factors, slots or per-example gradients), formed
+  without the rest of the Gram (:func:`gram_haiku.cross_gram`)."""
+  out = {}
+  for m, store in sorted(p.stores.items()):
+    if store == Store.NOTHING:
+      continue
+    out[m] = _read_one(t, m, store, p.cotangents[m], Store.GRAM, opened, p,
+                       leaves, skip, False, row_split)
+  return out
 
 
 def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,

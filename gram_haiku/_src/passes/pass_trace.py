@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -321,11 +321,15 @@ def _check_arguments(apply_fn, params, state) -> None:
 
 def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
                axes: tuple[str, ...], *, strict: bool = False,
-               example_axes=None) -> TracedLoss:
+               example_axes=None,
+               sum_for: Optional[str] = None) -> TracedLoss:
   """Traces the tracked loss of one call and checks what it says.
 
   ``strict``: refuse losses that read other examples' data (a privacy
   guarantee needs it; see :func:`gram_haiku._src.analysis.example_flow.check`).
+  ``sum_for``: the public function whose result needs the loss to be a sum
+  over the examples, warned for a mean (``strict`` implies
+  ``"clipped_grad"``; :func:`gram_haiku._src.analysis.loss_scale.warn_if_mean`).
 
   Raises:
     ValueError: the errors listed by :func:`value_grad_and_gram`.
@@ -374,8 +378,10 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       raise ValueError(dataflow.also_untracked_message(
           name, [name.rsplit("/", 1)[0]], use))
   size = _check_example_axes(found, check_examples(strict))
-  if strict:  # A privacy guarantee: the loss must be a sum, not a mean.
-    loss_scale.warn_if_mean("clipped_grad", *program, size)
+  # A privacy guarantee (or a block across two sets): a sum, not a mean.
+  sum_for = "clipped_grad" if strict else sum_for
+  if sum_for is not None:
+    loss_scale.warn_if_mean(sum_for, *program, size)
   return TracedLoss(rest, probes, given_probes, loss_of, found, seen, size,
                     n_devices, axes)
 

@@ -180,12 +180,15 @@ class Rule:
       both). A frozen parameter among them costs nothing; for any other,
       the Gram of the trainable parameters is formed from their exact
       per-example gradients.
-    sharding_aware: whether ``gram`` gathers its column factors
-      (``cfg.columns``) under ``shard_map`` and gives its contractions row
-      shardings under Explicit meshes. If False (the default), the Gram of
-      a sharded example axis is formed from per-example gradients instead,
+    sharding_aware: whether ``gram`` takes its row factors through
+      ``cfg.rows`` and its column factors through ``cfg.columns`` (which
+      gathers them under ``shard_map``, and splits them for a block across
+      two sets of examples, :func:`gram_haiku.cross_gram`), returning
+      ``[cfg.row_count(B), cfg.column_count(B)]``, and gives its
+      contractions row shardings under Explicit meshes. If False (the
+      default), such Grams are formed from per-example gradients instead,
       and ``gram`` (or ``probe_cotangent_and_grads`` in ``"gram"`` mode)
-      only ever sees one device's whole batch.
+      only ever sees one device's whole batch, as one set.
 
   Raises:
     TypeError: from the constructor, for a missing or non-callable

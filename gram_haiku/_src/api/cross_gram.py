@@ -1,0 +1,121 @@
+"""``cross_gram``: the Gram block between training examples and queries,
+in the training step's one backward pass.
+
+``G[i, q] = <g_i, h_q>``: ``g_i`` the gradient of training example ``i``'s
+loss, ``h_q`` that of query ``q``'s (e.g. a validation example under the
+same loss). The queries are appended to the batch, so that every tracked
+layer sees both sets in one pass of the re-contracting pipeline
+(:func:`gram_haiku._src.api.reweight.run`): each layer keeps its factors or
+per-example gradients, the block ``G[:B, B:]`` is formed from them alone
+(every Gram kernel takes its rows and columns through
+:class:`~gram_haiku._src.compute.kernels.KernelConfig`, here with
+``row_split = B``: ghost products ``(X_t X_q^T) o (D_t D_q^T)`` for linear
+layers, never the ``(B + V)^2`` Gram), and the parameters' gradient is
+re-contracted with weight 1 on the training examples and 0 on the queries
+(whose rows are masked: they never enter the update). The sources of the
+uses: TracIn (Pruthi et al. 2020) sums ``<g_i, h_q>`` over checkpoints;
+In-Run Data Shapley (Wang et al. 2024) its first-order term per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gram_haiku._src.api import reweight
+from gram_haiku._src.core import errors
+from gram_haiku._src.core.result import CrossGrams
+
+
+def _concatenated(args, queries, example_axes):
+  """Each argument with its queries appended along its example axis
+  (``example_axes[k]``, default 0; None: shared, taken from ``args``)."""
+  if not isinstance(queries, (tuple, list)) or len(queries) != len(args):
+    raise ValueError(errors.CROSS_QUERIES.format(
+        n=len(args), got=type(queries).__name__ if not isinstance(
+            queries, (tuple, list)) else f"{len(queries)} arguments"))
+  axes = (list(example_axes) if example_axes is not None
+          else [0] * len(args))
+  out, sizes = [], set()
+  for k, (a, q) in enumerate(zip(args, queries)):
+    if axes[k] is None:
+      out.append(a)
+      continue
+    ax = axes[k]
+    a_leaves, q_leaves = jax.tree.leaves(a), jax.tree.leaves(q)
+    if jax.tree.structure(a) != jax.tree.structure(q) or any(
+        jnp.ndim(x) <= ax or jnp.ndim(x) != jnp.ndim(y) or
+        tuple(jnp.shape(x)[:ax]) + tuple(jnp.shape(x)[ax + 1:]) !=
+        tuple(jnp.shape(y)[:ax]) + tuple(jnp.shape(y)[ax + 1:])
+        for x, y in zip(a_leaves, q_leaves)):
+      raise ValueError(errors.CROSS_QUERY_SHAPES.format(
+          k=k, axis=ax, args=[jnp.shape(x) for x in a_leaves],
+          queries=[jnp.shape(y) for y in q_leaves]))
+    sizes |= {(jnp.shape(x)[ax], jnp.shape(y)[ax])
+              for x, y in zip(a_leaves, q_leaves)}
+    out.append(jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=ax),
+                            a, q))
+  if len(sizes) != 1:
+    raise ValueError(errors.CROSS_SIZES.format(sizes=sorted(sizes)))
+  (b, v), = sizes
+  return tuple(out), b, v
+
+
+def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
+               return_state: bool = False, frozen: reweight.Frozen = None,
+               example_axes: Optional[Sequence[Optional[int]]] = None
+               ) -> Callable[..., Any]:
+  """Transforms a tracked ``apply`` into a training step that also returns
+  the Gram block between its examples and a set of queries.
+
+  Args:
+    apply_fn: ``apply`` of ``hk.transform_with_state(f)``, where ``f`` runs
+      its model inside ``gram_haiku.track()`` and returns the scalar loss
+      ``sum_i l_i`` (a sum: a mean over the joint batch would scale the
+      update; :class:`gram_haiku.MeanLossWarning` says so when it can
+      tell). The queries' gradients are those of the same loss.
+    has_aux, return_state: as in :func:`gram_haiku.value_grad_and_gram`
+      (the value, aux and state are those of the training examples alone).
+    frozen: as in :func:`gram_haiku.reweighted_grad`.
+    example_axes: per positional argument, the axis its examples are on
+      (default 0 for every argument; None: not per-example, shared by both
+      sets, taken from ``args``).
+
+  Returns:
+    ``fn(params, state, rng, *args, queries) -> (value, grads, cross)``
+    (``((value, new_state), grads, cross)`` with ``return_state``):
+    ``queries`` is a tuple of the query arguments, one per argument of
+    ``args`` (the same structure; ``V`` examples where ``args`` has
+    ``B``); ``value`` and ``grads`` are exactly those of the training
+    examples alone (the queries' rows are masked out of the update);
+    ``cross`` is a :class:`gram_haiku.CrossGrams`: ``by_layer[m]``
+    ``f32[B, V]`` and ``total`` ``f32[B, V]`` (float64 when the layers
+    compute in float64), ``total[i, q] = <g_i, h_q>``. Traceable: ``jit``
+    it.
+
+  Raises:
+    ValueError: for queries that do not match the arguments (count,
+      structure, shapes off the example axis, one ``B`` and one ``V``),
+      for a trainable parameter that no Gram rule covers (its part of
+      every product would be missing), and every error of
+      :func:`gram_haiku.reweighted_grad`.
+  """
+  def fn(params, state, rng, *args, queries, **kwargs):
+    rows, b, v = _concatenated(args, queries, example_axes)
+    mask = jnp.concatenate([jnp.ones((b,), jnp.float32),
+                            jnp.zeros((v,), jnp.float32)])
+    r = reweight.run(apply_fn, params, state, rng, rows, kwargs,
+                     fn_name="cross_gram", needs="norms", has_aux=has_aux,
+                     axes=(), frozen=frozen,
+                     weight_fn=lambda grams: mask, example_weights=mask,
+                     example_axes=example_axes, cross_rows=b)
+    # The training examples' own value (and aux, state): the pass's is of
+    # both sets. Under jit, unused, it is not computed.
+    out, new_state = apply_fn(params, state, rng, *args, **kwargs)
+    value = (out, new_state) if return_state else out
+    return value, r.grads, CrossGrams(r.cross, r.grams.coverage)
+
+  return fn
+

@@ -1,0 +1,168 @@
+"""``gram_haiku.cross_gram`` against ``F_train @ F_query.T`` from
+``vmap(grad)`` of the untracked model, and its update against the plain
+gradient of the training examples alone."""
+
+import chex
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku import testing
+from gram_haiku._src.core.reference import column_groups
+from gram_haiku.conformance.plugin import thorough
+from tests import layer_zoo
+
+V = 3  # queries; the zoo's batches hold layer_zoo.B = 4 examples
+
+#: The default run: one entry per kind of store and kernel (linear factors
+#: over positions, a conv, an embedding with repeated ids, a looped RNN
+#: cell's slots, a tied LM with attention and norms, whose shared table
+#: keeps per-example gradients); every entry with --conformance-thorough.
+DEFAULT_ENTRIES = ("MLP", "Conv2D", "Embed", "GRU-dynamic", "tied-LM")
+
+
+def _zoo_names():
+  return [e.name for e in layer_zoo.ENTRIES
+          if thorough() or e.name in DEFAULT_ENTRIES]
+
+
+@pytest.mark.parametrize("name", _zoo_names())
+def test_zoo_blocks_match_the_reference_and_the_update_ignores_queries(name):
+  entry = layer_zoo.BY_NAME[name]
+  seed = layer_zoo.seed_of(name)
+  x = layer_zoo._draw(entry, (layer_zoo.B,), seed)  # pylint: disable=protected-access
+  xq = layer_zoo._draw(entry, (V,), seed + 1)  # pylint: disable=protected-access
+  tracked = hk.transform_with_state(layer_zoo._tracked(entry.fn, entry))  # pylint: disable=protected-access
+  plain = hk.transform_with_state(lambda x: layer_zoo._tail(entry.fn(x)))  # pylint: disable=protected-access
+  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
+  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
+  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+  value, grads, cross = jax.jit(gram_haiku.cross_gram(tracked.apply))(
+      params, state, None, x, queries=(xq,))
+  f = np.asarray(testing.per_example_grads(plain_loss, params, x), np.float64)
+  h = np.asarray(testing.per_example_grads(plain_loss, params, xq),
+                 np.float64)
+  assert cross.total.shape == (layer_zoo.B, V)
+  low = layer_zoo.is_low_precision(entry)
+  case = "mixed" if low else "float32"
+  testing.assert_gram_close(cross.total, f @ h.T, case, what=name)
+  # Each module's block is the product of its own parameters' columns.
+  for m, cols in column_groups(params).items():
+    if m in cross.by_layer:
+      testing.assert_gram_close(cross.by_layer[m], f[:, cols] @ h[:, cols].T,
+                                case, what=f"{name}: {m}")
+  assert set(cross.by_layer) & set(params), sorted(cross.by_layer)
+  want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
+  rtol = 2e-2 if low else 1e-5
+  np.testing.assert_allclose(value, want_value, rtol=rtol)
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(want_grads))
+  chex.assert_trees_all_close(grads, want_grads, rtol=rtol,
+                              atol=rtol * scale)
+
+
+def _x64_models():
+  """(name, per-example loss body, example shape, ids): a shared layer, an
+  LSTM, a tied-embedding LM; float64."""
+  def shared(x):
+    layer = hk.Linear(4)
+    return jnp.sum(jnp.tanh(layer(jnp.tanh(layer(x)))) ** 2, axis=(-2, -1))
+
+  def lstm(x):
+    core = hk.LSTM(4)
+    out, _ = hk.dynamic_unroll(core, jnp.swapaxes(x, 0, 1),
+                               core.initial_state(x.shape[0]))
+    return jnp.sum(hk.Linear(2)(jnp.swapaxes(out, 0, 1)) ** 2, axis=(1, 2))
+
+  def tied_lm(ids):
+    embed = hk.Embed(7, 4)
+    h = jnp.tanh(hk.Linear(4)(embed(ids)))
+    logits = gram_haiku.unembed(embed, h)
+    return jnp.sum(jax.nn.log_softmax(logits)[..., 0], axis=-1)
+  return [("shared", shared, (3, 4), 0), ("lstm", lstm, (4, 3), 0),
+          ("tied-LM", tied_lm, (5,), 7)]
+
+
+@pytest.mark.parametrize("name,body,shape,ids", _x64_models(),
+                         ids=[m[0] for m in _x64_models()])
+def test_blocks_are_exact_in_float64(name, body, shape, ids):
+  del name
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(3), 3)
+    if ids:
+      x = jax.random.randint(k[0], (4,) + shape, 0, ids)
+      xq = jax.random.randint(k[1], (V,) + shape, 0, ids)
+    else:
+      x = jax.random.normal(k[0], (4,) + shape, jnp.float64)
+      xq = 1e3 + jax.random.normal(k[1], (V,) + shape, jnp.float64)
+
+    def loss(x):
+      with gram_haiku.track():
+        return body(x).sum()
+    tracked = hk.transform_with_state(loss)
+    plain = hk.transform(lambda x: body(x).sum())
+    params, state = tracked.init(k[2], x)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+    plain_loss = lambda p, x: plain.apply(p, None, x)
+    value, grads, cross = jax.jit(gram_haiku.cross_gram(tracked.apply))(
+        params, state, None, x, queries=(xq,))
+    f = np.asarray(testing.per_example_grads(plain_loss, params, x))
+    h = np.asarray(testing.per_example_grads(plain_loss, params, xq))
+    want = f @ h.T
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-11, atol=1e-13)
+
+
+def test_query_rows_never_reach_the_update():
+  """Queries whose values overflow (inf, NaN) leave the update as it is."""
+  def loss(x):
+    with gram_haiku.track():
+      return jnp.sum(hk.Linear(2)(x) ** 2)
+  t = hk.transform_with_state(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 3))
+  params, state = t.init(jax.random.PRNGKey(1), x)
+  xq = jnp.array([[jnp.inf, 0.0, 1.0], [jnp.nan, 1.0, 0.0]])
+  _, grads, _ = gram_haiku.cross_gram(t.apply)(params, state, None, x,
+                                               queries=(xq,))
+  want = jax.grad(lambda p: t.apply(p, state, None, x)[0])(params)
+  chex.assert_trees_all_close(grads, want, rtol=1e-6)
+
+
+def test_mismatched_queries_and_untracked_parameters_are_refused():
+  def loss(x, y):
+    with gram_haiku.track():
+      out = hk.Linear(2)(x)
+    return jnp.sum((out * hk.get_parameter("s", [2], init=jnp.ones) - y) ** 2)
+  t = hk.transform_with_state(loss)
+  x, y = jnp.ones((4, 3)), jnp.ones((4, 2))
+  params, state = t.init(jax.random.PRNGKey(0), x, y)
+  step = gram_haiku.cross_gram(t.apply)
+  with pytest.raises(ValueError, match="one query argument per positional"):
+    step(params, state, None, x, y, queries=(x,))
+  with pytest.raises(ValueError, match="differ in structure or in shape"):
+    step(params, state, None, x, y, queries=(jnp.ones((2, 5)),
+                                             jnp.ones((2, 2))))
+  with pytest.raises(ValueError, match="one B and one V"):
+    step(params, state, None, x, y, queries=(jnp.ones((2, 3)),
+                                             jnp.ones((3, 2))))
+  with pytest.raises(ValueError, match=r"\['~/s'\]"):
+    step(params, state, None, x, y, queries=(jnp.ones((2, 3)),
+                                             jnp.ones((2, 2))))
+
+
+def test_a_mean_loss_is_warned():
+  def loss(x):
+    with gram_haiku.track():
+      return jnp.mean(jnp.sum(hk.Linear(2)(x) ** 2, axis=-1))
+  t = hk.transform_with_state(loss)
+  x = jnp.ones((4, 3))
+  params, state = t.init(jax.random.PRNGKey(0), x)
+  with pytest.warns(gram_haiku.MeanLossWarning,
+                    match="cross_gram evaluates the training examples"):
+    gram_haiku.cross_gram(t.apply)(params, state, None, x,
+                                   queries=(jnp.ones((2, 3)),))
