@@ -49,6 +49,9 @@ def test_zoo_blocks_match_the_reference_and_the_update_ignores_queries(name):
   low = layer_zoo.is_low_precision(entry)
   case = "mixed" if low else "float32"
   testing.assert_gram_close(cross.total, f @ h.T, case, what=name)
+  testing.assert_gram_close(cross.query_summed[:, None],
+                            (f @ h.sum(0))[:, None], case,
+                            what=f"{name}: summed over the queries")
   # Each module's block is the product of its own parameters' columns.
   for m, cols in column_groups(params).items():
     if m in cross.by_layer:
@@ -112,6 +115,8 @@ def test_blocks_are_exact_in_float64(name, body, shape, ids):
     h = np.asarray(testing.per_example_grads(plain_loss, params, xq))
     want = f @ h.T
     np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(cross.query_summed, want.sum(1), rtol=1e-10,
                                atol=1e-12 * np.abs(want).max())
     want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
     np.testing.assert_allclose(value, want_value, rtol=1e-12)

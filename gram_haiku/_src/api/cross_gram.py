@@ -92,8 +92,10 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     examples alone (the queries' rows are masked out of the update);
     ``cross`` is a :class:`gram_haiku.CrossGrams`: ``by_layer[m]``
     ``f32[B, V]`` and ``total`` ``f32[B, V]`` (float64 when the layers
-    compute in float64), ``total[i, q] = <g_i, h_q>``. Traceable: ``jit``
-    it.
+    compute in float64), ``total[i, q] = <g_i, h_q>``, and
+    ``query_summed`` ``f32[B]``, ``<g_i, sum_q h_q>``, formed without the
+    block (under ``jit`` only what is used is computed). Traceable:
+    ``jit`` it.
 
   Raises:
     ValueError: for queries that do not match the arguments (count,
@@ -115,7 +117,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     # both sets. Under jit, unused, it is not computed.
     out, new_state = apply_fn(params, state, rng, *args, **kwargs)
     value = (out, new_state) if return_state else out
-    return value, r.grads, CrossGrams(r.cross, r.grams.coverage)
+    blocks, summed = r.cross
+    return value, r.grads, CrossGrams(blocks, summed, r.grams.coverage)
 
   return fn
 

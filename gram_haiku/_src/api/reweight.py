@@ -59,8 +59,9 @@ class PassResult:
       out.
     clips: module name -> its :class:`~gram_haiku._src.compute.plan.Clip` under
       per-layer clipping (empty otherwise).
-    cross: with ``cross_rows=s``, module name -> its Gram block
-      ``[s, B - s]`` between the first ``s`` examples and the others
+    cross: with ``cross_rows=s``, ``(blocks, summed)``: module name -> its
+      Gram block ``[s, B - s]`` between the first ``s`` examples and the
+      others, and -> the block's row sums ``[s]``, formed without it
       (:func:`~gram_haiku._src.passes.pass_pipeline.read_cross`); else None.
   """
   value: Any
@@ -70,7 +71,8 @@ class PassResult:
   weights: Mapping[str, jax.Array]
   modes: Mapping[str, str]
   clips: Mapping[str, Clip] = dataclasses.field(default_factory=dict)
-  cross: Optional[Mapping[str, jax.Array]] = None
+  cross: Optional[tuple[Mapping[str, jax.Array],
+                        Mapping[str, jax.Array]]] = None
 
 
 def frozen_leaves(frozen: Frozen, params) -> set[str]:
@@ -244,7 +246,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip)
   cross = (None if cross_rows is None else
-           pipeline.read_cross(t, p, leaves, opened, cross_rows, skip))
+           (pipeline.read_cross(t, p, leaves, opened, cross_rows, skip),
+            pipeline.read_cross(t, p, leaves, opened, cross_rows, skip,
+                                summed=True)))
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},

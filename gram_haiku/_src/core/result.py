@@ -159,15 +159,21 @@ class CrossGrams:
       ``G[i, q] = <g_i, h_q>``: ``g_i`` the gradient of training example
       ``i``'s loss, ``h_q`` that of query ``q``'s, both with respect to the
       module's parameters.
+    summed_by_layer: ``{module name: f32[B]}``, per tracked module
+      ``<g_i, sum_q h_q>``, the row sums of its block, formed without the
+      block (In-Run Data Shapley's first-order term).
     coverage: as :attr:`Grams.coverage`.
 
   Units: squared units of the loss per squared parameter unit (for a loss
-  ``sum_i l_i``; see :func:`gram_haiku.cross_gram`).
+  ``sum_i l_i``; see :func:`gram_haiku.cross_gram`). Under ``jax.jit``
+  only what is used is computed: the blocks or their row sums.
   """
 
   def __init__(self, by_layer: Mapping[str, jax.Array],
+               summed_by_layer: Mapping[str, jax.Array] | None = None,
                coverage: Mapping[str, Any] | None = None):
     self.by_layer = dict(by_layer)
+    self.summed_by_layer = dict(summed_by_layer or {})
     self.coverage = dict(coverage or {})
 
   @property
@@ -176,19 +182,28 @@ class CrossGrams:
     return _sum(list(self.by_layer.values()))
 
   @property
+  def query_summed(self) -> jax.Array:
+    """``f32[B]``: ``<g_i, sum_q h_q>`` over the whole model, ``total``'s
+    row sums, formed without ``total``."""
+    return _sum(list(self.summed_by_layer.values()))
+
+  @property
   def complete(self) -> bool:
     """True when every trainable parameter is covered (:attr:`Grams.complete`)."""
     return all(c.tracked for c in self.coverage.values())
 
   def tree_flatten(self):
     keys = tuple(sorted(self.by_layer))
-    return (tuple(self.by_layer[k] for k in keys),
-            (keys, tuple(sorted(self.coverage.items()))))
+    summed = tuple(sorted(self.summed_by_layer))
+    return (tuple(self.by_layer[k] for k in keys) +
+            tuple(self.summed_by_layer[k] for k in summed),
+            (keys, summed, tuple(sorted(self.coverage.items()))))
 
   @classmethod
   def tree_unflatten(cls, aux, leaves):
-    keys, coverage = aux
-    return cls(dict(zip(keys, leaves)), dict(coverage))
+    keys, summed, coverage = aux
+    return cls(dict(zip(keys, leaves[:len(keys)])),
+               dict(zip(summed, leaves[len(keys):])), dict(coverage))
 
   def __repr__(self):
     shapes = {k: tuple(jnp.shape(v)) for k, v in self.by_layer.items()}

@@ -68,6 +68,42 @@ def from_factors(op, x, g, params, mode: str,
                         reuse=False)[0]
 
 
+def query_summed_from_factors(op, x, g, params, row_split: int
+                              ) -> jax.Array:
+  """``[s]``: ``<g_i, sum_{q >= s} g_q>`` for the first ``s`` examples
+  against the sum of the others' per-example gradients, from the factors
+  of one application, without their ``s x (B - s)`` block: the summed
+  gradient ``H`` is re-contracted (weight 1 on the examples from ``s`` on,
+  whose rows alone are kept), then ``<g_i, H> = d_i . (J_i H)``, the
+  output cotangent against the forward-mode derivative of the layer at
+  example ``i``'s input in the direction ``H``: one JVP of the layer on
+  the first ``s`` examples. Exact for every rule (a per-example gradient
+  is ``J_i^T d_i``); frozen parameters have no term."""
+  e = op.example_axis.resolved_position()
+  acc = op.accumulation_dtype()
+  n = x.shape[e]
+  c = (jnp.arange(n) >= row_split).astype(acc)
+  present = [k for k, p in enumerate(params) if p is not None]
+  wanted = [k for k in present if k not in (op.plan.frozen or ())]
+  h = factors.reweighted_param_grads(op, x, g, params, c, wanted, True)
+  xt = jax.lax.slice_in_dim(x, 0, row_split, axis=e)
+  gt = jax.lax.slice_in_dim(g, 0, row_split, axis=e).astype(acc)
+  if jnp.issubdtype(xt.dtype, jnp.floating):
+    xt = xt.astype(jnp.promote_types(xt.dtype, acc))
+
+  def forward(*ps):
+    full = list(params)
+    for k, p in zip(present, ps):
+      full[k] = p
+    return op.rule.forward(xt, *full)
+  primals = [params[k].astype(acc) for k in present]
+  tangents = [h[k].astype(acc) if k in h else jnp.zeros_like(p)
+              for k, p in zip(present, primals)]
+  y_dot = jax.jvp(forward, primals, tangents)[1].astype(acc)
+  others = tuple(a for a in range(gt.ndim) if a != e)
+  return jnp.sum(gt * y_dot, axis=others)
+
+
 def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
   """``{k: sum_i c_i g_i}`` for each present parameter operand ``k`` that is
   not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one

@@ -561,17 +561,30 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
 
 
 def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
-               skip=frozenset()) -> dict:
+               skip=frozenset(), summed: bool = False) -> dict:
   """``{module: [s, B - s]}``: each module's Gram block ``G[:s, s:]``
   between the first ``s`` examples and the others, from what it kept in a
   re-contracting pass (factors, slots or per-example gradients), formed
-  without the rest of the Gram (:func:`gram_haiku.cross_gram`)."""
+  without the rest of the Gram (:func:`gram_haiku.cross_gram`).
+  ``summed``: ``{module: [s]}``, the block's row sums ``<g_i, sum_q g_q>``,
+  formed without the block
+  (:func:`~gram_haiku._src.passes.bookkeeping.query_summed_from_factors`)."""
   out = {}
   for m, store in sorted(p.stores.items()):
     if store == Store.NOTHING:
       continue
-    out[m] = _read_one(t, m, store, p.cotangents[m], Store.GRAM, opened, p,
-                       leaves, skip, False, row_split)
+    if not summed:
+      out[m] = _read_one(t, m, store, p.cotangents[m], Store.GRAM, opened,
+                         p, leaves, skip, False, row_split)
+    elif store in _OF_FACTORS:
+      val = bk.query_summed_from_factors(*opened[m], row_split)
+      if store == Store.SLOTS:
+        val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
+      out[m] = val
+    else:  # PER_EXAMPLE
+      f = stacked_to_columns(per_example_of(t.found, m, p.cotangents[m],
+                                            leaves, skip))
+      out[m] = f[:row_split] @ jnp.sum(f[row_split:], axis=0)
   return out
 
 
