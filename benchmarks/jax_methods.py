@@ -9,6 +9,12 @@
 * ``naive``: ``jax.vmap(jax.grad(...))`` over examples of the untracked model
   (each example alone, as a batch of one), ``F`` flattened to ``[B, P]``,
   then ``F @ F.T``; grads as ``F.sum(0)``.
+* ``cross``: ``gram_haiku.cross_gram`` with ``V = B`` queries (the batch
+  rolled by one example): loss, the training examples' grads and the
+  ``[B, V]`` block ``<g_i, h_q>``.
+* ``cross_concat``: the same block the way one had to before: the queries
+  appended to the batch with weight 0 (``reweighted_grad(needs="gram")``),
+  forming the whole ``(B + V)^2`` Gram and reading its block.
 
 Every step is ``step(params, state, *batch)`` (``state`` holds the probes;
 ``plain`` and ``naive`` ignore it) so that the runner times them alike.
@@ -34,8 +40,12 @@ from benchmarks.models import Bench
 
 from benchmarks import dp_methods
 
-JAX_METHODS = ("plain", "gram", "norms", "naive") + dp_methods.DP_METHODS
+CROSS = ("cross", "cross_concat")
+JAX_METHODS = (("plain", "gram", "norms", "naive") + dp_methods.DP_METHODS +
+               CROSS)
 TRACKED = ("gram", "norms")
+#: The methods checked against ``naive``'s Gram before they are timed.
+CHECKED = TRACKED + CROSS
 
 
 @dataclasses.dataclass
@@ -153,6 +163,12 @@ def build(prep: Prepared, method: str) -> tuple[Callable, tuple]:
       return loss, grads, f @ f.T
     return step, (prep.params, {}, *bench.batch)
 
+  if method in CROSS:
+    state = prep.states["gram"]
+    if isinstance(state, BaseException):
+      raise Unsupported(first_line(state)) from state
+    return _cross_step(prep, method), (prep.params, state, *bench.batch)
+
   if method in dp_methods.DP_METHODS:
     state = prep.states["norms"]
     if isinstance(state, BaseException):
@@ -163,9 +179,38 @@ def build(prep: Prepared, method: str) -> tuple[Callable, tuple]:
                    f"{JAX_METHODS}.")
 
 
+def _cross_step(prep: Prepared, method: str) -> Callable:
+  """``cross`` or ``cross_concat``: the queries are the batch rolled by one
+  example, so the block is ``naive``'s Gram with its columns rolled."""
+  apply = prep.tracked["gram"].apply
+
+  def with_rng(params, state, rng, *batch):
+    del rng
+    return apply(params, state, *batch)
+
+  if method == "cross":
+    cg = gram_haiku.cross_gram(with_rng)
+
+    def step(params, state, *batch):
+      queries = tuple(jnp.roll(a, 1, axis=0) for a in batch)
+      loss, grads, cross = cg(params, state, None, *batch, queries=queries)
+      return loss, grads, cross.total
+    return step
+
+  def step(params, state, *batch):  # cross_concat
+    b = batch[0].shape[0]
+    mask = jnp.concatenate([jnp.ones((b,)), jnp.zeros((b,))])
+    rw = gram_haiku.reweighted_grad(with_rng, lambda grams: mask,
+                                    needs="gram")
+    both = tuple(jnp.concatenate([a, jnp.roll(a, 1, axis=0)]) for a in batch)
+    loss, grads, grams, _ = rw(params, state, None, *both)
+    return loss, grads, grams.total[:b, b:]
+  return step
+
+
 def untracked_modules(prep: Prepared, method: str) -> list[str]:
   """Parameterised modules that have no Gram probe under ``method``."""
-  state = prep.states[method]
+  state = prep.states["gram" if method in CROSS else method]
   probed = {m for m, entries in state.items()
             if gram_haiku.PROBE_NAME in entries}
   return sorted(m for m in prep.params if m not in probed)
@@ -177,7 +222,7 @@ def check(prep: Prepared, method: str, tracked_out, naive_out,
 
   Args:
     prep: the prepared model.
-    method: ``"gram"`` or ``"norms"``.
+    method: one of :data:`CHECKED`.
     tracked_out: ``step`` output of ``method``.
     naive_out: ``step`` output of ``naive`` (the reference).
     rtol: tolerance relative to the largest reference entry.
@@ -191,6 +236,8 @@ def check(prep: Prepared, method: str, tracked_out, naive_out,
   got = np.asarray(tracked_out[2], np.float64)
   if method == "norms":
     ref = np.sqrt(np.maximum(np.diagonal(ref), 0))
+  elif method in CROSS:  # Query q is example q - 1.
+    ref = np.roll(ref, 1, axis=1)
   err = reference.relative_error(got, ref)
   if not np.isfinite(err) or err > rtol:
     return f"wrong result: max relative error {err:.2e} against vmap(grad)"

@@ -124,7 +124,7 @@ def run_model(name: str, opts: Options, log=print) -> list[dict]:
                                 "unsupported: " + jax_methods.first_line(e))
       log(f"  {name}/{method}: {records[method]['status']}")
 
-  tracked = [m for m in jax_methods.TRACKED if m in compiled]
+  tracked = [m for m in jax_methods.CHECKED if m in compiled]
   if opts.check and tracked:
     try:
       if "naive" in compiled:
