@@ -181,7 +181,10 @@ def build(prep: Prepared, method: str) -> tuple[Callable, tuple]:
 
 def _cross_step(prep: Prepared, method: str) -> Callable:
   """``cross`` or ``cross_concat``: the queries are the batch rolled by one
-  example, so the block is ``naive``'s Gram with its columns rolled."""
+  example, so the block is ``naive``'s Gram with its columns rolled. Both
+  give the update and the block, not the loss (``cross_gram``'s value
+  costs one more forward pass of the training examples where it is used;
+  the joint batch's loss, which ``cross_concat`` has, is not it)."""
   apply = prep.tracked["gram"].apply
 
   def with_rng(params, state, rng, *batch):
@@ -193,8 +196,8 @@ def _cross_step(prep: Prepared, method: str) -> Callable:
 
     def step(params, state, *batch):
       queries = tuple(jnp.roll(a, 1, axis=0) for a in batch)
-      loss, grads, cross = cg(params, state, None, *batch, queries=queries)
-      return loss, grads, cross.total
+      _, grads, cross = cg(params, state, None, *batch, queries=queries)
+      return jnp.zeros(()), grads, cross.total
     return step
 
   def step(params, state, *batch):  # cross_concat
@@ -203,8 +206,8 @@ def _cross_step(prep: Prepared, method: str) -> Callable:
     rw = gram_haiku.reweighted_grad(with_rng, lambda grams: mask,
                                     needs="gram")
     both = tuple(jnp.concatenate([a, jnp.roll(a, 1, axis=0)]) for a in batch)
-    loss, grads, grams, _ = rw(params, state, None, *both)
-    return loss, grads, grams.total[:b, b:]
+    _, grads, grams, _ = rw(params, state, None, *both)
+    return jnp.zeros(()), grads, grams.total[:b, b:]
   return step
 
 
