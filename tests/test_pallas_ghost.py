@@ -329,3 +329,48 @@ def test_the_selected_kernel_is_differentiable_like_the_xla_path(
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
   np.testing.assert_allclose(got_t, want_t, rtol=1e-5)
+
+
+# -- the block across two sets (cross_gram) -------------------------------------
+
+@pytest.mark.parametrize("b,v,t,tiling", [
+    (5, 3, 7, None),        # one tile each, fewer columns than rows
+    (9, 20, 37, (8, 16)),   # several example blocks and position tiles
+])
+def test_cross_block_matches_float64(b, v, t, tiling):
+  """``ghost_cross_pallas``: every pair of example blocks, nothing
+  mirrored, equal to ``F_rows F_cols^T`` of the ghost products."""
+  x, d = _inputs(b, t, 6, 5, "float32", seed=b)
+  x2, d2 = _inputs(v, t, 6, 5, "float32", seed=v + 100)
+  x2 = x2 + 30.0  # a large offset between the sets
+  be, tp = tiling or (None, None)
+  got = pg.ghost_cross_pallas(x, d, x2, d2, precision=HIGHEST, interpret=True,
+                              block_examples=be, block_positions=tp)
+  x64, d64 = np.asarray(x, np.float64), np.asarray(d, np.float64)
+  y64, e64 = np.asarray(x2, np.float64), np.asarray(d2, np.float64)
+  ref = np.einsum("itjs->ij", np.einsum("itn,jsn->itjs", x64, y64) *
+                  np.einsum("itm,jsm->itjs", d64, e64))
+  assert got.shape == (b, v)
+  assert _rel(got, ref) < TOL["float32"]
+  with pytest.raises(ValueError, match="differ from the rows'"):
+    pg.ghost_cross_pallas(x, d, x2[:, :2], d2[:, :2], interpret=True)
+
+
+def test_a_cross_block_selects_the_pallas_kernel_like_the_gram(monkeypatch):
+  """``kernels.ghost_gram`` with ``row_split`` (cross_gram's block) runs
+  the cross kernel where the Gram runs the Pallas kernel, and both paths
+  agree with the block of the float64 Gram."""
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
+  x, d = _inputs(7, 9, 24, 40, "float32", seed=5)
+  cfg = XLA.replace(row_split=4)
+  ref = _reference(x, d)[:4, 4:]
+  gram = jax.jit(lambda x, d: kernels.ghost_gram(x, d, cfg))
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ())
+  xla_text, xla = gram.lower(x, d).as_text(), gram(x, d)
+  monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
+  gram = jax.jit(lambda x, d: kernels.ghost_gram(x, d, cfg))
+  pallas_text, got = gram.lower(x, d).as_text(), gram(x, d)
+  assert pallas_text != xla_text
+  assert got.shape == xla.shape == (4, 3)
+  assert _rel(xla, ref) < TOL["float32"]
+  assert _rel(got, ref) < TOL["float32"]

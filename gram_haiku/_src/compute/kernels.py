@@ -485,9 +485,7 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
   # Examples spread over devices (shard_map's columns, an Explicit mesh,
   # whose sharding types the kernel's own ops do not carry): XLA's path,
   # which lays its blocks out over the mesh.
-  # (And a block across two sets of examples: XLA's path too.)
-  spread = (bool(cfg.column_axes) or cfg.row_split is not None or
-            explicit_mesh.under_explicit_mesh())
+  spread = bool(cfg.column_axes) or explicit_mesh.under_explicit_mesh()
   platforms = cost_model.pallas_ghost_gram_platforms(x, d, spread)
   if not platforms:
     return _xla_ghost_gram(x, d, cfg)
@@ -499,9 +497,13 @@ def ghost_gram(x: jax.Array, d: jax.Array, cfg: KernelConfig) -> jax.Array:
     @jax.custom_jvp
     def gram(x, d):
       from gram_haiku._src.compute import pallas_ghost  # pylint: disable=g-import-not-at-top
+      interpret = platform != "tpu"
+      if cfg.row_split is not None:  # A block across two sets.
+        return pallas_ghost.ghost_cross_pallas(
+            cfg.rows(x), cfg.rows(d), cfg.columns(x), cfg.columns(d),
+            precision=cfg.precision, interpret=interpret).astype(x.dtype)
       return pallas_ghost.ghost_gram_pallas(
-          x, d, precision=cfg.precision,
-          interpret=platform != "tpu").astype(x.dtype)
+          x, d, precision=cfg.precision, interpret=interpret).astype(x.dtype)
 
     @gram.defjvp
     def _(primals, tangents):  # The kernel has no JVP: XLA's path's.

@@ -47,6 +47,11 @@ Tiling of :func:`ghost_gram_pallas` (see :func:`gram_tiles`):
   (an ``inf`` entry stays in its own entry). The output block is
   ``(be, 128)`` lanes of which the first ``be`` are kept.
 
+:func:`ghost_cross_pallas` is the same kernel between two sets of
+examples (rows from one, columns from the other: every pair of example
+blocks and of position tiles, nothing mirrored), the block
+:func:`gram_haiku.cross_gram` reads.
+
 :func:`ghost_sq_norms_pallas` computes the diagonal ``G[i, i]`` one
 example at a time, over its own position tiles (``T`` rounded up to 128 or
 256 positions, so that each ``(tp, tp)`` kernel fills whole lanes) and the
@@ -258,7 +263,7 @@ def _lane_groups_sum(r, be: int):
 
 
 def _gram_kernel(pi_ref, pj_ref, xr_ref, dr_ref, xc_ref, dc_ref, o_ref, *,
-                 be: int, tp: int, precision):
+                 be: int, tp: int, precision, symmetric: bool = True):
   p, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   bi, bj = pi_ref[p], pj_ref[p]
 
@@ -266,7 +271,8 @@ def _gram_kernel(pi_ref, pj_ref, xr_ref, dr_ref, xc_ref, dc_ref, o_ref, *,
   def _():
     o_ref[...] = jnp.zeros_like(o_ref)
 
-  @pl.when((bi < bj) | (t <= s))
+  # Across two sets (not symmetric) every tile pair is computed once.
+  @pl.when((bi < bj) | (t <= s) | (not symmetric))
   def _():
     prod = _product(_dot_t(xr_ref[...], xc_ref[...], precision),
                     _dot_t(dr_ref[...], dc_ref[...], precision))
@@ -274,6 +280,9 @@ def _gram_kernel(pi_ref, pj_ref, xr_ref, dr_ref, xc_ref, dc_ref, o_ref, *,
     for k in range(1, tp):  # the row tile's positions
       r = r + prod[k * be:(k + 1) * be]
     r = _lane_groups_sum(r, be)
+    if not symmetric:
+      o_ref[...] += r
+      return
     w = jnp.where((bi == bj) & (t == s), 0.5, 1.0).astype(jnp.float32)
     o_ref[...] += w * r
 
@@ -312,27 +321,80 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
       smallest tile exceeds :data:`VMEM_LIMIT_BYTES`.
     TypeError: dtypes other than float32 and bfloat16.
   """
-  _check(x, d, "ghost_gram_pallas")
+  return _ghost_pallas(x, d, None, None, precision, interpret,
+                       block_examples, block_positions, "ghost_gram_pallas")
+
+
+def ghost_cross_pallas(x: jax.Array, d: jax.Array, x2: jax.Array,
+                       d2: jax.Array, *, precision=None,
+                       interpret: bool = False,
+                       block_examples: Optional[int] = None,
+                       block_positions: Optional[int] = None) -> jax.Array:
+  """The block of (1) between two sets of examples, on a TPU:
+  ``G[i, q] = sum_{t,s} (x_it . x2_qs)(d_it . d2_qs)`` (the kernel of
+  :func:`ghost_gram_pallas` over every pair of example blocks, rows from
+  ``x, d``, columns from ``x2, d2``, nothing mirrored).
+
+  Args:
+    x, d: ``[B, T, N]``, ``[B, T, M]``: the rows' inputs and cotangents.
+    x2, d2: ``[V, T, N]``, ``[V, T, M]``: the columns'.
+    precision, interpret, block_examples, block_positions: as
+      :func:`ghost_gram_pallas`.
+
+  Returns:
+    ``f32[B, V]``.
+
+  Raises:
+    As :func:`ghost_gram_pallas`, and ValueError where the two sets differ
+    in anything but their number of examples.
+  """
+  _check(x2, d2, "ghost_cross_pallas")
+  if x2.shape[1:] != x.shape[1:] or d2.shape[1:] != d.shape[1:]:
+    raise ValueError(
+        f"ghost_cross_pallas: the column set's shapes {tuple(x2.shape)}, "
+        f"{tuple(d2.shape)} differ from the rows' {tuple(x.shape)}, "
+        f"{tuple(d.shape)} in more than the number of examples.")
+  return _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
+                       block_positions, "ghost_cross_pallas")
+
+
+def _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
+                  block_positions, name: str) -> jax.Array:
+  """:func:`ghost_gram_pallas` (``x2`` None: the symmetric Gram of ``x,
+  d``) or :func:`ghost_cross_pallas` (the block against ``x2, d2``)."""
+  _check(x, d, name)
+  symmetric = x2 is None
+  if symmetric:
+    x2, d2 = x, d
   b, t, n = x.shape
+  v = x2.shape[0]
   m = d.shape[-1]
-  if b == 0 or t == 0 or n == 0 or m == 0:
-    return jnp.zeros((b, b), jnp.float32)
+  if b == 0 or v == 0 or t == 0 or n == 0 or m == 0:
+    return jnp.zeros((b, v), jnp.float32)
   precision = _precision(precision)
-  dtype = _compute_dtype(x, d, precision, interpret)
+  dtype = max(_compute_dtype(x, d, precision, interpret),
+              _compute_dtype(x2, d2, precision, interpret),
+              key=lambda dt: dt.itemsize)  # float32 unless both say bf16
   if dtype == jnp.bfloat16:  # exact products in one pass
     precision = lax.Precision.DEFAULT
-  tiles = gram_tiles(b, t, n, m, dtype, block_examples, block_positions)
+  tiles = gram_tiles(max(b, v), t, n, m, dtype, block_examples,
+                     block_positions)
   be, tp = tiles.be, tiles.tp
-  nb, nt = tiles.b // be, tiles.t // tp
+  nt = tiles.t // tp
+  rows_b, cols_b = _round_up(b, be), _round_up(v, be)
+  nb, nc = rows_b // be, cols_b // be
 
-  def layout(a, f):  # (B, T, F) -> (B' / be, T' be, F') zero-padded
-    a = jnp.pad(a.astype(dtype), ((0, tiles.b - b), (0, tiles.t - t),
+  def layout(a, f, bp):  # (B, T, F) -> (B' / be, T' be, F') zero-padded
+    a = jnp.pad(a.astype(dtype), ((0, bp - a.shape[0]), (0, tiles.t - t),
                                   (0, f - a.shape[-1])))
-    a = jnp.transpose(a.reshape(nb, be, tiles.t, f), (0, 2, 1, 3))
-    return a.reshape(nb, tiles.t * be, f)
-  xt, dt = layout(x, tiles.n), layout(d, tiles.m)
+    a = jnp.transpose(a.reshape(bp // be, be, tiles.t, f), (0, 2, 1, 3))
+    return a.reshape(bp // be, tiles.t * be, f)
+  xt, dt = layout(x, tiles.n, rows_b), layout(d, tiles.m, rows_b)
+  xc, dc = ((xt, dt) if symmetric else
+            (layout(x2, tiles.n, cols_b), layout(d2, tiles.m, cols_b)))
 
-  pairs = [(i, j) for i in range(nb) for j in range(i, nb)]
+  pairs = ([(i, j) for i in range(nb) for j in range(i, nb)] if symmetric
+           else [(i, j) for i in range(nb) for j in range(nc)])
   pi = jnp.asarray([i for i, _ in pairs], jnp.int32)
   pj = jnp.asarray([j for _, j in pairs], jnp.int32)
 
@@ -343,7 +405,8 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
   def col_map(p, t_, s_, pi_ref, pj_ref):
     # A skipped step (diagonal pair, t > s) names the tile of the step
     # before it (s = t), so nothing is fetched for it.
-    s_ = jnp.where(pi_ref[p] == pj_ref[p], jnp.maximum(s_, t_), s_)
+    if symmetric:
+      s_ = jnp.where(pi_ref[p] == pj_ref[p], jnp.maximum(s_, t_), s_)
     return pj_ref[p], s_, 0
 
   def out_map(p, t_, s_, pi_ref, pj_ref):
@@ -357,28 +420,29 @@ def ghost_gram_pallas(x: jax.Array, d: jax.Array, *, precision=None,
       in_specs=[spec(tiles.n, row_map), spec(tiles.m, row_map),
                 spec(tiles.n, col_map), spec(tiles.m, col_map)],
       out_specs=pl.BlockSpec((be, LANES), out_map))
-  kernel = functools.partial(_gram_kernel, be=be, tp=tp, precision=precision)
+  kernel = functools.partial(_gram_kernel, be=be, tp=tp, precision=precision,
+                             symmetric=symmetric)
   itemsize = dtype.itemsize
   flops = 2 * len(pairs) * nt * nt * (tp * be) ** 2 * (tiles.n + tiles.m)
   out = pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
-      out_shape=jax.ShapeDtypeStruct((tiles.b, nb * LANES), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((rows_b, nc * LANES), jnp.float32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes, "ghost_gram_pallas",
-                                       n + m)),
+          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes, name, n + m)),
       cost_estimate=pl.CostEstimate(
           flops=flops, transcendentals=0,
           bytes_accessed=(nb * nt + len(pairs) * nt * nt) * tp * be * (
-              tiles.n + tiles.m) * itemsize + tiles.b * nb * LANES * 4),
+              tiles.n + tiles.m) * itemsize + rows_b * nc * LANES * 4),
       interpret=interpret,
-  )(pi, pj, xt, dt, xt, dt)
-  # (B', nb * 128) -> the (B', B') upper blocks; the lower ones were never
-  # written.
-  u = out.reshape(nb, be, nb, LANES)[..., :be]
+  )(pi, pj, xt, dt, xc, dc)
+  u = out.reshape(nb, be, nc, LANES)[..., :be].reshape(rows_b, cols_b)
+  if not symmetric:
+    return u[:b, :v]
+  # The (B', B') upper blocks; the lower ones were never written.
   upper = jnp.arange(nb)[:, None] <= jnp.arange(nb)[None, :]
-  u = jnp.where(upper[:, None, :, None], u, 0.0).reshape(tiles.b, tiles.b)
+  u = jnp.where(upper.repeat(be, 0).repeat(be, 1), u, 0.0)
   return (u + u.T)[:b, :b]
 
 
