@@ -296,7 +296,8 @@ for argv in {argvs!r}:
   except SystemExit as e:
     print(argv, "exit", e.code)
 heavy = ("jax", "haiku", "numpy", "gram_haiku.apps.demo",
-         "gram_haiku.apps.dp_demo", "gram_haiku._src")
+         "gram_haiku.apps.dp_demo", "gram_haiku.apps.attribution_demo",
+         "gram_haiku._src")
 print("imported:", [m for m in heavy if m in sys.modules])
 """
 
@@ -308,12 +309,15 @@ def test_cli_parses_without_jax_haiku_or_the_demos():
   import sys  # pylint: disable=g-import-not-at-top
   argvs = [["--help"], ["--version"], ["demo", "--help"],
            ["dp-demo", "--help"], ["demo", "--epochs", "3"],
-           ["dp-demo", "--steps", "0"], ["dp-demo", "--clip-norm", "0"]]
+           ["dp-demo", "--steps", "0"], ["dp-demo", "--clip-norm", "0"],
+           ["attribution-demo", "--help"],
+           ["attribution-demo", "--flip-fraction", "1"]]
   proc = subprocess.run([sys.executable, "-c",
                          _LIGHT_DRIVER.format(argvs=argvs)],
                         capture_output=True, text=True, check=True)
   out = proc.stdout
   assert "imported: []" in out, out
-  for argv, code in zip(argvs, [0, 0, 0, 0, 2, 2, 2]):
+  for argv, code in zip(argvs, [0, 0, 0, 0, 2, 2, 2, 0, 2]):
     assert f"{argv} exit {code}" in out, out
   assert "usage: gram-haiku dp-demo" in out and "--version" in out
+  assert "usage: gram-haiku attribution-demo" in out

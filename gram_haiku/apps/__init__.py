@@ -1,1 +1,1 @@
-"""The demos (`gram-haiku demo`, `gram-haiku dp-demo`): applications of the public API, outside the library."""
+"""The demos (`gram-haiku demo`, `gram-haiku dp-demo`, `gram-haiku attribution-demo`): applications of the public API, outside the library."""
