@@ -49,6 +49,9 @@ def test_zoo_blocks_match_the_reference_and_the_update_ignores_queries(name):
   low = layer_zoo.is_low_precision(entry)
   case = "mixed" if low else "float32"
   testing.assert_gram_close(cross.total, f @ h.T, case, what=name)
+  testing.assert_gram_close(cross.sq_norms[:, None],
+                            np.sum(f * f, axis=1)[:, None], case,
+                            what=f"{name}: the examples' own squared norms")
   testing.assert_gram_close(cross.query_summed[:, None],
                             (f @ h.sum(0))[:, None], case,
                             what=f"{name}: summed over the queries")
@@ -118,6 +121,8 @@ def test_blocks_are_exact_in_float64(name, body, shape, ids):
                                atol=1e-12 * np.abs(want).max())
     np.testing.assert_allclose(cross.query_summed, want.sum(1), rtol=1e-10,
                                atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(cross.sq_norms, np.sum(f * f, axis=1),
+                               rtol=1e-10)
     want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
     np.testing.assert_allclose(value, want_value, rtol=1e-12)
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-11, atol=1e-13)

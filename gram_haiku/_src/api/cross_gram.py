@@ -94,7 +94,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     ``f32[B, V]`` and ``total`` ``f32[B, V]`` (float64 when the layers
     compute in float64), ``total[i, q] = <g_i, h_q>``, and
     ``query_summed`` ``f32[B]``, ``<g_i, sum_q h_q>``, formed without the
-    block (under ``jit`` only what is used is computed). Traceable:
+    block, and ``sq_norms`` ``f32[B]``, the training examples' own
+    ``|g_i|^2`` (under ``jit`` only what is used is computed). Traceable:
     ``jit`` it.
 
   Raises:
@@ -118,7 +119,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     out, new_state = apply_fn(params, state, rng, *args, **kwargs)
     value = (out, new_state) if return_state else out
     blocks, summed = r.cross
-    return value, r.grads, CrossGrams(blocks, summed, r.grams.coverage)
+    sq = {m: s[:b] for m, s in r.grams.sq_norms_by_layer.items()}
+    return value, r.grads, CrossGrams(blocks, summed, sq, r.grams.coverage)
 
   return fn
 

@@ -162,6 +162,9 @@ class CrossGrams:
     summed_by_layer: ``{module name: f32[B]}``, per tracked module
       ``<g_i, sum_q h_q>``, the row sums of its block, formed without the
       block (In-Run Data Shapley's first-order term).
+    sq_norms_by_layer: ``{module name: f32[B]}``, per tracked module the
+      training examples' own ``|g_i|^2`` (the Gram's diagonal: TracIn's
+      self-influence), from the same pass.
     coverage: as :attr:`Grams.coverage`.
 
   Units: squared units of the loss per squared parameter unit (for a loss
@@ -171,9 +174,11 @@ class CrossGrams:
 
   def __init__(self, by_layer: Mapping[str, jax.Array],
                summed_by_layer: Mapping[str, jax.Array] | None = None,
+               sq_norms_by_layer: Mapping[str, jax.Array] | None = None,
                coverage: Mapping[str, Any] | None = None):
     self.by_layer = dict(by_layer)
     self.summed_by_layer = dict(summed_by_layer or {})
+    self.sq_norms_by_layer = dict(sq_norms_by_layer or {})
     self.coverage = dict(coverage or {})
 
   @property
@@ -188,22 +193,30 @@ class CrossGrams:
     return _sum(list(self.summed_by_layer.values()))
 
   @property
+  def sq_norms(self) -> jax.Array:
+    """``f32[B]``: the training examples' ``|g_i|^2`` over the whole
+    model."""
+    return _sum(list(self.sq_norms_by_layer.values()))
+
+  @property
   def complete(self) -> bool:
     """True when every trainable parameter is covered (:attr:`Grams.complete`)."""
     return all(c.tracked for c in self.coverage.values())
 
   def tree_flatten(self):
-    keys = tuple(sorted(self.by_layer))
-    summed = tuple(sorted(self.summed_by_layer))
-    return (tuple(self.by_layer[k] for k in keys) +
-            tuple(self.summed_by_layer[k] for k in summed),
-            (keys, summed, tuple(sorted(self.coverage.items()))))
+    parts = (self.by_layer, self.summed_by_layer, self.sq_norms_by_layer)
+    keys = tuple(tuple(sorted(d)) for d in parts)
+    leaves = tuple(d[k] for d, ks in zip(parts, keys) for k in ks)
+    return leaves, (keys, tuple(sorted(self.coverage.items())))
 
   @classmethod
   def tree_unflatten(cls, aux, leaves):
-    keys, summed, coverage = aux
-    return cls(dict(zip(keys, leaves[:len(keys)])),
-               dict(zip(summed, leaves[len(keys):])), dict(coverage))
+    keys, coverage = aux
+    dicts, start = [], 0
+    for ks in keys:
+      dicts.append(dict(zip(ks, leaves[start:start + len(ks)])))
+      start += len(ks)
+    return cls(*dicts, coverage=dict(coverage))
 
   def __repr__(self):
     shapes = {k: tuple(jnp.shape(v)) for k, v in self.by_layer.items()}
