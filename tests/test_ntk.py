@@ -88,8 +88,9 @@ def _assert_kernel(got, want):
                              atol=1e-12 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "lstm", "shared"])
+@pytest.mark.parametrize("name", ["cnn", "lstm", "shared"])
 def test_the_full_kernel_matches_jacrev(name):
+  """(The MLP's layouts, the attention model's two output axes: below.)"""
   with jax.enable_x64(True):
     tracked, plain, params, state, x1, x2 = _problem(name)
     j1, j2 = _jacobian(plain, params, x1), _jacobian(plain, params, x2)
