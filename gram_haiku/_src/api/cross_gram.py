@@ -77,7 +77,10 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       update; :class:`gram_haiku.MeanLossWarning` says so when it can
       tell). The queries' gradients are those of the same loss.
     has_aux, return_state: as in :func:`gram_haiku.value_grad_and_gram`
-      (the value, aux and state are those of the training examples alone).
+      (the value, aux and state are those of the training examples alone,
+      from one more forward pass of them where they are used: a model
+      that draws from ``rng``, e.g. dropout, draws there for ``B`` rows
+      and in the pass for ``B + V``).
     frozen: as in :func:`gram_haiku.reweighted_grad`.
     example_axes: per positional argument, the axis its examples are on
       (default 0 for every argument; None: not per-example, shared by both
