@@ -347,8 +347,12 @@ class _Flow(interpreter.Interpreter):
   this object as its context; :func:`_equation` is the domain's step."""
 
   def __init__(self, batch: int, gram_op_type, strict: bool = False,
-               consts: Optional[dict] = None, model_state=frozenset()):
-    super().__init__(EXAMPLES, gram_op_type)
+               consts: Optional[dict] = None, model_state=frozenset(),
+               observed: Optional[dict] = None):
+    domain = EXAMPLES
+    if observed is not None:
+      domain = dataclasses.replace(EXAMPLES, output=_observer(observed))
+    super().__init__(domain, gram_op_type)
     self.batch = batch
     self.model_state = model_state  # constants that are apply's own state
     self.strict = strict
@@ -898,6 +902,16 @@ def _join_vals(a: _Val, b: _Val) -> _Val:
   return _Val(join(a.state, b.state), a.dep or b.dep, a.site or b.site)
 
 
+def _observer(observed: dict):
+  """A domain ``output`` hook that records, for the variables of the
+  program's own equations that are keys of ``observed``, their states."""
+  def output(ctx, v, val):
+    if ctx.depth == 1 and v in observed:
+      observed[v] = val.state
+    return val
+  return output
+
+
 #: Where the examples flow: states per value (:mod:`flow_states`), rules
 #: per primitive (:data:`flow_rules.RULES`), each equation through
 #: :func:`_equation`.
@@ -1041,7 +1055,7 @@ def _not_followed(record: FlowRecord, unfollowed: list, strict: bool):
 def check(jaxpr, in_states: Sequence[State], batch: int,
           gram_op_type, names: Optional[dict] = None,
           strict: bool = False, consts: Optional[dict] = None,
-          model_state=frozenset()) -> bool:
+          model_state=frozenset(), observed: Optional[dict] = None) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
   Args:
@@ -1059,6 +1073,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
     model_state: the constant variables that hold the model's Haiku state
       (given to ``apply``, closed over by the traced loss): not data the
       user closed over (see :meth:`_Flow._closed_over`).
+    observed: variables of the program's own equations (keys) whose
+      states are written into it (the sites of program-level rules,
+      :mod:`gram_haiku._src.analysis.program_rules`).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -1078,7 +1095,7 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   # special cases for: take_along_axis then gathers without batching
   # dimensions, which would read as mixing the examples).
   single = batch == 1
-  flow = _Flow(batch, gram_op_type, strict, consts, model_state)
+  flow = _Flow(batch, gram_op_type, strict, consts, model_state, observed)
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.follow(jaxpr, list(in_states), deps)
   record = flow.log.read()

@@ -216,8 +216,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                  frozen=frozenset(frozen_names))
   t, live = pipeline.participants(t, objective, params)
   if clips is not None:
-    objective = objective.with_clips(clips(_trainable_sizes(
-        t.found, live, leaves, names, frozen_names)))
+    objective = objective.with_clips(clips({
+        **_trainable_sizes(t.found, live, leaves, names, frozen_names),
+        **pipeline.program_sizes(t, objective, leaves)}))
   if example_weights is not None and jnp.shape(example_weights) != (t.size,):
     raise ValueError(errors.PADDING_MASK_SHAPE.format(
         shape=jnp.shape(example_weights), size=t.size))

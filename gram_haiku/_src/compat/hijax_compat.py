@@ -23,7 +23,7 @@ import functools
 import inspect
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.extend.core  # noqa: F401
@@ -372,8 +372,21 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
                            list(invars), list(outvars)), key
 
 
+def replay(jaxpr: Any, consts: Any, args: list,
+           operands: Optional[dict] = None) -> list:
+  """A program's outputs at ``args`` (its constants' values ``consts``, by
+  variable), each equation bound again (a hijax primitive's included), as
+  :func:`sub_program` does; ``operands``: ``{(id(eqn), k): value}``, the
+  values taken for operand ``k`` of those equations of the program's own
+  instead of their variables' (an input put in place of a value)."""
+  constvars = list(jaxpr.constvars)
+  return _eval_varying(list(jaxpr.eqns), constvars,
+                       [consts[v] for v in constvars], list(jaxpr.invars),
+                       list(jaxpr.outvars), *args, operands=operands)
+
+
 def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
-                  outvars: list, *args: Any) -> list:
+                  outvars: list, *args: Any, operands=None) -> list:
   """The program ``eqns`` (with ``constvars`` bound to ``consts``) at
   ``args``, equation by equation, each equation's operands first cast to
   vary over the same mesh axes.
@@ -394,6 +407,8 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
     env[v] = a
   for eqn in eqns:
     ins = [read(v) for v in eqn.invars]
+    if operands:
+      ins = [operands.get((id(eqn), k), x) for k, x in enumerate(ins)]
     axes = frozenset().union(*(varying_axes(x) for x in ins))
     if axes:
       ins = [vary_like(jnp.asarray(x), *ins) for x in ins]

@@ -1007,3 +1007,55 @@ CROSS_SIZES = (
     "What to do: give every per-example argument the same number of "
     "training examples, and every query argument the same number of "
     "queries (mark a shared argument None in example_axes).")
+
+# -- program-level Gram rules (gram_haiku._src.analysis.program_rules) ---------
+
+#: The tail of UNTRACKED_PARAM (and of REWEIGHT_UNTRACKED's reasons) for a
+#: parameter whose use no program-level rule covers: where and why.
+PROGRAM_REFUSED = (
+    " No program-level rule covers its use by {where}: {why}.")
+
+PROGRAM_NO_RULE = (
+    "a value computed from the parameter alone meets the examples' values "
+    "there, and program-level rules cover only a broadcast of it along the "
+    "examples (an elementwise `add`/`mul`/... of a parameter broadcast over "
+    "the batch, or a `concatenate` of one, such as a class token); "
+    "`{primitive}` has no rule yet. Wrap the use in a tracked layer "
+    "(hk.Linear, hk.Bias, ...) or write a Rule for it")
+
+PROGRAM_IN_CALL = (
+    "it meets the examples' values inside `{primitive}` (a jax.jit, "
+    "checkpoint, scan, while_loop, cond, custom_jvp/custom_vjp or vmapped "
+    "call), where program-level rules do not look in this version. Apply "
+    "the parameter outside that call (e.g. add the positions before the "
+    "loop), or wrap its use in a tracked layer")
+
+PROGRAM_IN_GRAM_OP = (
+    "it reaches a tracked layer's input computed from the parameter alone. "
+    "Wrap its use in a tracked layer of its own")
+
+PROGRAM_BROADCAST_REDUCED = (
+    "a broadcast of the parameter is reduced, reshaped or reordered by "
+    "`{primitive}` before it meets the examples, so each example's share "
+    "of it may depend on the batch (a sum of its copies over the batch "
+    "couples the examples). Broadcast it where it meets the examples' "
+    "values instead")
+
+PROGRAM_REACHES_LOSS = (
+    "it reaches the loss without meeting any example's values (a penalty "
+    "on the parameter added to the loss), a term that belongs to no "
+    "example. Add the penalty's gradient outside gram_haiku, or declare "
+    "the parameter frozen=")
+
+PROGRAM_NO_EXAMPLES = (
+    "the values it meets there could not be followed to the examples (see "
+    "gram_haiku.verify), so which axis holds them is not known")
+
+PROGRAM_EXAMPLES_MERGED = (
+    "the values it meets there hold the examples merged with other "
+    "positions or reordered, so its broadcast cannot be split by example")
+
+PROGRAM_NOT_BROADCAST = (
+    "the examples lie along axis {axis} there, and the parameter's value "
+    "is not broadcast along that axis (it differs from example to example) "
+    "or does not have one row per example")

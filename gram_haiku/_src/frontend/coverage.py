@@ -132,13 +132,16 @@ def merge_deferred(into: dict, deferred: dict) -> None:
       into[name] = (policy, module_type)
 
 
-def report_untracked(name: str, policy: str, module_type: str) -> None:
+def report_untracked(name: str, policy: str, module_type: str,
+                     why: str = "") -> None:
   """Reports an untracked read of parameter ``name`` by ``policy``: raises
   ``ValueError`` (``"error"``), warns once per name (``"warn"``) or does
-  nothing (``"ignore"``)."""
+  nothing (``"ignore"``). ``why``: why no program-level rule covers it
+  (:data:`errors.PROGRAM_REFUSED`), or empty."""
   if policy == "ignore":
     return
-  message = errors.UNTRACKED_PARAM.format(param=name, module_type=module_type)
+  message = errors.UNTRACKED_PARAM.format(param=name,
+                                          module_type=module_type) + why
   if policy == "error":
     raise ValueError(message)
   if name not in _WARNED:

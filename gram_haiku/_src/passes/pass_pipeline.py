@@ -40,7 +40,9 @@ from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import Grams
 from gram_haiku._src.frontend import ambient
 from gram_haiku._src.ops import factors as factors_lib
+from gram_haiku._src.passes import batch_args
 from gram_haiku._src.passes import bookkeeping as bk
+from gram_haiku._src.passes import program_pass
 from gram_haiku._src.passes import slots as slots_lib
 from gram_haiku._src.passes.pass_trace import coverage_of
 from gram_haiku._src.passes.pass_trace import leaf_names
@@ -50,7 +52,7 @@ from gram_haiku._src.passes.pass_trace import TracedLoss
 
 __all__ = ["Store", "Objective", "GRAMS", "Pass", "trace", "participants",
            "decide", "run", "open_stores", "read_grams", "recontract",
-           "coverage_of", "leaf_names"]
+           "coverage_of", "leaf_names", "live_program", "program_sizes"]
 
 
 class Store:
@@ -156,6 +158,10 @@ class Pass:
       re-contracts; then those of ``CLIP`` modules).
     slotted: module -> number of slots, for the ``SLOTS`` modules.
     slots_used: module -> its slot counter after the pass.
+    program: the parameters covered by program-level rules
+      (:mod:`gram_haiku._src.analysis.program_rules`): their name (a
+      ``PER_EXAMPLE`` entry of ``stores``) -> ``(leaf index, [B, P]
+      per-example gradients, [B] rounding bound or None)``.
   """
   value: Any
   aux: Any
@@ -165,6 +171,7 @@ class Pass:
   param_grads: Mapping[int, jax.Array]
   slotted: Mapping[str, int]
   slots_used: Mapping[str, Any]
+  program: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
 
 
 def _init_ndim(probe, found, module: str) -> int:
@@ -409,6 +416,8 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
   names = leaf_names(params)
   if mask is None:
     mask = jnp.ones((t.size,), jnp.float32)
+  program = live_program(t, objective)
+  arrays, _, rebuild = batch_args.split_batch((rng, *args), kwargs)
 
   def attempt(slotted):
     stores = decide(t, objective, live, slotted)
@@ -429,6 +438,12 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
       diff_idx = list(range(len(leaves)))
     slots = slots_lib.slot_state(slotted)
 
+    def traced(all_leaves, diff_probes, arrays):
+      (rng_, *args_), kwargs_ = rebuild(arrays)
+      p = jax.tree_util.tree_unflatten(treedef, list(all_leaves))
+      return t.loss_of(p, {**fixed_probes, **diff_probes}, rng_,
+                       tuple(args_), kwargs_, slots)
+
     def loss(diff_leaves, diff_probes):
       full = list(leaves)
       for k, v in zip(diff_idx, diff_leaves):
@@ -439,20 +454,57 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
 
     log = ambient.PassLog()
     with ambient.running(_pass_plan(t, objective, stores, slotted), log):
-      out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-          [leaves[k] for k in diff_idx], diff_probes)
-    return (stores, diff_idx, out), slots_lib.untrusted(
+      if program.sites:
+        value, cts, kept_program = program_pass.value_and_grad(
+            traced, leaves, diff_idx, diff_probes, arrays, program,
+            objective.upper_bound)
+        out = (value, cts)
+      else:
+        kept_program = None
+        out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            [leaves[k] for k in diff_idx], diff_probes)
+    return (stores, diff_idx, out, kept_program), slots_lib.untrusted(
         out[0][1][1], slots, log.slot_reads,
         {m: found.ops[m].name for m in slots})
 
   slotted = {m: u for m, u in slots_lib.slotted_modules(
       found, t.axes, params).items() if m in live}
-  slotted, (stores, diff_idx, out) = slots_lib.pass_with_slots(attempt,
-                                                               slotted)
+  slotted, (stores, diff_idx, out, kept) = slots_lib.pass_with_slots(
+      attempt, slotted)
   (value, (aux, new_state)), (param_cts, cotangents) = out
   new_state, used = restore_state(new_state, t.given_probes, slotted)
-  return Pass(value, aux, new_state, stores, cotangents,
-              dict(zip(diff_idx, param_cts)), slotted, used)
+  param_grads = dict(zip(diff_idx, param_cts))
+  stores, by_name = dict(stores), {}
+  for k, f in (kept.per_example.items() if kept is not None else ()):
+    name = program.leaves[k]
+    stores[name] = Store.PER_EXAMPLE
+    by_name[name] = (k, kernels.rows(f), kept.error.get(k))
+    if k in param_grads:  # The parameter's gradient: its examples' sum.
+      param_grads[k] = param_grads[k] + bk.to_leaf(jnp.sum(f, axis=0),
+                                                   leaves[k])
+  return Pass(value, aux, new_state, stores, cotangents, param_grads,
+              slotted, used, by_name)
+
+
+def live_program(t: TracedLoss, objective: Objective):
+  """``t.program`` without the sites whose parameters are all frozen
+  (``objective.frozen``; they keep nothing)."""
+  prog = t.program
+  sites = tuple(s for s in prog.sites
+                if any(prog.leaves[k] not in objective.frozen
+                       for k in s.leaves))
+  leaves = {k: n for k, n in prog.leaves.items()
+            if any(k in s.leaves for s in sites)}
+  return dataclasses.replace(prog, sites=sites, leaves=leaves)
+
+
+def program_sizes(t: TracedLoss, objective: Objective, leaves
+                  ) -> dict[str, int]:
+  """Name -> number of entries, of the parameters that program-level rules
+  cover and that are not frozen (per-layer clipping's layers)."""
+  prog = live_program(t, objective)
+  return {n: int(math.prod(jnp.shape(leaves[k])))
+          for k, n in prog.leaves.items() if n not in objective.frozen}
 
 
 # -- reading the stores -------------------------------------------------------
@@ -539,6 +591,11 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
   """Module ``m``'s Gram (``want == GRAM``; its block ``G[:s, s:]`` with
   ``row_split``) or squared norms, from its ``store`` ``g``."""
   bound = upper_bound and want == Store.NORMS
+  if m in p.program:  # A program-level rule's per-example gradients.
+    _, f, slack = p.program[m]
+    if bound:
+      return norm_bounds.of_rows(f, slack)
+    return _from_per_example(f, want, t.axes)
   if store in _OF_FACTORS:
     val = bk.from_factors(*opened[m], want, bound, row_split)
     if store == Store.SLOTS:
@@ -610,7 +667,7 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
     if store == Store.NOTHING:
       continue
     want = objective.wants(t.found, m)
-    val = _read_one(t, m, store, p.cotangents[m], want, opened, p, leaves,
+    val = _read_one(t, m, store, p.cotangents.get(m), want, opened, p, leaves,
                     skip, objective.upper_bound)
     (full if want == Store.GRAM and store != Store.CLIP else diag)[m] = val
   return Grams(full, diag, coverage, t.axes)
@@ -629,6 +686,14 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
     grads[k] = ct  # Clipped inside the backward rule.
   for m, store in sorted(p.stores.items()):
     op, idx = t.found.ops.get(m), t.found.param_leaves.get(m)
+    if m in p.program:  # A program-level rule's per-example gradients.
+      k, f, _ = p.program[m]
+      if k not in skip:
+        c = weights[m].astype(f.dtype)
+        if padded:  # (rows of weight 0 may hold anything)
+          f = jnp.where((c != 0)[:, None], f, 0)
+        grads[k] = grads[k] + bk.to_leaf(c @ f, leaves[k])
+      continue
     if store in _OF_FACTORS:
       cts = bk.recontract_factors(*opened[m], weights[m], padded)
     elif store == Store.PER_EXAMPLE:

@@ -22,6 +22,7 @@ import numpy as np
 from gram_haiku._src.analysis import dataflow
 from gram_haiku._src.analysis import example_flow
 from gram_haiku._src.analysis import loss_scale
+from gram_haiku._src.analysis import program_rules
 from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import example_sharding
@@ -199,13 +200,21 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   found = dataclasses.replace(found, slot_counts={
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
+  names = leaf_names(params)
+  sites = program_rules.find(
+      live, n_params, [k for k, n in enumerate(names)
+                       if n in found.untracked_uses], op_lib.RuleOp)
+  deferred = {}  # reported once the program-level rules are resolved
   for name, (policy, module_type) in sorted(untracked.items()):
-    if name not in found.no_gradient:  # stop_gradient only: nothing to miss
+    if name in found.untracked_uses and name not in found.no_gradient:
+      deferred[name] = (policy, module_type)
+    elif name not in found.no_gradient:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type)
 
-  def check_examples(strict: bool = False) -> bool:
+  def check_examples(strict: bool = False, observed=None) -> bool:
     """Follows the examples; True when every layer was verified
-    (``strict``: see :func:`gram_haiku._src.analysis.example_flow.check`)."""
+    (``strict``: see :func:`gram_haiku._src.analysis.example_flow.check`);
+    the states of the variables ``observed`` (keys) are written into it."""
     leading = {batch_args.example_size(a, ax)
                for a, ax in zip(arrays, array_axes)
                } - {None}
@@ -239,7 +248,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
                                 model_state=frozenset(
                                     v for v, c in zip(closed.jaxpr.constvars,
                                                       closed.consts)
-                                    if id(c) in own))
+                                    if id(c) in own),
+                                observed=observed)
     try:
       return follow(array_axes)
     except ValueError as e:
@@ -265,7 +275,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
       raise ValueError(str(e) + errors.EXAMPLE_AXES_THAT_FIT.format(
           axes=fits[0])) from None
   program = (live, dict(zip(closed.jaxpr.constvars, closed.consts)))
-  return found, seen, check_examples, program
+  return found, seen, check_examples, program, (sites, deferred)
 
 
 @dataclasses.dataclass
@@ -287,6 +297,8 @@ class TracedLoss:
     n_devices: devices over the mesh axes (1 outside ``shard_map``).
     axes: the mesh axes the examples are split over (``shard_map``), or
       ``()``.
+    program: the program-level rules of the parameters no tracked module
+      covers (:mod:`gram_haiku._src.analysis.program_rules`).
   """
   rest: dict
   probes: dict
@@ -297,6 +309,8 @@ class TracedLoss:
   size: int
   n_devices: int
   axes: tuple[str, ...] = ()
+  program: program_rules.Program = dataclasses.field(
+      default_factory=program_rules.Program)
 
 
 def _check_arguments(apply_fn, params, state) -> None:
@@ -357,7 +371,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   if axes:  # Each device has its own rows: the probes vary over `axes`.
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
     _check_batch_split(axes, probes, (args, kwargs))
-  found, seen, check_examples, program = _discover(
+  found, seen, check_examples, program, (sites, deferred) = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
       example_axes, jax.tree_util.tree_leaves(rest))
   if not found.sizes:
@@ -377,13 +391,37 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       # used by the loss elsewhere (module.params_dict(), a closure).
       raise ValueError(dataflow.also_untracked_message(
           name, [name.rsplit("/", 1)[0]], use))
-  size = _check_example_axes(found, check_examples(strict))
+  observed = {s.eqn.outvars[0]: None for s in sites.sites}
+  size = _check_example_axes(found, check_examples(strict, observed))
+  rules = program_rules.resolve(sites, observed, size, leaf_names(params))
+  seen = _with_program(seen, rules, deferred)
   # A privacy guarantee (or a block across two sets): a sum, not a mean.
   sum_for = "clipped_grad" if strict else sum_for
   if sum_for is not None:
     loss_scale.warn_if_mean(sum_for, *program, size)
   return TracedLoss(rest, probes, given_probes, loss_of, found, seen, size,
-                    n_devices, axes)
+                    n_devices, axes, rules)
+
+
+def _with_program(seen, rules: program_rules.Program, deferred) -> dict:
+  """``seen`` with the parameters the program-level rules cover marked
+  tracked by them; the other ``deferred`` untracked reads reported, with
+  why no rule covers them.
+
+  Raises:
+    ValueError: under ``track(untracked="error")``, for a parameter no
+      rule covers.
+  """
+  seen = dict(seen)
+  for k, name in rules.leaves.items():
+    seen[name] = ParamCoverage(True, rules.rules_of(k),
+                               seen[name].module_type if name in seen
+                               else "(none)")
+  for name, (policy, module_type) in sorted(deferred.items()):
+    if name not in rules.leaves.values():
+      coverage_lib.report_untracked(name, policy, module_type,
+                                    rules.refused.get(name, ""))
+  return seen
 
 
 def restore_state(new_state, probes: Mapping[str, Any],

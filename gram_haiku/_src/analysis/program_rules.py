@@ -1,0 +1,394 @@
+"""Program-level Gram rules: parameters no tracked module covers, read from
+the traced program.
+
+A parameter created with a bare ``hk.get_parameter`` (learned positions, a
+class token, a logit scale) reaches no Gram op: no module rule covers it.
+Its per-example gradient can still be read from the program where its use
+has a rule. This is a domain on the program interpreter
+(:mod:`gram_haiku._src.analysis.interpreter`) whose state per value says
+which such parameters it is an example-independent function of (the
+*prefix*: ``q = f(p)``, e.g. ``p``, ``exp(p)``, a reshape or broadcast of
+it) and whether it depends on the examples' data.
+
+Where a prefix value meets the data, the equation's *site rule* (the table
+:data:`SITE_RULES`, keyed by primitive, in the style of JAX's
+``primitive_batchers``) says whether that use is a *site*: the prefix
+broadcast along the examples' axis ``e`` into a value ``Z`` that the rest
+of the program may treat as an input. Every slice of ``Z`` along ``e`` is
+the same function ``F_1(p)`` of the parameters, and slice ``i`` meets
+example ``i``'s data alone, so with ``Z`` differentiated as an input,
+
+    ``g_i = J_{F_1}(p)^T (dL/dZ)[i]``                     (exact)
+
+is example ``i``'s gradient with respect to ``p`` (summed over the sites
+of ``p``: the cross terms of several uses are in the sum). Rules today:
+
+* ``broadcast``: an elementwise primitive (``add``, ``mul``, ``sub``,
+  ``div``, ...) with a prefix operand that it broadcasts (a rank-0 or a
+  size-1 operand, or one broadcast by ``broadcast_in_dim`` earlier in the
+  prefix) and a data operand: ``Z`` is the prefix operand at the output's
+  shape (positions, layer scales, temperatures);
+* ``concatenate``: a prefix operand broadcast along the examples,
+  concatenated with the data along another axis (class and register
+  tokens): ``Z`` is that operand.
+
+The prefix itself runs any example-independent program, except that a
+value broadcast along an axis (size above 1) may only go on through
+elementwise primitives and ``broadcast_in_dim`` before it meets the data:
+a sum over a broadcast over the batch (``sum(broadcast_to(p, (B, D)), 0)``)
+would make each example's share depend on ``B``. A prefix value that
+meets the data by any other primitive, inside a call, loop, branch or
+custom derivative, or that reaches the loss without meeting the data (a
+penalty on the parameter, which belongs to no example), is a
+:class:`Refusal`: the parameter stays untracked, and the message names
+the primitive and the user's line.
+
+Which axis of ``Z`` is the examples' (``e``) is read from the example-flow
+analysis (:mod:`gram_haiku._src.analysis.example_flow`): the state of the
+site's output. :func:`resolve` checks that ``Z`` is constant along it and
+holds ``B`` rows. That each slice of ``Z`` reaches its example's loss alone
+is what the example-flow check proves for every value computed from the
+parameters (a sum over the batch before a nonlinearity is refused there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+from gram_haiku._src.analysis import interpreter
+from gram_haiku._src.analysis.flow_states import ELEMENTWISE
+from gram_haiku._src.analysis.flow_states import Ex
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.core import errors
+from gram_haiku._src.core import warning_site
+
+
+@dataclasses.dataclass(frozen=True)
+class Val:
+  """A value's state.
+
+  Attributes:
+    leaves: the untracked parameter leaves it is an example-independent
+      function of (a prefix value); empty otherwise.
+    data: it depends on the examples (the batch, a probe, a Gram op).
+    const: for a prefix value, the axes along which it is constant (its
+      size-1 axes and those a broadcast made).
+  """
+  leaves: frozenset = frozenset()
+  data: bool = False
+  const: frozenset = frozenset()
+
+
+def _join(a: Val, b: Val) -> Val:
+  return Val(a.leaves | b.leaves, a.data or b.data, a.const & b.const)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """A finding: a use of untracked parameters with a rule.
+
+  Attributes:
+    eqn: the equation (of the program's own).
+    operand: the index of its prefix operand.
+    leaves: the parameter leaves the operand is computed from.
+    shape: the shape of ``Z``.
+    const: the axes of ``Z`` along which it is constant.
+    rule: the rule's name (for :attr:`Grams.coverage`).
+    line: the user's line, for messages.
+    axis: the examples' axis of ``Z`` (set by :func:`resolve`).
+  """
+  eqn: Any
+  operand: int
+  leaves: tuple
+  shape: tuple
+  const: frozenset
+  rule: str
+  line: str
+  axis: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+  """A finding: a use of untracked parameters ``leaves`` without a rule,
+  by primitive ``primitive`` (at ``line``), and why."""
+  leaves: tuple
+  primitive: str
+  line: str
+  why: str
+
+
+def _shape(v) -> tuple:
+  return tuple(getattr(getattr(v, "aval", None), "shape", ()))
+
+
+def _line(eqn) -> str:
+  return warning_site.user_line(hx.source_frames(eqn))
+
+
+def _ones(shape) -> frozenset:
+  return frozenset(k for k, n in enumerate(shape) if n == 1)
+
+
+def _spread(val: Val, shape) -> bool:
+  """Whether prefix value ``val`` of ``shape`` is constant along an axis of
+  size above 1 (it was broadcast)."""
+  return any(shape[k] > 1 for k in val.const if k < len(shape))
+
+
+def _const_at(val: Val, v, out_shape) -> frozenset:
+  """The axes of an elementwise output along which operand ``v`` (state
+  ``val``) is constant: all for a rank-0 operand, else its own (size-1
+  axes, which the primitive broadcasts, included)."""
+  shape = _shape(v)
+  if not shape:
+    return frozenset(range(len(out_shape)))
+  own = val.const if val.leaves else frozenset()
+  return own | _ones(shape)
+
+
+# -- prefix rules: example-independent values of the parameters ----------------
+
+
+def _elementwise_prefix(ctx, eqn, ins) -> list:
+  del ctx
+  out_shape = _shape(eqn.outvars[0])
+  const = frozenset(range(len(out_shape)))
+  for v, s in zip(eqn.invars, ins):
+    const &= _const_at(s, v, out_shape)
+  leaves = frozenset().union(*(s.leaves for s in ins))
+  return [Val(leaves, False, const | _ones(out_shape))] * len(eqn.outvars)
+
+
+def _broadcast_in_dim_prefix(ctx, eqn, ins) -> list:
+  del ctx
+  dims = tuple(eqn.params["broadcast_dimensions"])
+  out_shape = _shape(eqn.outvars[0])
+  own = ins[0].const | _ones(_shape(eqn.invars[0]))
+  const = (frozenset(range(len(out_shape))) - set(dims)) | {
+      dims[k] for k in own}
+  return [Val(ins[0].leaves, False, const | _ones(out_shape))]
+
+
+#: How a prefix value goes on through a primitive: its output's constant
+#: axes. Any other primitive keeps only its output's size-1 axes, and may
+#: not take a broadcast value (see the module docstring).
+PREFIX_RULES = hx.rule_table({
+    **{name: _elementwise_prefix for name in ELEMENTWISE},
+    "broadcast_in_dim": _broadcast_in_dim_prefix,
+})
+
+
+# -- site rules: where a prefix value meets the examples ------------------------
+
+
+def _elementwise_site(ctx, eqn, ins) -> list:
+  """A prefix operand broadcast by an elementwise primitive to the shape
+  of its data operand: ``Z`` is the operand at the output's shape."""
+  out_shape = _shape(eqn.outvars[0])
+  for k, (v, s) in enumerate(zip(eqn.invars, ins)):
+    if s.leaves and hx.may_carry_gradient(v):
+      ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), out_shape,
+                          _const_at(s, v, out_shape), "broadcast",
+                          _line(eqn)))
+  return [Val(data=True)] * len(eqn.outvars)
+
+
+def _concatenate_site(ctx, eqn, ins) -> list:
+  """A prefix operand broadcast along the examples and concatenated with
+  the data along another axis: ``Z`` is the operand."""
+  dim = eqn.params["dimension"]
+  for k, (v, s) in enumerate(zip(eqn.invars, ins)):
+    if s.leaves and hx.may_carry_gradient(v):
+      ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
+                          s.const - {dim}, "concatenate", _line(eqn)))
+  return [Val(data=True)] * len(eqn.outvars)
+
+
+#: The program-level Gram rules, by primitive: ``rule(ctx, eqn, ins)`` for
+#: an equation where a prefix value meets the data; it logs a
+#: :class:`Site` per prefix operand and returns the outputs' states. A
+#: primitive without one refuses (:func:`_no_rule`).
+SITE_RULES = hx.rule_table({
+    **{name: _elementwise_site for name in ELEMENTWISE
+       if name not in ("stop_gradient", "optimization_barrier")},
+    "concatenate": _concatenate_site,
+})
+
+
+def _refuse(ctx, eqn, ins, why: str) -> list:
+  leaves = frozenset().union(*(s.leaves for s in ins))
+  ctx.log.append(Refusal(tuple(sorted(leaves)), eqn.primitive.name,
+                         _line(eqn), why))
+  return [Val(data=True)] * len(eqn.outvars)
+
+
+def _no_rule(ctx, eqn, ins) -> list:
+  return _refuse(ctx, eqn, ins, errors.PROGRAM_NO_RULE.format(
+      primitive=eqn.primitive.name))
+
+
+def _equation(ctx, eqn, ins: list) -> list:
+  """The domain's step: no parameter (data or constants), a prefix value
+  going on, or a prefix value meeting the data (a site rule)."""
+  n_out = len(eqn.outvars)
+  leaves = frozenset().union(*(s.leaves for s in ins))
+  data = any(s.data for s in ins)
+  is_op = hx.gram_op_of(eqn, ctx.gram_op_type) is not None
+  if not leaves:
+    if eqn.primitive.name == "stop_gradient":
+      return [Val()] * n_out
+    return [Val(data=data or is_op)] * n_out
+  if eqn.primitive.name == "stop_gradient":
+    return [Val()] * n_out  # no gradient: a constant
+  if is_op:
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_GRAM_OP)
+  if hx.jaxprs_of(eqn):
+    if data:
+      return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
+          primitive=eqn.primitive.name))
+    rule = None  # An example-independent call: an opaque prefix step.
+  elif data:
+    if ctx.depth > 1:
+      return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
+          primitive="a call"))
+    return (hx.rule_of(SITE_RULES, eqn) or _no_rule)(ctx, eqn, ins)
+  else:
+    rule = hx.rule_of(PREFIX_RULES, eqn)
+  if rule is not None:
+    return rule(ctx, eqn, ins)
+  if any(s.leaves and _spread(s, _shape(v))
+         for v, s in zip(eqn.invars, ins)):
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_BROADCAST_REDUCED.format(
+        primitive=eqn.primitive.name))
+  return [Val(leaves, False, _ones(_shape(v))) for v in eqn.outvars]
+
+
+#: Which untracked parameters each value is an example-independent
+#: function of, and whether it depends on the examples.
+PROGRAM = interpreter.Domain(
+    name="program", rules=SITE_RULES, default=_no_rule, join=_join,
+    bottom=Val(), equation=_equation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Findings:
+  """What :func:`find` read: the sites and refusals, in program order."""
+  sites: tuple = ()
+  refusals: tuple = ()
+
+  def candidates(self) -> frozenset:
+    """The leaves with a site and no refusal."""
+    refused = {k for r in self.refusals for k in r.leaves}
+    return frozenset(k for s in self.sites for k in s.leaves
+                     if k not in refused)
+
+
+def find(jaxpr, num_param_leaves: int, untracked: Sequence[int],
+         gram_op_type) -> Findings:
+  """Runs :data:`PROGRAM` over the loss's program ``jaxpr(params, probes,
+  batch arrays)`` for the untracked parameter leaves ``untracked``."""
+  if not untracked:
+    return Findings()
+  wanted = set(untracked)
+  ins = []
+  for k, v in enumerate(jaxpr.invars):
+    if k in wanted:
+      ins.append(Val(frozenset({k}), False, _ones(_shape(v))))
+    else:
+      ins.append(Val(data=k >= num_param_leaves))
+  outs, log = interpreter.interpret(PROGRAM, jaxpr, ins, gram_op_type)
+  entries = list(interpreter.flatten(log))
+  refusals = [e for e in entries if isinstance(e, Refusal)]
+  for v, s in zip(jaxpr.outvars, outs):
+    if s.leaves and hx.may_carry_gradient(v):
+      refusals.append(Refusal(tuple(sorted(s.leaves)), "the loss", "",
+                              errors.PROGRAM_REACHES_LOSS))
+  return Findings(tuple(e for e in entries if isinstance(e, Site)),
+                  tuple(refusals))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """The program-level rules of one traced loss (:func:`resolve`).
+
+  Attributes:
+    sites: the sites of the covered leaves, each with its examples' axis.
+    leaves: leaf index -> name, of the covered leaves.
+    refused: leaf name -> why no rule covers it (its message's tail).
+  """
+  sites: tuple = ()
+  leaves: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def rules_of(self, k: int) -> str:
+    """``"program: broadcast, concatenate"``: the rules covering leaf
+    ``k``, for :attr:`Grams.coverage`."""
+    names = sorted({s.rule for s in self.sites if k in s.leaves})
+    return "program: " + ", ".join(names)
+
+
+def _axis(site: Site, state, batch: int) -> tuple[Optional[int], str]:
+  """``(e, "")``: the examples' axis of ``site``'s ``Z``, from the
+  example-flow state of its output; ``(None, why)`` where there is none."""
+  if not isinstance(state, Ex):
+    return None, errors.PROGRAM_NO_EXAMPLES
+  if state.tag is not None or state.order is not None or (
+      state.inner, state.outer) != (1, 1):
+    return None, errors.PROGRAM_EXAMPLES_MERGED
+  e = state.dim
+  if e >= len(site.shape) or site.shape[e] != batch or (
+      e not in site.const and batch != 1):
+    return None, errors.PROGRAM_NOT_BROADCAST.format(axis=e)
+  return e, ""
+
+
+def _message(refusal: Refusal) -> str:
+  where = (f"`{refusal.primitive}`{refusal.line}" if refusal.line else
+           f"`{refusal.primitive}`")
+  return errors.PROGRAM_REFUSED.format(where=where, why=refusal.why)
+
+
+def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
+            leaf_names: Sequence[str]) -> Program:
+  """The :class:`Program` of ``found``, each site's axis read from the
+  example-flow states ``observed`` (site output variable -> state)."""
+  refusals = list(found.refusals)
+  sites = []
+  for s in found.sites:
+    if any(k in {l for r in refusals for l in r.leaves} for k in s.leaves):
+      continue
+    e, why = _axis(s, observed.get(s.eqn.outvars[0]), batch)
+    if e is None:
+      refusals.append(Refusal(s.leaves, s.eqn.primitive.name, s.line, why))
+    else:
+      sites.append(dataclasses.replace(s, axis=e))
+  refused: dict[str, str] = {}
+  for r in refusals:
+    for k in r.leaves:
+      refused.setdefault(leaf_names[k], _message(r))
+  bad = {k for r in refusals for k in r.leaves}
+  sites = tuple(s for s in sites if not set(s.leaves) & bad)
+  leaves = {k: leaf_names[k] for s in sites for k in s.leaves}
+  return Program(sites, leaves, refused)
+
+
+def match(found: Findings, program: Program) -> list[Site]:
+  """The sites of ``program`` (read from the discovery trace) in another
+  trace of the same loss (the pass's, ``found``): the same equations in
+  the same order, with their axes.
+
+  Raises:
+    AssertionError: where the two traces disagree.
+  """
+  wanted = set(program.leaves)
+  mine = [s for s in found.sites if set(s.leaves) <= wanted]
+  if len(mine) != len(program.sites) or any(
+      (a.operand, a.leaves, a.shape, a.eqn.primitive) !=
+      (b.operand, b.leaves, b.shape, b.eqn.primitive)
+      for a, b in zip(mine, program.sites)):
+    raise AssertionError(
+        "gram_haiku internal error: the pass's program uses the untracked "
+        "parameters differently from the traced loss's.")
+  return [dataclasses.replace(a, axis=b.axis)
+          for a, b in zip(mine, program.sites)]

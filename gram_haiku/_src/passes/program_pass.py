@@ -1,0 +1,161 @@
+"""The pass with program-level Gram rules
+(:mod:`gram_haiku._src.analysis.program_rules`).
+
+Where some parameter is covered by a rule read from the program rather
+than by a tracked module, the pass's loss is traced to a jaxpr (with
+``track()`` told the pass's decisions, as for the plain pass) and
+evaluated again under ``jax.value_and_grad`` with one change: at each
+site, the broadcast of the parameter is an input ``Z`` of its own
+(initialised to the value the program computes, so the loss, the other
+gradients and every Gram op are as before; the Gram ops are hijax
+primitives of the program, bound again). Each example's gradient of the
+parameter is then the pull-back of its slice of ``dL/dZ`` through the
+program's own equations that compute one slice of ``Z`` from the
+parameter (``F_1``):
+
+    ``g_i = J_{F_1}(p)^T (dL/dZ)[i]``
+
+summed over the parameter's sites. These ``[B, *p.shape]`` per-example
+gradients are a store like a module's ``PER_EXAMPLE`` one: its Gram,
+norms (with a sound rounding bound: ``L r |dZ_i|``, ``L >= |J^T|`` and
+``r`` the pull-back's rounding, read from its program by
+:mod:`gram_haiku._src.analysis.linear_bound`) and ``sum_i c_i g_i`` are
+read from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src.analysis import linear_bound
+from gram_haiku._src.analysis import program_rules
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.core import errors
+from gram_haiku._src.ops import op as op_lib
+
+
+@dataclasses.dataclass
+class Stores:
+  """The program-level stores of one pass.
+
+  Attributes:
+    per_example: leaf index -> ``[B, *leaf.shape]`` per-example gradients
+      (in at least float32), summed over the leaf's sites.
+    error: leaf index -> ``[B]``: the bound of each row's rounding error
+      (norm units), for a clipping pass; empty otherwise.
+  """
+  per_example: Mapping[int, jax.Array]
+  error: Mapping[int, jax.Array]
+
+
+def _prefix(jaxpr, consts, site, num_param_leaves: int):
+  """``(inputs, fn)``: ``fn(*values of the program inputs inputs) ->
+  [operand]``, the program's own equations that compute ``site``'s
+  prefix operand (from parameter leaves and constants alone)."""
+  eqns = list(jaxpr.eqns)
+  at = next(k for k, e in enumerate(eqns) if e is site.eqn)
+  target = site.eqn.invars[site.operand]
+  needed = {target}
+  chosen = []
+  for e in reversed(eqns[:at]):
+    if any(v in needed for v in e.outvars):
+      chosen.append(e)
+      needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
+  chosen.reverse()
+  position = {v: k for k, v in enumerate(jaxpr.invars)}
+  inputs = sorted(position[v] for v in needed if v in position)
+  if any(k >= num_param_leaves for k in inputs):
+    raise AssertionError("gram_haiku internal error: a program-level site's "
+                         "operand is computed from the data.")
+  fn, _ = hx.sub_program(jaxpr, consts, [jaxpr.invars[k] for k in inputs],
+                         [target], chosen)
+  return inputs, fn
+
+
+def _slice_fn(site, inputs, fn, leaves, acc) -> Callable:
+  """``F_1(*theta)``: one slice (along the examples' axis) of ``Z`` as a
+  function of ``site``'s leaves ``theta`` (the other inputs held)."""
+  def f1(*theta):
+    own = dict(zip(site.leaves, theta))
+    vals = [own[k] if k in own else lax.stop_gradient(leaves[k])
+            for k in inputs]
+    z = jnp.broadcast_to(fn(*vals)[0], site.shape)
+    return lax.index_in_dim(z, 0, site.axis, keepdims=False).astype(acc)
+  return f1
+
+
+def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool):
+  """``({leaf: [B, *shape]}, [B] error or None)`` of one site from its
+  ``dz = dL/dZ``."""
+  theta = [hx.vary_like(leaves[k], dz) for k in site.leaves]
+  acc = jnp.promote_types(jnp.result_type(*theta), jnp.float32)
+  _, vjp = jax.vjp(_slice_fn(site, inputs, fn, leaves, acc), *theta)
+  ct = jnp.moveaxis(dz, site.axis, 0).astype(acc)
+  grads = jax.vmap(vjp)(ct)
+  out = {k: g.astype(acc) for k, g in zip(site.leaves, grads)}
+  if not upper_bound:
+    return out, None
+  l, n, precision, why = linear_bound.bound(vjp, jnp.zeros(ct.shape[1:],
+                                                           acc))
+  if why:
+    raise ValueError(errors.GETTER_NOT_BOUNDED.format(
+        module=", ".join(str(k) for k in site.leaves), why=why))
+  r = norm_bounds.dot_error(n, acc, precision)
+  rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
+  return out, l * r * norm_bounds.row_norms(rows)
+
+
+def value_and_grad(traced: Callable, leaves: Sequence[Any],
+                   diff_idx: Sequence[int], probes: Mapping[str, Any],
+                   arrays: Sequence[Any], program: program_rules.Program,
+                   upper_bound: bool):
+  """The pass of ``traced(leaves, probes, arrays) -> (value, aux)`` with
+  the sites of ``program`` as inputs (see the module docstring).
+
+  Returns:
+    ``((value, aux), (leaf cotangents of diff_idx, probe cotangents),
+    Stores)``, the first two as ``jax.value_and_grad(..., argnums=(0, 1),
+    has_aux=True)`` of the loss of the differentiated leaves and probes
+    gives them.
+  """
+  closed, shape = jax.make_jaxpr(traced, return_shape=True)(
+      list(leaves), probes, list(arrays))
+  jaxpr = closed.jaxpr
+  consts = dict(zip(jaxpr.constvars, closed.consts))
+  n = len(leaves)
+  sites = program_rules.match(
+      program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp),
+      program)
+  prefixes = [_prefix(jaxpr, consts, s, n) for s in sites]
+  zs = [jnp.broadcast_to(fn(*[leaves[k] for k in inputs])[0], s.shape)
+        for s, (inputs, fn) in zip(sites, prefixes)]
+  out_tree = jax.tree_util.tree_structure(shape)
+
+  def loss(diff_leaves, diff_probes, z):
+    full = list(leaves)
+    for k, v in zip(diff_idx, diff_leaves):
+      full[k] = v
+    outs = hx.replay(jaxpr, consts,
+                     jax.tree_util.tree_leaves((full, diff_probes,
+                                                list(arrays))),
+                     {(id(s.eqn), s.operand): zk for s, zk in zip(sites, z)})
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  out, (d_leaves, d_probes, dzs) = jax.value_and_grad(
+      loss, argnums=(0, 1, 2), has_aux=True)(
+          [leaves[k] for k in diff_idx], probes, zs)
+  per, err = {}, {}
+  for s, (inputs, fn), dz in zip(sites, prefixes, dzs):
+    grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound)
+    for k, g in grads.items():
+      per[k] = g if k not in per else per[k] + g
+      if e is not None:  # (a bound of each part: their sum bounds the sum)
+        err[k] = e if k not in err else err[k] + e
+  return out, (d_leaves, d_probes), Stores(per, err)
