@@ -7,10 +7,10 @@ CLIP-style two-tower model, an LSTM language model), with no concession
 to gram_haiku: bare ``hk.get_parameter`` for positions, class tokens and
 scales, a raw ``h @ embeddings.T`` for a tied output. Each entry says
 whether gram_haiku covers every parameter today (``covered``) and, where
-not, which parameters it reports as untracked: the coverage issue's
-program-level rules are to cover them all, at which point every entry's
-``untracked`` becomes empty and its test moves from the refusal to the
-exactness checks.
+not, which parameters it reports as untracked. The bare positions, class
+token and logit scale are covered by the program-level rules (a parameter
+broadcast along the examples); an entry whose ``untracked`` becomes empty
+moves from the refusal to the exactness checks.
 
 Every net is ``net(*batch) -> [B]`` per-example losses of a batch; the
 tests sum them inside ``gram_haiku.track()``.
@@ -213,17 +213,18 @@ def _entry(name, made, untracked=(), refused=""):
 
 
 ZOO = (
-    _entry("gpt_haiku_example", _decoder(tied=False),
-           ["~/positional_embeddings"]),
+    # Bare parameters broadcast along the examples: covered by the
+    # program-level rules (gram_haiku._src.analysis.program_rules).
+    _entry("gpt_haiku_example", _decoder(tied=False)),
     # The tied output's raw matmul reads a tracked table outside its layer:
     # the cross terms of the two uses would be lost (gram_haiku.unembed is
     # today's spelling).
     _entry("gpt_tied_output", _decoder(tied=True),
            refused=r"'embed/embeddings' .* used both inside a tracked layer "
            r"and outside it"),
-    _entry("vit_class_token", _vit(), ["~/cls_token", "~/pos_embedding"]),
+    _entry("vit_class_token", _vit()),
     _entry("resnet_gn_ws", _resnet()),
     _entry("mlp_mixer", _mixer()),
-    _entry("two_tower_logit_scale", _two_tower(), ["~/logit_scale"]),
+    _entry("two_tower_logit_scale", _two_tower()),
     _entry("lstm_lm", _lstm_lm()),
 )

@@ -1,7 +1,8 @@
 """The model zoo (``tests/model_zoo.py``) run unmodified inside
 ``gram_haiku.track()``.
 
-Where every parameter is covered today: the Gram against ``F @ F.T`` of
+Where every parameter is covered today (bare positions, class tokens and
+logit scales by the program-level rules): the Gram against ``F @ F.T`` of
 ``vmap(grad)`` of the untracked model (float64), and ``clipped_grad``
 against jax-privacy's ``clipped_grad`` (float32). Where not: exactly the
 listed parameters are reported untracked (``Grams.complete`` False,
@@ -77,6 +78,44 @@ def test_a_covered_model_clips_like_jax_privacy(model):
   scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     # Clip factors from sound upper bounds: at most their excess below.
+    np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * scale)
+
+
+#: Models whose bare parameters the program-level rules cover.
+PROGRAM = [m for m in COVERED if m.name in (
+    "gpt_haiku_example", "vit_class_token", "two_tower_logit_scale")]
+
+
+@pytest.mark.parametrize("model", PROGRAM, ids=_ids(PROGRAM))
+def test_bare_parameters_are_covered_under_untracked_error(model):
+  """``track(untracked="error")``: the Gram is complete and the float64
+  reference, and ``clipped_grad`` clips like jax-privacy (which runs the
+  same model with ``untracked="ignore"``: it calls it outside a pass)."""
+  strict = _transformed(model, untracked="error")
+  batch = tuple(jnp.asarray(a) for a in model.batch(2))
+  with jax.enable_x64(True):
+    up = lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a
+    batch64 = tuple(up(a) for a in batch)
+    params, state = strict.init(jax.random.PRNGKey(2), *batch64)
+    params = jax.tree.map(up, params)
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(strict.apply))(
+        params, state, None, *batch64)
+    assert grams.complete
+    plain = hk.transform(lambda *b: model.net(*b).sum())
+    ref = reference.reference_gram(
+        lambda p, *ex: plain.apply(p, None, *ex), params, *batch64)
+    reference.assert_gram_close(grams.total, ref, "float64")
+  params, state = strict.init(jax.random.PRNGKey(2), *batch)
+  argnums = tuple(range(3, 3 + len(batch)))
+  lenient = _transformed(model)
+  want = jp_clipping.clipped_grad(lambda *a: lenient.apply(*a)[0],
+                                  l2_clip_norm=C, batch_argnums=argnums)(
+                                      params, state, None, *batch)
+  got = jax.jit(gram_haiku.clipped_grad(
+      lambda *a: strict.apply(*a)[0], l2_clip_norm=C,
+      batch_argnums=argnums))(params, state, None, *batch)
+  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * scale)
 
 

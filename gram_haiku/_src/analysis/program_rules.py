@@ -59,6 +59,7 @@ from typing import Any, Mapping, Optional, Sequence
 from gram_haiku._src.analysis import interpreter
 from gram_haiku._src.analysis.flow_states import ELEMENTWISE
 from gram_haiku._src.analysis.flow_states import Ex
+from gram_haiku._src.analysis.flow_states import SUM
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.core import errors
 from gram_haiku._src.core import warning_site
@@ -331,6 +332,8 @@ class Program:
 def _axis(site: Site, state, batch: int) -> tuple[Optional[int], str]:
   """``(e, "")``: the examples' axis of ``site``'s ``Z``, from the
   example-flow state of its output; ``(None, why)`` where there is none."""
+  if state == SUM:
+    return None, errors.PROGRAM_REACHES_LOSS
   if not isinstance(state, Ex):
     return None, errors.PROGRAM_NO_EXAMPLES
   if state.tag is not None or state.order is not None or (

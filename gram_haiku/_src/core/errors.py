@@ -1042,9 +1042,9 @@ PROGRAM_BROADCAST_REDUCED = (
     "values instead")
 
 PROGRAM_REACHES_LOSS = (
-    "it reaches the loss without meeting any example's values (a penalty "
-    "on the parameter added to the loss), a term that belongs to no "
-    "example. Add the penalty's gradient outside gram_haiku, or declare "
+    "it reaches the loss without meeting any one example's values (a "
+    "penalty on the parameter added to the loss), a term that belongs to "
+    "no example. Add the penalty's gradient outside gram_haiku, or declare "
     "the parameter frozen=")
 
 PROGRAM_NO_EXAMPLES = (

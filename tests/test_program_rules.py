@@ -1,0 +1,246 @@
+"""Program-level Gram rules (``gram_haiku._src.analysis.program_rules``):
+parameters created with a bare ``hk.get_parameter`` and broadcast along
+the examples, exact against ``F @ F.T`` of ``vmap(grad)`` (float64) and
+the reference clipped sums; uses without a rule stay untracked, with a
+message naming the primitive and the line."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku._src.analysis import program_rules
+from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.core import reference
+
+B, F, D = 4, 3, 5
+
+
+def _offset_net(x, y):
+  """A bare offset far from zero, added to a tracked layer's output."""
+  p = hk.get_parameter("offset", [D], init=hk.initializers.Constant(1e3),
+                         dtype=x.dtype)
+  h = hk.Linear(D, name="linear")(x) + p
+  return jnp.sum((jnp.tanh(h / 1e3) - y) ** 2, axis=-1)
+
+
+def _twice_net(x, y):
+  """One bare parameter used by two broadcasts (a bias and a gate)."""
+  p = hk.get_parameter("p", [D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  h = jnp.tanh(hk.Linear(D, name="linear")(x) + p)
+  h = hk.Linear(D, name="out")(h) * jnp.exp(p)[None, :]
+  return jnp.sum((h - y) ** 2, axis=-1)
+
+
+def _data(seed, dtype=jnp.float64):
+  rng = np.random.default_rng(seed)
+  return (jnp.asarray(rng.standard_normal((B, F)), dtype),
+          jnp.asarray(rng.standard_normal((B, D)), dtype))
+
+
+def _model(net, untracked="error"):
+  def loss(x, y):
+    with gram_haiku.track(untracked=untracked):
+      out = net(x, y)
+      # (a net may add a term of the whole batch to the loss)
+      return out[0].sum() + out[1] if isinstance(out, tuple) else out.sum()
+  return hk.transform_with_state(loss)
+
+
+def _setup(net, seed=0, untracked="error"):
+  f = _model(net, untracked)
+  x, y = _data(seed)
+  params, state = f.init(jax.random.PRNGKey(seed), x, y)
+  key = jax.random.PRNGKey(seed + 1)
+  params = jax.tree.map(
+      lambda a: a + 0.3 * jax.random.normal(key, a.shape, a.dtype), params)
+  return f, params, state, (x, y)
+
+
+def _ref_f(net, params, batch):
+  plain = hk.transform(lambda *b: net(*b).sum())
+  return np.asarray(reference.per_example_grads(
+      lambda p, *ex: plain.apply(p, None, *ex), params, *batch), np.float64)
+
+
+@pytest.mark.parametrize("net", [_offset_net, _twice_net],
+                         ids=["huge_offset", "used_twice"])
+def test_a_bare_parameter_broadcast_gives_the_reference_gram(net):
+  with jax.enable_x64(True):
+    f, params, state, batch = _setup(net)
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, *batch)
+    assert grams.complete
+    name = "~/offset" if net is _offset_net else "~/p"
+    assert grams.coverage[name].rule == "program: broadcast"
+    ff = _ref_f(net, params, batch)
+    reference.assert_gram_close(grams.total, ff @ ff.T, "float64")
+    plain = hk.transform(lambda *b: net(*b).sum())
+    want = jax.grad(lambda p: plain.apply(p, None, *batch))(params)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    # The parameter's own block: its per-example gradients' Gram.
+    cols = _columns(params, name)
+    np.testing.assert_allclose(grams.by_layer[name],
+                               ff[:, cols] @ ff[:, cols].T, rtol=1e-10,
+                               atol=1e-12)
+
+
+def _columns(params, name):
+  """F's columns of parameter ``name`` (leaf order)."""
+  start = 0
+  for n, leaf in zip(_names(params), jax.tree.leaves(params)):
+    size = int(np.prod(np.shape(leaf)))
+    if n == name:
+      return slice(start, start + size)
+    start += size
+  raise KeyError(name)
+
+
+def _names(params):
+  return [f"{m}/{k}" for m in sorted(params) for k in sorted(params[m])]
+
+
+@pytest.mark.parametrize("net", [_offset_net, _twice_net],
+                         ids=["huge_offset", "used_twice"])
+def test_all_layer_and_per_layer_clipping_are_the_reference(net):
+  with jax.enable_x64(True):
+    f, params, state, batch = _setup(net, seed=2)
+    ff = _ref_f(net, params, batch)
+    loss = lambda *a: f.apply(*a)[0]
+    c = 0.5 * float(np.median(np.linalg.norm(ff, axis=1)))
+    got = jax.jit(gram_haiku.clipped_grad(loss, l2_clip_norm=c))(
+        params, state, None, *batch)
+    w = np.minimum(1.0, c / np.linalg.norm(ff, axis=1))
+    want = reference.weighted_sum(ff, w, params)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
+    # Per layer: each module, and the bare parameter, clipped on its own.
+    names = _names(params)
+    layers = sorted({n.rsplit("/", 1)[0] for n in names if "~" not in n} |
+                    {n for n in names if n.startswith("~/")})
+    thresholds = {l: c / (k + 1) for k, l in enumerate(layers)}
+    got = jax.jit(gram_haiku.clipped_grad(loss, l2_clip_norm=thresholds,
+                                          clipping="per-layer"))(
+                                              params, state, None, *batch)
+    total = np.zeros(ff.shape[1])
+    for layer in layers:
+      cols = np.zeros(ff.shape[1], bool)
+      for n in names:
+        if n == layer or n.rsplit("/", 1)[0] == layer and "~" not in n:
+          cols[_columns(params, n)] = True
+      norm = np.linalg.norm(ff[:, cols], axis=1)
+      total[cols] = np.minimum(1.0, thresholds[layer] / norm) @ ff[:, cols]
+    want = reference.weighted_sum(np.eye(ff.shape[1]), total, params)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
+
+
+def test_clipping_with_a_bare_parameter_matches_jax_privacy():
+  jp = pytest.importorskip("jax_privacy.clipping")
+  f = _model(_twice_net, "ignore")
+  x, y = _data(3, jnp.float32)
+  params, state = f.init(jax.random.PRNGKey(3), x, y)
+  loss = lambda *a: f.apply(*a)[0]
+  want = jp.clipped_grad(loss, l2_clip_norm=0.5, batch_argnums=(3, 4))(
+      params, state, None, x, y)
+  got = jax.jit(gram_haiku.clipped_grad(loss, l2_clip_norm=0.5,
+                                        batch_argnums=(3, 4)))(
+                                            params, state, None, x, y)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-4)
+
+
+def _summed_over_batch_net(x, y):
+  """The broadcast summed over the batch before a nonlinearity: each
+  example's share would depend on B."""
+  p = hk.get_parameter("p", [D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  q = jnp.tanh(jnp.broadcast_to(p, (x.shape[0], D)).sum(0))
+  return jnp.sum((hk.Linear(D, name="linear")(x) + q - y) ** 2, axis=-1)
+
+
+def _einsum_net(x, y):
+  """A bare weight in a matmul: no rule for dot_general yet."""
+  w = hk.get_parameter("w", [F, D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  return jnp.sum((hk.Linear(D, name="linear")(x) + x @ w - y) ** 2, axis=-1)
+
+
+def _penalty_net(x, y):
+  """A penalty on the bare parameter: a term of no example."""
+  p = hk.get_parameter("p", [D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  h = hk.Linear(D, name="linear")(x) + p
+  return jnp.sum((h - y) ** 2, axis=-1), jnp.sum(p ** 2)
+
+
+@pytest.mark.parametrize("net, primitive", [
+    (_summed_over_batch_net, "reduce_sum"),
+    (_einsum_net, "dot_general"),
+    (_penalty_net, "add"),
+], ids=["summed_over_batch", "einsum", "penalty"])
+def test_a_use_without_a_rule_stays_untracked_and_says_where(net, primitive):
+  f, params, state, batch = _setup(net, untracked="ignore")
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                        *batch)
+  assert not grams.complete
+  assert [k for k, c in grams.coverage.items() if not c.tracked] == [
+      n for n in _names(params) if n.startswith("~/")]
+  strict, _, _, _ = _setup(net, untracked="error")
+  with pytest.raises(ValueError, match="No program-level rule") as e:
+    gram_haiku.value_grad_and_gram(strict.apply)(params, state, None, *batch)
+  assert f"`{primitive}`" in str(e.value)
+  assert "test_program_rules.py:" in str(e.value)
+  loss = lambda *a: f.apply(*a)[0]
+  with pytest.raises(ValueError, match="no Gram rule"):
+    gram_haiku.clipped_grad(loss, l2_clip_norm=1.0)(params, state, None,
+                                                    *batch)
+
+
+def test_a_use_that_couples_the_examples_is_refused():
+  """Added to each example's values, then summed over the batch before a
+  nonlinearity: the loss is not a sum of per-example terms."""
+  def net(x, y):
+    p = hk.get_parameter("p", [D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+    h = hk.Linear(D, name="linear")(x) + p
+    return jnp.sum((jnp.tanh(h.sum(0)) - y) ** 2, axis=-1)
+  f, params, state, batch = _setup(net, untracked="ignore")
+  with pytest.raises(ValueError, match=r"not a sum \(or mean\) of per-example"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, *batch)
+
+
+def test_a_parameter_used_both_by_a_layer_and_by_a_broadcast_is_refused():
+  """The cross terms of the two uses would be lost: refused, as any
+  tracked parameter also used outside its layer."""
+  def net(tokens, y):
+    embed = hk.Embed(7, D, name="embed")
+    h = embed(tokens) + embed.embeddings[0]
+    return jnp.sum((h - y[:, None]) ** 2, axis=(-2, -1))
+  f = _model(net, "ignore")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 7, (B, 2)))
+  y = _data(0, jnp.float32)[1]
+  with pytest.raises(ValueError, match="used both inside a tracked layer"):
+    params, state = f.init(jax.random.PRNGKey(0), tokens, y)
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, tokens, y)
+
+
+def test_without_the_broadcast_rule_the_parameter_is_untracked(monkeypatch):
+  """Mutation: the rule for ``add`` is what covers the offset."""
+  key = next(k for k in program_rules.SITE_RULES
+             if getattr(k, "name", k) == "add")
+  monkeypatch.delitem(program_rules.SITE_RULES, key)
+  f, params, state, batch = _setup(_offset_net, untracked="ignore")
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
+                                                        *batch)
+  assert not grams.complete
+  assert not grams.coverage["~/offset"].tracked
+  assert hx.rule_of(program_rules.SITE_RULES, _add_eqn()) is None
+
+
+def _add_eqn():
+  return jax.make_jaxpr(lambda a: a + a)(1.0).jaxpr.eqns[0]
