@@ -25,18 +25,21 @@ def _data(seed, b=5, t=3, d=4, out=3):
 
 
 class Scale(hk.Module):
-  """A module with no Gram rule: y = x * s."""
+  """A module with no Gram rule: y = x * s, written as a product with
+  diag(s), a use (``dot_general``) that no program-level rule covers
+  either (``x * s`` itself is covered by the broadcast rule)."""
 
   def __call__(self, x):
     s = hk.get_parameter("s", [x.shape[-1]], x.dtype, init=jnp.ones)
-    return x * s
+    return x @ jnp.diag(s)
 
 
 def _model(x):
   h = jnp.tanh(hk.Linear(6)(x))
   h = Scale()(h)
   t = hk.get_parameter("temperature", [], jnp.float32, init=jnp.ones)
-  return hk.Linear(3)(h) * t
+  # (times t, as a product that no program-level rule covers: see Scale)
+  return hk.Linear(3)(h) @ (t * jnp.eye(3))
 
 
 def _run(untracked, seed=0):
@@ -111,7 +114,8 @@ def test_untracked_warning_points_at_the_users_code(path, jit, monkeypatch):
   def loss(x, y):
     with gram_haiku.track():
       s = hk.get_parameter("stray", (), init=jnp.ones)
-      return jnp.sum((hk.Linear(2)(x) * s - y) ** 2)
+      # (a use that no program-level rule covers: see Scale)
+      return jnp.sum((hk.Linear(2)(x) @ (s * jnp.eye(2)) - y) ** 2)
   f = hk.transform_with_state(loss)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = {"value_grad_and_gram": gram_haiku.value_grad_and_gram(f.apply),
@@ -402,7 +406,10 @@ def test_module_outside_every_track_block_is_untracked_not_unused():
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert not grams.complete
-  assert grams.untracked == ["head/b", "head/w"]
+  # (Its bias, broadcast along the examples, is covered by the program-level
+  # rule for a broadcast; its weight, in a matmul, by none.)
+  assert grams.untracked == ["head/w"]
+  assert grams.coverage["head/b"].rule == "program: broadcast"
   assert grams.coverage["head/w"].module_type == "(outside track())"
 
 

@@ -203,7 +203,8 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   names = leaf_names(params)
   sites = program_rules.find(
       live, n_params, [k for k, n in enumerate(names)
-                       if n in found.untracked_uses], op_lib.RuleOp)
+                       if n in found.untracked_uses and
+                       n not in found.no_gradient], op_lib.RuleOp)
   deferred = {}  # reported once the program-level rules are resolved
   for name, (policy, module_type) in sorted(untracked.items()):
     if name in found.untracked_uses and name not in found.no_gradient:
