@@ -244,3 +244,9 @@ def test_without_the_broadcast_rule_the_parameter_is_untracked(monkeypatch):
 
 def _add_eqn():
   return jax.make_jaxpr(lambda a: a + a)(1.0).jaxpr.eqns[0]
+
+
+def test_verify_agrees_with_a_bare_parameter():
+  f, params, state, batch = _setup(_twice_net, untracked="ignore")
+  report = gram_haiku.verify(f.apply, params, state, None, *batch)
+  assert report.ok and not report.untracked, str(report)

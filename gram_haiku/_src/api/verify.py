@@ -273,6 +273,9 @@ def _layer_errors(grams, names, flat, n: int) -> dict:
   modules = {}
   for name, block in zip(names, flat):
     modules.setdefault(name.rsplit("/", 1)[0], []).append(block)
+    # (a parameter covered by a program-level rule is a layer of its own,
+    # under its own name)
+    modules.setdefault(name, []).append(block)
   errors = {}
   for module, g in grams.by_layer.items():
     fm = np.concatenate(modules.get(module, [np.zeros((n, 0))]), axis=1)
