@@ -250,3 +250,17 @@ def test_verify_agrees_with_a_bare_parameter():
   f, params, state, batch = _setup(_twice_net, untracked="ignore")
   report = gram_haiku.verify(f.apply, params, state, None, *batch)
   assert report.ok and not report.untracked, str(report)
+
+
+def test_cross_gram_with_a_bare_parameter():
+  with jax.enable_x64(True):
+    f, params, state, (x, y) = _setup(_twice_net, untracked="ignore")
+    qx, qy = _data(9)
+    _, _, cross = gram_haiku.cross_gram(f.apply)(params, state, None, x, y,
+                                                  queries=(qx, qy))
+    ff = _ref_f(_twice_net, params, (x, y))
+    fq = _ref_f(_twice_net, params, (qx, qy))
+    np.testing.assert_allclose(cross.total, ff @ fq.T, rtol=1e-9,
+                               atol=1e-12)
+    np.testing.assert_allclose(cross.query_summed, ff @ fq.sum(0),
+                               rtol=1e-9, atol=1e-12)

@@ -595,7 +595,7 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
     _, f, slack = p.program[m]
     if bound:
       return norm_bounds.of_rows(f, slack)
-    return _from_per_example(f, want, t.axes)
+    return _from_per_example(f, want, t.axes, row_split=row_split)
   if store in _OF_FACTORS:
     val = bk.from_factors(*opened[m], want, bound, row_split)
     if store == Store.SLOTS:
@@ -631,13 +631,16 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
     if store == Store.NOTHING:
       continue
     if not summed:
-      out[m] = _read_one(t, m, store, p.cotangents[m], Store.GRAM, opened,
-                         p, leaves, skip, False, row_split)
+      out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
+                         opened, p, leaves, skip, False, row_split)
     elif store in _OF_FACTORS:
       val = bk.query_summed_from_factors(*opened[m], row_split)
       if store == Store.SLOTS:
         val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
       out[m] = val
+    elif m in p.program:  # A program-level rule's per-example gradients.
+      f = p.program[m][1]
+      out[m] = f[:row_split] @ jnp.sum(f[row_split:], axis=0)
     else:  # PER_EXAMPLE
       f = stacked_to_columns(per_example_of(t.found, m, p.cotangents[m],
                                             leaves, skip))
