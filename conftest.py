@@ -81,10 +81,12 @@ SAMPLED_SWEEPS = {
     "tests/test_conv.py::test_parameter_gradients_from_per_example_sum": 2,
     "tests/test_conv.py::test_depthwise_convolutions_match_the_reference": 2,
     "tests/test_loops.py::test_cores_in_loops_match_reference": 2,
-    # Each refusal with and without jit, in turn: every model runs once.
+    # The refusals without jit, every other model (each runs under jit as a
+    # row of tests/interpreter_corpus.py).
     "tests/test_example_flow.py::test_refused_at_any_size": 2,
-    # Models the example-flow analysis must find exact (not refuse).
-    "tests/test_example_flow.py::test_flowing_examples_are_exact": 2,
+    # The interpreter's red-team corpus, every other row (its rows replaced
+    # the special-case tests that checked no more than a verdict).
+    "tests/test_interpreter_corpus.py::test_corpus_row": 2,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
         2,
     "tests/test_example_flow.py::"
@@ -101,16 +103,9 @@ SAMPLED_SWEEPS = {
 # parameter that says which): the default budget runs each case once, the
 # placements taken in turn over the cases, so that every case and every
 # placement still runs; the thorough env runs every pair.
-ALTERNATED_SWEEPS = {
-    "tests/test_example_flow.py::"
-    "test_batch_values_under_stop_gradient_are_constants": "jit",
-    "tests/test_example_flow.py::"
-    "test_outputs_reordered_with_their_own_data_are_exact": "jit",
-    "tests/test_example_flow.py::"
-    "test_per_token_losses_summed_by_segments_are_exact": "jit",
-    "tests/test_example_flow.py::"
-    "test_functions_of_one_example_segment_sums_are_exact": "jit",
-}
+# (None at present: those sweeps became rows of tests/interpreter_corpus.py,
+# run under jit.)
+ALTERNATED_SWEEPS = {}
 
 
 def _alternated(items):

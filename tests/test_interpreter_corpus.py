@@ -1,6 +1,14 @@
 """Every row of the interpreter's red-team corpus (tests/interpreter_corpus.py):
-the Gram verdict (the reference Gram, or which refusal) and whether
-``clipped_grad`` refuses (else its clipped sum is the reference's)."""
+the Gram verdict (the reference Gram, with the parameters' gradients and no
+unexpected :class:`gram_haiku.ExampleFlowWarning`, or which refusal) and
+whether ``clipped_grad`` refuses (else its clipped sum is the reference's).
+
+The reference is ``F @ F.T`` in float64, ``F`` the per-example gradients of
+the untracked model from ``vmap(grad)`` over each batch array's example axis
+(or the Jacobian rows of a row's per-example terms)."""
+
+import re
+import warnings
 
 import chex
 import haiku as hk
@@ -10,11 +18,14 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.analysis import dataflow
+from gram_haiku._src.analysis import flow_rules
+from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import assert_sound_norms
 from gram_haiku._src.core.reference import ATOL_F32
+from gram_haiku._src.core.reference import CLIP_BOUND_SLACK
 from gram_haiku._src.core.reference import clip_reference
-from gram_haiku._src.core.reference import per_example_grads
-from gram_haiku._src.core.reference import reference_gram
 from gram_haiku._src.core.reference import RTOL_F32
 from gram_haiku._src.core.reference import weighted_sum
 from tests import interpreter_corpus as corpus
@@ -27,6 +38,10 @@ def _data(seed):
           problems.normal(k2, (corpus.B, corpus.T, 3)))
 
 
+def _batch(row, x, y):
+  return tuple(row.batch(x, y)) if row.batch is not None else (x, y)
+
+
 def _tracked(body):
   def tracked(*args):
     with gram_haiku.track():
@@ -34,42 +49,100 @@ def _tracked(body):
   return hk.transform_with_state(tracked)
 
 
-def _plain_inputs(row, x):
-  """The reference's model and its input (a statistic of the input data
-  computed once for the batch, for ``data_centred``)."""
-  if row.reference_body is None:
-    return hk.without_apply_rng(hk.transform(row.body)), x
-  xc = (x - x.mean(axis=0)) / (x.std(axis=0) + 1.0)
-  return hk.without_apply_rng(hk.transform(row.reference_body)), xc
+def _flat(grads, b):
+  return np.concatenate([np.asarray(l, np.float64).reshape(b, -1)
+                         for l in jax.tree.leaves(grads)], axis=1)
 
 
-def _check_gram(row, f, params, state, x, y):
-  fn = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
+def reference_rows(row, params, batch) -> tuple[float, np.ndarray]:
+  """``(loss, F)``: the sum of the untracked model's per-example losses, and
+  ``F: float64[B, P]``, its per-example gradients (columns in
+  ``jax.tree.leaves(params)`` order)."""
+  if row.reference_terms is not None:
+    terms = hk.without_apply_rng(hk.transform(row.reference_terms)).apply
+    value, jac = jax.jit(lambda p, *b: (jnp.sum(terms(p, *b)), jax.jacrev(
+        terms)(p, *b)))(params, *batch)
+    return float(value), _flat(jac, jax.tree.leaves(jac)[0].shape[0])
+  plain = hk.without_apply_rng(hk.transform(
+      row.reference_body or row.body)).apply
+  data = tuple(row.reference_data(*batch)) if row.reference_data else batch
+  axes = row.example_axes or (0,) * len(data)
+
+  def one(p, *example):  # one example, its example axis kept (size 1)
+    return plain(p, *(e if ax is None else jnp.expand_dims(e, ax)
+                      for e, ax in zip(example, axes)))
+  values, grads = jax.jit(jax.vmap(jax.value_and_grad(one),
+                                   in_axes=(None, *axes)))(params, *data)
+  return (float(np.sum(np.asarray(values, np.float64))),
+          _flat(grads, jax.tree.leaves(grads)[0].shape[0]))
+
+
+def _axes(row):
+  return {} if row.example_axes is None else {
+      "example_axes": row.example_axes}
+
+
+def _assert_sum_close(got, flat, c, params):
+  want = weighted_sum(flat, c, params)
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
+  chex.assert_trees_all_close(got, want, rtol=RTOL_F32,
+                              atol=ATOL_F32 * max(scale, 1e-30))
+
+
+def _check_gram(row, f, params, state, batch, ref):
+  fn = jax.jit(gram_haiku.value_grad_and_gram(f.apply, **_axes(row)))
   if row.gram != corpus.EXACT:
     with pytest.raises(ValueError, match=row.gram):
-      fn(params, state, None, x, y)
+      fn(params, state, None, *batch)
     return
-  _, _, grams = fn(params, state, None, x, y)
-  plain, xr = _plain_inputs(row, x)
-  assert_gram_close(grams.total, reference_gram(plain.apply, params, xr, y))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", gram_haiku.ExampleFlowWarning)
+    value, grads, grams = fn(params, state, None, *batch)
+  said = [str(w.message) for w in caught
+          if issubclass(w.category, gram_haiku.ExampleFlowWarning)]
+  if row.warns is None:
+    assert not said, said
+  else:
+    assert any(re.search(row.warns, m) for m in said), said
+  loss, flat = ref()
+  assert_gram_close(grams.total, flat @ flat.T)
+  # The loss is the sum of the per-example terms: so is its gradient.
+  np.testing.assert_allclose(value, loss, rtol=RTOL_F32)
+  _assert_sum_close(grads, flat, np.ones(len(flat)), params)
 
 
-def _check_clipped(row, f, params, state, x, y):
-  clipped = gram_haiku.clipped_grad(f.apply, 1.0)
+def _check_clipped(row, f, params, state, batch, ref):
   if row.clip_refuses:
-    with pytest.raises(ValueError):
-      clipped(params, state, None, x, y)
+    match = row.clip_refuses if isinstance(row.clip_refuses, str) else None
+    with pytest.raises(ValueError, match=match):
+      gram_haiku.clipped_grad(f.apply, 1.0, **_axes(row))(
+          params, state, None, *batch)
     return
-  plain, xr = _plain_inputs(row, x)
-  ref = per_example_grads(plain.apply, params, xr, y)
-  norms = np.linalg.norm(np.asarray(ref, np.float64), axis=1)
-  clip = float(np.median(norms))
-  grads, _ = jax.jit(gram_haiku.clipped_grad(f.apply, clip))(
-      params, state, None, x, y)
-  want = weighted_sum(ref, clip_reference(norms, clip), params)
-  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(want))
-  chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
-                              atol=ATOL_F32 * scale)
+  _, flat = ref()
+  norms = np.linalg.norm(flat, axis=1)
+  clip = float(np.median(norms))  # some examples clipped, some not
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, clip,
+                                               **_axes(row)))(
+      params, state, None, *batch)
+  # Clipped with sound upper bounds of the norms (at most the slack above).
+  assert_sound_norms(aux.grad_norms, norms * (1 - RTOL_F32),
+                     slack=CLIP_BOUND_SLACK + 2 * RTOL_F32)
+  _assert_sum_close(grads, flat, clip_reference(norms, clip), params)
+
+
+def run_row(row):
+  """Both checks of ``row`` on the corpus's data."""
+  batch = _batch(row, *_data(0))
+  f = _tracked(row.body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
+  cache = []
+
+  def ref():  # (loss, F), computed once where a check needs it
+    if not cache:
+      cache.append(reference_rows(row, params, batch))
+    return cache[0]
+  _check_gram(row, f, params, state, batch, ref)
+  _check_clipped(row, f, params, state, batch, ref)
 
 
 @pytest.mark.parametrize("row", corpus.rows(), ids=lambda r: r.id)
@@ -77,16 +150,45 @@ def _check_clipped(row, f, params, state, x, y):
 # expected here, the verdict is what is tested.)
 @pytest.mark.filterwarnings("ignore::gram_haiku.UntrackedParameterWarning")
 def test_corpus_row(row):
-  x, y = _data(0)
-  f = _tracked(row.body)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  _check_gram(row, f, params, state, x, y)
-  _check_clipped(row, f, params, state, x, y)
+  run_row(row)
 
 
 def test_corpus_covers_both_verdicts_and_both_clipping_answers():
   rows = corpus.rows()
   assert {r.gram == corpus.EXACT for r in rows} == {True, False}
-  assert {r.clip_refuses for r in rows} == {True, False}
+  assert {bool(r.clip_refuses) for r in rows} == {True, False}
   # An exact Gram that clipping must refuse is the table's point too.
   assert any(r.gram == corpus.EXACT and r.clip_refuses for r in rows)
+
+
+#: name -> (a domain's rule table, the primitive whose rule is removed, the
+#: row that must then fail).
+_MUTATIONS = {
+    # A wrong Gram, silent: the reversal is not seen.
+    "example_flow-rev": (flow_rules.RULES, "rev", "hidden_permuted"),
+    # A warning where none may be.
+    "example_flow-gather": (flow_rules.RULES, "gather",
+                            "integer_label_cross_entropy"),
+    # A wrong Gram, silent: the unroll's applications are not counted.
+    "dataflow-scan": (dataflow.RULES, "scan", "lstm_dynamic_unroll"),
+    # A refusal where the Gram and the clipped sum are exact: the frozen
+    # parameter is taken for an untracked one.
+    "dataflow-stop_gradient": (dataflow.RULES, "stop_gradient",
+                               "untracked_parameter_under_stop_gradient"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MUTATIONS))
+@pytest.mark.filterwarnings("ignore::gram_haiku.UntrackedParameterWarning")
+@pytest.mark.filterwarnings("ignore::gram_haiku.ExampleFlowWarning")
+def test_a_rule_removed_from_its_table_fails_a_row(name, monkeypatch):
+  """Mutation check: the corpus notices a domain losing one rule (the
+  row fails without it, and passes with it)."""
+  table, primitive, row_id = _MUTATIONS[name]
+  row = {r.id: r for r in corpus.rows()}[row_id]
+  key = hx.primitive_named(primitive)
+  with monkeypatch.context() as m:
+    m.delitem(table, key)
+    with pytest.raises((AssertionError, ValueError, pytest.fail.Exception)):
+      run_row(row)
+  run_row(row)

@@ -3,7 +3,9 @@ Python loops): each application keeps its factors in a slot of a slotted
 probe, and the Gram is formed once after the pass. Every case is checked
 against the reference ``F @ F.T`` of the untracked model, and the path taken
 (slots, or accumulated per-example gradients where the slots cannot
-be counted) is asserted, so that a fallback is never silent either."""
+be counted) is asserted, so that a fallback is never silent either. The
+programs are rows of the interpreter's corpus too
+(``tests/interpreter_corpus.py``)."""
 
 import re
 import zlib
