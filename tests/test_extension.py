@@ -379,3 +379,33 @@ def test_a_binder_function_given_to_layer_call_warns_and_works():
   (w,) = jax.tree.leaves(params)
   assert_gram_close(grams.total, reference_gram(
       lambda w, xi: 0.5 * jnp.sum(jnp.tanh(jnp.dot(xi, w)) ** 2), w, x))
+
+
+class _Twice(hk.Module):
+  """``x @ w``, for a handler in the deprecated form applied twice."""
+
+  def __call__(self, x):
+    return jnp.dot(x, hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones))
+
+
+def test_a_binder_function_is_refused_like_a_rule_on_the_raw_path():
+  # The op the deprecated form binds gets track()'s refusal too (here: a
+  # module applied twice on the raw jax.grad path), not a Gram without
+  # cross terms.
+  @gram_haiku.register_layer(_Twice)
+  def handler(call, module, x):
+    del module
+    w = hk.get_parameter("w", [x.shape[-1], 3], init=jnp.ones)
+    return call.apply(_linear_op, x, (w,))
+  del handler
+  x = problems.normal(jax.random.PRNGKey(5), (5, 4))
+
+  def tracked(x):
+    with gram_haiku.track():
+      layer = _Twice()
+      return jnp.sum(jnp.tanh(layer(x)) ** 2 + layer(x / 2))
+  f = hk.transform_with_state(tracked)
+  with pytest.warns(DeprecationWarning):
+    params, state = f.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ValueError, match="was called more than once"):
+      jax.grad(lambda s: f.apply(params, s, None, x)[0])(state)

@@ -131,7 +131,9 @@ class Clip:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """The static decisions of one Gram op application.
+  """The static decisions of one Gram op application (decisions only: why
+  an application has no Gram, or that it runs at ``init``, are the op's
+  own parameters, see :class:`gram_haiku._src.ops.op.RuleOp`).
 
   Attributes:
     mode: what the probe's cotangent holds (:data:`Mode`).
@@ -143,16 +145,9 @@ class Plan:
       for none; ``None`` to read them from the probe (a ``[b, k b]`` probe
       varying over one mesh axis of size ``k``).
     memory_budget_bytes: the largest intermediate a kernel may build at once.
-    refusal: why this application has no correct Gram (e.g. a module
-      applied more than once on the raw ``jax.grad`` path), raised as a
-      ``ValueError`` if its probe is differentiated; None otherwise. The
-      forward pass and the other gradients are unaffected.
     clip: in ``"clip"`` mode, the per-example clipping rule applied to this
       layer's own parameter gradients inside its backward rule; None in
       every other mode.
-    at_init: the op runs inside a Haiku ``init``, where nothing is
-      differentiated: parameters mapped by a vmap (which Haiku itself
-      refuses there, with its own advice) are let through.
     frozen: indices (into the op's ``param_names``) of parameters that no
       differentiated parameter reaches (a frozen weight: closed over, read
       through ``stop_gradient``, or declared ``frozen=``), as read from the
@@ -180,9 +175,7 @@ class Plan:
   example_axis: ExampleAxis = ExampleAxis.default()
   column_axes: Optional[tuple[str, ...]] = ()
   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
-  refusal: Optional[str] = None
   clip: Optional[Clip] = None
-  at_init: bool = False
   frozen: Optional[tuple[int, ...]] = None
   upper_bound: bool = False
   precision: lax.Precision = DEFAULT_PRECISION

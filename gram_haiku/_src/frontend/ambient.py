@@ -7,11 +7,13 @@ find its tracker from inside the user's Haiku modules), the running pass
 module keeps and over which mesh axes the examples are split, and its
 :class:`PassLog`, where ``track()`` records what the trace shows), and, on
 the raw ``jax.grad`` path, the modules already applied in the current call
-of the transformed function (:func:`raw_uses`). All live here. They are
-read when a ``track()`` context is entered or a layer is applied, and by
-:func:`gram_haiku.unembed`, and turned into each op's
-:class:`~gram_haiku._src.compute.plan.Plan` before the op is bound; no op, rule or
-kernel reads them.
+of the transformed function (:func:`raw_uses`). All live here (and, while
+a deprecated binder function given to ``LayerCall.apply`` runs, what the
+op it binds is told beside its plan: :func:`deprecated_form_site`). They
+are read when a ``track()`` context is entered or a layer is applied, and
+by :func:`gram_haiku.unembed`, and turned into each op's static parameters
+(its :class:`~gram_haiku._src.compute.plan.Plan`, and its refusal) before
+the op is bound; no op, rule or kernel reads them.
 """
 
 from __future__ import annotations
@@ -146,6 +148,27 @@ def running(pass_plan: PassPlan,
     yield
   finally:
     _LOCAL.pass_plan, _LOCAL.pass_log = previous
+
+
+@contextlib.contextmanager
+def deprecated_form_site(refusal: Optional[str],
+                         at_init: bool) -> Iterator[None]:
+  """The ops bound inside (by a deprecated binder function given to
+  ``LayerCall.apply``, which passes only ``name`` and ``plan`` on) get
+  ``refusal`` and ``at_init`` (:class:`gram_haiku._src.ops.op.RuleOp`):
+  :func:`gram_haiku._src.ops.op.bind` reads them through
+  :func:`deprecated_form_site_now`. Removed with the deprecated form."""
+  previous = getattr(_LOCAL, "deprecated_form_site", None)
+  _LOCAL.deprecated_form_site = (refusal, at_init)
+  try:
+    yield
+  finally:
+    _LOCAL.deprecated_form_site = previous
+
+
+def deprecated_form_site_now() -> Optional[tuple[Optional[str], bool]]:
+  """``(refusal, at_init)`` inside :func:`deprecated_form_site`, else None."""
+  return getattr(_LOCAL, "deprecated_form_site", None)
 
 
 def raw_uses(call_id: int) -> set:

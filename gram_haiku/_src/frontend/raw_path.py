@@ -7,21 +7,20 @@ respect to the state) has no such program; this module decides, per
 application, whether the op's Gram would be missing terms, from what
 Haiku holds: the module's name within the outermost frame, its stored
 parameters and the probe value it was handed. A refusal is written into
-the op's :class:`~gram_haiku._src.compute.plan.Plan` and raised by the op only if
+the op (its ``refusal``, :class:`gram_haiku._src.ops.op.RuleOp`) and raised only if
 its probe is differentiated, so that the forward pass, inference and plain
 parameter gradients still work.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import haiku as hk
 import jax
 
 from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compat import hijax_compat as hx
-from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.core import errors
 from gram_haiku._src.frontend import ambient
 from gram_haiku._src.frontend import coverage as coverage_lib
@@ -67,40 +66,36 @@ def _used_before(name: str) -> bool:
   return shared
 
 
-def refuse_before_probe(plan: Plan, module: hk.Module,
-                        params: Sequence[jax.Array]) -> Plan:
-  """``plan``, with a refusal where this application's Gram would be wrong.
+def refusal_before_probe(module: hk.Module, params: Sequence[jax.Array]
+                         ) -> Optional[str]:
+  """Why this application's Gram would be wrong, or None.
 
   Args:
-    plan: the context's plan for the op.
     module: the Haiku module being applied.
     params: the parameter values handed to the op (absent ones left out).
 
   Returns:
-    ``plan`` itself, or ``plan`` with ``refusal`` set to the teaching
-    error of the first case that applies: the module was applied before
-    (weight sharing), the op runs inside a loop body, a getter handed it
-    other values than the stored parameters, or a stored parameter does not
-    reach the op.
+    The teaching error of the first case that applies: the module was
+    applied before (weight sharing), the op runs inside a loop body, a
+    getter handed it other values than the stored parameters, or a stored
+    parameter does not reach the op; None where none does.
   """
   name = module.module_name
   if _used_before(name):
-    return plan.replace(refusal=errors.SHARED_LAYER.format(module=name))
+    return errors.SHARED_LAYER.format(module=name)
   if hx.inside_loop_trace():
-    return plan.replace(refusal=errors.LOOP_BODY.format(module=name))
+    return errors.LOOP_BODY.format(module=name)
   if _handed_new_values(module, params):
-    return plan.replace(refusal=errors.RAW_GETTER.format(module=name))
+    return errors.RAW_GETTER.format(module=name)
   if not _hands_every_parameter(module, params):
-    return plan.replace(
-        refusal=errors.RAW_PARAM_OUTSIDE_OP.format(module=name))
-  return plan
+    return errors.RAW_PARAM_OUTSIDE_OP.format(module=name)
+  return None
 
 
-def refuse_seen_probe(plan: Plan, name: str, probe: jax.Array) -> Plan:
-  """``plan``, refused where the same probe value reaches a second
-  application (two calls of the transformed function on one state): their
-  Grams' cross terms would be missing. Not checked at ``init``."""
-  if plan.refusal is None and not hkc.running_init() and (
-      ambient.probe_seen_before(probe)):
-    return plan.replace(refusal=errors.SHARED_LAYER.format(module=name))
-  return plan
+def seen_probe_refusal(name: str, probe: jax.Array) -> Optional[str]:
+  """The refusal where the same probe value reaches a second application
+  (two calls of the transformed function on one state): their Grams'
+  cross terms would be missing; else None. Not checked at ``init``."""
+  if not hkc.running_init() and ambient.probe_seen_before(probe):
+    return errors.SHARED_LAYER.format(module=name)
+  return None

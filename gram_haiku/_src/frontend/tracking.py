@@ -15,7 +15,7 @@ options and the running ``value_grad_and_gram`` pass), fetches or creates
 the probe (:mod:`gram_haiku._src.frontend.probes`) and binds the rule
 (:func:`gram_haiku._src.ops.op.bind`). On the raw
 ``jax.grad`` path, where no traced program says how a module is used, the
-plan carries :mod:`gram_haiku._src.frontend.raw_path`'s refusals.
+op carries :mod:`gram_haiku._src.frontend.raw_path`'s refusals.
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.rules.rule import Rule
 
 TRACK_MODES = ("gram", "norms")
+
+# (The deprecated form of LayerCall.apply: see ambient.deprecated_form_site.)
+op_lib.read_deprecated_form_site_with(ambient.deprecated_form_site_now)
 
 DEPRECATED_BINDER = (
     "gram_haiku: LayerCall.apply for module {module!r} was given a function "
@@ -295,11 +298,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     """Parameters read inside this block are tracked by ``rule``."""
     return self._coverage.tracking_rule(rule)
 
-  def _resolve_plan(self, module: hk.Module, present) -> Plan:
+  def _resolve_plan(self, module: hk.Module) -> Plan:
     """The op's plan: this context's options, and the running pass's."""
     name = module.module_name
     if self._pass is None:  # The raw jax.grad path.
-      return raw_path.refuse_before_probe(self._plan, module, present)
+      return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes,
                               frozen=self._pass.frozen.get(name, ()),
                               upper_bound=self._pass.upper_bound)
@@ -319,12 +322,14 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     present = [p for p in params if p is not None]
     if coupled is not None:
       self._check_coupled(coupled)
-    plan = self._resolve_plan(module, present)
-    if hkc.running_init():
-      plan = plan.replace(at_init=True)
-    elif coupled is not None:
+    plan = self._resolve_plan(module)
+    at_init = hkc.running_init()
+    refusal = None
+    if self._pass is None:  # The raw jax.grad path.
+      refusal = raw_path.refusal_before_probe(module, present)
+    if not at_init and coupled is not None:
       # The raw path: refused only if the probe is differentiated.
-      plan = plan.replace(refusal=coupled)
+      refusal = coupled
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
     if self._log is not None and hkc.inside_raw_jax_transform():
@@ -342,8 +347,10 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         probe = probes.module_probe(x, plan.mode,
                                     sum(math.prod(p.shape) for p in present),
                                     [p.dtype for p in present])
-    if self._pass is None:
-      plan = raw_path.refuse_seen_probe(plan, name, probe)
+    if self._pass is None and refusal is None:
+      refusal = raw_path.seen_probe_refusal(name, probe)
     if isinstance(rule, Rule):
-      return op_lib.bind(rule, x, params, probe, name=name, plan=plan)
-    return rule(x, *params, probe, name=name, plan=plan)  # Deprecated form.
+      return op_lib.bind(rule, x, params, probe, name=name, plan=plan,
+                         refusal=refusal, at_init=at_init)
+    with ambient.deprecated_form_site(refusal, at_init):
+      return rule(x, *params, probe, name=name, plan=plan)

@@ -139,8 +139,8 @@ class Adapter(hx.VJPHiPrimitive):
       # is differentiated inside it (jax.grad within the loss): its
       # contribution to the Gram would be lost.
       raise ValueError(errors.HIGHER_ORDER.format(module=self.name))
-    if wanted and self.plan.refusal is not None:
-      raise ValueError(self.plan.refusal)
+    if wanted and self.refusal is not None:
+      raise ValueError(self.refusal)
     if wanted:
       size = self.example_size(x.shape)
       columns = example_sharding.column_axes(probe, size, self.mode,
@@ -270,7 +270,7 @@ class Adapter(hx.VJPHiPrimitive):
   def batch(self, axis_data, args, dims):
     x, *params, probe = args
     x_dim, *param_dims, probe_dim = dims
-    if self.plan.at_init and (probe_dim is not None or any(
+    if self.at_init and (probe_dim is not None or any(
         d is not None for d in param_dims)):
       # At init nothing is differentiated, so the layer runs plainly: a
       # probe mapped by a per-example hk.cond is refused when the Gram is

@@ -47,7 +47,7 @@ leading axis of ``x`` is the example axis.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +74,22 @@ class RuleOp(adapter.Adapter):
   an absent one, e.g. no bias), then the probe. Output:
   ``rule.forward(x, *params)``. Static parameters: ``name`` (the layer's,
   for messages), ``plan`` (a :class:`~gram_haiku._src.compute.plan.Plan`: every
-  decision the op acts on) and ``rule``.
+  decision the op acts on), ``rule``, and two facts about where this
+  application runs (not decisions):
+
+  * ``refusal``: why it has no correct Gram (a module applied more than
+    once on the raw ``jax.grad`` path, a layer that mixes the examples,
+    complex operands), raised as a ``ValueError`` if its probe is
+    differentiated; None otherwise. The forward pass and the other
+    gradients are unaffected.
+  * ``at_init``: it runs inside a Haiku ``init``, where nothing is
+    differentiated: parameters mapped by a vmap (which Haiku itself
+    refuses there, with its own advice) are let through.
   """
 
   def __init__(self, x_aval, param_avals: Sequence[Any], probe_aval, *,
-               name: str, plan: Plan, rule: Rule):
+               name: str, plan: Plan, rule: Rule,
+               refusal: Optional[str] = None, at_init: bool = False):
     if not isinstance(rule, Rule):
       raise TypeError(f"gram_haiku: the Gram op of layer {name!r} binds a "
                       f"gram_haiku.Rule, got {type(rule).__name__}.")
@@ -89,8 +100,14 @@ class RuleOp(adapter.Adapter):
       raise TypeError(f"gram_haiku: {rule_name(rule)} (layer {name!r}) "
                       f"takes parameters {rule.param_names}, got "
                       f"{len(param_avals)}.")
-    self.params = dict(name=name, plan=plan, rule=rule)
+    if refusal is not None and not isinstance(refusal, str):
+      raise TypeError(f"gram_haiku: the Gram op of layer {name!r}: refusal "
+                      f"must be None or a message, got {refusal!r}.")
+    self.params = dict(name=name, plan=plan, rule=rule, refusal=refusal,
+                       at_init=bool(at_init))
     self.rule = rule
+    self.refusal = refusal
+    self.at_init = bool(at_init)
     self.in_avals = (x_aval, *param_avals, probe_aval)
     self.name = name
     self.plan = plan
@@ -221,7 +238,8 @@ class RuleOp(adapter.Adapter):
     return type(self)(x_aval, self.param_avals, self.probe_aval,
                       name=self.name,
                       plan=self.plan.replace(example_axis=example_axis),
-                      rule=self.rule)
+                      rule=self.rule, refusal=self.refusal,
+                      at_init=self.at_init)
 
   def with_plan(self, **changes) -> "RuleOp":
     """This op (same inputs) with its plan's fields changed."""
@@ -229,7 +247,8 @@ class RuleOp(adapter.Adapter):
     if plan == self.plan:
       return self
     return type(self)(self.x_aval, self.param_avals, self.probe_aval,
-                      name=self.name, plan=plan, rule=self.rule)
+                      name=self.name, plan=plan, rule=self.rule,
+                      refusal=self.refusal, at_init=self.at_init)
 
   def in_mode(self, mode: str) -> "RuleOp":
     """This op with its plan's mode set to ``mode`` (same inputs)."""
@@ -241,7 +260,8 @@ def bind(rule: Rule, x, params: Sequence[Any], probe, *, name: str,
          plan: Optional[Plan] = None,
          example_axis: ExampleAxisSpec | ExampleAxis = None,
          mode: str = "gram", strategy: str = "auto",
-         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> jax.Array:
+         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+         refusal: Optional[str] = None, at_init: bool = False) -> jax.Array:
   """Binds ``rule`` to these inputs as a Gram op: ``y = rule.forward(x,
   *params)``, and the probe's cotangent is the rule's Gram (or its
   diagonal, or the per-example gradients, by ``mode``).
@@ -264,6 +284,8 @@ def bind(rule: Rule, x, params: Sequence[Any], probe, *, name: str,
     mode: ``"gram"``, ``"norms"`` or ``"per_example"``.
     strategy: ``"auto"``, ``"ghost"`` or ``"materialize"``.
     memory_budget_bytes: the largest intermediate a kernel builds at once.
+    refusal, at_init: where this application runs (:class:`RuleOp`):
+      ``track()`` passes them; a binder of its own leaves them out.
 
   Returns:
     ``rule.forward(x, *params)``.
@@ -279,14 +301,36 @@ def bind(rule: Rule, x, params: Sequence[Any], probe, *, name: str,
   if plan is None:
     plan = Plan.make(mode=mode, strategy=strategy, example_axis=example_axis,
                      memory_budget_bytes=memory_budget_bytes)
+  bridged = _deprecated_form_site()
+  if bridged is not None:  # (see read_deprecated_form_site_with)
+    refusal, at_init = refusal or bridged[0], at_init or bridged[1]
   complex_operands = [
       f"{what} {jnp.dtype(a.dtype).name}{list(a.shape)}"
       for what, a in [("input", x)] + [("parameter", p) for p in params]
       if a is not None and jnp.issubdtype(a.dtype, jnp.complexfloating)]
-  if complex_operands and plan.refusal is None:
+  if complex_operands and refusal is None:
     # The forward pass (inference, plain gradients) is unaffected.
-    plan = plan.replace(refusal=errors.COMPLEX_OPERANDS.format(
-        module=name, operands=", ".join(complex_operands)))
+    refusal = errors.COMPLEX_OPERANDS.format(
+        module=name, operands=", ".join(complex_operands))
   op = RuleOp(aval_of(x), tuple(aval_of(p) for p in params), aval_of(probe),
-              name=name, plan=plan, rule=rule)
+              name=name, plan=plan, rule=rule, refusal=refusal,
+              at_init=at_init)
   return op(x, *params, probe)
+
+
+# The deprecated form of LayerCall.apply (a function that binds a Gram op
+# itself, given only `name` and `plan`) cannot pass `refusal` and `at_init`
+# on to the bind inside it. `track()` holds them for the duration of that
+# call (in its ambient state, gram_haiku._src.frontend.ambient) and installs
+# the reader here; `bind` reads them for an op bound without them. Removed
+# with the deprecated form.
+_deprecated_form_site: Callable[[], Optional[tuple[Optional[str], bool]]] = (
+    lambda: None)
+
+
+def read_deprecated_form_site_with(
+    reader: Callable[[], Optional[tuple[Optional[str], bool]]]) -> None:
+  """Installs ``reader() -> (refusal, at_init) or None``: what an op bound
+  inside a deprecated binder function given to ``LayerCall.apply`` gets."""
+  global _deprecated_form_site
+  _deprecated_form_site = reader
