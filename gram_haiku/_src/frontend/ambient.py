@@ -7,7 +7,9 @@ find its tracker from inside the user's Haiku modules), the running pass
 module keeps and over which mesh axes the examples are split, and its
 :class:`PassLog`, where ``track()`` records what the trace shows), and, on
 the raw ``jax.grad`` path, the modules already applied in the current call
-of the transformed function (:func:`raw_uses`). All live here (and, while
+of the transformed function (:func:`raw_uses`) and the probe values handed
+to ops (:func:`raw_probes`), which
+:mod:`gram_haiku._src.frontend.raw_path` reads. All live here (and, while
 a deprecated binder function given to ``LayerCall.apply`` runs, what the
 op it binds is told beside its plan: :func:`deprecated_form_site`). They
 are read when a ``track()`` context is entered or a layer is applied, and
@@ -191,18 +193,11 @@ def raw_uses(call_id: int) -> set:
   return held[1]
 
 
-def probe_seen_before(probe) -> bool:
-  """Raw ``jax.grad`` path: whether this very probe value (one traced value)
-  was handed to a tracked op before, e.g. by another call of the
-  transformed function on the same state (a siamese loss ``f.apply(...,
-  x1) - f.apply(..., x2)``); records it. Held weakly: a value no longer
-  alive cannot be seen again."""
+def raw_probes() -> "weakref.WeakValueDictionary":
+  """Raw ``jax.grad`` path: the probe values handed to tracked ops so far,
+  by ``id`` (held weakly: a value no longer alive is dropped); read and
+  written by :mod:`gram_haiku._src.frontend.raw_path` only."""
   seen = getattr(_LOCAL, "probes", None)
   if seen is None:
     seen = _LOCAL.probes = weakref.WeakValueDictionary()
-  try:
-    before = seen.get(id(probe)) is probe
-    seen[id(probe)] = probe
-  except TypeError:  # not weakly referenceable: nothing to tell
-    return False
-  return before
+  return seen

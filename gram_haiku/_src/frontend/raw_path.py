@@ -1,15 +1,39 @@
-"""The raw ``jax.grad`` path: refusals decided from Haiku's state alone.
+"""The raw ``jax.grad`` path: refusals decided from Haiku's state alone,
+best-effort.
 
 Under :func:`gram_haiku.value_grad_and_gram` the traced program says which
 parameter reaches which tracked use and how often. A user who instead
 differentiates the probes themselves (``jax.grad`` of ``f.apply`` with
-respect to the state) has no such program; this module decides, per
+respect to the state) has no such program: :func:`refusal` decides, per
 application, whether the op's Gram would be missing terms, from what
-Haiku holds: the module's name within the outermost frame, its stored
-parameters and the probe value it was handed. A refusal is written into
-the op (its ``refusal``, :class:`gram_haiku._src.ops.op.RuleOp`) and raised only if
-its probe is differentiated, so that the forward pass, inference and plain
-parameter gradients still work.
+Haiku holds at that moment. It is the raw path's one set of checks (no
+other module compares parameter or probe values by identity). A refusal
+becomes the op's ``refusal`` (:class:`gram_haiku._src.ops.op.RuleOp`) and is
+raised only if its probe is differentiated, so that the forward pass,
+inference and plain parameter gradients still work.
+
+**Best-effort.** These checks read names and the identity of Python
+values, not the program's data flow, so they catch only what those show:
+
+* a second use of a module is told by its name within the outermost Haiku
+  frame (one call of the transformed function): seen across ``track()``
+  blocks, ``hk.remat``, ``hk.vmap``, ``hk.cond`` and ``hk.static_unroll``;
+  a module in both branches of one ``hk.cond`` counts as two uses;
+* a value is the parameter Haiku stores if it *is* that value (``is``), or
+  has the dtype of the module's mixed-precision policy cast of it (a
+  getter that changes the values as well as casting them is not seen);
+* one state handed to two calls of the transformed function (a siamese
+  loss) is seen only where both calls get the very same probe value (held
+  weakly, compared with ``is``): a state copied or rebuilt between the
+  calls (``jax.tree.map(jnp.copy, state)``) is not seen, and the Gram then
+  lacks the cross terms between the calls;
+* not seen at all: rows of the batch reordered or mixed between layers, a
+  coupled loss, a tracked parameter also used outside every ``track()``
+  block, and a module none of whose parameters is differentiated.
+
+:func:`gram_haiku.value_grad_and_gram` (and the reweighting functions)
+read all of these from the traced program; use them wherever the Gram
+must be right.
 """
 
 from __future__ import annotations
@@ -66,20 +90,24 @@ def _used_before(name: str) -> bool:
   return shared
 
 
-def refusal_before_probe(module: hk.Module, params: Sequence[jax.Array]
-                         ) -> Optional[str]:
-  """Why this application's Gram would be wrong, or None.
+def _probe_seen_before(probe) -> bool:
+  """Whether this very probe value (one traced value) was handed to a
+  tracked op before, e.g. by another call of the transformed function on
+  the same state (a siamese loss ``f.apply(..., x1) - f.apply(..., x2)``);
+  records it. Held weakly (:func:`ambient.raw_probes`): a value no longer
+  alive cannot be seen again."""
+  seen = ambient.raw_probes()
+  try:
+    before = seen.get(id(probe)) is probe
+    seen[id(probe)] = probe
+  except TypeError:  # not weakly referenceable: nothing to tell
+    return False
+  return before
 
-  Args:
-    module: the Haiku module being applied.
-    params: the parameter values handed to the op (absent ones left out).
 
-  Returns:
-    The teaching error of the first case that applies: the module was
-    applied before (weight sharing), the op runs inside a loop body, a
-    getter handed it other values than the stored parameters, or a stored
-    parameter does not reach the op; None where none does.
-  """
+def _held_refusal(module: hk.Module, params) -> Optional[str]:
+  """The refusal told by Haiku's names and stored parameters (records this
+  use of the module)."""
   name = module.module_name
   if _used_before(name):
     return errors.SHARED_LAYER.format(module=name)
@@ -92,10 +120,31 @@ def refusal_before_probe(module: hk.Module, params: Sequence[jax.Array]
   return None
 
 
-def seen_probe_refusal(name: str, probe: jax.Array) -> Optional[str]:
-  """The refusal where the same probe value reaches a second application
-  (two calls of the transformed function on one state): their Grams'
-  cross terms would be missing; else None. Not checked at ``init``."""
-  if not hkc.running_init() and ambient.probe_seen_before(probe):
-    return errors.SHARED_LAYER.format(module=name)
-  return None
+def refusal(module: hk.Module, params: Sequence[jax.Array], probe: jax.Array,
+            *, coupled: Optional[str] = None) -> Optional[str]:
+  """Why this application's Gram would be wrong on the raw path, or None
+  (best-effort: see the module docstring).
+
+  Args:
+    module: the Haiku module being applied.
+    params: the parameter values handed to the op (absent ones left out).
+    probe: the probe value handed to the op.
+    coupled: the handler's declaration that the application mixes the
+      examples (``LayerCall.apply(coupled=...)``), or None.
+
+  Returns:
+    At ``init`` (where nothing is differentiated), the first of: the module
+    was applied before in this call (weight sharing), the op runs inside a
+    loop body, a getter handed it other values than the stored parameters,
+    a stored parameter does not reach the op. Otherwise ``coupled`` where
+    given, else the first of those, else that the same probe value reached
+    another application before.
+  """
+  why = _held_refusal(module, params)
+  if hkc.running_init():
+    return why
+  if coupled is not None:
+    return coupled
+  if why is None and _probe_seen_before(probe):
+    return errors.SHARED_LAYER.format(module=module.module_name)
+  return why

@@ -324,12 +324,6 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
       self._check_coupled(coupled)
     plan = self._resolve_plan(module)
     at_init = hkc.running_init()
-    refusal = None
-    if self._pass is None:  # The raw jax.grad path.
-      refusal = raw_path.refusal_before_probe(module, present)
-    if not at_init and coupled is not None:
-      # The raw path: refused only if the probe is differentiated.
-      refusal = coupled
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
     if self._log is not None and hkc.inside_raw_jax_transform():
@@ -347,8 +341,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
         probe = probes.module_probe(x, plan.mode,
                                     sum(math.prod(p.shape) for p in present),
                                     [p.dtype for p in present])
-    if self._pass is None and refusal is None:
-      refusal = raw_path.seen_probe_refusal(name, probe)
+    refusal = None
+    if self._pass is None:
+      # The raw jax.grad path: refused only if the probe is differentiated
+      # (under a pass, the traced program decides; `coupled` raised above).
+      refusal = raw_path.refusal(module, present, probe, coupled=coupled)
     if isinstance(rule, Rule):
       return op_lib.bind(rule, x, params, probe, name=name, plan=plan,
                          refusal=refusal, at_init=at_init)
