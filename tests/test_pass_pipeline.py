@@ -4,13 +4,18 @@ Traced only (``jax.make_jaxpr``): no pass is run here; the passes
 themselves are tested against the reference by every other test file.
 """
 
+import dataclasses
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import pytest
 
 import gram_haiku
 from gram_haiku._src.compute import plan as plan_lib
 from gram_haiku._src.compute.plan import Clip
+from gram_haiku._src.frontend.ambient import ModulePass
+from gram_haiku._src.frontend.ambient import PassPlan
 from gram_haiku._src.passes import pass_pipeline as pipeline
 from gram_haiku._src.passes.pass_pipeline import Store
 
@@ -71,3 +76,47 @@ def test_recontraction_keeps_factors_clips_or_nothing():
   frozen = pipeline.Objective(recontract=True, needs="norms",
                               frozen=frozenset({"a/w", "a/b"}))
   assert _decide(frozen) == {"a": Store.NOTHING, "s": Store.PER_EXAMPLE}
+
+
+def _pass_plan(objective):
+  t, params = _traced()
+  t, live = pipeline.participants(t, objective, params)
+  stores = pipeline.decide(t, objective, live, {})
+  return pipeline._pass_plan(t, objective, stores, {})  # pylint: disable=protected-access
+
+
+def test_the_pass_plan_is_one_frozen_hashable_value_keyed_by_module():
+  objective = pipeline.Objective(recontract=True, needs="norms",
+                                 upper_bound=True).with_clips(
+                                     {"a": Clip(1.0), "s": Clip(2.0)})
+  plan, again = _pass_plan(objective), _pass_plan(objective)
+  assert plan is not again and plan == again and hash(plan) == hash(again)
+  assert {plan: "cached"}[again] == "cached"
+  assert plan != dataclasses.replace(plan, upper_bound=False)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    plan.upper_bound = False  # pytype: disable=not-writable
+  # Decisions only, by module; the layer name carried once per module.
+  assert plan.modules == (
+      ("a", ModulePass(layer="a", mode="clip", clip=Clip(1.0))),
+      ("s", ModulePass(layer="s", mode="per_example")))
+  assert plan.told("s") == ("s", ModulePass(layer="s", mode="per_example"))
+  assert plan.told("elsewhere") is None
+  # Grams: only the module applied twice is told something.
+  assert _pass_plan(pipeline.GRAMS).modules == (
+      ("s", ModulePass(layer="s", mode="per_example")),)
+
+
+def test_a_pass_plan_from_a_mapping_equals_one_from_sorted_pairs():
+  told = {"m2": ModulePass(layer="l2", slotted=True, mode="factors"),
+          "m1": ModulePass(layer="l1", frozen=[1])}
+  plan = PassPlan(column_axes=("data",), modules=told)
+  assert plan == PassPlan(column_axes=("data",),
+                          modules=sorted(told.items()))
+  assert hash(plan) == hash(PassPlan(column_axes=("data",),
+                                     modules=tuple(sorted(told.items()))))
+  assert plan.told("l1") == ("m1", ModulePass(layer="l1", frozen=(1,)))
+  # Two modules under one layer name must be told the same: track() sees
+  # only the layer name.
+  with pytest.raises(ValueError, match="one layer name 'l'"):
+    PassPlan(modules={"x": ModulePass(layer="l", mode="per_example"),
+                      "y": ModulePass(layer="l")})

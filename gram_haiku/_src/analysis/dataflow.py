@@ -131,27 +131,22 @@ class Discovery:
       over, under a mesh with Explicit axes (absent otherwise).
     probe_dtypes: module name -> the accumulation dtype of the parameters
       and input it is applied to (float32, float64 for float64 ones).
-    shared_layer_names: the layer names (``module.module_name``, as the
-      ops see them) of the shared modules; inside ``hk.layer_stack`` they
-      lack the stack's prefix that the state's module names carry.
     untracked_uses: parameter name -> the primitive that reads it outside
       every Gram op (for parameters that reach no Gram op at all: their
       gradient is outside the Gram).
     ops: module name -> its (first) bound op in the program, after every
       ``vmap`` was batched: the rule that re-contracts its book-keeping
-      factors after the pass.
+      factors after the pass. Its ``Plan.frozen``: the indices of its
+      present parameter operands that no parameter leaf reaches (closed
+      over, e.g. the frozen part of ``hk.data_structures.partition``, read
+      through ``stop_gradient``, or computed from the data), the same for
+      every module under its layer name: their gradient is zero and their
+      terms are left out of the Gram.
     param_leaves: module name -> for each of its op's parameter operands,
       the index of the parameter leaf it is (a cast or reshape of), or None
       (absent, or not computed from a parameter).
     applications: module name -> number of op equations that read its
       probe (a loop body counts once).
-    frozen_layers: layer name (as the ops see them) -> the indices of its
-      op's present parameter operands that no parameter leaf reaches
-      (closed over, e.g. the frozen part of ``hk.data_structures.partition``,
-      read through ``stop_gradient``, or computed from the data): their
-      gradient is zero and their terms are left out of the Gram. Only
-      layers with such operands are listed; each module's op in ``ops``
-      carries its own as ``Plan.frozen``.
     pullbacks: module name -> its :class:`~gram_haiku._src.analysis.reparam.PullBack`,
       for the modules whose
       operands are computed from parameters (a reparametrising getter).
@@ -174,14 +169,11 @@ class Discovery:
   modes: Mapping[str, str]
   example_specs: Mapping[str, Any]
   probe_dtypes: Mapping[str, Any]
-  shared_layer_names: frozenset = frozenset()
   untracked_uses: Mapping[str, str] = dataclasses.field(default_factory=dict)
   ops: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slot_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
-  frozen_layers: Mapping[str, tuple] = dataclasses.field(
-      default_factory=dict)
   pullbacks: Mapping[str, reparam.PullBack] = dataclasses.field(
       default_factory=dict)
   no_gradient: frozenset = frozenset()
@@ -346,8 +338,8 @@ def _value_preserving(ctx, eqn, ins) -> list:
 
 def _stop_gradient(ctx, eqn, ins) -> list:
   # No gradient flows through it: what it gives is a constant for the
-  # differentiated parameters (a frozen weight; see
-  # Discovery.frozen_layers).
+  # differentiated parameters (a frozen weight; see Plan.frozen of
+  # Discovery.ops).
   del ctx, ins
   return [frozenset()] * len(eqn.outvars)
 
@@ -650,9 +642,8 @@ def _read_pullbacks(jaxpr, consts, found: Findings, module_of, r: _Reading,
   return pullbacks
 
 
-def _shared_layer_names(found: Findings, module_of, shared: set):
-  """``(layer_names, shared_names)``: op (layer) name -> the modules applied
-  under it, and the layer names of the shared modules.
+def _layer_names(found: Findings, module_of, shared: set):
+  """Op (layer) name -> the modules applied under it.
 
   Raises:
     ValueError: where one layer name is both a shared module and one that
@@ -661,15 +652,12 @@ def _shared_layer_names(found: Findings, module_of, shared: set):
   layer_names = collections.defaultdict(set)  # op name -> module names
   for app in found.applications:
     layer_names[app.op.name].add(module_of(app))
-  shared_names = set()
   for name, keys in layer_names.items():
-    if keys & shared:
-      if keys - shared:
-        raise ValueError(errors.SHARED_NAME_CLASH.format(
-            name=name, shared=sorted(keys & shared),
-            unshared=sorted(keys - shared)))
-      shared_names.add(name)
-  return layer_names, shared_names
+    if keys & shared and keys - shared:
+      raise ValueError(errors.SHARED_NAME_CLASH.format(
+          name=name, shared=sorted(keys & shared),
+          unshared=sorted(keys - shared)))
+  return layer_names
 
 
 def _frozen_layers(frozen_of: Mapping[str, set], ops: Mapping[str, Any]
@@ -818,7 +806,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
                               num_param_leaves, leaf_names, gram_op_type)
   # A pulled-back module keeps per-example gradients of its operands.
   shared = r.shared | set(pullbacks)
-  layer_names, shared_names = _shared_layer_names(found, module_of, shared)
+  layer_names = _layer_names(found, module_of, shared)
   frozen_layers = _frozen_layers(r.frozen_of, r.ops)
   ops = {m: op.with_plan(frozen=frozen_layers.get(op.name, ()))
          for m, op in r.ops.items()}
@@ -836,11 +824,9 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,
-                   shared_layer_names=frozenset(shared_names),
                    untracked_uses=untracked, ops=ops,
                    param_leaves=r.leaves_of, applications=dict(r.n_apps),
                    slot_counts=slotted,
-                   frozen_layers=frozen_layers,
                    pullbacks=pullbacks,
                    no_gradient=frozenset(
                        leaf_names[k] for k in range(num_param_leaves)

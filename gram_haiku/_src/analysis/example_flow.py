@@ -1053,8 +1053,7 @@ def _not_followed(record: FlowRecord, unfollowed: list, strict: bool):
 
 
 def check(jaxpr, in_states: Sequence[State], batch: int,
-          gram_op_type, names: Optional[dict] = None,
-          strict: bool = False, consts: Optional[dict] = None,
+          gram_op_type, strict: bool = False, consts: Optional[dict] = None,
           model_state=frozenset(), observed: Optional[dict] = None) -> bool:
   """Raises a teaching error where the examples do not flow as a Gram needs.
 
@@ -1064,7 +1063,6 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       arrays, ``CONST`` for parameters, probes and state).
     batch: ``B``.
     gram_op_type: the base class of Gram ops.
-    names: op name -> module (state) name, for messages.
     strict: also refuse data of other examples meeting an example's
       parameter-dependent values (a privacy guarantee needs each example's
       gradient to depend on its own data only; a Gram does not).
@@ -1099,11 +1097,10 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.follow(jaxpr, list(in_states), deps)
   record = flow.log.read()
-  names = names or {}
   verified = True
   unfollowed = []  # modules the examples could not be followed to
   for op, state in record.findings:
-    module = names.get(op.name, op.name)
+    module = op.name
     ok, lost = _check_finding(record, op, state, module, batch)
     verified = verified and ok
     if lost:

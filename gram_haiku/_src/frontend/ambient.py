@@ -26,43 +26,100 @@ import threading
 import weakref
 from typing import Any, Iterator, Mapping, Optional
 
+from gram_haiku._src.compute.plan import Clip
+
 _LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePass:
+  """What a pass tells ``track()`` about one module: decisions only.
+
+  Attributes:
+    layer: the module's layer name, as ``track()`` sees it
+      (``module.module_name``; inside ``hk.layer_stack`` and other lifted
+      transforms it lacks the prefix that the module's state name
+      carries). Carried here once: everything else is keyed by module.
+    mode: the mode its op runs in for this pass, in place of the
+      context's own (the op mode of the module's
+      :class:`~gram_haiku._src.passes.pass_pipeline.Store`):
+      ``"per_example"``, ``"factors"`` or ``"clip"``; None: the context's.
+    clip: in ``"clip"`` mode, its :class:`~gram_haiku._src.compute.plan
+      .Clip`; else None.
+    slotted: its ``"factors"`` probe is a stack of slots, one per
+      application, picked by a counter in the module's state (a module
+      applied at every step of a loop; see
+      :func:`gram_haiku._src.passes.slots.slotted_modules`).
+    frozen: indices of its op's parameters that have no gradient
+      (``Plan.frozen``).
+  """
+  layer: str
+  mode: Optional[str] = None
+  clip: Optional[Clip] = None
+  slotted: bool = False
+  frozen: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if (self.mode == "clip") != (self.clip is not None):
+      raise ValueError(f"ModulePass(mode={self.mode!r}, clip={self.clip!r}):"
+                       f" a Clip is given exactly in 'clip' mode.")
+    object.__setattr__(self, "frozen", tuple(self.frozen))
 
 
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
   """What a pass (:mod:`gram_haiku._src.passes.pass_pipeline`) tells ``track()``:
   its decisions only (what it learns while tracing goes to a
-  :class:`PassLog`).
+  :class:`PassLog`). Frozen and hashable: every field is static (a
+  threshold that is a traced value never reaches it: per-layer clipping
+  takes Python numbers, and all-layer clipping weighs the examples after
+  the pass).
 
   Attributes:
     column_axes: mesh axes the examples are split over (``shard_map``);
       ``()`` on one device.
     disabled: every ``track()`` context is inert: the model runs as plain
       Haiku (:func:`gram_haiku.verify`'s reference).
-    modes: layer name -> the mode its op runs in for this pass, in place
-      of the context's own (the op mode of the module's
-      :class:`~gram_haiku._src.passes.pass_pipeline.Store`): ``"per_example"``,
-      ``"factors"`` or ``"clip"``; empty in the discovery trace.
-    clips: layer name -> its :class:`~gram_haiku._src.compute.plan.Clip`, for the
-      layers in ``"clip"`` mode (only those).
-    slotted: layer names whose ``"factors"`` probe is a stack of slots, one
-      per application, picked by a counter in the module's state (a module
-      applied at every step of a loop; see
-      :func:`gram_haiku._src.passes.slots.slotted_modules`).
-    frozen: layer name -> indices of its op's parameters that have no
-      gradient (``Plan.frozen``; see
-      :attr:`gram_haiku._src.analysis.dataflow.Discovery.frozen_layers`).
+    modules: ``(module, ModulePass)`` pairs, sorted by module (state)
+      name: the modules told something (a mode, a clip, slots or frozen
+      parameters); empty in the discovery trace. A mapping is accepted.
     upper_bound: the pass clips (:attr:`gram_haiku._src.compute.plan.Plan
       .upper_bound`): every op's norms are sound upper bounds.
+
+  Raises:
+    ValueError: where two modules under one layer name are told different
+      things (``track()`` sees only the layer name, so it could not tell
+      which applies).
   """
   column_axes: tuple[str, ...] = ()
   disabled: bool = False
-  modes: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  slotted: frozenset = frozenset()
-  frozen: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  modules: tuple[tuple[str, ModulePass], ...] = ()
   upper_bound: bool = False
+
+  def __post_init__(self):
+    modules = self.modules
+    if isinstance(modules, Mapping):
+      modules = modules.items()
+    modules = tuple(sorted(modules, key=lambda item: item[0]))
+    object.__setattr__(self, "modules", modules)
+    object.__setattr__(self, "column_axes", tuple(self.column_axes))
+    by_layer = {}
+    for module, told in modules:
+      first = by_layer.setdefault(told.layer, (module, told))
+      if first[1] != told:
+        raise ValueError(
+            f"gram_haiku: modules {first[0]!r} and {module!r} are applied "
+            f"under one layer name {told.layer!r} but the pass tells them "
+            f"different things ({first[1]} and {told}); track() sees only "
+            f"the layer name. This is a bug in gram_haiku: please report it.")
+    # (Not a field: derived, and left out of == and hash.)
+    object.__setattr__(self, "_by_layer", by_layer)
+
+  def told(self, layer: str) -> Optional[tuple[str, ModulePass]]:
+    """``(module, what it is told)`` for the layer named ``layer``, or None
+    where the pass tells it nothing (several modules under one name are
+    told the same; the first is named)."""
+    return self._by_layer.get(layer)  # pylint: disable=no-member
 
 
 class PassLog:
@@ -79,9 +136,11 @@ class PassLog:
       of them have a gradient.
     raw_traced: layer names applied inside a raw JAX transform
       (``jax.lax.scan``, ``jax.vmap`` opened inside the model): their
-      modules cannot keep a slot counter in Haiku state.
-    slot_reads: layer name -> the slot counter values its applications
-      read, in a pass with slots (see :func:`gram_haiku._src.passes.slots
+      modules cannot keep a slot counter in Haiku state. By layer name
+      (the one record that is): it is written in the discovery trace, whose
+      plan names no module yet.
+    slot_reads: module -> the slot counter values its applications read,
+      in a pass with slots (see :func:`gram_haiku._src.passes.slots
       .untrusted`).
   """
 
@@ -99,9 +158,9 @@ class PassLog:
     """Records a layer applied inside a raw JAX transform."""
     self.raw_traced.add(layer)
 
-  def slot_reads_of(self, layer: str) -> list:
-    """Where ``layer``'s applications record the slot counters they read."""
-    return self.slot_reads.setdefault(layer, [])
+  def slot_reads_of(self, module: str) -> list:
+    """Where ``module``'s applications record the slot counters they read."""
+    return self.slot_reads.setdefault(module, [])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -298,17 +298,16 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     """Parameters read inside this block are tracked by ``rule``."""
     return self._coverage.tracking_rule(rule)
 
-  def _resolve_plan(self, module: hk.Module) -> Plan:
-    """The op's plan: this context's options, and the running pass's."""
-    name = module.module_name
+  def _resolve_plan(self, told: Optional[ambient.ModulePass]) -> Plan:
+    """The op's plan: this context's options, and the running pass's
+    (``told``: what it tells the module, or None)."""
     if self._pass is None:  # The raw jax.grad path.
       return self._plan
     plan = self._plan.replace(column_axes=self._pass.column_axes,
-                              frozen=self._pass.frozen.get(name, ()),
+                              frozen=told.frozen if told else (),
                               upper_bound=self._pass.upper_bound)
-    mode = self._pass.modes.get(name)
-    if mode is not None:  # (Only the layers that clip have a Clip.)
-      plan = plan.replace(mode=mode, clip=self._pass.clips.get(name))
+    if told is not None and told.mode is not None:
+      plan = plan.replace(mode=told.mode, clip=told.clip)
     return plan
 
   def _check_coupled(self, reason: str) -> None:
@@ -322,7 +321,11 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
     present = [p for p in params if p is not None]
     if coupled is not None:
       self._check_coupled(coupled)
-    plan = self._resolve_plan(module)
+    # The one place the layer name is looked up: what the pass tells the
+    # module it belongs to (and that module's state name).
+    state_name, told = (self._pass.told(name) if self._pass is not None
+                         else None) or (None, None)
+    plan = self._resolve_plan(told)
     at_init = hkc.running_init()
     # The probe lives in the module's own state, also when the op runs from
     # outside the module's methods (gram_haiku.unembed).
@@ -334,9 +337,9 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                         errors.TRACK_IN_LIFTED_PURE_TRANSFORM).format(
                             module=name))
     with hkc.module_scope(module):
-      if self._pass is not None and name in self._pass.slotted:
+      if told is not None and told.slotted:
         probe = probes.next_slot(None if self._log is None else
-                                 self._log.slot_reads_of(name))
+                                 self._log.slot_reads_of(state_name))
       else:
         probe = probes.module_probe(x, plan.mode,
                                     sum(math.prod(p.shape) for p in present),

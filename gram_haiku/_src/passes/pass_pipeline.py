@@ -18,8 +18,9 @@ Every public function that runs a tracked loss's backward pass
    from the same stores, for a reweighting objective).
 
 The decisions reach the ops through :class:`gram_haiku._src.frontend.ambient.PassPlan`
-(by layer name, decisions only); what ``track()`` sees while the pass is
-traced comes back in a :class:`gram_haiku._src.frontend.ambient.PassLog`.
+(by module, each with its layer name; decisions only); what ``track()``
+sees while the pass is traced comes back in a
+:class:`gram_haiku._src.frontend.ambient.PassLog`.
 """
 
 from __future__ import annotations
@@ -209,27 +210,28 @@ def _frozen(found, names, frozen_names) -> tuple[set, dict]:
 
 
 def _with_frozen(found, frozen: dict, live):
-  """``found`` with the ops of the ``live`` modules planned with their
-  frozen operands, and those operands by layer name."""
-  layers: dict = {}
+  """``found`` with each module's op planned with its frozen operands.
+
+  Raises:
+    ValueError: for two ``live`` modules under one layer name with
+      different frozen operands (``track()`` sees only the layer name).
+  """
   owners: dict = {}
   for m in live:
     name = found.ops[m].name
-    mine = frozen.get(m, ())
-    if layers.setdefault(name, mine) != mine:
+    first = owners.setdefault(name, m)
+    if frozen.get(first, ()) != frozen.get(m, ()):
       # Two modules (state keys) that see one layer name (one inside a
       # nested transform): the pass plans by name, so it cannot tell them.
-      first = owners[name]
       raise ValueError(errors.FROZEN_NAME_CLASH.format(
           name=name, first=first, second=m,
           first_frozen=[found.ops[first].param_names[k]
-                        for k in layers[name]],
-          second_frozen=[found.ops[m].param_names[k] for k in mine]))
-    owners.setdefault(name, m)
+                        for k in frozen.get(first, ())],
+          second_frozen=[found.ops[m].param_names[k]
+                         for k in frozen.get(m, ())]))
   ops = {m: op.with_plan(frozen=frozen.get(m, ()))
          for m, op in found.ops.items()}
-  return dataclasses.replace(found, ops=ops, frozen_layers={
-      n: ks for n, ks in layers.items() if ks})
+  return dataclasses.replace(found, ops=ops)
 
 
 def participants(t: TracedLoss, objective: Objective, params
@@ -272,7 +274,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
   op, p = found.ops[m], t.probes[m]
   stacked = p.ndim > _init_ndim(p, found, m)
   if (m in found.shared or stacked or m in found.example_specs or
-      op.name in ambiguous or found.applications.get(m, 1) > 1):
+      m in ambiguous or found.applications.get(m, 1) > 1):
     # Several applications (also alternatives, e.g. hk.cond branches): each
     # has its own input layout, and only per-example gradients add up.
     return Store.PER_EXAMPLE
@@ -323,7 +325,8 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
   for m in live:
     if m in t.found.ops:  # (For Grams, a module never applied takes part.)
       by_name.setdefault(t.found.ops[m].name, set()).add(m)
-  ambiguous = {n for n, ms in by_name.items() if len(ms) > 1}
+  # The modules that share their layer name with another one.
+  ambiguous = {m for ms in by_name.values() if len(ms) > 1 for m in ms}
   return {m: _store_of(t, m, objective, live, slotted, ambiguous)
           for m in sorted(t.probes)}
 
@@ -383,16 +386,23 @@ def _fresh_probe(t: TracedLoss, m: str, store: str, shape, mask):
 
 def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted
                ) -> ambient.PassPlan:
-  """What ``track()`` is told for the pass, by layer name."""
-  name = lambda m: t.found.ops[m].name
-  return ambient.PassPlan(
-      column_axes=t.axes,
-      modes={name(m): _OP_MODE[s] for m, s in stores.items()
-             if s in _OP_MODE},
-      clips={name(m): objective.clips[m] for m, s in stores.items()
-             if s == Store.CLIP},
-      slotted=frozenset(name(m) for m in slotted),
-      frozen=t.found.frozen_layers, upper_bound=objective.upper_bound)
+  """What ``track()`` is told for the pass: each module that keeps
+  something other than its context's own mode, or has frozen operands,
+  with its layer name (the one place it is attached)."""
+  modules = {}
+  for m, s in stores.items():
+    op = t.found.ops.get(m)
+    if op is None:
+      continue  # (never applied: nothing to tell)
+    told = ambient.ModulePass(
+        layer=op.name, mode=_OP_MODE.get(s),
+        clip=objective.clips[m] if s == Store.CLIP else None,
+        slotted=m in slotted,
+        frozen=op.plan.frozen or ())  # (as discover and participants planned)
+    if told.mode is not None or told.slotted or told.frozen:
+      modules[m] = told
+  return ambient.PassPlan(column_axes=t.axes, modules=modules,
+                          upper_bound=objective.upper_bound)
 
 
 def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
@@ -464,8 +474,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
         out = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             [leaves[k] for k in diff_idx], diff_probes)
     return (stores, diff_idx, out, kept_program), slots_lib.untrusted(
-        out[0][1][1], slots, log.slot_reads,
-        {m: found.ops[m].name for m in slots})
+        out[0][1][1], slots, log.slot_reads)
 
   slotted = {m: u for m, u in slots_lib.slotted_modules(
       found, t.axes, params).items() if m in live}

@@ -128,18 +128,16 @@ def unthreaded(new_state, slots: Mapping[str, Any]) -> set:
 
 
 def untrusted(new_state, slots: Mapping[str, Any],
-              slot_reads: Mapping[str, list],
-              layer_names: Mapping[str, str]) -> set:
+              slot_reads: Mapping[str, list]) -> set:
   """The slotted modules whose slots a traced pass cannot trust: their
   counter did not come back advanced (:func:`unthreaded`), or two of their
   applications read one counter value (one traced value, e.g. a lifted
   transform's apply given the same Haiku state twice: they would write one
-  slot). ``slot_reads``: layer name -> the counter values read (see
-  ``PassLog.slot_reads``); ``layer_names``: module -> its layer name."""
-  twice = {name for name, reads in slot_reads.items()
+  slot). ``slot_reads``: module -> the counter values read (see
+  ``PassLog.slot_reads``)."""
+  twice = {m for m, reads in slot_reads.items()
            if any(a is b for i, a in enumerate(reads) for b in reads[:i])}
-  return unthreaded(new_state, slots) | {
-      m for m in slots if layer_names[m] in twice}
+  return unthreaded(new_state, slots) | (twice & set(slots))
 
 
 def pass_with_slots(run_pass, slotted: Mapping[str, int]):
