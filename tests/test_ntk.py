@@ -162,12 +162,15 @@ def test_bad_axes_and_batches_are_refused():
 
 
 def test_a_parameter_outside_every_tracked_layer_is_refused():
+  """(A bare parameter broadcast over the examples, e.g. a learned scale, is
+  covered by a program rule; see tests/test_program_rules.py.)"""
   def f(x):
     with gram_haiku.track():
       h = hk.Linear(3)(x)
-    return h * hk.get_parameter("scale", [3], init=jnp.ones)
+    # A bare weight in a matmul: no module rule and no program rule.
+    return h @ hk.get_parameter("mix", [3, 3], init=jnp.ones)
   t = hk.transform_with_state(f)
   x = jnp.ones((2, 4))
   params, state = t.init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match=r"parameters ~/scale are read outside"):
+  with pytest.raises(ValueError, match=r"parameters ~/mix are read outside"):
     gram_haiku.empirical_ntk(t.apply)(params, state, x)

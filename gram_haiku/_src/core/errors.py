@@ -971,10 +971,11 @@ NTK_UNTRACKED = (
     "tracked layer, so their part of each output's gradient, and of the "
     "kernel, would be missing.\n"
     "What to do: create them inside a tracked Haiku module (gram_haiku.track "
-    "covers hk.Linear, hk.Conv*, hk.Embed, hk.LayerNorm, ...: see the "
-    "'Supported layers' in docs/layers.rst; a learned position table is "
-    "hk.Bias(bias_dims=[-2, -1])), or write a Gram rule for their layer "
-    "(gram_haiku.Rule with gram_haiku.register_layer).")
+    "covers hk.Linear, hk.Conv*, hk.Embed, hk.LayerNorm, ...: see "
+    "'Supported layers' in docs/layers.rst; a bare parameter broadcast over "
+    "the examples, such as learned positions or a scale, is covered where "
+    "it is used: see 'Coverage' in docs/semantics.rst), or write a Gram rule "
+    "for their layer (gram_haiku.Rule with gram_haiku.register_layer).")
 
 MEAN_LOSS_CROSS = (
     "gram_haiku.{fn}: the loss looks like a mean over the {batch} examples "
