@@ -44,6 +44,14 @@ def _shared(x):
   return hk.Linear(2)(jnp.tanh(layer(jnp.tanh(layer(x)))))
 
 
+def _bare(x):
+  """Bare parameters broadcast over the examples (a scale, an offset):
+  covered by program rules, not modules."""
+  h = jnp.tanh(hk.Linear(4)(x))
+  return (h * hk.get_parameter("scale", [4], x.dtype, init=jnp.ones) +
+          hk.get_parameter("offset", [4], x.dtype, init=jnp.zeros))
+
+
 # name -> (model, example shape)
 MODELS = {
     "mlp": (_mlp, (6,)),
@@ -51,6 +59,7 @@ MODELS = {
     "attention": (_attention, (3, 4)),
     "lstm": (_lstm, (3, 2)),
     "shared": (_shared, (4,)),
+    "bare": (_bare, (5,)),
 }
 
 
@@ -88,7 +97,7 @@ def _assert_kernel(got, want):
                              atol=1e-12 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["cnn", "lstm", "shared"])
+@pytest.mark.parametrize("name", ["cnn", "lstm", "shared", "bare"])
 def test_the_full_kernel_matches_jacrev(name):
   """(The MLP's layouts, the attention model's two output axes: below.)"""
   with jax.enable_x64(True):
