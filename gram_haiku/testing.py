@@ -28,6 +28,7 @@ from gram_haiku._src.api.verify import verify
 from gram_haiku._src.api.verify import VerifyReport
 from gram_haiku._src.compat import hijax_compat as _hx
 from gram_haiku._src.compute import norm_bounds as _norm_bounds
+from gram_haiku._src.core import reference as _reference
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import clip_reference
 from gram_haiku._src.core.reference import jacobian_gram
@@ -35,7 +36,6 @@ from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku._src.core.reference import reference_gram
 from gram_haiku._src.core.reference import relative_error
 from gram_haiku._src.core.reference import weighted_sum
-from gram_haiku._src.core import reference as _reference
 from gram_haiku._src.ops import op as _op
 
 #: dtype case -> ``(rtol, atol)``, ``atol`` a fraction of the largest

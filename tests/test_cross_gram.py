@@ -178,3 +178,34 @@ def test_a_mean_loss_is_warned():
                     match="cross_gram evaluates the training examples"):
     gram_haiku.cross_gram(t.apply)(params, state, None, x,
                                    queries=(jnp.ones((2, 3)),))
+
+
+def test_a_bare_parameter_under_untracked_error_is_covered_by_its_program_rule():
+  """A learned offset (a bare parameter broadcast over the examples) in a
+  model tracked with ``untracked="error"``: covered by a program rule in
+  the pass, and the value's own forward pass reports nothing."""
+  def body(x):
+    h = jnp.tanh(hk.Linear(3)(x))
+    return jnp.sum((h + hk.get_parameter("offset", [3], x.dtype,
+                                         init=jnp.ones)) ** 2, axis=-1)
+
+  def loss(x):
+    with gram_haiku.track(untracked="error"):
+      return body(x).sum()
+  with jax.enable_x64(True):
+    t = hk.transform_with_state(loss)
+    plain = hk.transform(lambda x: body(x).sum())
+    k = jax.random.split(jax.random.PRNGKey(4), 3)
+    x = jax.random.normal(k[0], (4, 2), jnp.float64)
+    xq = jax.random.normal(k[1], (3, 2), jnp.float64)
+    params, state = t.init(k[2], x)
+    value, grads, cross = gram_haiku.cross_gram(t.apply)(
+        params, state, None, x, queries=(xq,))
+    assert cross.complete
+    plain_loss = lambda p, x: plain.apply(p, None, x)
+    f = np.asarray(testing.per_example_grads(plain_loss, params, x))
+    h = np.asarray(testing.per_example_grads(plain_loss, params, xq))
+    np.testing.assert_allclose(cross.total, f @ h.T, rtol=1e-10)
+    want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-11)

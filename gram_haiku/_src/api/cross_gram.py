@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from gram_haiku._src.api import reweight
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import CrossGrams
+from gram_haiku._src.frontend import ambient
 
 
 def _concatenated(args, queries, example_axes):
@@ -119,7 +120,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                      example_axes=example_axes, cross_rows=b)
     # The training examples' own value (and aux, state): the pass's is of
     # both sets. Under jit, unused, it is not computed.
-    out, new_state = apply_fn(params, state, rng, *args, **kwargs)
+    with ambient.plain_haiku():
+      out, new_state = apply_fn(params, state, rng, *args, **kwargs)
     value = (out, new_state) if return_state else out
     blocks, summed = r.cross
     sq = {m: s[:b] for m, s in r.grams.sq_norms_by_layer.items()}

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from gram_haiku._src.api.value_grad_and_gram import value_grad_and_gram
 from gram_haiku._src.core import errors
+from gram_haiku._src.frontend import ambient
 
 
 def _normalised(axes: Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
@@ -104,7 +105,8 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
   """
   def ntk_fn(params, state, x1, x2=None, rng=None):
     n1 = _examples(x1, "x1")
-    out = jax.eval_shape(apply_fn, params, state, rng, x1)[0]
+    with ambient.plain_haiku():
+      out = jax.eval_shape(apply_fn, params, state, rng, x1)[0]
     ndim = len(out.shape)
     trace = _normalised(trace_axes, ndim, "trace_axes")
     diagonal = _normalised(diagonal_axes, ndim, "diagonal_axes")

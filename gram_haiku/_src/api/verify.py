@@ -241,7 +241,7 @@ def _per_example_reference(apply_fn, params, state, rng, batch, axes,
   tree with a leading axis ``n``) on that example alone, and the loss of
   the whole batch."""
   def plain(p, *example):
-    with ambient.running(ambient.PassPlan(disabled=True)):
+    with ambient.plain_haiku():
       out, _ = apply_fn(p, state, rng, *example, **kwargs)
     return out[0] if has_aux else out
 

@@ -211,6 +211,13 @@ def running(pass_plan: PassPlan,
     _LOCAL.pass_plan, _LOCAL.pass_log = previous
 
 
+def plain_haiku():
+  """The model's ``track()`` contexts run it as plain Haiku inside (no Gram
+  ops, no coverage reports): for a call made beside a pass, whose own
+  trace reads what the model covers (a reference, a shape, a value)."""
+  return running(PassPlan(disabled=True))
+
+
 @contextlib.contextmanager
 def deprecated_form_site(refusal: Optional[str],
                          at_init: bool) -> Iterator[None]:
