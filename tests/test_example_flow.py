@@ -276,7 +276,7 @@ def test_example_independent_inputs_under_hk_vmap_are_exact(body, named,
                              atol=1e-6 * np.abs(ref).max())
   # The tracked layers sum B broadcast copies: float32 sums in another
   # order, so the table's float32 row (atol a fraction of the largest).
-  want = jax.grad(plain.apply)(params, x, y)
+  want = jax.jit(jax.grad(plain.apply))(params, x, y)
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))
   chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
                               atol=ATOL_F32 * scale)
@@ -360,7 +360,7 @@ def test_flowing_examples_are_exact(body):
   else:
     ref = reference_gram(plain.apply, params, x, y)
   assert_gram_close(grams.total, ref)
-  want = jax.grad(plain.apply)(params, x, y)
+  want = jax.jit(jax.grad(plain.apply))(params, x, y)
   scale = max(float(jnp.abs(l).max()) for l in jax.tree.leaves(want))
   chex.assert_trees_all_close(grads, want, rtol=1e-5, atol=1e-6 * scale)
 
@@ -478,7 +478,8 @@ def test_batch_values_under_stop_gradient_are_constants(name, jit):
       l = l_of(p, x, y)
       return l * jax.lax.stop_gradient(total(l))
   assert_gram_close(grams.total, jacobian_gram(terms, params, x, y))
-  chex.assert_trees_all_close(grads, jax.grad(plain.apply)(params, x, y),
+  chex.assert_trees_all_close(grads,
+                              jax.jit(jax.grad(plain.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
   f = _tracked_transform(body)
   _, state = f.init(jax.random.PRNGKey(0), x, y)
@@ -703,8 +704,8 @@ def test_outputs_reordered_with_their_own_data_are_exact(name, jit):
   plain = hk.without_apply_rng(hk.transform(_after(lambda o: o)))
   ref = reference_gram(plain.apply, params, x, per_y)
   assert_gram_close(grams.total, ref)
-  want = jax.grad(lambda p: hk.without_apply_rng(hk.transform(body)).apply(
-      p, x, y))(params)
+  want = jax.jit(jax.grad(lambda p: hk.without_apply_rng(
+      hk.transform(body)).apply(p, x, y)))(params)
   chex.assert_trees_all_close(grads, want, rtol=RTOL_F32, atol=ATOL_F32)
 
 
