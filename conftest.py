@@ -3,11 +3,11 @@
 XLA's CPU backend spends most of this suite's time compiling many small
 programs; its optimisation passes buy nothing at these sizes, so the suite
 runs with ``jax_disable_most_optimizations`` (about 1.7x faster here), and
-with XLA's classic CPU code generator (see ``_FAST_COMPILE``). The math is
-unchanged: XLA's optimisations reorder floating-point work only within the
-tolerances the tests use. The multi-device runner subprocesses set their
-own optimisation level (the case whose HLO collective counts are checked
-compiles with JAX's defaults).
+XLA compiles each program with its classic CPU code generator into one LLVM
+module (see ``_FAST_COMPILE``). The math is unchanged: XLA's optimisations
+reorder floating-point work only within the tolerances the tests use. The
+multi-device runner subprocesses set their own optimisation level (the case
+whose HLO collective counts are checked compiles with JAX's defaults).
 """
 
 import importlib.metadata
@@ -24,19 +24,28 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# XLA's CPU fusion emitters take about 1.5x longer to compile each of this
-# suite's many small programs than the classic code generator, and run them
-# no faster at these sizes (measured: a tiny elementwise program 62 -> 42 ms;
-# two heavy tests 30 -> 18 s). The flag only changes code generation, not the
-# program's math. jaxlib 0.9 and 0.10 have it; 0.11 removed it (an unknown
-# XLA flag aborts the process), so it is set for those releases only. The
-# runner subprocesses inherit it.
-_FAST_COMPILE = "--xla_cpu_use_fusion_emitters=false"
+# Two XLA CPU flags that only change how a program is compiled, not its math
+# (the runner subprocesses inherit them; one already in XLA_FLAGS is left
+# as it is):
+# * the classic code generator: XLA's CPU fusion emitters take about 1.5x
+#   longer to compile each of this suite's many small programs and run them
+#   no faster at these sizes (measured: a tiny elementwise program 62 ->
+#   42 ms; two heavy tests 30 -> 18 s). jaxlib 0.9 and 0.10 have the flag;
+#   0.11 removed it (an unknown XLA flag aborts the process), so it is set
+#   for those releases only;
+# * one LLVM module per program: by default XLA splits each program's code
+#   into up to 32 modules compiled in parallel, which costs more CPU time in
+#   all than it saves on programs this small (measured, cold:
+#   test_frozen.py and test_loops.py 59 -> 49 CPU-s). jaxlib 0.10 and 0.11
+#   both have the flag.
+_FAST_COMPILE = {"xla_cpu_parallel_codegen_split_count": "1"}
 _JAXLIB = importlib.metadata.version("jaxlib").split(".")[:2]
-if (tuple(int(p) for p in _JAXLIB) < (0, 11) and
-    "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = " ".join(
-      f for f in (os.environ.get("XLA_FLAGS", ""), _FAST_COMPILE) if f)
+if tuple(int(p) for p in _JAXLIB) < (0, 11):
+  _FAST_COMPILE["xla_cpu_use_fusion_emitters"] = "false"
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", "")] +
+    [f"--{name}={value}" for name, value in _FAST_COMPILE.items()
+     if name not in os.environ.get("XLA_FLAGS", "")]).strip()
 
 # The documentation's example processes (tests/test_docs.py) read it from the
 # environment at import; this process has imported JAX already (the pytest

@@ -103,7 +103,7 @@ def _problem(entry, style, seed=0):
   _, plain_state = plain.init(jax.random.PRNGKey(1), x)
   plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
   ref = reference_gram(plain_loss, params, x)
-  grads = jax.grad(plain_loss)(params, x)
+  grads = jax.jit(jax.grad(plain_loss))(params, x)
   return tracked, x, params, state, ref, grads, plain_loss
 
 
@@ -266,7 +266,7 @@ def case_rnn_shard_map(core_name):
       params, state, x)
   assert_gram_close(total, ref)
   assert_gram_close(sq_norms, np.diag(ref))
-  _assert_grads(grads, jax.grad(plain_loss)(params, x), 1e-4)
+  _assert_grads(grads, jax.jit(jax.grad(plain_loss))(params, x), 1e-4)
   return {}
 
 
@@ -624,7 +624,7 @@ def case_mesh_argument():
   norms = np.sqrt(np.diag(ref))
   mesh = jax.make_mesh((4, 2), ("a", "b"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  grads_ref = jax.grad(plain_loss)(params, x)
+  grads_ref = jax.jit(jax.grad(plain_loss))(params, x)
   # Not the mesh's order ("a", "b", the shard_map_2d cases').
   axes = ("b", "a")
   # Entry k of a per-device output is the device that holds examples

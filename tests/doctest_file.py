@@ -35,8 +35,8 @@ import ast
 import configparser
 import dataclasses
 import doctest
-import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -299,14 +299,55 @@ def _tox_envs() -> set[str]:
   return envs
 
 
-@functools.lru_cache(maxsize=None)
-def _help(argv: tuple[str, ...]) -> str:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=300,
-                        check=False)
-  return proc.stdout + proc.stderr
+#: ``python -m MODULE [SUBCOMMAND] --help`` of each argv given, in this one
+#: process (each module run as ``-m`` runs it, its output read from file
+#: descriptors 1 and 2; warnings off): one interpreter and one JAX import for
+#: all of a page's modules, not one each. Prints the texts as a JSON list.
+_HELP_DRIVER = """
+import json, os, runpy, sys, tempfile, traceback
+texts = []
+for argv in json.loads(sys.argv[1]):
+  with tempfile.TemporaryFile() as out:
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1); os.dup2(out.fileno(), 2)
+    sys.argv = [argv[1], *argv[2:], "--help"]
+    try:
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    except SystemExit:
+      pass
+    except BaseException:
+      traceback.print_exc()
+    finally:
+      sys.stdout.flush(); sys.stderr.flush()
+      os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+      os.close(saved[0]); os.close(saved[1])
+    out.seek(0)
+    texts.append(out.read().decode("utf-8", "replace"))
+print(json.dumps(texts))
+"""
+
+_HELP_TEXTS: dict[tuple[str, ...], str] = {}
+
+
+def _read_helps(argvs) -> dict[tuple[str, ...], str]:
+  """The ``--help`` text of each argv (``("-m", module, *subcommand)``),
+  those not read before read in one process (:data:`_HELP_DRIVER`)."""
+  missing = list(dict.fromkeys(a for a in argvs if a not in _HELP_TEXTS))
+  if missing:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _HELP_DRIVER,
+         json.dumps(missing)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300, check=False)
+    try:
+      texts = json.loads(proc.stdout.splitlines()[-1])
+    except (IndexError, ValueError):
+      texts = [f"(no --help read: {proc.stdout[-2000:]}"
+               f"{proc.stderr[-2000:]})"] * len(missing)
+    _HELP_TEXTS.update(zip(missing, texts))
+  return {a: _HELP_TEXTS[a] for a in argvs}
 
 
 def _flags(args: list[str]) -> list[str]:
@@ -319,19 +360,36 @@ def _flags(args: list[str]) -> list[str]:
   return out
 
 
-def _check_flags(where, argv, args, problems_out):
+def _check_flags(where, argv, args, problems_out, help_of):
   if not _flags(args):
     return
-  text = _help(tuple(argv))
+  text = help_of(tuple(argv))
   for flag in _flags(args):
     if not re.search(re.escape(flag) + r"\b", text):
       problems_out.append(f"{where}: {' '.join(argv)} has no {flag} "
                           f"(not in its --help)")
 
 
-def check_shell(block: Block) -> list[str]:
-  """What is wrong with a shell block's commands (empty: nothing)."""
-  out, where = [], block.where()
+def check_shell(*shell_blocks: Block) -> list[str]:
+  """What is wrong with the commands of shell blocks (empty: nothing).
+
+  A first pass finds the ``--help`` texts the flags are checked against,
+  read together in one process (:func:`_read_helps`); the second checks.
+  """
+  wanted = []
+  _check_commands(shell_blocks, lambda argv: wanted.append(argv) or "")
+  return _check_commands(shell_blocks, _read_helps(wanted).__getitem__)
+
+
+def _check_commands(shell_blocks, help_of) -> list[str]:
+  out = []
+  for block in shell_blocks:
+    _check_block(block, help_of, out)
+  return out
+
+
+def _check_block(block: Block, help_of, out: list[str]) -> None:
+  where = block.where()
   for cmd in _commands(block.code):
     prog, args = cmd[0], cmd[1:]
     if prog not in _KNOWN_PROGRAMS:
@@ -367,12 +425,12 @@ def check_shell(block: Block) -> list[str]:
           break
         sub.append(a)
       _check_flags(where, ["-m", module, *sub[:1]] if module == "gram_haiku"
-                   else ["-m", module], rest, out)
+                   else ["-m", module], rest, out, help_of)
     elif prog == "pytest":
-      _check_flags(where, ["-m", "pytest"], args, out)
+      _check_flags(where, ["-m", "pytest"], args, out, help_of)
     elif prog == "gram-haiku":
       sub = [a for a in args[:1] if not a.startswith("-")]
-      _check_flags(where, ["-m", "gram_haiku", *sub], args, out)
+      _check_flags(where, ["-m", "gram_haiku", *sub], args, out, help_of)
     elif prog == "tox":
       envs = []
       for i, a in enumerate(args):
@@ -381,7 +439,6 @@ def check_shell(block: Block) -> list[str]:
       for env in envs:
         if env not in _tox_envs():
           out.append(f"{where}: no tox environment {env!r}")
-  return out
 
 
 def main(argv=None) -> int:

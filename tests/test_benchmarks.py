@@ -166,11 +166,13 @@ def test_conv_kernels_agree_with_the_plain_gradient_and_each_other(capsys):
     w = jax.numpy.asarray(rng.normal(size=(3, 3, cin, cout)), "float32")
     out = -(-size // stride)
     d = jax.numpy.asarray(rng.normal(size=(3, out, out, cout)), "float32")
-    want_dw = conv_kernels.plain_step(stride)(w, x, d)[1]
+    # Under jit: one compilation per kernel and layer, not one per
+    # primitive.
+    want_dw = jax.jit(conv_kernels.plain_step(stride))(w, x, d)[1]
     grams = {}
     for name in conv_kernels.KERNELS:
-      dw, grams[name] = conv_kernels.per_example_step(
-          name, stride, jax.lax.Precision.HIGHEST)(w, x, d)
+      dw, grams[name] = jax.jit(conv_kernels.per_example_step(
+          name, stride, jax.lax.Precision.HIGHEST))(w, x, d)
       np.testing.assert_allclose(dw.reshape(w.shape), want_dw, rtol=1e-5,
                                  atol=1e-5, err_msg=name)
     for name in conv_kernels.KERNELS:

@@ -357,8 +357,8 @@ def test_tied_embedding_with_unembed(jit):
   assert_gram_close(grams.total, reference_gram(plain, params, ids, targets))
   np.testing.assert_allclose(value, plain(params, ids, targets), rtol=1e-5)
   np.testing.assert_allclose(grads["embed"]["embeddings"],
-                             jax.grad(plain)(params, ids, targets)["embed"][
-                                 "embeddings"], rtol=1e-4, atol=1e-5)
+                             jax.jit(jax.grad(plain))(params, ids, targets)[
+                                 "embed"]["embeddings"], rtol=1e-4, atol=1e-5)
 
 
 def test_gru_dynamic_and_static_unroll():
@@ -383,7 +383,7 @@ def test_gru_dynamic_and_static_unroll():
     np.testing.assert_allclose(value, plain(params, x, y), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                          atol=1e-5),
-                 grads, jax.grad(plain)(params, x, y))
+                 grads, jax.jit(jax.grad(plain))(params, x, y))
 
 
 # -- parameters used outside every track() block -----------------------------

@@ -86,10 +86,8 @@ def test_shell_commands_exist(path):
   """Each command of a shell block: its program, its ``python -m`` module
   and flags (from the module's ``--help``), ``pip`` extras, ``tox``
   environments."""
-  found = []
-  for block in doctest_file.blocks(path):
-    if block.kind == "shell":
-      found += doctest_file.check_shell(block)
+  found = doctest_file.check_shell(*(b for b in doctest_file.blocks(path)
+                                     if b.kind == "shell"))
   assert not found, "\n".join(found)
 
 

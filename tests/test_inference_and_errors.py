@@ -204,7 +204,7 @@ def test_no_tracer_leaks_under_jit():
   _, plain_state = plain.init(jax.random.PRNGKey(1), x, y)
   plain_loss = lambda p, x, y: plain.apply(p, plain_state, None, x, y)[0]
   np.testing.assert_allclose(value, plain_loss(params, x, y), rtol=1e-6)
-  _close(grads, jax.grad(plain_loss)(params, x, y), rtol=1e-5)
+  _close(grads, jax.jit(jax.grad(plain_loss))(params, x, y), rtol=1e-5)
   ref = reference_gram(plain_loss, params, x, y)
   assert_gram_close(grams.total, ref)
   assert_gram_close(sum(raw.values()), ref)

@@ -38,7 +38,7 @@ def _transformed(model, untracked="ignore"):
 def _setup(model, seed=0):
   f = _transformed(model)
   batch = tuple(jnp.asarray(a) for a in model.batch(seed))
-  params, state = f.init(jax.random.PRNGKey(seed), *batch)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), *batch)
   return f, params, state, batch
 
 
@@ -71,7 +71,7 @@ def test_a_covered_model_clips_like_jax_privacy(model):
   theirs = jp_clipping.clipped_grad(loss, l2_clip_norm=C,
                                     batch_argnums=argnums)
   ours = gram_haiku.clipped_grad(loss, l2_clip_norm=C, batch_argnums=argnums)
-  want = theirs(params, state, None, *batch)
+  want = jax.jit(theirs)(params, state, None, *batch)
   got = jax.jit(ours)(params, state, None, *batch)
   assert (jax.tree_util.tree_structure(got) ==
           jax.tree_util.tree_structure(want))
@@ -122,8 +122,8 @@ def test_bare_parameters_are_covered_under_untracked_error(model):
 @pytest.mark.parametrize("model", UNTRACKED, ids=_ids(UNTRACKED))
 def test_an_uncovered_parameter_is_reported_and_clipping_refuses(model):
   f, params, state, batch = _setup(model)
-  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state,
-                                                        None, *batch)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, *batch)
   untracked = sorted(k for k, c in grams.coverage.items() if not c.tracked)
   assert not grams.complete
   assert untracked == sorted(model.untracked)
@@ -147,4 +147,4 @@ def test_a_use_that_cannot_be_reported_is_refused_everywhere(model):
   f = _transformed(model)
   batch = tuple(jnp.asarray(a) for a in model.batch(0))
   with pytest.raises(ValueError, match=model.refused):
-    f.init(jax.random.PRNGKey(0), *batch)
+    jax.jit(f.init)(jax.random.PRNGKey(0), *batch)

@@ -168,7 +168,7 @@ def test_forward_mode_through_tracked_layers_is_refused(with_loss, jit):
   g = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
   plain = hk.without_apply_rng(hk.transform(
       lambda x, y: _tangent_prop(x, y, with_loss)))
-  chex.assert_trees_all_close(g, jax.grad(plain.apply)(params, x, y),
+  chex.assert_trees_all_close(g, jax.jit(jax.grad(plain.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
 
 
@@ -177,7 +177,7 @@ def test_hessian_of_a_tracked_loss_still_works():
   f, g = _transforms(lambda x, y: _sq(jnp.tanh(hk.Linear(2)(x)), y))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   h = jax.hessian(lambda p: f.apply(p, state, None, x, y)[0])(params)
-  want = jax.hessian(lambda p: g.apply(p, x, y))(params)
+  want = jax.jit(jax.hessian(lambda p: g.apply(p, x, y)))(params)
   chex.assert_trees_all_close(h, want, rtol=1e-5, atol=1e-6)
 
 
@@ -354,7 +354,8 @@ def test_complex_operands_are_refused_and_inference_still_works(name, use):
   plain_loss = lambda p: plain.apply(p, plain_state, None, x, y)[0]
   np.testing.assert_allclose(loss(params), plain_loss(params), rtol=1e-6)
   chex.assert_trees_all_close(jax.grad(loss)(params),
-                              jax.grad(plain_loss)(params), rtol=1e-5)
+                              jax.jit(jax.grad(plain_loss))(params),
+                              rtol=1e-5)
   fn = (gram_haiku.clipped_grad(f.apply, 1.0) if use == "clip"
         else gram_haiku.value_grad_and_gram(f.apply))
   with pytest.raises(ValueError, match=r"has complex operands \("
@@ -591,7 +592,7 @@ def test_per_example_branches_by_select_are_exact(jit):
   fn = gram_haiku.value_grad_and_gram(f.apply)
   _, grads, grams = (jax.jit(fn) if jit else fn)(params, state, None, x, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
-  chex.assert_trees_all_close(grads, jax.grad(g.apply)(params, x, y),
+  chex.assert_trees_all_close(grads, jax.jit(jax.grad(g.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
 
 

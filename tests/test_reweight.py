@@ -597,7 +597,8 @@ def test_example_axis_behind_another_vmap():
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(2), x)
   plain = hk.transform(per_example_losses)
-  want = jax.grad(lambda p: jnp.sum(c * plain.apply(p, None, x)))(params)
+  want = jax.jit(jax.grad(lambda p: jnp.sum(c * plain.apply(p, None, x))))(
+      params)
   r = reweight.run(f.apply, params, state, None, (x,), {}, fn_name="t",
                    needs="gram", has_aux=False, axes=(), frozen=None,
                    weight_fn=lambda g: c)

@@ -60,7 +60,7 @@ def _jacobian_rows(losses, params):
   """``F`` from the Jacobian of the batch's ``[B]`` losses: for models
   whose examples share a draw (dropout over the batch). In float32: under
   x64 the same key draws another mask."""
-  leaves = jax.tree.leaves(jax.jacrev(losses)(params))
+  leaves = jax.tree.leaves(jax.jit(jax.jacrev(losses))(params))
   return np.concatenate([np.asarray(l, np.float64).reshape(
       l.shape[0], -1) for l in leaves], axis=1)
 

@@ -131,10 +131,14 @@ def verify(apply_fn: Callable[..., Any], params, state, rng, *args,
   """
   axes, n, batch = _first_examples(args, example_axes, max_examples)
   tol = rtol if rtol is not None else _tolerance(params)
+  # Each computation of the check runs under jit: one compiled program, not
+  # one per primitive (op-by-op dispatch). The arguments are arrays (rng
+  # may be None); **kwargs, which need not be, are closed over.
+  grams_fn = vgg.value_grad_and_gram(apply_fn, example_axes=example_axes,
+                                     has_aux=has_aux)
   try:
-    _, _, grams = vgg.value_grad_and_gram(
-        apply_fn, example_axes=example_axes, has_aux=has_aux)(
-            params, state, rng, *batch, **kwargs)
+    grams = jax.jit(lambda *a: grams_fn(*a, **kwargs)[2])(
+        params, state, rng, *batch)
   except ValueError as e:  # A model value_grad_and_gram refuses: say why.
     return VerifyReport(ok=False, examples=n, loss_scale=None,
                         layer_errors={}, total_error=float("nan"),
@@ -196,15 +200,17 @@ def _clip_norms_shortfall(apply_fn, params, state, rng, batch, kwargs,
   pass's norm bounds (the pass :func:`gram_haiku.clipped_grad` runs) below
   ``ref_norms``, and None; or NaN and the message when that pass refuses
   the model."""
+  def norms(params, state, rng, *batch):
+    return reweight.run(
+        apply_fn, params, state, rng, batch, kwargs, fn_name="clipped_grad",
+        needs="norms", has_aux=has_aux, axes=(), frozen=None,
+        weight_fn=lambda g: jnp.ones(g.sq_norms.shape), privacy=True,
+        example_axes=example_axes).grams.norms
   try:
-    r = reweight.run(apply_fn, params, state, rng, batch, kwargs,
-                     fn_name="clipped_grad", needs="norms", has_aux=has_aux,
-                     axes=(), frozen=None, weight_fn=lambda g: jnp.ones(
-                         g.sq_norms.shape), privacy=True,
-                     example_axes=example_axes)
+    bounds = jax.jit(norms)(params, state, rng, *batch)
   except ValueError as e:
     return float("nan"), str(e)
-  bounds = np.asarray(r.grams.norms, np.float64)
+  bounds = np.asarray(bounds, np.float64)
   short = (ref_norms - bounds) / np.maximum(ref_norms, 1e-30)
   return float(max(0.0, np.max(short, initial=0.0))), None
 
@@ -250,9 +256,10 @@ def _per_example_reference(apply_fn, params, state, rng, batch, axes,
         lambda a, ax=ax: jnp.expand_dims(a, ax), e)
                       for e, ax in zip(example, axes)))
   in_axes = (None, *axes)
-  per_loss = jax.vmap(one, in_axes=in_axes)(params, *batch)
-  per_grad = jax.vmap(jax.jacrev(one), in_axes=in_axes)(params, *batch)
-  return per_loss, per_grad, float(plain(params, *batch))
+  per_loss = jax.jit(jax.vmap(one, in_axes=in_axes))(params, *batch)
+  per_grad = jax.jit(jax.vmap(jax.jacrev(one), in_axes=in_axes))(
+      params, *batch)
+  return per_loss, per_grad, float(jax.jit(plain)(params, *batch))
 
 
 def _loss_scale(batch_loss: float, per_loss, n: int, tol: float):
