@@ -89,34 +89,31 @@ PROGRAM = [m for m in COVERED if m.name in (
 @pytest.mark.parametrize("model", PROGRAM, ids=_ids(PROGRAM))
 def test_bare_parameters_are_covered_under_untracked_error(model):
   """``track(untracked="error")``: the Gram is complete and the float64
-  reference, and ``clipped_grad`` clips like jax-privacy (which runs the
-  same model with ``untracked="ignore"``: it calls it outside a pass)."""
+  reference, and ``clipped_grad`` is the float64 reference's clipped sum
+  (against jax-privacy: test_a_covered_model_clips_like_jax_privacy, which
+  runs these models too)."""
   strict = _transformed(model, untracked="error")
-  batch = tuple(jnp.asarray(a) for a in model.batch(2))
   with jax.enable_x64(True):
     up = lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a
-    batch64 = tuple(up(a) for a in batch)
-    params, state = strict.init(jax.random.PRNGKey(2), *batch64)
+    batch = tuple(up(jnp.asarray(a)) for a in model.batch(2))
+    params, state = strict.init(jax.random.PRNGKey(2), *batch)
     params = jax.tree.map(up, params)
     _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(strict.apply))(
-        params, state, None, *batch64)
+        params, state, None, *batch)
     assert grams.complete
     plain = hk.transform(lambda *b: model.net(*b).sum())
-    ref = reference.reference_gram(
-        lambda p, *ex: plain.apply(p, None, *ex), params, *batch64)
-    reference.assert_gram_close(grams.total, ref, "float64")
-  params, state = strict.init(jax.random.PRNGKey(2), *batch)
-  argnums = tuple(range(3, 3 + len(batch)))
-  lenient = _transformed(model)
-  want = jp_clipping.clipped_grad(lambda *a: lenient.apply(*a)[0],
-                                  l2_clip_norm=C, batch_argnums=argnums)(
-                                      params, state, None, *batch)
-  got = jax.jit(gram_haiku.clipped_grad(
-      lambda *a: strict.apply(*a)[0], l2_clip_norm=C,
-      batch_argnums=argnums))(params, state, None, *batch)
-  scale = max(float(jnp.max(jnp.abs(w))) for w in jax.tree.leaves(want))
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * scale)
+    f = np.asarray(reference.per_example_grads(
+        lambda p, *ex: plain.apply(p, None, *ex), params, *batch))
+    reference.assert_gram_close(grams.total, f @ f.T, "float64")
+    argnums = tuple(range(3, 3 + len(batch)))
+    got = jax.jit(gram_haiku.clipped_grad(
+        lambda *a: strict.apply(*a)[0], l2_clip_norm=C,
+        batch_argnums=argnums))(params, state, None, *batch)
+    c = reference.clip_reference(np.sqrt(np.sum(f * f, axis=1)), C)
+    want = reference.weighted_sum(f, c, params)
+    scale = max(float(np.max(np.abs(w))) for w in jax.tree.leaves(want))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9 * scale)
 
 
 @pytest.mark.parametrize("model", UNTRACKED, ids=_ids(UNTRACKED))
