@@ -35,7 +35,11 @@ def _twice_net(x, y):
   return jnp.sum((h - y) ** 2, axis=-1)
 
 
-def _data(seed, dtype=jnp.float64):
+def _data(seed, dtype=None):
+  """float64 where x64 is on (else float32, without JAX's truncation
+  warning)."""
+  if dtype is None:
+    dtype = jax.dtypes.canonicalize_dtype(jnp.float64)
   rng = np.random.default_rng(seed)
   return (jnp.asarray(rng.standard_normal((B, F)), dtype),
           jnp.asarray(rng.standard_normal((B, D)), dtype))
