@@ -92,8 +92,9 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     (``((value, new_state), grads, cross)`` with ``return_state``):
     ``queries`` is a tuple of the query arguments, one per argument of
     ``args`` (the same structure; ``V`` examples where ``args`` has
-    ``B``); ``value`` and ``grads`` are exactly those of the training
-    examples alone (the queries' rows are masked out of the update);
+    ``B``); ``value`` and ``grads`` are those of the training examples
+    alone, to float rounding (the queries' rows are masked out of the
+    update);
     ``cross`` is a :class:`gram_haiku.CrossGrams`: ``by_layer[m]``
     ``f32[B, V]`` and ``total`` ``f32[B, V]`` (float64 when the layers
     compute in float64), ``total[i, q] = <g_i, h_q>``, and
