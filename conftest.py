@@ -108,13 +108,27 @@ SAMPLED_SWEEPS = {
 }
 
 
-# Sweeps that run each case both eagerly and under jit (function -> the
-# parameter that says which): the default budget runs each case once, the
-# placements taken in turn over the cases, so that every case and every
-# placement still runs; the thorough env runs every pair.
-# (None at present: those sweeps became rows of tests/interpreter_corpus.py,
-# run under jit.)
-ALTERNATED_SWEEPS = {}
+# Sweeps that run each case under every value of one parameter (function ->
+# that parameter: the jit placement, or an option of the case): the default
+# budget runs each case (the other parameters) once, with the parameter's
+# values taken in turn over the cases, so that every case and every value
+# still runs; the thorough env runs every pair. Each entry has at least as
+# many cases as values; its comment says what the kept cases are. (The
+# example-flow sweeps that alternated jit became rows of
+# tests/interpreter_corpus.py, run under jit.)
+ALTERNATED_SWEEPS = {
+    # Each model once, frozen in turn: the stacked scan's [L, 5] bias and
+    # the module called twice frozen, the plain stack and the getter not.
+    "tests/test_reweight.py::test_by_size_counts_the_parameters_a_module_owns":
+        "frozen",
+    # Each loss once, with per-example labels (1,) and per-token ones (1, T)
+    # in turn.
+    "tests/test_example_flow.py::"
+    "test_a_batch_of_one_is_exact_whatever_the_loss": "per_token",
+    # The Gram of one position, the norms of a sequence's (t, s) blocks.
+    "tests/test_reliability.py::"
+    "test_masked_rows_with_huge_inputs_have_zero_gradient": "mode",
+}
 
 
 def _alternated(items):
@@ -167,6 +181,7 @@ def pytest_terminal_summary(terminalreporter, config):
   if not _plugin.thorough():
     terminalreporter.write_line(
         "gram_haiku: the layer-zoo sweeps of conftest.SAMPLED_SWEEPS ran one "
-        "case in k, and those of conftest.ALTERNATED_SWEEPS each case in one "
-        "jit placement (the default budget; in the deselected count); tox -e "
+        "case in k, and those of conftest.ALTERNATED_SWEEPS each case with "
+        "one value of one parameter, such as the jit placement (the default "
+        "budget; in the deselected count); tox -e "
         "conformance-thorough runs them all.")
