@@ -251,7 +251,7 @@ def test_example_independent_inputs_under_hk_vmap_are_exact(body, named,
                              atol=1e-6 * np.abs(ref).max())
   # The tracked layers sum B broadcast copies: float32 sums in another
   # order, so the table's float32 row (atol a fraction of the largest).
-  want = jax.grad(plain.apply)(params, x, y)
+  want = jax.jit(jax.grad(plain.apply))(params, x, y)
   scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want))
   chex.assert_trees_all_close(grads, want, rtol=RTOL_F32,
                               atol=ATOL_F32 * scale)
