@@ -262,9 +262,9 @@ def test_example_independent_inputs_under_hk_vmap_are_exact(body, named,
 def test_clipping_example_independent_inputs_under_hk_vmap(body):
   x, y = _data(6)
   def tracked(x, y):
-    # (The memory rows are frozen below; the track()-level warning about
-    # them is not what this test checks.)
-    with gram_haiku.track(untracked="ignore"):
+    # The memory rows are frozen below: no gradient, so neither an
+    # untracked error nor a warning, even under untracked="error".
+    with gram_haiku.track(untracked="error"):
       return jnp.sum(hk.vmap(body, split_rng=False)(x, y))
   f = hk.transform_with_state(tracked)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)

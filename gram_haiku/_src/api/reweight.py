@@ -197,12 +197,13 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   between the first ``cross_rows`` examples and the others
   (:attr:`PassResult.cross`).
   """
+  frozen_names = frozen_leaves(frozen, params)
   t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
                      axes, strict=privacy, example_axes=example_axes,
-                     sum_for=None if cross_rows is None else "cross_gram")
+                     sum_for=None if cross_rows is None else "cross_gram",
+                     frozen=frozenset(frozen_names))
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = pipeline.leaf_names(params)
-  frozen_names = frozen_leaves(frozen, params)
   if names and frozen_names >= set(names):
     raise ValueError(
         f"gram_haiku.{fn_name}: frozen= freezes every parameter "

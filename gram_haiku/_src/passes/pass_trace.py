@@ -166,7 +166,7 @@ def leaf_names(params) -> list[str]:
 
 
 def _discover(loss, params, probes, rng, args, kwargs, axes,
-              example_axes=None, model_state=()):
+              example_axes=None, model_state=(), frozen=frozenset()):
   """One abstract trace of the loss (no FLOPs), read.
 
   ``loss(params, probes, rng, args, kwargs)``. Returns the
@@ -201,15 +201,18 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
       m: u for m, u in found.slot_counts.items()
       if found.ops[m].name not in raw_traced})
   names = leaf_names(params)
+  # No gradient (read through stop_gradient only, or declared frozen=):
+  # nothing to miss, so neither a rule nor a report.
+  gradless = set(found.no_gradient) | set(frozen)
   sites = program_rules.find(
       live, n_params, [k for k, n in enumerate(names)
-                       if n in found.untracked_uses and
-                       n not in found.no_gradient], op_lib.RuleOp)
+                       if n in found.untracked_uses and n not in gradless],
+      op_lib.RuleOp)
   deferred = {}  # reported once the program-level rules are resolved
   for name, (policy, module_type) in sorted(untracked.items()):
-    if name in found.untracked_uses and name not in found.no_gradient:
+    if name in found.untracked_uses and name not in gradless:
       deferred[name] = (policy, module_type)
-    elif name not in found.no_gradient:  # stop_gradient only: nothing to miss
+    elif name not in gradless:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type)
 
   def check_examples(strict: bool = False, observed=None) -> bool:
@@ -337,11 +340,14 @@ def _check_arguments(apply_fn, params, state) -> None:
 def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
                axes: tuple[str, ...], *, strict: bool = False,
                example_axes=None,
-               sum_for: Optional[str] = None) -> TracedLoss:
+               sum_for: Optional[str] = None,
+               frozen: frozenset = frozenset()) -> TracedLoss:
   """Traces the tracked loss of one call and checks what it says.
 
   ``strict``: refuse losses that read other examples' data (a privacy
   guarantee needs it; see :func:`gram_haiku._src.analysis.example_flow.check`).
+  ``frozen``: full names of parameters declared frozen (``frozen=``): no
+  gradient, so no untracked report and no program rule.
   ``sum_for``: the public function whose result needs the loss to be a sum
   over the examples, warned for a mean (``strict`` implies
   ``"clipped_grad"``; :func:`gram_haiku._src.analysis.loss_scale.warn_if_mean`).
@@ -374,7 +380,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     _check_batch_split(axes, probes, (args, kwargs))
   found, seen, check_examples, program, (sites, deferred) = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
-      example_axes, jax.tree_util.tree_leaves(rest))
+      example_axes, jax.tree_util.tree_leaves(rest), frozen)
   if not found.sizes:
     arrays, array_axes, _ = batch_args.split_batch(
         (None, *args), kwargs, example_axes)
