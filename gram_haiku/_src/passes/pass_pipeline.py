@@ -647,13 +647,11 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
       if store == Store.SLOTS:
         val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
       out[m] = val
-    elif m in p.program:  # A program-level rule's per-example gradients.
-      f = p.program[m][1]
-      out[m] = f[:row_split] @ jnp.sum(f[row_split:], axis=0)
-    else:  # PER_EXAMPLE
-      f = stacked_to_columns(per_example_of(t.found, m, p.cotangents[m],
-                                            leaves, skip))
-      out[m] = f[:row_split] @ jnp.sum(f[row_split:], axis=0)
+    else:  # Per-example gradients: a program-level rule's, or PER_EXAMPLE.
+      f = (p.program[m][1] if m in p.program else stacked_to_columns(
+          per_example_of(t.found, m, p.cotangents[m], leaves, skip)))
+      out[m] = jnp.matmul(f[:row_split], jnp.sum(f[row_split:], axis=0),
+                          precision=kernels.DEFAULT_PRECISION)
   return out
 
 
