@@ -84,8 +84,7 @@ def query_summed_from_factors(op, x, g, params, row_split: int
   n = x.shape[e]
   c = (jnp.arange(n) >= row_split).astype(acc)
   present = [k for k, p in enumerate(params) if p is not None]
-  wanted = [k for k in present if k not in (op.plan.frozen or ())]
-  h = factors.reweighted_param_grads(op, x, g, params, c, wanted, True)
+  h = recontract_factors(op, x, g, params, c, True)  # (frozen: no term)
   xt = jax.lax.slice_in_dim(x, 0, row_split, axis=e)
   gt = jax.lax.slice_in_dim(g, 0, row_split, axis=e).astype(acc)
   if jnp.issubdtype(xt.dtype, jnp.floating):
