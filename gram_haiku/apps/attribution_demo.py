@@ -455,10 +455,7 @@ def plot(summary: dict[str, Any], out_dir: str) -> list[str]:
                            squeeze=False)
   for row, q in zip(axes, queries):
     _digit(row[0], q["image"], f"held out\n{q['label']}", "tab:blue")
-    for ax, e in zip(row[1:k + 1], q["helpful"]):
-      text, color = _label(e)
-      _digit(ax, e["image"], f"{e['influence']:+.2g}\n{text}", color)
-    for ax, e in zip(row[k + 1:], q["harmful"]):
+    for ax, e in zip(row[1:], q["helpful"] + q["harmful"]):
       text, color = _label(e)
       _digit(ax, e["image"], f"{e['influence']:+.2g}\n{text}", color)
   axes[0][1].annotate("most helpful", (0, 1.6), xycoords="axes fraction",
