@@ -37,6 +37,9 @@ Cases:
   "data")`` under ``shard_map``: the clipped sum over all devices equals
   ``sum_i min(1, C/|g_i|) g_i`` of the single-device reference (per-layer:
   each module clipped to ``C / sqrt(L)``).
+* ``cross_gram/MLP``: :func:`gram_haiku.cross_gram` with the examples and
+  the queries split, under ``shard_map`` and ``mesh=``: the block equals
+  ``F_train @ F_query.T`` of the single-device reference.
 """
 
 from __future__ import annotations
@@ -317,6 +320,73 @@ def case_clipped(clipping, entry_name):
   np.testing.assert_allclose(fraction, want_fraction, rtol=1e-6)
   assert 0 < want_fraction < 1
   _assert_grads(grads, want, _tolerance(entry))
+  return {}
+
+
+def case_cross_gram():
+  """``cross_gram`` with the examples and the queries split over the mesh:
+  under ``shard_map`` (``mesh_axes="data"``: this device's rows of the
+  block against every device's queries) and with ``mesh=`` over two axes
+  in the order that is not the mesh's; blocks, query sums and squared
+  norms equal ``F_train @ F_query.T`` of the single-device reference, the
+  update the training examples' gradient. Inside ``shard_map`` without
+  ``mesh_axes``: an error that names ``cross_gram``'s ``mesh_axes``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from tests import layer_zoo  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
+
+  entry = layer_zoo.BY_NAME["MLP"]
+  tracked, x, params, state, _, grads, plain_loss = _problem(entry,
+                                                            "explicit")
+  xq = layer_zoo._draw(entry, (N_DEVICES,), 1)  # pylint: disable=protected-access
+  f = np.asarray(reference.per_example_grads(plain_loss, params, x),
+                 np.float64)
+  h = np.asarray(reference.per_example_grads(plain_loss, params, xq),
+                 np.float64)
+  want = f @ h.T
+
+  def check(total, summed, sq, got_grads):
+    assert total.shape == (B, N_DEVICES), total.shape
+    reference.assert_gram_close(total, want)
+    reference.assert_gram_close(summed[:, None], want.sum(1)[:, None])
+    reference.assert_gram_close(sq[:, None], (f * f).sum(1)[:, None])
+    _assert_grads(got_grads, grads, 1e-5)
+
+  def local(axes):
+    def step(params, state, x, xq):
+      _, g, cross = gram_haiku.cross_gram(tracked.apply, mesh_axes=axes)(
+          params, state, None, x, queries=(xq,))
+      return g, cross.total, cross.query_summed, cross.sq_norms
+    return step
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  rows = P("data")
+  g, total, summed, sq = jax.jit(jax.shard_map(
+      local("data"), mesh=mesh, in_specs=(P(), P(), rows, rows),
+      out_specs=(P(), P("data", None), rows, rows)))(params, state, x, xq)
+  check(total, summed, sq, g)
+  mesh2 = jax.make_mesh((4, 2), ("a", "b"),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  value, g, cross = jax.jit(gram_haiku.cross_gram(
+      tracked.apply, mesh=mesh2, mesh_axes=("b", "a")))(
+          params, state, None, x, queries=(xq,))
+  assert value.shape == (N_DEVICES,), value.shape
+  check(cross.total, cross.query_summed, cross.sq_norms, g)
+  np.testing.assert_allclose(float(value.sum()), float(plain_loss(params, x)),
+                             rtol=1e-5)
+  try:
+    jax.jit(jax.shard_map(local(None), mesh=mesh,
+                          in_specs=(P(), P(), rows, rows),
+                          out_specs=(P(), P("data", None), rows, rows)))(
+                              params, state, x, xq)
+  except ValueError as e:
+    text = str(e)
+    assert "cross_gram" in text and "mesh_axes='data'" in text, text
+  else:
+    raise AssertionError("no error without mesh_axes inside shard_map")
   return {}
 
 
@@ -920,6 +990,7 @@ def cases(everything: bool):
   out.append(("mesh_argument/errors", case_mesh_argument_errors))
   out.append(("mesh_argument/reparametrised", case_reparam_mesh))
   out.append(("fused_rule/shard_map", case_fused_rule_sharded))
+  out.append(("cross_gram/MLP", case_cross_gram))
   for clipping in ("all-layer", "per-layer"):
     for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
         else ("MLP",):

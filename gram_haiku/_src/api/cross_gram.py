@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src.api import reweight
+from gram_haiku._src.api import shard_examples
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import CrossGrams
 from gram_haiku._src.frontend import ambient
@@ -66,7 +67,9 @@ def _concatenated(args, queries, example_axes):
 
 def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                return_state: bool = False, frozen: reweight.Frozen = None,
-               example_axes: Optional[Sequence[Optional[int]]] = None
+               example_axes: Optional[Sequence[Optional[int]]] = None,
+               mesh_axes: str | tuple[str, ...] | None = None,
+               mesh: Optional[jax.sharding.Mesh] = None
                ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into a training step that also returns
   the Gram block between its examples and a set of queries.
@@ -108,15 +111,18 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       structure, shapes off the example axis, one ``B`` and one ``V``),
       for a trainable parameter that no Gram rule covers (its part of
       every product would be missing), and every error of
-      :func:`gram_haiku.reweighted_grad`.
+      :func:`gram_haiku.reweighted_grad` (``mesh_axes`` and ``mesh``
+      included).
   """
+  axes = shard_examples.example_axes_of(mesh_axes, mesh, "cross_gram")
+
   def fn(params, state, rng, *args, queries, **kwargs):
     rows, b, v = _concatenated(args, queries, example_axes)
     mask = jnp.concatenate([jnp.ones((b,), jnp.float32),
                             jnp.zeros((v,), jnp.float32)])
     r = reweight.run(apply_fn, params, state, rng, rows, kwargs,
                      fn_name="cross_gram", needs="norms", has_aux=has_aux,
-                     axes=(), frozen=frozen,
+                     axes=axes, frozen=frozen,
                      weight_fn=lambda grams: mask, example_weights=mask,
                      example_axes=example_axes, cross_rows=b)
     # The training examples' own value (and aux, state): the pass's is of
@@ -128,5 +134,22 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     sq = {m: s[:b] for m, s in r.grams.sq_norms_by_layer.items()}
     return value, r.grads, CrossGrams(blocks, summed, sq, r.grams.coverage)
 
-  return fn
+  if mesh is None:
+    return fn
+
+  def joint(params, state, rng, *args_and_queries, **kwargs):
+    n = len(args_and_queries) // 2  # The queries as arguments: split too.
+    return fn(params, state, rng, *args_and_queries[:n],
+              queries=tuple(args_and_queries[n:]), **kwargs)
+  sharded = shard_examples.shard_examples(
+      joint, mesh=mesh, axes=axes, fn_name="cross_gram",
+      example_axes=None if example_axes is None else 2 * tuple(example_axes),
+      rows=lambda out: (shard_examples.mark(out[:2], False),
+                        shard_examples.mark(out[2], True)))
+
+  def on_mesh(params, state, rng, *args, queries, **kwargs):
+    if not isinstance(queries, (tuple, list)) or len(queries) != len(args):
+      _concatenated(args, queries, example_axes)  # Its error.
+    return sharded(params, state, rng, *args, *queries, **kwargs)
+  return on_mesh
 

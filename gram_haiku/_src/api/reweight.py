@@ -201,7 +201,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
                      axes, strict=privacy, example_axes=example_axes,
                      sum_for=None if cross_rows is None else "cross_gram",
-                     frozen=frozenset(frozen_names))
+                     frozen=frozenset(frozen_names), fn_name=fn_name)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = pipeline.leaf_names(params)
   if names and frozen_names >= set(names):

@@ -171,7 +171,7 @@ TRACK_OUTSIDE_TRANSFORM = (
     "the model call (see the quickstart in README.md).")
 
 MESH_AXES_UNBOUND = (
-    "gram_haiku.value_grad_and_gram(mesh_axes={axes}): these mesh axes are "
+    "gram_haiku.{fn}(mesh_axes={axes}): these mesh axes are "
     "not bound here ({error}). mesh_axes names the axes of an enclosing "
     "jax.shard_map over which the examples are split.\n"
     "What to do: call the transformed function inside jax.shard_map(..., "
@@ -179,7 +179,7 @@ MESH_AXES_UNBOUND = (
     "mesh_axes outside shard_map (jit with NamedSharding needs none).")
 
 BATCH_NOT_SPLIT = (
-    "gram_haiku.value_grad_and_gram(mesh_axes={axes}): the examples are to "
+    "gram_haiku.{fn}(mesh_axes={axes}): the examples are to "
     "be split over these mesh axes, but no batch input varies over them "
     "(inputs {shapes}, varying over {varying}): every device holds the same "
     "examples, and the assembled Gram would count each of them once per "
@@ -203,11 +203,13 @@ PROBE_NOT_VARYING = (
     "{probe_shape}) only over {probe_axes}: each device has other examples, "
     "and its Gram cannot be summed across devices (that would be silently "
     "wrong).\n"
-    "What to do: pass value_grad_and_gram(apply_fn, mesh_axes=...) naming "
-    "the mesh axes the examples are split over (here perhaps "
-    "mesh_axes={suggest}; leave out axes that split features, not "
+    "What to do: pass mesh_axes=... to the gram_haiku transform that runs "
+    "this loss (value_grad_and_gram, reweighted_grad, clipped_grad or "
+    "cross_gram), naming the mesh axes the examples are split over (here "
+    "perhaps mesh_axes={suggest}; leave out axes that split features, not "
     "examples), so that each device gets its rows f32[B_local, B] of the "
-    "global Gram; for several axes pass mesh=mesh too and call it outside "
+    "global Gram (of the block, f32[B_local, V], for cross_gram, whose "
+    "queries are split the same way); for several axes pass mesh=mesh too and call it outside "
     "shard_map, which fixes their order. On the raw path give the probe the "
     "shape {raw}.")
 

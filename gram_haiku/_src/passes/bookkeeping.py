@@ -51,7 +51,8 @@ def op_params(op, leaves: Sequence[Any], leaf_index: Sequence[Any]) -> list:
 
 def from_factors(op, x, g, params, mode: str,
                  upper_bound: bool = False,
-                 row_split: Optional[int] = None) -> jax.Array:
+                 row_split: Optional[int] = None,
+                 column_axes: tuple[str, ...] = ()) -> jax.Array:
   """``[B, B]`` Gram (``mode="gram"``) or ``[B]`` squared norms from the
   factors (:func:`~gram_haiku._src.ops.factors.split_factors` of its
   ``[B, K]`` store) of one application, by the op's own rule. Its cost
@@ -60,16 +61,20 @@ def from_factors(op, x, g, params, mode: str,
   squared norms as sound upper bounds (clip factors;
   :mod:`gram_haiku._src.compute.norm_bounds`). ``row_split``: the Gram's
   block ``G[:s, s:]`` across the first ``s`` examples and the others
-  (:attr:`~gram_haiku._src.compute.kernels.KernelConfig.row_split`)."""
+  (:attr:`~gram_haiku._src.compute.kernels.KernelConfig.row_split`).
+  ``column_axes``: under ``shard_map``, the mesh axes the examples are
+  split over: the columns are gathered from every device
+  (:meth:`~gram_haiku._src.compute.kernels.KernelConfig.columns`), and the
+  result is this device's rows."""
   cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
                      precision=op.plan.precision, upper_bound=upper_bound,
-                     row_split=row_split)
+                     row_split=row_split, column_axes=tuple(column_axes))
   return modes.products(op.in_mode(mode), x, g, params, (), cfg,
                         reuse=False)[0]
 
 
-def query_summed_from_factors(op, x, g, params, row_split: int
-                              ) -> jax.Array:
+def query_summed_from_factors(op, x, g, params, row_split: int,
+                              axes: tuple[str, ...] = ()) -> jax.Array:
   """``[s]``: ``<g_i, sum_{q >= s} g_q>`` for the first ``s`` examples
   against the sum of the others' per-example gradients, from the factors
   of one application, without their ``s x (B - s)`` block: the summed
@@ -78,13 +83,18 @@ def query_summed_from_factors(op, x, g, params, row_split: int
   output cotangent against the forward-mode derivative of the layer at
   example ``i``'s input in the direction ``H``: one JVP of the layer on
   the first ``s`` examples. Exact for every rule (a per-example gradient
-  is ``J_i^T d_i``); frozen parameters have no term."""
+  is ``J_i^T d_i``); frozen parameters have no term. ``axes``: under
+  ``shard_map``, the mesh axes the examples are split over: ``H`` is
+  summed over every device's others (``psum``), the first ``s`` are this
+  device's."""
   e = op.example_axis.resolved_position()
   acc = op.accumulation_dtype()
   n = x.shape[e]
   c = (jnp.arange(n) >= row_split).astype(acc)
   present = [k for k, p in enumerate(params) if p is not None]
   h = recontract_factors(op, x, g, params, c, True)  # (frozen: no term)
+  if axes:
+    h = {k: sum_over_devices(v, axes, x) for k, v in h.items()}
   xt = jax.lax.slice_in_dim(x, 0, row_split, axis=e)
   gt = jax.lax.slice_in_dim(g, 0, row_split, axis=e).astype(acc)
   if jnp.issubdtype(xt.dtype, jnp.floating):
@@ -101,6 +111,19 @@ def query_summed_from_factors(op, x, g, params, row_split: int
   y_dot = jax.jvp(forward, primals, tangents)[1].astype(acc)
   others = tuple(a for a in range(gt.ndim) if a != e)
   return jnp.sum(gt * y_dot, axis=others)
+
+
+def sum_over_devices(v, axes: tuple[str, ...], like) -> jax.Array:
+  """``v``, a sum over this device's examples, summed over the devices of
+  the mesh ``axes`` once. Inside ``shard_map`` with VMA checking, JAX's
+  AD has already summed the cotangent of a replicated parameter (``v`` is
+  then invariant over ``axes``); with ``check_vma=False`` nothing is
+  typed (``like``, a value of the examples, varies over none of ``axes``)
+  and the sum is made here."""
+  if not set(axes) & hx.varying_axes(like):
+    return jax.lax.psum(v, axes)
+  left = tuple(a for a in axes if a in hx.varying_axes(v))
+  return jax.lax.psum(v, left) if left else v
 
 
 def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:

@@ -606,7 +606,8 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
       return norm_bounds.of_rows(f, slack)
     return _from_per_example(f, want, t.axes, row_split=row_split)
   if store in _OF_FACTORS:
-    val = bk.from_factors(*opened[m], want, bound, row_split)
+    val = bk.from_factors(*opened[m], want, bound, row_split,
+                          () if row_split is None else t.axes)
     if store == Store.SLOTS:
       val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
     return val
@@ -634,7 +635,11 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
   without the rest of the Gram (:func:`gram_haiku.cross_gram`).
   ``summed``: ``{module: [s]}``, the block's row sums ``<g_i, sum_q g_q>``,
   formed without the block
-  (:func:`~gram_haiku._src.passes.bookkeeping.query_summed_from_factors`)."""
+  (:func:`~gram_haiku._src.passes.bookkeeping.query_summed_from_factors`).
+  Under ``shard_map`` (``t.axes``) each device's first ``s`` examples are
+  the rows and the others those of every device (gathered, in the order
+  of the axes; summed for ``summed``): this device's rows of the global
+  block."""
   out = {}
   for m, store in sorted(p.stores.items()):
     if store == Store.NOTHING:
@@ -643,14 +648,17 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
       out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
                          opened, p, leaves, skip, False, row_split)
     elif store in _OF_FACTORS:
-      val = bk.query_summed_from_factors(*opened[m], row_split)
+      val = bk.query_summed_from_factors(*opened[m], row_split, t.axes)
       if store == Store.SLOTS:
         val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
       out[m] = val
     else:  # Per-example gradients: a program-level rule's, or PER_EXAMPLE.
       f = (p.program[m][1] if m in p.program else stacked_to_columns(
           per_example_of(t.found, m, p.cotangents[m], leaves, skip)))
-      out[m] = jnp.matmul(f[:row_split], jnp.sum(f[row_split:], axis=0),
+      h = jnp.sum(f[row_split:], axis=0)
+      if t.axes:  # Every device's queries.
+        h = bk.sum_over_devices(h, t.axes, f)
+      out[m] = jnp.matmul(f[:row_split], h,
                           precision=kernels.DEFAULT_PRECISION)
   return out
 

@@ -75,16 +75,17 @@ def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
   return next(iter(found.sizes.values()))
 
 
-def _check_mesh_axes(axes: tuple[str, ...]) -> int:
+def _check_mesh_axes(axes: tuple[str, ...], fn_name: str) -> int:
   """Number of devices over ``axes``, or a teaching error outside shard_map."""
   try:
     return example_sharding.axes_size(axes)
   except NameError as e:
-    raise ValueError(errors.MESH_AXES_UNBOUND.format(axes=axes,
-                                                     error=e)) from None
+    raise ValueError(errors.MESH_AXES_UNBOUND.format(
+        fn=fn_name, axes=axes, error=e)) from None
 
 
-def _check_batch_split(axes: tuple[str, ...], probes, batch) -> None:
+def _check_batch_split(axes: tuple[str, ...], probes, batch,
+                       fn_name: str) -> None:
   """Inside ``shard_map`` with VMA checking (the probes then vary over
   ``axes``), some batch input must vary over every axis of ``axes``;
   otherwise a teaching error. Without VMA checking nothing can tell."""
@@ -95,7 +96,7 @@ def _check_batch_split(axes: tuple[str, ...], probes, batch) -> None:
   if not arrays or any(set(axes) <= hx.varying_axes(a) for a in arrays):
     return
   raise ValueError(errors.BATCH_NOT_SPLIT.format(
-      axes=axes if len(axes) > 1 else repr(axes[0]),
+      fn=fn_name, axes=axes if len(axes) > 1 else repr(axes[0]),
       shapes=[tuple(jnp.shape(a)) for a in arrays],
       varying=sorted({ax for a in arrays for ax in hx.varying_axes(a)})))
 
@@ -341,13 +342,15 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
                axes: tuple[str, ...], *, strict: bool = False,
                example_axes=None,
                sum_for: Optional[str] = None,
-               frozen: frozenset = frozenset()) -> TracedLoss:
+               frozen: frozenset = frozenset(),
+               fn_name: str = "value_grad_and_gram") -> TracedLoss:
   """Traces the tracked loss of one call and checks what it says.
 
   ``strict``: refuse losses that read other examples' data (a privacy
   guarantee needs it; see :func:`gram_haiku._src.analysis.example_flow.check`).
   ``frozen``: full names of parameters declared frozen (``frozen=``): no
   gradient, so no untracked report and no program rule.
+  ``fn_name``: the public function, for errors.
   ``sum_for``: the public function whose result needs the loss to be a sum
   over the examples, warned for a mean (``strict`` implies
   ``"clipped_grad"``; :func:`gram_haiku._src.analysis.loss_scale.warn_if_mean`).
@@ -359,7 +362,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   rest, probes = split_probes(state)
   if not probes:
     raise ValueError(errors.NO_PROBES)
-  n_devices = _check_mesh_axes(axes)
+  n_devices = _check_mesh_axes(axes, fn_name)
 
   def loss_of(params, probes, rng, args, kwargs, extra=None):
     state = merge_probes(rest, probes)
@@ -377,7 +380,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   given_probes = probes
   if axes:  # Each device has its own rows: the probes vary over `axes`.
     probes = {m: hx.vary_over(p, axes) for m, p in probes.items()}
-    _check_batch_split(axes, probes, (args, kwargs))
+    _check_batch_split(axes, probes, (args, kwargs), fn_name)
   found, seen, check_examples, program, (sites, deferred) = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
       example_axes, jax.tree_util.tree_leaves(rest), frozen)
