@@ -348,12 +348,12 @@ def case_cross_gram():
                  np.float64)
   want = f @ h.T
 
-  def check(total, summed, sq, got_grads):
+  def check(total, summed, sq, got_grads, want_grads=grads):
     assert total.shape == (B, N_DEVICES), total.shape
     reference.assert_gram_close(total, want)
     reference.assert_gram_close(summed[:, None], want.sum(1)[:, None])
     reference.assert_gram_close(sq[:, None], (f * f).sum(1)[:, None])
-    _assert_grads(got_grads, grads, 1e-5)
+    _assert_grads(got_grads, want_grads, 1e-5)
 
   def local(axes):
     def step(params, state, x, xq):
@@ -370,11 +370,16 @@ def case_cross_gram():
   check(total, summed, sq, g)
   mesh2 = jax.make_mesh((4, 2), ("a", "b"),
                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  # With the update clipped (the block is of the unclipped gradients).
+  norms = np.sqrt((f * f).sum(1))
+  c_norm = float(np.median(norms))
   value, g, cross = jax.jit(gram_haiku.cross_gram(
-      tracked.apply, mesh=mesh2, mesh_axes=("b", "a")))(
-          params, state, None, x, queries=(xq,))
+      tracked.apply, mesh=mesh2, mesh_axes=("b", "a"),
+      l2_clip_norm=c_norm))(params, state, None, x, queries=(xq,))
   assert value.shape == (N_DEVICES,), value.shape
-  check(cross.total, cross.query_summed, cross.sq_norms, g)
+  check(cross.total, cross.query_summed, cross.sq_norms, g,
+        reference.weighted_sum(f, reference.clip_reference(norms, c_norm),
+                               params))
   np.testing.assert_allclose(float(value.sum()), float(plain_loss(params, x)),
                              rtol=1e-5)
   try:

@@ -209,3 +209,108 @@ def test_a_bare_parameter_under_untracked_error_is_covered_by_its_program_rule()
     want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
     np.testing.assert_allclose(value, want_value, rtol=1e-12)
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-11)
+
+
+def _two_losses():
+  """A network, a training loss (squared error) and a query loss (cross
+  entropy) per example, and the tracked loss that picks one per row from
+  ``is_query``."""
+  def body(x):
+    return hk.Linear(3)(jnp.tanh(hk.Linear(5)(x)))
+
+  def train_loss(out, y):
+    return jnp.sum((out - y) ** 2, axis=-1)
+
+  def query_loss(out, y):
+    return -jnp.sum(jax.nn.log_softmax(out) * jax.nn.softmax(y), axis=-1)
+
+  def loss(x, y, is_query=None):
+    with gram_haiku.track():
+      out = body(x)
+    return jnp.where(is_query, query_loss(out, y), train_loss(out, y)).sum()
+  train = hk.transform(lambda x, y: train_loss(body(x), y).sum())
+  query = hk.transform(lambda x, y: query_loss(body(x), y).sum())
+  return (hk.transform_with_state(loss),
+          lambda p, x, y: train.apply(p, None, x, y),
+          lambda p, x, y: query.apply(p, None, x, y))
+
+
+@pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])
+def test_a_separate_query_loss_and_clipping_are_exact_in_float64(clipped):
+  """``query_flag``: the block against the query loss's gradients (queries
+  far off the training inputs); ``l2_clip_norm``: the clipped update of
+  the training examples alone, the block still of the unclipped ones."""
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(5), 5)
+    x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
+            jax.random.normal(k[1], (6, 3), jnp.float64))
+    xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
+    yq = jax.random.normal(k[3], (V, 3), jnp.float64)
+    t, train_loss, query_loss = _two_losses()
+    params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
+    f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
+    h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+    want, norms = f @ h.T, np.sqrt(np.sum(f * f, axis=1))
+    c_norm = float(np.median(norms)) if clipped else None
+    value, grads, cross = jax.jit(gram_haiku.cross_gram(
+        t.apply, query_flag="is_query", l2_clip_norm=c_norm))(
+            params, state, None, x, y, queries=(xq, yq))
+    atol = 1e-12 * np.abs(want).max()
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10, atol=atol)
+    np.testing.assert_allclose(cross.query_summed, want.sum(1), rtol=1e-10,
+                               atol=atol)
+    np.testing.assert_allclose(cross.sq_norms, norms ** 2, rtol=1e-10)
+    c = (testing.clip_reference(norms, c_norm) if clipped
+         else np.ones_like(norms))
+    assert not clipped or 0 < np.mean(c < 1) < 1
+    chex.assert_trees_all_close(grads, testing.weighted_sum(f, c, params),
+                                rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(value, train_loss(params, x, y), rtol=1e-12)
+
+
+def test_a_clipped_update_from_per_example_stores_is_exact_in_float64():
+  """A layer applied twice keeps per-example gradients (in a clipping pass
+  with their rounding bound's column, which the block leaves out): its
+  block and the clipped update of the training examples, exact."""
+  name, body, shape, _ = _x64_models()[0]
+  assert name == "shared"
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(6), 3)
+    x = jax.random.normal(k[0], (4,) + shape, jnp.float64)
+    xq = jax.random.normal(k[1], (V,) + shape, jnp.float64)
+
+    def loss(x):
+      with gram_haiku.track():
+        return body(x).sum()
+    t = hk.transform_with_state(loss)
+    plain = hk.transform(lambda x: body(x).sum())
+    plain_loss = lambda p, x: plain.apply(p, None, x)
+    params, state = t.init(k[2], x)
+    f = np.asarray(testing.per_example_grads(plain_loss, params, x))
+    h = np.asarray(testing.per_example_grads(plain_loss, params, xq))
+    norms = np.sqrt(np.sum(f * f, axis=1))
+    c_norm = float(np.median(norms))
+    _, grads, cross = jax.jit(gram_haiku.cross_gram(
+        t.apply, l2_clip_norm=c_norm))(params, state, None, x, queries=(xq,))
+    want = f @ h.T
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    np.testing.assert_allclose(cross.query_summed, want.sum(1), rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    c = testing.clip_reference(norms, c_norm)
+    assert 0 < np.mean(c < 1) < 1
+    chex.assert_trees_all_close(grads, testing.weighted_sum(f, c, params),
+                                rtol=1e-10, atol=1e-13)
+
+
+def test_query_flag_errors():
+  t, _, _ = _two_losses()
+  x, y = jnp.ones((4, 4)), jnp.ones((4, 3))
+  params, state = t.init(jax.random.PRNGKey(0), x, y,
+                         is_query=jnp.zeros((4,), bool))
+  with pytest.raises(ValueError, match="must be a Python identifier"):
+    gram_haiku.cross_gram(t.apply, query_flag="is query")
+  with pytest.raises(ValueError, match="would overwrite it"):
+    gram_haiku.cross_gram(t.apply, query_flag="is_query")(
+        params, state, None, x, y, queries=(x, y),
+        is_query=jnp.zeros((8,), bool))

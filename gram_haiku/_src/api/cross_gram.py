@@ -26,9 +26,11 @@ import jax.numpy as jnp
 
 from gram_haiku._src.api import reweight
 from gram_haiku._src.api import shard_examples
+from gram_haiku._src.compute.plan import Clip
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import CrossGrams
 from gram_haiku._src.frontend import ambient
+from gram_haiku._src.ops.modes import clip_weights
 
 
 def _concatenated(args, queries, example_axes):
@@ -69,7 +71,9 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                return_state: bool = False, frozen: reweight.Frozen = None,
                example_axes: Optional[Sequence[Optional[int]]] = None,
                mesh_axes: str | tuple[str, ...] | None = None,
-               mesh: Optional[jax.sharding.Mesh] = None
+               mesh: Optional[jax.sharding.Mesh] = None,
+               query_flag: Optional[str] = None,
+               l2_clip_norm: Optional[float] = None
                ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into a training step that also returns
   the Gram block between its examples and a set of queries.
@@ -79,7 +83,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       its model inside ``gram_haiku.track()`` and returns the scalar loss
       ``sum_i l_i`` (a sum: a mean over the joint batch would scale the
       update; :class:`gram_haiku.MeanLossWarning` says so when it can
-      tell). The queries' gradients are those of the same loss.
+      tell). The queries' gradients are those of the same loss, unless
+      ``query_flag`` gives them their own.
     has_aux, return_state: as in :func:`gram_haiku.value_grad_and_gram`
       (the value, aux and state are those of the training examples alone,
       from one more forward pass of them where they are used: a model
@@ -115,18 +120,31 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       included).
   """
   axes = shard_examples.example_axes_of(mesh_axes, mesh, "cross_gram")
+  clip = None if l2_clip_norm is None else Clip(l2_clip_norm)
+  if query_flag is not None and not (isinstance(query_flag, str) and
+                                     query_flag.isidentifier()):
+    raise ValueError(errors.CROSS_QUERY_FLAG.format(got=repr(query_flag)))
 
   def fn(params, state, rng, *args, queries, **kwargs):
+    if query_flag is not None and query_flag in kwargs:
+      raise ValueError(errors.CROSS_QUERY_FLAG_GIVEN.format(
+          name=query_flag))
     rows, b, v = _concatenated(args, queries, example_axes)
     mask = jnp.concatenate([jnp.ones((b,), jnp.float32),
                             jnp.zeros((v,), jnp.float32)])
-    r = reweight.run(apply_fn, params, state, rng, rows, kwargs,
+    flagged = kwargs if query_flag is None else {
+        **kwargs, query_flag: jnp.arange(b + v) >= b}
+    weight_fn = ((lambda grams: mask) if clip is None else
+                 (lambda grams: clip_weights(grams.sq_norms, clip) * mask))
+    r = reweight.run(apply_fn, params, state, rng, rows, flagged,
                      fn_name="cross_gram", needs="norms", has_aux=has_aux,
-                     axes=axes, frozen=frozen,
-                     weight_fn=lambda grams: mask, example_weights=mask,
+                     axes=axes, frozen=frozen, weight_fn=weight_fn,
+                     example_weights=mask, privacy=clip is not None,
                      example_axes=example_axes, cross_rows=b)
     # The training examples' own value (and aux, state): the pass's is of
     # both sets. Under jit, unused, it is not computed.
+    if query_flag is not None:
+      kwargs = {**kwargs, query_flag: jnp.zeros((b,), bool)}
     with ambient.plain_haiku():
       out, new_state = apply_fn(params, state, rng, *args, **kwargs)
     value = (out, new_state) if return_state else out

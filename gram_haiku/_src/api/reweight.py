@@ -247,10 +247,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip)
-  cross = (None if cross_rows is None else
-           (pipeline.read_cross(t, p, leaves, opened, cross_rows, skip),
-            pipeline.read_cross(t, p, leaves, opened, cross_rows, skip,
-                                summed=True)))
+  cross = (None if cross_rows is None else tuple(
+      pipeline.read_cross(t, p, leaves, opened, cross_rows, skip, summed,
+                          objective.upper_bound) for summed in (False, True)))
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},

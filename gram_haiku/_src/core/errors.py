@@ -1004,6 +1004,21 @@ CROSS_QUERY_SHAPES = (
     "their own number of examples on the example axis (or mark a shared, "
     "not per-example, argument None in example_axes).")
 
+CROSS_QUERY_FLAG = (
+    "gram_haiku.cross_gram: query_flag={got}: query_flag names the keyword "
+    "argument of the loss that tells the query rows from the training rows "
+    "(a bool[B + V] array), so it must be a Python identifier.\n"
+    "What to do: pass query_flag='is_query' and give the function inside "
+    "hk.transform_with_state a keyword argument is_query=None that selects "
+    "the query loss on the rows where it is True.")
+
+CROSS_QUERY_FLAG_GIVEN = (
+    "gram_haiku.cross_gram(query_flag={name!r}): the step was called with "
+    "{name}= itself, but cross_gram sets that keyword argument of the loss "
+    "(bool[B + V], True on the query rows) and would overwrite it.\n"
+    "What to do: leave {name}= out of the call, or name another keyword "
+    "with query_flag=.")
+
 CROSS_SIZES = (
     "gram_haiku.cross_gram: the arguments and queries hold (training, "
     "query) example counts {sizes}; one B and one V are needed.\n"

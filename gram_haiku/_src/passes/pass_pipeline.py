@@ -628,7 +628,8 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
 
 
 def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
-               skip=frozenset(), summed: bool = False) -> dict:
+               skip=frozenset(), summed: bool = False,
+               upper_bound: bool = False) -> dict:
   """``{module: [s, B - s]}``: each module's Gram block ``G[:s, s:]``
   between the first ``s`` examples and the others, from what it kept in a
   re-contracting pass (factors, slots or per-example gradients), formed
@@ -639,14 +640,16 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
   Under ``shard_map`` (``t.axes``) each device's first ``s`` examples are
   the rows and the others those of every device (gathered, in the order
   of the axes; summed for ``summed``): this device's rows of the global
-  block."""
+  block. ``upper_bound``: the pass's (:attr:`Objective.upper_bound`): its
+  per-example stores carry a rounding-bound column, left out here (the
+  block is the exact one)."""
   out = {}
   for m, store in sorted(p.stores.items()):
     if store == Store.NOTHING:
       continue
     if not summed:
       out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
-                         opened, p, leaves, skip, False, row_split)
+                         opened, p, leaves, skip, upper_bound, row_split)
     elif store in _OF_FACTORS:
       val = bk.query_summed_from_factors(*opened[m], row_split, t.axes)
       if store == Store.SLOTS:
@@ -654,7 +657,8 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
       out[m] = val
     else:  # Per-example gradients: a program-level rule's, or PER_EXAMPLE.
       f = (p.program[m][1] if m in p.program else stacked_to_columns(
-          per_example_of(t.found, m, p.cotangents[m], leaves, skip)))
+          per_example_of(t.found, m, _split_slack(
+              p.cotangents[m], upper_bound)[0], leaves, skip)))
       h = jnp.sum(f[row_split:], axis=0)
       if t.axes:  # Every device's queries.
         h = bk.sum_over_devices(h, t.axes, f)
