@@ -209,9 +209,9 @@ PROBE_NOT_VARYING = (
     "perhaps mesh_axes={suggest}; leave out axes that split features, not "
     "examples), so that each device gets its rows f32[B_local, B] of the "
     "global Gram (of the block, f32[B_local, V], for cross_gram, whose "
-    "queries are split the same way); for several axes pass mesh=mesh too and call it outside "
-    "shard_map, which fixes their order. On the raw path give the probe the "
-    "shape {raw}.")
+    "queries are split the same way); for several axes pass mesh=mesh too "
+    "and call it outside shard_map, which fixes their order. On the raw "
+    "path give the probe the shape {raw}.")
 
 PROBE_AXES_ORDER = (
     "gram_haiku: the Gram probe of module '{module}' (shape {shape}) varies "
