@@ -12,7 +12,12 @@ per-example gradients, the block ``G[:B, B:]`` is formed from them alone
 ``row_split = B``: ghost products ``(X_t X_q^T) o (D_t D_q^T)`` for linear
 layers, never the ``(B + V)^2`` Gram), and the parameters' gradient is
 re-contracted with weight 1 on the training examples and 0 on the queries
-(whose rows are masked: they never enter the update). The sources of the
+(whose rows are masked: they never enter the update), or, with
+``l2_clip_norm``, with the clip factors of the training examples. A
+separate query loss is picked by the loss itself, per row, from the flag
+``query_flag`` names. Under ``shard_map`` (``mesh_axes``, ``mesh``) the
+queries are split as the examples are and each device's rows meet every
+device's queries, gathered as the Gram's columns are. The sources of the
 uses: TracIn (Pruthi et al. 2020) sums ``<g_i, h_q>`` over checkpoints;
 In-Run Data Shapley (Wang et al. 2024) its first-order term per step.
 """
@@ -94,6 +99,51 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     example_axes: per positional argument, the axis its examples are on
       (default 0 for every argument; None: not per-example, shared by both
       sets, taken from ``args``).
+    mesh_axes: for use inside ``jax.shard_map`` with the examples split
+      over these mesh axes, as in :func:`gram_haiku.value_grad_and_gram`,
+      the queries split the same way (each device holds ``b`` of the ``B``
+      training examples and ``v`` of the ``V`` queries, along the same
+      example axes): each device gets its rows ``f32[b, V]`` of the
+      global block, against every device's queries (their factors are
+      gathered in the order of the devices over ``mesh_axes``, as the
+      Gram's columns are); ``out_specs=P(mesh_axes, None)`` assembles the
+      ``(B, V)`` block. ``query_summed`` and ``sq_norms`` are the local
+      ``f32[b]`` (``query_summed`` against the sum over every device's
+      queries), ``grads`` those of every device's training examples (as
+      :func:`gram_haiku.reweighted_grad` gives them) and ``value`` this
+      device's loss. Several axes need ``mesh``.
+    mesh: a ``jax.sharding.Mesh``: the function builds the ``shard_map``
+      itself, as :func:`gram_haiku.value_grad_and_gram` does, and is
+      called outside it on the whole batch and all the queries, both
+      split over ``mesh_axes`` (default every axis of the mesh; ``B`` and
+      ``V`` must be multiples of the number of devices). ``cross`` comes
+      back global (``f32[B, V]``), ``grads`` replicated, ``value``
+      ``f32[n]`` (each device's loss).
+    query_flag: the name of a keyword argument of ``f`` through which it
+      is told which rows are queries, so that it can give them a separate
+      query loss (e.g. a validation loss): in the pass ``f`` gets
+      ``query_flag=`` ``bool[B + V]``, False on the training rows and True
+      on the queries (the rows in the order of the concatenated
+      arguments), and returns ``sum_r l_r`` with ``l_r`` row ``r``'s
+      training loss where the flag is False and its query loss where it
+      is True (``jnp.where(flag, query_loss, train_loss).sum()``: the rows
+      go through the network once, together); in the value's forward
+      pass it gets ``bool[B]``, all False. Then ``h_q`` is the gradient of
+      query ``q``'s query loss, ``g_i`` that of example ``i``'s training
+      loss, and the update is unchanged (the queries' rows are masked
+      out). As always with ``jnp.where``, a branch that is not finite on
+      the rows it does not select (e.g. ``log(0)``) makes the gradient
+      NaN: keep both losses finite on every row.
+    l2_clip_norm: ``C``: ``grads`` is then the clipped sum
+      ``sum_i min(1, C / |g_i|) g_i`` over the training examples (the
+      queries never enter it), ``|g_i|`` a sound upper bound of the norm,
+      as :func:`gram_haiku.clipped_grad` (``clipping="all-layer"``)
+      computes it, under its completeness and example-flow checks;
+      ``sq_norms`` are then those bounds (what the clip factors were
+      computed from). The blocks are of the *unclipped* ``g_i``: the
+      clipped gradients' block is ``total`` times
+      ``min(1, C / sqrt(sq_norms))`` by row. Noise and accounting are the
+      caller's (jax-privacy), as with ``clipped_grad``.
 
   Returns:
     ``fn(params, state, rng, *args, queries) -> (value, grads, cross)``
@@ -114,6 +164,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
   Raises:
     ValueError: for queries that do not match the arguments (count,
       structure, shapes off the example axis, one ``B`` and one ``V``),
+      a ``query_flag`` that is not an identifier or is passed by the
+      caller too, an ``l2_clip_norm`` that is not a non-negative number,
       for a trainable parameter that no Gram rule covers (its part of
       every product would be missing), and every error of
       :func:`gram_haiku.reweighted_grad` (``mesh_axes`` and ``mesh``
