@@ -246,7 +246,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   # Rows with weight 0 (padding, or an example whose norm is not finite
   # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
-                              example_weights is not None or privacy, skip)
+                              example_weights is not None or privacy, skip,
+                              rows=cross_rows)
   cross = (None if cross_rows is None else tuple(
       pipeline.read_cross(t, p, leaves, opened, cross_rows, skip, summed,
                           objective.upper_bound) for summed in (False, True)))

@@ -74,7 +74,8 @@ def from_factors(op, x, g, params, mode: str,
 
 
 def query_summed_from_factors(op, x, g, params, row_split: int,
-                              axes: tuple[str, ...] = ()) -> jax.Array:
+                              axes: tuple[str, ...] = (),
+                              sliceable: bool = False) -> jax.Array:
   """``[s]``: ``<g_i, sum_{q >= s} g_q>`` for the first ``s`` examples
   against the sum of the others' per-example gradients, from the factors
   of one application, without their ``s x (B - s)`` block: the summed
@@ -86,13 +87,15 @@ def query_summed_from_factors(op, x, g, params, row_split: int,
   is ``J_i^T d_i``); frozen parameters have no term. ``axes``: under
   ``shard_map``, the mesh axes the examples are split over: ``H`` is
   summed over every device's others (``psum``), the first ``s`` are this
-  device's."""
+  device's. ``sliceable``: the factors are one application's (not
+  slots'), so ``H`` is re-contracted on the others' rows alone."""
   e = op.example_axis.resolved_position()
   acc = op.accumulation_dtype()
   n = x.shape[e]
   c = (jnp.arange(n) >= row_split).astype(acc)
   present = [k for k, p in enumerate(params) if p is not None]
-  h = recontract_factors(op, x, g, params, c, True)  # (frozen: no term)
+  h = recontract_factors(op, x, g, params, c, True,  # (frozen: no term)
+                         (row_split, n) if sliceable else None)
   if axes:
     h = {k: sum_over_devices(v, axes, x) for k, v in h.items()}
   xt = jax.lax.slice_in_dim(x, 0, row_split, axis=e)
@@ -126,12 +129,23 @@ def sum_over_devices(v, axes: tuple[str, ...], like) -> jax.Array:
   return jax.lax.psum(v, left) if left else v
 
 
-def recontract_factors(op, x, g, params, c, mask_inputs: bool) -> dict:
+def recontract_factors(op, x, g, params, c, mask_inputs: bool,
+                       rows: Optional[tuple[int, int]] = None) -> dict:
   """``{k: sum_i c_i g_i}`` for each present parameter operand ``k`` that is
   not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one
   application; ``mask_inputs``: rows with ``c_i = 0`` may hold anything
   (padding), so their inputs are zeroed too (see
-  :func:`~gram_haiku._src.ops.factors.reweighted_param_grads`)."""
+  :func:`~gram_haiku._src.ops.factors.reweighted_param_grads`).
+  ``rows``: ``(start, stop)``, the only examples whose ``c_i`` may be
+  non-zero (a cross pass's training examples, or its queries): the
+  re-contraction runs on those rows alone, the others' cost saved (the
+  factors of one application: their examples' axis is the op's)."""
+  if rows is not None:
+    e = op.example_axis.resolved_position()
+    start, stop = rows
+    x = jax.lax.slice_in_dim(x, start, stop, axis=e)
+    g = jax.lax.slice_in_dim(g, start, stop, axis=e)
+    c = c[start:stop]
   wanted = [k for k, p in enumerate(params)
             if p is not None and k not in (op.plan.frozen or ())]
   return factors.reweighted_param_grads(op, x, g, params, c, wanted,

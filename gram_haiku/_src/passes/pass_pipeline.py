@@ -651,7 +651,8 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
       out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
                          opened, p, leaves, skip, upper_bound, row_split)
     elif store in _OF_FACTORS:
-      val = bk.query_summed_from_factors(*opened[m], row_split, t.axes)
+      val = bk.query_summed_from_factors(*opened[m], row_split, t.axes,
+                                         store == Store.FACTORS)
       if store == Store.SLOTS:
         val = slots_lib.guard_slots(val, p.slots_used[m], p.slotted[m])
       out[m] = val
@@ -697,11 +698,13 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
 
 def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                opened, weights: Mapping[str, jax.Array], padded: bool,
-               skip=frozenset()) -> list:
+               skip=frozenset(), rows: Optional[int] = None) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers), from the stores and
   each module's weights ``c``; ``CLIP`` modules' from the pass itself.
   ``padded``: some rows may be padding, whose values may be anything.
+  ``rows``: only the first ``rows`` examples have non-zero weights (a
+  cross pass's training examples): factors are re-contracted on them.
   A slotted module's gradients are NaN unless every slot was written."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in p.param_grads.items():
@@ -717,7 +720,9 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
         grads[k] = grads[k] + bk.to_leaf(c @ f, leaves[k])
       continue
     if store in _OF_FACTORS:
-      cts = bk.recontract_factors(*opened[m], weights[m], padded)
+      cts = bk.recontract_factors(
+          *opened[m], weights[m], padded,
+          None if rows is None or store != Store.FACTORS else (0, rows))
     elif store == Store.PER_EXAMPLE:
       g = _split_slack(p.cotangents[m], objective.upper_bound)[0]
       cts = bk.recontract_per_example(op, g, weights[m])
