@@ -178,6 +178,31 @@ class Discovery:
       default_factory=dict)
   no_gradient: frozenset = frozenset()
 
+  def by_layer(self, modules=None) -> dict[str, set]:
+    """Layer name -> those of ``modules`` (default: every applied one)
+    applied under it (:func:`by_layer`)."""
+    return by_layer(self.ops, self.ops if modules is None else modules)
+
+
+def by_layer(ops: Mapping[str, Any], modules) -> dict[str, set]:
+  """Layer name -> those of ``modules`` applied under it.
+
+  Everything here is keyed by module (the state name of its probe); its
+  layer name, the name ``track()`` sees (inside ``hk.layer_stack`` it lacks
+  the stack's prefix), is carried once, by its op (``ops[module].name``).
+  This is the one place modules are grouped by it: where two modules run
+  under one layer name, the pass cannot tell them apart.
+
+  Args:
+    ops: module -> its op (:attr:`Discovery.ops`).
+    modules: the modules to group; those without an op are left out.
+  """
+  groups: dict[str, set] = {}
+  for m in modules:
+    if m in ops:
+      groups.setdefault(ops[m].name, set()).add(m)
+  return groups
+
 
 
 def also_untracked_message(leaf: str, modules, use: str) -> str:
@@ -510,7 +535,7 @@ class _Reading:
   # module -> (application, param name, Source) of its first operand
   # computed from a parameter by something other than a cast or reshape
   transformed: dict = dataclasses.field(default_factory=dict)
-  # layer name -> the sets of operand indices no parameter leaf reaches
+  # module -> the sets of operand indices no parameter leaf reaches
   frozen_of: dict = dataclasses.field(
       default_factory=lambda: collections.defaultdict(set))
 
@@ -561,7 +586,7 @@ def _read_op(r: _Reading, module: str, app: Application,
   """
   op = app.op
   r.n_apps[module] += 1
-  r.frozen_of[op.name].add(_frozen_operands(app, num_param_leaves))
+  r.frozen_of[module].add(_frozen_operands(app, num_param_leaves))
   if module in r.ops and _param_set(r.ops[module]) != _param_set(op):
     raise ValueError(errors.MODULE_NAME_TWO_LAYERS.format(
         module=module, first=_layer_kind(r.ops[module]),
@@ -642,37 +667,34 @@ def _read_pullbacks(jaxpr, consts, found: Findings, module_of, r: _Reading,
   return pullbacks
 
 
-def _layer_names(found: Findings, module_of, shared: set):
-  """Op (layer) name -> the modules applied under it.
-
-  Raises:
-    ValueError: where one layer name is both a shared module and one that
-      is not (the real pass tells modules apart by layer name).
-  """
-  layer_names = collections.defaultdict(set)  # op name -> module names
-  for app in found.applications:
-    layer_names[app.op.name].add(module_of(app))
-  for name, keys in layer_names.items():
+def _check_shared_names(layers: Mapping[str, set], shared: set) -> None:
+  """Raises where one layer name (``layers``: :func:`by_layer`) is both a
+  shared module's and one that is not (the real pass tells modules apart
+  by layer name)."""
+  for name, keys in layers.items():
     if keys & shared and keys - shared:
       raise ValueError(errors.SHARED_NAME_CLASH.format(
           name=name, shared=sorted(keys & shared),
           unshared=sorted(keys - shared)))
-  return layer_names
 
 
-def _frozen_layers(frozen_of: Mapping[str, set], ops: Mapping[str, Any]
-                   ) -> dict:
-  """Layer name -> its frozen operand indices (only layers with some).
+def _frozen_operands_of(frozen_of: Mapping[str, set], ops: Mapping[str, Any],
+                        layers: Mapping[str, set]) -> dict:
+  """Module -> its op's frozen operand indices (the same for every module
+  under its layer name, ``layers``: :func:`by_layer`).
 
   Raises:
     ValueError: for a layer whose uses freeze different operands.
   """
-  for name, kinds in frozen_of.items():
+  frozen = {}
+  for name, modules in layers.items():
+    kinds = set().union(*(frozen_of[m] for m in modules))
     if len(kinds) > 1:
-      names = next(op.param_names for op in ops.values() if op.name == name)
+      names = ops[min(modules)].param_names
       raise ValueError(errors.FROZEN_IN_SOME_USES.format(
           name=name, params=[[names[k] for k in ks] for ks in sorted(kinds)]))
-  return {n: next(iter(ks)) for n, ks in frozen_of.items() if next(iter(ks))}
+    frozen.update(dict.fromkeys(modules, next(iter(kinds))))
+  return frozen
 
 
 def _untracked_uses(found: Findings, modules_of_leaf: Mapping[int, set],
@@ -736,19 +758,42 @@ def _check_probe(app: Application, num_param_leaves: int,
                                                       found=found))
 
 
-def _slotted(modules, apps, module_of, num_param_leaves: int,
-             probe_names: list[str]) -> dict:
-  """Module -> its slot count (:attr:`Discovery.slot_counts`), for those of
-  ``modules`` (shared, with their own probe and layer name) whose
-  applications ``apps`` can keep their factors in slots."""
+def _slotted(shared: set, r: _Reading, layers: Mapping[str, set],
+             pullbacks: Mapping[str, Any], apps, module_of,
+             num_param_leaves: int, probe_names: list[str]) -> dict:
+  """Module -> its slot count (:attr:`Discovery.slot_counts`), for the
+  ``shared`` modules with their own probe and layer name (``layers``:
+  :func:`by_layer`), not sharded by an Explicit mesh (``r.specs``) nor
+  pulled back, whose applications ``apps`` can keep their factors in
+  slots.
+
+  Empty where an application (outside the loss's live program, which
+  :func:`_check_probe` did not check) reads no one module's probe: which
+  module's slot it would take is not known (every shared module then
+  keeps per-example gradients, which are exact).
+  """
+  if any(module_of(a) is None for a in apps):
+    return {}
+  namesakes = {m for ms in layers.values() if len(ms) > 1 for m in ms}
   slotted = {}
-  for module in modules:
+  for module in sorted(shared - set(r.specs) - set(pullbacks) - namesakes):
+    if module not in probe_names:
+      continue
     uses = _slot_count(
         [a for a in apps if module_of(a) == module],
         num_param_leaves + probe_names.index(module))
     if uses is not None:
       slotted[module] = uses
   return slotted
+
+
+def _probe_owner(num_param_leaves: int, probe_names: list[str],
+                 app: Application) -> Optional[str]:
+  """The module whose probe ``app`` reads (its state name), or None where
+  that is not one module's (outside the live program)."""
+  leaves = {s.leaf - num_param_leaves for s in app.probe_sources
+            if s.leaf >= num_param_leaves}
+  return probe_names[leaves.pop()] if len(leaves) == 1 else None
 
 
 def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
@@ -795,32 +840,24 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   for app in found.applications:
     _check_probe(app, num_param_leaves, probe_names)
 
-  def module_of(app) -> str:
-    """The module whose probe the application reads (its state name)."""
-    leaves = {s.leaf - num_param_leaves for s in app.probe_sources
-              if s.leaf >= num_param_leaves}
-    return probe_names[leaves.pop()] if len(leaves) == 1 else app.op.name
-
+  module_of = functools.partial(_probe_owner, num_param_leaves, probe_names)
   r = _read_applications(found, module_of, num_param_leaves)
   pullbacks = _read_pullbacks(jaxpr, consts or {}, found, module_of, r,
                               num_param_leaves, leaf_names, gram_op_type)
   # A pulled-back module keeps per-example gradients of its operands.
   shared = r.shared | set(pullbacks)
-  layer_names = _layer_names(found, module_of, shared)
-  frozen_layers = _frozen_layers(r.frozen_of, r.ops)
-  ops = {m: op.with_plan(frozen=frozen_layers.get(op.name, ()))
-         for m, op in r.ops.items()}
+  layers = by_layer(r.ops, r.ops)
+  _check_shared_names(layers, shared)
+  frozen = _frozen_operands_of(r.frozen_of, r.ops, layers)
+  ops = {m: op.with_plan(frozen=frozen[m]) for m, op in r.ops.items()}
   pulled = {k for pb in pullbacks.values() for k in pb.leaves}
   untracked = _untracked_uses(found, r.modules_of_leaf, pulled, leaf_names,
                               num_param_leaves)
   slot_apps = found.applications
   if full_jaxpr is not None and shared:  # (only shared modules get slots)
     slot_apps = follow(full_jaxpr, ins, gram_op_type)[1].applications
-  slotted = _slotted(
-      [m for m in shared
-       if not (m in r.specs or m not in probe_names or m in pullbacks or
-               len(layer_names[ops[m].name]) != 1)],
-      slot_apps, module_of, num_param_leaves, probe_names)
+  slotted = _slotted(shared, r, layers, pullbacks, slot_apps, module_of,
+                     num_param_leaves, probe_names)
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,

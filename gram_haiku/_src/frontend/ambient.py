@@ -136,9 +136,13 @@ class PassLog:
       of them have a gradient.
     raw_traced: layer names applied inside a raw JAX transform
       (``jax.lax.scan``, ``jax.vmap`` opened inside the model): their
-      modules cannot keep a slot counter in Haiku state. By layer name
-      (the one record that is): it is written in the discovery trace, whose
-      plan names no module yet.
+      modules cannot keep a slot counter in Haiku state. By layer name,
+      not module (the one record that is): it is written in the discovery
+      trace, whose plan names no module yet, and a layer knows only its
+      layer name there (inside ``hk.layer_stack`` that lacks the prefix of
+      its module's state name, which Haiku does not show a module). The
+      pipeline reads it once, through :meth:`~gram_haiku._src.analysis
+      .dataflow.Discovery.by_layer`.
     slot_reads: module -> the slot counter values its applications read,
       in a pass with slots (see :func:`gram_haiku._src.passes.slots
       .untrusted`).

@@ -216,19 +216,18 @@ def _with_frozen(found, frozen: dict, live):
     ValueError: for two ``live`` modules under one layer name with
       different frozen operands (``track()`` sees only the layer name).
   """
-  owners: dict = {}
-  for m in live:
-    name = found.ops[m].name
-    first = owners.setdefault(name, m)
-    if frozen.get(first, ()) != frozen.get(m, ()):
-      # Two modules (state keys) that see one layer name (one inside a
-      # nested transform): the pass plans by name, so it cannot tell them.
-      raise ValueError(errors.FROZEN_NAME_CLASH.format(
-          name=name, first=first, second=m,
-          first_frozen=[found.ops[first].param_names[k]
-                        for k in frozen.get(first, ())],
-          second_frozen=[found.ops[m].param_names[k]
-                         for k in frozen.get(m, ())]))
+  for name, modules in found.by_layer(live).items():
+    first, *others = sorted(modules)
+    for m in others:
+      if frozen.get(first, ()) != frozen.get(m, ()):
+        # Two modules (state keys) that see one layer name (one inside a
+        # nested transform): the pass plans by name, so it cannot tell them.
+        raise ValueError(errors.FROZEN_NAME_CLASH.format(
+            name=name, first=first, second=m,
+            first_frozen=[found.ops[first].param_names[k]
+                          for k in frozen.get(first, ())],
+            second_frozen=[found.ops[m].param_names[k]
+                           for k in frozen.get(m, ())]))
   ops = {m: op.with_plan(frozen=frozen.get(m, ()))
          for m, op in found.ops.items()}
   return dataclasses.replace(found, ops=ops)
@@ -321,12 +320,10 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
   else the smaller of the two
   (:func:`gram_haiku._src.compute.cost_model.bookkeeping_method`).
   """
-  by_name: dict[str, set] = {}
-  for m in live:
-    if m in t.found.ops:  # (For Grams, a module never applied takes part.)
-      by_name.setdefault(t.found.ops[m].name, set()).add(m)
-  # The modules that share their layer name with another one.
-  ambiguous = {m for ms in by_name.values() if len(ms) > 1 for m in ms}
+  # The modules that share their layer name with another one. (For Grams,
+  # a module never applied takes part: it has no op, so no layer name.)
+  ambiguous = {m for ms in t.found.by_layer(live).values() if len(ms) > 1
+               for m in ms}
   return {m: _store_of(t, m, objective, live, slotted, ambiguous)
           for m in sorted(t.probes)}
 

@@ -188,7 +188,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   log = ambient.PassLog()
   with ambient.running(ambient.PassPlan(column_axes=axes), log):
     closed = jax.make_jaxpr(traced)(params, probes, arrays)
-  seen, untracked, raw_traced = log.coverage, log.untracked, log.raw_traced
+  seen, untracked = log.coverage, log.untracked
   live = hx.live_part(closed.jaxpr)  # what the loss depends on (no aux)
   probe_names = [m for m, _ in sorted(probes.items())]
   n_params = len(jax.tree_util.tree_leaves(params))
@@ -198,9 +198,12 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
                             full_jaxpr=closed.jaxpr,
                             consts=dict(zip(closed.jaxpr.constvars,
                                             closed.consts)))
+  # A module applied inside a raw JAX transform keeps no slots (its slot
+  # counter cannot live in Haiku state there).
+  raw = {m for layer, ms in found.by_layer().items()
+         if layer in log.raw_traced for m in ms}
   found = dataclasses.replace(found, slot_counts={
-      m: u for m, u in found.slot_counts.items()
-      if found.ops[m].name not in raw_traced})
+      m: u for m, u in found.slot_counts.items() if m not in raw})
   names = leaf_names(params)
   # No gradient (read through stop_gradient only, or declared frozen=):
   # nothing to miss, so neither a rule nor a report.
