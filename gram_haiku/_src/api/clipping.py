@@ -42,6 +42,8 @@ that names what to use here. ``full_aux=True`` returns this library's
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import types
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -97,24 +99,36 @@ def split_threshold(total: float, sizes: Mapping[str, int],
   elif split == "by_size":
     weights = {m: math.sqrt(sizes[m]) for m in modules}
   elif callable(split):
-    got = dict(split(dict(sizes)))
-    missing = [m for m in modules if m not in got]
-    bad = {m: got[m] for m in modules if m in got and (
-        isinstance(got[m], bool) or not isinstance(got[m], (int, float)) or
-        not math.isfinite(got[m]) or got[m] < 0)}
-    if missing or bad or not any(got[m] > 0 for m in modules):
-      problem = (f"layer_split returned no weight for {missing}" if missing
-                 else f"layer_split returned weights {bad} (each must be a "
-                 "finite number >= 0)" if bad
-                 else "layer_split returned only zero weights")
-      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-          problem=problem, modules=modules))
-    weights = {m: float(got[m]) for m in modules}
+    weights = _split_weights(split, sizes, modules)
   else:
     _check_split(split)
   norm = math.sqrt(sum(w * w for w in weights.values())) or 1.0
   # (A zero weight is a zero threshold, also for C = inf: no clipping.)
   return {m: total * w / norm if w else 0.0 for m, w in weights.items()}
+
+
+def _split_weights(split: Callable[[Mapping[str, int]], Mapping[str, float]],
+                   sizes: Mapping[str, int], modules: list[str]
+                   ) -> dict[str, float]:
+  """The weights ``w_l`` a ``layer_split`` function gives the ``modules``.
+
+  Raises:
+    ValueError: for weights that miss a module, are negative or not finite,
+      or are all zero.
+  """
+  got = dict(split(dict(sizes)))
+  missing = [m for m in modules if m not in got]
+  bad = {m: got[m] for m in modules if m in got and (
+      isinstance(got[m], bool) or not isinstance(got[m], (int, float)) or
+      not math.isfinite(got[m]) or got[m] < 0)}
+  if missing or bad or not any(got[m] > 0 for m in modules):
+    problem = (f"layer_split returned no weight for {missing}" if missing
+               else f"layer_split returned weights {bad} (each must be a "
+               "finite number >= 0)" if bad
+               else "layer_split returned only zero weights")
+    raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+        problem=problem, modules=modules))
+  return {m: float(got[m]) for m in modules}
 
 
 class ClippedGradAux(NamedTuple):
@@ -513,42 +527,170 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
     ImportError: without jax-privacy (``pip install 'gram_haiku[dp]'``).
   """
   apply_fn = _as_apply(fun, has_aux)
-  if l2_clip_norm is _UNSET:
-    if argnums is _UNSET:
-      raise TypeError("gram_haiku.clipped_grad() missing the keyword "
-                      "argument 'l2_clip_norm' (the clip norm C).")
-    # The earlier form clipped_grad(apply, C): the rich aux, as before.
-    l2_clip_norm, argnums, full_aux = argnums, 0, True
-  if argnums is _UNSET:
-    argnums = 0
-  if _int_tuple(argnums) != (0,):
-    raise ValueError(errors.JAXP_ARGNUMS.format(argnums=argnums))
-  grads_tuple = not isinstance(argnums, (int, np.integer))
+  l2_clip_norm, grads_tuple, full_aux = _resolve_form(argnums, l2_clip_norm,
+                                                      full_aux)
   batch = _check_batch_argnums(batch_argnums, example_axes)
-  if keep_batch_dim is not True:
-    raise ValueError(errors.JAXP_KEEP_BATCH_DIM)
-  if pre_clipping_transform is not None:
-    raise ValueError(errors.JAXP_PRE_CLIPPING_TRANSFORM)
-  if microbatch_size is not None:
-    raise ValueError(errors.JAXP_MICROBATCH_SIZE.format(size=microbatch_size))
-  if prng_argnum is not None:
-    raise ValueError(errors.JAXP_PRNG_ARGNUM.format(argnum=prng_argnum))
-  if spmd_axis_name is not None:
-    raise ValueError(errors.JAXP_SPMD_AXIS_NAME.format(name=spmd_axis_name))
-  if not isinstance(nan_safe, bool):
-    raise ValueError(f"gram_haiku.clipped_grad: nan_safe={nan_safe!r}: "
-                     "expected True or False.")
+  _refuse_jax_privacy_options(
+      keep_batch_dim=keep_batch_dim,
+      pre_clipping_transform=pre_clipping_transform,
+      microbatch_size=microbatch_size, prng_argnum=prng_argnum,
+      spmd_axis_name=spmd_axis_name, nan_safe=nan_safe)
   out_dtype = None if dtype is None else jnp.dtype(dtype)
-  if full_aux and (return_values or return_grad_norms):
-    given = " and ".join(n for n, v in (("return_values", return_values),
-                                        ("return_grad_norms",
-                                         return_grad_norms)) if v)
-    raise ValueError(errors.JAXP_FULL_AUX_WITH.format(given=given))
+  _check_full_aux(full_aux, return_values, return_grad_norms)
   if clipping not in CLIPPINGS:
     raise ValueError(f"clipping={clipping!r}: expected one of {CLIPPINGS}.")
   Clip(1.0, clip_fn, gamma)  # Validates clip_fn and gamma.
   normalize_by = _check_threshold(normalize_by, "normalize_by")
   per_layer = clipping == "per-layer"
+  thresholds, total = _clip_norms(l2_clip_norm, per_layer, clip_fn)
+  if rescale_to_unit_norm and not isinstance(total, jax.core.Tracer) and (
+      not 0 < total < math.inf):
+    raise ValueError(errors.JAXP_RESCALE.format(c=total))
+  axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")
+  _check_split(layer_split)
+  if thresholds is not None and layer_split != "equal":
+    raise ValueError("gram_haiku.clipped_grad: layer_split splits one "
+                     "number l2_clip_norm; with a dict of thresholds, leave "
+                     "it out.")
+  s = _Setup(apply_fn=apply_fn, has_aux=has_aux, grads_tuple=grads_tuple,
+             full_aux=full_aux, batch=batch, return_values=return_values,
+             return_grad_norms=return_grad_norms,
+             rescale_to_unit_norm=rescale_to_unit_norm, frozen=frozen,
+             example_axes=example_axes, mesh=mesh, layer_split=layer_split,
+             clip_fn=clip_fn, gamma=gamma, per_layer=per_layer,
+             thresholds=thresholds, total=total, normalize_by=normalize_by,
+             out_dtype=out_dtype, axes=axes)
+  default_fn = _per_device(s, example_axes) if s.batch is None else None
+  callable_type = _bounded_sensitivity_callable()
+  jp_aux_type = None
+  if s.jp_aux:
+    from jax_privacy import clipping as jp_clipping  # pylint: disable=g-import-not-at-top
+    jp_aux_type = jp_clipping.AuxiliaryOutput
+
+  def g(*args, is_padding_example=None, **kwargs):
+    return _call(s, default_fn, jp_aux_type, args, is_padding_example,
+                 kwargs)
+
+  sensitivity_bound = 1.0 if rescale_to_unit_norm else s.total
+  return callable_type(g, sensitivity_bound / s.normalize_by,
+                       bool(s.full_aux or s.jp_aux))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Setup:
+  """What :func:`clipped_grad`'s arguments come to, checked: read by the
+  callable it returns (:func:`_call`).
+
+  Attributes (the arguments of the same name, checked, except):
+    apply_fn: ``fun`` as a Haiku apply (:func:`_as_apply`).
+    grads_tuple: ``argnums`` is a tuple: the gradients come back in one.
+    batch: ``batch_argnums``, checked (None: ``example_axes``' rule).
+    per_layer: ``clipping == "per-layer"``.
+    thresholds: per-layer clipping with a dict: module -> ``C_l``, checked;
+      else None.
+    total: ``C`` (the bound of all layers together): a float, or a traced
+      scalar (all-layer clipping under ``jit``; a NaN or negative one is 0).
+    out_dtype: ``dtype`` as a NumPy dtype, or None.
+    axes: the mesh axes of the examples (``mesh_axes=`` or ``mesh=``).
+  """
+  apply_fn: Callable[..., Any]
+  has_aux: bool
+  grads_tuple: bool
+  full_aux: bool
+  batch: Optional[tuple[int, ...]]
+  return_values: bool
+  return_grad_norms: bool
+  rescale_to_unit_norm: bool
+  frozen: Any
+  example_axes: Any
+  mesh: Any
+  layer_split: Any
+  clip_fn: str
+  gamma: float
+  per_layer: bool
+  thresholds: Optional[Mapping[str, float]]
+  total: Any
+  normalize_by: float
+  out_dtype: Any
+  axes: tuple
+
+  @property
+  def traced(self) -> bool:
+    """``C`` is a traced value (under ``jit``)."""
+    return isinstance(self.total, jax.core.Tracer)
+
+  @property
+  def jp_aux(self) -> bool:
+    """jax-privacy's ``AuxiliaryOutput`` comes back with the gradients."""
+    return self.has_aux or self.return_values or self.return_grad_norms
+
+
+def _resolve_form(argnums, l2_clip_norm, full_aux: bool
+                  ) -> tuple[Any, bool, bool]:
+  """``(l2_clip_norm, grads_tuple, full_aux)`` of the call's form:
+  jax-privacy's (``argnums`` ``0`` or ``(0,)``) or the earlier
+  ``clipped_grad(apply, C)`` (the rich aux, as before).
+
+  Raises:
+    TypeError: without ``l2_clip_norm`` in either form.
+    ValueError: for ``argnums`` other than the parameters.
+  """
+  if l2_clip_norm is _UNSET:
+    if argnums is _UNSET:
+      raise TypeError("gram_haiku.clipped_grad() missing the keyword "
+                      "argument 'l2_clip_norm' (the clip norm C).")
+    l2_clip_norm, argnums, full_aux = argnums, 0, True
+  if argnums is _UNSET:
+    argnums = 0
+  if _int_tuple(argnums) != (0,):
+    raise ValueError(errors.JAXP_ARGNUMS.format(argnums=argnums))
+  return (l2_clip_norm, not isinstance(argnums, (int, np.integer)),
+          full_aux)
+
+
+def _check_full_aux(full_aux: bool, return_values: bool,
+                    return_grad_norms: bool) -> None:
+  """Raises where ``full_aux`` (this library's aux) is asked for with
+  jax-privacy's per-example fields."""
+  if full_aux and (return_values or return_grad_norms):
+    given = " and ".join(n for n, v in (("return_values", return_values),
+                                        ("return_grad_norms",
+                                         return_grad_norms)) if v)
+    raise ValueError(errors.JAXP_FULL_AUX_WITH.format(given=given))
+
+
+def _refuse_jax_privacy_options(*, keep_batch_dim, pre_clipping_transform,
+                                microbatch_size, prng_argnum,
+                                spmd_axis_name, nan_safe) -> None:
+  """Raises for jax-privacy's options that one backward pass over the
+  batch cannot honour (see :func:`clipped_grad`'s table)."""
+  refused = (
+      (keep_batch_dim is not True, lambda: errors.JAXP_KEEP_BATCH_DIM),
+      (pre_clipping_transform is not None,
+       lambda: errors.JAXP_PRE_CLIPPING_TRANSFORM),
+      (microbatch_size is not None,
+       lambda: errors.JAXP_MICROBATCH_SIZE.format(size=microbatch_size)),
+      (prng_argnum is not None,
+       lambda: errors.JAXP_PRNG_ARGNUM.format(argnum=prng_argnum)),
+      (spmd_axis_name is not None,
+       lambda: errors.JAXP_SPMD_AXIS_NAME.format(name=spmd_axis_name)),
+      (not isinstance(nan_safe, bool),
+       lambda: f"gram_haiku.clipped_grad: nan_safe={nan_safe!r}: expected "
+       "True or False."),
+  )
+  for bad, message in refused:
+    if bad:
+      raise ValueError(message())
+
+
+def _clip_norms(l2_clip_norm, per_layer: bool, clip_fn: str
+                ) -> tuple[Optional[dict], Any]:
+  """``(thresholds, total)`` (:class:`_Setup`) of ``l2_clip_norm``.
+
+  Raises:
+    ValueError: for a bad threshold, a traced one with per-layer clipping,
+      or a dict of them with all-layer clipping.
+  """
   if isinstance(l2_clip_norm, jax.core.Tracer) and per_layer:
     raise ValueError(errors.JAXP_TRACED_PER_LAYER)
   if isinstance(l2_clip_norm, Mapping):
@@ -559,143 +701,164 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
     thresholds = {k: _check_threshold(v, f"l2_clip_norm[{k!r}]",
                                       allow_inf=clip_fn == "abadi")
                   for k, v in l2_clip_norm.items()}
-    bound = math.sqrt(sum(v * v for v in thresholds.values()))
+    return thresholds, math.sqrt(sum(v * v for v in thresholds.values()))
+  bound = _check_threshold(l2_clip_norm, "l2_clip_norm",
+                           allow_inf=clip_fn == "abadi", allow_zero=True,
+                           allow_traced=True)
+  if isinstance(bound, jax.core.Tracer):
+    # (A traced NaN, e.g. a diverged adaptive estimate, acts as 0, like a
+    # negative one: a zero gradient, never an unclipped one.)
+    return None, jnp.where(bound > 0, bound, 0.0)
+  return None, float(bound)
+
+
+def _layer_clips(s: _Setup, sizes: Mapping[str, int]) -> dict[str, Clip]:
+  """Per-layer clipping: module -> its :class:`Clip`, for the modules that
+  take part (``sizes``: their trainable parameter counts).
+
+  Raises:
+    ValueError: where a dict of thresholds misses a module or names one
+      that tracks no trainable parameter.
+  """
+  modules = sorted(sizes)
+  if s.thresholds is None:
+    each = split_threshold(s.total, sizes, s.layer_split)
+    return {m: Clip(each[m], s.clip_fn, s.gamma) for m in modules}
+  missing = [m for m in modules if m not in s.thresholds]
+  if missing:
+    raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+        problem=f"no threshold for {missing}", modules=modules))
+  extra = sorted(k for k in s.thresholds if k not in sizes)
+  if extra:
+    # Their thresholds would count in the sensitivity (the noise) while
+    # bounding no gradient: a misspelt name, or a module all frozen.
+    raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+        problem=f"thresholds for {extra}, which track no trainable "
+        "parameter (their thresholds would only inflate the sensitivity, "
+        "so the noise)", modules=modules))
+  return {m: Clip(s.thresholds[m], s.clip_fn, s.gamma) for m in modules}
+
+
+def _global_clip(s: _Setup):
+  """All-layer clipping's clip. A traced threshold cannot be a
+  :class:`Clip` (a static description); the weights only read these three
+  fields."""
+  if s.traced:
+    return types.SimpleNamespace(l2_clip_norm=s.total, function=s.clip_fn,
+                                 gamma=s.gamma)
+  return Clip(s.total, s.clip_fn, s.gamma)
+
+
+def _padding_weights(is_padding_example) -> Optional[jax.Array]:
+  """``f32[B]``: 0 for a padding row, 1 for the others; None for none.
+
+  Raises:
+    ValueError: for a mask that is not boolean.
+  """
+  if is_padding_example is None:
+    return None
+  pad = jnp.asarray(is_padding_example)
+  if pad.dtype != jnp.bool_:
+    raise ValueError(errors.PADDING_MASK_DTYPE.format(dtype=pad.dtype))
+  return 1.0 - pad.astype(jnp.float32)
+
+
+def _clip_pass(s: _Setup, pass_example_axes, params, state, rng, args,
+               kwargs, is_padding_example):
+  """One device's ``(clipped sum, ClippedGradAux)``: the pass of
+  :func:`gram_haiku._src.api.reweight.run`, clipping all layers together
+  (weights from the norms) or each one in its backward rule."""
+  mask = _padding_weights(is_padding_example)
+  kw = dict(fn_name="clipped_grad", needs="norms", has_aux=s.has_aux,
+            axes=s.axes, frozen=s.frozen, example_weights=mask, privacy=True,
+            example_axes=pass_example_axes)
+  if s.per_layer:
+    r = reweight.run(s.apply_fn, params, state, rng, args, kwargs,
+                     clips=functools.partial(_layer_clips, s), **kw)
+    clipped = jnp.zeros(r.grams.sq_norms.shape, bool)
+    for m, sq in r.grams.sq_norms_by_layer.items():
+      clipped |= sq > r.clips[m].l2_clip_norm ** 2
   else:
-    thresholds = None
-    bound = _check_threshold(l2_clip_norm, "l2_clip_norm",
-                             allow_inf=clip_fn == "abadi", allow_zero=True,
-                             allow_traced=True)
-  traced = isinstance(bound, jax.core.Tracer)
-  # (A traced NaN, e.g. a diverged adaptive estimate, acts as 0, like a
-  # negative one: a zero gradient, never an unclipped one.)
-  total = jnp.where(bound > 0, bound, 0.0) if traced else float(bound)
-  if rescale_to_unit_norm and not traced and not 0 < total < math.inf:
-    raise ValueError(errors.JAXP_RESCALE.format(c=total))
-  axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")
+    clip = _global_clip(s)
+    r = reweight.run(s.apply_fn, params, state, rng, args, kwargs,
+                     weight_fn=lambda g: clip_weights(g.sq_norms, clip), **kw)
+    clipped = r.grams.norms > s.total
+  real = jnp.ones(clipped.shape) if mask is None else mask
+  counts = jnp.stack([jnp.sum(clipped * real), jnp.sum(real)])
+  if s.axes:  # Every device's examples, as the clipped sum is.
+    counts = jax.lax.psum(counts, s.axes)
+  fraction = counts[0] / jnp.maximum(counts[1], 1)
+  grads = r.grads
+  if s.normalize_by != 1.0:
+    grads = jax.tree_util.tree_map(lambda g: g / s.normalize_by, grads)
+  aux = r.value[1] if s.has_aux else None
+  return grads, ClippedGradAux(r.value, aux, r.grams.norms, fraction,
+                               r.weights, r.grams, r.state)
 
-  _check_split(layer_split)
-  if thresholds is not None and layer_split != "equal":
-    raise ValueError("gram_haiku.clipped_grad: layer_split splits one "
-                     "number l2_clip_norm; with a dict of thresholds, leave "
-                     "it out.")
 
-  def layer_clips(sizes: Mapping[str, int]) -> dict[str, Clip]:
-    modules = sorted(sizes)
-    if thresholds is None:
-      each = split_threshold(total, sizes, layer_split)
-      return {m: Clip(each[m], clip_fn, gamma) for m in modules}
-    missing = [m for m in modules if m not in thresholds]
-    if missing:
-      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-          problem=f"no threshold for {missing}", modules=modules))
-    extra = sorted(k for k in thresholds if k not in sizes)
-    if extra:
-      # Their thresholds would count in the sensitivity (the noise) while
-      # bounding no gradient: a misspelt name, or a module all frozen.
-      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-          problem=f"thresholds for {extra}, which track no trainable "
-          "parameter (their thresholds would only inflate the sensitivity, "
-          "so the noise)", modules=modules))
-    return {m: Clip(thresholds[m], clip_fn, gamma) for m in modules}
+def _per_device(s: _Setup, pass_example_axes):
+  """``fn(params, state, rng, *args, is_padding_example=None, **kwargs)``:
+  :func:`_clip_pass`, in its own ``shard_map`` where ``s.mesh`` is given."""
 
-  # A traced threshold cannot be a Clip (a static description); the weights
-  # only read these three fields.
-  global_clip = (types.SimpleNamespace(l2_clip_norm=total, function=clip_fn,
-                                       gamma=gamma) if traced
-                 else Clip(total, clip_fn, gamma))
+  def fn(params, state, rng, *args, is_padding_example=None, **kwargs):
+    return _clip_pass(s, pass_example_axes, params, state, rng, args, kwargs,
+                      is_padding_example)
 
-  def per_device(pass_example_axes):
-    def fun_(params, state, rng, *args, is_padding_example=None, **kwargs):
-      mask = None
-      if is_padding_example is not None:
-        pad = jnp.asarray(is_padding_example)
-        if pad.dtype != jnp.bool_:
-          raise ValueError(errors.PADDING_MASK_DTYPE.format(dtype=pad.dtype))
-        mask = 1.0 - pad.astype(jnp.float32)
-      kw = dict(fn_name="clipped_grad", needs="norms", has_aux=has_aux,
-                axes=axes, frozen=frozen, example_weights=mask, privacy=True,
-                example_axes=pass_example_axes)
-      if per_layer:
-        r = reweight.run(apply_fn, params, state, rng, args, kwargs,
-                         clips=layer_clips, **kw)
-        clips = r.clips
-        clipped = jnp.zeros(r.grams.sq_norms.shape, bool)
-        for m, sq in r.grams.sq_norms_by_layer.items():
-          clipped |= sq > clips[m].l2_clip_norm ** 2
-      else:
-        r = reweight.run(apply_fn, params, state, rng, args, kwargs,
-                         weight_fn=lambda g: clip_weights(g.sq_norms,
-                                                          global_clip),
-                         **kw)
-        clipped = r.grams.norms > total
-      real = jnp.ones(clipped.shape) if mask is None else mask
-      counts = jnp.stack([jnp.sum(clipped * real), jnp.sum(real)])
-      if axes:  # Every device's examples, as the clipped sum is.
-        counts = jax.lax.psum(counts, axes)
-      fraction = counts[0] / jnp.maximum(counts[1], 1)
-      grads = r.grads
-      if normalize_by != 1.0:
-        grads = jax.tree_util.tree_map(lambda g: g / normalize_by, grads)
-      values, aux = (r.value, r.value[1]) if has_aux else (r.value, None)
-      return grads, ClippedGradAux(values, aux, r.grams.norms, fraction,
-                                   r.weights, r.grams, r.state)
+  if s.mesh is None:
+    return fn
+  return shard_examples.shard_examples(
+      fn, mesh=s.mesh, axes=s.axes, example_axes=pass_example_axes,
+      fn_name="clipped_grad", row_kwargs=("is_padding_example",),
+      rows=lambda out: (shard_examples.mark(out[0], False),
+                        out[1]._replace(**{
+                            k: shard_examples.mark(v, k in _ROWS)
+                            for k, v in out[1]._asdict().items()})))
 
-    if mesh is None:
-      return fun_
-    return shard_examples.shard_examples(
-        fun_, mesh=mesh, axes=axes, example_axes=pass_example_axes,
-        fn_name="clipped_grad", row_kwargs=("is_padding_example",),
-        rows=lambda out: (shard_examples.mark(out[0], False),
-                          out[1]._replace(**{
-                              k: shard_examples.mark(v, k in _ROWS)
-                              for k, v in out[1]._asdict().items()})))
 
-  default_fn = per_device(example_axes) if batch is None else None
-  jp_aux = has_aux or return_values or return_grad_norms
-  callable_type = _bounded_sensitivity_callable()
-  if not jp_aux:
-    jp_aux_type = None
-  else:
-    from jax_privacy import clipping as jp_clipping  # pylint: disable=g-import-not-at-top
-    jp_aux_type = jp_clipping.AuxiliaryOutput
+def _finish_grads(s: _Setup, grads):
+  """The clipped sum as returned: divided by ``C`` where rescaled to unit
+  norm, cast to ``dtype``, in a tuple where ``argnums`` is one."""
+  if s.rescale_to_unit_norm:
+    inv = (jnp.where(s.total > 0, 1 / jnp.where(s.total > 0, s.total, 1), 0)
+           if s.traced else 1 / s.total)
+    grads = jax.tree_util.tree_map(lambda x: (x * inv).astype(x.dtype), grads)
+  if s.out_dtype is not None:
+    grads = jax.tree_util.tree_map(lambda x: x.astype(s.out_dtype), grads)
+  return (grads,) if s.grads_tuple else grads
 
-  def g(*args, is_padding_example=None, **kwargs):
-    if len(args) < 3:
-      raise ValueError(errors.CLIPPED_GRAD_ARGUMENTS.format(n=len(args)))
-    pass_axes, fn = example_axes, default_fn
-    if batch is not None:
-      pass_axes = _batch_example_axes(batch, args)
-      fn = per_device(pass_axes)
-    if is_padding_example is not None:
-      kwargs["is_padding_example"] = is_padding_example
-    grads, rich = fn(*args, **kwargs)
-    kwargs.pop("is_padding_example", None)
-    if rescale_to_unit_norm:
-      inv = (jnp.where(total > 0, 1 / jnp.where(total > 0, total, 1), 0)
-             if traced else 1 / total)
-      grads = jax.tree_util.tree_map(
-          lambda x: (x * inv).astype(x.dtype), grads)
-    if out_dtype is not None:
-      grads = jax.tree_util.tree_map(lambda x: x.astype(out_dtype), grads)
-    if grads_tuple:
-      grads = (grads,)
-    if full_aux:
-      return grads, rich
-    if not jp_aux:
-      return grads
-    values = aux = None
-    if return_values or has_aux:
-      values, aux = _per_example_forward(
-          apply_fn, has_aux, args, kwargs, pass_axes,
-          int(jnp.shape(rich.grad_norms)[0]))
-    return grads, jp_aux_type(
-        values=values if return_values else None,
-        grad_norms=rich.grad_norms if return_grad_norms else None,
-        aux=aux if has_aux else None)
 
-  sensitivity_bound = 1.0 if rescale_to_unit_norm else total
-  return callable_type(g, sensitivity_bound / normalize_by,
-                       bool(full_aux or jp_aux))
+def _call(s: _Setup, default_fn, jp_aux_type, args, is_padding_example,
+          kwargs):
+  """A call of :func:`clipped_grad`'s callable: the clipped sum, with the
+  aux asked for (jax-privacy's ``AuxiliaryOutput``, or
+  :class:`ClippedGradAux` with ``full_aux``).
+
+  Raises:
+    ValueError: for fewer than ``(params, state, rng)``.
+  """
+  if len(args) < 3:
+    raise ValueError(errors.CLIPPED_GRAD_ARGUMENTS.format(n=len(args)))
+  pass_axes, fn = s.example_axes, default_fn
+  if s.batch is not None:
+    pass_axes = _batch_example_axes(s.batch, args)
+    fn = _per_device(s, pass_axes)
+  extra = {} if is_padding_example is None else dict(
+      is_padding_example=is_padding_example)
+  grads, rich = fn(*args, **kwargs, **extra)
+  grads = _finish_grads(s, grads)
+  if s.full_aux:
+    return grads, rich
+  if not s.jp_aux:
+    return grads
+  values = aux = None
+  if s.return_values or s.has_aux:
+    values, aux = _per_example_forward(
+        s.apply_fn, s.has_aux, args, kwargs, pass_axes,
+        int(jnp.shape(rich.grad_norms)[0]))
+  return grads, jp_aux_type(
+      values=values if s.return_values else None,
+      grad_norms=rich.grad_norms if s.return_grad_norms else None,
+      aux=aux if s.has_aux else None)
 
 
 # The fields of ClippedGradAux with one row per example.
