@@ -177,6 +177,51 @@ def _trainable_sizes(found, live, leaves, names, frozen_names
   return out
 
 
+def _check_not_all_frozen(fn_name: str, names: Sequence[str],
+                          frozen_names: set[str]) -> None:
+  """Raises where ``frozen=`` freezes every parameter leaf (``names``)."""
+  if names and frozen_names >= set(names):
+    raise ValueError(
+        f"gram_haiku.{fn_name}: frozen= freezes every parameter "
+        f"({sorted(names)}): every gradient would be zero and there is no "
+        "per-example gradient to weight or clip.\nWhat to do: leave at "
+        "least one parameter unfrozen, or skip the update.")
+
+
+def _mask(example_weights: Optional[jax.Array], size: int) -> jax.Array:
+  """``(B,)`` factors of every weight: ``example_weights`` (a padding mask),
+  or ones.
+
+  Raises:
+    ValueError: for ``example_weights`` of another shape.
+  """
+  if example_weights is None:
+    return jnp.ones((size,), jnp.float32)
+  if jnp.shape(example_weights) != (size,):
+    raise ValueError(errors.PADDING_MASK_SHAPE.format(
+        shape=jnp.shape(example_weights), size=size))
+  return example_weights
+
+
+def _weights(grams: Grams, weight_fn, objective, mask: jax.Array,
+             kept: Sequence[str], size: int) -> dict[str, jax.Array]:
+  """Module -> the ``(B,)`` weights its gradient is formed with: one
+  ``c = weight_fn(grams)`` for all, or each module's clip weights from its
+  own norms (per-layer clipping, ``objective.clips``), times ``mask``.
+
+  Raises:
+    ValueError: for a ``weight_fn`` result that is not ``(B,)`` floats.
+  """
+  if weight_fn is None:
+    return {m: clip_weights(grams.sq_norms_by_layer[m],
+                            objective.clips[m]) * mask for m in kept}
+  c = jnp.asarray(weight_fn(grams))
+  if c.shape != (size,) or not jnp.issubdtype(c.dtype, jnp.floating):
+    raise ValueError(errors.WEIGHTS_SHAPE.format(
+        got=f"{c.dtype}{list(c.shape)}", size=size))
+  return {m: c * mask.astype(c.dtype) for m in kept}
+
+
 def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         needs: str, has_aux: bool, axes: tuple[str, ...], frozen: Frozen,
         weight_fn: Optional[Callable[[Grams], jax.Array]] = None,
@@ -204,12 +249,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                      frozen=frozenset(frozen_names), fn_name=fn_name)
   leaves, treedef = jax.tree_util.tree_flatten(params)
   names = pipeline.leaf_names(params)
-  if names and frozen_names >= set(names):
-    raise ValueError(
-        f"gram_haiku.{fn_name}: frozen= freezes every parameter "
-        f"({sorted(names)}): every gradient would be zero and there is no "
-        "per-example gradient to weight or clip.\nWhat to do: leave at "
-        "least one parameter unfrozen, or skip the update.")
+  _check_not_all_frozen(fn_name, names, frozen_names)
   coverage = pipeline.coverage_of(params, t.seen, t.found)
   _check_complete(fn_name, coverage, frozen_names, privacy)
   objective = pipeline.Objective(recontract=True, needs=needs,
@@ -220,11 +260,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
     objective = objective.with_clips(clips({
         **_trainable_sizes(t.found, live, leaves, names, frozen_names),
         **pipeline.program_sizes(t, objective, leaves)}))
-  if example_weights is not None and jnp.shape(example_weights) != (t.size,):
-    raise ValueError(errors.PADDING_MASK_SHAPE.format(
-        shape=jnp.shape(example_weights), size=t.size))
-  mask = (jnp.ones((t.size,), jnp.float32) if example_weights is None
-          else example_weights)
+  mask = _mask(example_weights, t.size)
   p = pipeline.run(t, objective, params, rng, args, kwargs, live=live,
                    mask=mask)
   value = (p.value, p.aux) if has_aux else p.value
@@ -234,15 +270,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   skip = frozenset(k for k, n in enumerate(names) if n in frozen_names)
   grams = pipeline.read_grams(t, p, objective, leaves, opened, coverage, skip)
   kept = [m for m, s in p.stores.items() if s != pipeline.Store.NOTHING]
-  if weight_fn is not None:
-    c = jnp.asarray(weight_fn(grams))
-    if c.shape != (t.size,) or not jnp.issubdtype(c.dtype, jnp.floating):
-      raise ValueError(errors.WEIGHTS_SHAPE.format(
-          got=f"{c.dtype}{list(c.shape)}", size=t.size))
-    weights = {m: c * mask.astype(c.dtype) for m in kept}
-  else:
-    weights = {m: clip_weights(grams.sq_norms_by_layer[m],
-                               objective.clips[m]) * mask for m in kept}
+  weights = _weights(grams, weight_fn, objective, mask, kept, t.size)
   # Rows with weight 0 (padding, or an example whose norm is not finite
   # under clipping) may hold anything, even NaN: their inputs are masked.
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
