@@ -52,7 +52,7 @@ def resize_probes(state: State, batch_size: int, *, mode: str = "gram"
       batch_size < 1):
     raise ValueError(errors.BAD_BATCH_SIZE.format(value=batch_size))
   plan_lib.check_mode(mode)
-  own = 2 if mode == "gram" else 1
+  own = plan_lib.PROBE_NDIM[mode]
   rest, probes = split_probes(state)
   probes = {m: jnp.zeros(tuple(p.shape[:p.ndim - own]) +
                          adapter.probe_shape(mode, batch_size, 0), p.dtype)

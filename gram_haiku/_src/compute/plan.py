@@ -42,6 +42,11 @@ ClipFunction = Literal["abadi", "automatic"]
 Strategy = Literal["auto", "ghost", "materialize"]
 
 MODES: tuple[str, ...] = get_args(Mode)
+#: The trailing axes of a probe in each :data:`Mode`, which hold what it
+#: keeps (more leading axes are ``hk.layer_stack``'s); the examples are the
+#: first of them: ``[B, B]``, ``[B]``, ``[B, P]``, ``[B, K]``, ``[B]``.
+PROBE_NDIM: dict[str, int] = {"gram": 2, "norms": 1, "per_example": 2,
+                              "factors": 2, "clip": 1}
 CLIP_FUNCTIONS: tuple[str, ...] = get_args(ClipFunction)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
@@ -78,6 +83,14 @@ def check_mode(mode) -> None:
   """Raises ValueError for a mode that is not one of :data:`MODES`."""
   if mode not in MODES:
     raise ValueError(f"Unknown Gram mode {mode!r}; expected one of {MODES}.")
+
+
+def check_clip(what: str, mode: Optional[str], clip) -> None:
+  """Raises ValueError unless a :class:`Clip` is given exactly in
+  ``"clip"`` mode (``what``: the record, for the message)."""
+  if (mode == "clip") != (clip is not None):
+    raise ValueError(f"{what}(mode={mode!r}, clip={clip!r}): a Clip is "
+                     f"given exactly in 'clip' mode.")
 
 
 def check_strategy(strategy) -> None:
@@ -182,9 +195,7 @@ class Plan:
 
   def __post_init__(self):
     check_mode(self.mode)
-    if (self.mode == "clip") != (self.clip is not None):
-      raise ValueError(f"Plan(mode={self.mode!r}, clip={self.clip!r}): a "
-                       f"Clip is given exactly in 'clip' mode.")
+    check_clip("Plan", self.mode, self.clip)
     check_strategy(self.strategy)
     object.__setattr__(self, "memory_budget_bytes",
                        check_memory_budget(self.memory_budget_bytes))

@@ -26,6 +26,7 @@ import threading
 import weakref
 from typing import Any, Iterator, Mapping, Optional
 
+from gram_haiku._src.compute.plan import check_clip
 from gram_haiku._src.compute.plan import Clip
 
 _LOCAL = threading.local()
@@ -60,9 +61,7 @@ class ModulePass:
   frozen: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if (self.mode == "clip") != (self.clip is not None):
-      raise ValueError(f"ModulePass(mode={self.mode!r}, clip={self.clip!r}):"
-                       f" a Clip is given exactly in 'clip' mode.")
+    check_clip("ModulePass", self.mode, self.clip)
     object.__setattr__(self, "frozen", tuple(self.frozen))
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import example_sharding
 from gram_haiku._src.compute import explicit_mesh
+from gram_haiku._src.compute.plan import PROBE_NDIM
 from gram_haiku._src.compute.kernels import is_float
 from gram_haiku._src.compute.kernels import KernelConfig
 from gram_haiku._src.core import errors
@@ -45,11 +46,9 @@ def probe_shape(mode: str, size: int, width: int) -> tuple[int, ...]:
   ``width``: the number of parameter entries (``"per_example"``) or the
   book-keeping factor width (``"factors"``); unused otherwise.
   """
-  if mode == "gram":
-    return (size, size)
-  if mode in ("norms", "clip"):
+  if PROBE_NDIM[mode] == 1:  # "norms", "clip"
     return (size,)
-  return (size, width)
+  return (size, size if mode == "gram" else width)
 
 
 @jax.tree_util.register_static

@@ -40,8 +40,21 @@ from gram_haiku._src.ops import factors
 from gram_haiku._src.rules import rule as rule_lib
 
 #: The modes whose value the rule's own functions give (and whose method
-#: its cost function decides).
-RULE_MODES = ("gram", "norms", "per_example")
+#: its cost function decides): the rule's function for each, and what it
+#: returns (for messages).
+RULE_FUNCTIONS = {"gram": ("gram", "(B, B) Gram"),
+                  "norms": ("sq_norms", "(B,) squared norms"),
+                  "per_example": ("per_example_grads",
+                                  "(B, P) per-example gradients")}
+RULE_MODES = tuple(RULE_FUNCTIONS)
+
+
+def value_shape(op, b: int, cfg: KernelConfig) -> tuple[int, ...]:
+  """The shape of a rule mode's value for ``b`` examples on this device:
+  the Gram's rows and columns (``cfg``), ``(b,)`` squared norms, or ``(b,
+  P)`` per-example gradients of the op's ``P`` parameter entries."""
+  return {"gram": (cfg.row_count(b), cfg.column_count(b)),
+          "norms": (b,)}.get(op.mode, (b, op.num_params()))
 
 
 def clip_weights(sq_norms, clip) -> jax.Array:
@@ -214,11 +227,9 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
   """A rule's value for the probe: a teaching error for a shape that is
   not the mode's or a dtype narrower than the accumulation dtype."""
   b = op.example_size(x.shape)
-  want = {"gram": (cfg.row_count(b), cfg.column_count(b)),
-          "norms": (b,)}.get(op.mode)
-  if want is not None and tuple(value.shape) != want:
-    method, what = (("gram", "(B, B) Gram") if op.mode == "gram" else
-                    ("sq_norms", "(B,) squared norms"))
+  want = value_shape(op, b, cfg)
+  method, what = RULE_FUNCTIONS[op.mode]
+  if op.mode != "per_example" and tuple(value.shape) != want:
     if fused:
       method = f"probe_cotangent_and_grads (mode {op.mode!r})"
     cols = want[-1]
@@ -235,9 +246,8 @@ def _check_result(op, value, x, cfg: KernelConfig, fused: bool) -> None:
   got = jnp.dtype(value.dtype)
   if (jnp.issubdtype(got, jnp.floating) and
       jnp.issubdtype(acc, jnp.floating) and got.itemsize < acc.itemsize):
-    method = (f"probe_cotangent_and_grads (mode {op.mode!r})" if fused else
-              {"gram": "gram", "norms": "sq_norms"}.get(
-                  op.mode, "per_example_grads"))
+    if fused:
+      method = f"probe_cotangent_and_grads (mode {op.mode!r})"
     raise ValueError(
         f"gram_haiku: the {method} of rule {op.kind!r} for layer "
         f"{op.name!r} returned {got.name}, narrower than the accumulation "
@@ -304,9 +314,7 @@ def _products(op, x, g, params, wanted, cfg: KernelConfig, reuse: bool):
           if a is not None and i not in frozen]
   e = op.example_axis.resolved_position()
   if not keep:  # A frozen layer: no term at all.
-    b = x.shape[e]
-    shape = {"gram": (cfg.row_count(b), cfg.column_count(b)),
-             "norms": (b,)}.get(op.mode, (b, op.num_params()))
+    shape = value_shape(op, x.shape[e], cfg)
     return (hx.vary_like(jnp.zeros(shape, op.accumulation_dtype()), x, g),
             {}, True)
   if set(frozen) <= set(op.droppable):

@@ -37,6 +37,7 @@ from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import cost_model
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute import plan as plan_lib
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import Grams
 from gram_haiku._src.frontend import ambient
@@ -94,8 +95,9 @@ _OP_MODE = {Store.PER_EXAMPLE: "per_example", Store.FACTORS: "factors",
             Store.SLOTS: "factors", Store.CLIP: "clip"}
 #: The trailing axes of a store's probe that hold the store (the rest are
 #: ``hk.layer_stack``'s); the examples are the first of them.
-_OWN_NDIM = {Store.GRAM: 2, Store.NORMS: 1, Store.PER_EXAMPLE: 2,
-             Store.FACTORS: 2, Store.SLOTS: 2, Store.CLIP: 1}
+#: (A store that is an op mode has its probe's axes, ``PROBE_NDIM``; slots
+#: stack ``[B, K]`` factors.)
+_OWN_NDIM = {**plan_lib.PROBE_NDIM, Store.SLOTS: 2}
 #: The stores re-contracted from factors after the pass.
 _OF_FACTORS = frozenset({Store.FACTORS, Store.SLOTS})
 
@@ -182,8 +184,8 @@ def _init_ndim(probe, found, module: str) -> int:
   probes in ``"gram"`` mode and ``[n]`` in ``"norms"`` mode (the module's
   ``track(mode=...)``, the store it keeps by default).
   """
-  own = 2 if found.modes.get(module, Store.GRAM) == Store.GRAM else 1
-  return min(own, probe.ndim)
+  return min(plan_lib.PROBE_NDIM[found.modes.get(module, Store.GRAM)],
+             probe.ndim)
 
 
 # -- which modules take part --------------------------------------------------
