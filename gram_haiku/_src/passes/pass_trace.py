@@ -120,30 +120,41 @@ def coverage_of(params, seen: Mapping[str, ParamCoverage],
     for name in entries:
       full = f"{module}/{name}"
       if full not in seen and full in reached:
-        # Read inside a lifted transform (hk.experimental.lift*): the
-        # getters saw the inner name, which the lift's prefix extends.
-        # (Only for a leaf that does reach a Gram op: an untracked module
-        # whose name merely ends like a tracked one's is not tracked.)
-        inner = [k for k in seen if full.endswith("/" + k)]
-        if inner:
-          seen = {**seen, full: seen[max(inner, key=len)]}
-      if full in seen and not seen[full].tracked and (
-          full in found.no_gradient):
-        # Read only through stop_gradient: frozen, so it needs no rule.
-        out[full] = ParamCoverage(True, "frozen", seen[full].module_type)
-      elif full in pulled and not (full in seen and seen[full].tracked):
-        # Read outside the layer, but only by its reparametrising getter:
-        # its gradient is pulled back through the getter.
-        out[full] = ParamCoverage(
-            True, "reparametrised",
-            seen[full].module_type if full in seen else "(none)")
-      elif full in seen:
-        out[full] = seen[full]
-      elif full in found.untracked_uses:
-        out[full] = ParamCoverage(False, None, "(outside track())")
-      else:
-        out[full] = ParamCoverage(True, "unused", "(unused)")
+        seen = _seen_inside_lift(seen, full)
+      out[full] = _coverage_of_leaf(full, seen, found, pulled)
   return out
+
+
+def _seen_inside_lift(seen: Mapping[str, ParamCoverage], full: str
+                      ) -> Mapping[str, ParamCoverage]:
+  """``seen`` with ``full`` (a leaf that reaches a Gram op) as the getters
+  saw it inside a lifted transform (``hk.experimental.lift*``): under the
+  inner name, which the lift's prefix extends. (Only for a leaf that does
+  reach a Gram op: an untracked module whose name merely ends like a
+  tracked one's is not tracked.)"""
+  inner = [k for k in seen if full.endswith("/" + k)]
+  if not inner:
+    return seen
+  return {**seen, full: seen[max(inner, key=len)]}
+
+
+def _coverage_of_leaf(full: str, seen: Mapping[str, ParamCoverage],
+                      found: dataflow.Discovery, pulled: set
+                      ) -> ParamCoverage:
+  """The coverage of parameter leaf ``full`` (see :func:`coverage_of`)."""
+  if full in seen and not seen[full].tracked and full in found.no_gradient:
+    # Read only through stop_gradient: frozen, so it needs no rule.
+    return ParamCoverage(True, "frozen", seen[full].module_type)
+  if full in pulled and not (full in seen and seen[full].tracked):
+    # Read outside the layer, but only by its reparametrising getter: its
+    # gradient is pulled back through the getter.
+    return ParamCoverage(True, "reparametrised",
+                         seen[full].module_type if full in seen else "(none)")
+  if full in seen:
+    return seen[full]
+  if full in found.untracked_uses:
+    return ParamCoverage(False, None, "(outside track())")
+  return ParamCoverage(True, "unused", "(unused)")
 
 
 def leaf_names(params) -> list[str]:
