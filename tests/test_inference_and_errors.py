@@ -363,6 +363,28 @@ def test_frozen_name_clash_names_both_modules():
                             frozen=f"{stacked}/w")(params, state, None, x, y)
 
 
+def test_shared_and_unshared_modules_under_one_layer_name_refused():
+  # The layer-stacked module is applied twice per layer (per-example
+  # gradients), the outer one once (a Gram); track() sees one layer name
+  # "linear" for both, so it could not tell them which to keep.
+  def loss(x, y):
+    with gram_haiku.track():
+      h = hk.Linear(H, name="linear")(x)
+      def body(h):
+        lin = hk.Linear(H)
+        return lin(jnp.tanh(lin(h)))
+      h = hk.layer_stack(2)(body)(h)
+    return jnp.sum((h - y) ** 2)
+  f = hk.transform_with_state(loss)
+  x, y = _x(), _x(1, (B, H))
+  params, state = f.init(jax.random.PRNGKey(1), x, y)
+  stacked = next(m for m in params if m != "linear")
+  with pytest.raises(ValueError, match=(
+      rf"(?s)layer name 'linear' belongs to .*\['{stacked}'\].*"
+      r"\['linear'\].*distinct names")):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
+
+
 def test_frozen_with_distinct_names_matches_plain_gradient():
   f = _stack_model("head")
   x, y = _x(), _x(1, (B, H))
