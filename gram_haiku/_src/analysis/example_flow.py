@@ -1071,9 +1071,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
     model_state: the constant variables that hold the model's Haiku state
       (given to ``apply``, closed over by the traced loss): not data the
       user closed over (see :meth:`_Flow._closed_over`).
-    observed: variables of the program's own equations (keys) whose
-      states are written into it (the sites of program-level rules,
-      :mod:`gram_haiku._src.analysis.program_rules`).
+    observed: variables of the program (its inputs' or its own
+      equations'; keys) whose states are written into it (the sites of
+      program-level rules, :mod:`gram_haiku._src.analysis.program_rules`).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -1094,6 +1094,9 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   # dimensions, which would read as mixing the examples).
   single = batch == 1
   flow = _Flow(batch, gram_op_type, strict, consts, model_state, observed)
+  for v, s in zip(jaxpr.invars, in_states):  # (the program's inputs too)
+    if observed is not None and v in observed:
+      observed[v] = s
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.follow(jaxpr, list(in_states), deps)
   record = flow.log.read()

@@ -56,7 +56,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
+import jax
+
 from gram_haiku._src.analysis import interpreter
+from gram_haiku._src.analysis.flow_states import CONST
 from gram_haiku._src.analysis.flow_states import ELEMENTWISE
 from gram_haiku._src.analysis.flow_states import Ex
 from gram_haiku._src.analysis.flow_states import SUM
@@ -98,6 +101,15 @@ class Site:
     rule: the rule's name (for :attr:`Grams.coverage`).
     line: the user's line, for messages.
     axis: the examples' axis of ``Z`` (set by :func:`resolve`).
+    mapped: the equation is evaluated once per example (a
+      :data:`PER_EXAMPLE_RULES` site): ``Z`` is the operand stacked per
+      example, ``[B, *operand.shape]`` (``shape`` is the operand's until
+      :func:`resolve` adds ``B``), and its examples' axis is 0.
+    data: for a mapped site, its operands that depend on the examples.
+    in_axes: for a mapped site, each operand's examples' axis (None: the
+      same for every example; set by :func:`resolve`).
+    out_axis: for a mapped site, its output's examples' axis (set by
+      :func:`resolve`).
   """
   eqn: Any
   operand: int
@@ -107,6 +119,10 @@ class Site:
   rule: str
   line: str
   axis: Optional[int] = None
+  mapped: bool = False
+  data: tuple = ()
+  in_axes: Optional[tuple] = None
+  out_axis: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +222,29 @@ def _concatenate_site(ctx, eqn, ins) -> list:
   return [Val(data=True)] * len(eqn.outvars)
 
 
+def _per_example_site(ctx, eqn, ins) -> list:
+  """A prefix operand that the equation contracts, convolves or indexes
+  with the data (``x @ W``, ``lax.conv(x, K)``, ``table[ids]``): ``Z`` is
+  the operand stacked per example, and the equation is evaluated once per
+  example (:func:`resolve` reads the axes and checks that this is the
+  equation's own value)."""
+  data = tuple(k for k, s in enumerate(ins) if s.data)
+  for k, (v, s) in enumerate(zip(eqn.invars, ins)):
+    if s.leaves and hx.may_carry_gradient(v):
+      ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
+                          frozenset(), eqn.primitive.name, _line(eqn),
+                          mapped=True, data=data))
+  return [Val(data=True)] * len(eqn.outvars)
+
+
+#: The primitives whose sites are evaluated once per example (a
+#: contraction, convolution or indexing of a parameter by the examples'
+#: values). Their ``Z`` costs ``B x |operand|`` memory (three times over:
+#: ``Z``, ``dL/dZ`` and the per-example gradients; see
+#: :func:`gram_haiku._src.compute.cost_model.per_example_operand_bytes`).
+PER_EXAMPLE_RULES = ("dot_general", "conv_general_dilated", "gather",
+                     "dynamic_slice")
+
 #: The program-level Gram rules, by primitive: ``rule(ctx, eqn, ins)`` for
 #: an equation where a prefix value meets the data; it logs a
 #: :class:`Site` per prefix operand and returns the outputs' states. A
@@ -214,6 +253,7 @@ SITE_RULES = hx.rule_table({
     **{name: _elementwise_site for name in ELEMENTWISE
        if name not in ("stop_gradient", "optimization_barrier")},
     "concatenate": _concatenate_site,
+    **{name: _per_example_site for name in PER_EXAMPLE_RULES},
 })
 
 
@@ -346,6 +386,58 @@ def _axis(site: Site, state, batch: int) -> tuple[Optional[int], str]:
   return e, ""
 
 
+def _plain(state) -> bool:
+  """Whether example-flow ``state`` holds the examples along one axis, one
+  per slice, in the batch's order."""
+  return isinstance(state, Ex) and state.tag is None and (
+      state.order is None and (state.inner, state.outer) == (1, 1))
+
+
+def _mapped(site: Site, observed: Mapping[Any, Any],
+            batch: Optional[int]) -> tuple[Optional[Site], str]:
+  """``(site, "")``: mapped ``site`` with ``Z``'s shape and the axes of its
+  per-example evaluation, read from the example-flow states ``observed``;
+  ``(None, why)`` where it cannot be evaluated one example at a time with
+  the equation's own values."""
+  eqn = site.eqn
+  out = observed.get(eqn.outvars[0])
+  if not batch:
+    return None, errors.PROGRAM_NO_EXAMPLES
+  if isinstance(out, Ex) and not _plain(out):
+    return None, errors.PROGRAM_EXAMPLES_MERGED
+  if not isinstance(out, Ex):
+    return None, errors.PROGRAM_NOT_PER_EXAMPLE.format(
+        primitive=eqn.primitive.name, state=out)
+  axes = [None] * len(eqn.invars)
+  for k in site.data:
+    state = observed.get(eqn.invars[k])
+    if _plain(state):
+      axes[k] = state.dim
+    elif state != CONST:
+      return None, (errors.PROGRAM_EXAMPLES_MERGED if isinstance(state, Ex)
+                    else errors.PROGRAM_NO_EXAMPLES)
+  if all(a is None for a in axes):
+    return None, errors.PROGRAM_OPERAND_NO_EXAMPLES.format(
+        primitive=eqn.primitive.name)
+  shape = (batch, *site.shape)
+  args = [v.val if isinstance(v, hx.Literal) else jax.ShapeDtypeStruct(
+      shape if k == site.operand else v.aval.shape, v.aval.dtype)
+          for k, v in enumerate(eqn.invars)]
+  try:
+    got = jax.eval_shape(lambda *a: hx.bind_per_example(
+        eqn, list(a), axes, (site.operand,), out.dim), *args)
+  except (TypeError, ValueError):
+    got = None
+  if got is None or [tuple(g.shape) for g in got] != [
+      _shape(v) for v in eqn.outvars]:
+    return None, errors.PROGRAM_NOT_SEPARABLE.format(
+        primitive=eqn.primitive.name,
+        axes=", ".join(f"{a} of operand {k}" for k, a in enumerate(axes)
+                       if a is not None))
+  return dataclasses.replace(site, shape=shape, axis=0, in_axes=tuple(axes),
+                             out_axis=out.dim), ""
+
+
 def _message(refusal: Refusal) -> str:
   where = (f"`{refusal.primitive}`{refusal.line}" if refusal.line else
            f"`{refusal.primitive}`")
@@ -361,11 +453,15 @@ def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
   for s in found.sites:
     if any(k in {l for r in refusals for l in r.leaves} for k in s.leaves):
       continue
-    e, why = _axis(s, observed.get(s.eqn.outvars[0]), batch)
-    if e is None:
+    if s.mapped:
+      site, why = _mapped(s, observed, batch)
+    else:
+      e, why = _axis(s, observed.get(s.eqn.outvars[0]), batch)
+      site = None if e is None else dataclasses.replace(s, axis=e)
+    if site is None:
       refusals.append(Refusal(s.leaves, s.eqn.primitive.name, s.line, why))
     else:
-      sites.append(dataclasses.replace(s, axis=e))
+      sites.append(site)
   refused: dict[str, str] = {}
   for r in refusals:
     for k in r.leaves:
@@ -387,11 +483,13 @@ def match(found: Findings, program: Program) -> list[Site]:
   wanted = set(program.leaves)
   mine = [s for s in found.sites if set(s.leaves) <= wanted]
   if len(mine) != len(program.sites) or any(
-      (a.operand, a.leaves, a.shape, a.eqn.primitive) !=
-      (b.operand, b.leaves, b.shape, b.eqn.primitive)
+      (a.operand, a.leaves, a.shape, a.eqn.primitive, a.mapped) !=
+      (b.operand, b.leaves, b.shape[1:] if b.mapped else b.shape,
+       b.eqn.primitive, b.mapped)
       for a, b in zip(mine, program.sites)):
     raise AssertionError(
         "gram_haiku internal error: the pass's program uses the untracked "
         "parameters differently from the traced loss's.")
-  return [dataclasses.replace(a, axis=b.axis)
+  return [dataclasses.replace(a, axis=b.axis, shape=b.shape,
+                              in_axes=b.in_axes, out_axis=b.out_axis)
           for a, b in zip(mine, program.sites)]

@@ -23,7 +23,7 @@ import functools
 import inspect
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.extend.core  # noqa: F401
@@ -373,20 +373,58 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
 
 
 def replay(jaxpr: Any, consts: Any, args: list,
-           operands: Optional[dict] = None) -> list:
+           operands: Optional[dict] = None,
+           per_example: Optional[dict] = None) -> list:
   """A program's outputs at ``args`` (its constants' values ``consts``, by
   variable), each equation bound again (a hijax primitive's included), as
   :func:`sub_program` does; ``operands``: ``{(id(eqn), k): value}``, the
   values taken for operand ``k`` of those equations of the program's own
-  instead of their variables' (an input put in place of a value)."""
+  instead of their variables' (an input put in place of a value);
+  ``per_example``: ``{id(eqn): (axes, stacked, out_axis)}``, equations
+  bound once per example instead (:func:`bind_per_example`)."""
   constvars = list(jaxpr.constvars)
   return _eval_varying(list(jaxpr.eqns), constvars,
                        [consts[v] for v in constvars], list(jaxpr.invars),
-                       list(jaxpr.outvars), *args, operands=operands)
+                       list(jaxpr.outvars), *args, operands=operands,
+                       per_example=per_example)
+
+
+def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
+                     stacked: Sequence[int], out_axis: int) -> list:
+  """``eqn``'s outputs, its primitive bound once per example under
+  ``jax.vmap``.
+
+  Args:
+    eqn: a jaxpr equation with one output.
+    ins: its operands' values. Operand ``k`` in ``stacked`` holds one value
+      per example along a new axis 0 (``[B, *shape]``: the equation's own
+      operand for example ``i`` is its slice ``i``); operand ``k`` with an
+      int ``axes[k]`` holds the examples along that axis (each call sees
+      its slice, the axis kept with size 1, so the equation's parameters
+      still fit); the others (``axes[k]`` None) are given whole to every
+      call.
+    axes: per operand, its examples' axis, or None.
+    stacked: the operands with a new per-example axis 0.
+    out_axis: the examples' axis of the output (size 1 in each call).
+
+  Returns:
+    The outputs (a list), the examples along ``out_axis``.
+  """
+  mapped = [k for k in range(len(ins)) if k in stacked or axes[k] is not None]
+
+  def one(*vals):
+    full = list(ins)
+    for k, v in zip(mapped, vals):
+      full[k] = v if k in stacked else jnp.expand_dims(v, axes[k])
+    return [jnp.squeeze(o, out_axis) for o in bind_equation(eqn, full)]
+  in_axes = tuple(0 if k in stacked else axes[k] for k in mapped)
+  return jax.vmap(one, in_axes=in_axes, out_axes=out_axis)(
+      *[ins[k] for k in mapped])
 
 
 def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
-                  outvars: list, *args: Any, operands=None) -> list:
+                  outvars: list, *args: Any, operands=None,
+                  per_example=None) -> list:
   """The program ``eqns`` (with ``constvars`` bound to ``consts``) at
   ``args``, equation by equation, each equation's operands first cast to
   vary over the same mesh axes.
@@ -424,7 +462,9 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
           "What to do: run this model without mesh=/mesh_axes, or apply "
           "the function inside the layer's own computation instead of a "
           "getter.")
-    if axes and inner is not None:
+    if per_example and id(eqn) in per_example:
+      outs = bind_per_example(eqn, ins, *per_example[id(eqn)])
+    elif axes and inner is not None:
       body = getattr(inner, "jaxpr", inner)
       outs = _eval_varying(list(body.eqns), list(body.constvars),
                            list(inner.consts), list(body.invars),

@@ -1037,9 +1037,36 @@ PROGRAM_NO_RULE = (
     "a value computed from the parameter alone meets the examples' values "
     "there, and program-level rules cover only a broadcast of it along the "
     "examples (an elementwise `add`/`mul`/... of a parameter broadcast over "
-    "the batch, or a `concatenate` of one, such as a class token); "
-    "`{primitive}` has no rule yet. Wrap the use in a tracked layer "
-    "(hk.Linear, hk.Bias, ...) or write a Rule for it")
+    "the batch, or a `concatenate` of one, such as a class token) and its "
+    "use by `dot_general` (`x @ W`, `jnp.einsum`), `conv_general_dilated` "
+    "(`lax.conv`), `gather` (`table[ids]`, `jnp.take`) or `dynamic_slice` "
+    "with each example's values; `{primitive}` has no rule yet. Wrap the "
+    "use in a tracked layer (hk.Linear, hk.Bias, ...) or write a Rule for "
+    "it")
+
+PROGRAM_NOT_PER_EXAMPLE = (
+    "its output holds no axis with one example per slice (the example "
+    "flow's state there: {state}: the examples are summed over, mixed or "
+    "not followed), so `{primitive}` cannot be evaluated one example at a "
+    "time. Apply the parameter to each example's own values: keep the "
+    "examples' axis a free axis of the `dot_general` (not a contracted "
+    "one), the batch axis of a convolution, an axis of a gather's indices")
+
+PROGRAM_OPERAND_NO_EXAMPLES = (
+    "the examples' values it meets there hold no examples' axis (a scalar "
+    "index, or a value shared by every example), so `{primitive}` cannot "
+    "be evaluated one example at a time. Index the parameter with an "
+    "array holding each example's own indices (`table[ids]`, "
+    "`jnp.take(table, ids, axis=0)`), or apply it to each example's values")
+
+PROGRAM_NOT_SEPARABLE = (
+    "evaluated one example at a time (the examples' axis {axes} kept with "
+    "size 1), `{primitive}` does not give its output with one slice per "
+    "example: the examples' axis is one the parameter takes part in too "
+    "(a batch dimension of a `dot_general` that the parameter also has, a "
+    "spatial axis of a convolution). Keep the examples along an axis of "
+    "the data alone (broadcast nothing of the parameter along the batch "
+    "before this use)")
 
 PROGRAM_IN_CALL = (
     "it meets the examples' values inside `{primitive}` (a jax.jit, "

@@ -416,6 +416,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       raise ValueError(dataflow.also_untracked_message(
           name, [name.rsplit("/", 1)[0]], use))
   observed = {s.eqn.outvars[0]: None for s in sites.sites}
+  observed.update({s.eqn.invars[k]: None for s in sites.sites
+                   for k in s.data})  # (a per-example site's data)
   size = _check_example_axes(found, check_examples(strict, observed))
   rules = program_rules.resolve(sites, observed, size, leaf_names(params))
   seen = _with_program(seen, rules, deferred)

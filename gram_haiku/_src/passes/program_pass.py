@@ -145,7 +145,9 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
     outs = hx.replay(jaxpr, consts,
                      jax.tree_util.tree_leaves((full, diff_probes,
                                                 list(arrays))),
-                     {(id(s.eqn), s.operand): zk for s, zk in zip(sites, z)})
+                     {(id(s.eqn), s.operand): zk for s, zk in zip(sites, z)},
+                     {id(s.eqn): (s.in_axes, (s.operand,), s.out_axis)
+                      for s in sites if s.mapped})
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   out, (d_leaves, d_probes, dzs) = jax.value_and_grad(
