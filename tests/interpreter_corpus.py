@@ -28,6 +28,7 @@ here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Optional, Union
 
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gram_haiku
 from tests import problems
 from tests import test_example_flow as ef
 from tests import test_soundness_flow as sf
@@ -1299,6 +1301,77 @@ def _getter_inside(where):
 _GETTER_INSIDE = "inside a call, loop or branch|more than once"
 
 
+# -- bare parameters read from the program (tests/test_program_rules.py) ------
+# (A bare parameter is read inside a track(untracked="error") block, so that
+# a use no rule covers is refused rather than left out of the Gram; the
+# reference runs the same body without it: _bare_row.)
+
+
+def _bare(name, shape, scale=1.0):
+  return hk.get_parameter(name, shape, init=hk.initializers.RandomNormal(
+      scale))
+
+
+def _bare_row(body, gram, clip_refuses) -> Row:
+  """The row of ``body(x, y, strict)``: its bare parameters read under
+  ``track(untracked="error")``, and as plain Haiku by the reference."""
+  return Row(body.__name__.lstrip("_"),
+             lambda x, y: body(x, y, strict=True), gram, clip_refuses,
+             reference_body=lambda x, y: body(x, y, strict=False),
+             source=_PR)
+
+
+def _uses(strict):
+  return (gram_haiku.track(untracked="error") if strict
+          else contextlib.nullcontext())
+
+
+def _bare_weight_matmul(x, y, strict):  # W through an elementwise prefix
+  with _uses(strict):
+    h = jnp.tanh(x @ (_bare("w", (F, 3)) * 0.5))
+  return _sq(h + hk.Linear(3)(x), y)
+
+
+def _bare_weight_first_in_einsum(x, y, strict):
+  with _uses(strict):
+    h = jnp.einsum("df,btf->btd", _bare("w", (3, F)), x)
+  return _sq(jnp.tanh(h) * hk.Linear(3)(x), y)
+
+
+def _bare_kernel_conv(x, y, strict):
+  with _uses(strict):
+    h = jax.lax.conv_general_dilated(
+        x, _bare("k", (2, F, 3)), (1,), "SAME",
+        dimension_numbers=("NWC", "WIO", "NWC"))
+  return _sq(jnp.tanh(h + hk.Linear(3)(x)), y)
+
+
+def _ids(x, vocab=7):
+  return (jnp.abs(x[..., 0]) * 3).astype(jnp.int32) % vocab
+
+
+def _bare_table_gather(x, y, strict):  # ids from each example's data
+  with _uses(strict):
+    h = _bare("table", (7, 3))[_ids(x)]
+  return _sq(h * hk.Linear(3)(x), y)
+
+
+def _bare_weight_contracts_the_examples(x, y, strict):
+  # Summed over the examples: no example's share can be told apart.
+  with _uses(strict):
+    h = jnp.einsum("btf,bd->tfd", x, _bare("w", (B, 3)))
+  return _sq(hk.Linear(3)(x), y) + jnp.sum(h)
+
+
+def _bare_table_dynamic_slice(x, y, strict):  # one row for the whole batch
+  with _uses(strict):
+    row = jax.lax.dynamic_slice_in_dim(_bare("table", (7, 3)),
+                                       _ids(x)[0, 0], 1)
+  return _sq(hk.Linear(3)(x) + row, y)
+
+
+_PR = "tests/test_program_rules.py"
+_PROGRAM_REFUSED = "No program-level rule covers its use by `{}`.*{}"
 _EF = "tests/test_example_flow.py"
 _SF = "tests/test_soundness_flow.py"
 _SH = "tests/test_sharing.py"
@@ -1777,6 +1850,17 @@ ROWS: list[Row] = [
           rf"(?s)(?=.*{TRANSFORMED})(?=.*({_GETTER_INSIDE}))", True,
           source=_RP)
       for where in ("cond", "remat", "dynamic_unroll")],
+    # -- bare parameters: program-level rules, or refused ----------------------
+    *[_bare_row(body, EXACT, False) for body in (
+        _bare_weight_matmul, _bare_weight_first_in_einsum, _bare_kernel_conv,
+        _bare_table_gather)],
+    _bare_row(_bare_weight_contracts_the_examples,
+              _PROGRAM_REFUSED.format("dot_general",
+                                      "no axis with one example"),
+              "no Gram rule"),
+    _bare_row(_bare_table_dynamic_slice,
+              _PROGRAM_REFUSED.format("dynamic_slice",
+                                      "hold no examples' axis"), OTHERS_DATA),
 ]
 
 

@@ -20,6 +20,7 @@ import pytest
 import gram_haiku
 from gram_haiku._src.analysis import dataflow
 from gram_haiku._src.analysis import flow_rules
+from gram_haiku._src.analysis import program_rules
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import assert_sound_norms
@@ -175,6 +176,14 @@ _MUTATIONS = {
     # parameter is taken for an untracked one.
     "dataflow-stop_gradient": (dataflow.RULES, "stop_gradient",
                                "untracked_parameter_under_stop_gradient"),
+    # A bare parameter refused (or, for a refusal row, refused for another
+    # reason) without its program-level rule.
+    **{f"program-{primitive}": (program_rules.SITE_RULES, primitive, row)
+       for primitive, row in (
+           ("dot_general", "bare_weight_matmul"),
+           ("conv_general_dilated", "bare_kernel_conv"),
+           ("gather", "bare_table_gather"),
+           ("dynamic_slice", "bare_table_dynamic_slice"))},
 }
 
 

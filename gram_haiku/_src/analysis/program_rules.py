@@ -403,11 +403,6 @@ def _mapped(site: Site, observed: Mapping[Any, Any],
   out = observed.get(eqn.outvars[0])
   if not batch:
     return None, errors.PROGRAM_NO_EXAMPLES
-  if isinstance(out, Ex) and not _plain(out):
-    return None, errors.PROGRAM_EXAMPLES_MERGED
-  if not isinstance(out, Ex):
-    return None, errors.PROGRAM_NOT_PER_EXAMPLE.format(
-        primitive=eqn.primitive.name, state=out)
   axes = [None] * len(eqn.invars)
   for k in site.data:
     state = observed.get(eqn.invars[k])
@@ -419,6 +414,11 @@ def _mapped(site: Site, observed: Mapping[Any, Any],
   if all(a is None for a in axes):
     return None, errors.PROGRAM_OPERAND_NO_EXAMPLES.format(
         primitive=eqn.primitive.name)
+  if isinstance(out, Ex) and not _plain(out):
+    return None, errors.PROGRAM_EXAMPLES_MERGED
+  if not isinstance(out, Ex):
+    return None, errors.PROGRAM_NOT_PER_EXAMPLE.format(
+        primitive=eqn.primitive.name, state=out)
   shape = (batch, *site.shape)
   args = [v.val if isinstance(v, hx.Literal) else jax.ShapeDtypeStruct(
       shape if k == site.operand else v.aval.shape, v.aval.dtype)
