@@ -168,11 +168,24 @@ def _summed_over_batch_net(x, y):
   return jnp.sum((hk.Linear(D, name="linear")(x) + q - y) ** 2, axis=-1)
 
 
-def _einsum_net(x, y):
-  """A bare weight in a matmul: no rule for dot_general yet."""
+def _written_into_net(x, y):
+  """A bare parameter written into the activations (example 0's row):
+  no rule for dynamic_update_slice."""
+  p = hk.get_parameter("p", [D], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  h = jax.lax.dynamic_update_slice(hk.Linear(D, name="linear")(x),
+                                   p[None].astype(x.dtype), (0, 0))
+  return jnp.sum((h - y) ** 2, axis=-1)
+
+
+def _batched_weight_net(x, y):
+  """A weight broadcast along the batch and contracted as a batch
+  dimension: the examples' axis is one the parameter takes part in, so
+  the product cannot be evaluated one example at a time."""
   w = hk.get_parameter("w", [F, D], x.dtype,
                        init=hk.initializers.RandomNormal())
-  return jnp.sum((hk.Linear(D, name="linear")(x) + x @ w - y) ** 2, axis=-1)
+  h = jnp.einsum("bf,bfd->bd", x, jnp.broadcast_to(w, (x.shape[0], F, D)))
+  return jnp.sum((hk.Linear(D, name="linear")(x) + h - y) ** 2, axis=-1)
 
 
 def _penalty_net(x, y):
@@ -185,9 +198,10 @@ def _penalty_net(x, y):
 
 @pytest.mark.parametrize("net, primitive", [
     (_summed_over_batch_net, "reduce_sum"),
-    (_einsum_net, "dot_general"),
+    (_written_into_net, "dynamic_update_slice"),
+    (_batched_weight_net, "dot_general"),
     (_penalty_net, "add"),
-], ids=["summed_over_batch", "einsum", "penalty"])
+], ids=["summed_over_batch", "written_into", "batched_weight", "penalty"])
 def test_a_use_without_a_rule_stays_untracked_and_says_where(net, primitive):
   f, params, state, batch = _setup(net, untracked="ignore")
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
@@ -269,3 +283,109 @@ def test_cross_gram_with_a_bare_parameter():
                                atol=1e-12)
     np.testing.assert_allclose(cross.query_summed, ff @ fq.sum(0),
                                rtol=1e-9, atol=1e-12)
+
+
+# -- parameters contracted, convolved or indexed by the examples' values ------
+# (dot_general, conv_general_dilated, gather: each example's gradient of the
+# operand, the equation evaluated once per example)
+
+
+def _w(name, shape, dtype, scale=1.0):
+  return hk.get_parameter(name, shape, dtype,
+                          init=hk.initializers.RandomNormal(scale))
+
+
+def _matmul_net(x, y):
+  """``x @ (W * scale)``: the weight second, through an elementwise
+  prefix, on inputs far from zero."""
+  w = _w("w", [F, D], x.dtype)
+  h = jnp.tanh((x + 1e3) @ (w * 1e-3) - w.sum(0))  # (cancels)
+  return jnp.sum((hk.Linear(D, name="linear")(x) * h - y) ** 2, axis=-1)
+
+
+def _weight_first_net(x, y):
+  """``einsum("df,bf->db")``: the weight the first operand, the examples
+  the output's second axis."""
+  w = _w("w", [D, F], x.dtype)
+  h = jnp.einsum("df,bf->db", w, jnp.tanh(hk.Linear(F, name="linear")(x)))
+  return jnp.sum((jnp.tanh(h.T) - y) ** 2, axis=-1)
+
+
+def _shared_net(x, y):
+  """One weight at two contractions and an elementwise broadcast: the
+  cross terms of its three uses are in each example's gradient."""
+  w = _w("w", [D, D], x.dtype, 0.5)
+  h = jnp.tanh(hk.Linear(D, name="linear")(x) @ w)
+  h = jnp.tanh(h @ w.T) + w[0]
+  return jnp.sum((h - y) ** 2, axis=-1)
+
+
+def _conv_net(x, y):
+  """A bare kernel with ``lax.conv`` (one spatial axis)."""
+  k = _w("k", [2, 1, D], x.dtype)
+  h = jax.lax.conv_general_dilated(
+      x[..., None], k, (1,), "VALID",
+      dimension_numbers=("NWC", "WIO", "NWC"))  # [B, F - 1, D]
+  return jnp.sum((jnp.tanh(h).mean(1) + hk.Linear(D, name="linear")(x)
+                  - y) ** 2, axis=-1)
+
+
+def _embedding_net(x, y):
+  """``table[ids]``: rows of a bare table by each example's ids (some
+  repeated within an example)."""
+  table = _w("table", [7, D], x.dtype)
+  ids = (jnp.abs(x) * 4).astype(jnp.int32) % 7  # [B, F]
+  h = table[ids].sum(1) * hk.Linear(D, name="linear")(x)
+  return jnp.sum((h - y) ** 2, axis=-1)
+
+
+def _mixer_net(x, y, tokens=3, c=2):
+  """An MLP-Mixer block with bare einsum weights (token and channel
+  mixing), its stem a tracked layer."""
+  h = hk.Linear(tokens * c, name="stem")(x).reshape(-1, tokens, c)
+  h = h + jnp.einsum("btc,ts->bsc", jax.nn.gelu(h),
+                     _w("token_mix", [tokens, tokens], x.dtype))
+  h = h + jnp.einsum("btc,cd->btd", jax.nn.gelu(h),
+                     _w("channel_mix", [c, c], x.dtype))
+  out = jnp.einsum("bc,cd->bd", h.mean(1), _w("head", [c, D], x.dtype))
+  return jnp.sum((out - y) ** 2, axis=-1)
+
+
+_PER_EXAMPLE_NETS = {
+    "matmul_scaled": (_matmul_net,
+                      {"~/w": "program: broadcast, dot_general"}),
+    "weight_first": (_weight_first_net, {"~/w": "program: dot_general"}),
+    "shared": (_shared_net, {"~/w": "program: broadcast, dot_general"}),
+    "conv": (_conv_net, {"~/k": "program: conv_general_dilated"}),
+    "embedding": (_embedding_net, {"~/table": "program: gather"}),
+    "mixer": (_mixer_net, {n: "program: dot_general" for n in (
+        "~/token_mix", "~/channel_mix", "~/head")}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PER_EXAMPLE_NETS))
+def test_a_bare_weight_contracted_or_indexed_is_exact(name):
+  """The Gram (F @ F.T), the summed gradient and the all-layer clipped sum
+  (the reference's min(1, C / |g_i|)), float64, under jit and
+  untracked="error"."""
+  net, rules = _PER_EXAMPLE_NETS[name]
+  with jax.enable_x64(True):
+    f, params, state, batch = _setup(net, seed=4)
+    ff = _ref_f(net, params, batch)
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, *batch)
+    assert grams.complete
+    assert {k: grams.coverage[k].rule for k in rules} == rules
+    reference.assert_gram_close(grams.total, ff @ ff.T, "float64")
+    want = reference.weighted_sum(ff, np.ones(B), params)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    norms = np.linalg.norm(ff, axis=1)
+    c = float(np.median(norms))  # some clipped, some not
+    got = jax.jit(gram_haiku.clipped_grad(lambda *a: f.apply(*a)[0],
+                                          l2_clip_norm=c))(
+                                              params, state, None, *batch)
+    want = reference.weighted_sum(
+        ff, reference.clip_reference(norms, c), params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
