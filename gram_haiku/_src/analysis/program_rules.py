@@ -30,7 +30,24 @@ of ``p``: the cross terms of several uses are in the sum). Rules today:
   shape (positions, layer scales, temperatures);
 * ``concatenate``: a prefix operand broadcast along the examples,
   concatenated with the data along another axis (class and register
-  tokens): ``Z`` is that operand.
+  tokens): ``Z`` is that operand;
+* ``dot_general``, ``conv_general_dilated``, ``gather``,
+  ``dynamic_slice`` (:data:`PER_EXAMPLE_RULES`): a prefix operand
+  contracted, convolved or indexed by the data (a bare weight in ``x @ W``
+  or ``jnp.einsum``, either operand; a kernel in ``lax.conv``; a table read
+  by ``table[ids]``): ``Z`` is the operand stacked per example,
+  ``[B, *operand.shape]`` (its examples' axis 0), and the pass evaluates
+  the equation once per example (``jax.vmap`` over ``Z``'s axis 0 and the
+  data's examples' axis, :func:`gram_haiku._src.compat.hijax_compat.
+  bind_per_example`), so that ``(dL/dZ)[i]`` is example ``i``'s gradient
+  of the operand. :func:`resolve` reads the data's and the output's
+  examples' axes from the example flow, and checks that the evaluation
+  per example gives the output's shape (a batch dimension the parameter
+  shares, or data without an examples' axis, such as ``dynamic_slice``'s
+  scalar start, is refused). It costs ``B x |operand|`` memory, three
+  times over (:func:`gram_haiku._src.compute.cost_model.
+  per_example_operand_bytes`): a tracked layer (``hk.Linear``,
+  ``hk.Conv*``, ``hk.Embed``) takes the ghost methods instead.
 
 The prefix itself runs any example-independent program, except that a
 value broadcast along an axis (size above 1) may only go on through
@@ -46,7 +63,8 @@ the primitive and the user's line.
 Which axis of ``Z`` is the examples' (``e``) is read from the example-flow
 analysis (:mod:`gram_haiku._src.analysis.example_flow`): the state of the
 site's output. :func:`resolve` checks that ``Z`` is constant along it and
-holds ``B`` rows. That each slice of ``Z`` reaches its example's loss alone
+holds ``B`` rows (for a per-example site, that the output holds the
+examples along one axis). That each slice of ``Z`` reaches its example's loss alone
 is what the example-flow check proves for every value computed from the
 parameters (a sum over the batch before a nonlinearity is refused there).
 """

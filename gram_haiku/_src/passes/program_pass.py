@@ -8,7 +8,12 @@ evaluated again under ``jax.value_and_grad`` with one change: at each
 site, the broadcast of the parameter is an input ``Z`` of its own
 (initialised to the value the program computes, so the loss, the other
 gradients and every Gram op are as before; the Gram ops are hijax
-primitives of the program, bound again). Each example's gradient of the
+primitives of the program, bound again). At a per-example site (a
+``dot_general``, ``conv_general_dilated`` or ``gather`` of a parameter
+with the data) ``Z`` is the operand stacked per example, ``[B,
+*operand.shape]``, and the equation is bound once per example
+(:func:`gram_haiku._src.compat.hijax_compat.bind_per_example`, through
+``hx.replay``). Each example's gradient of the
 parameter is then the pull-back of its slice of ``dL/dZ`` through the
 program's own equations that compute one slice of ``Z`` from the
 parameter (``F_1``):
