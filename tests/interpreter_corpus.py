@@ -1356,6 +1356,12 @@ def _bare_table_gather(x, y, strict):  # ids from each example's data
   return _sq(h * hk.Linear(3)(x), y)
 
 
+def _bare_table_take(x, y, strict):  # jnp.take: a gather inside a jit call
+  with _uses(strict):
+    h = jnp.take(_bare("table", (7, 3)), _ids(x), axis=0)
+  return _sq(jnp.tanh(h + hk.Linear(3)(x)), y)
+
+
 def _bare_weight_contracts_the_examples(x, y, strict):
   # Summed over the examples: no example's share can be told apart.
   with _uses(strict):
@@ -1853,7 +1859,7 @@ ROWS: list[Row] = [
     # -- bare parameters: program-level rules, or refused ----------------------
     *[_bare_row(body, EXACT, False) for body in (
         _bare_weight_matmul, _bare_weight_first_in_einsum, _bare_kernel_conv,
-        _bare_table_gather)],
+        _bare_table_gather, _bare_table_take)],
     _bare_row(_bare_weight_contracts_the_examples,
               _PROGRAM_REFUSED.format("dot_general",
                                       "no axis with one example"),

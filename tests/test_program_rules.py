@@ -339,6 +339,21 @@ def _embedding_net(x, y):
   return jnp.sum((h - y) ** 2, axis=-1)
 
 
+_jitted_scale = jax.jit(lambda h, p: h * p)
+
+
+def _in_jit_calls_net(x, y):
+  """``jnp.take`` (a jit call) twice on one table, and one jitted helper
+  scaling by two bare parameters: each call's sites its own."""
+  table = _w("table", [7, D], x.dtype)
+  ids = (jnp.abs(x) * 4).astype(jnp.int32) % 7
+  h = jnp.take(table, ids[:, 0], axis=0) * jnp.take(table, ids[:, 1],
+                                                     axis=0)
+  h = _jitted_scale(h, _w("gate", [D], x.dtype)) + _jitted_scale(
+      hk.Linear(D, name="linear")(x), _w("scale", [D], x.dtype))
+  return jnp.sum((h - y) ** 2, axis=-1)
+
+
 def _mixer_net(x, y, tokens=3, c=2):
   """An MLP-Mixer block with bare einsum weights (token and channel
   mixing), its stem a tracked layer."""
@@ -358,6 +373,9 @@ _PER_EXAMPLE_NETS = {
     "shared": (_shared_net, {"~/w": "program: broadcast, dot_general"}),
     "conv": (_conv_net, {"~/k": "program: conv_general_dilated"}),
     "embedding": (_embedding_net, {"~/table": "program: gather"}),
+    "in_jit_calls": (_in_jit_calls_net, {
+        "~/table": "program: gather", "~/gate": "program: broadcast",
+        "~/scale": "program: broadcast"}),
     "mixer": (_mixer_net, {n: "program: dot_general" for n in (
         "~/token_mix", "~/channel_mix", "~/head")}),
 }

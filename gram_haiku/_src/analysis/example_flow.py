@@ -903,11 +903,14 @@ def _join_vals(a: _Val, b: _Val) -> _Val:
 
 
 def _observer(observed: dict):
-  """A domain ``output`` hook that records, for the variables of the
-  program's own equations that are keys of ``observed``, their states."""
+  """A domain ``output`` hook that records the states of the equations'
+  output variables ``v`` whose ``(call path, v)`` (the ids of the calls
+  they are inside, :meth:`Interpreter.call_path`) are keys of
+  ``observed``."""
   def output(ctx, v, val):
-    if ctx.depth == 1 and v in observed:
-      observed[v] = val.state
+    key = (ctx.call_path(), v)
+    if key in observed:
+      observed[key] = val.state
     return val
   return output
 
@@ -1071,9 +1074,11 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
     model_state: the constant variables that hold the model's Haiku state
       (given to ``apply``, closed over by the traced loss): not data the
       user closed over (see :meth:`_Flow._closed_over`).
-    observed: variables of the program (its inputs' or its own
-      equations'; keys) whose states are written into it (the sites of
-      program-level rules, :mod:`gram_haiku._src.analysis.program_rules`).
+    observed: ``{(call path, variable): None}``: the variables (the
+      program's inputs, path ``()``, or its equations' outputs, inside the
+      calls of equations with those ids) whose states are written into it
+      (the sites of program-level rules,
+      :mod:`gram_haiku._src.analysis.program_rules`).
 
   Returns:
     True when the examples were followed to every Gram op's example axis
@@ -1095,8 +1100,8 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
   single = batch == 1
   flow = _Flow(batch, gram_op_type, strict, consts, model_state, observed)
   for v, s in zip(jaxpr.invars, in_states):  # (the program's inputs too)
-    if observed is not None and v in observed:
-      observed[v] = s
+    if observed is not None and ((), v) in observed:
+      observed[((), v)] = s
   deps = [s == CONST for s in in_states]  # parameters, probes: not data
   outs = flow.follow(jaxpr, list(in_states), deps)
   record = flow.log.read()

@@ -204,6 +204,16 @@ class Interpreter:
     programs it calls."""
     return (self.site, id(eqn))
 
+  def call_path(self) -> tuple:
+    """The ids of the equations (outermost first) whose programs the
+    current run is inside, by :meth:`key`: ``()`` in a program's own."""
+    path, site = [], self.site
+    while isinstance(site, tuple) and len(site) == 2 and not isinstance(
+        site[0], str):  # (a fresh run's key is ("run", n))
+      site, eqn_id = site
+      path.append(eqn_id)
+    return tuple(reversed(path))
+
   # -- control flow ---------------------------------------------------------
 
   def join_all(self, outs: Sequence[Optional[list]]) -> Optional[list]:

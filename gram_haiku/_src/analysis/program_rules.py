@@ -54,8 +54,9 @@ value broadcast along an axis (size above 1) may only go on through
 elementwise primitives and ``broadcast_in_dim`` before it meets the data:
 a sum over a broadcast over the batch (``sum(broadcast_to(p, (B, D)), 0)``)
 would make each example's share depend on ``B``. A prefix value that
-meets the data by any other primitive, inside a call, loop, branch or
-custom derivative, or that reaches the loss without meeting the data (a
+meets the data by any other primitive, inside a loop, branch, checkpoint
+or custom derivative (a ``jax.jit`` call is followed inside:
+:func:`_into_call`), or that reaches the loss without meeting the data (a
 penalty on the parameter, which belongs to no example), is a
 :class:`Refusal`: the parameter stays untracked, and the message names
 the primitive and the user's line.
@@ -128,6 +129,8 @@ class Site:
       same for every example; set by :func:`resolve`).
     out_axis: for a mapped site, its output's examples' axis (set by
       :func:`resolve`).
+    calls: the ``jit`` call equations (outermost first) whose bodies hold
+      ``eqn``; ``()`` for the program's own.
   """
   eqn: Any
   operand: int
@@ -141,6 +144,13 @@ class Site:
   data: tuple = ()
   in_axes: Optional[tuple] = None
   out_axis: Optional[int] = None
+  calls: tuple = ()
+
+  @property
+  def path(self) -> tuple:
+    """The ids of :attr:`calls`: the key of ``eqn``'s run (see
+    :meth:`gram_haiku._src.analysis.interpreter.Interpreter.call_path`)."""
+    return tuple(id(c) for c in self.calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +235,7 @@ def _elementwise_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), out_shape,
                           _const_at(s, v, out_shape), "broadcast",
-                          _line(eqn)))
+                          _line(eqn), calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -236,7 +246,8 @@ def _concatenate_site(ctx, eqn, ins) -> list:
   for k, (v, s) in enumerate(zip(eqn.invars, ins)):
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
-                          s.const - {dim}, "concatenate", _line(eqn)))
+                          s.const - {dim}, "concatenate", _line(eqn),
+                          calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -251,7 +262,7 @@ def _per_example_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
                           frozenset(), eqn.primitive.name, _line(eqn),
-                          mapped=True, data=data))
+                          mapped=True, data=data, calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -287,6 +298,18 @@ def _no_rule(ctx, eqn, ins) -> list:
       primitive=eqn.primitive.name))
 
 
+def _into_call(ctx, eqn, ins) -> list:
+  """A ``jit`` call (``jnp.take`` is one) where a prefix value meets the
+  data: followed inside, its sites the body's equations under the call
+  (:attr:`Site.calls`; the pass evaluates such calls inline)."""
+  ctx.config.append(eqn)
+  try:
+    outs = ctx.join_all(ctx.run_subs(eqn, lambda sub: list(ins)))
+  finally:
+    ctx.config.pop()
+  return outs if outs is not None else [Val(data=True)] * len(eqn.outvars)
+
+
 def _equation(ctx, eqn, ins: list) -> list:
   """The domain's step: no parameter (data or constants), a prefix value
   going on, or a prefix value meeting the data (a site rule)."""
@@ -303,14 +326,13 @@ def _equation(ctx, eqn, ins: list) -> list:
   if is_op:
     return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_GRAM_OP)
   if hx.jaxprs_of(eqn):
+    if data and hx.jit_body(eqn) is not None:
+      return _into_call(ctx, eqn, ins)
     if data:
       return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
           primitive=eqn.primitive.name))
     rule = None  # An example-independent call: an opaque prefix step.
   elif data:
-    if ctx.depth > 1:
-      return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
-          primitive="a call"))
     return (hx.rule_of(SITE_RULES, eqn) or _no_rule)(ctx, eqn, ins)
   else:
     rule = hx.rule_of(PREFIX_RULES, eqn)
@@ -356,7 +378,8 @@ def find(jaxpr, num_param_leaves: int, untracked: Sequence[int],
       ins.append(Val(frozenset({k}), False, _ones(_shape(v))))
     else:
       ins.append(Val(data=k >= num_param_leaves))
-  outs, log = interpreter.interpret(PROGRAM, jaxpr, ins, gram_op_type)
+  # (config: the jit calls the current run is inside, see _into_call)
+  outs, log = interpreter.interpret(PROGRAM, jaxpr, ins, gram_op_type, [])
   entries = list(interpreter.flatten(log))
   refusals = [e for e in entries if isinstance(e, Refusal)]
   for v, s in zip(jaxpr.outvars, outs):
@@ -404,6 +427,28 @@ def _axis(site: Site, state, batch: int) -> tuple[Optional[int], str]:
   return e, ""
 
 
+def _observed_key(calls: Sequence[Any], v) -> tuple:
+  """``(call path, variable)``: where the example flow observes ``v`` of
+  the body of the innermost of ``calls`` (an input of a body is its
+  call's operand, observed in the calling program)."""
+  calls = list(calls)
+  while calls:
+    body, _ = hx.jit_body(calls[-1])
+    if v not in body.invars:
+      break
+    v = calls[-1].invars[list(body.invars).index(v)]
+    calls.pop()
+  return tuple(id(c) for c in calls), v
+
+
+def observed_keys(found: Findings) -> list:
+  """The keys of the example-flow states :func:`resolve` reads (see
+  :func:`gram_haiku._src.analysis.example_flow.check`'s ``observed``):
+  each site's output, and a per-example site's data operands."""
+  return [_observed_key(s.calls, v) for s in found.sites
+          for v in (s.eqn.outvars[0], *(s.eqn.invars[k] for k in s.data))]
+
+
 def _plain(state) -> bool:
   """Whether example-flow ``state`` holds the examples along one axis, one
   per slice, in the batch's order."""
@@ -418,12 +463,12 @@ def _mapped(site: Site, observed: Mapping[Any, Any],
   ``(None, why)`` where it cannot be evaluated one example at a time with
   the equation's own values."""
   eqn = site.eqn
-  out = observed.get(eqn.outvars[0])
+  out = observed.get(_observed_key(site.calls, eqn.outvars[0]))
   if not batch:
     return None, errors.PROGRAM_NO_EXAMPLES
   axes = [None] * len(eqn.invars)
   for k in site.data:
-    state = observed.get(eqn.invars[k])
+    state = observed.get(_observed_key(site.calls, eqn.invars[k]))
     if _plain(state):
       axes[k] = state.dim
     elif state != CONST:
@@ -465,7 +510,7 @@ def _message(refusal: Refusal) -> str:
 def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
             leaf_names: Sequence[str]) -> Program:
   """The :class:`Program` of ``found``, each site's axis read from the
-  example-flow states ``observed`` (site output variable -> state)."""
+  example-flow states ``observed`` (:func:`observed_keys` -> state)."""
   refusals = list(found.refusals)
   sites = []
   for s in found.sites:
@@ -474,7 +519,8 @@ def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
     if s.mapped:
       site, why = _mapped(s, observed, batch)
     else:
-      e, why = _axis(s, observed.get(s.eqn.outvars[0]), batch)
+      out = observed.get(_observed_key(s.calls, s.eqn.outvars[0]))
+      e, why = _axis(s, out, batch)
       site = None if e is None else dataclasses.replace(s, axis=e)
     if site is None:
       refusals.append(Refusal(s.leaves, s.eqn.primitive.name, s.line, why))
@@ -501,9 +547,10 @@ def match(found: Findings, program: Program) -> list[Site]:
   wanted = set(program.leaves)
   mine = [s for s in found.sites if set(s.leaves) <= wanted]
   if len(mine) != len(program.sites) or any(
-      (a.operand, a.leaves, a.shape, a.eqn.primitive, a.mapped) !=
+      (a.operand, a.leaves, a.shape, a.eqn.primitive, a.mapped,
+       len(a.calls)) !=
       (b.operand, b.leaves, b.shape[1:] if b.mapped else b.shape,
-       b.eqn.primitive, b.mapped)
+       b.eqn.primitive, b.mapped, len(b.calls))
       for a, b in zip(mine, program.sites)):
     raise AssertionError(
         "gram_haiku internal error: the pass's program uses the untracked "

@@ -377,16 +377,38 @@ def replay(jaxpr: Any, consts: Any, args: list,
            per_example: Optional[dict] = None) -> list:
   """A program's outputs at ``args`` (its constants' values ``consts``, by
   variable), each equation bound again (a hijax primitive's included), as
-  :func:`sub_program` does; ``operands``: ``{(id(eqn), k): value}``, the
-  values taken for operand ``k`` of those equations of the program's own
-  instead of their variables' (an input put in place of a value);
-  ``per_example``: ``{id(eqn): (axes, stacked, out_axis)}``, equations
-  bound once per example instead (:func:`bind_per_example`)."""
+  :func:`sub_program` does.
+
+  Args:
+    jaxpr: the program.
+    consts: its constants' values, by constant variable.
+    args: its inputs' values.
+    operands: ``{(path, id(eqn), k): value}``, the values taken for
+      operand ``k`` of those equations instead of their variables' (an
+      input put in place of a value). ``path``: the ids of the ``jit``
+      calls (outermost first) whose bodies hold the equation, ``()`` for
+      the program's own; those calls are evaluated inline.
+    per_example: ``{(path, id(eqn)): (axes, stacked, out_axis)}``,
+      equations bound once per example instead (:func:`bind_per_example`).
+  """
   constvars = list(jaxpr.constvars)
   return _eval_varying(list(jaxpr.eqns), constvars,
                        [consts[v] for v in constvars], list(jaxpr.invars),
                        list(jaxpr.outvars), *args, operands=operands,
                        per_example=per_example)
+
+
+def jit_body(eqn: Any) -> Optional[tuple]:
+  """``(body, consts)``: the program a ``jit`` call ``eqn`` runs (an open
+  jaxpr) and its constants' values by variable; None for any other
+  equation."""
+  if eqn.primitive.name not in ("pjit", "jit"):
+    return None
+  closed = eqn.params.get("jaxpr")
+  if closed is None:
+    return None
+  body = getattr(closed, "jaxpr", closed)
+  return body, dict(zip(body.constvars, getattr(closed, "consts", ())))
 
 
 def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
@@ -424,7 +446,7 @@ def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
 
 def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
                   outvars: list, *args: Any, operands=None,
-                  per_example=None) -> list:
+                  per_example=None, path: tuple = ()) -> list:
   """The program ``eqns`` (with ``constvars`` bound to ``consts``) at
   ``args``, equation by equation, each equation's operands first cast to
   vary over the same mesh axes.
@@ -434,9 +456,14 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
   own ops insert that cast (``pvary``) when traced, but a recorded
   equation is bound as it was. Outside ``shard_map`` nothing varies and
   this is JAX's ``eval_jaxpr``. Calls of sub-programs (``jit``) are
-  evaluated inline, the same way. (The parts are passed apart: JAX 0.11
-  folds a closed program's constants into its ``Jaxpr``.)
+  evaluated inline, the same way, and so are those that hold an equation
+  of ``operands`` or ``per_example`` (see :func:`replay`; ``path``: the
+  ids of the calls these ``eqns`` are inside). (The parts are passed
+  apart: JAX 0.11 folds a closed program's constants into its
+  ``Jaxpr``.)
   """
+  into = {k[0][:n] for k in (*(operands or {}), *(per_example or {}))
+          for n in range(len(path) + 1, len(k[0]) + 1)}
   env = {}
   read = lambda v: v.val if isinstance(v, Literal) else env[v]
   for v, c in zip(constvars, consts):
@@ -446,7 +473,7 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
   for eqn in eqns:
     ins = [read(v) for v in eqn.invars]
     if operands:
-      ins = [operands.get((id(eqn), k), x) for k, x in enumerate(ins)]
+      ins = [operands.get((path, id(eqn), k), x) for k, x in enumerate(ins)]
     axes = frozenset().union(*(varying_axes(x) for x in ins))
     if axes:
       ins = [vary_like(jnp.asarray(x), *ins) for x in ins]
@@ -462,8 +489,15 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
           "What to do: run this model without mesh=/mesh_axes, or apply "
           "the function inside the layer's own computation instead of a "
           "getter.")
-    if per_example and id(eqn) in per_example:
-      outs = bind_per_example(eqn, ins, *per_example[id(eqn)])
+    if per_example and (path, id(eqn)) in per_example:
+      outs = bind_per_example(eqn, ins, *per_example[(path, id(eqn))])
+    elif path + (id(eqn),) in into:
+      body, body_consts = jit_body(eqn)
+      outs = _eval_varying(list(body.eqns), list(body.constvars),
+                           [body_consts[v] for v in body.constvars],
+                           list(body.invars), list(body.outvars), *ins,
+                           operands=operands, per_example=per_example,
+                           path=path + (id(eqn),))
     elif axes and inner is not None:
       body = getattr(inner, "jaxpr", inner)
       outs = _eval_varying(list(body.eqns), list(body.constvars),

@@ -1068,9 +1068,10 @@ PROGRAM_NOT_SEPARABLE = (
     "before this use)")
 
 PROGRAM_IN_CALL = (
-    "it meets the examples' values inside `{primitive}` (a jax.jit, "
-    "checkpoint, scan, while_loop, cond, custom_jvp/custom_vjp or vmapped "
-    "call), where program-level rules do not look in this version. Apply "
+    "it meets the examples' values inside `{primitive}` (a checkpoint, "
+    "scan, while_loop, cond, custom_jvp/custom_vjp or vmapped call; a "
+    "jax.jit call is followed inside), where program-level rules do not "
+    "look in this version. Apply "
     "the parameter outside that call (e.g. add the positions before the "
     "loop), or wrap its use in a tracked layer")
 

@@ -415,9 +415,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       # used by the loss elsewhere (module.params_dict(), a closure).
       raise ValueError(dataflow.also_untracked_message(
           name, [name.rsplit("/", 1)[0]], use))
-  observed = {s.eqn.outvars[0]: None for s in sites.sites}
-  observed.update({s.eqn.invars[k]: None for s in sites.sites
-                   for k in s.data})  # (a per-example site's data)
+  observed = dict.fromkeys(program_rules.observed_keys(sites))
   size = _check_example_axes(found, check_examples(strict, observed))
   rules = program_rules.resolve(sites, observed, size, leaf_names(params))
   seen = _with_program(seen, rules, deferred)

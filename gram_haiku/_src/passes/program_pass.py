@@ -63,24 +63,35 @@ class Stores:
 def _prefix(jaxpr, consts, site, num_param_leaves: int):
   """``(inputs, fn)``: ``fn(*values of the program inputs inputs) ->
   [operand]``, the program's own equations that compute ``site``'s
-  prefix operand (from parameter leaves and constants alone)."""
-  eqns = list(jaxpr.eqns)
-  at = next(k for k, e in enumerate(eqns) if e is site.eqn)
-  target = site.eqn.invars[site.operand]
-  needed = {target}
-  chosen = []
-  for e in reversed(eqns[:at]):
-    if any(v in needed for v in e.outvars):
-      chosen.append(e)
-      needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
-  chosen.reverse()
+  prefix operand (from parameter leaves and constants alone), through the
+  bodies of the ``jit`` calls that hold it (:attr:`Site.calls`)."""
+  levels = [(jaxpr, consts)] + [hx.jit_body(c) for c in site.calls]
+  ends = [*site.calls, site.eqn]  # where each level's slice ends
+  targets = [site.eqn.invars[site.operand]]
+  fn = lambda *values: list(values)
+  for depth in reversed(range(len(levels))):
+    body, body_consts = levels[depth]
+    eqns = list(body.eqns)
+    at = next(k for k, e in enumerate(eqns) if e is ends[depth])
+    needed = {v for v in targets if not isinstance(v, hx.Literal)}
+    chosen = []
+    for e in reversed(eqns[:at]):
+      if any(v in needed for v in e.outvars):
+        chosen.append(e)
+        needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
+    chosen.reverse()
+    ins = [v for v in body.invars if v in needed]
+    part, _ = hx.sub_program(body, body_consts, ins, targets, chosen)
+    fn = (lambda part, inner: lambda *values: inner(*part(*values)))(part,
+                                                                     fn)
+    if depth:  # the body's inputs: its call's operands, one level out
+      call = ends[depth - 1]
+      targets = [call.invars[list(body.invars).index(v)] for v in ins]
   position = {v: k for k, v in enumerate(jaxpr.invars)}
-  inputs = sorted(position[v] for v in needed if v in position)
+  inputs = [position[v] for v in ins]
   if any(k >= num_param_leaves for k in inputs):
     raise AssertionError("gram_haiku internal error: a program-level site's "
                          "operand is computed from the data.")
-  fn, _ = hx.sub_program(jaxpr, consts, [jaxpr.invars[k] for k in inputs],
-                         [target], chosen)
   return inputs, fn
 
 
@@ -150,8 +161,10 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
     outs = hx.replay(jaxpr, consts,
                      jax.tree_util.tree_leaves((full, diff_probes,
                                                 list(arrays))),
-                     {(id(s.eqn), s.operand): zk for s, zk in zip(sites, z)},
-                     {id(s.eqn): (s.in_axes, (s.operand,), s.out_axis)
+                     {(s.path, id(s.eqn), s.operand): zk
+                      for s, zk in zip(sites, z)},
+                     {(s.path, id(s.eqn)): (s.in_axes, (s.operand,),
+                                            s.out_axis)
                       for s in sites if s.mapped})
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
