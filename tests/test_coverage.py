@@ -1,5 +1,6 @@
 """Coverage: which parameters the Gram covers, and what happens to the rest."""
 
+import functools
 import warnings
 
 import haiku as hk
@@ -24,14 +25,20 @@ def _data(seed, b=5, t=3, d=4, out=3):
           problems.normal(k2, (b, t, out)))
 
 
+#: A matrix product inside a checkpoint: where a parameter meets the data
+#: there, no program-level rule covers it (they do not look inside a
+#: checkpoint; ``x @ m`` itself is covered by the rule for ``dot_general``).
+_uncovered_matmul = jax.checkpoint(jnp.matmul)
+
+
 class Scale(hk.Module):
   """A module with no Gram rule: y = x * s, written as a product with
-  diag(s), a use (``dot_general``) that no program-level rule covers
-  either (``x * s`` itself is covered by the broadcast rule)."""
+  diag(s) inside a checkpoint, a use that no program-level rule covers
+  either (``x * s`` and ``x @ diag(s)`` themselves are covered)."""
 
   def __call__(self, x):
     s = hk.get_parameter("s", [x.shape[-1]], x.dtype, init=jnp.ones)
-    return x @ jnp.diag(s)
+    return _uncovered_matmul(x, jnp.diag(s))
 
 
 def _model(x):
@@ -39,7 +46,7 @@ def _model(x):
   h = Scale()(h)
   t = hk.get_parameter("temperature", [], jnp.float32, init=jnp.ones)
   # (times t, as a product that no program-level rule covers: see Scale)
-  return hk.Linear(3)(h) @ (t * jnp.eye(3))
+  return _uncovered_matmul(hk.Linear(3)(h), t * jnp.eye(3))
 
 
 def _run(untracked, seed=0):
@@ -115,7 +122,8 @@ def test_untracked_warning_points_at_the_users_code(path, jit, monkeypatch):
     with gram_haiku.track():
       s = hk.get_parameter("stray", (), init=jnp.ones)
       # (a use that no program-level rule covers: see Scale)
-      return jnp.sum((hk.Linear(2)(x) @ (s * jnp.eye(2)) - y) ** 2)
+      return jnp.sum((_uncovered_matmul(hk.Linear(2)(x), s * jnp.eye(2))
+                      - y) ** 2)
   f = hk.transform_with_state(loss)
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = {"value_grad_and_gram": gram_haiku.value_grad_and_gram(f.apply),
@@ -397,22 +405,31 @@ def _outside_data(seed=30):
   return problems.normal(kx, (4, 5)), problems.normal(ky, (4, 3))
 
 
-def test_module_outside_every_track_block_is_untracked_not_unused():
+def test_module_outside_every_track_block_is_read_from_the_program():
   x, y = _outside_data()
-  def loss_fn(x, y):
+  def loss_fn(x, y, remat):
     with gram_haiku.track():
       h = hk.nets.MLP([8])(x)
-    out = hk.Linear(3, name="head")(jnp.tanh(h))  # outside the block
+    head = hk.Linear(3, name="head")
+    out = (hk.remat(head) if remat else head)(jnp.tanh(h))  # outside
     return 0.5 * jnp.sum((out - y) ** 2)
-  f = hk.transform_with_state(loss_fn)
+  f = hk.transform_with_state(functools.partial(loss_fn, remat=False))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
-  assert not grams.complete
-  # (Its bias, broadcast along the examples, is covered by the program-level
-  # rule for a broadcast; its weight, in a matmul, by none.)
-  assert grams.untracked == ["head/w"]
+  # Its bias, broadcast along the examples, and its weight, in a matmul,
+  # are covered by the program-level rules; the module type stays the
+  # reader's.
+  assert grams.complete
   assert grams.coverage["head/b"].rule == "program: broadcast"
+  assert grams.coverage["head/w"].rule == "program: dot_general"
+  assert grams.coverage["head/w"].module_type == "(outside track())"
+  # Inside a checkpoint, by none: untracked, not unused.
+  f = hk.transform_with_state(functools.partial(loss_fn, remat=True))
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert not grams.complete
+  assert grams.untracked == ["head/b", "head/w"]
   assert grams.coverage["head/w"].module_type == "(outside track())"
 
 

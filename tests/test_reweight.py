@@ -405,7 +405,9 @@ def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
   x, y = problems.data(6, (5, 4), 2)
 
   def loss(x, y):
-    h = hk.Linear(3, name="frozen_features")(x)  # outside track(): untracked
+    # Outside track() and inside a checkpoint: no rule (a program-level
+    # rule covers the layer outside a checkpoint).
+    h = hk.remat(hk.Linear(3, name="frozen_features"))(x)
     with gram_haiku.track():
       return problems.sq(hk.Linear(2, name="head")(jnp.tanh(h)), y)
   f = hk.transform_with_state(loss)

@@ -438,9 +438,11 @@ def _with_program(seen, rules: program_rules.Program, deferred) -> dict:
   """
   seen = dict(seen)
   for k, name in rules.leaves.items():
+    # (The type of the module that read it: none seen outside track().)
     seen[name] = ParamCoverage(True, rules.rules_of(k),
                                seen[name].module_type if name in seen
-                               else "(none)")
+                               else deferred[name][1] if name in deferred
+                               else "(outside track())")
   for name, (policy, module_type) in sorted(deferred.items()):
     if name not in rules.leaves.values():
       coverage_lib.report_untracked(name, policy, module_type,
