@@ -171,13 +171,16 @@ def test_bad_axes_and_batches_are_refused():
 
 
 def test_a_parameter_outside_every_tracked_layer_is_refused():
-  """(A bare parameter broadcast over the examples, e.g. a learned scale, is
-  covered by a program rule; see tests/test_program_rules.py.)"""
+  """(A bare parameter broadcast over the examples, e.g. a learned scale,
+  or in a matmul, is covered by a program rule; see
+  tests/test_program_rules.py.)"""
   def f(x):
     with gram_haiku.track():
       h = hk.Linear(3)(x)
-    # A bare weight in a matmul: no module rule and no program rule.
-    return h @ hk.get_parameter("mix", [3, 3], init=jnp.ones)
+    # A bare weight in a matmul inside a checkpoint: no module rule and no
+    # program rule.
+    return jax.checkpoint(jnp.matmul)(
+        h, hk.get_parameter("mix", [3, 3], init=jnp.ones))
   t = hk.transform_with_state(f)
   x = jnp.ones((2, 4))
   params, state = t.init(jax.random.PRNGKey(0), x)
