@@ -65,9 +65,10 @@ Which axis of ``Z`` is the examples' (``e``) is read from the example-flow
 analysis (:mod:`gram_haiku._src.analysis.example_flow`): the state of the
 site's output. :func:`resolve` checks that ``Z`` is constant along it and
 holds ``B`` rows (for a per-example site, that the output holds the
-examples along one axis). That each slice of ``Z`` reaches its example's loss alone
-is what the example-flow check proves for every value computed from the
-parameters (a sum over the batch before a nonlinearity is refused there).
+examples along one axis). That each slice of ``Z`` reaches its example's
+loss alone is what the example-flow check proves for every value computed
+from the parameters (a sum over the batch before a nonlinearity is refused
+there).
 """
 
 from __future__ import annotations

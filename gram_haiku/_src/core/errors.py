@@ -1047,8 +1047,9 @@ PROGRAM_NO_RULE = (
 PROGRAM_NOT_PER_EXAMPLE = (
     "its output holds no axis with one example per slice (the examples "
     "are summed over, mixed or not followed there: {state}), so "
-    "`{primitive}` cannot be evaluated one example at a time. Apply the parameter to each example's own values: keep the "
-    "examples' axis a free axis of the `dot_general` (not a contracted "
+    "`{primitive}` cannot be evaluated one example at a time. Apply the "
+    "parameter to each example's own values: keep the examples' axis a "
+    "free axis of the `dot_general` (not a contracted "
     "one), the batch axis of a convolution, an axis of a gather's indices")
 
 PROGRAM_OPERAND_NO_EXAMPLES = (
