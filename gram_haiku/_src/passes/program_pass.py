@@ -102,8 +102,14 @@ def _slice_fn(site, inputs, fn, leaves, acc) -> Callable:
     own = dict(zip(site.leaves, theta))
     vals = [own[k] if k in own else lax.stop_gradient(leaves[k])
             for k in inputs]
-    z = jnp.broadcast_to(fn(*vals)[0], site.shape)
-    return lax.index_in_dim(z, 0, site.axis, keepdims=False).astype(acc)
+    # One slice of the broadcast, taken before broadcasting (a slice of
+    # the whole [B, ...] broadcast would cost B times its size in the
+    # pull-back, once per example).
+    v = jnp.asarray(fn(*vals)[0])
+    v = v.reshape((1,) * (len(site.shape) - v.ndim) + v.shape)
+    v = lax.index_in_dim(v, 0, site.axis, keepdims=False)
+    return jnp.broadcast_to(v, site.shape[:site.axis] +
+                            site.shape[site.axis + 1:]).astype(acc)
   return f1
 
 
