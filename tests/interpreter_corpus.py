@@ -1362,6 +1362,13 @@ def _bare_table_take(x, y, strict):  # jnp.take: a gather inside a jit call
   return _sq(jnp.tanh(h + hk.Linear(3)(x)), y)
 
 
+def _bare_weights_time_major(x, y, strict):  # x: [T, B, F], example axis 1
+  with _uses(strict):
+    h = jnp.einsum("tbf,fd->btd", x, _bare("w", (F, 3)))
+    h = jnp.tanh(h) * _bare("table", (7, 3))[_ids(jnp.swapaxes(x, 0, 1))]
+  return _sq(h + hk.Linear(3)(jnp.swapaxes(x, 0, 1)), y)
+
+
 def _bare_weight_contracts_the_examples(x, y, strict):
   # Summed over the examples: no example's share can be told apart.
   with _uses(strict):
@@ -1860,6 +1867,9 @@ ROWS: list[Row] = [
     *[_bare_row(body, EXACT, False) for body in (
         _bare_weight_matmul, _bare_weight_first_in_einsum, _bare_kernel_conv,
         _bare_table_gather, _bare_table_take)],
+    dataclasses.replace(_bare_row(_bare_weights_time_major, EXACT, False),
+                        batch=lambda x, y: (jnp.swapaxes(x, 0, 1), y),
+                        example_axes=(1, 0)),
     _bare_row(_bare_weight_contracts_the_examples,
               _PROGRAM_REFUSED.format("dot_general",
                                       "no axis with one example"),
