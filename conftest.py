@@ -105,6 +105,10 @@ SAMPLED_SWEEPS = {
     "tests/test_reliability.py::"
     "test_complex_operands_are_refused_and_inference_still_works": 3,
     "tests/test_linear_op.py::test_zero_input_features_leave_the_bias_gram": 2,
+    # Bare weights contracted, convolved or indexed (program-level rules),
+    # every other model (the others are rows of tests/interpreter_corpus.py).
+    "tests/test_program_rules.py::"
+    "test_a_bare_weight_contracted_or_indexed_is_exact": 2,
 }
 
 
