@@ -63,7 +63,7 @@ _SOURCES = {
 
 #: Public submodules, imported on first use as attributes
 #: (``gram_haiku.ops.gram_linear`` after ``import gram_haiku``).
-_SUBMODULES = ("ops",)
+_SUBMODULES = ("ops", "functional")
 
 #: Deprecated names (one release): name -> (module, attribute, replacement).
 #: Each access warns with a DeprecationWarning naming the replacement.

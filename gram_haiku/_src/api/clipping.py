@@ -58,6 +58,7 @@ from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compute.plan import Clip
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.result import Grams
+from gram_haiku._src.frontend import plain_jax
 from gram_haiku._src.frontend.probes import PROBE_NAME
 from gram_haiku._src.ops.modes import clip_weights
 from gram_haiku._src.passes.pass_trace import split_probes
@@ -302,7 +303,7 @@ def _as_apply(fun, has_aux: bool):
   (the pass sees that no slot counter came back advanced and keeps the
   per-example gradients of a module applied more than once instead). The
   apply of ``hk.transform`` is passed on as is (the pass names the fix)."""
-  if hkc.is_pure_apply(fun):
+  if hkc.is_pure_apply(fun) or plain_jax.is_bare(fun):
     return fun
 
   def apply(params, state, rng, *args, **kwargs):

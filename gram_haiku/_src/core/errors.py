@@ -153,6 +153,14 @@ UNTRACKED_PARAM = (
     "(gram_haiku.Rule + gram_haiku.register_layer), or choose "
     "track(untracked='ignore' | 'error').")
 
+BARE_UNCOVERED = (
+    "gram_haiku.functional: parameter '{param}' of the plain-JAX loss has "
+    "no Gram rule, so its per-example gradients cannot be formed.{why}\n"
+    "What to do: express its use with a covered primitive (see the "
+    "'Plain JAX and Flax' docs page for the list), or compute that part of "
+    "the model with a Haiku module inside gram_haiku.track() and use "
+    "gram_haiku.value_grad_and_gram.")
+
 BATCHNORM_TRAINING = (
     "gram_haiku: module '{module}' (hk.BatchNorm) runs with "
     "is_training={is_training}, test_local_stats={test_local_stats}: it "
@@ -393,6 +401,14 @@ NO_FORWARD_USE = (
     "What to do: apply the tracked layers in the loss itself; the Gram of "
     "a gradient penalty or of a forward-mode derivative (tangent "
     "propagation) is not supported.")
+
+BARE_BATCH_SIZE = (
+    "gram_haiku.functional: the batch arguments (shapes {shapes}) do not "
+    "have one example size (sizes {sizes} along their example axes), so "
+    "the examples could not be followed through the loss.\n"
+    "What to do: pass example_axes=, one entry per batch argument: the "
+    "axis of its examples (an int), or None for an argument that holds no "
+    "examples (e.g. a table every example reads).")
 
 EMPTY_BATCH_NO_LAYERS = (
     "gram_haiku.value_grad_and_gram: the batch is empty (inputs {shapes}) "

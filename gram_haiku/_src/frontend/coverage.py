@@ -132,6 +132,10 @@ def merge_deferred(into: dict, deferred: dict) -> None:
       into[name] = (policy, module_type)
 
 
+#: The module type of a plain-JAX loss's parameters (no module reads them).
+BARE_MODULE_TYPE = "(plain JAX)"
+
+
 def report_untracked(name: str, policy: str, module_type: str,
                      why: str = "") -> None:
   """Reports an untracked read of parameter ``name`` by ``policy``: raises
@@ -140,8 +144,11 @@ def report_untracked(name: str, policy: str, module_type: str,
   (:data:`errors.PROGRAM_REFUSED`), or empty."""
   if policy == "ignore":
     return
-  message = errors.UNTRACKED_PARAM.format(param=name,
-                                          module_type=module_type) + why
+  if module_type == BARE_MODULE_TYPE:
+    message = errors.BARE_UNCOVERED.format(param=name, why=why)
+  else:
+    message = errors.UNTRACKED_PARAM.format(param=name,
+                                            module_type=module_type) + why
   if policy == "error":
     raise ValueError(message)
   if name not in _WARNED:

@@ -29,6 +29,7 @@ from gram_haiku._src.compute import example_sharding
 from gram_haiku._src.core import errors
 from gram_haiku._src.frontend import ambient
 from gram_haiku._src.frontend import coverage as coverage_lib
+from gram_haiku._src.frontend import plain_jax
 from gram_haiku._src.frontend.coverage import ParamCoverage
 from gram_haiku._src.frontend.probes import PROBE_NAME
 from gram_haiku._src.frontend.probes import SLOT_NAME
@@ -75,6 +76,20 @@ def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
   return next(iter(found.sizes.values()))
 
 
+def _bare_batch_size(followed, args, kwargs, example_axes) -> int:
+  """``B`` of a loss with no tracked layer: the one example size of its
+  batch arguments (the size the examples were followed at), or a
+  teaching error."""
+  if followed is not None:
+    return followed
+  arrays, array_axes, _ = batch_args.split_batch((None, *args), kwargs,
+                                                 example_axes)
+  sizes = sorted({batch_args.example_size(a, ax)
+                  for a, ax in zip(arrays, array_axes)} - {None})
+  raise ValueError(errors.BARE_BATCH_SIZE.format(
+      sizes=sizes, shapes=[tuple(jnp.shape(a)) for a in arrays]))
+
+
 def _check_mesh_axes(axes: tuple[str, ...], fn_name: str) -> int:
   """Number of devices over ``axes``, or a teaching error outside shard_map."""
   try:
@@ -116,12 +131,10 @@ def coverage_of(params, seen: Mapping[str, ParamCoverage],
   reached = {names[k] for leaves in found.param_leaves.values()
              for k in leaves if k is not None}
   out = {}
-  for module, entries in params.items():
-    for name in entries:
-      full = f"{module}/{name}"
-      if full not in seen and full in reached:
-        seen = _seen_inside_lift(seen, full)
-      out[full] = _coverage_of_leaf(full, seen, found, pulled)
+  for full in names:  # ("module/name" for Haiku's; any pytree's paths)
+    if full not in seen and full in reached:
+      seen = _seen_inside_lift(seen, full)
+    out[full] = _coverage_of_leaf(full, seen, found, pulled)
   return out
 
 
@@ -178,7 +191,8 @@ def leaf_names(params) -> list[str]:
 
 
 def _discover(loss, params, probes, rng, args, kwargs, axes,
-              example_axes=None, model_state=(), frozen=frozenset()):
+              example_axes=None, model_state=(), frozen=frozenset(),
+              bare: bool = False):
   """One abstract trace of the loss (no FLOPs), read.
 
   ``loss(params, probes, rng, args, kwargs)``. Returns the
@@ -188,7 +202,10 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   (:func:`gram_haiku._src.analysis.example_flow.check`), and the program itself
   (its live jaxpr and the values of its constants). ``model_state``: the
   leaves of the Haiku state the loss closes over (an input of ``apply``,
-  not data the user closed over).
+  not data the user closed over). ``bare``: every parameter leaf is bare
+  (a plain-JAX loss, :mod:`gram_haiku._src.api.functional`): one that no
+  program-level rule covers is an error, as under
+  ``track(untracked="error")``.
   """
   arrays, array_axes, rebuild = batch_args.split_batch(
       (rng, *args), kwargs, example_axes)
@@ -224,11 +241,16 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
                        if n in found.untracked_uses and n not in gradless],
       op_lib.RuleOp)
   deferred = {}  # reported once the program-level rules are resolved
+  if bare:
+    untracked = {n: ("error", coverage_lib.BARE_MODULE_TYPE) for n in names
+                 if n in found.untracked_uses}
   for name, (policy, module_type) in sorted(untracked.items()):
     if name in found.untracked_uses and name not in gradless:
       deferred[name] = (policy, module_type)
     elif name not in gradless:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type)
+
+  followed = []  # the batch size check_examples followed
 
   def check_examples(strict: bool = False, observed=None) -> bool:
     """Follows the examples; True when every layer was verified
@@ -249,6 +271,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
           leading=sorted(leading), sizes=sorted(sizes)))
     else:
       return False  # No one size of the batch: nothing to follow.
+    followed.append(batch)
     own = {id(a) for a in model_state}
 
     def follow(array_axes):
@@ -293,6 +316,7 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
         raise
       raise ValueError(str(e) + errors.EXAMPLE_AXES_THAT_FIT.format(
           axes=fits[0])) from None
+  check_examples.batch = lambda: followed[-1] if followed else None
   program = (live, dict(zip(closed.jaxpr.constvars, closed.consts)))
   return found, seen, check_examples, program, (sites, deferred)
 
@@ -368,13 +392,18 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   ``sum_for``: the public function whose result needs the loss to be a sum
   over the examples, warned for a mean (``strict`` implies
   ``"clipped_grad"``; :func:`gram_haiku._src.analysis.loss_scale.warn_if_mean`).
+  A plain-JAX loss (``apply_fn`` a
+  :class:`~gram_haiku._src.frontend.plain_jax.BareLoss`) has no tracked
+  layer and no probe: every parameter leaf needs a program-level rule, and
+  ``B`` is read from the batch arguments.
 
   Raises:
     ValueError: the errors listed by :func:`value_grad_and_gram`.
   """
   _check_arguments(apply_fn, params, state)
+  bare = plain_jax.is_bare(apply_fn)
   rest, probes = split_probes(state)
-  if not probes:
+  if not probes and not bare:
     raise ValueError(errors.NO_PROBES)
   n_devices = _check_mesh_axes(axes, fn_name)
 
@@ -397,8 +426,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     _check_batch_split(axes, probes, (args, kwargs), fn_name)
   found, seen, check_examples, program, (sites, deferred) = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
-      example_axes, jax.tree_util.tree_leaves(rest), frozen)
-  if not found.sizes:
+      example_axes, jax.tree_util.tree_leaves(rest), frozen, bare)
+  if not found.sizes and not bare:
     arrays, array_axes, _ = batch_args.split_batch(
         (None, *args), kwargs, example_axes)
     sizes = [batch_args.example_size(a, ax)
@@ -416,7 +445,10 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       raise ValueError(dataflow.also_untracked_message(
           name, [name.rsplit("/", 1)[0]], use))
   observed = dict.fromkeys(program_rules.observed_keys(sites))
-  size = _check_example_axes(found, check_examples(strict, observed))
+  verified = check_examples(strict, observed)
+  size = (_check_example_axes(found, verified) if found.sizes else
+          _bare_batch_size(check_examples.batch(), args, kwargs,
+                           example_axes))
   rules = program_rules.resolve(sites, observed, size, leaf_names(params))
   seen = _with_program(seen, rules, deferred)
   # A privacy guarantee (or a block across two sets): a sum, not a mean.
