@@ -67,15 +67,15 @@ def test_clipped_and_reweighted_sums_are_the_reference(function):
                                              y))
     norms = np.linalg.norm(f, axis=1)
     c_clip = float(np.median(norms))
-    grads = gf.clipped_grad(_scale_shift, l2_clip_norm=c_clip,
-                            clip_fn=function)(params, x, y)
+    grads = jax.jit(gf.clipped_grad(_scale_shift, l2_clip_norm=c_clip,
+                                    clip_fn=function))(params, x, y)
     want = testing.weighted_sum(
         f, testing.clip_reference(norms, c_clip, function), params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
                  grads, want)
     c = jnp.arange(1.0, B + 1)
-    _, grads, _, got_c = gf.reweighted_grad(
-        _scale_shift, lambda grams: c, needs="gram")(params, x, y)
+    _, grads, _, got_c = jax.jit(gf.reweighted_grad(
+        _scale_shift, lambda grams: c, needs="gram"))(params, x, y)
     np.testing.assert_array_equal(got_c, c)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
                  grads, testing.weighted_sum(f, c, params))
@@ -85,10 +85,10 @@ def test_clipped_grad_numbers_the_batch_as_jax_privacy_does():
   jax_privacy = pytest.importorskip("jax_privacy")
   params, (x, y) = _params(jnp.float32), _batch(jnp.float32, seed=5)
   params["a"]["shift"] = jnp.zeros((D,))
-  ours = gf.clipped_grad(_scale_shift, l2_clip_norm=0.3,
-                         batch_argnums=(1, 2))(params, x, y)
-  theirs = jax_privacy.clipping.clipped_grad(
-      _scale_shift, l2_clip_norm=0.3, batch_argnums=(1, 2))(params, x, y)
+  ours = jax.jit(gf.clipped_grad(_scale_shift, l2_clip_norm=0.3,
+                                 batch_argnums=(1, 2)))(params, x, y)
+  theirs = jax.jit(jax_privacy.clipping.clipped_grad(
+      _scale_shift, l2_clip_norm=0.3, batch_argnums=(1, 2)))(params, x, y)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5,
                                                        atol=1e-6),
                ours, theirs)
