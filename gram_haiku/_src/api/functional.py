@@ -78,9 +78,12 @@ def reweighted_grad(loss_fn: Callable[..., Any], weight_fn, *,
 
   Args:
     loss_fn: as :func:`value_grad_and_gram`.
-    weight_fn, needs, has_aux, example_axes, **options (``frozen``,
-      ``mesh_axes``, ``mesh``): as :func:`gram_haiku.reweighted_grad`
-      (``frozen`` names leaves by path).
+    weight_fn: as :func:`gram_haiku.reweighted_grad`.
+    needs: as :func:`gram_haiku.reweighted_grad`.
+    has_aux: as :func:`gram_haiku.reweighted_grad`.
+    example_axes: as :func:`value_grad_and_gram`.
+    **options: ``frozen`` (leaves named by path), ``mesh_axes``, ``mesh``:
+      as :func:`gram_haiku.reweighted_grad`.
 
   Returns:
     ``fn(params, *batch, **kwargs) -> (value, grads, grams, c)``, ``c``
