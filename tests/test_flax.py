@@ -103,13 +103,14 @@ def test_nnx_mlp_through_split_and_merge_is_exact():
     assert any("kernel" in name for name in grams.coverage)
 
 
-def test_linen_cnn_is_exact_and_clips_as_the_reference():
+def test_linen_cnn_and_embeddings_are_exact_and_clip_as_the_reference():
   class Net(nn.Module):
 
     @nn.compact
     def __call__(self, img, ids):
       h = nn.Conv(4, (3, 3))(img).mean(axis=(1, 2))
       e = self.param("table", nn.initializers.normal(), (11, 4))[ids]
+      e = e + nn.Embed(11, 4)(ids)  # (a jitted jnp.take)
       return nn.Dense(K)(jnp.tanh(h + e.sum(axis=1)))
 
   with jax.enable_x64(True):
