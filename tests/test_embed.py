@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.api import reweight
 from gram_haiku._src.compute import cost_model
+from gram_haiku._src.core import reference
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import reference_gram
@@ -435,3 +437,130 @@ def test_track_tied_output_layer_via_unembed(style="ARRAY_INDEX"):
   assert set(grams.by_layer) == {"embed", "linear"}
   assert_gram_close(grams.total, reference_gram(g.apply, params, ids, y))
   assert_gram_close(grams.by_layer["embed"], _embed_ref(g, params, ids, y))
+
+
+# -- a tied table's parts store (clipping without B x V x D) -----------------
+
+
+def _tied_model(style, v=64, d=16):
+  """A lookup, a tracked hidden layer and the tied output layer; the loss
+  is linear in both uses (``sum(e * w1) + sum(logits * w2)``), so the
+  cotangents are exact and the float64 reference is the truth."""
+  def body(ids, hx, w1, w2):
+    embed = hk.Embed(v, d, lookup_style=style, name="embed")
+    e = embed(ids)
+    h = hx + hk.Linear(d, name="hidden")(jnp.tanh(e))
+    return jnp.sum(e * w1) + jnp.sum(gram_haiku.unembed(embed, h) * w2)
+  return body
+
+
+def _tied_case(seed, b=5, t=4, v=64, d=16, cancel=False, offset=1e3):
+  """Ids (out-of-range and repeated ones included), hidden offsets and the
+  loss weights. ``cancel``: example 0's lookup gradient nearly cancels its
+  output-layer gradient (``E_0 ~ -O_0``, entries ``offset`` large), and its
+  hidden inputs carry ``+a``, ``-a`` offsets."""
+  rng = np.random.RandomState(seed)
+  ids = rng.randint(0, v, size=(b, t)).astype(np.int32)
+  ids[1, 1] = ids[1, 0]  # a repeat, an out-of-range id (its gradient is
+  ids[2, 2], ids[3, 0] = v, -1  # dropped) and a negative one (row v - 1)
+  hx = rng.normal(size=(b, t, d)).astype(np.float32)
+  w1 = rng.normal(size=(b, t, d)).astype(np.float32)
+  w2 = rng.normal(size=(b, t, v)).astype(np.float32)
+  if cancel:
+    ids[0] = rng.choice(v, size=t, replace=False)
+    a = rng.normal(size=d)
+    hx[0, 0] += offset * a / np.linalg.norm(a)
+    hx[0, 1] -= offset * a / np.linalg.norm(a)
+    w2[0] = 0
+    w2[0][:, ids[0]] = rng.normal(size=(t, t))
+  return ids, hx, w1, w2
+
+
+def _tied_reference(body, params, batch):
+  with jax.enable_x64(True):
+    plain = hk.without_apply_rng(hk.transform(body))
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    b64 = [a if a.dtype.kind == "i" else np.asarray(a, np.float64)
+           for a in batch]
+    return np.asarray(reference.per_example_grads(
+        lambda p, *ex: plain.apply(p, *ex), p64, *b64), np.float64)
+
+
+def _tied_step(body, batch, clipping="all-layer"):
+  f = hk.transform_with_state(lambda *a: _tracked_sum(body, *a))
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
+  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0, clipping=clipping,
+                                         full_aux=True))
+  return f, params, state, step(params, state, None, *batch)
+
+
+def _tracked_sum(body, *args):
+  with gram_haiku.track(mode="norms"):
+    return body(*args)
+
+
+@pytest.mark.parametrize("style,clipping", [("ARRAY_INDEX", "all-layer"),
+                                            ("ONE_HOT", "per-layer")])
+def test_tied_table_clips_from_its_parts(style, clipping):
+  # The tied table keeps each use's factors (not B x V x D per-example
+  # gradients); its norm bounds hold against float64 and the clipped sum is
+  # the reference sum clipped by those bounds.
+  body = _tied_model(style)
+  batch = _tied_case(21)
+  f, params, state, (grads, aux) = _tied_step(body, batch, clipping)
+  r = reweight.run(f.apply, params, state, None, batch, {},
+                   fn_name="clipped_grad", needs="norms", has_aux=False,
+                   axes=(), frozen=None, weight_fn=lambda g: g.norms,
+                   privacy=True)
+  assert r.modes["embed"] == "parts", r.modes
+  ref = _tied_reference(body, params, batch)
+  cols = reference.column_groups(params)
+  if clipping == "all-layer":
+    reference.assert_sound_norms(aux.grad_norms,
+                                 np.linalg.norm(ref, axis=1))
+    c = reference.clip_reference(aux.grad_norms, 1.0)
+    want = reference.weighted_sum(ref, c, params)
+  else:
+    flat = np.zeros(ref.shape[1])
+    for m, idx in cols.items():
+      bound = np.sqrt(np.asarray(aux.grams.sq_norms_by_layer[m], np.float64))
+      reference.assert_sound_norms(bound, np.linalg.norm(ref[:, idx], axis=1))
+      c = np.asarray(aux.weights[m], np.float64)
+      flat[idx] = c @ ref[:, idx]
+    want = reference.weighted_sum(flat[None], np.ones(1), params)
+  chex.assert_trees_all_close(
+      jax.tree.map(lambda a: np.asarray(a, np.float64), grads), want,
+      rtol=2e-5, atol=2e-6)
+
+
+def test_tied_table_bound_holds_where_its_uses_cancel():
+  # Example 0's lookup and output-layer gradients nearly cancel (a large
+  # cross term) and its hidden inputs carry large opposite offsets: the
+  # norm bound stays at or above the float64 norm; the others stay tight.
+  body = _tied_model("ARRAY_INDEX")
+  batch = list(_tied_case(22, cancel=True))
+  params = hk.without_apply_rng(hk.transform(body)).init(
+      jax.random.PRNGKey(0), *batch)
+  ids, hx, w1, w2 = batch
+  # w1_t = -O_0[k_t] + small (O_0 from the output layer's factors, in
+  # float64): the lookup's cotangent is w1 plus the hidden layer's share.
+  plain = hk.without_apply_rng(hk.transform(
+      lambda ids, hx: _hidden(body, ids, hx)))
+  h = np.asarray(plain.apply(params, ids, hx), np.float64)[0]
+  o = w2[0].astype(np.float64).T @ h  # [V, D]
+  w1[0] = (-o[ids[0]] + 1e-3 * np.random.RandomState(0).normal(
+      size=w1[0].shape)).astype(np.float32)
+  f, params, state, (_, aux) = _tied_step(body, batch)
+  ref = _tied_reference(body, params, batch)
+  true = np.linalg.norm(ref, axis=1)
+  bounds = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bounds >= true * (1 - 1e-9)), (bounds, true)
+  reference.assert_sound_norms(bounds[1:], true[1:])
+  assert np.all(np.isfinite(bounds))
+
+
+def _hidden(body, ids, hx):
+  """The tied model's output-layer input ``h``."""
+  del body
+  embed = hk.Embed(64, 16, name="embed")
+  return hx + hk.Linear(16, name="hidden")(jnp.tanh(embed(ids)))

@@ -161,6 +161,14 @@ class Discovery:
       layer name is its own.
       Such a module can keep each application's factors in its own slot of
       a slotted probe (see ``value_grad_and_gram``).
+    parts: shared module name -> its applications' ops, in program order,
+      for the shared modules whose applications are of different rules
+      (:attr:`RuleOp.kind`), each run once per pass (outside every loop
+      and branch) and reading its probe unchanged, where each reads the
+      same one parameter leaf, and whose layer name is its own (a tied
+      embedding's lookup and :func:`gram_haiku.unembed`). Such a module
+      can keep each application's factors in its own columns of one probe
+      (:mod:`gram_haiku._src.passes.parts`).
   """
   sizes: Mapping[str, int]
   param_counts: Mapping[str, int]
@@ -174,6 +182,7 @@ class Discovery:
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
   slot_counts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  parts: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   pullbacks: Mapping[str, reparam.PullBack] = dataclasses.field(
       default_factory=dict)
   no_gradient: frozenset = frozenset()
@@ -251,6 +260,28 @@ def _slot_count(apps, probe_leaf: int) -> Optional[int]:
       return None
     total += s.trips
   return total or None
+
+
+def _parts(apps, probe_leaf: int, num_param_leaves: int) -> Optional[tuple]:
+  """The ops of these applications of one module, if each can keep its
+  factors in its own columns of one probe (see :class:`Discovery`)."""
+  kinds, leaves = set(), set()
+  for app in apps:
+    sources = list(app.probe_sources)
+    if len(sources) != 1:
+      return None
+    s = sources[0]
+    if (s.leaf != probe_leaf or not s.exact or s.sliced or s.repeated or
+        s.trips != 1):
+      return None
+    own = _own_leaves(app, num_param_leaves)
+    if len(own) != 1 or own[0] is None:
+      return None
+    kinds.add(app.op.kind)
+    leaves.add(own[0])
+  if len(apps) < 2 or len(kinds) != len(apps) or len(leaves) != 1:
+    return None
+  return tuple(app.op for app in apps)
 
 
 def _sub(source: Source, **changes) -> Source:
@@ -758,6 +789,29 @@ def _check_probe(app: Application, num_param_leaves: int,
                                                       found=found))
 
 
+def _parted(shared: set, r: _Reading, layers: Mapping[str, set],
+            pullbacks: Mapping[str, Any], apps, module_of,
+            num_param_leaves: int, probe_names: list[str]) -> dict:
+  """Module -> its applications' ops (:attr:`Discovery.parts`), for the
+  ``shared`` modules with their own probe and layer name, not sharded by an
+  Explicit mesh nor pulled back, whose applications ``apps`` are each of
+  its own rule and run once (:func:`_parts`); empty where an application
+  reads no one module's probe (as :func:`_slotted`)."""
+  if any(module_of(a) is None for a in apps):
+    return {}
+  namesakes = {m for ms in layers.values() if len(ms) > 1 for m in ms}
+  out = {}
+  for module in sorted(shared - set(r.specs) - set(pullbacks) - namesakes):
+    if module not in probe_names:
+      continue
+    got = _parts([a for a in apps if module_of(a) == module],
+                 num_param_leaves + probe_names.index(module),
+                 num_param_leaves)
+    if got is not None:
+      out[module] = got
+  return out
+
+
 def _slotted(shared: set, r: _Reading, layers: Mapping[str, set],
              pullbacks: Mapping[str, Any], apps, module_of,
              num_param_leaves: int, probe_names: list[str]) -> dict:
@@ -858,12 +912,14 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
     slot_apps = follow(full_jaxpr, ins, gram_op_type)[1].applications
   slotted = _slotted(shared, r, layers, pullbacks, slot_apps, module_of,
                      num_param_leaves, probe_names)
+  parts = _parted(shared, r, layers, pullbacks, slot_apps, module_of,
+                  num_param_leaves, probe_names)
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,
                    untracked_uses=untracked, ops=ops,
                    param_leaves=r.leaves_of, applications=dict(r.n_apps),
-                   slot_counts=slotted,
+                   slot_counts=slotted, parts=parts,
                    pullbacks=pullbacks,
                    no_gradient=frozenset(
                        leaf_names[k] for k in range(num_param_leaves)

@@ -254,7 +254,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   _check_complete(fn_name, coverage, frozen_names, privacy)
   objective = pipeline.Objective(recontract=True, needs=needs,
                                  upper_bound=privacy,
-                                 frozen=frozenset(frozen_names))
+                                 frozen=frozenset(frozen_names),
+                                 parts=cross_rows is None)
   t, live = pipeline.participants(t, objective, params)
   if clips is not None:
     objective = objective.with_clips(clips({

@@ -53,16 +53,24 @@ class ModulePass:
       :func:`gram_haiku._src.passes.slots.slotted_modules`).
     frozen: indices of its op's parameters that have no gradient
       (``Plan.frozen``).
+    parts: ``((kind, start, width), ...)``: its ``"factors"`` probe holds
+      each application's factors in its own columns, the application of
+      rule ``kind`` (:attr:`RuleOp.kind`) in ``[start, start + width)``
+      (a module applied once by each of several rules, e.g. a tied
+      embedding; see :mod:`gram_haiku._src.passes.parts`); empty
+      otherwise.
   """
   layer: str
   mode: Optional[str] = None
   clip: Optional[Clip] = None
   slotted: bool = False
   frozen: tuple[int, ...] = ()
+  parts: tuple[tuple[str, int, int], ...] = ()
 
   def __post_init__(self):
     check_clip("ModulePass", self.mode, self.clip)
     object.__setattr__(self, "frozen", tuple(self.frozen))
+    object.__setattr__(self, "parts", tuple(tuple(p) for p in self.parts))
 
 
 @dataclasses.dataclass(frozen=True)

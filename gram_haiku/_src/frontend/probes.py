@@ -57,6 +57,24 @@ def module_probe(x: jax.Array, mode: str, num_params: int,
                       init=jnp.zeros)
 
 
+def part(kind: str, parts) -> jax.Array:
+  """This application's columns ``[B, width]`` of the current module's
+  probe ``[B, sum of widths]``, for the application of rule ``kind`` (see
+  :attr:`gram_haiku._src.frontend.ambient.ModulePass.parts`).
+
+  Raises:
+    ValueError: for a rule the pass did not plan for (the traced program
+      and the pass disagree: an internal error).
+  """
+  for k, start, width in parts:
+    if k == kind:
+      probe = hk.get_state(PROBE_NAME)
+      return jax.lax.slice_in_dim(probe, start, start + width, axis=1)
+  raise ValueError(
+      f"gram_haiku: internal error: a {kind!r} application of a module whose "
+      f"probe was planned for the applications {[k for k, _, _ in parts]}.")
+
+
 def next_slot(reads: Optional[list]) -> jax.Array:
   """This application's slot ``[B, K]`` of the current module's slotted
   probe ``[U, B, K]``; advances the module's slot counter.

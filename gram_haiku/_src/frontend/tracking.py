@@ -44,6 +44,7 @@ from gram_haiku._src.frontend import registry
 from gram_haiku._src.frontend.coverage import Coverage
 from gram_haiku._src.ops import op as op_lib
 from gram_haiku._src.rules.rule import Rule
+from gram_haiku._src.rules.rule import rule_name
 
 TRACK_MODES = ("gram", "norms")
 
@@ -337,7 +338,10 @@ class track(contextlib.ContextDecorator):  # pylint: disable=invalid-name
                         errors.TRACK_IN_LIFTED_PURE_TRANSFORM).format(
                             module=name))
     with hkc.module_scope(module):
-      if told is not None and told.slotted:
+      if told is not None and told.parts:
+        probe = probes.part(rule_name(rule) if isinstance(rule, Rule) else
+                            None, told.parts)
+      elif told is not None and told.slotted:
         probe = probes.next_slot(None if self._log is None else
                                  self._log.slot_reads_of(state_name))
       else:

@@ -17,10 +17,14 @@ import functools
 
 import haiku as hk
 import jax
+from jax import lax
 import jax.numpy as jnp
 
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.frontend.tracking import current_tracker
 from gram_haiku._src.frontend.tracking import LayerCall
+from gram_haiku._src.ops import embed as embed_lib
 from gram_haiku._src.ops import linear
 from gram_haiku._src.rules.rule import Rule
 
@@ -61,3 +65,109 @@ def unembed(embed: hk.Embed, h: jax.Array, *,
               param_names=("embeddings",), feature_ndim=1,
               per_example_error=_per_example_error)
   return LayerCall(tracker, embed).apply(rule, h, (embeddings,))
+
+
+# -- the cross term between the lookup and the output layer -------------------
+
+
+def is_unembed(op) -> bool:
+  """Whether ``op`` applies :func:`unembed`'s rule."""
+  fn = op.rule.forward
+  return isinstance(fn, functools.partial) and fn.func is _unembed
+
+
+def _lookup_style(op):
+  """``(lookup_style, scalar_ids)`` of an ``hk.Embed`` lookup's op whose
+  every lookup adds to one row (no wrapped ``one_hot``), else None."""
+  fn = op.rule.forward
+  if not (isinstance(fn, functools.partial) and
+          fn.func is embed_lib.embed_forward):
+    return None
+  style = fn.keywords.get("lookup_style", "ARRAY_INDEX")
+  scalar_ids = bool(fn.keywords.get("scalar_ids", False))
+  vocab = op.param_avals[0].shape[0]
+  if embed_lib.key_count(vocab, op.x_aval.dtype, style, scalar_ids) != vocab:
+    return None
+  return style, scalar_ids
+
+
+def _example_rows(op, a, tail: int):
+  """``a`` in ``op``'s layout as ``(B, n, tail)``: example axis first, the
+  other leading axes merged."""
+  a = jnp.moveaxis(a, op.example_axis.resolved_position(), 0)
+  return kernels.rows(a, tail) if tail else kernels.rows(a)
+
+
+def lookup_output_cross(lookup, output, upper_bound: bool):
+  """``<E_i, O_i>`` per example, where ``E_i`` is example ``i``'s gradient
+  of a tied table through its ``hk.Embed`` lookup and ``O_i`` through
+  :func:`unembed`, from their factors, without a ``V x D`` array per
+  example.
+
+  With ``k_t`` the row that lookup ``t`` reads, ``e_t`` its cotangent
+  (``[D]``), ``h_s`` the output layer's input and ``z_s`` its logits'
+  cotangent (``[V]``) at position ``s``: ``E_i = sum_t onehot(k_t) e_t^T``
+  and ``O_i = sum_s z_s h_s^T``, so
+
+      <E_i, O_i> = sum_t e_t . O_i[k_t] = sum_{t,s} z_s[k_t] (e_t . h_s).
+
+  ``B T S D`` multiply-adds (``T`` lookups, ``S`` output positions) against
+  ``B V D`` to materialise either gradient.
+
+  Args:
+    lookup, output: ``(op, x, g, params)`` of the lookup (``x``: integer
+      ids) and of the output layer (``x``: ``[..., D]`` hidden states,
+      ``g``: ``[..., V]``), each in its op's layout
+      (:func:`~gram_haiku._src.ops.factors.split_factors`).
+    upper_bound: also return the rounding bound of the value.
+
+  Returns:
+    ``(value, bound)``: ``[B]``, and ``[B]`` with ``|fl(value) - <E_i,
+    O_i>| <= bound`` (None unless ``upper_bound``): with ``e_n =
+    norm_bounds.dot_error(n)`` and ``a_ts = fl(e_t . h_s)``,
+    ``e_D sum |e_t| |h_s| |z_s[k_t]| + e_{TS} (1 + e_D) sum |a_ts z_s[k_t]|``
+    (each ``a_ts`` is off by at most ``e_D |e_t| |h_s|``, and the ``T S``
+    products are summed), rounded up for its own evaluation.
+  """
+  lop, ids, e, (table,) = lookup
+  oop, h, z, _ = output
+  style, scalar_ids = _lookup_style(lop)
+  acc = kernels.accumulation_dtype(table.dtype, e.dtype, z.dtype)
+  ids = _example_rows(lop, ids, 0)
+  e = _example_rows(lop, e, e.shape[-1]).astype(acc)
+  h = _example_rows(oop, h, h.shape[-1]).astype(acc)
+  z = _example_rows(oop, z, z.shape[-1]).astype(acc)
+  key, weight, _ = embed_lib.lookup_keys(ids, table.shape[0], style,
+                                         scalar_ids)
+  used = weight > 0
+  # A dropped lookup's cotangent never reaches the table (even a NaN).
+  e = jnp.where(used[:, :, None], e, 0)
+  hp = lax.Precision.HIGHEST
+  a = jnp.einsum("btd,bsd->bts", e, h, precision=hp)
+  zk = jnp.take_along_axis(z, jnp.where(used, key, 0)[:, None, :], axis=2)
+  zk = jnp.where(used[:, :, None], jnp.swapaxes(zk, 1, 2), 0)  # [B, T, S]
+  prod = a * zk
+  value = jnp.sum(prod, axis=(1, 2))
+  if not upper_bound:
+    return value, None
+  t, s, dim = e.shape[1], h.shape[1], e.shape[2]
+  ed = norm_bounds.dot_error(dim, acc, hp)
+  ets = norm_bounds.dot_error(t * s, acc, hp)
+  en, hn = norm_bounds.row_norms(e), norm_bounds.row_norms(h)
+  terms = (ed * jnp.sum(en[:, :, None] * hn[:, None, :] * jnp.abs(zk),
+                        axis=(1, 2)) +
+           ets * (1 + ed) * jnp.sum(jnp.abs(prod), axis=(1, 2)))
+  u = float(jnp.finfo(acc).eps) / 2
+  return value, terms * (1 + 2 * u * (norm_bounds.count(t * s) + 16))
+
+
+def cross_rule(first, second):
+  """The cross term's function for two applications of one table, by
+  their ops (in program order), or None where none is known:
+  :func:`lookup_output_cross` for an ``hk.Embed`` lookup (no wrapped
+  ``one_hot``) and :func:`unembed`, either order."""
+  if _lookup_style(first) is not None and is_unembed(second):
+    return lookup_output_cross
+  if _lookup_style(second) is not None and is_unembed(first):
+    return lambda a, b, upper_bound: lookup_output_cross(b, a, upper_bound)
+  return None

@@ -44,6 +44,7 @@ from gram_haiku._src.frontend import ambient
 from gram_haiku._src.ops import factors as factors_lib
 from gram_haiku._src.passes import batch_args
 from gram_haiku._src.passes import bookkeeping as bk
+from gram_haiku._src.passes import parts as parts_lib
 from gram_haiku._src.passes import program_pass
 from gram_haiku._src.passes import slots as slots_lib
 from gram_haiku._src.passes.pass_trace import coverage_of
@@ -76,6 +77,9 @@ class Store:
       output cotangent per example), re-contracted after the pass.
     SLOTS: ``[U, B, K]``: the factors of each of ``U`` applications, one
       slot each (:mod:`gram_haiku._src.passes.slots`).
+    PARTS: ``[B, K_1 + ... + K_U]``: the factors of each of ``U``
+      applications by different rules, in columns of their own (a tied
+      embedding; :mod:`gram_haiku._src.passes.parts`).
     CLIP: ``[B]`` squared norms, while the module clips its own parameters'
       gradients inside its backward rule (per-layer clipping).
   """
@@ -86,18 +90,20 @@ class Store:
   FACTORS = "factors"
   SLOTS = "slots"
   CLIP = "clip"
-  ALL = (NOTHING, GRAM, NORMS, PER_EXAMPLE, FACTORS, SLOTS, CLIP)
+  PARTS = "parts"
+  ALL = (NOTHING, GRAM, NORMS, PER_EXAMPLE, FACTORS, SLOTS, CLIP, PARTS)
 
 
 #: The op mode (:attr:`Plan.mode`) a store's op runs in, where it is not
 #: the one its ``track()`` context gave it (``GRAM``, ``NORMS``).
 _OP_MODE = {Store.PER_EXAMPLE: "per_example", Store.FACTORS: "factors",
-            Store.SLOTS: "factors", Store.CLIP: "clip"}
+            Store.SLOTS: "factors", Store.CLIP: "clip",
+            Store.PARTS: "factors"}
 #: The trailing axes of a store's probe that hold the store (the rest are
 #: ``hk.layer_stack``'s); the examples are the first of them.
 #: (A store that is an op mode has its probe's axes, ``PROBE_NDIM``; slots
-#: stack ``[B, K]`` factors.)
-_OWN_NDIM = {**plan_lib.PROBE_NDIM, Store.SLOTS: 2}
+#: stack ``[B, K]`` factors; parts are ``[B, K]`` factors side by side.)
+_OWN_NDIM = {**plan_lib.PROBE_NDIM, Store.SLOTS: 2, Store.PARTS: 2}
 #: The stores re-contracted from factors after the pass.
 _OF_FACTORS = frozenset({Store.FACTORS, Store.SLOTS})
 
@@ -120,6 +126,10 @@ class Objective:
       (:attr:`gram_haiku._src.compute.plan.Plan.upper_bound`).
     frozen: full names (``module/name``) of the parameter leaves declared
       frozen (``frozen=``): no gradient, no term in the Grams.
+    parts: a module applied once by each of several rules (a tied
+      embedding) may keep each application's factors (``PARTS``) where
+      norms are read; False: per-example gradients (the Gram blocks of
+      :func:`gram_haiku.cross_gram`).
     clips: per-layer clipping: module -> its
       :class:`~gram_haiku._src.compute.plan.Clip` (every module that takes part;
       known once :func:`participants` has said which do, see
@@ -131,6 +141,7 @@ class Objective:
   upper_bound: bool = False
   frozen: frozenset = frozenset()
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  parts: bool = True
 
   def with_clips(self, clips: Mapping[str, Any]) -> "Objective":
     """This objective, clipping each module of ``clips`` per layer."""
@@ -258,7 +269,7 @@ def participants(t: TracedLoss, objective: Objective, params
 
 
 def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
-              ambiguous: set) -> str:
+              ambiguous: set, parted) -> str:
   """What module ``m`` keeps through the pass (see :func:`decide`)."""
   found = t.found
   if m not in live:
@@ -274,6 +285,10 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     return found.modes.get(m, Store.GRAM)
   op, p = found.ops[m], t.probes[m]
   stacked = p.ndim > _init_ndim(p, found, m)
+  if (m in parted and not stacked and m not in ambiguous and objective.parts
+      and objective.wants(found, m) == Store.NORMS and
+      not set(op.plan.frozen)):
+    return Store.PARTS
   if (m in found.shared or stacked or m in found.example_specs or
       m in ambiguous or found.applications.get(m, 1) > 1):
     # Several applications (also alternatives, e.g. hk.cond branches): each
@@ -326,7 +341,8 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
   # a module never applied takes part: it has no op, so no layer name.)
   ambiguous = {m for ms in t.found.by_layer(live).values() if len(ms) > 1
                for m in ms}
-  return {m: _store_of(t, m, objective, live, slotted, ambiguous)
+  parted = parts_lib.parted_modules(t.found, t.axes, t.found.probe_dtypes)
+  return {m: _store_of(t, m, objective, live, slotted, ambiguous, parted)
           for m in sorted(t.probes)}
 
 
@@ -365,6 +381,8 @@ def _probe_shape(t: TracedLoss, m: str, store: str, slotted,
     own = (size, op.num_params() + int(upper_bound))
   elif store == Store.FACTORS:
     own = (size, factors_lib.factor_width(op))
+  elif store == Store.PARTS:
+    own = (size, parts_lib.width(t.found.parts[m]))
   else:  # NORMS, CLIP
     own = (size,)
   return lead + own
@@ -397,7 +415,9 @@ def _pass_plan(t: TracedLoss, objective: Objective, stores, slotted
         layer=op.name, mode=_OP_MODE.get(s),
         clip=objective.clips[m] if s == Store.CLIP else None,
         slotted=m in slotted,
-        frozen=op.plan.frozen or ())  # (as discover and participants planned)
+        frozen=op.plan.frozen or (),  # (as discover and participants planned)
+        parts=(parts_lib.layout(t.found.parts[m]) if s == Store.PARTS
+               else ()))
     if told.mode is not None or told.slotted or told.frozen:
       modules[m] = told
   return ambient.PassPlan(column_axes=t.axes, modules=modules,
@@ -588,6 +608,10 @@ def open_stores(t: TracedLoss, p: Pass, leaves) -> dict:
       opened = (op, *factors_lib.split_factors(op, p.cotangents[m]))
     elif s == Store.SLOTS:
       opened = slots_lib.open_slots(op, p.cotangents[m])
+    elif s == Store.PARTS:
+      out[m] = parts_lib.open_parts(t.found.parts[m], p.cotangents[m],
+                                    leaves, t.found.param_leaves[m])
+      continue
     else:
       continue
     out[m] = (*opened, bk.op_params(op, leaves, t.found.param_leaves[m]))
@@ -604,6 +628,8 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
     if bound:
       return norm_bounds.of_rows(f, slack)
     return _from_per_example(f, want, t.axes, row_split=row_split)
+  if store == Store.PARTS:
+    return parts_lib.sq_norms(opened[m], bound)
   if store in _OF_FACTORS:
     val = bk.from_factors(*opened[m], want, bound, row_split,
                           () if row_split is None else t.axes)
@@ -718,7 +744,9 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
           f = jnp.where((c != 0)[:, None], f, 0)
         grads[k] = grads[k] + bk.to_leaf(c @ f, leaves[k])
       continue
-    if store in _OF_FACTORS:
+    if store == Store.PARTS:  # (weights beyond `rows` are zero)
+      cts = parts_lib.recontract(opened[m], weights[m], padded)
+    elif store in _OF_FACTORS:
       cts = bk.recontract_factors(
           *opened[m], weights[m], padded,
           None if rows is None or store != Store.FACTORS else (0, rows))
