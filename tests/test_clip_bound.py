@@ -24,6 +24,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src.analysis import linear_bound
+from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core.reference import assert_sound_norms
 from gram_haiku._src.core.reference import per_example_grads
@@ -516,6 +517,35 @@ def test_the_bound_helpers_are_upper_bounds_of_their_sums():
     assert np.all(got * (1 + rel) >= true)
     assert np.all(got * (1 - rel) <= true)
     assert rel < 2e-5  # Two levels: about 4 u sqrt(P).
+
+
+def test_the_ghost_bound_is_sound_and_tight_at_many_positions():
+  """The linear ghost bound (its ``T^2`` products summed in two levels)
+  against float64, at ``T = 256`` positions of a layer whose inputs share
+  a positive offset (after a GELU: every ``x_t . x_s`` large) and whose
+  cotangents are random (so the ghost sum cancels by about ``1 / T``): at
+  or above the truth, and tight enough (below ``norm_bounds.LOOSE``) that
+  no materialised fallback runs; a one-level sum's bound (``e_{T^2}``) is
+  not."""
+  rng = np.random.RandomState(3)
+  b, t, n, m = 3, 256, 24, 20
+  x = (np.abs(rng.normal(size=(b, t, n))) + 1.0).astype(np.float32)
+  d = rng.normal(size=(b, t, m)).astype(np.float32)
+  cfg = kernels.KernelConfig(precision=jax.lax.Precision.HIGHEST,
+                             upper_bound=True)
+  value, slack = jax.jit(lambda x, d: kernels.ghost_sq_norms(
+      x, d, cfg, True))(x, d)
+  true = (np.einsum("itn,itm->inm", x.astype(np.float64),
+                    d.astype(np.float64)) ** 2).sum((1, 2))
+  bound, loose = norm_bounds.ghost(value, slack)
+  assert np.all(np.asarray(bound, np.float64) >= true)
+  assert not np.any(loose), np.asarray(slack) / np.asarray(value)
+  e_t2 = float(norm_bounds.dot_error(t * t, jnp.float32,
+                                     jax.lax.Precision.HIGHEST))
+  one_level = e_t2 * np.einsum("its,its->i", np.abs(
+      np.einsum("itn,isn->its", x, x)), np.abs(np.einsum("itm,ism->its", d,
+                                                         d)))
+  assert np.all(one_level > norm_bounds.LOOSE * true)
 
 
 @pytest.mark.parametrize("mode", ["gram", "norms"])

@@ -27,11 +27,13 @@ roundoff of the products, bfloat16's rounding added below
 ``Precision.HIGHEST``) and ``xx_ts = |x_t| |x_s|``, ``dd_ts = |d_t| |d_s|``:
 
     ghost:  |g|^2 <= ghost + e_N sum xx |kd| + e_M sum |kx| dd
-                           + e_N e_M tri^2 + e_{T^2} (1 + e_N + e_M)
+                           + e_N e_M tri^2 + s_T (1 + e_N + e_M)
                              sum |kx kd|                              (G)
     materialised:  |g| <= |ghat| sqrt(1 + r_P) + e_T tri              (M)
 
-with ``r_P`` the rounding bound of a sum of ``P`` squares, about
+with ``s_T = 2 e_T (1 + e_T)`` the rounding bound of the sum of the ``T^2``
+products in two levels (:func:`two_level_sum`), ``r_P`` the rounding bound of
+a sum of ``P`` squares, about
 ``4 u sqrt(P)`` as :func:`sum_of_squares` forms it in two levels
 (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002,
 section 3.1: ``|fl(x . y) - x . y| <= gamma_n |x| . |y|`` in any order of
@@ -122,15 +124,27 @@ def triangle(x: jax.Array, d: jax.Array) -> jax.Array:
   return tri * (1 + 2 * _elementwise_u(acc) * (count(x.shape[1]) + 4))
 
 
+def two_level_sum(p: jax.Array) -> jax.Array:
+  """``sum_{t,s} p_ts`` per example of ``p: (R, T, T)``, in two levels
+  kept apart (``lax.optimization_barrier``): each row's ``T`` terms, then
+  the ``T`` row sums. Its rounding error is at most
+  ``2 e_T (1 + e_T) sum |p_ts|`` (``e_T = dot_error(T)``) in any order of
+  summation within a level, where one sum of ``T^2`` terms has
+  ``e_{T^2}``: ``T / 2`` times less at ``T`` positions."""
+  return jnp.sum(lax.optimization_barrier(jnp.sum(p, axis=-1)), axis=-1)
+
+
 def ghost_slack(kx: jax.Array, kd: jax.Array, xn: jax.Array, dn: jax.Array,
                 n, m, dtype, precision) -> jax.Array:
   """The rounding bound of a ghost value ``sum_{t,s} kx_ts kd_ts`` per
-  example, from the computed kernels ``kx, kd: (R, T, T)`` and the row
-  norms ``xn, dn: (R, T)`` (:func:`row_norms`) of ``N``-wide inputs and
-  ``M``-wide cotangents, with ``e_k = dot_error(k)``:
+  example summed by :func:`two_level_sum`, from the computed kernels
+  ``kx, kd: (R, T, T)`` and the row norms ``xn, dn: (R, T)``
+  (:func:`row_norms`) of ``N``-wide inputs and ``M``-wide cotangents, with
+  ``e_k = dot_error(k)`` and ``s_T = 2 e_T (1 + e_T)`` (the two levels'
+  summation):
 
       e_N sum |x_t||x_s||kd_ts| + e_M sum |kx_ts||d_t||d_s|
-        + e_N e_M tri^2 + e_{T^2} (1 + e_N + e_M) sum |kx_ts kd_ts|
+        + e_N e_M tri^2 + s_T (1 + e_N + e_M) sum |kx_ts kd_ts|
 
   (each computed kernel entry is off by at most ``e_N |x_t||x_s|``, resp.
   ``e_M |d_t||d_s|``, and the ``T^2`` products are summed), rounded up by
@@ -143,7 +157,8 @@ def ghost_slack(kx: jax.Array, kd: jax.Array, xn: jax.Array, dn: jax.Array,
   akx, akd = jnp.abs(kx), jnp.abs(kd)
   en = dot_error(n, dtype, precision)
   em = dot_error(m, dtype, precision)
-  et = dot_error(t * t, dtype, lax.Precision.HIGHEST)
+  e1 = dot_error(t, dtype, lax.Precision.HIGHEST)
+  et = 2 * e1 * (1 + e1)
   terms = (en * jnp.sum(xx * akd, axis=(1, 2)) +
            em * jnp.sum(akx * dd, axis=(1, 2)) +
            en * em * jnp.sum(xx * dd, axis=(1, 2)) +

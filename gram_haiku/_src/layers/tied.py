@@ -8,7 +8,11 @@ raises (the parameter would be used outside its tracked layer). This
 function computes the same logits as a Gram op of the embedding module:
 :func:`gram_haiku.value_grad_and_gram` then sees ``E`` used twice and
 accumulates its per-example gradients over both uses (probe ``[B, V*D]``),
-cross terms included.
+cross terms included. Where only norms are read (clipping, reweighting)
+each use keeps its factors instead (:mod:`gram_haiku._src.passes.parts`):
+the output layer's norms are a linear map's (ghost or materialised by the
+cost model), and the cross term between the uses is
+:func:`lookup_output_cross`, neither with a ``V x D`` array per example.
 """
 
 from __future__ import annotations
@@ -39,6 +43,26 @@ def _per_example_error(h, g, params, example_dim, cfg):
   return linear.per_example_error(h, g, (params[0], None), example_dim, cfg)
 
 
+def _as_linear(params):
+  """The output layer is a linear map ``h @ w`` with ``w = E^T`` and no
+  bias: each per-example gradient of ``E`` is the transpose of ``w``'s, so
+  their Grams and norms are the linear rule's. Its functions read only
+  whether ``w`` is present, not its values."""
+  return (params[0], None)
+
+
+def _gram(h, g, params, example_dim, cfg):
+  return linear.gram(h, g, _as_linear(params), example_dim, cfg)
+
+
+def _sq_norms(h, g, params, example_dim, cfg):
+  return linear.sq_norms(h, g, _as_linear(params), example_dim, cfg)
+
+
+def _cost(h, g, params, example_dim, cfg, **kw):
+  return linear.cost(h, g, _as_linear(params), example_dim, cfg, **kw)
+
+
 def unembed(embed: hk.Embed, h: jax.Array, *,
             precision: jax.lax.Precision | None = None) -> jax.Array:
   """``h @ embed.embeddings.T``, tracked as a second use of the embedding.
@@ -62,7 +86,8 @@ def unembed(embed: hk.Embed, h: jax.Array, *,
   with tracker.tracking_rule("unembed"):
     embeddings = embed.embeddings
   rule = Rule(forward=functools.partial(_unembed, precision=precision),
-              param_names=("embeddings",), feature_ndim=1,
+              param_names=("embeddings",), feature_ndim=1, gram=_gram,
+              sq_norms=_sq_norms, cost=_cost,
               per_example_error=_per_example_error)
   return LayerCall(tracker, embed).apply(rule, h, (embeddings,))
 
