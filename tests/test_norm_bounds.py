@@ -1,5 +1,6 @@
 """``norm_bounds.sum_of_squares``: both of its evaluations (a padded
-reshape for small rows, a loop over column chunks for large ones) are
+reshape for small rows, a loop over blocks of column chunks for large
+ones) are
 within :func:`norm_bounds.squares_rel` of the float64 sum, on rows whose
 terms span many magnitudes, under ``jit`` and ``vmap``."""
 
@@ -18,11 +19,14 @@ def _rows(b, p, seed):
           ).astype(np.float32)
 
 
-@pytest.mark.parametrize("path", ["reshape", "loop"])
+@pytest.mark.parametrize("path", ["reshape", "loop", "blocks"])
 @pytest.mark.parametrize("p", [65, 1000, 16384, 16385, 70001])
 def test_both_evaluations_are_within_their_bound(p, path, monkeypatch):
-  monkeypatch.setattr(norm_bounds, "LOOP_BYTES",
-                      0 if path == "loop" else 1 << 40)
+  # loop: one chunk of k per step; blocks: three chunks per step, whole
+  # chunks and a partial one left over where P allows.
+  k = norm_bounds._split(p)[1]  # pylint: disable=protected-access
+  monkeypatch.setattr(norm_bounds, "LOOP_BYTES", {
+      "reshape": 1 << 40, "loop": 0, "blocks": 3 * 3 * k * 4}[path])
   a = _rows(3, p, seed=p)
   true = (a.astype(np.float64) ** 2).sum(1)
   rel = float(norm_bounds.squares_rel(p, jnp.float32))
