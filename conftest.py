@@ -132,6 +132,14 @@ ALTERNATED_SWEEPS = {
     # The Gram of one position, the norms of a sequence's (t, s) blocks.
     "tests/test_reliability.py::"
     "test_masked_rows_with_huge_inputs_have_zero_gradient": "mode",
+    # Each untracked= value once (its Gram and clipped sum against the
+    # float64 reference), eager and under jit in turn.
+    "tests/test_coverage.py::"
+    "test_untracked_read_only_through_stop_gradient_is_not_reported": "jit",
+    # Each gradless use once (compared, argmax, isfinite), eager and under
+    # jit in turn.
+    "tests/test_coverage.py::"
+    "test_tracked_parameter_read_outside_without_a_gradient_is_exact": "jit",
 }
 
 

@@ -96,9 +96,10 @@ def _problem(kind, rng, b, t, offset, dtype):
   x = _cancelling(rng, b, t, 6, offset, dtype)
   body = {"linear": _linear(False), "linear_bias": _linear(True),
           "conv": _conv, "gru": _gru}[kind]
-  out = jax.eval_shape(hk.transform(body).apply,
-                       hk.transform(body).init(jax.random.PRNGKey(0), x),
-                       None, x)
+  plain = hk.transform(body)
+  out = jax.eval_shape(
+      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
+      None, x)
   v = np.array(jnp.asarray(rng.normal(size=out.shape), dtype).astype(
       jnp.float32))
   if kind in ("linear", "linear_bias") and t >= 2:
@@ -130,7 +131,7 @@ def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
       out = body(x)
     return jnp.sum(out * v)
   f = hk.transform_with_state(loss_fn)
-  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
   step = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping,
                                          clip_fn=clip_fn))
   _, aux = step(params, state, None, x, v)

@@ -74,20 +74,6 @@ def _plugin_args():
   return [] if installed else ["-p", "gram_haiku.conformance.plugin"]
 
 
-def test_the_plugin_imports_nothing_heavy_for_unrelated_tests(tmp_path):
-  """The pytest11 entry point loads in every pytest run of an environment
-  with gram_haiku installed: an unrelated test must not pay for JAX."""
-  (tmp_path / "test_other.py").write_text(
-      "import sys\n"
-      "def test_other():\n"
-      "  assert 'jax' not in sys.modules and 'numpy' not in sys.modules\n")
-  out = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-p", "no:xdist", *_plugin_args(), "test_other.py"],
-      cwd=tmp_path, capture_output=True, text=True, check=False, timeout=120)
-  assert out.returncode == 0, out.stdout + out.stderr
-
-
 _MODULES_AFTER_RUN = """
 import json, sys
 import pytest
@@ -99,11 +85,17 @@ json.dump({"status": int(status), "modules": sorted(sys.modules)},
 
 
 def test_a_one_line_unrelated_test_imports_only_the_plugin(tmp_path):
-  """A whole pytest run (collection, the run, the terminal summary) of a
+  """The pytest11 entry point loads in every pytest run of an environment
+  with gram_haiku installed: an unrelated test must not pay for JAX. A
+  whole pytest run (collection, the run, the terminal summary) of a
   one-line test in a fresh directory imports the same modules with the
   plugin as without it, but for the plugin's own (no JAX, NumPy, Haiku,
-  hypothesis): installing gram_haiku does not slow it down."""
-  (tmp_path / "test_one.py").write_text("def test_one():\n  assert True\n")
+  hypothesis), and neither is imported while the test runs: installing
+  gram_haiku does not slow it down."""
+  (tmp_path / "test_one.py").write_text(
+      "import sys\n"
+      "def test_one():\n"
+      "  assert 'jax' not in sys.modules and 'numpy' not in sys.modules\n")
   (tmp_path / "modules_after_run.py").write_text(_MODULES_AFTER_RUN)
   runs = {}
   for name, flags in (("with", _plugin_args()),
@@ -222,29 +214,6 @@ def test_an_unknown_op_is_one_message_saying_how_to_register(tmp_path,
     assert noise not in text, (noise, text)
 
 
-def test_the_cli_finds_the_conftest_of_the_current_directory(tmp_path):
-  """``python -m gram_haiku.conformance --ops mine`` run where conftest.py
-  registers "mine" (no PYTHONPATH, no --conformance-modules): its cases are
-  collected, and the sharded runner, a process of its own started in that
-  directory, imports the same module and passes."""
-  project = _third_party_dir(tmp_path)
-  proc = subprocess.run(
-      [sys.executable, "-m", "gram_haiku.conformance", "--ops", "mine", "-n",
-       "0", "-k", "sharded or frozen", *_plugin_args()],
-      cwd=project, capture_output=True, text=True, check=False, timeout=600,
-      env=_clean_environ(tmp_path))
-  text = proc.stdout + proc.stderr
-  assert proc.returncode == 0, text
-  rows = {tuple(line.split()[:3]): line.split()
-          for line in text.split("Conformance summary")[1].splitlines()[2:]
-          if line.startswith("mine ")}
-  sharded = rows[("mine", "sharded", "cpu")]
-  assert sharded[3:5] == ["3", "0"], text  # passed, failed
-  assert sharded[-1] == "pass", text
-  assert ("mine", "frozen", "cpu") in rows, text
-  assert "0 cases deselected" in text
-
-
 _MY_FAMILY = """
 import jax.numpy as jnp
 
@@ -266,30 +235,42 @@ conformance.register_check(conformance.Check(
 """
 
 
-def test_a_third_party_family_is_collected_sampled_never_and_tabled(
-    tmp_path):
-  """A family registered by the conftest.py of the directory the run starts
-  in (one record, conformance.register_check) gets a test per case of every
-  selected op and a row in the table, like the built-in families."""
+def test_the_cli_finds_the_conftest_and_a_third_party_family(tmp_path):
+  """``python -m gram_haiku.conformance --ops mine,linear`` run where
+  conftest.py registers "mine" and a family of its own (no PYTHONPATH, no
+  --conformance-modules; one run for both): mine's cases are collected, and
+  the sharded runner, a process of its own started in that directory,
+  imports the same module and passes; the family (one record,
+  conformance.register_check) gets a test per case of every selected op
+  and a row in the table, like the built-in families, and is never
+  sampled."""
   project = _third_party_dir(tmp_path)
   (project / "my_family.py").write_text(_MY_FAMILY)
   (project / "conftest.py").write_text("import my_ops\nimport my_family\n")
   proc = subprocess.run(
       [sys.executable, "-m", "gram_haiku.conformance", "--ops", "mine,linear",
-       "-n", "0", "-k", "finite", "-vv", *_plugin_args()],
+       "-n", "0", "-k", "mine and (sharded or frozen) or finite", "-vv",
+       *_plugin_args()],
       cwd=project, capture_output=True, text=True, check=False, timeout=600,
       env=_clean_environ(tmp_path))
   text = proc.stdout + proc.stderr
   assert proc.returncode == 0, text
-  for case in ("small", "large"):
-    assert f"test_output_is_finite[mine-cpu-{case}] PASSED" in text, text
   rows = {tuple(line.split()[:3]): line.split()
           for line in text.split("Conformance summary")[1].splitlines()[2:]
-          if line.split()[1:2] == ["finite"]}
+          if line.split()[:1] in (["mine"], ["linear"])}
+  sharded = rows[("mine", "sharded", "cpu")]
+  assert sharded[3:5] == ["3", "0"], text  # passed, failed
+  assert sharded[-1] == "pass", text
+  assert ("mine", "frozen", "cpu") in rows, text
+  assert not any(op == "linear" and family != "finite"
+                 for op, family, _ in rows), text
+  for case in ("small", "large"):
+    assert f"test_output_is_finite[mine-cpu-{case}] PASSED" in text, text
   assert rows[("mine", "finite", "cpu")][3:5] == ["2", "0"], text
   assert rows[("mine", "finite", "cpu")][-1] == "pass", text
   assert rows[("mine", "finite", "cpu")][7] == "0", text  # never sampled
   assert ("linear", "finite", "cpu") in rows, text
+  assert "0 cases deselected" in text
 
 
 def test_sharded_runner_gets_the_registering_modules_directories(tmp_path):
@@ -443,14 +424,19 @@ def test_the_old_import_path_warns_and_is_the_same_suite():
       "assert scaled_linear.SPEC.name == 'example_scaled_linear'\n"
       "msgs = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
       "assert len(msgs) == 1 and 'import gram_haiku.conformance' in msgs[0], "
-      "msgs\n")
+      "msgs\n"
+      # Then, in the same process, `python -m conformance --help`.
+      "import runpy, sys\n"
+      "sys.argv = ['conformance', '--help']\n"
+      "try:\n"
+      "  runpy.run_module('conformance', run_name='__main__', "
+      "alter_sys=True)\n"
+      "except SystemExit as e:\n"
+      "  print('exit', e.code)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
                         text=True, check=False, timeout=120)
   assert proc.returncode == 0, proc.stderr
-  proc = subprocess.run([sys.executable, "-m", "conformance", "--help"],
-                        capture_output=True, text=True, check=False,
-                        timeout=120)
-  assert proc.returncode == 0, proc.stderr
+  assert "exit 0" in proc.stdout, proc.stdout + proc.stderr
   assert "python -m gram_haiku.conformance instead" in proc.stderr
   assert "--ops" in proc.stdout
 

@@ -76,7 +76,7 @@ def _problem(name, n1=3, n2=2, dtype=jnp.float64):
   x1 = jax.random.normal(k1, (n1,) + shape, dtype)
   x2 = jax.random.normal(k2, (n2,) + shape, dtype)
   tracked = _transformed(model, True)
-  params, state = tracked.init(k3, x1)
+  params, state = jax.jit(tracked.init)(k3, x1)
   plain = _transformed(model, False)
   return tracked, plain, params, state, x1, x2
 
@@ -85,10 +85,12 @@ def _jacobian(plain, params, x):
   """``[N, *O, P]``: every output entry's flattened parameter gradient."""
   def out(p):
     return plain.apply(p, {}, None, x)[0]
-  y = out(params)
-  jac = jax.jacrev(out)(params)
-  return jnp.concatenate([j.reshape(y.shape + (-1,))
-                          for j in jax.tree.leaves(jac)], axis=-1)
+  @jax.jit
+  def flat(p):
+    y, jac = out(p), jax.jacrev(out)(p)
+    return jnp.concatenate([j.reshape(y.shape + (-1,))
+                            for j in jax.tree.leaves(jac)], axis=-1)
+  return flat(params)
 
 
 def _assert_kernel(got, want):
@@ -139,8 +141,8 @@ def test_two_output_axes_and_the_batch_diagonal():
         ((-1,), (0, -2), x1, self_full, "iittaa->it"),
     ]
     for trace, diagonal, same, ref, spec in cases:
-      ntk = gram_haiku.empirical_ntk(tracked.apply, trace_axes=trace,
-                                     diagonal_axes=diagonal)
+      ntk = jax.jit(gram_haiku.empirical_ntk(
+          tracked.apply, trace_axes=trace, diagonal_axes=diagonal))
       got = np.asarray(ntk(params, state, x1, None if same is not None
                            else x2))
       _assert_kernel(got, np.einsum(spec, ref))
