@@ -1,5 +1,6 @@
 """Coverage: which parameters the Gram covers, and what happens to the rest."""
 
+import contextlib
 import functools
 import warnings
 
@@ -433,31 +434,31 @@ def test_module_outside_every_track_block_is_read_from_the_program():
   assert grams.coverage["head/w"].module_type == "(outside track())"
 
 
-def _used_again_after_block(x, y):
-  with gram_haiku.track():
+def _used_again_after_block(x, y, track=gram_haiku.track):
+  with track():
     lin = hk.Linear(3)
     h = jnp.tanh(lin(x[:, :3]))
   return 0.5 * jnp.sum((lin(h) - y) ** 2)
 
 
-def _used_first_outside(x, y):
+def _used_first_outside(x, y, track=gram_haiku.track):
   lin = hk.Linear(3)
   h = jnp.tanh(lin(x[:, :3]))
-  with gram_haiku.track():
+  with track():
     return 0.5 * jnp.sum((lin(h) - y) ** 2)
 
 
-def _tied_read_after_block(x, y):
+def _tied_read_after_block(x, y, track=gram_haiku.track):
   ids = jnp.argmax(x, axis=-1) % 7
-  with gram_haiku.track():
+  with track():
     embed = hk.Embed(7, 3)
     h = jnp.tanh(embed(ids))
-  return 0.5 * jnp.sum((h @ embed.embeddings.T)[:, :3] - y) ** 2
+  return 0.5 * jnp.sum(((h @ embed.embeddings.T)[:, :3] - y) ** 2)
 
 
-def _vmapped_and_outside(x, y):
+def _vmapped_and_outside(x, y, track=gram_haiku.track):
   lin = hk.Linear(3)
-  with gram_haiku.track():
+  with track():
     a = hk.vmap(lambda xi: lin(xi[:3]), split_rng=False)(x)
   return 0.5 * jnp.sum((a + lin(x[:, 1:4]) - y) ** 2)
 
@@ -483,8 +484,24 @@ def _tied_read_with_embedding_stopped(x, y):
 
 @pytest.mark.parametrize("body", [_used_again_after_block, _used_first_outside,
                                   _tied_read_after_block,
-                                  _vmapped_and_outside,
-                                  _unused_output_weight_read_directly,
+                                  _vmapped_and_outside],
+                         ids=lambda f: f.__name__)
+def test_tracked_parameter_also_used_outside_adds_up(body):
+  """Also used outside every track() block (a module called again, a tied
+  read of its table): program-level rules cover the outside use, and its
+  per-example gradients are added to the layer's."""
+  x, y = _outside_data(31)
+  f = hk.transform_with_state(body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, grams = jax.jit(fn)(params, state, None, x, y)
+  assert grams.complete
+  plain = hk.without_apply_rng(hk.transform(
+      functools.partial(body, track=contextlib.nullcontext)))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+@pytest.mark.parametrize("body", [_unused_output_weight_read_directly,
                                   _tied_read_with_embedding_stopped],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("jit", [False, True])

@@ -153,7 +153,8 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
   consts = dict(zip(jaxpr.constvars, closed.consts))
   n = len(leaves)
   sites = program_rules.match(
-      program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp),
+      program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp,
+                         tracked=sorted(program.tracked)),
       program)
   prefixes = [_prefix(jaxpr, consts, s, n) for s in sites]
   zs = [jnp.broadcast_to(fn(*[leaves[k] for k in inputs])[0], s.shape)
