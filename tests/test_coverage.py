@@ -336,16 +336,30 @@ def _tied_lm(use_unembed):
   return model
 
 
-def test_tied_embedding_raw_matmul_is_an_error():
-  # The embedding read by its tracked lookup and again by a raw matmul: the
-  # Gram would miss the second use, so it must refuse, naming the parameter.
+def test_tied_embedding_raw_matmul_adds_up():
+  # The embedding read by its tracked lookup and again by a raw matmul
+  # (outside its layer): the matmul is a program-level site, whose
+  # per-example gradients are added to the lookup's; the Gram is the one
+  # gram_haiku.unembed gives.
   ids = problems.randint(jax.random.PRNGKey(5), (4, 3), 0, 11)
-  def loss(ids):
-    with gram_haiku.track():
-      return jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)
-  f = hk.transform_with_state(loss)
-  with pytest.raises(ValueError, match="'embed/embeddings' .*used both"):
-    f.init(jax.random.PRNGKey(0), ids)
+  def loss(ids, use_unembed):
+    with gram_haiku.track(untracked="error"):
+      return jnp.sum(jnp.tanh(_tied_lm(use_unembed)(ids)) ** 2)
+  grams = []
+  for use_unembed in (False, True):
+    f = hk.transform_with_state(functools.partial(loss,
+                                                  use_unembed=use_unembed))
+    params, state = f.init(jax.random.PRNGKey(0), ids)
+    grams.append(jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, ids)[2])
+  assert grams[0].complete
+  assert grams[0].coverage["embed/embeddings"].rule == (
+      "embed + program: dot_general")
+  plain = hk.without_apply_rng(hk.transform(
+      lambda ids: jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)))
+  assert_gram_close(grams[0].total, reference_gram(plain.apply, params, ids))
+  np.testing.assert_allclose(grams[0].by_layer["embed"],
+                             grams[1].by_layer["embed"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("jit", [False, True])
