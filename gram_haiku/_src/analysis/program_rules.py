@@ -61,6 +61,15 @@ penalty on the parameter, which belongs to no example), is a
 :class:`Refusal`: the parameter stays untracked, and the message names
 the primitive and the user's line.
 
+A parameter that a tracked module's op also reads as one of its
+parameters (a tied output: ``hk.Embed``'s lookup and ``h @
+embed.embeddings.T``; :attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`)
+is followed here too (``tracked`` of :func:`find`): that read is the
+module's own (its rule gives that part of the gradient), not a use
+without a rule, and the sites' per-example gradients are added to the
+module's (:attr:`Program.tracked`; the pass keeps the module's
+per-example gradients for that).
+
 Which axis of ``Z`` is the examples' (``e``) is read from the example-flow
 analysis (:mod:`gram_haiku._src.analysis.example_flow`): the state of the
 site's output. :func:`resolve` checks that ``Z`` is constant along it and
