@@ -1383,6 +1383,24 @@ def _bare_table_dynamic_slice(x, y, strict):  # one row for the whole batch
   return _sq(hk.Linear(3)(x) + row, y)
 
 
+def _tracked_weight_read_by_a_matmul(x, y):
+  # Its layer's part and the matmul's (a program-level site) add up.
+  lin = hk.Linear(3)
+  h = jnp.tanh(lin(x))
+  return _sq(h + jnp.tanh(x @ lin.params_dict()["linear/w"]), y)
+
+
+def _tracked_weight_read_in_a_scan(x, y):
+  # The outside use is inside a loop, where no program-level rule looks.
+  lin = hk.Linear(3)
+  h = lin(x)
+  w = lin.params_dict()["linear/w"]
+  _, o = jax.lax.scan(lambda c, xt: (c, jnp.tanh(xt @ w)), 0.0,
+                      jnp.swapaxes(x, 0, 1))
+  return _sq(h + jnp.swapaxes(o, 0, 1), y)
+
+
+_MIXED = r"(?s)'linear/w' is used both inside a tracked layer.*`scan`"
 _PR = "tests/test_program_rules.py"
 _PROGRAM_REFUSED = "No program-level rule covers its use by `{}`.*{}"
 _EF = "tests/test_example_flow.py"
@@ -1877,6 +1895,11 @@ ROWS: list[Row] = [
     _bare_row(_bare_table_dynamic_slice,
               _PROGRAM_REFUSED.format("dynamic_slice",
                                       "hold no examples' axis"), OTHERS_DATA),
+    # -- a tracked parameter also read outside its layer (a tied output) -------
+    Row("tracked_weight_read_by_a_matmul", _tracked_weight_read_by_a_matmul,
+        EXACT, False, source=_PR),
+    Row("tracked_weight_read_in_a_scan", _tracked_weight_read_in_a_scan,
+        _MIXED, _MIXED, source=_PR),
 ]
 
 

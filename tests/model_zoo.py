@@ -216,12 +216,10 @@ ZOO = (
     # Bare parameters broadcast along the examples: covered by the
     # program-level rules (gram_haiku._src.analysis.program_rules).
     _entry("gpt_haiku_example", _decoder(tied=False)),
-    # The tied output's raw matmul reads a tracked table outside its layer:
-    # the cross terms of the two uses would be lost (gram_haiku.unembed is
-    # today's spelling).
-    _entry("gpt_tied_output", _decoder(tied=True),
-           refused=r"'embed/embeddings' .* used both inside a tracked layer "
-           r"and outside it"),
+    # The tied output's raw matmul reads the tracked table outside its
+    # layer: a program-level site, whose per-example gradients are added
+    # to the embedding layer's (with the cross terms of the two uses).
+    _entry("gpt_tied_output", _decoder(tied=True)),
     _entry("vit_class_token", _vit()),
     _entry("resnet_gn_ws", _resnet()),
     _entry("mlp_mixer", _mixer()),

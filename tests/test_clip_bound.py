@@ -166,6 +166,48 @@ def test_a_cancelling_example_is_clipped(kind, strategy):
   assert_sound_norms(bounds[1:], true[1:])
 
 
+def _tied_cancelling(ids, v, w):
+  """An embedding's lookup (tracked) and a raw read of its table (a
+  program-level site) whose per-example gradients nearly cancel for
+  example 0 (``w ~ -v`` there): the leaf's gradient is their sum."""
+  embed = hk.Embed(7, 6, name="layer")
+  return jnp.sum(embed(ids) * v) + jnp.sum(embed.embeddings[ids] * w)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_a_tied_use_that_cancels_the_layers_part_is_clipped(clipping):
+  """The bound of the sum of a layer's per-example gradients and a
+  program-level site's (at most the sum of their bounds, plus the sum's
+  own rounding) is not below the true norm where the two parts cancel
+  about 10^6-fold."""
+  rng = np.random.RandomState(3)
+  ids = rng.randint(0, 7, size=(4, 3)).astype(np.int32)
+  v = (rng.normal(size=(4, 3, 6)) * 1e4).astype(np.float32)
+  w = rng.normal(size=(4, 3, 6)).astype(np.float32)
+  w[0] = -v[0] + (rng.normal(size=(3, 6)) * 1e-2).astype(np.float32)
+
+  def loss_fn(ids, v, w):
+    with gram_haiku.track(untracked="error"):
+      return _tied_cancelling(ids, v, w)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), ids, v, w)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping))(
+      params, state, None, ids, v, w)
+  with jax.enable_x64(True):
+    plain = hk.transform(_tied_cancelling)
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    ref = np.asarray(per_example_grads(
+        lambda p, *ex: plain.apply(p, None, *ex), p64, ids,
+        np.asarray(v, np.float64), np.asarray(w, np.float64)), np.float64)
+  true = np.linalg.norm(ref, axis=1)
+  bounds = np.asarray(aux.grad_norms, np.float64)
+  assert true[0] < 1e-3 * true[1:].min()  # (it does cancel)
+  assert np.all(bounds >= true * (1 - 1e-9)), (bounds, true)
+  (weights,) = aux.weights.values()  # one layer: the table's both parts
+  assert np.all(np.asarray(weights, np.float64) * true <= C * (1 + 1e-6))
+  assert_sound_norms(bounds[1:], true[1:])
+
+
 def test_the_issue_case_was_unclipped_by_ghost_norms():
   """The issue's numbers: without the bound, example 0's ghost norm
   cancels (its contribution was 31-34 C); the plain ghost value is still
@@ -547,6 +589,27 @@ def test_the_ghost_bound_is_sound_and_tight_at_many_positions():
       np.einsum("itn,isn->its", x, x)), np.abs(np.einsum("itm,ism->its", d,
                                                          d)))
   assert np.all(one_level > norm_bounds.LOOSE * true)
+
+
+def test_the_bound_of_a_sum_covers_its_rounding():
+  """:func:`norm_bounds.of_sum` (a layer's per-example gradients plus a
+  program-level site's): ``|fl(a + b)|`` plus the bound is not below the
+  float64 norm of ``a + b``, where ``|fl(a + b)|`` alone sometimes is."""
+  rng = np.random.RandomState(1)
+  a = (rng.normal(size=(256, 8)) * 10.0 ** rng.randint(-2, 3, (256, 1))
+       ).astype(np.float32)
+  b = (rng.normal(size=(256, 8)) * 10.0 ** rng.randint(-2, 3, (256, 1))
+       ).astype(np.float32)
+  s = jnp.asarray(a) + jnp.asarray(b)
+  true = np.linalg.norm(a.astype(np.float64) + b.astype(np.float64), axis=1)
+  stored = np.linalg.norm(np.asarray(s, np.float64), axis=1)
+  zero = jnp.zeros((256,), jnp.float32)
+  err = np.asarray(norm_bounds.of_sum(zero, zero, s), np.float64)
+  assert np.any(stored < true)  # (the rounding of the sum matters)
+  assert np.all(stored + err >= true)
+  # The parts' own bounds add.
+  half = np.asarray(norm_bounds.of_sum(zero + 0.5, zero + 0.25, s))
+  assert np.all(half >= err + 0.75)
 
 
 @pytest.mark.parametrize("mode", ["gram", "norms"])

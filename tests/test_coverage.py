@@ -1,5 +1,6 @@
 """Coverage: which parameters the Gram covers, and what happens to the rest."""
 
+import contextlib
 import functools
 import warnings
 
@@ -335,16 +336,30 @@ def _tied_lm(use_unembed):
   return model
 
 
-def test_tied_embedding_raw_matmul_is_an_error():
-  # The embedding read by its tracked lookup and again by a raw matmul: the
-  # Gram would miss the second use, so it must refuse, naming the parameter.
+def test_tied_embedding_raw_matmul_adds_up():
+  # The embedding read by its tracked lookup and again by a raw matmul
+  # (outside its layer): the matmul is a program-level site, whose
+  # per-example gradients are added to the lookup's; the Gram is the one
+  # gram_haiku.unembed gives.
   ids = problems.randint(jax.random.PRNGKey(5), (4, 3), 0, 11)
-  def loss(ids):
-    with gram_haiku.track():
-      return jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)
-  f = hk.transform_with_state(loss)
-  with pytest.raises(ValueError, match="'embed/embeddings' .*used both"):
-    f.init(jax.random.PRNGKey(0), ids)
+  def loss(ids, use_unembed):
+    with gram_haiku.track(untracked="error"):
+      return jnp.sum(jnp.tanh(_tied_lm(use_unembed)(ids)) ** 2)
+  grams = []
+  for use_unembed in (False, True):
+    f = hk.transform_with_state(functools.partial(loss,
+                                                  use_unembed=use_unembed))
+    params, state = f.init(jax.random.PRNGKey(0), ids)
+    grams.append(jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, ids)[2])
+  assert grams[0].complete
+  assert grams[0].coverage["embed/embeddings"].rule == (
+      "embed + program: dot_general")
+  plain = hk.without_apply_rng(hk.transform(
+      lambda ids: jnp.sum(jnp.tanh(_tied_lm(False)(ids)) ** 2)))
+  assert_gram_close(grams[0].total, reference_gram(plain.apply, params, ids))
+  np.testing.assert_allclose(grams[0].by_layer["embed"],
+                             grams[1].by_layer["embed"], rtol=1e-4)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -433,31 +448,31 @@ def test_module_outside_every_track_block_is_read_from_the_program():
   assert grams.coverage["head/w"].module_type == "(outside track())"
 
 
-def _used_again_after_block(x, y):
-  with gram_haiku.track():
+def _used_again_after_block(x, y, track=gram_haiku.track):
+  with track():
     lin = hk.Linear(3)
     h = jnp.tanh(lin(x[:, :3]))
   return 0.5 * jnp.sum((lin(h) - y) ** 2)
 
 
-def _used_first_outside(x, y):
+def _used_first_outside(x, y, track=gram_haiku.track):
   lin = hk.Linear(3)
   h = jnp.tanh(lin(x[:, :3]))
-  with gram_haiku.track():
+  with track():
     return 0.5 * jnp.sum((lin(h) - y) ** 2)
 
 
-def _tied_read_after_block(x, y):
+def _tied_read_after_block(x, y, track=gram_haiku.track):
   ids = jnp.argmax(x, axis=-1) % 7
-  with gram_haiku.track():
+  with track():
     embed = hk.Embed(7, 3)
     h = jnp.tanh(embed(ids))
-  return 0.5 * jnp.sum((h @ embed.embeddings.T)[:, :3] - y) ** 2
+  return 0.5 * jnp.sum(((h @ embed.embeddings.T)[:, :3] - y) ** 2)
 
 
-def _vmapped_and_outside(x, y):
+def _vmapped_and_outside(x, y, track=gram_haiku.track):
   lin = hk.Linear(3)
-  with gram_haiku.track():
+  with track():
     a = hk.vmap(lambda xi: lin(xi[:3]), split_rng=False)(x)
   return 0.5 * jnp.sum((a + lin(x[:, 1:4]) - y) ** 2)
 
@@ -483,8 +498,24 @@ def _tied_read_with_embedding_stopped(x, y):
 
 @pytest.mark.parametrize("body", [_used_again_after_block, _used_first_outside,
                                   _tied_read_after_block,
-                                  _vmapped_and_outside,
-                                  _unused_output_weight_read_directly,
+                                  _vmapped_and_outside],
+                         ids=lambda f: f.__name__)
+def test_tracked_parameter_also_used_outside_adds_up(body):
+  """Also used outside every track() block (a module called again, a tied
+  read of its table): program-level rules cover the outside use, and its
+  per-example gradients are added to the layer's."""
+  x, y = _outside_data(31)
+  f = hk.transform_with_state(body)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, grams = jax.jit(fn)(params, state, None, x, y)
+  assert grams.complete
+  plain = hk.without_apply_rng(hk.transform(
+      functools.partial(body, track=contextlib.nullcontext)))
+  assert_gram_close(grams.total, reference_gram(plain.apply, params, x, y))
+
+
+@pytest.mark.parametrize("body", [_unused_output_weight_read_directly,
                                   _tied_read_with_embedding_stopped],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("jit", [False, True])

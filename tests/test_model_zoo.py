@@ -83,7 +83,8 @@ def test_a_covered_model_clips_like_jax_privacy(model):
 
 #: Models whose bare parameters the program-level rules cover.
 PROGRAM = [m for m in COVERED if m.name in (
-    "gpt_haiku_example", "vit_class_token", "two_tower_logit_scale")]
+    "gpt_haiku_example", "gpt_tied_output", "vit_class_token",
+    "two_tower_logit_scale")]
 
 
 @pytest.mark.parametrize("model", PROGRAM, ids=_ids(PROGRAM))

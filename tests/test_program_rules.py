@@ -233,18 +233,113 @@ def test_a_use_that_couples_the_examples_is_refused():
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, *batch)
 
 
-def test_a_parameter_used_both_by_a_layer_and_by_a_broadcast_is_refused():
-  """The cross terms of the two uses would be lost: refused, as any
-  tracked parameter also used outside its layer."""
-  def net(tokens, y):
-    embed = hk.Embed(7, D, name="embed")
-    h = embed(tokens) + embed.embeddings[0]
-    return jnp.sum((h - y[:, None]) ** 2, axis=(-2, -1))
-  f = _model(net, "ignore")
+def _tied_linear_net(x, y):
+  """A tracked ``hk.Linear`` whose weight and bias are also used outside
+  it: the weight by a bare matmul, the bias by a broadcast gate (each
+  leaf's per-example gradient is the layer's part plus the outside one's),
+  on inputs far from zero."""
+  lin = hk.Linear(D, name="linear")
+  h = jnp.tanh(lin(x + 100.0) / 100.0)
+  w, b = lin.params_dict()["linear/w"], lin.params_dict()["linear/b"]
+  out = hk.Linear(D, name="out")(jnp.tanh((h[:, :F] @ w) * jnp.exp(0.1 * b)))
+  return jnp.sum((out - y) ** 2, axis=-1)
+
+
+def test_a_tracked_weight_also_used_by_a_bare_matmul_is_exact():
+  """Gram (and its layer block), the gradient, all-layer and per-layer
+  clipping and the cross block, against the float64 reference: the
+  layer keeps per-example gradients, and the outside uses' are added."""
+  with jax.enable_x64(True):
+    f, params, state, batch = _setup(_tied_linear_net, seed=4)
+    ff = _ref_f(_tied_linear_net, params, batch)
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, *batch)
+    assert grams.complete and sorted(grams.by_layer) == ["linear", "out"]
+    assert grams.coverage["linear/w"].rule == "linear + program: dot_general"
+    reference.assert_gram_close(grams.total, ff @ ff.T, "float64")
+    plain = hk.transform(lambda *b: _tied_linear_net(*b).sum())
+    want = jax.grad(lambda p: plain.apply(p, None, *batch))(params)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    loss = lambda *a: f.apply(*a)[0]
+    norms = np.linalg.norm(ff, axis=1)
+    c = 0.5 * float(np.median(norms))
+    got = jax.jit(gram_haiku.clipped_grad(loss, l2_clip_norm=c))(
+        params, state, None, *batch)
+    want = reference.weighted_sum(ff, reference.clip_reference(norms, c),
+                                  params)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
+    # Per layer: "linear" (its outside uses included) and "out".
+    thresholds = {"linear": c / 2, "out": c / 3}
+    got = jax.jit(gram_haiku.clipped_grad(loss, l2_clip_norm=thresholds,
+                                          clipping="per-layer"))(
+                                              params, state, None, *batch)
+    total = np.zeros(ff.shape[1])
+    for layer, threshold in thresholds.items():
+      cols = np.zeros(ff.shape[1], bool)
+      for leaf in ("w", "b"):
+        cols[_columns(params, f"{layer}/{leaf}")] = True
+      total[cols] = reference.clip_reference(
+          np.linalg.norm(ff[:, cols], axis=1), threshold) @ ff[:, cols]
+    want = reference.weighted_sum(np.eye(ff.shape[1]), total, params)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, r, rtol=1e-9, atol=1e-9)
+    qx, qy = _data(9)
+    _, _, cross = gram_haiku.cross_gram(f.apply)(params, state, None,
+                                                 *batch, queries=(qx, qy))
+    fq = _ref_f(_tied_linear_net, params, (qx, qy))
+    np.testing.assert_allclose(cross.total, ff @ fq.T, rtol=1e-9,
+                               atol=1e-12)
+    np.testing.assert_allclose(cross.query_summed, ff @ fq.sum(0),
+                               rtol=1e-9, atol=1e-12)
+
+
+def _tied_in_and_out_net(tokens, y):
+  embed = hk.Embed(7, D, name="embed")
+  h = embed(tokens) + embed.embeddings[0]
+  return jnp.sum((h - y[:, None]) ** 2, axis=(-2, -1))
+
+
+def _tied_in_a_loop_net(tokens, y):
+  embed = hk.Embed(7, D, name="embed")
+  h = embed(tokens)
+  def step(c, ids):
+    return c + embed(ids), None
+  c, _ = hk.scan(step, jnp.zeros((B, D), h.dtype), jnp.swapaxes(tokens, 0,
+                                                                 1))
+  return jnp.sum((h @ embed.embeddings.T) ** 2, axis=(-2, -1)) + jnp.sum(
+      (c - y) ** 2, axis=-1)
+
+
+def test_a_parameter_used_both_by_a_layer_and_by_a_broadcast_is_exact():
+  """The embedding's lookup (tracked) and its first row broadcast over the
+  tokens (a program-level site): their parts add up, with the cross
+  terms."""
+  with jax.enable_x64(True):
+    f = _model(_tied_in_and_out_net)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 7, (B, 2)))
+    y = _data(0)[1]
+    params, state = f.init(jax.random.PRNGKey(0), tokens, y)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, tokens, y)
+    assert grams.complete
+    ff = _ref_f(_tied_in_and_out_net, params, (tokens, y))
+    reference.assert_gram_close(grams.total, ff @ ff.T, "float64")
+
+
+def test_a_tied_use_the_parts_of_which_cannot_be_added_is_refused():
+  """A tracked module applied inside a loop (its per-example gradients
+  are not kept per application there) with its table also read outside:
+  refused, naming the parameter, the outside use and gram_haiku.unembed."""
+  f = _model(_tied_in_a_loop_net, "ignore")
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 7, (B, 2)))
   y = _data(0, jnp.float32)[1]
-  with pytest.raises(ValueError, match="used both inside a tracked layer"):
-    params, state = f.init(jax.random.PRNGKey(0), tokens, y)
+  params, state = f.init(jax.random.PRNGKey(0), tokens, y)
+  with pytest.raises(ValueError, match=r"(?s)'embed/embeddings' is used both "
+                     r"inside a tracked layer \(embed\).*`scan`.*"
+                     r"gram_haiku.unembed"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, tokens, y)
 
 

@@ -134,6 +134,13 @@ class Discovery:
     untracked_uses: parameter name -> the primitive that reads it outside
       every Gram op (for parameters that reach no Gram op at all: their
       gradient is outside the Gram).
+    mixed: parameter name -> ``(module, primitive)``: a parameter that one
+      tracked module's op reads and that ``primitive`` also reads outside
+      every Gram op (a tied output's ``h @ embed.embeddings.T``). Exact
+      only where program-level rules cover the outside uses: their
+      per-example gradients are then added to the module's
+      (:mod:`gram_haiku._src.passes.pass_pipeline`); otherwise refused by
+      :func:`gram_haiku._src.passes.pass_trace.trace_loss`.
     ops: module name -> its (first) bound op in the program, after every
       ``vmap`` was batched: the rule that re-contracts its book-keeping
       factors after the pass. Its ``Plan.frozen``: the indices of its
@@ -178,6 +185,7 @@ class Discovery:
   example_specs: Mapping[str, Any]
   probe_dtypes: Mapping[str, Any]
   untracked_uses: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  mixed: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   ops: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   param_leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
   applications: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -214,13 +222,16 @@ def by_layer(ops: Mapping[str, Any], modules) -> dict[str, set]:
 
 
 
-def also_untracked_message(leaf: str, modules, use: str) -> str:
+def also_untracked_message(leaf: str, modules, use: str, why: str) -> str:
   """The error for a tracked parameter also used outside every tracked
-  layer (by the primitive ``use``), with the advice for a penalty on the
+  layer (by the primitive ``use``) where the two parts of its gradient
+  cannot be added up (``why``), with the advice for a penalty on the
   parameters where ``use`` is one."""
-  return errors.PARAM_ALSO_UNTRACKED.format(
-      leaf=leaf, modules=modules, use=use) + (
+  return errors.MIXED_USE.format(
+      param=leaf, modules=", ".join(map(str, modules)), use=use,
+      why=why.strip()[:1].lower() + why.strip()[1:].rstrip(".")) + (
           errors.PENALTY_ON_PARAMETERS if use in _PENALTY_PRIMITIVES else "")
+
 
 def _signature(op) -> tuple:
   """What must agree between two applications for their factors to stack:
@@ -730,28 +741,28 @@ def _frozen_operands_of(frozen_of: Mapping[str, set], ops: Mapping[str, Any],
 
 def _untracked_uses(found: Findings, modules_of_leaf: Mapping[int, set],
                     pulled: set, leaf_names: list[str],
-                    num_param_leaves: int) -> dict:
-  """Parameter name -> the primitive that reads it outside every Gram op,
-  for the parameters that reach no Gram op.
+                    num_param_leaves: int) -> tuple[dict, dict]:
+  """``(untracked, mixed)``: parameter name -> the primitive that reads it
+  outside every Gram op, for the parameters that reach no Gram op; and
+  parameter name -> ``(module, primitive)`` for those that one module's
+  op reads too (:attr:`Discovery.mixed`).
 
   Raises:
-    ValueError: for a parameter read both by a tracked op and outside every
-      one (its Gram would miss the outside use), or one that reaches the
-      ops of two modules.
+    ValueError: for a parameter that reaches the ops of two modules.
   """
-  untracked = {}
-  for leaf, use in found.other_uses.items():
-    if leaf >= num_param_leaves or leaf in pulled:
-      continue  # (a pulled-back leaf's every use is its getter's)
-    if leaf in modules_of_leaf:
-      raise ValueError(also_untracked_message(
-          leaf_names[leaf], sorted(modules_of_leaf[leaf]), use))
-    untracked[leaf_names[leaf]] = use
+  untracked, mixed = {}, {}
   for leaf, modules in modules_of_leaf.items():
     if len(modules) > 1:
       raise ValueError(errors.PARAM_IN_TWO_MODULES.format(
           leaf=leaf_names[leaf], modules=sorted(modules)))
-  return untracked
+  for leaf, use in found.other_uses.items():
+    if leaf >= num_param_leaves or leaf in pulled:
+      continue  # (a pulled-back leaf's every use is its getter's)
+    if leaf in modules_of_leaf:
+      mixed[leaf_names[leaf]] = (next(iter(modules_of_leaf[leaf])), use)
+    else:
+      untracked[leaf_names[leaf]] = use
+  return untracked, mixed
 
 
 def _check_probe(app: Application, num_param_leaves: int,
@@ -905,8 +916,8 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   frozen = _frozen_operands_of(r.frozen_of, r.ops, layers)
   ops = {m: op.with_plan(frozen=frozen[m]) for m, op in r.ops.items()}
   pulled = {k for pb in pullbacks.values() for k in pb.leaves}
-  untracked = _untracked_uses(found, r.modules_of_leaf, pulled, leaf_names,
-                              num_param_leaves)
+  untracked, mixed = _untracked_uses(found, r.modules_of_leaf, pulled,
+                                     leaf_names, num_param_leaves)
   slot_apps = found.applications
   if full_jaxpr is not None and shared:  # (only shared modules get slots)
     slot_apps = follow(full_jaxpr, ins, gram_op_type)[1].applications
@@ -917,7 +928,7 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,
-                   untracked_uses=untracked, ops=ops,
+                   untracked_uses=untracked, mixed=mixed, ops=ops,
                    param_leaves=r.leaves_of, applications=dict(r.n_apps),
                    slot_counts=slotted, parts=parts,
                    pullbacks=pullbacks,

@@ -61,6 +61,15 @@ penalty on the parameter, which belongs to no example), is a
 :class:`Refusal`: the parameter stays untracked, and the message names
 the primitive and the user's line.
 
+A parameter that a tracked module's op also reads as one of its
+parameters (a tied output: ``hk.Embed``'s lookup and ``h @
+embed.embeddings.T``; :attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`)
+is followed here too (``tracked`` of :func:`find`): that read is the
+module's own (its rule gives that part of the gradient), not a use
+without a rule, and the sites' per-example gradients are added to the
+module's (:attr:`Program.tracked`; the pass keeps the module's
+per-example gradients for that).
+
 Which axis of ``Z`` is the examples' (``e``) is read from the example-flow
 analysis (:mod:`gram_haiku._src.analysis.example_flow`): the state of the
 site's output. :func:`resolve` checks that ``Z`` is constant along it and
@@ -236,7 +245,7 @@ def _elementwise_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), out_shape,
                           _const_at(s, v, out_shape), "broadcast",
-                          _line(eqn), calls=tuple(ctx.config)))
+                          _line(eqn), calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -248,7 +257,7 @@ def _concatenate_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
                           s.const - {dim}, "concatenate", _line(eqn),
-                          calls=tuple(ctx.config)))
+                          calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -263,7 +272,7 @@ def _per_example_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
                           frozenset(), eqn.primitive.name, _line(eqn),
-                          mapped=True, data=data, calls=tuple(ctx.config)))
+                          mapped=True, data=data, calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -303,12 +312,21 @@ def _into_call(ctx, eqn, ins) -> list:
   """A ``jit`` call (``jnp.take`` is one) where a prefix value meets the
   data: followed inside, its sites the body's equations under the call
   (:attr:`Site.calls`; the pass evaluates such calls inline)."""
-  ctx.config.append(eqn)
+  ctx.config.calls.append(eqn)
   try:
     outs = ctx.join_all(ctx.run_subs(eqn, lambda sub: list(ins)))
   finally:
-    ctx.config.pop()
+    ctx.config.calls.pop()
   return outs if outs is not None else [Val(data=True)] * len(eqn.outvars)
+
+
+def _tracked_read(ctx, eqn, ins) -> bool:
+  """Whether Gram op ``eqn`` reads prefix values only as its parameters,
+  and only the leaves that its module tracks too (:attr:`_Run.tracked`):
+  the module's own rule gives their part of the gradient."""
+  # (A Gram op's operands: its input, its present parameters, its probe.)
+  return (not ins[0].leaves and not ins[-1].leaves and
+          all(s.leaves <= ctx.config.tracked for s in ins[1:-1]))
 
 
 def _equation(ctx, eqn, ins: list) -> list:
@@ -325,6 +343,8 @@ def _equation(ctx, eqn, ins: list) -> list:
   if eqn.primitive.name == "stop_gradient":
     return [Val()] * n_out  # no gradient: a constant
   if is_op:
+    if _tracked_read(ctx, eqn, ins):
+      return [Val(data=True)] * n_out
     return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_GRAM_OP)
   if hx.jaxprs_of(eqn):
     if data and hx.jit_body(eqn) is not None:
@@ -366,10 +386,27 @@ class Findings:
                      if k not in refused)
 
 
+@dataclasses.dataclass
+class _Run:
+  """The parameters of one run of :data:`PROGRAM` (its ``ctx.config``).
+
+  Attributes:
+    calls: the ``jit`` calls the current equation is inside (see
+      :func:`_into_call`).
+    tracked: the leaves that a tracked module's op also reads as a
+      parameter (:attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`):
+      that read is the module's, not a use without a rule.
+  """
+  calls: list
+  tracked: frozenset
+
+
 def find(jaxpr, num_param_leaves: int, untracked: Sequence[int],
-         gram_op_type) -> Findings:
+         gram_op_type, tracked: Sequence[int] = ()) -> Findings:
   """Runs :data:`PROGRAM` over the loss's program ``jaxpr(params, probes,
-  batch arrays)`` for the untracked parameter leaves ``untracked``."""
+  batch arrays)`` for the parameter leaves ``untracked`` (and
+  ``tracked``: the leaves of ``untracked`` that a tracked module's op also
+  reads as a parameter)."""
   if not untracked:
     return Findings()
   wanted = set(untracked)
@@ -379,8 +416,8 @@ def find(jaxpr, num_param_leaves: int, untracked: Sequence[int],
       ins.append(Val(frozenset({k}), False, _ones(_shape(v))))
     else:
       ins.append(Val(data=k >= num_param_leaves))
-  # (config: the jit calls the current run is inside, see _into_call)
-  outs, log = interpreter.interpret(PROGRAM, jaxpr, ins, gram_op_type, [])
+  outs, log = interpreter.interpret(PROGRAM, jaxpr, ins, gram_op_type,
+                                    _Run([], frozenset(tracked)))
   entries = list(interpreter.flatten(log))
   refusals = [e for e in entries if isinstance(e, Refusal)]
   for v, s in zip(jaxpr.outvars, outs):
@@ -399,10 +436,14 @@ class Program:
     sites: the sites of the covered leaves, each with its examples' axis.
     leaves: leaf index -> name, of the covered leaves.
     refused: leaf name -> why no rule covers it (its message's tail).
+    tracked: leaf index -> module, of the covered leaves that the module's
+      op also reads (:attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`):
+      their per-example gradients are added to the module's store.
   """
   sites: tuple = ()
   leaves: Mapping[int, str] = dataclasses.field(default_factory=dict)
   refused: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  tracked: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
   def rules_of(self, k: int) -> str:
     """``"program: broadcast, concatenate"``: the rules covering leaf
@@ -509,9 +550,12 @@ def _message(refusal: Refusal) -> str:
 
 
 def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
-            leaf_names: Sequence[str]) -> Program:
+            leaf_names: Sequence[str],
+            tracked: Mapping[int, str] = None) -> Program:
   """The :class:`Program` of ``found``, each site's axis read from the
-  example-flow states ``observed`` (:func:`observed_keys` -> state)."""
+  example-flow states ``observed`` (:func:`observed_keys` -> state).
+  ``tracked``: leaf -> module, the leaves a tracked module also reads
+  (:attr:`Program.tracked`)."""
   refusals = list(found.refusals)
   sites = []
   for s in found.sites:
@@ -534,7 +578,8 @@ def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
   bad = {k for r in refusals for k in r.leaves}
   sites = tuple(s for s in sites if not set(s.leaves) & bad)
   leaves = {k: leaf_names[k] for s in sites for k in s.leaves}
-  return Program(sites, leaves, refused)
+  return Program(sites, leaves, refused,
+                 {k: m for k, m in (tracked or {}).items() if k in leaves})
 
 
 def match(found: Findings, program: Program) -> list[Site]:

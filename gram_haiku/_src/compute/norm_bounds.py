@@ -116,6 +116,17 @@ def row_norms(a: jax.Array) -> jax.Array:
   return jnp.sqrt(sq * (1 + 2 * _elementwise_u(a.dtype) * (count(n) + 4)))
 
 
+def of_sum(err_a: jax.Array, err_b: jax.Array, s: jax.Array) -> jax.Array:
+  """``[B]``: the rounding bound (norm units) of rows ``s = fl(a + b)``
+  of two per-example gradients off by at most ``err_a`` and ``err_b``:
+  ``err_a + err_b + (u / (1 - u)) |s|`` (each entry of the sum rounded
+  once, ``|fl(x + y) - (x + y)| <= u/(1 - u) |fl(x + y)|``), rounded up.
+  ``s: [B, N]``."""
+  u = _elementwise_u(s.dtype)
+  total = err_a + err_b + 2 * u * row_norms(s)
+  return total * (1 + 4 * u)
+
+
 def triangle(x: jax.Array, d: jax.Array) -> jax.Array:
   """(T): ``sum_t |x_t| |d_t|`` per example, ``x: (B, T, N)``,
   ``d: (B, T, M)`` -> ``(B,)``, rounded up (see the module docstring)."""

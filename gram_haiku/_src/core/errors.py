@@ -136,14 +136,37 @@ AMBIGUOUS_EXAMPLE_AXIS = (
     "carries the example axis (e.g. positions = ids * 0 + jnp.arange(T)).")
 
 MIXED_USE = (
-    "gram_haiku: parameter '{param}' (module type {module_type}) is used both "
-    "inside a tracked layer and outside it (for example an embedding tied to "
-    "the output layer, `h @ embed.embeddings.T`). The Gram would miss the "
-    "untracked use and its cross terms with the tracked one.\n"
+    "gram_haiku: parameter '{param}' is used both inside a tracked layer "
+    "({modules}) and outside it: by `{use}`, outside every tracked layer's "
+    "parameters (for example an embedding tied to the output layer, "
+    "`h @ embed.embeddings.T`, the same module called again outside the "
+    "gram_haiku.track() block, the weight read directly, or the layer "
+    "differentiated inside the loss by jax.grad for a gradient penalty, "
+    "whose backward pass uses the weight). Its per-example gradient is the "
+    "sum of both parts, and the outside part cannot be added to the "
+    "layer's here: {why}.\n"
     "What to do: for a tied output layer write "
     "`gram_haiku.unembed(embed, h)` (the same `h @ embed.embeddings.T`, "
-    "tracked); otherwise read the parameter only through its module's "
-    "__call__, or run the model outside gram_haiku.track().")
+    "tracked); otherwise put every use of the module inside "
+    "gram_haiku.track() and read the parameter only through its module's "
+    "__call__, or use a separate module for the outside use.")
+
+MIXED_OUTPUT_UNUSED = (
+    "the layer's own output does not reach the loss")
+
+MIXED_STACKED = (
+    "the layer is stacked by hk.layer_stack, whose per-layer stores do not "
+    "line up with the parameter's own")
+
+MIXED_REPARAMETRISED = (
+    "the layer reads its parameters through a reparametrising getter, "
+    "whose per-example gradients are pulled back after the pass")
+
+MIXED_OPERANDS = (
+    "the layer reads the parameter as more than one of its operands")
+
+MIXED_NO_SITE = (
+    "no program-level rule reads the outside use")
 
 UNTRACKED_PARAM = (
     "gram_haiku: parameter '{param}' (module type {module_type}) is read "
@@ -519,18 +542,6 @@ PROBE_LINEARIZED = (
     "What to do: linearize with respect to the parameters only, and take "
     "the Gram with gram_haiku.value_grad_and_gram (or jax.grad with respect "
     "to the probes).")
-
-PARAM_ALSO_UNTRACKED = (
-    "gram_haiku: parameter '{leaf}' is used by the tracked layer(s) {modules} "
-    "and also, in the loss, by `{use}` outside every tracked layer's "
-    "parameters (e.g. the same module called again outside the "
-    "gram_haiku.track() block, the weight read directly, or the layer "
-    "differentiated inside the loss by jax.grad for a gradient penalty, "
-    "whose backward pass uses the weight). Its per-example "
-    "gradient has a part no Gram contains, so the Gram would be wrong.\n"
-    "What to do: put every use of the module inside gram_haiku.track() "
-    "(for a tied output layer: gram_haiku.unembed(embed, h)), or use a "
-    "separate module for the untracked use.")
 
 EXAMPLES_REORDERED = (
     "gram_haiku: the input of the tracked layer '{module}' (shape {shape}) "

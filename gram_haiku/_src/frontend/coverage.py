@@ -4,7 +4,9 @@
 ``hk.get_parameter`` inside the context. A read from inside a layer handler
 is *tracked* (by that handler's rule); any other read is *untracked*, and is
 reported by the context's ``untracked`` policy. A parameter read both ways
-is an error: its Gram would miss the untracked use.
+is the layer's; under a pass the traced program decides whether its
+outside uses can be added to the layer's part
+(:attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`).
 """
 
 from __future__ import annotations
@@ -101,15 +103,14 @@ class Coverage:
                    else "(none)")
     seen = self.seen.get(name)
     if self._rule is not None:
-      if seen is not None and not seen.tracked:
-        raise ValueError(errors.MIXED_USE.format(
-            param=name, module_type=module_type))
       self.seen[name] = ParamCoverage(True, self._rule, module_type)
     else:
-      if seen is not None and seen.tracked:
-        raise ValueError(errors.MIXED_USE.format(
-            param=name, module_type=module_type))
-      self.seen[name] = ParamCoverage(False, None, module_type)
+      # A parameter a tracked layer reads too stays the layer's: under a
+      # pass, the traced program decides whether the outside uses can be
+      # added to it (Discovery.mixed); elsewhere the read is reported as
+      # any untracked read is.
+      if seen is None or not seen.tracked:
+        self.seen[name] = ParamCoverage(False, None, module_type)
       self._report_untracked(name, module_type)
     out = next_getter(value)
     return out

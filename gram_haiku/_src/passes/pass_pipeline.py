@@ -276,6 +276,10 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     return Store.NOTHING
   if m in slotted:
     return Store.SLOTS
+  if m in t.program.tracked.values():
+    # Some parameter of it is used outside it too: the program-level
+    # rules' per-example gradients of that use are added to its own.
+    return Store.PER_EXAMPLE
   if not objective.recontract:
     # The op forms its Gram (or norms) in its backward rule; a module
     # applied more than once accumulates its per-example gradients, whose
@@ -496,22 +500,55 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
         out[0][1][1], slots, log.slot_reads)
 
   slotted = {m: u for m, u in slots_lib.slotted_modules(
-      found, t.axes, params).items() if m in live}
+      found, t.axes, params).items()
+              if m in live and m not in t.program.tracked.values()}
   slotted, (stores, diff_idx, out, kept) = slots_lib.pass_with_slots(
       attempt, slotted)
   (value, (aux, new_state)), (param_cts, cotangents) = out
   new_state, used = restore_state(new_state, t.given_probes, slotted)
   param_grads = dict(zip(diff_idx, param_cts))
-  stores, by_name = dict(stores), {}
+  stores, by_name, cotangents = dict(stores), {}, dict(cotangents)
   for k, f in (kept.per_example.items() if kept is not None else ()):
-    name = program.leaves[k]
-    stores[name] = Store.PER_EXAMPLE
-    by_name[name] = (k, kernels.rows(f), kept.error.get(k))
     if k in param_grads:  # The parameter's gradient: its examples' sum.
       param_grads[k] = param_grads[k] + bk.to_leaf(jnp.sum(f, axis=0),
                                                    leaves[k])
+    if k in t.program.tracked:  # Used by a tracked module too: its part.
+      m = t.program.tracked[k]
+      cotangents[m] = _add_to_module(t, m, k, cotangents[m], kernels.rows(f),
+                                     kept.error.get(k))
+      continue
+    name = program.leaves[k]
+    stores[name] = Store.PER_EXAMPLE
+    by_name[name] = (k, kernels.rows(f), kept.error.get(k))
   return Pass(value, aux, new_state, stores, cotangents, param_grads,
               slotted, used, by_name)
+
+
+def _add_to_module(t: TracedLoss, m: str, k: int, store, f, error):
+  """Module ``m``'s ``PER_EXAMPLE`` store ``[B, P]`` (``[B, P + 1]`` with
+  its rows' rounding bound) with parameter leaf ``k``'s per-example
+  gradients from program-level rules, ``f: [B, |leaf|]`` (their rounding
+  bound ``error: [B]`` or None), added to the columns of the op's
+  operand that is the leaf: the leaf's per-example gradient is the sum of
+  the module's part and the outside uses'. (The one place the two meet:
+  every reader, Grams, norms, bounds, re-contraction and cross blocks,
+  reads the sum.)"""
+  op = t.found.ops[m]
+  start = 0
+  for a, leaf in zip(op.param_avals, t.found.param_leaves[m]):
+    if a is None:
+      continue
+    if leaf == k:
+      break
+    start += math.prod(a.shape)
+  stop = start + f.shape[-1]
+  total = store[:, start:stop] + f.astype(store.dtype)
+  store = store.at[:, start:stop].set(total)
+  if error is not None:  # The bound of a sum: the sum of the bounds, and
+    # the rounding of the sum.
+    store = store.at[:, -1].set(norm_bounds.of_sum(
+        store[:, -1], error.astype(store.dtype), total))
+  return store
 
 
 def live_program(t: TracedLoss, objective: Objective):
@@ -532,7 +569,8 @@ def program_sizes(t: TracedLoss, objective: Objective, leaves
   cover and that are not frozen (per-layer clipping's layers)."""
   prog = live_program(t, objective)
   return {n: int(math.prod(jnp.shape(leaves[k])))
-          for k, n in prog.leaves.items() if n not in objective.frozen}
+          for k, n in prog.leaves.items()
+          if n not in objective.frozen and k not in prog.tracked}
 
 
 # -- reading the stores -------------------------------------------------------

@@ -26,6 +26,7 @@ from gram_haiku._src.analysis import program_rules
 from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import example_sharding
+from gram_haiku._src.compute import plan as plan_lib
 from gram_haiku._src.core import errors
 from gram_haiku._src.frontend import ambient
 from gram_haiku._src.frontend import coverage as coverage_lib
@@ -236,15 +237,23 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
   # No gradient (read through stop_gradient only, or declared frozen=):
   # nothing to miss, so neither a rule nor a report.
   gradless = set(found.no_gradient) | set(frozen)
+  # A parameter that a tracked module reads and a use outside every Gram
+  # op reads too (a tied output): covered where the outside uses have
+  # rules, its parts added (see Discovery.mixed).
+  mixed = [k for k, n in enumerate(names)
+           if n in found.mixed and n not in gradless]
   sites = program_rules.find(
-      live, n_params, [k for k, n in enumerate(names)
-                       if n in found.untracked_uses and n not in gradless],
-      op_lib.RuleOp)
+      live, n_params, sorted(mixed + [
+          k for k, n in enumerate(names)
+          if n in found.untracked_uses and n not in gradless]),
+      op_lib.RuleOp, tracked=mixed)
   deferred = {}  # reported once the program-level rules are resolved
   if bare:
     untracked = {n: ("error", coverage_lib.BARE_MODULE_TYPE) for n in names
                  if n in found.untracked_uses}
   for name, (policy, module_type) in sorted(untracked.items()):
+    if name in seen and seen[name].tracked:
+      continue  # (read by a tracked layer too: the program decides)
     if name in found.untracked_uses and name not in gradless:
       deferred[name] = (policy, module_type)
     elif name not in gradless:  # stop_gradient only: nothing to miss
@@ -443,13 +452,16 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
       # Read by a tracked layer whose output the loss does not use, and
       # used by the loss elsewhere (module.params_dict(), a closure).
       raise ValueError(dataflow.also_untracked_message(
-          name, [name.rsplit("/", 1)[0]], use))
+          name, [name.rsplit("/", 1)[0]], use, errors.MIXED_OUTPUT_UNUSED))
   observed = dict.fromkeys(program_rules.observed_keys(sites))
   verified = check_examples(strict, observed)
   size = (_check_example_axes(found, verified) if found.sizes else
           _bare_batch_size(check_examples.batch(), args, kwargs,
                            example_axes))
-  rules = program_rules.resolve(sites, observed, size, leaf_names(params))
+  names = leaf_names(params)
+  rules = program_rules.resolve(sites, observed, size, names, {
+      k: found.mixed[n][0] for k, n in enumerate(names) if n in found.mixed})
+  _check_mixed(found, rules, probes, frozen)
   seen = _with_program(seen, rules, deferred)
   # A privacy guarantee (or a block across two sets): a sum, not a mean.
   sum_for = "clipped_grad" if strict else sum_for
@@ -457,6 +469,40 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
     loss_scale.warn_if_mean(sum_for, *program, size)
   return TracedLoss(rest, probes, given_probes, loss_of, found, seen, size,
                     n_devices, axes, rules)
+
+
+def _check_mixed(found: dataflow.Discovery, rules: program_rules.Program,
+                 probes, frozen) -> None:
+  """Refuses each parameter that a tracked module reads and a use outside
+  every Gram op reads too (:attr:`Discovery.mixed`), unless program-level
+  rules cover the outside uses and the module can keep per-example
+  gradients to which theirs are added: applied once or more outside a
+  loop (a loop's uses have no rule), not stacked by ``hk.layer_stack``,
+  not reparametrised by a getter, reading the leaf as one of its
+  parameters.
+
+  Raises:
+    ValueError: naming the parameter, the module, the outside use and
+      why, with the fix (``gram_haiku.unembed`` for a tied output).
+  """
+  for name, (m, use) in sorted(found.mixed.items()):
+    if name in frozen:
+      continue  # (no gradient: nothing to miss)
+    if name in found.no_gradient:
+      continue
+    covered = [k for k, n in rules.leaves.items() if n == name]
+    why = rules.refused.get(name, "" if covered else errors.MIXED_NO_SITE)
+    if not why:
+      probe = probes[m]
+      own = min(plan_lib.PROBE_NDIM[found.modes.get(m, "gram")], probe.ndim)
+      if probe.ndim > own:
+        why = errors.MIXED_STACKED
+      elif m in found.pullbacks:
+        why = errors.MIXED_REPARAMETRISED
+      elif list(found.param_leaves[m]).count(covered[0]) != 1:
+        why = errors.MIXED_OPERANDS
+    if why:
+      raise ValueError(dataflow.also_untracked_message(name, [m], use, why))
 
 
 def _with_program(seen, rules: program_rules.Program, deferred) -> dict:
@@ -470,8 +516,11 @@ def _with_program(seen, rules: program_rules.Program, deferred) -> dict:
   """
   seen = dict(seen)
   for k, name in rules.leaves.items():
+    rule = rules.rules_of(k)
+    if k in rules.tracked and name in seen:  # (its module's rule, and more)
+      rule = f"{seen[name].rule} + {rule}"
     # (The type of the module that read it: none seen outside track().)
-    seen[name] = ParamCoverage(True, rules.rules_of(k),
+    seen[name] = ParamCoverage(True, rule,
                                seen[name].module_type if name in seen
                                else deferred[name][1] if name in deferred
                                else "(outside track())")

@@ -21,7 +21,9 @@ parameter (``F_1``):
     ``g_i = J_{F_1}(p)^T (dL/dZ)[i]``
 
 summed over the parameter's sites. These ``[B, *p.shape]`` per-example
-gradients are a store like a module's ``PER_EXAMPLE`` one: its Gram,
+gradients are a store like a module's ``PER_EXAMPLE`` one (for a
+parameter a tracked module reads too, they are added to that module's
+``PER_EXAMPLE`` store: :func:`gram_haiku._src.passes.pass_pipeline.run`): its Gram,
 norms (with a sound rounding bound: ``L r |dZ_i|``, ``L >= |J^T|`` and
 ``r`` the pull-back's rounding, read from its program by
 :mod:`gram_haiku._src.analysis.linear_bound`) and ``sum_i c_i g_i`` are
@@ -153,7 +155,8 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
   consts = dict(zip(jaxpr.constvars, closed.consts))
   n = len(leaves)
   sites = program_rules.match(
-      program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp),
+      program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp,
+                         tracked=sorted(program.tracked)),
       program)
   prefixes = [_prefix(jaxpr, consts, s, n) for s in sites]
   zs = [jnp.broadcast_to(fn(*[leaves[k] for k in inputs])[0], s.shape)
