@@ -132,3 +132,34 @@ def test_batch_arguments_of_different_sizes_ask_for_example_axes():
   with pytest.raises(ValueError, match="example_axes"):
     gf.value_grad_and_gram(loss)({"p": jnp.ones(D)}, jnp.ones((B, D)),
                                  jnp.ones((B + 1, D)))
+
+
+@jax.jit
+def _scaled_and_hidden(params, x):
+  """A jitted helper that takes the examples and returns, among its
+  outputs, a value of the parameters alone (and one it passes through)."""
+  return params["w"] * 2, params["w"], jnp.tanh(x) + params["s"]
+
+
+def test_a_parameter_value_returned_by_a_jit_call_that_reads_the_examples():
+  """The prefix of a site outside the call is computed from the call's
+  body cut to that output (it once pulled the examples in: an internal
+  error)."""
+  def loss(params, x):
+    w2, w, h = _scaled_and_hidden(params, x)
+    return jnp.sum(jnp.tanh(h @ w2) * (x @ w))
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.standard_normal((D, 3))),
+              "s": jnp.asarray(rng.standard_normal(D))}
+    x = jnp.asarray(rng.standard_normal((B, D)))
+    _, _, grams = jax.jit(gf.value_grad_and_gram(loss))(params, x)
+    f = np.asarray(testing.per_example_grads(loss, params, x))
+    np.testing.assert_allclose(grams.total, f @ f.T, rtol=1e-10)
+    norms = np.linalg.norm(f, axis=1)
+    c_norm = float(np.median(norms))
+    got = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c_norm))(params, x)
+    want = testing.weighted_sum(f, testing.clip_reference(norms, c_norm),
+                                params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
+                 got, want)
