@@ -163,3 +163,19 @@ def test_a_parameter_value_returned_by_a_jit_call_that_reads_the_examples():
                                 params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
                  got, want)
+
+
+@pytest.mark.parametrize("use", ["take", "sort"])
+def test_a_refusal_inside_a_jax_numpy_function_names_the_users_line(use):
+  """``jnp.take`` and ``jnp.sort`` are jitted: their equations' tracebacks
+  end inside JAX, so the message names the line of the call."""
+  def loss(params, x, ids):
+    if use == "take":  # every example reads the first example's row
+      rows = jnp.take(params["t"], jnp.broadcast_to(ids[0], ids.shape), 0)
+      return jnp.sum(rows * x)
+    return jnp.sort(jnp.sum(x * params["t"][0], 1))[-1]  # the largest
+  params = {"t": jnp.ones((3, D))}
+  with pytest.raises(ValueError) as e:
+    gf.value_grad_and_gram(loss)(params, jnp.ones((B, D)),
+                                 jnp.zeros((B,), jnp.int32))
+  assert "test_functional.py" in str(e.value)

@@ -85,7 +85,6 @@ from gram_haiku._src.analysis.flow_states import Ex
 from gram_haiku._src.analysis.flow_states import SUM
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.core import errors
-from gram_haiku._src.core import warning_site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +167,8 @@ def _shape(v) -> tuple:
   return tuple(getattr(getattr(v, "aval", None), "shape", ()))
 
 
-def _line(eqn) -> str:
-  return warning_site.user_line(hx.source_frames(eqn))
+def _line(ctx, eqn) -> str:
+  return ctx.line_of(eqn)
 
 
 def _ones(shape) -> frozenset:
@@ -236,7 +235,7 @@ def _elementwise_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), out_shape,
                           _const_at(s, v, out_shape), "broadcast",
-                          _line(eqn), calls=tuple(ctx.config)))
+                          _line(ctx, eqn), calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -247,7 +246,7 @@ def _concatenate_site(ctx, eqn, ins) -> list:
   for k, (v, s) in enumerate(zip(eqn.invars, ins)):
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
-                          s.const - {dim}, "concatenate", _line(eqn),
+                          s.const - {dim}, "concatenate", _line(ctx, eqn),
                           calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
@@ -262,7 +261,7 @@ def _per_example_site(ctx, eqn, ins) -> list:
   for k, (v, s) in enumerate(zip(eqn.invars, ins)):
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
-                          frozenset(), eqn.primitive.name, _line(eqn),
+                          frozenset(), eqn.primitive.name, _line(ctx, eqn),
                           mapped=True, data=data, calls=tuple(ctx.config)))
   return [Val(data=True)] * len(eqn.outvars)
 
@@ -290,7 +289,7 @@ SITE_RULES = hx.rule_table({
 def _refuse(ctx, eqn, ins, why: str) -> list:
   leaves = frozenset().union(*(s.leaves for s in ins))
   ctx.log.append(Refusal(tuple(sorted(leaves)), eqn.primitive.name,
-                         _line(eqn), why))
+                         _line(ctx, eqn), why))
   return [Val(data=True)] * len(eqn.outvars)
 
 
