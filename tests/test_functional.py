@@ -179,3 +179,22 @@ def test_a_refusal_inside_a_jax_numpy_function_names_the_users_line(use):
     gf.value_grad_and_gram(loss)(params, jnp.ones((B, D)),
                                  jnp.zeros((B,), jnp.int32))
   assert "test_functional.py" in str(e.value)
+
+
+def test_an_empty_batch_gives_empty_grams_and_a_zero_sum():
+  """B = 0 (Poisson sampling can draw an empty batch): as for a Haiku
+  model, not a refusal; a penalty on a parameter is still refused."""
+  def loss(params, x, ids):
+    h = jnp.tanh(x @ params["w"] + params["b"]) * params["t"][ids]
+    return jnp.sum(h ** 2)
+  params = {"w": jnp.ones((D, 3)), "b": jnp.ones(3), "t": jnp.ones((5, 3))}
+  x, ids = jnp.ones((0, D)), jnp.zeros((0,), jnp.int32)
+  _, grads, grams = gf.value_grad_and_gram(loss)(params, x, ids)
+  assert grams.total.shape == (0, 0) and grams.complete
+  clipped = gf.clipped_grad(loss, l2_clip_norm=1.0)(params, x, ids)
+  for g in (grads, clipped):
+    jax.tree.map(lambda a, p: np.testing.assert_array_equal(
+        a, np.zeros_like(p)), g, params)
+  with pytest.raises(ValueError, match="'w'.*penalty"):
+    gf.value_grad_and_gram(lambda p, *a: loss(p, *a) + jnp.sum(p["w"] ** 2))(
+        params, x, ids)

@@ -74,6 +74,7 @@ there).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -512,6 +513,18 @@ def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
   """The :class:`Program` of ``found``, each site's axis read from the
   example-flow states ``observed`` (:func:`observed_keys` -> state)."""
   refusals = list(found.refusals)
+  if batch == 0:
+    # No examples (nothing to follow): a site whose output is empty takes
+    # no gradient (its examples' stores are empty, exactly); one whose
+    # output is not (a penalty on the parameter) is refused.
+    refusals += [Refusal(s.leaves, s.eqn.primitive.name, s.line,
+                         errors.PROGRAM_REACHES_LOSS) for s in found.sites
+                 if math.prod(_shape(s.eqn.outvars[0])) != 0]
+    refused = {k for r in refusals for k in r.leaves}
+    return Program((), {k: leaf_names[k] for s in found.sites
+                        for k in s.leaves if not set(s.leaves) & refused},
+                   {leaf_names[k]: _message(r) for r in reversed(refusals)
+                    for k in r.leaves})
   sites = []
   for s in found.sites:
     if any(k in {l for r in refusals for l in r.leaves} for k in s.leaves):

@@ -180,6 +180,21 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
     has_aux=True)`` of the loss of the differentiated leaves and probes
     gives them.
   """
+  if not program.sites:  # No examples (B = 0): every store is empty.
+    def plain(diff_leaves, diff_probes):
+      full = list(leaves)
+      for k, v in zip(diff_idx, diff_leaves):
+        full[k] = v
+      return traced(full, diff_probes, list(arrays))
+    out, cts = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(
+        [leaves[k] for k in diff_idx], probes)
+    acc = {k: jnp.promote_types(jnp.result_type(leaves[k]), jnp.float32)
+           for k in program.leaves}
+    return out, cts, Stores(
+        {k: jnp.zeros((0, *jnp.shape(leaves[k])), acc[k])
+         for k in program.leaves},
+        {k: jnp.zeros((0,), acc[k]) for k in program.leaves}
+        if upper_bound else {})
   closed, shape = jax.make_jaxpr(traced, return_shape=True)(
       list(leaves), probes, list(arrays))
   jaxpr = closed.jaxpr
