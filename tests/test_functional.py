@@ -198,3 +198,34 @@ def test_an_empty_batch_gives_empty_grams_and_a_zero_sum():
   with pytest.raises(ValueError, match="'w'.*penalty"):
     gf.value_grad_and_gram(lambda p, *a: loss(p, *a) + jnp.sum(p["w"] ** 2))(
         params, x, ids)
+
+
+def test_mesh_with_program_level_rules():
+  """``mesh=`` (a one-device mesh: the shard_map's varying types are the
+  same) with a broadcast, a contraction and a table: a parameter's prefix,
+  cast to vary over the mesh in the traced program, is evaluated again for
+  the examples' cotangents (which already vary): once a pvary error."""
+  def loss(params, x, ids):
+    h = jnp.tanh(x @ params["w"] + params["b"]) * params["t"][ids]
+    return jnp.sum(h ** 2)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal((D, 3)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(3), jnp.float32),
+            "t": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((B, D)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 5, (B,)))
+  _, _, grams = jax.jit(gf.value_grad_and_gram(loss, mesh=mesh))(
+      params, x, ids)
+  f = np.asarray(testing.per_example_grads(loss, params, x, ids),
+                 np.float64)
+  testing.assert_gram_close(grams.total, f @ f.T, "float32")
+  norms = np.linalg.norm(f, axis=1)
+  c_norm = float(np.median(norms))
+  got = jax.jit(gf.clipped_grad(loss, mesh=mesh, l2_clip_norm=c_norm))(
+      params, x, ids)
+  want = testing.weighted_sum(f, testing.clip_reference(norms, c_norm),
+                              params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-5),
+               got, want)

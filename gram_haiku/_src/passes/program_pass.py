@@ -157,8 +157,8 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool):
   out = {k: g.astype(acc) for k, g in zip(site.leaves, grads)}
   if not upper_bound:
     return out, None
-  l, n, precision, why = linear_bound.bound(vjp, jnp.zeros(ct.shape[1:],
-                                                           acc))
+  l, n, precision, why = linear_bound.bound(
+      vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct))
   if why:
     raise ValueError(errors.GETTER_NOT_BOUNDED.format(
         module=", ".join(str(k) for k in site.leaves), why=why))
