@@ -132,3 +132,100 @@ def test_batch_arguments_of_different_sizes_ask_for_example_axes():
   with pytest.raises(ValueError, match="example_axes"):
     gf.value_grad_and_gram(loss)({"p": jnp.ones(D)}, jnp.ones((B, D)),
                                  jnp.ones((B + 1, D)))
+
+
+@jax.jit
+def _scaled_and_hidden(params, x):
+  """A jitted helper that takes the examples and returns, among its
+  outputs, a value of the parameters alone (and one it passes through)."""
+  return params["w"] * 2, params["w"], jnp.tanh(x) + params["s"]
+
+
+def test_a_parameter_value_returned_by_a_jit_call_that_reads_the_examples():
+  """The prefix of a site outside the call is computed from the call's
+  body cut to that output (it once pulled the examples in: an internal
+  error)."""
+  def loss(params, x):
+    w2, w, h = _scaled_and_hidden(params, x)
+    return jnp.sum(jnp.tanh(h @ w2) * (x @ w))
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(2)
+    params = {"w": jnp.asarray(rng.standard_normal((D, 3))),
+              "s": jnp.asarray(rng.standard_normal(D))}
+    x = jnp.asarray(rng.standard_normal((B, D)))
+    _, _, grams = jax.jit(gf.value_grad_and_gram(loss))(params, x)
+    f = np.asarray(testing.per_example_grads(loss, params, x))
+    np.testing.assert_allclose(grams.total, f @ f.T, rtol=1e-10)
+    norms = np.linalg.norm(f, axis=1)
+    c_norm = float(np.median(norms))
+    got = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c_norm))(params, x)
+    want = testing.weighted_sum(f, testing.clip_reference(norms, c_norm),
+                                params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
+                 got, want)
+
+
+@pytest.mark.parametrize("use", ["take", "sort"])
+def test_a_refusal_inside_a_jax_numpy_function_names_the_users_line(use):
+  """``jnp.take`` and ``jnp.sort`` are jitted: their equations' tracebacks
+  end inside JAX, so the message names the line of the call."""
+  def loss(params, x, ids):
+    if use == "take":  # every example reads the first example's row
+      rows = jnp.take(params["t"], jnp.broadcast_to(ids[0], ids.shape), 0)
+      return jnp.sum(rows * x)
+    return jnp.sort(jnp.sum(x * params["t"][0], 1))[-1]  # the largest
+  params = {"t": jnp.ones((3, D))}
+  with pytest.raises(ValueError) as e:
+    gf.value_grad_and_gram(loss)(params, jnp.ones((B, D)),
+                                 jnp.zeros((B,), jnp.int32))
+  assert "test_functional.py" in str(e.value)
+
+
+def test_an_empty_batch_gives_empty_grams_and_a_zero_sum():
+  """B = 0 (Poisson sampling can draw an empty batch): as for a Haiku
+  model, not a refusal; a penalty on a parameter is still refused."""
+  def loss(params, x, ids):
+    h = jnp.tanh(x @ params["w"] + params["b"]) * params["t"][ids]
+    return jnp.sum(h ** 2)
+  params = {"w": jnp.ones((D, 3)), "b": jnp.ones(3), "t": jnp.ones((5, 3))}
+  x, ids = jnp.ones((0, D)), jnp.zeros((0,), jnp.int32)
+  _, grads, grams = gf.value_grad_and_gram(loss)(params, x, ids)
+  assert grams.total.shape == (0, 0) and grams.complete
+  clipped = gf.clipped_grad(loss, l2_clip_norm=1.0)(params, x, ids)
+  for g in (grads, clipped):
+    jax.tree.map(lambda a, p: np.testing.assert_array_equal(
+        a, np.zeros_like(p)), g, params)
+  with pytest.raises(ValueError, match="'w'.*penalty"):
+    gf.value_grad_and_gram(lambda p, *a: loss(p, *a) + jnp.sum(p["w"] ** 2))(
+        params, x, ids)
+
+
+def test_mesh_with_program_level_rules():
+  """``mesh=`` (a one-device mesh: the shard_map's varying types are the
+  same) with a broadcast, a contraction and a table: a parameter's prefix,
+  cast to vary over the mesh in the traced program, is evaluated again for
+  the examples' cotangents (which already vary): once a pvary error."""
+  def loss(params, x, ids):
+    h = jnp.tanh(x @ params["w"] + params["b"]) * params["t"][ids]
+    return jnp.sum(h ** 2)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal((D, 3)), jnp.float32),
+            "b": jnp.asarray(rng.standard_normal(3), jnp.float32),
+            "t": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((B, D)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 5, (B,)))
+  _, _, grams = jax.jit(gf.value_grad_and_gram(loss, mesh=mesh))(
+      params, x, ids)
+  f = np.asarray(testing.per_example_grads(loss, params, x, ids),
+                 np.float64)
+  testing.assert_gram_close(grams.total, f @ f.T, "float32")
+  norms = np.linalg.norm(f, axis=1)
+  c_norm = float(np.median(norms))
+  got = jax.jit(gf.clipped_grad(loss, mesh=mesh, l2_clip_norm=c_norm))(
+      params, x, ids)
+  want = testing.weighted_sum(f, testing.clip_reference(norms, c_norm),
+                              params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-5),
+               got, want)

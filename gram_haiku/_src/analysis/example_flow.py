@@ -134,10 +134,11 @@ def _value_key(value: np.ndarray) -> tuple:
   return ("value", str(value.dtype), value.shape, value.tobytes())
 
 
-def _user_line(eqn) -> str:
+def _user_line(eqn, ctx) -> str:
   """``" (at file:line)"``: the user's line that traced ``eqn``, where JAX
-  kept its traceback; else ``""``."""
-  return warning_site.user_line(hx.source_frames(eqn))
+  kept its traceback (or, inside a library's jitted function, that of the
+  call that holds it: :meth:`interpreter.Interpreter.line_of`); else ``""``."""
+  return ctx.line_of(eqn)
 
 
 def _operand_shapes(eqn) -> str:
@@ -145,11 +146,11 @@ def _operand_shapes(eqn) -> str:
   return ", ".join(str(_shape(v)) for v in eqn.invars)
 
 
-def _site(eqn) -> str:
+def _site(eqn, ctx) -> str:
   """An equation for a message: its primitive, its operands' shapes and
   the user's line that traced it (:func:`_user_line`)."""
   return (f"{eqn.primitive.name} (operands of shapes "
-          f"{_operand_shapes(eqn)}){_user_line(eqn)}")
+          f"{_operand_shapes(eqn)}){_user_line(eqn, ctx)}")
 
 
 def _rows_paired(eqn, ins, deps) -> bool:
@@ -169,7 +170,7 @@ def _rows_paired(eqn, ins, deps) -> bool:
   return False
 
 
-def _check_data_rows(eqn, ins, deps, param_rows) -> None:
+def _check_data_rows(eqn, ins, deps, param_rows, ctx) -> None:
   """Under ``strict``: raises where data rows meet the parameters' rows
   other than each example's with its own (data rows meeting them in the
   same order, both in the batch's or both reordered alike: ``out[::-1]``
@@ -182,12 +183,12 @@ def _check_data_rows(eqn, ins, deps, param_rows) -> None:
             (s.dim, s.inner, s.outer, s.order) for p in param_rows))):
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",
-          where=_site(eqn)))
+          where=_site(eqn, ctx)))
   if eqn.primitive.name == "dot_general" and not _rows_paired(
       eqn, ins, deps):
     raise ValueError(errors.DATA_COUPLED.format(
         state="a product of every example's outputs with every "
-        "example's data", where=_site(eqn)))
+        "example's data", where=_site(eqn, ctx)))
 
 
 def _picks_rows(eqn, operand: State) -> bool:
@@ -515,7 +516,7 @@ class _Flow(interpreter.Interpreter):
 
   def user_line(self, eqn) -> str:
     """``" (at file:line)"`` for ``eqn`` (see :func:`_user_line`)."""
-    return _user_line(eqn)
+    return _user_line(eqn, self)
 
   def notes_of(self, v) -> frozenset:
     """The notes (``_notes``) of variable ``v`` in the current run."""
@@ -590,11 +591,11 @@ class _Flow(interpreter.Interpreter):
     if CLOSED in notes:
       message = errors.CLOSED_OVER_BATCH_DATA.format(
           batch=self.batch, shapes=", ".join(map(str, self.log.closed_shapes())),
-          where=_site(eqn))
+          where=_site(eqn, self))
     else:
       message = errors.DATA_COUPLED.format(
           state="a value computed from several examples' data",
-          where=_site(eqn))
+          where=_site(eqn, self))
     loops = sorted(n[1] for n in notes if isinstance(n, tuple))
     if loops:
       message += errors.LOOP_TRIP_COUPLED.format(where=", ".join(loops))
@@ -619,7 +620,7 @@ class _Flow(interpreter.Interpreter):
         sub = inner[k] if inner and k < len(inner) else None
         if not (inherited or sub) and here is None:
           here = (eqn.primitive.name, _operand_shapes(eqn),
-                  _user_line(eqn))
+                  _user_line(eqn, self))
         site = inherited or sub or here
       sites.append(site)
     return sites
@@ -798,7 +799,7 @@ class _Flow(interpreter.Interpreter):
         if (p.dim, p.inner, p.outer) == (s.dim, s.inner, s.outer):
           self.check_pairing(eqn, p.order, s.order, strict=False)
     if self.strict:
-      _check_data_rows(eqn, ins, deps, param_rows)
+      _check_data_rows(eqn, ins, deps, param_rows, self)
     return [CONST if isinstance(s, Ex) and not d else s
             for s, d in zip(ins, deps)]
 
@@ -811,11 +812,11 @@ class _Flow(interpreter.Interpreter):
     outputs' own is an error at once."""
     if param_order is not None and param_order != data_order:
       self.log.paired_with_others((eqn.primitive.name, _operand_shapes(eqn),
-                                   _user_line(eqn)))
+                                   _user_line(eqn, self)))
     if strict and self.strict and param_order != data_order:
       raise ValueError(errors.DATA_COUPLED.format(
           state="rows of other examples, or in another order",
-          where=_site(eqn)))
+          where=_site(eqn, self)))
 
   def index_columns(self, v, n: int):
     """Per column of the index array ``v`` (its last axis, ``n`` wide): its

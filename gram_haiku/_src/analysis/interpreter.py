@@ -39,6 +39,7 @@ import dataclasses
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.core import warning_site
 
 #: The key of a domain's rule for an equation of a Gram op (a hijax
 #: primitive of the tracked op type): ``rule(ctx, eqn, op, ins)``.
@@ -141,6 +142,9 @@ class Interpreter:
     self.depth = 0
     self.site: Any = 0
     self._runs = 0
+    # The equations being interpreted, outermost first (a call's, then
+    # those of its program), for messages (:meth:`line_of`).
+    self.enclosing: list = []
 
   # -- programs and equations ----------------------------------------------
 
@@ -168,7 +172,11 @@ class Interpreter:
       if v not in env:
         env[v] = d.bottom if d.constant is None else d.constant(self, v)
     for eqn in jaxpr.eqns:
-      outs = self.eqn(eqn, [self.read(env, v) for v in eqn.invars])
+      self.enclosing.append(eqn)
+      try:
+        outs = self.eqn(eqn, [self.read(env, v) for v in eqn.invars])
+      finally:
+        self.enclosing.pop()
       for v, s in zip(eqn.outvars, outs):
         env[v] = s if d.output is None else d.output(self, v, s)
     return [self.read(env, v) for v in jaxpr.outvars]
@@ -198,6 +206,19 @@ class Interpreter:
     if rule is None:
       rule = self.domain.default
     return rule(self, eqn, ins)
+
+  def line_of(self, eqn) -> str:
+    """``" (at file:line)"``: the user's line that traced ``eqn``, else
+    that of the innermost equation being interpreted that holds it (``eqn``
+    inside a library's jitted function: ``jnp.take``, ``jnp.sort``,
+    ``jnp.var``, whose tracebacks end inside JAX); ``""`` where JAX kept
+    neither."""
+    line = warning_site.user_line(hx.source_frames(eqn))
+    for outer in reversed(self.enclosing):
+      if line:
+        break
+      line = warning_site.user_line(hx.source_frames(outer))
+    return line
 
   def key(self, eqn) -> tuple:
     """A key of one equation in the current run: the site of the

@@ -83,6 +83,7 @@ there).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -94,7 +95,6 @@ from gram_haiku._src.analysis.flow_states import Ex
 from gram_haiku._src.analysis.flow_states import SUM
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.core import errors
-from gram_haiku._src.core import warning_site
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +177,8 @@ def _shape(v) -> tuple:
   return tuple(getattr(getattr(v, "aval", None), "shape", ()))
 
 
-def _line(eqn) -> str:
-  return warning_site.user_line(hx.source_frames(eqn))
+def _line(ctx, eqn) -> str:
+  return ctx.line_of(eqn)
 
 
 def _ones(shape) -> frozenset:
@@ -245,7 +245,7 @@ def _elementwise_site(ctx, eqn, ins) -> list:
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), out_shape,
                           _const_at(s, v, out_shape), "broadcast",
-                          _line(eqn), calls=tuple(ctx.config.calls)))
+                          _line(ctx, eqn), calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -256,7 +256,7 @@ def _concatenate_site(ctx, eqn, ins) -> list:
   for k, (v, s) in enumerate(zip(eqn.invars, ins)):
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
-                          s.const - {dim}, "concatenate", _line(eqn),
+                          s.const - {dim}, "concatenate", _line(ctx, eqn),
                           calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
@@ -271,8 +271,9 @@ def _per_example_site(ctx, eqn, ins) -> list:
   for k, (v, s) in enumerate(zip(eqn.invars, ins)):
     if s.leaves and hx.may_carry_gradient(v):
       ctx.log.append(Site(eqn, k, tuple(sorted(s.leaves)), _shape(v),
-                          frozenset(), eqn.primitive.name, _line(eqn),
-                          mapped=True, data=data, calls=tuple(ctx.config.calls)))
+                          frozenset(), eqn.primitive.name, _line(ctx, eqn),
+                          mapped=True, data=data,
+                          calls=tuple(ctx.config.calls)))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -299,7 +300,7 @@ SITE_RULES = hx.rule_table({
 def _refuse(ctx, eqn, ins, why: str) -> list:
   leaves = frozenset().union(*(s.leaves for s in ins))
   ctx.log.append(Refusal(tuple(sorted(leaves)), eqn.primitive.name,
-                         _line(eqn), why))
+                         _line(ctx, eqn), why))
   return [Val(data=True)] * len(eqn.outvars)
 
 
@@ -557,6 +558,18 @@ def resolve(found: Findings, observed: Mapping[Any, Any], batch: int,
   ``tracked``: leaf -> module, the leaves a tracked module also reads
   (:attr:`Program.tracked`)."""
   refusals = list(found.refusals)
+  if batch == 0:
+    # No examples (nothing to follow): a site whose output is empty takes
+    # no gradient (its examples' stores are empty, exactly); one whose
+    # output is not (a penalty on the parameter) is refused.
+    refusals += [Refusal(s.leaves, s.eqn.primitive.name, s.line,
+                         errors.PROGRAM_REACHES_LOSS) for s in found.sites
+                 if math.prod(_shape(s.eqn.outvars[0])) != 0]
+    refused = {k for r in refusals for k in r.leaves}
+    return Program((), {k: leaf_names[k] for s in found.sites
+                        for k in s.leaves if not set(s.leaves) & refused},
+                   {leaf_names[k]: _message(r) for r in reversed(refusals)
+                    for k in r.leaves})
   sites = []
   for s in found.sites:
     if any(k in {l for r in refusals for l in r.leaves} for k in s.leaves):

@@ -489,7 +489,14 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
           "What to do: run this model without mesh=/mesh_axes, or apply "
           "the function inside the layer's own computation instead of a "
           "getter.")
-    if per_example and (path, id(eqn)) in per_example:
+    if eqn.primitive.name == "pvary" and all(
+        frozenset(eqn.params.get("axes", ())) <= varying_axes(x)
+        for x in ins):
+      # A recorded cast to vary over axes its operands already vary over
+      # (a parameter's prefix evaluated again for values that vary with
+      # the examples' cotangents): the identity (pvary would refuse).
+      outs = list(ins)
+    elif per_example and (path, id(eqn)) in per_example:
       outs = bind_per_example(eqn, ins, *per_example[(path, id(eqn))])
     elif path + (id(eqn),) in into:
       body, body_consts = jit_body(eqn)

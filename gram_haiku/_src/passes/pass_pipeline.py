@@ -487,7 +487,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
 
     log = ambient.PassLog()
     with ambient.running(_pass_plan(t, objective, stores, slotted), log):
-      if program.sites:
+      if program.sites or program.leaves:  # (no sites: B = 0)
         value, cts, kept_program = program_pass.value_and_grad(
             traced, leaves, diff_idx, diff_probes, arrays, program,
             objective.upper_bound)
@@ -559,7 +559,8 @@ def live_program(t: TracedLoss, objective: Objective):
                 if any(prog.leaves[k] not in objective.frozen
                        for k in s.leaves))
   leaves = {k: n for k, n in prog.leaves.items()
-            if any(k in s.leaves for s in sites)}
+            if any(k in s.leaves for s in sites) or (
+                not prog.sites and n not in objective.frozen)}  # (B = 0)
   return dataclasses.replace(prog, sites=sites, leaves=leaves)
 
 

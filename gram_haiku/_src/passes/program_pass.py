@@ -62,6 +62,47 @@ class Stores:
   error: Mapping[int, jax.Array]
 
 
+def _slice(body, consts, targets: list, eqns: list):
+  """``(ins, fn)``: ``fn(*values of ins) -> values of targets``, the
+  equations of ``eqns`` (of ``body``, in order; constants' values
+  ``consts`` by variable) that ``targets`` need, ``ins`` the inputs of
+  ``body`` they read. A ``jit`` call among them is cut to the outputs
+  needed (its body sliced the same way): a call that also takes the
+  examples may return a value of the parameters alone (``w2, h =
+  f(params, x)``), which is computed without the examples."""
+  lit = lambda v: isinstance(v, hx.Literal)
+  constvars = set(body.constvars)
+  needed = {v for v in targets if not lit(v)}
+  steps = []
+  for e in reversed(eqns):
+    want = [k for k, v in enumerate(e.outvars) if v in needed]
+    if not want:
+      continue
+    call = hx.jit_body(e)
+    if call is not None:
+      sub, sub_consts = call
+      sub_ins, part = _slice(sub, sub_consts, [sub.outvars[k] for k in want],
+                             list(sub.eqns))
+      operands = [e.invars[list(sub.invars).index(v)] for v in sub_ins]
+      steps.append((operands, [e.outvars[k] for k in want], part))
+    else:
+      operands = [v for v in e.invars if not lit(v) and v not in constvars]
+      part, _ = hx.sub_program(body, consts, operands, list(e.outvars), [e])
+      steps.append((operands, list(e.outvars), part))
+    needed |= {v for v in operands if not lit(v)}
+  steps.reverse()
+  ins = [v for v in body.invars if v in needed]
+
+  def fn(*values):
+    env = {v: consts[v] for v in constvars if v in needed}
+    env.update(zip(ins, values))
+    read = lambda v: v.val if lit(v) else env[v]
+    for operands, outs, part in steps:
+      env.update(zip(outs, part(*[read(v) for v in operands])))
+    return [read(v) for v in targets]
+  return ins, fn
+
+
 def _prefix(jaxpr, consts, site, num_param_leaves: int):
   """``(inputs, fn)``: ``fn(*values of the program inputs inputs) ->
   [operand]``, the program's own equations that compute ``site``'s
@@ -75,15 +116,7 @@ def _prefix(jaxpr, consts, site, num_param_leaves: int):
     body, body_consts = levels[depth]
     eqns = list(body.eqns)
     at = next(k for k, e in enumerate(eqns) if e is ends[depth])
-    needed = {v for v in targets if not isinstance(v, hx.Literal)}
-    chosen = []
-    for e in reversed(eqns[:at]):
-      if any(v in needed for v in e.outvars):
-        chosen.append(e)
-        needed |= {v for v in e.invars if not isinstance(v, hx.Literal)}
-    chosen.reverse()
-    ins = [v for v in body.invars if v in needed]
-    part, _ = hx.sub_program(body, body_consts, ins, targets, chosen)
+    ins, part = _slice(body, body_consts, targets, eqns[:at])
     fn = (lambda part, inner: lambda *values: inner(*part(*values)))(part,
                                                                      fn)
     if depth:  # the body's inputs: its call's operands, one level out
@@ -126,8 +159,8 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool):
   out = {k: g.astype(acc) for k, g in zip(site.leaves, grads)}
   if not upper_bound:
     return out, None
-  l, n, precision, why = linear_bound.bound(vjp, jnp.zeros(ct.shape[1:],
-                                                           acc))
+  l, n, precision, why = linear_bound.bound(
+      vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct))
   if why:
     raise ValueError(errors.GETTER_NOT_BOUNDED.format(
         module=", ".join(str(k) for k in site.leaves), why=why))
@@ -149,6 +182,21 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
     has_aux=True)`` of the loss of the differentiated leaves and probes
     gives them.
   """
+  if not program.sites:  # No examples (B = 0): every store is empty.
+    def plain(diff_leaves, diff_probes):
+      full = list(leaves)
+      for k, v in zip(diff_idx, diff_leaves):
+        full[k] = v
+      return traced(full, diff_probes, list(arrays))
+    out, cts = jax.value_and_grad(plain, argnums=(0, 1), has_aux=True)(
+        [leaves[k] for k in diff_idx], probes)
+    acc = {k: jnp.promote_types(jnp.result_type(leaves[k]), jnp.float32)
+           for k in program.leaves}
+    return out, cts, Stores(
+        {k: jnp.zeros((0, *jnp.shape(leaves[k])), acc[k])
+         for k in program.leaves},
+        {k: jnp.zeros((0,), acc[k]) for k in program.leaves}
+        if upper_bound else {})
   closed, shape = jax.make_jaxpr(traced, return_shape=True)(
       list(leaves), probes, list(arrays))
   jaxpr = closed.jaxpr
