@@ -1369,6 +1369,14 @@ def _bare_weights_time_major(x, y, strict):  # x: [T, B, F], example axis 1
   return _sq(h + hk.Linear(3)(jnp.swapaxes(x, 0, 1)), y)
 
 
+def _bare_token_tiled(x, y, strict):  # jnp.tile (a lax primitive), Flax ViT
+  with _uses(strict):
+    cls = _bare("cls", (1, 1, F))
+    h = jnp.concatenate([jnp.tile(cls, [x.shape[0], 1, 1]), x], axis=1)
+    h = jnp.tanh(hk.Linear(3)(h))[:, :T]
+  return _sq(h, y)
+
+
 def _bare_weight_contracts_the_examples(x, y, strict):
   # Summed over the examples: no example's share can be told apart.
   with _uses(strict):
@@ -1866,7 +1874,7 @@ ROWS: list[Row] = [
     # -- bare parameters: program-level rules, or refused ----------------------
     *[_bare_row(body, EXACT, False) for body in (
         _bare_weight_matmul, _bare_weight_first_in_einsum, _bare_kernel_conv,
-        _bare_table_gather, _bare_table_take)],
+        _bare_table_gather, _bare_table_take, _bare_token_tiled)],
     dataclasses.replace(_bare_row(_bare_weights_time_major, EXACT, False),
                         batch=lambda x, y: (jnp.swapaxes(x, 0, 1), y),
                         example_axes=(1, 0)),

@@ -51,7 +51,8 @@ of ``p``: the cross terms of several uses are in the sum). Rules today:
 
 The prefix itself runs any example-independent program, except that a
 value broadcast along an axis (size above 1) may only go on through
-elementwise primitives and ``broadcast_in_dim`` before it meets the data:
+elementwise primitives, ``broadcast_in_dim`` and ``tile`` before it meets
+the data:
 a sum over a broadcast over the batch (``sum(broadcast_to(p, (B, D)), 0)``)
 would make each example's share depend on ``B``. A prefix value that
 meets the data by any other primitive, inside a loop, branch, checkpoint
@@ -216,12 +217,22 @@ def _broadcast_in_dim_prefix(ctx, eqn, ins) -> list:
   return [Val(ins[0].leaves, False, const | _ones(out_shape))]
 
 
+def _tile_prefix(ctx, eqn, ins) -> list:
+  """``jnp.tile`` (a class token tiled along the examples, as Flax ViTs
+  write it): an axis is constant in the output where it is in the operand
+  (a size-1 axis repeated, or one a broadcast made)."""
+  del ctx
+  own = ins[0].const | _ones(_shape(eqn.invars[0]))
+  return [Val(ins[0].leaves, False, own | _ones(_shape(eqn.outvars[0])))]
+
+
 #: How a prefix value goes on through a primitive: its output's constant
 #: axes. Any other primitive keeps only its output's size-1 axes, and may
 #: not take a broadcast value (see the module docstring).
 PREFIX_RULES = hx.rule_table({
     **{name: _elementwise_prefix for name in ELEMENTWISE},
     "broadcast_in_dim": _broadcast_in_dim_prefix,
+    "tile": _tile_prefix,
 })
 
 
