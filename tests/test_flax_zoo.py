@@ -17,6 +17,8 @@ env ``flax`` runs them).
 from __future__ import annotations
 
 import functools
+import linecache
+import re
 
 import haiku as hk
 import jax
@@ -282,13 +284,25 @@ if nn is not None:
       return (scale * jnp.sum(zi * zt, -1) - target) ** 2
 
   class LSTMLM(nn.Module):
+    """(float64 parameters: the cell's carry takes their dtype.)"""
     vocab: int = 11
     d: int = 6
+    unrolled: bool = False
 
     @nn.compact
     def __call__(self, tokens, targets):
       h = nn.Embed(self.vocab, self.d, name="embed")(tokens)
-      h = nn.RNN(nn.OptimizedLSTMCell(self.d), name="lstm")(h)
+      cell = nn.OptimizedLSTMCell(self.d, param_dtype=jnp.float64,
+                                  name="cell")
+      if self.unrolled:
+        carry = cell.initialize_carry(jax.random.PRNGKey(0), h[:, 0].shape)
+        outs = []
+        for t in range(h.shape[1]):
+          carry, out = cell(carry, h[:, t])
+          outs.append(out)
+        h = jnp.stack(outs, axis=1)
+      else:
+        h = nn.RNN(cell)(h)
       logits = nn.Dense(self.vocab, name="out")(h)
       return model_zoo._xent(logits, targets).sum(-1)
 
@@ -357,7 +371,7 @@ def _lstm_params(p):
     cell["h" + gate] = {"kernel": w[d:, cols],
                         "bias": b[cols] + (1.0 if gate == "f" else 0.0)}
   return {"embed": {"embedding": p["embed"]["embeddings"]},
-          "lstm": {"cell": cell}, "out": _dense(p["out"])}
+          "cell": cell, "out": _dense(p["out"])}
 
 
 LINEN = {
@@ -376,9 +390,122 @@ def test_linen_model_is_the_haiku_gram(name):
   module = make()
   with jax.enable_x64(True):
     _, batch, _ = _haiku(name)
-    init = module.init(jax.random.PRNGKey(0), *batch)["params"]
-    params = to_params(_haiku(name)[0])
-    # The mapping fills the Flax tree exactly (names, shapes).
-    assert (jax.tree.map(jnp.shape, init) ==
-            jax.tree.map(jnp.shape, params))
+    _same_tree(jax.eval_shape(module.init, jax.random.PRNGKey(0),
+                              *batch)["params"],
+               to_params(_haiku(name)[0]))
   _check(name, _linen(module), to_params)
+
+
+def _same_tree(flax_params, mapped):
+  """The mapping fills the Flax tree exactly (names and shapes; the Flax
+  model's float32 made float64)."""
+  assert (jax.tree.map(jnp.shape, flax_params) ==
+          jax.tree.map(jnp.shape, mapped))
+
+
+@needs_flax
+@pytest.mark.parametrize("unrolled", [False, True], ids=["nn_rnn",
+                                                         "python_loop"])
+def test_linen_lstm_is_refused_at_the_users_line(unrolled):
+  """The LSTM LM, its cell in ``nn.RNN`` (a ``lax.scan``: program-level
+  rules do not look inside loops yet) or called in a Python loop (from
+  ``initialize_carry``'s zeros: the first step's ``zeros @ kernel + bias``
+  is not known to be the same for every example): every cell parameter
+  is refused, never left out, and the message names the parameter, the
+  primitive and the model's line (not Flax's)."""
+  module = LSTMLM(unrolled=unrolled)
+  loss = _linen(module)
+  primitive, code = ("add", "cell(carry") if unrolled else ("scan", "nn.RNN(")
+  with jax.enable_x64(True):
+    hparams, batch, _ = _haiku("lstm_lm")
+    params = _lstm_params(hparams)
+    _same_tree(jax.eval_shape(module.init, jax.random.PRNGKey(0),
+                              *batch)["params"], params)
+    for fn in (gf.value_grad_and_gram(loss),
+               gf.clipped_grad(loss, l2_clip_norm=C)):
+      with pytest.raises(ValueError) as e:
+        fn(params, *batch)
+      message = str(e.value)
+      assert re.search(r"parameter 'cell/h[ifgo]/(kernel|bias)'", message)
+      assert (f"No program-level rule covers its use by `{primitive}`"
+              in message), message
+      line = re.search(re.escape(__file__) + r":(\d+)\)", message)
+      assert line, message
+      assert code in linecache.getline(__file__, int(line.group(1)))
+
+
+# -- Flax NNX ------------------------------------------------------------------
+
+if nnx is not None:
+
+  class NnxMixer(nnx.Module):
+
+    def __init__(self, rngs, features=5, tokens=4, d=6, classes=3):
+      self.stem = nnx.Linear(features, d, rngs=rngs)
+      self.ln_token = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.token_in = nnx.Linear(tokens, 2 * tokens, rngs=rngs)
+      self.token_out = nnx.Linear(2 * tokens, tokens, rngs=rngs)
+      self.ln_channel = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.channel_in = nnx.Linear(d, 2 * d, rngs=rngs)
+      self.channel_out = nnx.Linear(2 * d, d, rngs=rngs)
+      self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, x, y):
+      x = self.stem(x)
+      a = jnp.swapaxes(self.ln_token(x), 1, 2)
+      a = self.token_out(nnx.gelu(self.token_in(a)))
+      x = x + jnp.swapaxes(a, 1, 2)
+      a = self.ln_channel(x)
+      x = x + self.channel_out(nnx.gelu(self.channel_in(a)))
+      return model_zoo._xent(self.head(x.mean(1)), y)
+
+  class NnxTwoTower(nnx.Module):
+
+    def __init__(self, rngs, d=6):
+      self.image = nnx.Linear(5, d, rngs=rngs)
+      self.text = nnx.Linear(7, d, rngs=rngs)
+      self.logit_scale = nnx.Param(jnp.asarray(np.log(1 / 0.07)))
+
+    def __call__(self, img, txt, target):
+      zi, zt = self.image(img), self.text(txt)
+      zi = zi / jnp.linalg.norm(zi, axis=-1, keepdims=True)
+      zt = zt / jnp.linalg.norm(zt, axis=-1, keepdims=True)
+      return (jnp.exp(self.logit_scale[...]) * jnp.sum(zi * zt, -1)
+              - target) ** 2
+
+
+def _nnx_mixer_params(p):
+  return {"stem": _dense(p["stem"]), "ln_token": _ln(p["ln_token"]),
+          "token_in": _dense(p["token_mix_in"]),
+          "token_out": _dense(p["token_mix_out"]),
+          "ln_channel": _ln(p["ln_channel"]),
+          "channel_in": _dense(p["channel_mix_in"]),
+          "channel_out": _dense(p["channel_mix_out"]),
+          "head": _dense(p["head"])}
+
+
+NNX = {
+    "mlp_mixer": (lambda: NnxMixer, _nnx_mixer_params),
+    "two_tower_logit_scale": (lambda: NnxTwoTower, _two_tower_params),
+}
+
+
+@needs_flax
+@pytest.mark.parametrize("name", sorted(NNX))
+def test_nnx_model_is_the_haiku_gram(name):
+  """An ``nnx.Module`` through ``nnx.split`` / ``nnx.merge``: the loss is
+  a function of its ``nnx.Param`` state."""
+  make, to_dict = NNX[name]
+  with jax.enable_x64(True):
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: make()(nnx.Rngs(0))), nnx.Param)
+
+    def to_params(hparams):
+      state = jax.tree.map(lambda a: a, abstract)
+      nnx.replace_by_pure_dict(state, to_dict(hparams))
+      _same_tree(abstract, state)
+      return state
+
+    def loss(state, *batch):
+      return nnx.merge(graphdef, state)(*batch).sum()
+    _check(name, loss, to_params)
