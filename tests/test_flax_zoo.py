@@ -31,8 +31,16 @@ from gram_haiku import functional as gf
 from gram_haiku import testing
 from tests import model_zoo
 
+try:
+  import flax.linen as nn
+  from flax import nnx
+except ImportError:  # (the Flax models skip; the plain-JAX ones run)
+  nn = nnx = None
+
+needs_flax = pytest.mark.skipif(nn is None, reason="flax is not installed "
+                                "(pip install 'gram_haiku[flax]')")
+
 ZOO = {m.name: m for m in model_zoo.ZOO}
-C = 0.5  # the clip norm, below most examples' norms at these sizes
 
 
 def _f64(tree):
@@ -76,8 +84,9 @@ def _check(name: str, loss, to_params):
     f = np.asarray(testing.per_example_grads(loss, params, *batch))
     np.testing.assert_allclose(got, f @ f.T, rtol=1e-9, atol=1e-12 * scale)
     norms = np.linalg.norm(f, axis=1)
-    clipped = jax.jit(gf.clipped_grad(loss, l2_clip_norm=C))(params, *batch)
-    ref = testing.weighted_sum(f, testing.clip_reference(norms, C), params)
+    c = float(np.median(norms))  # (some examples clipped, some not)
+    clipped = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c))(params, *batch)
+    ref = testing.weighted_sum(f, testing.clip_reference(norms, c), params)
     top = max(float(np.abs(r).max()) for r in jax.tree.leaves(ref))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=1e-9, atol=1e-12 * top), clipped, ref)
@@ -145,17 +154,7 @@ def test_plain_jax_two_tower_is_the_haiku_gram():
   _check("two_tower_logit_scale", _two_tower_plain, lambda p: p)
 
 
-# -- Flax linen ------------------------------------------------------------------
-
-try:
-  import flax.linen as nn
-  from flax import nnx
-except ImportError:  # (the Flax models below skip)
-  nn = nnx = None
-
-needs_flax = pytest.mark.skipif(nn is None, reason="flax is not installed "
-                                "(pip install 'gram_haiku[flax]')")
-
+# -- Flax linen ---------------------------------------------------------------
 
 def _linen(module):
   def loss(params, *batch):
@@ -380,6 +379,9 @@ LINEN = {
     "resnet_gn_ws": (lambda: ResNet(), _resnet_params),
     "mlp_mixer": (lambda: Mixer(), _mixer_params),
     "two_tower_logit_scale": (lambda: TwoTower(), _two_tower_params),
+    # The cell unrolled in a Python loop from initialize_carry's zeros (in
+    # nn.RNN: refused, below).
+    "lstm_lm": (lambda: LSTMLM(unrolled=True), _lstm_params),
 }
 
 
@@ -404,37 +406,32 @@ def _same_tree(flax_params, mapped):
 
 
 @needs_flax
-@pytest.mark.parametrize("unrolled", [False, True], ids=["nn_rnn",
-                                                         "python_loop"])
-def test_linen_lstm_is_refused_at_the_users_line(unrolled):
-  """The LSTM LM, its cell in ``nn.RNN`` (a ``lax.scan``: program-level
-  rules do not look inside loops yet) or called in a Python loop (from
-  ``initialize_carry``'s zeros: the first step's ``zeros @ kernel + bias``
-  is not known to be the same for every example): every cell parameter
-  is refused, never left out, and the message names the parameter, the
-  primitive and the model's line (not Flax's)."""
-  module = LSTMLM(unrolled=unrolled)
+def test_linen_lstm_in_nn_rnn_is_refused_at_the_users_line():
+  """``nn.RNN`` runs its cell in a ``lax.scan``: program-level rules do
+  not look inside loops yet, so every cell parameter is refused (never
+  left out), and the message names the parameter, ``scan`` and the
+  model's ``nn.RNN(...)`` line (not Flax's). (The same cell unrolled in a
+  Python loop is exact: ``LINEN["lstm_lm"]``.)"""
+  module = LSTMLM()
   loss = _linen(module)
-  primitive, code = ("add", "cell(carry") if unrolled else ("scan", "nn.RNN(")
   with jax.enable_x64(True):
     hparams, batch, _ = _haiku("lstm_lm")
     params = _lstm_params(hparams)
     _same_tree(jax.eval_shape(module.init, jax.random.PRNGKey(0),
                               *batch)["params"], params)
     for fn in (gf.value_grad_and_gram(loss),
-               gf.clipped_grad(loss, l2_clip_norm=C)):
+               gf.clipped_grad(loss, l2_clip_norm=1.0)):
       with pytest.raises(ValueError) as e:
         fn(params, *batch)
       message = str(e.value)
       assert re.search(r"parameter 'cell/h[ifgo]/(kernel|bias)'", message)
-      assert (f"No program-level rule covers its use by `{primitive}`"
-              in message), message
+      assert "No program-level rule covers its use by `scan`" in message
       line = re.search(re.escape(__file__) + r":(\d+)\)", message)
       assert line, message
-      assert code in linecache.getline(__file__, int(line.group(1)))
+      assert "nn.RNN(" in linecache.getline(__file__, int(line.group(1)))
 
 
-# -- Flax NNX ------------------------------------------------------------------
+# -- Flax NNX -----------------------------------------------------------------
 
 if nnx is not None:
 
