@@ -1369,6 +1369,43 @@ def _bare_weights_time_major(x, y, strict):  # x: [T, B, F], example axis 1
   return _sq(h + hk.Linear(3)(jnp.swapaxes(x, 0, 1)), y)
 
 
+def _bare_token_tiled(x, y, strict):  # jnp.tile (a lax primitive), Flax ViT
+  with _uses(strict):
+    cls = _bare("cls", (1, 1, F))
+    h = jnp.concatenate([jnp.tile(cls, [x.shape[0], 1, 1]), x], axis=1)
+    h = jnp.tanh(hk.Linear(3)(h))[:, :T]
+  return _sq(h, y)
+
+
+def _bare_rnn_from_zero_carry(x, y, strict):
+  # Unrolled in Python from a zero carry: the first step's
+  # zeros @ w_h + b is the same for every example (a prefix value).
+  with _uses(strict):
+    w_h, w_x, b = _bare("w_h", (3, 6)), _bare("w_x", (F, 3)), _bare("b", (6,))
+    h, outs = jnp.zeros((x.shape[0], 3)), []
+    for t in range(T):
+      a, g = jnp.split(h @ w_h + b, 2, axis=-1)
+      h = jnp.tanh(a + x[:, t] @ w_x) * jax.nn.sigmoid(g)
+      outs.append(h)
+  return _sq(jnp.stack(outs, 1) + hk.Linear(3)(x), y)
+
+
+def _bare_weight_of_example_index(x, y, strict):
+  # A constant that differs along the examples (their index) times w.
+  with _uses(strict):
+    rows = jnp.arange(x.shape[0], dtype=x.dtype)[:, None] * jnp.ones((1, F))
+    h = rows @ _bare("w", (F, 3))
+  return _sq(jnp.tanh(h[:, None] + hk.Linear(3)(x)), y)
+
+
+def _bare_weight_broadcast_then_contracted(x, y, strict):
+  # A sum of w's copies over the batch: each example's share depends on B.
+  with _uses(strict):
+    w = jnp.broadcast_to(_bare("w", (3,)), (x.shape[0], 3))
+    h = jnp.ones((T, x.shape[0]), x.dtype) @ w
+  return _sq(jnp.tanh(h + hk.Linear(3)(x)), y)
+
+
 def _bare_weight_contracts_the_examples(x, y, strict):
   # Summed over the examples: no example's share can be told apart.
   with _uses(strict):
@@ -1884,7 +1921,14 @@ ROWS: list[Row] = [
     # -- bare parameters: program-level rules, or refused ----------------------
     *[_bare_row(body, EXACT, False) for body in (
         _bare_weight_matmul, _bare_weight_first_in_einsum, _bare_kernel_conv,
-        _bare_table_gather, _bare_table_take)],
+        _bare_table_gather, _bare_table_take, _bare_token_tiled,
+        _bare_rnn_from_zero_carry)],
+    _bare_row(_bare_weight_of_example_index,
+              _PROGRAM_REFUSED.format("add", "not broadcast along that "
+                                      "axis"), "no Gram rule"),
+    _bare_row(_bare_weight_broadcast_then_contracted,
+              _PROGRAM_REFUSED.format("dot_general", "reduced, reshaped or "
+                                      "reordered"), "no Gram rule"),
     dataclasses.replace(_bare_row(_bare_weights_time_major, EXACT, False),
                         batch=lambda x, y: (jnp.swapaxes(x, 0, 1), y),
                         example_axes=(1, 0)),

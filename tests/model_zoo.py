@@ -53,16 +53,17 @@ _xent = models.xent
 # -- a decoder written like Haiku's transformer example ----------------------
 
 class _Block(hk.Module):
-  """Pre-LayerNorm attention and dense blocks, causal (as Haiku's
-  ``examples/transformer/model.py`` arranges them)."""
+  """Pre-LayerNorm attention and dense blocks, causal by default (as
+  Haiku's ``examples/transformer/model.py`` arranges them)."""
 
-  def __init__(self, heads: int, name=None):
+  def __init__(self, heads: int, causal: bool = True, name=None):
     super().__init__(name=name)
     self.heads = heads
+    self.causal = causal
 
   def __call__(self, h):
     t, d = h.shape[-2:]
-    mask = jnp.tril(jnp.ones((1, 1, t, t)))
+    mask = jnp.tril(jnp.ones((1, 1, t, t))) if self.causal else None
     a = hk.LayerNorm(-1, True, True)(h)
     h = h + hk.MultiHeadAttention(self.heads, d // self.heads,
                                   w_init=hk.initializers.VarianceScaling(
@@ -104,7 +105,8 @@ def _vit(d=8, heads=2, patch=2, image=4, classes=3):
     h = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, d)), h], axis=1)
     h = h + hk.get_parameter("pos_embedding", [1, side * side + 1, d],
                              init=_TRUNC)
-    h = _Block(heads, name="block")(h)
+    # (Not causal: the class token attends to every patch.)
+    h = _Block(heads, causal=False, name="block")(h)
     h = hk.LayerNorm(-1, True, True, name="ln_f")(h[:, 0])
     return _xent(hk.Linear(classes, name="head")(h), y)
 

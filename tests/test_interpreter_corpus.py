@@ -184,6 +184,14 @@ _MUTATIONS = {
            ("conv_general_dilated", "bare_kernel_conv"),
            ("gather", "bare_table_gather"),
            ("dynamic_slice", "bare_table_dynamic_slice"))},
+    # A bare parameter refused without the prefix rule that says along
+    # which axes its example-independent value is constant.
+    **{f"program_prefix-{primitive}": (program_rules.PREFIX_RULES,
+                                       primitive, row)
+       for primitive, row in (
+           ("tile", "bare_token_tiled"),
+           ("dot_general", "bare_rnn_from_zero_carry"),
+           ("split", "bare_rnn_from_zero_carry"))},
 }
 
 

@@ -49,11 +49,16 @@ of ``p``: the cross terms of several uses are in the sum). Rules today:
   per_example_operand_bytes`): a tracked layer (``hk.Linear``,
   ``hk.Conv*``, ``hk.Embed``) takes the ghost methods instead.
 
-The prefix itself runs any example-independent program, except that a
-value broadcast along an axis (size above 1) may only go on through
-elementwise primitives and ``broadcast_in_dim`` before it meets the data:
-a sum over a broadcast over the batch (``sum(broadcast_to(p, (B, D)), 0)``)
-would make each example's share depend on ``B``. A prefix value that
+The prefix itself runs any example-independent program, and may take
+constants (a zero carry: ``zeros @ kernel + bias`` is the first step of a
+recurrent cell unrolled in Python), whose constant axes are tracked
+alike; :data:`PREFIX_RULES` (elementwise primitives, ``broadcast_in_dim``,
+``tile``, ``slice``, ``split``, ``dot_general``) say along which axes
+their outputs are constant. A value broadcast along an axis (size above
+1) may only go on through these before it meets the data (and not be
+contracted by ``dot_general``): a sum over a broadcast over the batch
+(``sum(broadcast_to(p, (B, D)), 0)``) would make each example's share
+depend on ``B``. A prefix value that
 meets the data by any other primitive, inside a loop, branch, checkpoint
 or custom derivative (a ``jax.jit`` call is followed inside:
 :func:`_into_call`), or that reaches the loss without meeting the data (a
@@ -198,8 +203,7 @@ def _const_at(val: Val, v, out_shape) -> frozenset:
   shape = _shape(v)
   if not shape:
     return frozenset(range(len(out_shape)))
-  own = val.const if val.leaves else frozenset()
-  return own | _ones(shape)
+  return val.const | _ones(shape)
 
 
 # -- prefix rules: example-independent values of the parameters ----------------
@@ -225,12 +229,58 @@ def _broadcast_in_dim_prefix(ctx, eqn, ins) -> list:
   return [Val(ins[0].leaves, False, const | _ones(out_shape))]
 
 
+def _same_axes_prefix(ctx, eqn, ins) -> list:
+  """``slice``, ``split``: each output axis is constant where the
+  operand's is (a part of a constant axis is constant)."""
+  del ctx
+  own = ins[0].const | _ones(_shape(eqn.invars[0]))
+  return [Val(ins[0].leaves, False, own | _ones(_shape(v)))
+          for v in eqn.outvars]
+
+
+def _dot_general_prefix(ctx, eqn, ins) -> list:
+  """``dot_general`` of example-independent operands (a recurrent cell's
+  first step, ``zeros @ kernel`` from a zero carry): an output axis is
+  constant where its operands' axis is (both of a batch axis). An operand
+  broadcast along an axis is refused, as by any primitive without a rule
+  (a contraction over it would make each example's share depend on
+  ``B``)."""
+  if any(s.leaves and _spread(s, _shape(v))
+         for v, s in zip(eqn.invars, ins)):
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_BROADCAST_REDUCED.format(
+        primitive=eqn.primitive.name))
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  lhs, rhs = (s.const | _ones(_shape(v)) for v, s in zip(eqn.invars, ins))
+  free = lambda v, c, b: [k for k in range(len(_shape(v)))
+                          if k not in c and k not in b]
+  axes = ([a in lhs and b in rhs for a, b in zip(lb, rb)] +
+          [k in lhs for k in free(eqn.invars[0], lc, lb)] +
+          [k in rhs for k in free(eqn.invars[1], rc, rb)])
+  leaves = ins[0].leaves | ins[1].leaves
+  out_shape = _shape(eqn.outvars[0])
+  return [Val(leaves, False, frozenset(k for k, c in enumerate(axes) if c)
+              | _ones(out_shape))]
+
+
+def _tile_prefix(ctx, eqn, ins) -> list:
+  """``jnp.tile`` (a class token tiled along the examples, as Flax ViTs
+  write it): an axis is constant in the output where it is in the operand
+  (a size-1 axis repeated, or one a broadcast made)."""
+  del ctx
+  own = ins[0].const | _ones(_shape(eqn.invars[0]))
+  return [Val(ins[0].leaves, False, own | _ones(_shape(eqn.outvars[0])))]
+
+
 #: How a prefix value goes on through a primitive: its output's constant
 #: axes. Any other primitive keeps only its output's size-1 axes, and may
 #: not take a broadcast value (see the module docstring).
 PREFIX_RULES = hx.rule_table({
     **{name: _elementwise_prefix for name in ELEMENTWISE},
     "broadcast_in_dim": _broadcast_in_dim_prefix,
+    "tile": _tile_prefix,
+    "slice": _same_axes_prefix,
+    "split": _same_axes_prefix,
+    "dot_general": _dot_general_prefix,
 })
 
 
@@ -340,7 +390,14 @@ def _equation(ctx, eqn, ins: list) -> list:
   if not leaves:
     if eqn.primitive.name == "stop_gradient":
       return [Val()] * n_out
-    return [Val(data=data or is_op)] * n_out
+    if data or is_op:
+      return [Val(data=True)] * n_out
+    # An example-independent constant (a zero carry): its constant axes,
+    # where a prefix rule knows them.
+    rule = None if hx.jaxprs_of(eqn) else hx.rule_of(PREFIX_RULES, eqn)
+    if rule is not None:
+      return rule(ctx, eqn, ins)
+    return [Val(const=_ones(_shape(v))) for v in eqn.outvars]
   if eqn.primitive.name == "stop_gradient":
     return [Val()] * n_out  # no gradient: a constant
   if is_op:

@@ -3,10 +3,11 @@
 A warning is raised while the user's function is traced, deep inside JAX
 (``jax.jit``, ``jax.make_jaxpr``), Haiku (``transform``, interceptors),
 jax-privacy (whose ``BoundedSensitivityCallable`` wraps
-:func:`gram_haiku.clipped_grad`) and gram_haiku itself, at a depth that
-differs between those paths; a fixed ``stacklevel`` points into one of
-them. :func:`user_stacklevel` counts the frames up to the first one
-outside them instead.
+:func:`gram_haiku.clipped_grad`), Flax (a linen ``apply``, ``nn.RNN``'s
+scan: a message names the user's model line, not Flax's) and gram_haiku
+itself, at a depth that differs between those paths; a fixed
+``stacklevel`` points into one of them. :func:`user_stacklevel` counts
+the frames up to the first one outside them instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _package_dir(name: str) -> tuple[str, ...]:
 _LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in (sys.modules[__name__.split(".")[0]], jax, haiku, contextlib)
-) + _package_dir("jax_privacy")
+) + _package_dir("jax_privacy") + _package_dir("flax")
 
 
 def _in_library(filename: str) -> bool:
@@ -43,7 +44,7 @@ def _in_library(filename: str) -> bool:
 def user_stacklevel() -> int:
   """The ``warnings.warn`` ``stacklevel``, for a warning raised by the
   caller of this function, of the innermost frame outside gram_haiku, JAX,
-  Haiku, jax-privacy and the standard library."""
+  Haiku, jax-privacy, Flax and the standard library."""
   level, frame = 1, sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None and _in_library(frame.f_code.co_filename):
     frame, level = frame.f_back, level + 1
