@@ -658,7 +658,9 @@ def match(found: Findings, program: Program) -> list[Site]:
   the same order, with their axes.
 
   Raises:
-    AssertionError: where the two traces disagree.
+    ValueError: where the two traces disagree (tracked layers under
+      ``jax.jvp`` in the loss read their parameters through a program
+      that the pass's trace changes).
   """
   wanted = set(program.leaves)
   mine = [s for s in found.sites if set(s.leaves) <= wanted]
@@ -668,9 +670,8 @@ def match(found: Findings, program: Program) -> list[Site]:
       (b.operand, b.leaves, b.shape[1:] if b.mapped else b.shape,
        b.eqn.primitive, b.mapped, len(b.calls))
       for a, b in zip(mine, program.sites)):
-    raise AssertionError(
-        "gram_haiku internal error: the pass's program uses the untracked "
-        "parameters differently from the traced loss's.")
+    raise ValueError(errors.PROGRAM_TRACES_DIFFER.format(
+        params=", ".join(repr(n) for n in sorted(program.leaves.values()))))
   return [dataclasses.replace(a, axis=b.axis, shape=b.shape,
                               in_axes=b.in_axes, out_axis=b.out_axis)
           for a, b in zip(mine, program.sites)]

@@ -1057,6 +1057,18 @@ CROSS_SIZES = (
 
 #: The tail of UNTRACKED_PARAM (and of REWEIGHT_UNTRACKED's reasons) for a
 #: parameter whose use no program-level rule covers: where and why.
+PROGRAM_TRACES_DIFFER = (
+    "gram_haiku: parameter(s) {params} are read outside every tracked "
+    "layer's parameters, and the program that reads them is not the same "
+    "in the traced loss and in the pass: tracked layers run under a "
+    "transform that sees them as their plain computation (jax.grad, "
+    "jax.jvp or jax.linearize of the model inside the loss, as in a "
+    "gradient penalty or tangent propagation), whose share of each "
+    "example's gradient the pass cannot follow.\n"
+    "What to do: compute that term outside the loss given to gram_haiku, "
+    "or with a copy of the model outside gram_haiku.track() whose "
+    "parameters are separate (and frozen= where they need no gradient).")
+
 PROGRAM_REFUSED = (
     " No program-level rule covers its use by {where}: {why}.")
 
