@@ -229,3 +229,38 @@ def test_mesh_with_program_level_rules():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
                                                        atol=1e-5),
                got, want)
+
+
+@pytest.mark.parametrize("use", ["matmul", "conv"])
+def test_clip_norms_of_per_example_sites_bound_the_float64_norm(use):
+  """The norm a clip factor comes from is not below the float64 norm where
+  each example's gradient of a bare weight is a float32 sum over positions
+  that cancels (inputs offset by +-1e4 at alternate positions): the bound
+  covers the rounding of the site's own contraction, not only of the rows
+  that are summed."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((6, 32, 3)).astype(np.float32)
+  x[:, ::2] += 1e4
+  x[:, 1::2] -= 1e4
+  x = jnp.asarray(x)
+  if use == "matmul":
+    def loss(p, x):
+      return jnp.sum((x @ p["w"]).sum(1) * 1e-3)
+    params = {"w": jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)}
+  else:
+    def loss(p, x):
+      out = jax.lax.conv_general_dilated(x, p["w"], (1,), "VALID",
+                                         dimension_numbers=("NWC", "WIO",
+                                                            "NWC"))
+      return jnp.sum(out.sum(1) * 1e-3)
+    params = {"w": jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)}
+  with jax.enable_x64(True):
+    f = testing.per_example_grads(
+        loss, jax.tree.map(lambda a: a.astype(jnp.float64), params),
+        x.astype(jnp.float64))
+  true = np.linalg.norm(np.asarray(f), axis=1)
+  _, aux = jax.jit(gf.clipped_grad(loss, l2_clip_norm=1e9,
+                                   return_grad_norms=True))(params, x)
+  bound = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bound >= true), (bound, true)
+  assert np.all(bound <= 3 * true), (bound, true)  # (not vacuous)

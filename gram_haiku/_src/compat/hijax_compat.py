@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.extend.core  # noqa: F401
 import jax.numpy as jnp
+import numpy as np
 
 MIN_JAX_VERSION = (0, 10, 0)
 MAX_JAX_VERSION_EXCLUSIVE = (0, 12, 0)
@@ -412,7 +413,8 @@ def jit_body(eqn: Any) -> Optional[tuple]:
 
 
 def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
-                     stacked: Sequence[int], out_axis: int) -> list:
+                     stacked: Sequence[int], out_axis: int,
+                     abs_probe: Any = None) -> list:
   """``eqn``'s outputs, its primitive bound once per example under
   ``jax.vmap``.
 
@@ -428,10 +430,61 @@ def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
     axes: per operand, its examples' axis, or None.
     stacked: the operands with a new per-example axis 0.
     out_axis: the examples' axis of the output (size 1 in each call).
+    abs_probe: None, or zeros shaped like the one stacked operand: the
+      output then gains a term of zeros whose VJP gives ``abs_probe`` the
+      same equation's VJP with respect to the stacked operand at the
+      absolute values of the other (floating) operands, of the absolute
+      output cotangent: per example, ``sum |x| |d|`` for a contraction or
+      convolution, ``sum |d|`` for a gather, the sums that bound the
+      rounding of the stacked operand's cotangent
+      (:mod:`gram_haiku._src.passes.program_pass`).
 
   Returns:
     The outputs (a list), the examples along ``out_axis``.
   """
+  outs = _bind_per_example(eqn, ins, axes, stacked, out_axis)
+  if abs_probe is None:
+    return outs
+  return [outs[0] + _abs_term(eqn, ins, axes, stacked, out_axis, abs_probe,
+                              outs[0])]
+
+
+def _abs_term(eqn, ins, axes, stacked, out_axis, probe, out):
+  """Zeros like ``out``, whose VJP gives ``probe`` the cotangent described
+  by :func:`bind_per_example`'s ``abs_probe``."""
+  (k,) = stacked
+  data = [x for j, x in enumerate(ins) if j != k]
+  shape, dtype = out.shape, out.dtype
+
+  @jax.custom_vjp
+  def term(p, *data):
+    del p
+    return vary_like(jnp.zeros(shape, dtype), *data)
+
+  def fwd(p, *data):
+    return term(p, *data), data
+
+  def bwd(data, d):
+    full = [jnp.abs(x) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+            else x for x in data]
+    full.insert(k, None)
+
+    def f(z):
+      full[k] = z
+      return _bind_per_example(eqn, full, axes, stacked, out_axis)[0]
+    _, vjp = jax.vjp(f, jnp.zeros_like(probe))
+    (dp,) = vjp(jnp.abs(d))
+    zero = [jnp.zeros_like(x) if jnp.issubdtype(jnp.result_type(x),
+                                                jnp.inexact)
+            else np.zeros(np.shape(x), jax.dtypes.float0) for x in data]
+    return (dp, *zero)
+
+  term.defvjp(fwd, bwd)
+  return term(probe, *data)
+
+
+def _bind_per_example(eqn, ins, axes, stacked, out_axis) -> list:
+  """:func:`bind_per_example` without ``abs_probe``."""
   mapped = [k for k in range(len(ins)) if k in stacked or axes[k] is not None]
 
   def one(*vals):

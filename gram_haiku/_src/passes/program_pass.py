@@ -148,9 +148,40 @@ def _slice_fn(site, inputs, fn, leaves, acc) -> Callable:
   return f1
 
 
-def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool):
+def _site_error(site, abs_sums) -> jax.Array:
+  """``[B]``: the bound of the rounding of each example's ``dL/dZ`` at a
+  per-example site, in norm units: its entries are sums of products of
+  the site's other operands and its output cotangent (a contraction,
+  convolution or gather's transpose), off by at most ``e sum |x| |d|``
+  (:func:`~gram_haiku._src.compute.norm_bounds.dot_error`, ``n`` the
+  terms of each entry: the data's free entries per example for a
+  ``dot_general``, else the output's entries per example, more than any
+  entry's terms) where
+  ``abs_sums`` (``[B, *operand]``, computed by the same equation from
+  absolute values) is ``sum |x| |d|`` up to the same relative error;
+  so the bound is ``e / (1 - e) |abs_sums_i|``, rounded up."""
+  out = site.eqn.outvars[0].aval.shape
+  n = max(1, math.prod(out) // max(1, out[site.out_axis]))
+  if site.eqn.primitive.name == "dot_general":  # n / the operand's free
+    # entries: each entry of its cotangent sums the data's free entries.
+    contracting, _ = site.eqn.params["dimension_numbers"]
+    shape = site.eqn.invars[site.operand].aval.shape
+    free = math.prod(shape) // max(1, math.prod(
+        shape[d] for d in contracting[site.operand]))
+    n = max(1, n // max(1, free))
+  acc = abs_sums.dtype
+  e = norm_bounds.dot_error(n, acc, site.eqn.params.get("precision"))
+  rows = abs_sums.reshape((abs_sums.shape[0], -1))
+  u = jnp.finfo(acc).eps
+  return (e / jnp.maximum(1 - e, 1e-30) * norm_bounds.row_norms(rows) *
+          (1 + 4 * u))
+
+
+def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
+                 site_error=None):
   """``({leaf: [B, *shape]}, [B] error or None)`` of one site from its
-  ``dz = dL/dZ``."""
+  ``dz = dL/dZ``; ``site_error``: ``[B]``, the bound of the rounding of
+  ``dz`` itself (a per-example site's), pulled back with it."""
   theta = [hx.vary_like(leaves[k], dz) for k in site.leaves]
   acc = jnp.promote_types(jnp.result_type(*theta), jnp.float32)
   _, vjp = jax.vjp(_slice_fn(site, inputs, fn, leaves, acc), *theta)
@@ -166,7 +197,10 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool):
         module=", ".join(str(k) for k in site.leaves), why=why))
   r = norm_bounds.dot_error(n, acc, precision)
   rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
-  return out, l * r * norm_bounds.row_norms(rows)
+  bound = l * r * norm_bounds.row_norms(rows)
+  if site_error is not None:  # |J^T e| <= l |e|, and J^T's own rounding
+    bound = bound + l * (1 + r) * site_error.astype(bound.dtype)
+  return out, bound
 
 
 def value_and_grad(traced: Callable, leaves: Sequence[Any],
@@ -211,7 +245,12 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
         for s, (inputs, fn) in zip(sites, prefixes)]
   out_tree = jax.tree_util.tree_structure(shape)
 
-  def loss(diff_leaves, diff_probes, z):
+  # For clipping, each per-example site's abs probe: its cotangent bounds
+  # the rounding of the site's own dL/dZ (see _site_error).
+  abs_zs = [jnp.zeros_like(z) if s.mapped and upper_bound else None
+            for s, z in zip(sites, zs)]
+
+  def loss(diff_leaves, diff_probes, z, abs_z):
     full = list(leaves)
     for k, v in zip(diff_idx, diff_leaves):
       full[k] = v
@@ -221,16 +260,17 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
                      {(s.path, id(s.eqn), s.operand): zk
                       for s, zk in zip(sites, z)},
                      {(s.path, id(s.eqn)): (s.in_axes, (s.operand,),
-                                            s.out_axis)
-                      for s in sites if s.mapped})
+                                            s.out_axis, a)
+                      for s, a in zip(sites, abs_z) if s.mapped})
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
-  out, (d_leaves, d_probes, dzs) = jax.value_and_grad(
-      loss, argnums=(0, 1, 2), has_aux=True)(
-          [leaves[k] for k in diff_idx], probes, zs)
+  out, (d_leaves, d_probes, dzs, d_abs) = jax.value_and_grad(
+      loss, argnums=(0, 1, 2, 3), has_aux=True)(
+          [leaves[k] for k in diff_idx], probes, zs, abs_zs)
   per, err = {}, {}
-  for s, (inputs, fn), dz in zip(sites, prefixes, dzs):
-    grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound)
+  for s, (inputs, fn), dz, da in zip(sites, prefixes, dzs, d_abs):
+    grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound,
+                            None if da is None else _site_error(s, da))
     for k, g in grads.items():
       per[k] = g if k not in per else per[k] + g
       if e is not None:  # (a bound of each part: their sum bounds the sum)
