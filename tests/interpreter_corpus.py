@@ -1104,7 +1104,7 @@ def _applied_twice_without_its_first_parameter(make):
   return body
 
 
-def _linear_then(second):
+def linear_then(second):
   def body(x, y):
     lin = hk.Linear(x.shape[-1], name="l1")
     h = jnp.tanh(lin(x))
@@ -1872,7 +1872,7 @@ ROWS: list[Row] = [
                          ("layer_norm_offset_only",
                           lambda: hk.LayerNorm(-1, False, True)))],
     # One probe per module name: it cannot hold two kinds of layer's Grams.
-    *[Row(f"two_layer_kinds_under_one_name_{name}", _linear_then(second),
+    *[Row(f"two_layer_kinds_under_one_name_{name}", linear_then(second),
           r"module name 'l1' is used by two different tracked layers: "
           r"linear\(w\[6, 6\], b\[6\]\) and .*force_name", True,
           batch=lambda x, y: (x[:, 0], y[:, 0]), source=_SH)
@@ -1880,7 +1880,7 @@ ROWS: list[Row] = [
           ("bias", lambda name: hk.Bias(name=name)),
           ("linear_without_bias",
            lambda name: hk.Linear(F, with_bias=False, name=name)))],
-    Row("one_layer_kind_recreated_under_its_name", _linear_then(
+    Row("one_layer_kind_recreated_under_its_name", linear_then(
         lambda name: hk.Linear(F, name=name)), EXACT, False, source=_SH),
     # Modules applied at every step of a loop (slots, or per-example
     # accumulation where the slots cannot be counted).

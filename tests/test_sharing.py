@@ -23,6 +23,7 @@ from gram_haiku._src.api import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import reference_gram
+from tests import interpreter_corpus as corpus
 from tests import problems
 
 
@@ -351,16 +352,7 @@ def test_shared_module_without_its_first_parameter(name):
   _check(tracked, model, x, y)
 
 
-def _linear_then(second):
-  def body(x, y):
-    lin = hk.Linear(x.shape[-1], name="l1")
-    h = jnp.tanh(lin(x))
-    forced = hk.experimental.force_name(lin.module_name)
-    return _sq(hk.Linear(3)(second(forced)(h)), y)
-  return body
-
-
 def test_one_layer_kind_recreated_under_its_name_is_shared():
   x, y = _data(15, (5, 6), 3)
-  body = _linear_then(lambda name: hk.Linear(6, name=name))
+  body = corpus.linear_then(lambda name: hk.Linear(6, name=name))
   _check(_tracked(body), body, x, y)
