@@ -52,6 +52,7 @@ dpi.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -377,6 +378,20 @@ def _digit(ax, image, title: str, color: str = "k") -> None:
     s.set_linewidth(2 if color != "k" else 0.5)
 
 
+def _save_grid(plt, fig, out_dir: str, name: str, margin: float,
+               title_inches: float, hspace: float) -> str:
+  """Saves a grid of digits (``margin``: the figure fraction left at its
+  sides; ``title_inches`` above it for the title) at the demos' dpi, closes
+  it and returns its path."""
+  path = os.path.join(out_dir, name)
+  fig.subplots_adjust(left=margin, right=1 - margin, bottom=margin,
+                      top=1 - title_inches / fig.get_figheight(),
+                      hspace=hspace)
+  fig.savefig(path, dpi=demo.DPI)
+  plt.close(fig)
+  return path
+
+
 def _label(e: dict[str, Any]) -> tuple[str, str]:
   """A training example's caption and colour: red when flipped."""
   if e["given_label"] != e["true_label"]:
@@ -390,7 +405,6 @@ def plot(summary: dict[str, Any], out_dir: str) -> list[str]:
   Returns:
     The paths written, all ``.png`` at :data:`gram_haiku.apps.demo.DPI`.
   """
-  import os  # pylint: disable=g-import-not-at-top
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -442,11 +456,8 @@ def plot(summary: dict[str, Any], out_dir: str) -> list[str]:
   n_bad = sum(e["given_label"] != e["true_label"] for e in top)
   fig.suptitle(f"Highest self-influence: {n_bad} of {len(top)} are flipped "
                f"(red)", fontsize=10)
-  files.append(os.path.join(out_dir, "top_self_influence.png"))
-  fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02,
-                      top=1 - 0.55 / fig.get_figheight(), hspace=0.45)
-  fig.savefig(files[-1], dpi=demo.DPI)
-  plt.close(fig)
+  files.append(_save_grid(plt, fig, out_dir, "top_self_influence.png",
+                          margin=0.02, title_inches=0.55, hspace=0.45))
 
   queries = summary["queries"]
   k = len(queries[0]["helpful"])
@@ -465,9 +476,6 @@ def plot(summary: dict[str, Any], out_dir: str) -> list[str]:
                           weight="bold", annotation_clip=False)
   fig.suptitle(r"Influence on held-out digits, $\sum_t \eta\,\langle g_i, "
                r"h_q\rangle$ (red: flipped label)", fontsize=10)
-  files.append(os.path.join(out_dir, "influence_grid.png"))
-  fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01,
-                      top=1 - 0.8 / fig.get_figheight(), hspace=0.5)
-  fig.savefig(files[-1], dpi=demo.DPI)
-  plt.close(fig)
+  files.append(_save_grid(plt, fig, out_dir, "influence_grid.png",
+                          margin=0.01, title_inches=0.8, hspace=0.5))
   return files
