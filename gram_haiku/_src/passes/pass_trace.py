@@ -77,16 +77,16 @@ def _check_example_axes(found: dataflow.Discovery, verified: bool) -> int:
   return next(iter(found.sizes.values()))
 
 
-def _bare_batch_size(followed, args, kwargs, example_axes) -> int:
+def _bare_batch_size(args, kwargs, example_axes) -> int:
   """``B`` of a loss with no tracked layer: the one example size of its
-  batch arguments (the size the examples were followed at), or a
-  teaching error."""
-  if followed is not None:
-    return followed
+  batch arguments (the size the examples are followed at), or a teaching
+  error."""
   arrays, array_axes, _ = batch_args.split_batch((None, *args), kwargs,
                                                  example_axes)
   sizes = sorted({batch_args.example_size(a, ax)
                   for a, ax in zip(arrays, array_axes)} - {None})
+  if len(sizes) == 1:
+    return sizes[0]
   raise ValueError(errors.BARE_BATCH_SIZE.format(
       sizes=sizes, shapes=[tuple(jnp.shape(a)) for a in arrays]))
 
@@ -259,8 +259,6 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
     elif name not in gradless:  # stop_gradient only: nothing to miss
       coverage_lib.report_untracked(name, policy, module_type)
 
-  followed = []  # the batch size check_examples followed
-
   def check_examples(strict: bool = False, observed=None) -> bool:
     """Follows the examples; True when every layer was verified
     (``strict``: see :func:`gram_haiku._src.analysis.example_flow.check`);
@@ -280,7 +278,6 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
           leading=sorted(leading), sizes=sorted(sizes)))
     else:
       return False  # No one size of the batch: nothing to follow.
-    followed.append(batch)
     own = {id(a) for a in model_state}
 
     def follow(array_axes):
@@ -325,7 +322,6 @@ def _discover(loss, params, probes, rng, args, kwargs, axes,
         raise
       raise ValueError(str(e) + errors.EXAMPLE_AXES_THAT_FIT.format(
           axes=fits[0])) from None
-  check_examples.batch = lambda: followed[-1] if followed else None
   program = (live, dict(zip(closed.jaxpr.constvars, closed.consts)))
   return found, seen, check_examples, program, (sites, deferred)
 
@@ -456,8 +452,7 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   observed = dict.fromkeys(program_rules.observed_keys(sites))
   verified = check_examples(strict, observed)
   size = (_check_example_axes(found, verified) if found.sizes else
-          _bare_batch_size(check_examples.batch(), args, kwargs,
-                           example_axes))
+          _bare_batch_size(args, kwargs, example_axes))
   names = leaf_names(params)
   rules = program_rules.resolve(sites, observed, size, names, {
       k: found.mixed[n][0] for k, n in enumerate(names) if n in found.mixed})
