@@ -93,9 +93,9 @@ SAMPLED_SWEEPS = {
     # The refusals without jit, every other model (each runs under jit as a
     # row of tests/interpreter_corpus.py).
     "tests/test_example_flow.py::test_refused_at_any_size": 2,
-    # The interpreter's red-team corpus, every other row (its rows replaced
+    # The interpreter's red-team corpus, one row in three (its rows replaced
     # the special-case tests that checked no more than a verdict).
-    "tests/test_interpreter_corpus.py::test_corpus_row": 2,
+    "tests/test_interpreter_corpus.py::test_corpus_row": 3,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
         2,
     "tests/test_example_flow.py::"

@@ -502,8 +502,10 @@ def test_thresholds_as_numpy_or_jax_scalars_and_no_clipping(clipping):
   (``"abadi"``) clips nothing: the plain sum of the per-example
   gradients, with an infinite sensitivity."""
   f, params, state, batch, ref = _mlp()
-  for c in (np.float32(0.7), jnp.asarray(0.7, jnp.float32), np.array(0.7),
-            jnp.bfloat16(0.7)):
+  # Each kind of scalar once, the two clippings taking them in turn.
+  kinds = {"all-layer": (np.float32(0.7), jnp.bfloat16(0.7)),
+           "per-layer": (jnp.asarray(0.7, jnp.float32), np.array(0.7))}
+  for c in kinds[clipping]:
     value = float(np.asarray(c, np.float64))
     want = gram_haiku.clipped_grad(f.apply, value, clipping=clipping)(
         params, state, None, *batch)[0]
