@@ -134,6 +134,24 @@ def test_batch_arguments_of_different_sizes_ask_for_example_axes():
                                  jnp.ones((B + 1, D)))
 
 
+@pytest.mark.parametrize("function", ["gram", "reweighted", "clipped"])
+def test_an_integer_or_boolean_parameter_leaf_is_a_teaching_error(function):
+  """No gradient exists for it (jax.grad refuses it): the error names each
+  leaf and its dtype, and says where such a value belongs."""
+  def loss(params, x):
+    return jnp.sum(jnp.tanh(x * params["p"]) * params["n"] * params["on"])
+  params = {"p": jnp.ones(D), "n": jnp.asarray(2, jnp.int32),
+            "on": jnp.asarray(True)}
+  fns = {"gram": lambda: gf.value_grad_and_gram(loss),
+         "reweighted": lambda: gf.reweighted_grad(loss, lambda g: 1.0),
+         "clipped": lambda: gf.clipped_grad(loss, l2_clip_norm=1.0)}
+  with pytest.raises(ValueError) as e:
+    fns[function]()(params, jnp.ones((B, D)))
+  message = str(e.value)
+  assert "'n', 'on'" in message and "int32, bool" in message
+  assert "floating-point" in message and "What to do" in message
+
+
 @jax.jit
 def _scaled_and_hidden(params, x):
   """A jitted helper that takes the examples and returns, among its

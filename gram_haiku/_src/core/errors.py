@@ -711,6 +711,15 @@ BATCH_SIZE_UNKNOWN = (
 
 # -- Inference, lifted transforms and the arguments of apply ---------------
 
+PARAM_NOT_FLOAT = (
+    "gram_haiku: parameter leaf {names} of the params argument has dtype "
+    "{dtypes}; gradients, hence per-example gradients and their Gram, are "
+    "defined for floating-point parameters only (jax.grad refuses it too).\n"
+    "What to do: keep integer and boolean values out of params: pass them "
+    "as a batch argument (example_axes=None for one that holds no "
+    "examples), close over them (functools.partial), or keep them in the "
+    "Haiku state.")
+
 STATE_IS_NONE = (
     "gram_haiku: the state argument is None, but the Gram probes live in "
     "the Haiku state (a 'gram_probe' entry per tracked module), so there is "

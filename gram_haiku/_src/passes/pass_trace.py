@@ -364,7 +364,8 @@ class TracedLoss:
 def _check_arguments(apply_fn, params, state) -> None:
   """Teaching errors for the usual slips in ``(params, state, rng, *batch)``:
   the apply of ``hk.transform`` (no state), the state left out, not a
-  mapping, or swapped with the parameters."""
+  mapping, or swapped with the parameters, and a parameter leaf that is
+  not floating point (an integer or a boolean: no gradient)."""
   if hkc.is_pure_apply(apply_fn):
     raise ValueError(errors.PURE_TRANSFORM_APPLY)
   if state is None:
@@ -372,6 +373,14 @@ def _check_arguments(apply_fn, params, state) -> None:
   if not isinstance(state, Mapping):
     raise ValueError(errors.STATE_NOT_A_MAPPING.format(
         type=type(state).__name__))
+  leaves = jax.tree_util.tree_leaves(params)
+  bad = [(n, a) for n, a in zip(leaf_names(params), leaves)
+         if not jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
+  if bad:
+    raise ValueError(errors.PARAM_NOT_FLOAT.format(
+        names=", ".join(repr(n) for n, _ in bad[:3]) +
+        (", ..." if len(bad) > 3 else ""),
+        dtypes=", ".join(str(jnp.result_type(a)) for _, a in bad[:3])))
   if isinstance(params, Mapping) and not split_probes(state)[1]:
     in_params = sorted(m for m, v in params.items()
                        if isinstance(v, Mapping) and PROBE_NAME in v)
