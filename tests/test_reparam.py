@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.analysis import reparam
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import clip_reference
 from gram_haiku._src.core.reference import per_example_grads
@@ -126,7 +127,7 @@ def _layer(kind):
           }[kind]()
 
 
-def _problem(name, vmapped=False):
+def _problem(name, vmapped=False, budget=None):
   getter, kind, shape = CASES[name]
   kx, ky = jax.random.split(jax.random.PRNGKey(_seed(name)))
   b = 6
@@ -146,7 +147,8 @@ def _problem(name, vmapped=False):
   body = per_example_model if vmapped else model
 
   def tracked(x, y):
-    with gram_haiku.track(untracked="error"):
+    opts = {} if budget is None else {"memory_budget_bytes": budget}
+    with gram_haiku.track(untracked="error", **opts):
       if vmapped:
         return hk.vmap(body, split_rng=False)(x, y).sum()
       return body(x, y)
@@ -186,6 +188,33 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
                                            params), RTOL)
   del value
+
+
+@pytest.mark.parametrize("budget", [1000, None], ids=["blocks", "one-block"])
+@pytest.mark.parametrize("name", ["standardised-conv", "lora"])
+def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
+  """The pull-back vectorised over blocks of examples (an accelerator's
+  path, forced on the CPU): blocks of fewer than the 6 examples, the last
+  one padded (a small memory budget: 2 for the conv, 5 for the low-rank
+  adapter), and the whole batch in one (the default budget), each exact:
+  the Gram, the clip norms and the clipped sum against the reference."""
+  monkeypatch.setattr(reparam, "BLOCKED_ON_CPU", True)
+  seen = []
+  pulled_back = reparam._pulled_back
+  monkeypatch.setattr(reparam, "_pulled_back", lambda vjp, cts, r: (
+      seen.append(r), pulled_back(vjp, cts, r))[1])
+  f, params, state, x, y, fr = _problem(name, budget=budget)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  norms = np.sqrt(np.sum(fr * fr, 1))
+  c_norm = float(np.median(norms))
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+  _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
+                                           params), RTOL)
+  assert seen and all(1 < r < 6 if budget else r == 6 for r in seen), seen
 
 
 def test_reparametrised_layer_with_gram_weights_and_frozen_leaves():

@@ -242,15 +242,25 @@ def blocked(arrays, size):
 
 
 
+def rows_per_block(n_rows, per_row_bytes: int, budget: int) -> int:
+  """Rows of a block of ``n_rows`` whose intermediates, ``per_row_bytes``
+  each, fit ``budget`` bytes: at least 1, at most ``n_rows`` (a symbolic
+  count as :data:`cost_model.SYMBOLIC_SIZE`). The one rule of every loop
+  over blocks of examples (:func:`map_row_blocks`)."""
+  return max(1, min(cost_model.size_hint(n_rows),
+                    budget // max(per_row_bytes, 1)))
+
+
 def map_row_blocks(fn, rows: int, arrays):
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked.
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked
+  (``fn`` may return a pytree of arrays, each with the rows leading).
   A symbolic number of entries counts as :data:`cost_model.SYMBOLIC_SIZE`
   in the choice to block."""
   b = arrays[0].shape[0]
   if rows >= cost_model.size_hint(b):
     return fn(*arrays)
   out = lax.map(lambda blk: fn(*blk), blocked(arrays, rows))
-  return out.reshape((-1,) + out.shape[2:])[:b]
+  return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:])[:b], out)
 
 
 
@@ -754,8 +764,7 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
       return value
     return value, norm_bounds.coarse_ghost_slack(
         norm_bounds.triangle(x, d), n, m, t, acc, cfg.precision)
-  n_rows = max(1, min(cost_model.size_hint(b), budget // max(per_row, 1)))
-  out = map_row_blocks(rows, n_rows, (x, d))
+  out = map_row_blocks(rows, rows_per_block(b, per_row, budget), (x, d))
   return (out[:, 0], out[:, 1]) if with_slack else out
 
 
