@@ -21,6 +21,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src.analysis import reparam
+from gram_haiku._src.compute import kernels
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import clip_reference
 from gram_haiku._src.core.reference import per_example_grads
@@ -190,13 +191,14 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   del value
 
 
-@pytest.mark.parametrize("budget", [1000, None], ids=["blocks", "one-block"])
-@pytest.mark.parametrize("name", ["standardised-conv", "lora"])
+@pytest.mark.parametrize("name,budget", [("standardised-conv", 1000),
+                                         ("lora", None)],
+                         ids=["blocks", "one-block"])
 def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
   """The pull-back vectorised over blocks of examples (an accelerator's
-  path, forced on the CPU): blocks of fewer than the 6 examples, the last
-  one padded (a small memory budget: 2 for the conv, 5 for the low-rank
-  adapter), and the whole batch in one (the default budget), each exact:
+  path, forced on the CPU): blocks of 2 of the 6 examples (a small memory
+  budget) for a standardised conv, and the whole batch in one (the default
+  budget) for a low-rank adapter (two leaves), each exact:
   the Gram, the clip norms and the clipped sum against the reference."""
   monkeypatch.setattr(reparam, "BLOCKED_ON_CPU", True)
   seen = []
@@ -215,6 +217,23 @@ def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
   _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
                                            params), RTOL)
   assert seen and all(1 < r < 6 if budget else r == 6 for r in seen), seen
+
+
+@pytest.mark.parametrize("b,rows", [(7, 3), (6, 4), (5, 5), (5, 9)])
+def test_row_slices_give_every_example_its_rows(b, rows):
+  # The blocked pull-back's loop: blocks of one size read in place, the
+  # last overlapping (7 in 3 + 3 + 3), a row per example (several axes,
+  # a pytree), each example's row its own.
+  a = problems.normal(jax.random.PRNGKey(0), (b, 2, 3))
+  seen = []
+
+  def fn(blk):
+    seen.append(blk.shape[0])
+    return [2.0 * blk, jnp.sum(blk, axis=(1, 2))]
+  twice, sums = kernels.map_row_slices(fn, rows, (a,))
+  np.testing.assert_array_equal(twice, 2.0 * a)
+  np.testing.assert_allclose(sums, jnp.sum(a, axis=(1, 2)), rtol=1e-6)
+  assert seen[-1] == (-(-b // -(-b // rows)) if rows < b else b)
 
 
 def test_reparametrised_layer_with_gram_weights_and_frozen_leaves():

@@ -207,12 +207,14 @@ def block_rows(op, pb, f, leaves: Sequence[Any]) -> int:
 def _pulled_back(vjp, cts: list, rows: int) -> list:
   """``[vjp(c_i) for each example i]``, stacked: ``cts`` the operand
   cotangents ``[B, ...]`` each. On an accelerator (or a CPU with
-  :data:`BLOCKED_ON_CPU`), ``vjp`` vectorised over blocks of ``rows``
-  examples (:func:`gram_haiku._src.compute.kernels.map_row_blocks`); on a
+  :data:`BLOCKED_ON_CPU`), ``vjp`` vectorised over blocks of at most
+  ``rows`` examples, read in place
+  (:func:`gram_haiku._src.compute.kernels.map_row_slices`: no padded copy
+  of the ``[B, P']`` cotangents); on a
   CPU, one example per step. The same linear map of each example either
   way; only the order of evaluation differs."""
   def blocked():
-    return kernels.map_row_blocks(
+    return kernels.map_row_slices(
         lambda *c: jax.vmap(lambda *ci: vjp(list(ci)))(*c), rows, cts)
 
   def one_by_one():

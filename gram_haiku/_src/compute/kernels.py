@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import cost_model
 from gram_haiku._src.compute import example_sharding
 from gram_haiku._src.compute import explicit_mesh
@@ -264,25 +265,32 @@ def map_row_blocks(fn, rows: int, arrays):
 
 
 
-def map_row_slices(fn, rows: int, arrays) -> jax.Array:
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, each
-  ``fn`` giving one value per entry: ``(B,)``. Unlike
+def map_row_slices(fn, rows: int, arrays):
+  """``fn`` over blocks of at most ``rows`` leading entries of ``arrays``,
+  ``fn`` giving a pytree of arrays with the entries leading (``(B,)``:
+  one value per entry; ``(B, ...)``: a row per entry). Unlike
   :func:`map_row_blocks` it reads the blocks in place (dynamic slices; the
-  last block starts early and overlaps, recomputing entries), without a
-  padded copy of every array: for the rare fallbacks of
-  :func:`run_if`."""
+  blocks are of one size, as even as their number allows, and the last
+  starts early and overlaps, recomputing entries), without a padded copy
+  of every array: for the rare fallbacks of :func:`run_if`, and for rows
+  as large as the inputs (a getter's pull-back)."""
   b = arrays[0].shape[0]
   if not isinstance(b, int) or rows >= b:
     return fn(*arrays)
+  n_blocks = -(-b // rows)
+  rows = -(-b // n_blocks)
 
   def body(i, out):
     start = jnp.minimum(i * rows, b - rows)
     blk = [lax.dynamic_slice_in_dim(a, start, rows) for a in arrays]
-    return lax.dynamic_update_slice_in_dim(out, fn(*blk).astype(out.dtype),
-                                           start, 0)
+    return jax.tree.map(
+        lambda o, v: lax.dynamic_update_slice_in_dim(o, v.astype(o.dtype),
+                                                     start, 0),
+        out, fn(*blk))
   first = jax.eval_shape(fn, *[a[:rows] for a in arrays])
-  out = jnp.zeros((b,), first.dtype)
-  return lax.fori_loop(0, -(-b // rows), body, out)
+  out = jax.tree.map(lambda s: hx.vary_like(
+      jnp.zeros((b,) + s.shape[1:], s.dtype), *arrays), first)
+  return lax.fori_loop(0, n_blocks, body, out)
 
 
 def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
