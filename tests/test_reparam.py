@@ -203,8 +203,8 @@ def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
   monkeypatch.setattr(reparam, "BLOCKED_ON_CPU", True)
   seen = []
   pulled_back = reparam._pulled_back
-  monkeypatch.setattr(reparam, "_pulled_back", lambda vjp, cts, r: (
-      seen.append(r), pulled_back(vjp, cts, r))[1])
+  monkeypatch.setattr(reparam, "_pulled_back", lambda vjp, cts, r, then: (
+      seen.append(r), pulled_back(vjp, cts, r, then))[1])
   f, params, state, x, y, fr = _problem(name, budget=budget)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)

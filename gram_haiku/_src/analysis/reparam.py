@@ -178,6 +178,22 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
   """``[B, P_theta]`` per-example gradients of the leaves ``pb.leaves`` (in
   that order, each flattened), from the op's ``f: [B, P']`` per-example
   gradients of its operands; leaves in ``skip`` (frozen) get zeros."""
+  return _pull_back(op, pb, f, leaves, skip, lambda rows: rows)
+
+
+def sq_sums(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
+  """``(s, p)``: ``s: [B]`` the sums of squares of :func:`per_example`'s
+  rows (:func:`gram_haiku._src.compute.norm_bounds.sum_of_squares`, each
+  row's value as it would be of the whole array) and ``p`` their length,
+  formed block by block: the ``[B, P_theta]`` rows are never all held at
+  once (a clipping pass needs only their norms)."""
+  p = sum(math.prod(jnp.shape(leaves[k])) for k in pb.leaves)
+  return _pull_back(op, pb, f, leaves, skip, norm_bounds.sum_of_squares), p
+
+
+def _pull_back(op, pb, f, leaves, skip, then):
+  """``then(rows)`` of each block of :func:`per_example`'s rows, stacked
+  (``then`` maps ``[R, P_theta]`` to an array with ``R`` rows)."""
   acc = f.dtype
   vjp, avals = _operands(op, pb, leaves, acc, f)
   cts, start = [], 0
@@ -185,12 +201,14 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
     n = math.prod(a.shape)
     cts.append(f[:, start:start + n].reshape((f.shape[0],) + a.shape))
     start += n
-  per = _pulled_back(vjp, cts, block_rows(op, pb, f, leaves))
-  cols = []
-  for k, g in zip(pb.leaves, per):
-    g = kernels.rows(g).astype(acc)
-    cols.append(jnp.zeros_like(g) if k in skip else g)
-  return jnp.concatenate(cols, axis=1)
+
+  def columns(per):
+    cols = []
+    for k, g in zip(pb.leaves, per):
+      g = kernels.rows(g).astype(acc)
+      cols.append(jnp.zeros_like(g) if k in skip else g)
+    return then(jnp.concatenate(cols, axis=1))
+  return _pulled_back(vjp, cts, block_rows(op, pb, f, leaves), columns)
 
 
 def block_rows(op, pb, f, leaves: Sequence[Any]) -> int:
@@ -204,9 +222,11 @@ def block_rows(op, pb, f, leaves: Sequence[Any]) -> int:
                                 op.plan.memory_budget_bytes)
 
 
-def _pulled_back(vjp, cts: list, rows: int) -> list:
-  """``[vjp(c_i) for each example i]``, stacked: ``cts`` the operand
-  cotangents ``[B, ...]`` each. On an accelerator (or a CPU with
+def _pulled_back(vjp, cts: list, rows: int, then):
+  """``then([vjp(c_i) for each example i in a block])`` of every block,
+  stacked: ``cts`` the operand cotangents ``[B, ...]`` each, ``then`` a
+  map of a block's gradients (stacked per leaf) to an array of its rows.
+  On an accelerator (or a CPU with
   :data:`BLOCKED_ON_CPU`), ``vjp`` vectorised over blocks of at most
   ``rows`` examples, read in place
   (:func:`gram_haiku._src.compute.kernels.map_row_slices`: no padded copy
@@ -215,10 +235,11 @@ def _pulled_back(vjp, cts: list, rows: int) -> list:
   way; only the order of evaluation differs."""
   def blocked():
     return kernels.map_row_slices(
-        lambda *c: jax.vmap(lambda *ci: vjp(list(ci)))(*c), rows, cts)
+        lambda *c: then(jax.vmap(lambda *ci: vjp(list(ci)))(*c)), rows, cts)
 
   def one_by_one():
-    return jax.lax.map(lambda c: vjp(list(c)), cts)
+    return jax.lax.map(lambda c: then([g[None] for g in vjp(list(c))])[0],
+                       cts)
   if BLOCKED_ON_CPU:
     return blocked()
   return jax.lax.platform_dependent(cpu=one_by_one, default=blocked)
