@@ -748,11 +748,14 @@ def case_mesh_argument():
   return {}
 
 
-def case_reparam_mesh():
+def case_reparam_mesh(blocked: bool = False):
   """Reparametrised layers (a weight-norm getter, LoRA, a conv's weight
   mask) under ``mesh=``: the getter's equations replayed for each device's
   examples equal the single-device reference (Gram and clipped sum); a
-  getter with a custom derivative is a clear error."""
+  getter with a custom derivative is a clear error. ``blocked``: the
+  weight norm alone, pulled back as on an accelerator (vectorised over
+  blocks of examples, forced on the CPU), one of each device's 2 examples
+  a block (a small memory budget)."""
   import haiku as hk  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -776,6 +779,10 @@ def case_reparam_mesh():
       "conv_mask": None,
       "custom_vjp": lambda n, v, c: doubled(n(v)) if c.name == "w" else n(v),
   }
+  opts = {}
+  if blocked:
+    getters = {"weight_norm": getters["weight_norm"]}
+    opts = {"memory_budget_bytes": 1000}  # (876 bytes an example)
   mesh = jax.make_mesh((N_DEVICES,), ("d",),
                        axis_types=(jax.sharding.AxisType.Auto,))
   x = jax.random.normal(jax.random.PRNGKey(0), (B, 5, 5, 4))
@@ -797,7 +804,7 @@ def case_reparam_mesh():
       return 0.5 * jnp.sum((out - y) ** 2)
 
     def tracked(x, y, model=model):
-      with gram_haiku.track():
+      with gram_haiku.track(**opts):
         return model(x, y)
     f = hk.transform_with_state(tracked)
     params, state = f.init(jax.random.PRNGKey(2), x, y)
@@ -824,6 +831,16 @@ def case_reparam_mesh():
     _assert_grads(grads, reference.weighted_sum(
         fr, reference.clip_reference(aux.grad_norms, c_norm), params), 1e-4)
   return {}
+
+
+def case_reparam_mesh_blocked():
+  """:func:`case_reparam_mesh` pulled back in blocks on the CPU."""
+  from gram_haiku._src.analysis import reparam  # pylint: disable=g-import-not-at-top
+  reparam.BLOCKED_ON_CPU = True
+  try:
+    return case_reparam_mesh(blocked=True)
+  finally:
+    reparam.BLOCKED_ON_CPU = False
 
 
 def case_fused_rule_sharded():
@@ -994,6 +1011,9 @@ def cases(everything: bool):
   out.append(("mesh_argument/transforms", case_mesh_argument))
   out.append(("mesh_argument/errors", case_mesh_argument_errors))
   out.append(("mesh_argument/reparametrised", case_reparam_mesh))
+  if everything:
+    out.append(("mesh_argument/reparametrised/blocked",
+                case_reparam_mesh_blocked))
   out.append(("fused_rule/shard_map", case_fused_rule_sharded))
   out.append(("cross_gram/MLP", case_cross_gram))
   for clipping in ("all-layer", "per-layer"):

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from gram_haiku._src.analysis import reparam
+from gram_haiku._src.compute import kernels
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import clip_reference
 from gram_haiku._src.core.reference import per_example_grads
@@ -126,7 +128,7 @@ def _layer(kind):
           }[kind]()
 
 
-def _problem(name, vmapped=False):
+def _problem(name, vmapped=False, budget=None):
   getter, kind, shape = CASES[name]
   kx, ky = jax.random.split(jax.random.PRNGKey(_seed(name)))
   b = 6
@@ -146,7 +148,8 @@ def _problem(name, vmapped=False):
   body = per_example_model if vmapped else model
 
   def tracked(x, y):
-    with gram_haiku.track(untracked="error"):
+    opts = {} if budget is None else {"memory_budget_bytes": budget}
+    with gram_haiku.track(untracked="error", **opts):
       if vmapped:
         return hk.vmap(body, split_rng=False)(x, y).sum()
       return body(x, y)
@@ -186,6 +189,51 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
                                            params), RTOL)
   del value
+
+
+@pytest.mark.parametrize("name,budget", [("standardised-conv", 1000),
+                                         ("lora", None)],
+                         ids=["blocks", "one-block"])
+def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
+  """The pull-back vectorised over blocks of examples (an accelerator's
+  path, forced on the CPU): blocks of 2 of the 6 examples (a small memory
+  budget) for a standardised conv, and the whole batch in one (the default
+  budget) for a low-rank adapter (two leaves), each exact:
+  the Gram, the clip norms and the clipped sum against the reference."""
+  monkeypatch.setattr(reparam, "BLOCKED_ON_CPU", True)
+  seen = []
+  pulled_back = reparam._pulled_back
+  monkeypatch.setattr(reparam, "_pulled_back", lambda vjp, cts, r, then: (
+      seen.append(r), pulled_back(vjp, cts, r, then))[1])
+  f, params, state, x, y, fr = _problem(name, budget=budget)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  norms = np.sqrt(np.sum(fr * fr, 1))
+  c_norm = float(np.median(norms))
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
+      params, state, None, x, y)
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+  _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
+                                           params), RTOL)
+  assert seen and all(1 < r < 6 if budget else r == 6 for r in seen), seen
+
+
+@pytest.mark.parametrize("b,rows", [(7, 3), (6, 4), (5, 5), (5, 9)])
+def test_row_slices_give_every_example_its_rows(b, rows):
+  # The blocked pull-back's loop: blocks of one size read in place, the
+  # last overlapping (7 in 3 + 3 + 3), a row per example (several axes,
+  # a pytree), each example's row its own.
+  a = problems.normal(jax.random.PRNGKey(0), (b, 2, 3))
+  seen = []
+
+  def fn(blk):
+    seen.append(blk.shape[0])
+    return [2.0 * blk, jnp.sum(blk, axis=(1, 2))]
+  twice, sums = kernels.map_row_slices(fn, rows, (a,))
+  np.testing.assert_array_equal(twice, 2.0 * a)
+  np.testing.assert_allclose(sums, jnp.sum(a, axis=(1, 2)), rtol=1e-6)
+  assert seen[-1] == (-(-b // -(-b // rows)) if rows < b else b)
 
 
 def test_reparametrised_layer_with_gram_weights_and_frozen_leaves():

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import cost_model
 from gram_haiku._src.compute import example_sharding
 from gram_haiku._src.compute import explicit_mesh
@@ -242,37 +243,54 @@ def blocked(arrays, size):
 
 
 
+def rows_per_block(n_rows, per_row_bytes: int, budget: int) -> int:
+  """Rows of a block of ``n_rows`` whose intermediates, ``per_row_bytes``
+  each, fit ``budget`` bytes: at least 1, at most ``n_rows`` (a symbolic
+  count as :data:`cost_model.SYMBOLIC_SIZE`). The one rule of every loop
+  over blocks of examples (:func:`map_row_blocks`)."""
+  return max(1, min(cost_model.size_hint(n_rows),
+                    budget // max(per_row_bytes, 1)))
+
+
 def map_row_blocks(fn, rows: int, arrays):
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked.
+  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, stacked
+  (``fn`` may return a pytree of arrays, each with the rows leading).
   A symbolic number of entries counts as :data:`cost_model.SYMBOLIC_SIZE`
   in the choice to block."""
   b = arrays[0].shape[0]
   if rows >= cost_model.size_hint(b):
     return fn(*arrays)
   out = lax.map(lambda blk: fn(*blk), blocked(arrays, rows))
-  return out.reshape((-1,) + out.shape[2:])[:b]
+  return jax.tree.map(lambda o: o.reshape((-1,) + o.shape[2:])[:b], out)
 
 
 
-def map_row_slices(fn, rows: int, arrays) -> jax.Array:
-  """``fn`` over blocks of ``rows`` leading entries of ``arrays``, each
-  ``fn`` giving one value per entry: ``(B,)``. Unlike
+def map_row_slices(fn, rows: int, arrays):
+  """``fn`` over blocks of at most ``rows`` leading entries of ``arrays``,
+  ``fn`` giving a pytree of arrays with the entries leading (``(B,)``:
+  one value per entry; ``(B, ...)``: a row per entry). Unlike
   :func:`map_row_blocks` it reads the blocks in place (dynamic slices; the
-  last block starts early and overlaps, recomputing entries), without a
-  padded copy of every array: for the rare fallbacks of
-  :func:`run_if`."""
+  blocks are of one size, as even as their number allows, and the last
+  starts early and overlaps, recomputing entries), without a padded copy
+  of every array: for the rare fallbacks of :func:`run_if`, and for rows
+  as large as the inputs (a getter's pull-back)."""
   b = arrays[0].shape[0]
   if not isinstance(b, int) or rows >= b:
     return fn(*arrays)
+  n_blocks = -(-b // rows)
+  rows = -(-b // n_blocks)
 
   def body(i, out):
     start = jnp.minimum(i * rows, b - rows)
     blk = [lax.dynamic_slice_in_dim(a, start, rows) for a in arrays]
-    return lax.dynamic_update_slice_in_dim(out, fn(*blk).astype(out.dtype),
-                                           start, 0)
+    return jax.tree.map(
+        lambda o, v: lax.dynamic_update_slice_in_dim(o, v.astype(o.dtype),
+                                                     start, 0),
+        out, fn(*blk))
   first = jax.eval_shape(fn, *[a[:rows] for a in arrays])
-  out = jnp.zeros((b,), first.dtype)
-  return lax.fori_loop(0, -(-b // rows), body, out)
+  out = jax.tree.map(lambda s: hx.vary_like(
+      jnp.zeros((b,) + s.shape[1:], s.dtype), *arrays), first)
+  return lax.fori_loop(0, n_blocks, body, out)
 
 
 def map_pair_blocks(fn, row_arrays, col_arrays, per_pair_bytes: int,
@@ -754,8 +772,7 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
       return value
     return value, norm_bounds.coarse_ghost_slack(
         norm_bounds.triangle(x, d), n, m, t, acc, cfg.precision)
-  n_rows = max(1, min(cost_model.size_hint(b), budget // max(per_row, 1)))
-  out = map_row_blocks(rows, n_rows, (x, d))
+  out = map_row_blocks(rows, rows_per_block(b, per_row, budget), (x, d))
   return (out[:, 0], out[:, 1]) if with_slack else out
 
 

@@ -309,7 +309,14 @@ def of_rows(f: jax.Array, err=None) -> jax.Array:
   gradients ``f: [B, P]`` that are off by at most ``err: [B]`` (norm
   units; None: ``f`` is what is summed), ``(|f_i| sqrt(1 + r_P) +
   err_i)^2``: (M) with ``err = e_T tri``."""
-  value = stored(sum_of_squares(f), squares_rel(f.shape[1], f.dtype))
+  return of_sq_sums(sum_of_squares(f), f.shape[1], f.dtype, err)
+
+
+def of_sq_sums(sq: jax.Array, p, dtype, err=None) -> jax.Array:
+  """:func:`of_rows` from the rows' sums of squares ``sq: [B]``
+  (:func:`sum_of_squares` of rows of ``p`` entries of ``dtype``), formed
+  elsewhere (block by block)."""
+  value = stored(sq, squares_rel(p, dtype))
   if err is None:
     return value
   return jnp.square(jnp.sqrt(value) + err.astype(value.dtype))

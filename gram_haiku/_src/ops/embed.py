@@ -192,11 +192,6 @@ def lookup_keys(ids: jax.Array, vocab_size: int, lookup_style: str,
   return key, weight, min(v, period)
 
 
-def _row_blocks(n_rows: int, per_row_bytes: int, budget: int) -> int:
-  return max(1, min(cost_model.size_hint(n_rows),
-                    budget // max(per_row_bytes, 1)))
-
-
 # -- ghost form ----------------------------------------------------------------
 
 
@@ -234,7 +229,7 @@ def ghost_sq_norms(key, weight, d, cfg: KernelConfig):
     return jnp.sum(jnp.where(match, kd, 0) * wi[:, :, None], axis=(1, 2))
   per_row = 3 * cost_model.size_hint(t) ** 2 * jnp.dtype(acc).itemsize
   return kernels.map_row_blocks(
-      rows, _row_blocks(b, per_row, cfg.memory_budget_bytes),
+      rows, kernels.rows_per_block(b, per_row, cfg.memory_budget_bytes),
       (key, weight.astype(acc), d))
 
 

@@ -677,11 +677,14 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
     return val
   if store == Store.PER_EXAMPLE:
     g, slack = _split_slack(g, upper_bound)
-    f = per_example_of(t.found, m, g, leaves, skip)
     pb = t.found.pullbacks.get(m)
     if bound and pb is not None:  # Its rounding bound, pulled back.
       slack = reparam.per_example_error(t.found.ops[m], pb, g, leaves,
                                         slack, m)
+      if g.ndim == 2:  # The pulled-back rows' norms, block by block.
+        sq, p = reparam.sq_sums(t.found.ops[m], pb, g, leaves, skip)
+        return norm_bounds.of_sq_sums(sq, p, g.dtype, slack)
+    f = per_example_of(t.found, m, g, leaves, skip)
     if bound:  # The stored gradients, with their rounding bound.
       return norm_bounds.of_rows(stacked_to_columns(f), slack)
     return _from_per_example(f, want, t.axes, t.found.ops[m].plan.precision,
