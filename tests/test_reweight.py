@@ -401,6 +401,43 @@ def test_modes_follow_the_cost_model():
     chex.assert_trees_all_close(got, grads, rtol=1e-5, atol=1e-6)
 
 
+def test_per_layer_clip_norms_are_costed_without_reuse(monkeypatch):
+  """Per-layer clipping re-contracts its clipped sum from the factors, so
+  nothing reuses materialised per-example gradients: the norms' method is
+  costed as after the pass (``B T N M`` against ghost ``B T^2 (N + M)``),
+  not as the norms mode's diagonal, which counts the weight gradient as
+  given. At N = M = 16 and T = 4 the two disagree (ghost, materialise);
+  the clipped sum is the reference's."""
+  from gram_haiku._src.ops import linear  # pylint: disable=g-import-not-at-top
+  chosen = []
+  cost = linear.cost
+
+  def spy(*args, **kwargs):
+    chosen.append((kwargs.get("mode"), kwargs.get("reuse", True),
+                   cost(*args, **kwargs)))
+    return chosen[-1][-1]
+  monkeypatch.setattr(linear, "cost", spy)
+  x, y = problems.data(3, (5, 4, 16), 16)
+
+  def model(x, y):
+    return problems.sq(hk.Linear(16)(x), y)
+
+  def loss(x, y):
+    with gram_haiku.track():
+      return model(x, y)
+  f = hk.transform_with_state(loss)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  grads, _ = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5,
+                                             clipping="per-layer"))(
+                                                 params, state, None, x, y)
+  assert chosen and all(c == ("norms", False, "ghost") for c in chosen)
+  plain = hk.transform(model)
+  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
+      p, None, x, y), params, x, y), np.float64)
+  want = clip_reference(np.sqrt(np.sum(ref ** 2, axis=1)), 0.5) @ ref
+  _assert_tree_close(grads, weighted_sum(want[None], [1.0], params), RTOL)
+
+
 def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
   x, y = problems.data(6, (5, 4), 2)
 
