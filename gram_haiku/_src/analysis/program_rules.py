@@ -46,8 +46,13 @@ of ``p``: the cross terms of several uses are in the sum). Rules today:
   shares, or data without an examples' axis, such as ``dynamic_slice``'s
   scalar start, is refused). It costs ``B x |operand|`` memory, three
   times over (:func:`gram_haiku._src.compute.cost_model.
-  per_example_operand_bytes`): a tracked layer (``hk.Linear``,
-  ``hk.Conv*``, ``hk.Embed``) takes the ghost methods instead.
+  per_example_operand_bytes`): a tracked layer (``hk.Conv*``,
+  ``hk.Embed``) takes the ghost methods instead. A ``dot_general`` of the
+  shape of ``hk.Linear``'s product (:data:`LINEAR_FORMS`: a 2-D weight
+  contracted with the data on one axis, no batch axes;
+  :attr:`Site.linear`) is not evaluated per example: the pass binds the
+  linear layer's Gram op there
+  (:mod:`gram_haiku._src.passes.program_pass`), at ``hk.Linear``'s cost.
 
 The prefix itself runs any example-independent program, and may take
 constants (a zero carry: ``zeros @ kernel + bias`` is the first step of a

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from gram_haiku._src.analysis import reparam
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import explicit_mesh
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.compute import plan as plan_lib
@@ -546,8 +547,9 @@ def _ghost(t: TracedLoss, objective: Objective) -> Optional[str]:
   """What a program-level parameter whose one site is a linear product
   keeps (:func:`gram_haiku._src.passes.program_pass.value_and_grad`):
   factors to re-contract, else its Gram or norms; None (per-example
-  gradients) where the Gram's columns are gathered over a mesh."""
-  if t.axes:
+  gradients) where the examples are sharded over a mesh (the Gram's
+  columns gathered under ``shard_map``, or Explicit mesh axes)."""
+  if t.axes or explicit_mesh.under_explicit_mesh():
     return None
   if objective.recontract:
     return Store.FACTORS
