@@ -140,26 +140,35 @@ def run(rounds: int = 5, repeats: int = 3) -> dict:
   for bench in (make_mlp(False), make_mlp(True), make_lm(False),
                 make_lm(True)):
     prep = jax_methods.prepare(bench)
-    steps = {}
+    steps, compiled = {}, {}
     for method in METHODS:
-      step, args = _build(prep, method)
-      jitted = jax.jit(step)
-      steps[method] = (lambda f, a: lambda: jax.block_until_ready(f(*a)))(
-          jitted, args)
+      compiled[method] = harness.compile_jax(*_build(prep, method))
+      steps[method] = compiled[method].run
     out[bench.name] = harness.time_steps(
         steps, {m: "plain" for m in METHODS if m != "plain"},
         repeats=repeats, rounds=rounds)
+    for method, c in compiled.items():
+      out[bench.name][method].update(flops=c.flops, temp_bytes=c.temp_bytes)
   return out
 
 
 def table(results: dict) -> str:
-  """A Markdown table: plain step ms, each method's ratio to plain."""
-  rows = ["| model | plain ms | " + " | ".join(METHODS[1:]) + " |",
+  """A Markdown table: per model, the plain step's wall ms, GFLOP and
+  temporary MB, and each method's ratio to plain in each (wall: the
+  median of the rounds' ratios; GFLOP and memory: XLA's
+  ``cost_analysis`` and ``memory_analysis`` of the compiled step)."""
+  rows = ["| model | plain ms / GFLOP / temp MB | " + " | ".join(
+      f"{m}: wall / FLOP / temp" for m in METHODS[1:]) + " |",
           "|---|---|" + "---|" * (len(METHODS) - 1)]
   for name, rec in results.items():
-    rows.append(f"| {name} | {rec['plain']['median_s'] * 1e3:.2f} | " +
-                " | ".join(f"{rec[m]['ratio']:.2f}x" for m in METHODS[1:])
-                + " |")
+    p = rec["plain"]
+    ratio = lambda m, k: (f"{rec[m][k] / p[k]:.2f}x" if rec[m][k] and p[k]
+                          else "-")
+    rows.append(
+        f"| {name} | {p['median_s'] * 1e3:.2f} / {p['flops'] / 1e9:.3f} / "
+        f"{p['temp_bytes'] / 2**20:.1f} | " + " | ".join(
+            f"{rec[m]['ratio']:.2f}x / {ratio(m, 'flops')} / "
+            f"{ratio(m, 'temp_bytes')}" for m in METHODS[1:]) + " |")
   return "\n".join(rows)
 
 
