@@ -64,9 +64,19 @@ def _shared(p, x, y):
   return jnp.sum((h[:, :D] - y[:, 0]) ** 2)
 
 
+def _not_linear(p, x, y):
+  """Contractions that are not ``hk.Linear``'s: a scaled weight (its
+  gradient pulled back through the scale) and a 3-D weight: evaluated
+  once per example."""
+  h = jnp.tanh(x @ (p["w1"] * 0.5))
+  out = jnp.einsum("bh,hd->bd", h, p["w2"]) + jnp.einsum(
+      "bh,hdk->bd", h, p["w3"])
+  return jnp.sum((out - y[:, 0]) ** 2)
+
+
 def _params(names, seed=0):
   rng = np.random.default_rng(seed)
-  shapes = {"w1": (F, H), "w2": (H, D), "w2t": (D, H), "w": (F, F)}
+  shapes = {"w1": (F, H), "w2": (H, D), "w2t": (D, H), "w": (F, F), "w3": (H, D, 2)}
   return {n: jnp.asarray(rng.standard_normal(shapes[n]), jnp.float64)
           for n in names}
 
@@ -86,6 +96,8 @@ _LOSSES = {
     "transposed": (_transposed, ("w1", "w2t"), ("gram", "factors")),
     "positions": (_positions, ("w1", "w2t"), ("gram", "per_example")),
     "shared": (_shared, ("w",), ("per_example", "per_example")),
+    # (w2 alone is hk.Linear's product)
+    "not_linear": (_not_linear, ("w1", "w2", "w3"), ("gram", "factors")),
 }
 
 
@@ -97,6 +109,8 @@ def test_a_bare_linear_weight_is_exact_through_the_linear_op(name, modes):
     f = np.asarray(testing.per_example_grads(loss, params, x, y))
     _, grads, grams = jax.jit(gf.value_grad_and_gram(loss))(params, x, y)
     assert {m for _, m in modes} == {gram_mode}
+    if name == "not_linear":
+      assert [n for n, _ in modes] == ["w2"]
     assert grams.complete
     testing.assert_gram_close(grams.total, f @ f.T, "float64")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10),
