@@ -192,3 +192,31 @@ def test_bare_linear_weights_in_a_tracked_haiku_model(modes):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
                  got, testing.weighted_sum(
                      ff, testing.clip_reference(norms, c), params))
+
+
+def test_clip_norms_from_a_linear_sites_factors_bound_the_float64_norm(
+    modes):
+  """float32, each example's gradient a sum over two positions that
+  cancels (inputs offset by +-1e4): the norm a clip factor comes from (the
+  linear rule's bound from the kept factors) is not below the float64
+  norm, and not vacuous."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((6, 2, 3)).astype(np.float32)
+  x[:, 0] += 1e4
+  x[:, 1] -= 1e4
+  x = jnp.asarray(x)
+
+  def loss(p, x):
+    return jnp.sum((x @ p["w"]).sum(1) * 1e-3)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)}
+  with jax.enable_x64(True):
+    f = testing.per_example_grads(
+        loss, jax.tree.map(lambda a: a.astype(jnp.float64), params),
+        x.astype(jnp.float64))
+  true = np.linalg.norm(np.asarray(f), axis=1)
+  _, aux = jax.jit(gf.clipped_grad(loss, l2_clip_norm=1e9,
+                                   return_grad_norms=True))(params, x)
+  assert modes == [("w", "factors")]
+  bound = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bound >= true), (bound, true)
+  assert np.all(bound <= 3 * true), (bound, true)
