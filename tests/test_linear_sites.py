@@ -220,3 +220,22 @@ def test_clip_norms_from_a_linear_sites_factors_bound_the_float64_norm(
   bound = np.asarray(aux.grad_norms, np.float64)
   assert np.all(bound >= true), (bound, true)
   assert np.all(bound <= 3 * true), (bound, true)
+
+
+def test_a_linear_site_exports_with_a_symbolic_batch_and_length():
+  """``jax.export`` with ``B`` and ``T`` symbolic: the cost model's
+  choices take size hints, and the exported clipped sum is the jitted
+  one's at concrete sizes."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+
+  def loss(p, x):
+    return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+  rng = np.random.default_rng(0)
+  p = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32)}
+  x = jnp.asarray(rng.standard_normal((B, T, 3)), jnp.float32)
+  fn = jax.jit(gf.clipped_grad(loss, l2_clip_norm=0.5))
+  spec = jax.ShapeDtypeStruct(export.symbolic_shape("b, t, 3"), x.dtype)
+  exported = export.export(fn)(p, spec)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-6),
+               exported.call(p, x), fn(p, x))

@@ -314,7 +314,7 @@ def _linear_sites(jaxpr, sites, program, ghost: Optional[str],
     name = program.leaves[k]
     op = _linear_op(s, mode, upper_bound, name)
     if mode == "factors" and cost_model.bookkeeping_method(
-        op.num_params(), factors_lib.factor_width(op),
+        op.num_params(), cost_model.value_hint(factors_lib.factor_width(op)),
         op.factors_exact(op.accumulation_dtype())) != "factors":
       mode = "per_example"
       op = _linear_op(s, mode, upper_bound, name)
