@@ -46,8 +46,13 @@ of ``p``: the cross terms of several uses are in the sum). Rules today:
   shares, or data without an examples' axis, such as ``dynamic_slice``'s
   scalar start, is refused). It costs ``B x |operand|`` memory, three
   times over (:func:`gram_haiku._src.compute.cost_model.
-  per_example_operand_bytes`): a tracked layer (``hk.Linear``,
-  ``hk.Conv*``, ``hk.Embed``) takes the ghost methods instead.
+  per_example_operand_bytes`): a tracked layer (``hk.Conv*``,
+  ``hk.Embed``) takes the ghost methods instead. A ``dot_general`` of the
+  shape of ``hk.Linear``'s product (:data:`LINEAR_FORMS`: a 2-D weight
+  contracted with the data on one axis, no batch axes;
+  :attr:`Site.linear`) is not evaluated per example: the pass binds the
+  linear layer's Gram op there
+  (:mod:`gram_haiku._src.passes.program_pass`), at ``hk.Linear``'s cost.
 
 The prefix itself runs any example-independent program, and may take
 constants (a zero carry: ``zeros @ kernel + bias`` is the first step of a
@@ -92,6 +97,7 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from gram_haiku._src.analysis import interpreter
 from gram_haiku._src.analysis.flow_states import CONST
@@ -146,6 +152,9 @@ class Site:
       :func:`resolve`).
     calls: the ``jit`` call equations (outermost first) whose bodies hold
       ``eqn``; ``()`` for the program's own.
+    linear: for a mapped site of the shape of a linear layer, how it is one
+      (:class:`LinearForm`, set by :func:`resolve`; :data:`LINEAR_FORMS`);
+      None otherwise.
   """
   eqn: Any
   operand: int
@@ -160,6 +169,7 @@ class Site:
   in_axes: Optional[tuple] = None
   out_axis: Optional[int] = None
   calls: tuple = ()
+  linear: Optional["LinearForm"] = None
 
   @property
   def path(self) -> tuple:
@@ -597,8 +607,65 @@ def _mapped(site: Site, observed: Mapping[Any, Any],
         primitive=eqn.primitive.name,
         axes=", ".join(f"{a} of operand {k}" for k, a in enumerate(axes)
                        if a is not None))
-  return dataclasses.replace(site, shape=shape, axis=0, in_axes=tuple(axes),
-                             out_axis=out.dim), ""
+  site = dataclasses.replace(site, shape=shape, axis=0, in_axes=tuple(axes),
+                             out_axis=out.dim)
+  form = hx.rule_of(LINEAR_FORMS, eqn)
+  return dataclasses.replace(site, linear=form and form(site)), ""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearForm:
+  """How a per-example site is ``hk.Linear``'s product ``x' @ W'``
+  (``x': [B, *positions, d_in]``, ``W': [d_in, d_out]``), so that the pass
+  can bind the linear layer's Gram op there instead of evaluating the
+  equation once per example (:mod:`gram_haiku._src.passes.program_pass`):
+  the ghost and factor methods, chosen by the cost model as for a tracked
+  ``hk.Linear``.
+
+  Attributes:
+    data: the index of the data operand ``x``.
+    x_perm: the permutation of ``x``'s axes that gives ``x'`` (its
+      examples' axis, its other free axes in order, the contracted one).
+    w_transposed: ``W' = W.T`` (the weight is contracted on its axis 1).
+    out_perm: the permutation of ``x' @ W'``'s axes that gives the
+      equation's output.
+  """
+  data: int
+  x_perm: tuple
+  w_transposed: bool
+  out_perm: tuple
+
+
+def _dot_general_linear(site: Site) -> Optional[LinearForm]:
+  """``dot_general`` of a 2-D weight and the data, one axis contracted,
+  no batch axes, the data's examples' axis among its free axes and both
+  operands of one float dtype (``x @ W``, ``x @ W.T``, ``W.T @ x``,
+  ``jnp.einsum('btd,de->bte', x, W)``); None otherwise."""
+  eqn, k = site.eqn, site.operand
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  j = 1 - k
+  if lb or rb or site.data != (j,) or site.in_axes is None:
+    return None
+  e = site.in_axes[j]
+  x, w = eqn.invars[j].aval, eqn.invars[k].aval
+  contract = (lc, rc)
+  if (len(w.shape) != 2 or len(contract[j]) != 1 or e is None or
+      e == contract[j][0] or x.dtype != w.dtype or
+      not jnp.issubdtype(x.dtype, jnp.floating) or
+      eqn.params.get("preferred_element_type") not in (None, x.dtype)):
+    return None
+  cx = contract[j][0]
+  free = [d for d in range(len(x.shape)) if d != cx]
+  mine = [e] + [d for d in free if d != e] + ["w"]
+  target = free + ["w"] if j == 0 else ["w"] + free
+  return LinearForm(j, tuple(mine[:-1]) + (cx,), contract[k][0] == 1,
+                    tuple(mine.index(a) for a in target))
+
+
+#: Per-example sites that are a linear layer's product, by primitive:
+#: ``form(site) -> LinearForm or None`` (:func:`resolve` sets
+#: :attr:`Site.linear`).
+LINEAR_FORMS = hx.rule_table({"dot_general": _dot_general_linear})
 
 
 def _message(refusal: Refusal) -> str:
@@ -673,5 +740,6 @@ def match(found: Findings, program: Program) -> list[Site]:
     raise ValueError(errors.PROGRAM_TRACES_DIFFER.format(
         params=", ".join(repr(n) for n in sorted(program.leaves.values()))))
   return [dataclasses.replace(a, axis=b.axis, shape=b.shape,
-                              in_axes=b.in_axes, out_axis=b.out_axis)
+                              in_axes=b.in_axes, out_axis=b.out_axis,
+                              linear=b.linear)
           for a, b in zip(mine, program.sites)]

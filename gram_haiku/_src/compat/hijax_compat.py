@@ -390,7 +390,9 @@ def replay(jaxpr: Any, consts: Any, args: list,
       calls (outermost first) whose bodies hold the equation, ``()`` for
       the program's own; those calls are evaluated inline.
     per_example: ``{(path, id(eqn)): (axes, stacked, out_axis)}``,
-      equations bound once per example instead (:func:`bind_per_example`).
+      equations bound once per example instead (:func:`bind_per_example`);
+      or ``{(path, id(eqn)): fn}``, equations replaced by ``fn(operand
+      values) -> [outputs]`` (a program-level site bound as a Gram op).
   """
   constvars = list(jaxpr.constvars)
   return _eval_varying(list(jaxpr.eqns), constvars,
@@ -550,7 +552,8 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
       # the examples' cotangents): the identity (pvary would refuse).
       outs = list(ins)
     elif per_example and (path, id(eqn)) in per_example:
-      outs = bind_per_example(eqn, ins, *per_example[(path, id(eqn))])
+      how = per_example[(path, id(eqn))]
+      outs = how(ins) if callable(how) else bind_per_example(eqn, ins, *how)
     elif path + (id(eqn),) in into:
       body, body_consts = jit_body(eqn)
       outs = _eval_varying(list(body.eqns), list(body.constvars),

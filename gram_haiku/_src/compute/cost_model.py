@@ -358,13 +358,15 @@ def per_example_operand_bytes(b: int, operand_size: int,
                               acc_bytes: int) -> int:
   """The memory of a program-level site evaluated once per example
   (:data:`gram_haiku._src.analysis.program_rules.PER_EXAMPLE_RULES`: a
-  bare weight in ``x @ W``, a kernel in ``lax.conv``, a table read by
-  ``table[ids]``): the operand stacked per example (``Z``), its cotangent
-  and the per-example gradients, each ``B x |operand|``. No other method
-  exists for these sites yet (a tracked layer, ``hk.Linear``, ``hk.Conv*``,
-  ``hk.Embed``, takes the ghost methods above instead), so this is a cost
-  to know, not a choice: a bare table of ``V x D`` entries costs
-  ``3 B V D`` entries.
+  bare weight in a contraction that is not ``hk.Linear``'s, a kernel in
+  ``lax.conv``, a table read by ``table[ids]``): the operand stacked per
+  example (``Z``), its cotangent and the per-example gradients, each ``B x
+  |operand|``. No other method exists for these sites yet (a tracked
+  layer, ``hk.Conv*``, ``hk.Embed``, takes the ghost methods above
+  instead; a bare weight in ``x @ W`` takes :func:`linear_method`'s, as
+  ``hk.Linear`` does: :data:`gram_haiku._src.analysis.program_rules.
+  LINEAR_FORMS`), so this is a cost to know, not a choice: a bare table
+  of ``V x D`` entries costs ``3 B V D`` entries.
   """
   return 3 * b * operand_size * acc_bytes
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from gram_haiku._src.analysis import reparam
 from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import explicit_mesh
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.compute import plan as plan_lib
@@ -173,9 +174,15 @@ class Pass:
     slotted: module -> number of slots, for the ``SLOTS`` modules.
     slots_used: module -> its slot counter after the pass.
     program: the parameters covered by program-level rules
-      (:mod:`gram_haiku._src.analysis.program_rules`): their name (a
-      ``PER_EXAMPLE`` entry of ``stores``) -> ``(leaf index, [B, P]
-      per-example gradients, [B] rounding bound or None)``.
+      (:mod:`gram_haiku._src.analysis.program_rules`) that keep
+      per-example gradients: their name (a ``PER_EXAMPLE`` entry of
+      ``stores``) -> ``(leaf index, [B, P] per-example gradients, [B]
+      rounding bound or None)``.
+    program_factors: those whose one site is a linear Gram op that kept
+      factors (their ``FACTORS`` entry of ``stores`` and ``cotangents``):
+      name -> ``(leaf index, op, flip)`` (``flip``: the op's weight is the
+      leaf transposed). (Those that formed their Gram or norms there are
+      ``GRAM`` or ``NORMS`` entries, like a module's.)
   """
   value: Any
   aux: Any
@@ -186,6 +193,8 @@ class Pass:
   slotted: Mapping[str, int]
   slots_used: Mapping[str, Any]
   program: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+  program_factors: Mapping[str, tuple] = dataclasses.field(
+      default_factory=dict)
 
 
 def _init_ndim(probe, found, module: str) -> int:
@@ -490,7 +499,7 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
       if program.sites or program.leaves:  # (no sites: B = 0)
         value, cts, kept_program = program_pass.value_and_grad(
             traced, leaves, diff_idx, diff_probes, arrays, program,
-            objective.upper_bound)
+            objective.upper_bound, _ghost(t, objective))
         out = (value, cts)
       else:
         kept_program = None
@@ -520,8 +529,31 @@ def run(t: TracedLoss, objective: Objective, params, rng, args, kwargs, *,
     name = program.leaves[k]
     stores[name] = Store.PER_EXAMPLE
     by_name[name] = (k, kernels.rows(f), kept.error.get(k))
+  factored = {}
+  for k, v in (kept.formed.items() if kept is not None else ()):
+    name = program.leaves[k]
+    stores[name] = Store.NORMS if v.ndim == 1 else Store.GRAM
+    cotangents[name] = v
+  for k, (op, f, flip) in (kept.factors.items() if kept is not None else ()):
+    name = program.leaves[k]
+    stores[name] = Store.FACTORS
+    cotangents[name] = f
+    factored[name] = (k, op, flip)
   return Pass(value, aux, new_state, stores, cotangents, param_grads,
-              slotted, used, by_name)
+              slotted, used, by_name, factored)
+
+
+def _ghost(t: TracedLoss, objective: Objective) -> Optional[str]:
+  """What a program-level parameter whose one site is a linear product
+  keeps (:func:`gram_haiku._src.passes.program_pass.value_and_grad`):
+  factors to re-contract, else its Gram or norms; None (per-example
+  gradients) where the examples are sharded over a mesh (the Gram's
+  columns gathered under ``shard_map``, or Explicit mesh axes)."""
+  if t.axes or explicit_mesh.under_explicit_mesh():
+    return None
+  if objective.recontract:
+    return Store.FACTORS
+  return objective.needs or Store.GRAM
 
 
 def _add_to_module(t: TracedLoss, m: str, k: int, store, f, error):
@@ -641,8 +673,14 @@ def open_stores(t: TracedLoss, p: Pass, leaves) -> dict:
   factors; a slotted module's ``U`` applications are one application of
   ``rule`` (:func:`gram_haiku._src.passes.slots.open_slots`)."""
   out = {}
+  for m, (k, op, flip) in p.program_factors.items():
+    w = leaves[k].T if flip else leaves[k]
+    out[m] = (op, *factors_lib.split_factors(op, p.cotangents[m]),
+              (w.astype(op.param_avals[0].dtype), None))
   for m, s in sorted(p.stores.items()):
     op = t.found.ops.get(m)
+    if m in p.program_factors:
+      continue
     if s == Store.FACTORS:
       opened = (op, *factors_lib.split_factors(op, p.cotangents[m]))
     elif s == Store.SLOTS:
@@ -785,6 +823,14 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
         if padded:  # (rows of weight 0 may hold anything)
           f = jnp.where((c != 0)[:, None], f, 0)
         grads[k] = grads[k] + bk.to_leaf(c @ f, leaves[k])
+      continue
+    if m in p.program_factors:  # A linear site's factors.
+      k, _, flip = p.program_factors[m]
+      if k not in skip:
+        ct = bk.recontract_factors(
+            *opened[m], weights[m], padded,
+            None if rows is None else (0, rows))[0]
+        grads[k] = grads[k] + bk.to_leaf(ct.T if flip else ct, leaves[k])
       continue
     if store == Store.PARTS:  # (weights beyond `rows` are zero)
       cts = parts_lib.recontract(opened[m], weights[m], padded)

@@ -28,13 +28,30 @@ norms (with a sound rounding bound: ``L r |dZ_i|``, ``L >= |J^T|`` and
 ``r`` the pull-back's rounding, read from its program by
 :mod:`gram_haiku._src.analysis.linear_bound`) and ``sum_i c_i g_i`` are
 read from it.
+
+A site of the shape of a linear layer (``x @ W``, ``x @ W.T``,
+``jnp.einsum('btd,de->bte', x, W)``: :class:`~gram_haiku._src.analysis.
+program_rules.LinearForm`) whose weight is the parameter itself (or its
+transpose) is not evaluated once per example: the linear layer's Gram op
+(:func:`gram_haiku._src.ops.linear.linear_rule`) is bound there with the
+weight as its parameter and a probe of its own, so that it costs what a
+tracked ``hk.Linear`` costs. For a parameter with that one site (not also
+read by a tracked module) the probe receives its Gram or squared norms
+(ghost or materialised, as the cost model says), or for a
+re-contracting pass its factors (``x``, ``dL/dy`` per example; or its
+per-example gradients where the cost model's book-keeping rule prefers
+them): :attr:`Stores.formed`, :attr:`Stores.factors`. Shared with other
+sites, it gives its per-example gradients by the linear kernels, added to
+the parameter's :attr:`Stores.per_example`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +60,13 @@ from jax import lax
 from gram_haiku._src.analysis import linear_bound
 from gram_haiku._src.analysis import program_rules
 from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.core import errors
+from gram_haiku._src.ops import factors as factors_lib
+from gram_haiku._src.ops import linear as linear_lib
 from gram_haiku._src.ops import op as op_lib
 
 
@@ -57,9 +79,16 @@ class Stores:
       (in at least float32), summed over the leaf's sites.
     error: leaf index -> ``[B]``: the bound of each row's rounding error
       (norm units), for a clipping pass; empty otherwise.
+    formed: leaf index -> its ``[B, B]`` Gram or ``[B]`` squared norms,
+      formed by the linear Gram op bound at its one site.
+    factors: leaf index -> ``(op, [B, K] factors, flip)``: the linear Gram
+      op bound at its one site and its factors (``flip``: the op's weight
+      is the leaf transposed).
   """
   per_example: Mapping[int, jax.Array]
   error: Mapping[int, jax.Array]
+  formed: Mapping[int, jax.Array] = dataclasses.field(default_factory=dict)
+  factors: Mapping[int, tuple] = dataclasses.field(default_factory=dict)
 
 
 def _slice(body, consts, targets: list, eqns: list):
@@ -203,12 +232,105 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
   return out, bound
 
 
+def _weight_flip(jaxpr, site) -> Optional[bool]:
+  """For a linear site (:attr:`Site.linear`) of the program's own, whether
+  its weight ``W'`` (``[d_in, d_out]``) is its one leaf transposed
+  (True) or the leaf itself (False); None where the weight is another
+  function of the leaf (a cast, a scale: the site is evaluated once per
+  example, and the gradient pulled back)."""
+  if site.linear is None or site.calls or len(site.leaves) != 1:
+    return None
+  v = site.eqn.invars[site.operand]
+  leaf = jaxpr.invars[site.leaves[0]]
+  if v is leaf:
+    return site.linear.w_transposed
+  producer = next((e for e in jaxpr.eqns
+                   if any(o is v for o in e.outvars)), None)
+  if (producer is not None and producer.primitive.name == "transpose" and
+      tuple(producer.params["permutation"]) == (1, 0) and
+      producer.invars[0] is leaf):
+    return not site.linear.w_transposed
+  return None
+
+
+def _linear_op(site, mode: str, upper_bound: bool, name: str):
+  """The linear layer's Gram op for ``site`` (:attr:`Site.linear`) in
+  ``mode`` (its probe's shape for that mode), the examples on axis 0 of
+  its input."""
+  form = site.linear
+  x = site.eqn.invars[form.data].aval
+  w = site.eqn.invars[site.operand].aval
+  x_aval = x.update(shape=tuple(x.shape[a] for a in form.x_perm))
+  w_aval = w.update(shape=tuple(w.shape[::-1] if form.w_transposed
+                                else w.shape))
+  acc = kernels.accumulation_dtype(x.dtype, w.dtype)
+  plan = Plan.make(mode=mode, example_axis=0, column_axes=()).replace(
+      upper_bound=upper_bound and mode == "per_example")
+  rule = linear_lib.linear_rule(site.eqn.params.get("precision"))
+  make = lambda shape: op_lib.RuleOp(
+      x_aval, (w_aval, None), x.update(shape=shape, dtype=acc,
+                                       weak_type=False),
+      name=name, plan=plan, rule=rule)
+  b = x_aval.shape[0]
+  op = make((b,))
+  return make({"gram": (b, b), "norms": (b,),
+               "factors": (b, factors_lib.factor_width(op)),
+               "per_example": (b, op.num_params() + int(plan.upper_bound))
+               }[mode])
+
+
+def _bind_linear(site, op, stop: bool, ins: list, probe) -> list:
+  """``site``'s output with the linear Gram ``op`` bound in its place
+  (the weight through ``stop_gradient`` where ``stop``: its gradient is
+  then the sum of the per-example gradients the probe receives)."""
+  form = site.linear
+  x = jnp.transpose(ins[form.data], form.x_perm)
+  w = ins[site.operand]
+  w = w.T if form.w_transposed else w
+  if stop:
+    w = lax.stop_gradient(w)
+  return [jnp.transpose(op(x, w, None, probe), form.out_perm)]
+
+
+def _linear_sites(jaxpr, sites, program, ghost: Optional[str],
+                  upper_bound: bool) -> list:
+  """Per site, None (evaluated once per example) or ``(op, flip, stop)``:
+  the linear Gram op bound there (:func:`_linear_op`), whether its weight
+  is the leaf transposed, and whether the weight's gradient comes from the
+  probe (``"per_example"`` mode) rather than the op's own VJP. ``ghost``:
+  the mode of a leaf's one site (``"gram"``, ``"norms"``, ``"factors"``:
+  the cost model's book-keeping rule may prefer ``"per_example"``); None:
+  no linear site (the examples sharded over a mesh)."""
+  count = collections.Counter(k for s in sites for k in s.leaves)
+  out = []
+  for s in sites:
+    flip = None if ghost is None else _weight_flip(jaxpr, s)
+    if flip is None:
+      out.append(None)
+      continue
+    (k,) = s.leaves
+    mode = (ghost if count[k] == 1 and k not in program.tracked
+            else "per_example")
+    name = program.leaves[k]
+    op = _linear_op(s, mode, upper_bound, name)
+    if mode == "factors" and cost_model.bookkeeping_method(
+        op.num_params(), cost_model.value_hint(factors_lib.factor_width(op)),
+        op.factors_exact(op.accumulation_dtype())) != "factors":
+      mode = "per_example"
+      op = _linear_op(s, mode, upper_bound, name)
+    out.append((op, flip, mode == "per_example"))
+  return out
+
+
 def value_and_grad(traced: Callable, leaves: Sequence[Any],
                    diff_idx: Sequence[int], probes: Mapping[str, Any],
                    arrays: Sequence[Any], program: program_rules.Program,
-                   upper_bound: bool):
+                   upper_bound: bool, ghost: Optional[str] = None):
   """The pass of ``traced(leaves, probes, arrays) -> (value, aux)`` with
   the sites of ``program`` as inputs (see the module docstring).
+  ``ghost``: what a parameter's one linear site keeps (``"gram"``,
+  ``"norms"``, ``"factors"``; see :func:`_linear_sites`), None for no
+  linear site.
 
   Returns:
     ``((value, aux), (leaf cotangents of diff_idx, probe cotangents),
@@ -240,39 +362,75 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
       program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp,
                          tracked=sorted(program.tracked)),
       program)
+  linear = _linear_sites(jaxpr, sites, program, ghost, upper_bound)
   prefixes = [_prefix(jaxpr, consts, s, n) for s in sites]
-  zs = [jnp.broadcast_to(fn(*[leaves[k] for k in inputs])[0], s.shape)
-        for s, (inputs, fn) in zip(sites, prefixes)]
+  zs = [None if lin else
+        jnp.broadcast_to(fn(*[leaves[k] for k in inputs])[0], s.shape)
+        for s, (inputs, fn), lin in zip(sites, prefixes, linear)]
   out_tree = jax.tree_util.tree_structure(shape)
 
   # For clipping, each per-example site's abs probe: its cotangent bounds
   # the rounding of the site's own dL/dZ (see _site_error).
-  abs_zs = [jnp.zeros_like(z) if s.mapped and upper_bound else None
-            for s, z in zip(sites, zs)]
+  abs_zs = [jnp.zeros_like(z) if s.mapped and upper_bound and z is not None
+            else None for s, z in zip(sites, zs)]
+  # Each linear site's probe (see _linear_sites).
+  lin_probes = [None if lin is None else jnp.zeros(
+      lin[0].probe_aval.shape, lin[0].probe_aval.dtype) for lin in linear]
 
-  def loss(diff_leaves, diff_probes, z, abs_z):
+  def loss(diff_leaves, diff_probes, z, abs_z, lin_p):
     full = list(leaves)
     for k, v in zip(diff_idx, diff_leaves):
       full[k] = v
+    mapped = {(s.path, id(s.eqn)): (s.in_axes, (s.operand,), s.out_axis, a)
+              for s, a, lin in zip(sites, abs_z, linear)
+              if s.mapped and lin is None}
+    mapped.update({(s.path, id(s.eqn)): functools.partial(
+        _bind_linear, s, lin[0], lin[2], probe=p)
+                   for s, lin, p in zip(sites, linear, lin_p)
+                   if lin is not None})
     outs = hx.replay(jaxpr, consts,
                      jax.tree_util.tree_leaves((full, diff_probes,
                                                 list(arrays))),
                      {(s.path, id(s.eqn), s.operand): zk
-                      for s, zk in zip(sites, z)},
-                     {(s.path, id(s.eqn)): (s.in_axes, (s.operand,),
-                                            s.out_axis, a)
-                      for s, a in zip(sites, abs_z) if s.mapped})
+                      for s, zk in zip(sites, z) if zk is not None},
+                     mapped)
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
-  out, (d_leaves, d_probes, dzs, d_abs) = jax.value_and_grad(
-      loss, argnums=(0, 1, 2, 3), has_aux=True)(
-          [leaves[k] for k in diff_idx], probes, zs, abs_zs)
-  per, err = {}, {}
-  for s, (inputs, fn), dz, da in zip(sites, prefixes, dzs, d_abs):
-    grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound,
-                            None if da is None else _site_error(s, da))
+  out, (d_leaves, d_probes, dzs, d_abs, d_lin) = jax.value_and_grad(
+      loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+          [leaves[k] for k in diff_idx], probes, zs, abs_zs, lin_probes)
+  per, err, formed, kept_factors = {}, {}, {}, {}
+  for s, (inputs, fn), dz, da, lin, dl in zip(sites, prefixes, dzs, d_abs,
+                                              linear, d_lin):
+    if lin is not None:
+      op, flip, _ = lin
+      (k,) = s.leaves
+      if op.mode in ("gram", "norms"):
+        formed[k] = dl
+        continue
+      if op.mode == "factors":
+        kept_factors[k] = (op, dl, flip)
+        continue
+      grads, e = _linear_per_example(op, dl, flip, leaves[k], upper_bound)
+      grads = {k: grads}
+    else:
+      grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound,
+                              None if da is None else _site_error(s, da))
     for k, g in grads.items():
       per[k] = g if k not in per else per[k] + g
       if e is not None:  # (a bound of each part: their sum bounds the sum)
         err[k] = e if k not in err else err[k] + e
-  return out, (d_leaves, d_probes), Stores(per, err)
+  return out, (d_leaves, d_probes), Stores(per, err, formed, kept_factors)
+
+
+def _linear_per_example(op, value, flip: bool, leaf, upper_bound: bool):
+  """``([B, *leaf.shape], [B] error or None)``: the per-example gradients
+  of a linear site's leaf from its op's ``"per_example"`` probe (``[B,
+  d_in d_out]``, then the rounding bound's column in a clipping pass)."""
+  b = value.shape[0]
+  d_in, d_out = op.param_avals[0].shape
+  g = value[:, :d_in * d_out].reshape((b, d_in, d_out))
+  if flip:
+    g = jnp.swapaxes(g, 1, 2)
+  return g.reshape((b, *jnp.shape(leaf))), (value[:, -1] if upper_bound
+                                             else None)
