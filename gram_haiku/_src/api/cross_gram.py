@@ -192,7 +192,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                      fn_name="cross_gram", needs="norms", has_aux=has_aux,
                      axes=axes, frozen=frozen, weight_fn=weight_fn,
                      example_weights=mask, privacy=clip is not None,
-                     example_axes=example_axes, cross_rows=b)
+                     example_axes=example_axes, cross_rows=b,
+                     unit_rows=clip is None)
     # The training examples' own value (and aux, state): the pass's is of
     # both sets. Under jit, unused, it is not computed.
     if query_flag is not None:

@@ -696,7 +696,8 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
 
 def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
                skip=frozenset(), summed: bool = False,
-               upper_bound: bool = False) -> dict:
+               upper_bound: bool = False,
+               row_sums: Optional[dict] = None) -> dict:
   """``{module: [s, B - s]}``: each module's Gram block ``G[:s, s:]``
   between the first ``s`` examples and the others, from what it kept in a
   re-contracting pass (factors, slots or per-example gradients), formed
@@ -709,12 +710,21 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
   of the axes; summed for ``summed``): this device's rows of the global
   block. ``upper_bound``: the pass's (:attr:`Objective.upper_bound`): its
   per-example stores carry a rounding-bound column, left out here (the
-  block is the exact one)."""
+  block is the exact one). ``row_sums``: a dict that receives, for each
+  factor store whose block is formed from materialised per-example
+  gradients (:func:`~gram_haiku._src.passes.bookkeeping.materializes_block`),
+  ``{operand: sum over the first s examples}``: the update where their
+  weights are all 1, for :func:`recontract` (``known``)."""
   out = {}
   for m, store in sorted(p.stores.items()):
     if store == Store.NOTHING:
       continue
-    if not summed:
+    if (not summed and row_sums is not None and store == Store.FACTORS and
+        m not in p.program and bk.materializes_block(
+            *opened[m], row_split, t.axes)):
+      out[m], row_sums[m] = bk.block_and_row_sums(*opened[m], row_split,
+                                                   t.axes)
+    elif not summed:
       out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
                          opened, p, leaves, skip, upper_bound, row_split)
     elif store in _OF_FACTORS:
@@ -765,14 +775,16 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
 
 def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                opened, weights: Mapping[str, jax.Array], padded: bool,
-               skip=frozenset(), rows: Optional[int] = None) -> list:
+               skip=frozenset(), rows: Optional[int] = None,
+               known: Optional[Mapping[str, dict]] = None) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers), from the stores and
   each module's weights ``c``; ``CLIP`` modules' from the pass itself.
   ``padded``: some rows may be padding, whose values may be anything.
   ``rows``: only the first ``rows`` examples have non-zero weights (a
   cross pass's training examples): factors are re-contracted on them.
-  A slotted module's gradients are NaN unless every slot was written."""
+  ``known``: module -> ``{operand: its sum_i c_i g_i}`` formed already
+  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's gradients are NaN unless every slot was written."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in p.param_grads.items():
     grads[k] = ct  # Clipped inside the backward rule.
@@ -788,6 +800,8 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
       continue
     if store == Store.PARTS:  # (weights beyond `rows` are zero)
       cts = parts_lib.recontract(opened[m], weights[m], padded)
+    elif known is not None and m in known:
+      cts = known[m]
     elif store in _OF_FACTORS:
       cts = bk.recontract_factors(
           *opened[m], weights[m], padded,
