@@ -24,6 +24,7 @@ In-Run Data Shapley (Wang et al. 2024) its first-order term per step.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -115,10 +116,13 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     mesh: a ``jax.sharding.Mesh``: the function builds the ``shard_map``
       itself, as :func:`gram_haiku.value_grad_and_gram` does, and is
       called outside it on the whole batch and all the queries, both
-      split over ``mesh_axes`` (default every axis of the mesh; ``B`` and
-      ``V`` must be multiples of the number of devices). ``cross`` comes
-      back global (``f32[B, V]``), ``grads`` replicated, ``value``
-      ``f32[n]`` (each device's loss).
+      split over ``mesh_axes`` (default every axis of the mesh; ``B``
+      must be a multiple of the number of devices ``n``; ``V`` need not
+      be: the queries are then padded with copies of the last one up to
+      the next multiple, whose columns are dropped, and ``query_summed``
+      is the block's row sums). ``cross`` comes back global
+      (``f32[B, V]``), ``grads`` replicated, ``value`` ``f32[n]`` (each
+      device's loss).
     query_flag: the name of a keyword argument of ``f`` through which it
       is told which rows are queries, so that it can give them a separate
       query loss (e.g. a validation loss): in the pass ``f`` gets
@@ -218,9 +222,46 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       rows=lambda out: (shard_examples.mark(out[:2], False),
                         shard_examples.mark(out[2], True)))
 
+  devices = math.prod(mesh.shape[a] for a in axes)
+
   def on_mesh(params, state, rng, *args, queries, **kwargs):
     if not isinstance(queries, (tuple, list)) or len(queries) != len(args):
       _concatenated(args, queries, example_axes)  # Its error.
-    return sharded(params, state, rng, *args, *queries, **kwargs)
+    queries, v = _padded_queries(queries, example_axes, devices)
+    value, grads, cross = sharded(params, state, rng, *args, *queries,
+                                  **kwargs)
+    if v is None:
+      return value, grads, cross
+    blocks = {m: blk[:, :v] for m, blk in cross.by_layer.items()}
+    return value, grads, CrossGrams(
+        blocks, {m: jnp.sum(blk, axis=1) for m, blk in blocks.items()},
+        cross.sq_norms_by_layer, cross.coverage)
   return on_mesh
+
+
+def _padded_queries(queries, example_axes, devices: int):
+  """``(queries, None)`` where their number ``V`` is a multiple of
+  ``devices`` (or not one number: the pass's own checks say so); else
+  ``(padded, V)``: each query argument with copies of its last query
+  appended along its example axis up to the next multiple. A padding
+  query is a query like any other (finite wherever the real ones are),
+  its columns of the block are dropped, and no query reaches the
+  update: exact."""
+  axes = (list(example_axes) if example_axes is not None
+          else [0] * len(queries))
+  sizes = {jnp.shape(y)[ax] for q, ax in zip(queries, axes)
+           if ax is not None for y in jax.tree.leaves(q)
+           if jnp.ndim(y) > ax}
+  if len(sizes) != 1:
+    return queries, None
+  v, = sizes
+  if v == 0 or v % devices == 0:
+    return queries, None
+  extra = devices - v % devices
+
+  def pad(y, ax):
+    last = jax.lax.slice_in_dim(y, v - 1, v, axis=ax)
+    return jnp.concatenate([y, jnp.repeat(last, extra, axis=ax)], axis=ax)
+  return tuple(q if ax is None else jax.tree.map(lambda y, ax=ax: pad(y, ax), q)
+               for q, ax in zip(queries, axes)), v
 
