@@ -368,3 +368,63 @@ def test_materialised_blocks_give_the_update_exactly_in_float64(
                       for n, v in d.items()} for m, d in want_grads.items()}
     np.testing.assert_allclose(value, want_value, rtol=1e-12)
     chex.assert_trees_all_close(grads, want_grads, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("form", ["split", "dict"])
+def test_a_per_layer_clipped_update_is_exact_in_float64(form):
+  """``clipping="per-layer"``: each module's part of ``g_i`` clipped to its
+  own threshold (one number split by layer_split, or a dict), the update
+  against the per-layer clipped sum of ``vmap(grad)``'s gradients; the
+  block stays of the unclipped ones."""
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(8), 5)
+    x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
+            jax.random.normal(k[1], (6, 3), jnp.float64))
+    xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
+    yq = jax.random.normal(k[3], (V, 3), jnp.float64)
+    t, train_loss, query_loss = _two_losses()
+    params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
+    f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
+    h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+    groups = column_groups(params)
+    norms = {m: np.sqrt(np.sum(f[:, c] ** 2, axis=1))
+             for m, c in groups.items()}
+    limits = {m: float(np.median(n)) for m, n in norms.items()}
+    # One C split by weights w_l (C_l = C w_l / |w|), or a dict of C_l.
+    c_norm = (limits if form == "dict" else
+              float(np.sqrt(sum(v * v for v in limits.values()))))
+    value, grads, cross = jax.jit(gram_haiku.cross_gram(
+        t.apply, query_flag="is_query", l2_clip_norm=c_norm,
+        clipping="per-layer",
+        layer_split="equal" if form == "dict" else lambda sizes: limits))(
+            params, state, None, x, y, queries=(xq, yq))
+    want = f @ h.T
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    weighted = np.zeros_like(f)
+    for m, cols in groups.items():
+      c = testing.clip_reference(norms[m], limits[m])
+      assert 0 < np.mean(c < 1) < 1, (m, c)
+      weighted[:, cols] = c[:, None] * f[:, cols]
+      np.testing.assert_allclose(cross.sq_norms_by_layer[m], norms[m] ** 2,
+                                 rtol=1e-10)
+    chex.assert_trees_all_close(
+        grads, testing.weighted_sum(weighted, np.ones(len(f)), params),
+        rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(value, train_loss(params, x, y), rtol=1e-12)
+
+
+def test_clipping_errors():
+  t, _, _ = _two_losses()
+  x, y = jnp.ones((4, 4)), jnp.ones((4, 3))
+  params, state = t.init(jax.random.PRNGKey(0), x, y,
+                         is_query=jnp.zeros((4,), bool))
+  with pytest.raises(ValueError, match="expected one of"):
+    gram_haiku.cross_gram(t.apply, l2_clip_norm=1.0, clipping="by-layer")
+  with pytest.raises(ValueError, match="'all-layer' with a dict"):
+    gram_haiku.cross_gram(t.apply, l2_clip_norm={"linear": 1.0})
+  with pytest.raises(ValueError, match=r"cross_gram\(clipping='per-layer'\)"
+                     r": no threshold for \['linear_1'\]"):
+    gram_haiku.cross_gram(t.apply, query_flag="is_query",
+                          l2_clip_norm={"linear": 1.0}, clipping="per-layer")(
+                              params, state, None, x, y, queries=(x, y))

@@ -260,7 +260,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   objective = pipeline.Objective(recontract=True, needs=needs,
                                  upper_bound=privacy,
                                  frozen=frozenset(frozen_names),
-                                 parts=cross_rows is None)
+                                 parts=cross_rows is None,
+                                 blocks=cross_rows is not None)
   t, live = pipeline.participants(t, objective, params)
   if clips is not None:
     objective = objective.with_clips(clips({

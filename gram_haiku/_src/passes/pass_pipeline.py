@@ -130,6 +130,10 @@ class Objective:
       embedding) may keep each application's factors (``PARTS``) where
       norms are read; False: per-example gradients (the Gram blocks of
       :func:`gram_haiku.cross_gram`).
+    blocks: Gram blocks are read from the stores after the pass
+      (:func:`read_cross`): every module keeps factors or per-example
+      gradients, also those clipped per layer (never ``CLIP``, which
+      keeps only norms).
     clips: per-layer clipping: module -> its
       :class:`~gram_haiku._src.compute.plan.Clip` (every module that takes part;
       known once :func:`participants` has said which do, see
@@ -142,6 +146,7 @@ class Objective:
   frozen: frozenset = frozenset()
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   parts: bool = True
+  blocks: bool = False
 
   def with_clips(self, clips: Mapping[str, Any]) -> "Objective":
     """This objective, clipping each module of ``clips`` per layer."""
@@ -298,7 +303,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     # Several applications (also alternatives, e.g. hk.cond branches): each
     # has its own input layout, and only per-example gradients add up.
     return Store.PER_EXAMPLE
-  if m in objective.clips:
+  if m in objective.clips and not objective.blocks:
     return Store.CLIP
   if not set(op.plan.frozen) <= set(op.droppable):
     # After the pass only the parameter leaves are known, not the values
@@ -333,7 +338,8 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
   re-contract, a module applied more than once (or stacked by
   ``hk.layer_stack``, sharded by an Explicit mesh, or sharing its layer
   name with another module) keeps per-example gradients; otherwise it
-  clips in its backward rule (``objective.clips``), or keeps factors or
+  clips in its backward rule (``objective.clips``, unless blocks are
+  read: ``objective.blocks``), or keeps factors or
   per-example gradients: per-example gradients where a frozen operand the
   rule reads cannot be rebuilt after the pass, the full Gram's columns are
   gathered over a mesh, the input does not survive the probe's dtype or
