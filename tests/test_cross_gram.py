@@ -316,3 +316,115 @@ def test_query_flag_errors():
     gram_haiku.cross_gram(t.apply, query_flag="is_query")(
         params, state, None, x, y, queries=(x, y),
         is_query=jnp.zeros((8,), bool))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost"])
+def test_materialised_blocks_give_the_update_exactly_in_float64(
+    strategy, monkeypatch):
+  """Layers over positions whose block is formed from materialised
+  per-example gradients take the training rows' update from their sum
+  (bookkeeping.block_and_row_sums, no re-contraction); ghost blocks keep
+  the re-contraction. Both exact, a frozen bias (zero columns, no sum)
+  and queries far off the training inputs included."""
+  from gram_haiku._src.passes import bookkeeping  # pylint: disable=g-import-not-at-top
+  calls = []
+  real = bookkeeping.block_and_row_sums
+  monkeypatch.setattr(bookkeeping, "block_and_row_sums",
+                      lambda op, *a: calls.append(op.name) or real(op, *a))
+
+  def body(x):  # x: [B, 4, 16]: factors kept (smaller than the
+    # gradients), and the cost model materialises the linear blocks.
+    h = jnp.tanh(hk.Linear(16, name="first")(x))
+    h = hk.Conv1D(16, 2, name="conv")(h)
+    return jnp.sum(hk.Linear(6, name="last")(h) ** 2, axis=(1, 2))
+
+  def loss(x):
+    with gram_haiku.track(strategy=strategy):
+      return body(x).sum()
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(k[0], (4, 4, 16), jnp.float64)
+    xq = 1e3 + jax.random.normal(k[1], (V, 4, 16), jnp.float64)
+    t = hk.transform_with_state(loss)
+    plain = hk.transform(lambda x: body(x).sum())
+    plain_loss = lambda p, x: plain.apply(p, None, x)
+    params, state = t.init(k[2], x)
+    value, grads, cross = jax.jit(gram_haiku.cross_gram(
+        t.apply, frozen=["first/b"]))(params, state, None, x, queries=(xq,))
+    assert set(calls) >= ({"first", "last"} if strategy == "auto" else set()
+                          ) and (strategy == "auto" or not calls), calls
+    frozen = {"first": {"b"}}
+    f = np.asarray(testing.per_example_grads(plain_loss, params, x))
+    h = np.asarray(testing.per_example_grads(plain_loss, params, xq))
+    names = [f"{m}/{n}" for m, n, _ in hk.data_structures.traverse(params)]
+    sizes = [v.size for _, _, v in hk.data_structures.traverse(params)]
+    keep = np.concatenate([np.full(s, n != "first/b")
+                           for n, s in zip(names, sizes)])
+    want = f[:, keep] @ h[:, keep].T
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    want_value, want_grads = jax.value_and_grad(plain_loss)(params, x)
+    want_grads = {m: {n: (jnp.zeros_like(v) if n in frozen.get(m, ()) else v)
+                      for n, v in d.items()} for m, d in want_grads.items()}
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    chex.assert_trees_all_close(grads, want_grads, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("form", ["split", "dict"])
+def test_a_per_layer_clipped_update_is_exact_in_float64(form):
+  """``clipping="per-layer"``: each module's part of ``g_i`` clipped to its
+  own threshold (one number split by layer_split, or a dict), the update
+  against the per-layer clipped sum of ``vmap(grad)``'s gradients; the
+  block stays of the unclipped ones."""
+  with jax.enable_x64(True):
+    k = jax.random.split(jax.random.PRNGKey(8), 5)
+    x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
+            jax.random.normal(k[1], (6, 3), jnp.float64))
+    xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
+    yq = jax.random.normal(k[3], (V, 3), jnp.float64)
+    t, train_loss, query_loss = _two_losses()
+    params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
+    f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
+    h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+    groups = column_groups(params)
+    norms = {m: np.sqrt(np.sum(f[:, c] ** 2, axis=1))
+             for m, c in groups.items()}
+    limits = {m: float(np.median(n)) for m, n in norms.items()}
+    # One C split by weights w_l (C_l = C w_l / |w|), or a dict of C_l.
+    c_norm = (limits if form == "dict" else
+              float(np.sqrt(sum(v * v for v in limits.values()))))
+    value, grads, cross = jax.jit(gram_haiku.cross_gram(
+        t.apply, query_flag="is_query", l2_clip_norm=c_norm,
+        clipping="per-layer",
+        layer_split="equal" if form == "dict" else lambda sizes: limits))(
+            params, state, None, x, y, queries=(xq, yq))
+    want = f @ h.T
+    np.testing.assert_allclose(cross.total, want, rtol=1e-10,
+                               atol=1e-12 * np.abs(want).max())
+    weighted = np.zeros_like(f)
+    for m, cols in groups.items():
+      c = testing.clip_reference(norms[m], limits[m])
+      assert 0 < np.mean(c < 1) < 1, (m, c)
+      weighted[:, cols] = c[:, None] * f[:, cols]
+      np.testing.assert_allclose(cross.sq_norms_by_layer[m], norms[m] ** 2,
+                                 rtol=1e-10)
+    chex.assert_trees_all_close(
+        grads, testing.weighted_sum(weighted, np.ones(len(f)), params),
+        rtol=1e-10, atol=1e-13)
+    np.testing.assert_allclose(value, train_loss(params, x, y), rtol=1e-12)
+
+
+def test_clipping_errors():
+  t, _, _ = _two_losses()
+  x, y = jnp.ones((4, 4)), jnp.ones((4, 3))
+  params, state = t.init(jax.random.PRNGKey(0), x, y,
+                         is_query=jnp.zeros((4,), bool))
+  with pytest.raises(ValueError, match="expected one of"):
+    gram_haiku.cross_gram(t.apply, l2_clip_norm=1.0, clipping="by-layer")
+  with pytest.raises(ValueError, match="'all-layer' with a dict"):
+    gram_haiku.cross_gram(t.apply, l2_clip_norm={"linear": 1.0})
+  with pytest.raises(ValueError, match=r"cross_gram\(clipping='per-layer'\)"
+                     r": no threshold for \['linear_1'\]"):
+    gram_haiku.cross_gram(t.apply, query_flag="is_query",
+                          l2_clip_norm={"linear": 1.0}, clipping="per-layer")(
+                              params, state, None, x, y, queries=(x, y))

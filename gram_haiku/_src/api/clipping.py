@@ -71,14 +71,17 @@ Thresholds = Union[float, Mapping[str, float]]
 LayerSplit = Union[str, Callable[[Mapping[str, int]], Mapping[str, float]]]
 
 
-def _check_split(split) -> None:
+def check_split(split) -> None:
+  """Raises a ``ValueError`` for a ``layer_split`` that is neither one of
+  :data:`LAYER_SPLITS` nor a function."""
   if not (callable(split) or split in LAYER_SPLITS):
     raise ValueError(f"gram_haiku.clipped_grad: layer_split={split!r}: "
                      f"expected one of {LAYER_SPLITS} or a function.")
 
 
 def split_threshold(total: float, sizes: Mapping[str, int],
-                    split: LayerSplit) -> dict[str, float]:
+                    split: LayerSplit, fn: str = "clipped_grad"
+                    ) -> dict[str, float]:
   """Per-layer thresholds ``C_l`` with ``sqrt(sum_l C_l^2) == total``.
 
   Args:
@@ -89,6 +92,7 @@ def split_threshold(total: float, sizes: Mapping[str, int],
       squared bound is its share of the parameters), or a function
       ``sizes -> {module: w_l}`` of non-negative weights, at least one
       positive, giving ``C_l = C w_l / sqrt(sum_l w_l^2)``.
+    fn: the transform that was called, for errors.
 
   Raises:
     ValueError: for an unknown split, or weights that miss a module, are
@@ -100,17 +104,17 @@ def split_threshold(total: float, sizes: Mapping[str, int],
   elif split == "by_size":
     weights = {m: math.sqrt(sizes[m]) for m in modules}
   elif callable(split):
-    weights = _split_weights(split, sizes, modules)
+    weights = _split_weights(split, sizes, modules, fn)
   else:
-    _check_split(split)
+    check_split(split)
   norm = math.sqrt(sum(w * w for w in weights.values())) or 1.0
   # (A zero weight is a zero threshold, also for C = inf: no clipping.)
   return {m: total * w / norm if w else 0.0 for m, w in weights.items()}
 
 
 def _split_weights(split: Callable[[Mapping[str, int]], Mapping[str, float]],
-                   sizes: Mapping[str, int], modules: list[str]
-                   ) -> dict[str, float]:
+                   sizes: Mapping[str, int], modules: list[str],
+                   fn: str = "clipped_grad") -> dict[str, float]:
   """The weights ``w_l`` a ``layer_split`` function gives the ``modules``.
 
   Raises:
@@ -128,7 +132,7 @@ def _split_weights(split: Callable[[Mapping[str, int]], Mapping[str, float]],
                "finite number >= 0)" if bad
                else "layer_split returned only zero weights")
     raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-        problem=problem, modules=modules))
+        fn=fn, problem=problem, modules=modules))
   return {m: float(got[m]) for m in modules}
 
 
@@ -548,7 +552,7 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
       not 0 < total < math.inf):
     raise ValueError(errors.JAXP_RESCALE.format(c=total))
   axes = shard_examples.example_axes_of(mesh_axes, mesh, "clipped_grad")
-  _check_split(layer_split)
+  check_split(layer_split)
   if thresholds is not None and layer_split != "equal":
     raise ValueError("gram_haiku.clipped_grad: layer_split splits one "
                      "number l2_clip_norm; with a dict of thresholds, leave "
@@ -714,30 +718,43 @@ def _clip_norms(l2_clip_norm, per_layer: bool, clip_fn: str
 
 
 def _layer_clips(s: _Setup, sizes: Mapping[str, int]) -> dict[str, Clip]:
+  """Per-layer clipping: module -> its :class:`Clip` (:func:`layer_clips`
+  of the setup's thresholds)."""
+  return layer_clips(sizes, s.thresholds, s.total, s.layer_split, s.clip_fn,
+                     s.gamma)
+
+
+def layer_clips(sizes: Mapping[str, int], thresholds: Optional[Mapping],
+                total: float, layer_split: LayerSplit = "equal",
+                clip_fn: str = "abadi", gamma: float = 0.01,
+                fn: str = "clipped_grad") -> dict[str, Clip]:
   """Per-layer clipping: module -> its :class:`Clip`, for the modules that
-  take part (``sizes``: their trainable parameter counts).
+  take part (``sizes``: their trainable parameter counts): ``thresholds``
+  ``{module: C_l}`` (checked numbers), or None: ``total`` split over them
+  by ``layer_split`` (:func:`split_threshold`). ``fn``: the transform, for
+  errors.
 
   Raises:
     ValueError: where a dict of thresholds misses a module or names one
       that tracks no trainable parameter.
   """
   modules = sorted(sizes)
-  if s.thresholds is None:
-    each = split_threshold(s.total, sizes, s.layer_split)
-    return {m: Clip(each[m], s.clip_fn, s.gamma) for m in modules}
-  missing = [m for m in modules if m not in s.thresholds]
+  if thresholds is None:
+    each = split_threshold(total, sizes, layer_split, fn)
+    return {m: Clip(each[m], clip_fn, gamma) for m in modules}
+  missing = [m for m in modules if m not in thresholds]
   if missing:
     raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-        problem=f"no threshold for {missing}", modules=modules))
-  extra = sorted(k for k in s.thresholds if k not in sizes)
+        fn=fn, problem=f"no threshold for {missing}", modules=modules))
+  extra = sorted(k for k in thresholds if k not in sizes)
   if extra:
     # Their thresholds would count in the sensitivity (the noise) while
     # bounding no gradient: a misspelt name, or a module all frozen.
     raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
-        problem=f"thresholds for {extra}, which track no trainable "
+        fn=fn, problem=f"thresholds for {extra}, which track no trainable "
         "parameter (their thresholds would only inflate the sensitivity, "
         "so the noise)", modules=modules))
-  return {m: Clip(s.thresholds[m], s.clip_fn, s.gamma) for m in modules}
+  return {m: Clip(thresholds[m], clip_fn, gamma) for m in modules}
 
 
 def _global_clip(s: _Setup):

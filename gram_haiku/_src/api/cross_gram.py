@@ -24,11 +24,13 @@ In-Run Data Shapley (Wang et al. 2024) its first-order term per step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import math
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src.api import clipping as clipping_lib
 from gram_haiku._src.api import reweight
 from gram_haiku._src.api import shard_examples
 from gram_haiku._src.compute.plan import Clip
@@ -78,7 +80,9 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                mesh_axes: str | tuple[str, ...] | None = None,
                mesh: Optional[jax.sharding.Mesh] = None,
                query_flag: Optional[str] = None,
-               l2_clip_norm: Optional[float] = None
+               l2_clip_norm: Optional[float | Mapping[str, float]] = None,
+               clipping: str = "all-layer",
+               layer_split: clipping_lib.LayerSplit = "equal"
                ) -> Callable[..., Any]:
   """Transforms a tracked ``apply`` into a training step that also returns
   the Gram block between its examples and a set of queries.
@@ -115,10 +119,13 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     mesh: a ``jax.sharding.Mesh``: the function builds the ``shard_map``
       itself, as :func:`gram_haiku.value_grad_and_gram` does, and is
       called outside it on the whole batch and all the queries, both
-      split over ``mesh_axes`` (default every axis of the mesh; ``B`` and
-      ``V`` must be multiples of the number of devices). ``cross`` comes
-      back global (``f32[B, V]``), ``grads`` replicated, ``value``
-      ``f32[n]`` (each device's loss).
+      split over ``mesh_axes`` (default every axis of the mesh; ``B``
+      must be a multiple of the number of devices ``n``; ``V`` need not
+      be: the queries are then padded with copies of the last one up to
+      the next multiple, whose columns are dropped, and ``query_summed``
+      is the block's row sums). ``cross`` comes back global
+      (``f32[B, V]``), ``grads`` replicated, ``value`` ``f32[n]`` (each
+      device's loss).
     query_flag: the name of a keyword argument of ``f`` through which it
       is told which rows are queries, so that it can give them a separate
       query loss (e.g. a validation loss): in the pass ``f`` gets
@@ -144,6 +151,16 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       clipped gradients' block is ``total`` times
       ``min(1, C / sqrt(sq_norms))`` by row. Noise and accounting are the
       caller's (jax-privacy), as with ``clipped_grad``.
+    clipping: ``"all-layer"`` (the global norm) or ``"per-layer"``, as
+      :func:`gram_haiku.clipped_grad`'s: each module's part of ``g_i``
+      clipped to its own ``C_l`` (``min(1, C_l / |g_i^l|)``, ``|g_i^l|``
+      a sound bound of the module's norm); ``l2_clip_norm`` is then one
+      number ``C``, split over the tracked modules by ``layer_split``, or
+      a dict ``{module: C_l}`` with one positive entry per tracked module
+      and no other; ``sq_norms`` are then the modules' bounds (summed in
+      ``sq_norms``, by module in ``sq_norms_by_layer``).
+    layer_split: as :func:`gram_haiku.clipped_grad`'s: ``"equal"``
+      (``C_l = C / sqrt(L)``), ``"by_size"`` or a function.
 
   Returns:
     ``fn(params, state, rng, *args, queries) -> (value, grads, cross)``
@@ -165,14 +182,16 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     ValueError: for queries that do not match the arguments (count,
       structure, shapes off the example axis, one ``B`` and one ``V``),
       a ``query_flag`` that is not an identifier or is passed by the
-      caller too, an ``l2_clip_norm`` that is not a non-negative number,
+      caller too, an ``l2_clip_norm`` that is not a non-negative number
+      (per layer: positive numbers, one per tracked module), an unknown
+      ``clipping`` or ``layer_split``,
       for a trainable parameter that no Gram rule covers (its part of
       every product would be missing), and every error of
       :func:`gram_haiku.reweighted_grad` (``mesh_axes`` and ``mesh``
       included).
   """
   axes = shard_examples.example_axes_of(mesh_axes, mesh, "cross_gram")
-  clip = None if l2_clip_norm is None else Clip(l2_clip_norm)
+  clip, clips = _clips(l2_clip_norm, clipping, layer_split)
   if query_flag is not None and not (isinstance(query_flag, str) and
                                      query_flag.isidentifier()):
     raise ValueError(errors.CROSS_QUERY_FLAG.format(got=repr(query_flag)))
@@ -186,13 +205,16 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
                             jnp.zeros((v,), jnp.float32)])
     flagged = kwargs if query_flag is None else {
         **kwargs, query_flag: jnp.arange(b + v) >= b}
-    weight_fn = ((lambda grams: mask) if clip is None else
+    weight_fn = (None if clips is not None else
+                 (lambda grams: mask) if clip is None else
                  (lambda grams: clip_weights(grams.sq_norms, clip) * mask))
+    clipped = clip is not None or clips is not None
     r = reweight.run(apply_fn, params, state, rng, rows, flagged,
                      fn_name="cross_gram", needs="norms", has_aux=has_aux,
                      axes=axes, frozen=frozen, weight_fn=weight_fn,
-                     example_weights=mask, privacy=clip is not None,
-                     example_axes=example_axes, cross_rows=b)
+                     clips=clips, example_weights=mask, privacy=clipped,
+                     example_axes=example_axes, cross_rows=b,
+                     unit_rows=not clipped)
     # The training examples' own value (and aux, state): the pass's is of
     # both sets. Under jit, unused, it is not computed.
     if query_flag is not None:
@@ -217,9 +239,85 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
       rows=lambda out: (shard_examples.mark(out[:2], False),
                         shard_examples.mark(out[2], True)))
 
+  devices = math.prod(mesh.shape[a] for a in axes)
+
   def on_mesh(params, state, rng, *args, queries, **kwargs):
     if not isinstance(queries, (tuple, list)) or len(queries) != len(args):
       _concatenated(args, queries, example_axes)  # Its error.
-    return sharded(params, state, rng, *args, *queries, **kwargs)
+    queries, v = _padded_queries(queries, example_axes, devices)
+    value, grads, cross = sharded(params, state, rng, *args, *queries,
+                                  **kwargs)
+    if v is None:
+      return value, grads, cross
+    blocks = {m: blk[:, :v] for m, blk in cross.by_layer.items()}
+    return value, grads, CrossGrams(
+        blocks, {m: jnp.sum(blk, axis=1) for m, blk in blocks.items()},
+        cross.sq_norms_by_layer, cross.coverage)
   return on_mesh
+
+
+def _clips(l2_clip_norm, clipping: str, layer_split):
+  """``(clip, clips)``: all-layer clipping's :class:`Clip` (or None), and
+  per-layer clipping's ``clips`` for :func:`reweight.run` (``{module:
+  number of parameters} -> {module: Clip}``; or None), checked.
+
+  Raises:
+    ValueError: for an unknown ``clipping`` or ``layer_split``, a
+      threshold that is not a non-negative number (positive per layer), or
+      a dict of them with all-layer clipping.
+  """
+  if clipping not in clipping_lib.CLIPPINGS:
+    raise ValueError(errors.CROSS_CLIPPING.format(
+        got=repr(clipping), options=clipping_lib.CLIPPINGS))
+  clipping_lib.check_split(layer_split)
+  if l2_clip_norm is None:
+    return None, None
+  if clipping == "all-layer":
+    if isinstance(l2_clip_norm, Mapping):
+      raise ValueError(errors.CROSS_CLIPPING.format(
+          got="'all-layer' with a dict of thresholds",
+          options=clipping_lib.CLIPPINGS))
+    return Clip(l2_clip_norm), None
+  if isinstance(l2_clip_norm, Mapping):
+    if layer_split != "equal":
+      raise ValueError(errors.CROSS_CLIPPING.format(
+          got="'per-layer' with a dict of thresholds and a layer_split "
+          "(which splits one number)", options=clipping_lib.CLIPPINGS))
+    thresholds = {m: Clip(c).l2_clip_norm for m, c in l2_clip_norm.items()}
+    if not all(c > 0 for c in thresholds.values()):
+      raise ValueError(errors.PER_LAYER_THRESHOLDS.format(
+          fn="cross_gram", problem=f"thresholds {l2_clip_norm} (each must "
+          "be positive)", modules=sorted(thresholds)))
+    total = None
+  else:
+    thresholds, total = None, Clip(l2_clip_norm).l2_clip_norm
+  return None, lambda sizes: clipping_lib.layer_clips(
+      sizes, thresholds, total, layer_split, fn="cross_gram")
+
+
+def _padded_queries(queries, example_axes, devices: int):
+  """``(queries, None)`` where their number ``V`` is a multiple of
+  ``devices`` (or not one number: the pass's own checks say so); else
+  ``(padded, V)``: each query argument with copies of its last query
+  appended along its example axis up to the next multiple. A padding
+  query is a query like any other (finite wherever the real ones are),
+  its columns of the block are dropped, and no query reaches the
+  update: exact."""
+  axes = (list(example_axes) if example_axes is not None
+          else [0] * len(queries))
+  sizes = {jnp.shape(y)[ax] for q, ax in zip(queries, axes)
+           if ax is not None for y in jax.tree.leaves(q)
+           if jnp.ndim(y) > ax}
+  if len(sizes) != 1:
+    return queries, None
+  v, = sizes
+  if v == 0 or v % devices == 0:
+    return queries, None
+  extra = devices - v % devices
+
+  def pad(y, ax):
+    last = jax.lax.slice_in_dim(y, v - 1, v, axis=ax)
+    return jnp.concatenate([y, jnp.repeat(last, extra, axis=ax)], axis=ax)
+  return tuple(q if ax is None else jax.tree.map(lambda y, ax=ax: pad(y, ax), q)
+               for q, ax in zip(queries, axes)), v
 

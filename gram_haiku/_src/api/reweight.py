@@ -229,7 +229,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                  Mapping[str, Clip]]] = None,
         example_weights: Optional[jax.Array] = None,
         privacy: bool = False, example_axes=None,
-        cross_rows: Optional[int] = None) -> PassResult:
+        cross_rows: Optional[int] = None,
+        unit_rows: bool = False) -> PassResult:
   """One reweighted pass (see the module docstring): the pass pipeline
   (:mod:`gram_haiku._src.passes.pass_pipeline`) with a re-contracting objective.
 
@@ -240,7 +241,11 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   ``privacy``: the completeness and example-flow checks a privacy
   guarantee needs. ``cross_rows``: also read each module's Gram block
   between the first ``cross_rows`` examples and the others
-  (:attr:`PassResult.cross`).
+  (:attr:`PassResult.cross`). ``unit_rows``: the weights are 1 on those
+  first ``cross_rows`` examples and 0 on the others, whatever the Grams
+  (a cross pass without clipping): where a block is formed from
+  materialised per-example gradients, their sum is the update (no
+  re-contraction of those factors).
   """
   frozen_names = frozen_leaves(frozen, params)
   t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
@@ -255,7 +260,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   objective = pipeline.Objective(recontract=True, needs=needs,
                                  upper_bound=privacy,
                                  frozen=frozenset(frozen_names),
-                                 parts=cross_rows is None)
+                                 parts=cross_rows is None,
+                                 blocks=cross_rows is not None)
   t, live = pipeline.participants(t, objective, params)
   if clips is not None:
     objective = objective.with_clips(clips({
@@ -274,12 +280,15 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   weights = _weights(grams, weight_fn, objective, mask, kept, t.size)
   # Rows with weight 0 (padding, or an example whose norm is not finite
   # under clipping) may hold anything, even NaN: their inputs are masked.
-  grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
-                              example_weights is not None or privacy, skip,
-                              rows=cross_rows)
+  known = {} if unit_rows and cross_rows is not None else None
   cross = (None if cross_rows is None else tuple(
       pipeline.read_cross(t, p, leaves, opened, cross_rows, skip, summed,
-                          objective.upper_bound) for summed in (False, True)))
+                          objective.upper_bound,
+                          row_sums=None if summed else known)
+      for summed in (False, True)))
+  grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
+                              example_weights is not None or privacy, skip,
+                              rows=cross_rows, known=known)
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},

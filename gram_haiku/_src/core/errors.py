@@ -578,7 +578,7 @@ WEIGHTS_SHAPE = (
     "What to do: return a (B,) vector, e.g. jnp.minimum(1, C / grams.norms).")
 
 PER_LAYER_THRESHOLDS = (
-    "gram_haiku.clipped_grad(clipping='per-layer'): {problem}. Tracked "
+    "gram_haiku.{fn}(clipping='per-layer'): {problem}. Tracked "
     "modules: {modules}.\n"
     "What to do: pass l2_clip_norm as one number C (split over the layers "
     "by layer_split: 'equal', C / sqrt(L) each, 'by_size', or a function "
@@ -1047,6 +1047,13 @@ CROSS_QUERY_FLAG = (
     "What to do: pass query_flag='is_query' and give the function inside "
     "hk.transform_with_state a keyword argument is_query=None that selects "
     "the query loss on the rows where it is True.")
+
+CROSS_CLIPPING = (
+    "gram_haiku.cross_gram: clipping={got}: expected one of {options}, "
+    "as in clipped_grad.\n"
+    "What to do: clipping='all-layer' with one number l2_clip_norm (the "
+    "global norm), or clipping='per-layer' with one number (split over the "
+    "tracked modules by layer_split) or a dict {{module: threshold}}.")
 
 CROSS_QUERY_FLAG_GIVEN = (
     "gram_haiku.cross_gram(query_flag={name!r}): the step was called with "

@@ -156,7 +156,6 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
     return fn(xm, dm, with_bias=with_bias, method=method, cfg=cfg), {}
   folded = kernels.per_example_linear_grads(xm, dm, with_bias,
                                             cfg.precision)
-  grads = _split_folded(folded, xm.shape[-1], with_bias)
   if mode == "norms" and cfg.upper_bound:
     value = kernels.linear_sq_norm_bounds_of(kernels.rows(folded), xm, dm,
                                              with_bias, cfg.precision)
@@ -166,11 +165,15 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
     # One position: the per-example gradients are outer products, and
     # JAX's own weight-gradient matmul beats summing them.
     return value, {}
-  provided = {}
-  for i, (p, pe) in enumerate(zip(params, grads)):
-    if i in wanted and p is not None:
-      provided[i] = kernels.example_sum(pe, cfg.precision).astype(p.dtype)
-  return value, provided
+  if not any(i in wanted and p is not None for i, p in enumerate(params)):
+    return value, {}
+  # One sum of the folded (w, b) gradients, split after: summing each
+  # slice of them would copy it first (a B x N x M copy for w).
+  summed = _split_folded(kernels.example_sum(folded, cfg.precision)[None],
+                         xm.shape[-1], with_bias)
+  return value, {i: pe[0].astype(p.dtype)
+                 for i, (p, pe) in enumerate(zip(params, summed))
+                 if i in wanted and p is not None}
 
 
 def per_example_error(x, g, params, example_dim: int,

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute.kernels import KernelConfig
 from gram_haiku._src.ops import factors
 from gram_haiku._src.ops import modes
@@ -71,6 +73,67 @@ def from_factors(op, x, g, params, mode: str,
                      row_split=row_split, column_axes=tuple(column_axes))
   return modes.products(op.in_mode(mode), x, g, params, (), cfg,
                         reuse=False)[0]
+
+
+def materializes_block(op, x, g, params, row_split: int,
+                       column_axes: tuple[str, ...] = ()) -> bool:
+  """Whether the op's cost function forms the block ``G[:s, s:]`` of these
+  factors from materialised per-example gradients (method
+  ``"materialize"``, counting their reuse for the update) and every
+  example's fit the memory budget at once: then :func:`block_and_row_sums`
+  forms it, and the rows' gradient, from them."""
+  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
+                     precision=op.plan.precision, row_split=row_split,
+                     column_axes=tuple(column_axes))
+  n = cost_model.size_hint(x.shape[op.example_axis.resolved_position()])
+  held = cfg.row_count(n) + cfg.column_count(n)  # F_t and (gathered) F_q
+  itemsize = jnp.dtype(op.accumulation_dtype()).itemsize
+  if held * op.num_params() * itemsize > cfg.memory_budget_bytes:
+    return False
+  return modes.with_method(op.in_mode("gram"), x, g, params, cfg,
+                           reuse=True).method == "materialize"
+
+
+def block_and_row_sums(op, x, g, params, row_split: int,
+                       column_axes: tuple[str, ...] = ()
+                       ) -> tuple[jax.Array, dict]:
+  """``([s, B - s] block, {k: sum_{i < s} g_i})`` from the factors of one
+  application: the per-example gradients of the first ``s`` examples
+  ``F_t`` and of the others ``F_q``, each materialised once by the rule
+  (``"per_example"`` mode, its fused function where it has one), give the
+  block ``F_t F_q^T`` and each trainable operand ``k``'s sum over the first
+  ``s`` (the rule's own sum where it formed it, else ``1^T F_t``).
+
+  This is a cross pass's update where its training examples' weights are
+  all 1 (:func:`gram_haiku.cross_gram` without clipping): no
+  re-contraction of their factors, whose cost equals forming ``F_t``
+  again; and the block never slices a ``[B, P]`` array (the factors are
+  split, not the per-example gradients). ``column_axes``: under
+  ``shard_map``, ``F_q`` is gathered from every device
+  (:meth:`~gram_haiku._src.compute.kernels.KernelConfig.columns`) and the
+  block is this device's rows. Exact as the rule's per-example gradients
+  are; a frozen operand has zero columns and no sum.
+  """
+  e = op.example_axis.resolved_position()
+  n = x.shape[e]
+  part = lambda a, lo, hi: jax.lax.slice_in_dim(a, lo, hi, axis=e)
+  cfg = KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
+                     precision=op.plan.precision)
+  per_example = op.in_mode("per_example")
+  wanted = [k for k, p in enumerate(params)
+            if p is not None and k not in (op.plan.frozen or ())]
+  f_t, sums = modes.products(per_example, part(x, 0, row_split),
+                             part(g, 0, row_split), params, wanted, cfg)
+  f_q = modes.products(per_example, part(x, row_split, n),
+                       part(g, row_split, n), params, (), cfg)[0]
+  block = kernels.gram_matmul(f_t, f_q, cfg.replace(
+      column_axes=tuple(column_axes)))
+  missing = [k for k in wanted if k not in sums]
+  if missing:
+    ones = jnp.ones((f_t.shape[0],), f_t.dtype)
+    summed = recontract_per_example(op, f_t, ones)
+    sums = {**sums, **{k: summed[k] for k in missing}}
+  return block, sums
 
 
 def query_summed_from_factors(op, x, g, params, row_split: int,

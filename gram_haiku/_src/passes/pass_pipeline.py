@@ -131,6 +131,10 @@ class Objective:
       embedding) may keep each application's factors (``PARTS``) where
       norms are read; False: per-example gradients (the Gram blocks of
       :func:`gram_haiku.cross_gram`).
+    blocks: Gram blocks are read from the stores after the pass
+      (:func:`read_cross`): every module keeps factors or per-example
+      gradients, also those clipped per layer (never ``CLIP``, which
+      keeps only norms).
     clips: per-layer clipping: module -> its
       :class:`~gram_haiku._src.compute.plan.Clip` (every module that takes part;
       known once :func:`participants` has said which do, see
@@ -143,6 +147,7 @@ class Objective:
   frozen: frozenset = frozenset()
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   parts: bool = True
+  blocks: bool = False
 
   def with_clips(self, clips: Mapping[str, Any]) -> "Objective":
     """This objective, clipping each module of ``clips`` per layer."""
@@ -307,7 +312,7 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     # Several applications (also alternatives, e.g. hk.cond branches): each
     # has its own input layout, and only per-example gradients add up.
     return Store.PER_EXAMPLE
-  if m in objective.clips:
+  if m in objective.clips and not objective.blocks:
     return Store.CLIP
   if not set(op.plan.frozen) <= set(op.droppable):
     # After the pass only the parameter leaves are known, not the values
@@ -342,7 +347,8 @@ def decide(t: TracedLoss, objective: Objective, live: Sequence[str],
   re-contract, a module applied more than once (or stacked by
   ``hk.layer_stack``, sharded by an Explicit mesh, or sharing its layer
   name with another module) keeps per-example gradients; otherwise it
-  clips in its backward rule (``objective.clips``), or keeps factors or
+  clips in its backward rule (``objective.clips``, unless blocks are
+  read: ``objective.blocks``), or keeps factors or
   per-example gradients: per-example gradients where a frozen operand the
   rule reads cannot be rebuilt after the pass, the full Gram's columns are
   gathered over a mesh, the input does not survive the probe's dtype or
@@ -734,7 +740,8 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
 
 def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
                skip=frozenset(), summed: bool = False,
-               upper_bound: bool = False) -> dict:
+               upper_bound: bool = False,
+               row_sums: Optional[dict] = None) -> dict:
   """``{module: [s, B - s]}``: each module's Gram block ``G[:s, s:]``
   between the first ``s`` examples and the others, from what it kept in a
   re-contracting pass (factors, slots or per-example gradients), formed
@@ -747,12 +754,21 @@ def read_cross(t: TracedLoss, p: Pass, leaves, opened, row_split: int,
   of the axes; summed for ``summed``): this device's rows of the global
   block. ``upper_bound``: the pass's (:attr:`Objective.upper_bound`): its
   per-example stores carry a rounding-bound column, left out here (the
-  block is the exact one)."""
+  block is the exact one). ``row_sums``: a dict that receives, for each
+  factor store whose block is formed from materialised per-example
+  gradients (:func:`~gram_haiku._src.passes.bookkeeping.materializes_block`),
+  ``{operand: sum over the first s examples}``: the update where their
+  weights are all 1, for :func:`recontract` (``known``)."""
   out = {}
   for m, store in sorted(p.stores.items()):
     if store == Store.NOTHING:
       continue
-    if not summed:
+    if (not summed and row_sums is not None and store == Store.FACTORS and
+        m not in p.program and bk.materializes_block(
+            *opened[m], row_split, t.axes)):
+      out[m], row_sums[m] = bk.block_and_row_sums(*opened[m], row_split,
+                                                   t.axes)
+    elif not summed:
       out[m] = _read_one(t, m, store, p.cotangents.get(m), Store.GRAM,
                          opened, p, leaves, skip, upper_bound, row_split)
     elif store in _OF_FACTORS:
@@ -803,14 +819,16 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
 
 def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                opened, weights: Mapping[str, jax.Array], padded: bool,
-               skip=frozenset(), rows: Optional[int] = None) -> list:
+               skip=frozenset(), rows: Optional[int] = None,
+               known: Optional[Mapping[str, dict]] = None) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers), from the stores and
   each module's weights ``c``; ``CLIP`` modules' from the pass itself.
   ``padded``: some rows may be padding, whose values may be anything.
   ``rows``: only the first ``rows`` examples have non-zero weights (a
   cross pass's training examples): factors are re-contracted on them.
-  A slotted module's gradients are NaN unless every slot was written."""
+  ``known``: module -> ``{operand: its sum_i c_i g_i}`` formed already
+  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's gradients are NaN unless every slot was written."""
   grads = [jnp.zeros_like(l) for l in leaves]
   for k, ct in p.param_grads.items():
     grads[k] = ct  # Clipped inside the backward rule.
@@ -834,6 +852,8 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
       continue
     if store == Store.PARTS:  # (weights beyond `rows` are zero)
       cts = parts_lib.recontract(opened[m], weights[m], padded)
+    elif known is not None and m in known:
+      cts = known[m]
     elif store in _OF_FACTORS:
       cts = bk.recontract_factors(
           *opened[m], weights[m], padded,
