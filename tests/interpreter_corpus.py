@@ -1428,13 +1428,23 @@ def _tracked_weight_read_by_a_matmul(x, y):
 
 
 def _tracked_weight_read_in_a_scan(x, y):
-  # The outside use is inside a loop, where no program-level rule looks.
+  # The outside use is inside a loop (its body's matmul, a per-example
+  # site summed over the steps), the layer applied outside it.
   lin = hk.Linear(3)
   h = lin(x)
   w = lin.params_dict()["linear/w"]
   _, o = jax.lax.scan(lambda c, xt: (c, jnp.tanh(xt @ w)), 0.0,
                       jnp.swapaxes(x, 0, 1))
   return _sq(h + jnp.swapaxes(o, 0, 1), y)
+
+
+def _tracked_layer_in_a_scan_read_outside(x, y):
+  # The layer is applied inside a loop (it keeps no per-example gradients
+  # of its own there), its weight read by a matmul outside it.
+  lin = hk.Linear(3)
+  _, o = hk.scan(lambda c, xt: (c, jnp.tanh(lin(xt))), 0.0,
+                 jnp.swapaxes(x, 0, 1))
+  return _sq(jnp.swapaxes(o, 0, 1) + x @ lin.params_dict()["linear/w"], y)
 
 
 _MIXED = r"(?s)'linear/w' is used both inside a tracked layer.*`scan`"
@@ -1943,7 +1953,9 @@ ROWS: list[Row] = [
     Row("tracked_weight_read_by_a_matmul", _tracked_weight_read_by_a_matmul,
         EXACT, False, source=_PR),
     Row("tracked_weight_read_in_a_scan", _tracked_weight_read_in_a_scan,
-        _MIXED, _MIXED, source=_PR),
+        EXACT, False, source=_PR),
+    Row("tracked_layer_in_a_scan_read_outside",
+        _tracked_layer_in_a_scan_read_outside, _MIXED, _MIXED, source=_PR),
 ]
 
 

@@ -354,6 +354,7 @@ class _Flow(interpreter.Interpreter):
     if observed is not None:
       domain = dataclasses.replace(EXAMPLES, output=_observer(observed))
     super().__init__(domain, gram_op_type)
+    self.observed = observed
     self.batch = batch
     self.model_state = model_state  # constants that are apply's own state
     self.strict = strict
@@ -462,6 +463,11 @@ class _Flow(interpreter.Interpreter):
     deps = list(deps) if deps is not None else [True] * len(ins)
     for v, o in zip(jaxpr.invars, origins or ()):
       self._origin[(site, id(v))] = o
+    if self.observed is not None:  # (a loop body's: its last round's)
+      path = self.call_path(site)
+      for v, s in zip(jaxpr.invars, ins):
+        if (path, v) in self.observed:
+          self.observed[(path, v)] = s
     outs = self.run(jaxpr, [_Val(s, d) for s, d in zip(ins, deps)], site)
     self.last_deps = [o.dep for o in outs]
     self.last_origins = [self.origin(v, site) for v in jaxpr.outvars]
@@ -1076,8 +1082,10 @@ def check(jaxpr, in_states: Sequence[State], batch: int,
       (given to ``apply``, closed over by the traced loss): not data the
       user closed over (see :meth:`_Flow._closed_over`).
     observed: ``{(call path, variable): None}``: the variables (the
-      program's inputs, path ``()``, or its equations' outputs, inside the
-      calls of equations with those ids) whose states are written into it
+      inputs or the equations' outputs of the program, path ``()``, or of
+      the programs of the call, branch or loop equations with those ids;
+      a loop body's as its carries' fixed point has them) whose states
+      are written into it
       (the sites of program-level rules,
       :mod:`gram_haiku._src.analysis.program_rules`).
 

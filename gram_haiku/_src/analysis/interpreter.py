@@ -225,10 +225,11 @@ class Interpreter:
     programs it calls."""
     return (self.site, id(eqn))
 
-  def call_path(self) -> tuple:
+  def call_path(self, site: Any = None) -> tuple:
     """The ids of the equations (outermost first) whose programs the
-    current run is inside, by :meth:`key`: ``()`` in a program's own."""
-    path, site = [], self.site
+    current run (or the run of key ``site``) is inside, by :meth:`key`:
+    ``()`` in a program's own."""
+    path, site = [], self.site if site is None else site
     while isinstance(site, tuple) and len(site) == 2 and not isinstance(
         site[0], str):  # (a fresh run's key is ("run", n))
       site, eqn_id = site

@@ -150,8 +150,9 @@ class Site:
       same for every example; set by :func:`resolve`).
     out_axis: for a mapped site, its output's examples' axis (set by
       :func:`resolve`).
-    calls: the ``jit`` call equations (outermost first) whose bodies hold
-      ``eqn``; ``()`` for the program's own.
+    calls: the call-like equations (outermost first: ``jit``,
+      ``checkpoint``, ``cond``, ``scan``; :data:`CALL_RULES`) whose
+      programs hold ``eqn``; ``()`` for the program's own.
     linear: for a mapped site of the shape of a linear layer, how it is one
       (:class:`LinearForm`, set by :func:`resolve`; :data:`LINEAR_FORMS`);
       None otherwise.
@@ -370,15 +371,137 @@ def _no_rule(ctx, eqn, ins) -> list:
 
 
 def _into_call(ctx, eqn, ins) -> list:
-  """A ``jit`` call (``jnp.take`` is one) where a prefix value meets the
-  data: followed inside, its sites the body's equations under the call
-  (:attr:`Site.calls`; the pass evaluates such calls inline)."""
+  """A ``jit`` call (``jnp.take`` is one) or a ``checkpoint`` (``hk.remat``)
+  where a prefix value meets the data: followed inside, its sites the
+  body's equations under the call (:attr:`Site.calls`; the pass replays
+  the body with them, :func:`gram_haiku._src.compat.hijax_compat.replay`).
+  Exact: either call's derivative is its body's (a checkpoint only
+  recomputes the body's values in the backward pass; the replay keeps it
+  a checkpoint, with its policy)."""
+  if hx.call_bodies(eqn) is None:
+    return _in_call(ctx, eqn, ins)
   ctx.config.calls.append(eqn)
   try:
     outs = ctx.join_all(ctx.run_subs(eqn, lambda sub: list(ins)))
   finally:
     ctx.config.calls.pop()
   return outs if outs is not None else [Val(data=True)] * len(eqn.outvars)
+
+
+def _leaving(ctx, eqn, ins, outs) -> list:
+  """``outs`` of a branch or loop equation, or a refusal where a prefix
+  value leaves it (it would be computed with the examples' values: the
+  pass computes a site's operand from the parameters alone)."""
+  if any(o.leaves and hx.may_carry_gradient(v)
+         for v, o in zip(eqn.outvars, outs)):
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_OUT_OF_CALL.format(
+        primitive=eqn.primitive.name))
+  return [Val(data=True) if o.data else Val(const=o.const) for o in outs]
+
+
+def _into_cond(ctx, eqn, ins) -> list:
+  """A ``lax.cond``/``lax.switch`` whose index does not depend on the
+  examples, with a prefix value among its operands: each branch followed
+  inside (:meth:`~gram_haiku._src.analysis.interpreter.Interpreter.
+  branches`), its sites under the call. Exact: one branch runs, the same
+  for every example (its index is example-independent: a constant, or a
+  value of the parameters alone), and each example's gradient is that
+  branch's, which the pass replays by ``lax.switch`` on the same index
+  (a site of the branch that does not run takes a zero gradient). An
+  index computed from the examples' values (one branch for the batch,
+  chosen from several examples) is refused; a ``cond`` per example
+  (``jax.vmap`` of it) is no ``cond`` in the program but a ``select_n``
+  of both branches' values, which the broadcast rule covers."""
+  if ins[0].data:
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_BRANCH_ON_EXAMPLES.format(
+        primitive=eqn.primitive.name))
+  ctx.config.calls.append(eqn)
+  try:
+    outs = ctx.join_all(ctx.branches(eqn, hx.cond_branches(eqn),
+                                     list(ins[1:])))
+  finally:
+    ctx.config.calls.pop()
+  return _leaving(ctx, eqn, ins, outs)
+
+
+def _into_scan(ctx, eqn, ins) -> list:
+  """A ``lax.scan`` (``hk.scan``, ``hk.dynamic_unroll``, Flax's ``nn.RNN``
+  and ``nn.scan``) with a prefix value among its constants (a recurrent
+  cell's bare weights, closed over by its body): the body followed
+  inside, its sites under the call. In the body the carries and the
+  scanned slices count as data (a value that changes from step to step
+  is no function of the parameters alone); a prefix value that is a
+  carry or a scanned input (a learned initial state, per-step weights) is
+  refused, and so is one that leaves the loop.
+
+  Exact: the pass passes each site's ``Z`` into the loop as a constant
+  (closed over by the replayed body, :func:`gram_haiku._src.compat.
+  hijax_compat.replay`), the same at every step, so that ``dL/dZ`` is the
+  sum over the steps of each step's cotangent (autodiff of a loop
+  constant), and slice ``i`` of it still meets example ``i``'s values
+  alone (which the example flow proves inside the body, as outside):
+  ``(dL/dZ)[i]`` is example ``i``'s gradient of the operand, summed over
+  the steps, as ``jax.vmap(jax.grad)`` gives it."""
+  body, n_consts, n_carry, _ = hx.scan_parts(eqn)
+  consts, carry, xs = (list(ins[:n_consts]),
+                       list(ins[n_consts:n_consts + n_carry]),
+                       list(ins[n_consts + n_carry:]))
+  if any(s.leaves for s in carry + xs):
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_LOOP_CARRIED.format(
+        primitive=eqn.primitive.name))
+  stepping = [Val(data=True)] * (n_carry + len(xs))
+
+  def step(c):
+    outs = ctx.run(body, consts + c[:n_carry] + stepping[n_carry:],
+                   ctx.key(eqn))
+    new = [_join(a, b) for a, b in zip(c, outs[:n_carry])]
+    return outs, new
+
+  ctx.config.calls.append(eqn)
+  try:
+    outs, carry, reached = ctx.fixed_point(step, stepping[:n_carry], 3)
+  finally:
+    ctx.config.calls.pop()
+  if not reached or any(c.leaves for c in carry):
+    return _refuse(ctx, eqn, ins, errors.PROGRAM_OUT_OF_CALL.format(
+        primitive=eqn.primitive.name))
+  return _leaving(ctx, eqn, ins, list(carry) + list(outs[n_carry:]))
+
+
+def _custom_derivative(ctx, eqn, ins) -> list:
+  """A prefix value that is an operand, with the data, of a function with
+  a custom derivative (``jax.custom_jvp``, ``jax.custom_vjp``): refused.
+  Differentiation runs the function's rule, not its body, so a site in
+  the body would be replayed under a derivative that is not the
+  function's (``jax.nn.relu``'s at 0, a straight-through estimator's);
+  and treating the whole call as a per-example site would need its rule
+  to be shown separable by example and its rounding bounded, which this
+  version does not do. A custom-derivative function of the data alone
+  (``jax.nn.relu(x @ w)``) takes no prefix value: nothing to refuse."""
+  return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CUSTOM_DERIVATIVE.format(
+      primitive=eqn.primitive.name))
+
+
+def _in_call(ctx, eqn, ins) -> list:
+  return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
+      primitive=eqn.primitive.name))
+
+
+#: How a prefix value that meets the data inside a call-like primitive
+#: (one with programs in its parameters) is followed, by primitive: a rule
+#: as in :data:`SITE_RULES`, which runs the programs in the domain. A
+#: primitive without one (``while``, a vmapped call) refuses
+#: (:func:`_in_call`).
+CALL_RULES = hx.rule_table({
+    "pjit": _into_call,
+    "jit": _into_call,
+    **{name: _into_call for name in hx.REMAT_NAMES},
+    "cond": _into_cond,
+    "scan": _into_scan,
+    "custom_jvp_call": _custom_derivative,
+    "custom_vjp_call": _custom_derivative,
+    "custom_vjp_call_jaxpr": _custom_derivative,
+})
 
 
 def _tracked_read(ctx, eqn, ins) -> bool:
@@ -411,15 +534,17 @@ def _equation(ctx, eqn, ins: list) -> list:
   if eqn.primitive.name == "stop_gradient":
     return [Val()] * n_out  # no gradient: a constant
   if is_op:
+    loops = [c for c in ctx.config.calls if c.primitive.name == "scan"]
+    if _tracked_read(ctx, eqn, ins) and loops:  # (named by the loop)
+      _refuse(ctx, loops[-1], ins, errors.PROGRAM_TRACKED_IN_LOOP.format(
+          primitive=loops[-1].primitive.name))
+      return [Val(data=True)] * n_out
     if _tracked_read(ctx, eqn, ins):
       return [Val(data=True)] * n_out
     return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_GRAM_OP)
   if hx.jaxprs_of(eqn):
-    if data and hx.jit_body(eqn) is not None:
-      return _into_call(ctx, eqn, ins)
     if data:
-      return _refuse(ctx, eqn, ins, errors.PROGRAM_IN_CALL.format(
-          primitive=eqn.primitive.name))
+      return (hx.rule_of(CALL_RULES, eqn) or _in_call)(ctx, eqn, ins)
     rule = None  # An example-independent call: an opaque prefix step.
   elif data:
     return (hx.rule_of(SITE_RULES, eqn) or _no_rule)(ctx, eqn, ins)
@@ -459,8 +584,8 @@ class _Run:
   """The parameters of one run of :data:`PROGRAM` (its ``ctx.config``).
 
   Attributes:
-    calls: the ``jit`` calls the current equation is inside (see
-      :func:`_into_call`).
+    calls: the call-like equations the current equation is inside (see
+      :data:`CALL_RULES`).
     tracked: the leaves that a tracked module's op also reads as a
       parameter (:attr:`gram_haiku._src.analysis.dataflow.Discovery.mixed`):
       that read is the module's, not a use without a rule.
@@ -539,15 +664,8 @@ def _axis(site: Site, state, batch: int) -> tuple[Optional[int], str]:
 
 def _observed_key(calls: Sequence[Any], v) -> tuple:
   """``(call path, variable)``: where the example flow observes ``v`` of
-  the body of the innermost of ``calls`` (an input of a body is its
-  call's operand, observed in the calling program)."""
-  calls = list(calls)
-  while calls:
-    body, _ = hx.jit_body(calls[-1])
-    if v not in body.invars:
-      break
-    v = calls[-1].invars[list(body.invars).index(v)]
-    calls.pop()
+  the program of the innermost of ``calls`` (see
+  :func:`gram_haiku._src.analysis.example_flow.check`'s ``observed``)."""
   return tuple(id(c) for c in calls), v
 
 

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.extend.core  # noqa: F401
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 MIN_JAX_VERSION = (0, 10, 0)
@@ -375,7 +376,8 @@ def sub_program(jaxpr: Any, consts: Any, invars: list, outvars: list,
 
 def replay(jaxpr: Any, consts: Any, args: list,
            operands: Optional[dict] = None,
-           per_example: Optional[dict] = None) -> list:
+           per_example: Optional[dict] = None,
+           taps: Optional[dict] = None) -> list:
   """A program's outputs at ``args`` (its constants' values ``consts``, by
   variable), each equation bound again (a hijax primitive's included), as
   :func:`sub_program` does.
@@ -386,19 +388,47 @@ def replay(jaxpr: Any, consts: Any, args: list,
     args: its inputs' values.
     operands: ``{(path, id(eqn), k): value}``, the values taken for
       operand ``k`` of those equations instead of their variables' (an
-      input put in place of a value). ``path``: the ids of the ``jit``
-      calls (outermost first) whose bodies hold the equation, ``()`` for
-      the program's own; those calls are evaluated inline.
+      input put in place of a value). ``path``: the ids of the call-like
+      equations (outermost first: ``jit``, ``checkpoint``, ``cond``,
+      ``scan``; :func:`call_bodies`) whose programs hold the equation,
+      ``()`` for the program's own; those are evaluated with their
+      programs replayed the same way (:func:`_eval_into`).
     per_example: ``{(path, id(eqn)): (axes, stacked, out_axis)}``,
       equations bound once per example instead (:func:`bind_per_example`);
       or ``{(path, id(eqn)): fn}``, equations replaced by ``fn(operand
       values) -> [outputs]`` (a program-level site bound as a Gram op).
+    taps: ``{(path, id(eqn), k): probe}``: operand ``k`` of those
+      equations (after ``operands``) passed through :func:`abs_tap` with
+      ``probe``: its cotangent's absolute value is added to ``probe``'s
+      at each evaluation (each step of a loop).
   """
   constvars = list(jaxpr.constvars)
   return _eval_varying(list(jaxpr.eqns), constvars,
                        [consts[v] for v in constvars], list(jaxpr.invars),
                        list(jaxpr.outvars), *args, operands=operands,
-                       per_example=per_example)
+                       per_example=per_example, taps=taps)
+
+
+@jax.custom_vjp
+def abs_tap(x: Any, probe: Any) -> Any:
+  """``x``, whose VJP also gives ``probe`` (zeros shaped like ``x``) the
+  absolute value of ``x``'s cotangent: inside a loop body that closes
+  over ``probe``, ``probe``'s cotangent is ``sum_t |d_t|`` over the steps,
+  where ``x``'s is ``sum_t d_t`` (what bounds that sum's rounding)."""
+  del probe
+  return x
+
+
+def _abs_tap_fwd(x, probe):
+  del probe
+  return x, None
+
+
+def _abs_tap_bwd(_, d):
+  return d, jnp.abs(d)
+
+
+abs_tap.defvjp(_abs_tap_fwd, _abs_tap_bwd)
 
 
 def jit_body(eqn: Any) -> Optional[tuple]:
@@ -412,6 +442,55 @@ def jit_body(eqn: Any) -> Optional[tuple]:
     return None
   body = getattr(closed, "jaxpr", closed)
   return body, dict(zip(body.constvars, getattr(closed, "consts", ())))
+
+
+#: The names of ``jax.checkpoint``'s primitive (``hk.remat``) across the
+#: supported releases.
+REMAT_NAMES = ("checkpoint", "remat", "remat2")
+
+
+def call_bodies(eqn: Any) -> Optional[list]:
+  """The programs a call-like equation runs, as the replay follows them
+  (:func:`replay`): ``[(body, consts, operands)]``, ``body`` an open jaxpr,
+  ``consts`` its constants' values by variable, ``operands`` for each
+  input of ``body`` the equation's operand it is bound to (None for a
+  ``scan``'s carry or scanned slice, which change from step to step).
+  A ``jit`` or ``checkpoint`` call runs one body on its operands; a
+  ``cond`` one of its branches on its operands after the index; a
+  ``scan`` its body on its constants, carries and slices. None for any
+  other equation (a custom derivative's: its rule, not its body, is what
+  differentiation runs)."""
+  name = eqn.primitive.name
+  if name in ("pjit", "jit"):
+    call = jit_body(eqn)
+    if call is None:
+      return None
+    return [(*call, list(eqn.invars))]
+  closed = lambda c: (c.jaxpr, dict(zip(c.jaxpr.constvars, c.consts)))
+  if name in REMAT_NAMES:
+    body = eqn.params.get("jaxpr")
+    if isinstance(body, jax.extend.core.ClosedJaxpr):
+      return [(*closed(body), list(eqn.invars))]
+    return None if body is None else [(body, {}, list(eqn.invars))]
+  if name == "cond":
+    return [(*closed(b), list(eqn.invars[1:]))
+            for b in eqn.params["branches"]]
+  if name == "scan":
+    n_consts, _ = scan_counts(eqn)
+    body, consts = closed(eqn.params["jaxpr"])
+    return [(body, consts, list(eqn.invars[:n_consts]) +
+             [None] * (len(body.invars) - n_consts))]
+  return None
+
+
+def body_holding(eqn: Any, inner: Any) -> tuple:
+  """``(body, consts, operands)`` of :func:`call_bodies` whose program
+  holds equation ``inner`` (by identity)."""
+  for body, consts, operands in call_bodies(eqn) or ():
+    if any(e is inner for e in body.eqns):
+      return body, consts, operands
+  raise AssertionError("gram_haiku internal error: an equation not found in "
+                       f"the programs of `{eqn.primitive.name}`.")
 
 
 def bind_per_example(eqn: Any, ins: list, axes: Sequence[Optional[int]],
@@ -501,7 +580,7 @@ def _bind_per_example(eqn, ins, axes, stacked, out_axis) -> list:
 
 def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
                   outvars: list, *args: Any, operands=None,
-                  per_example=None, path: tuple = ()) -> list:
+                  per_example=None, taps=None, path: tuple = ()) -> list:
   """The program ``eqns`` (with ``constvars`` bound to ``consts``) at
   ``args``, equation by equation, each equation's operands first cast to
   vary over the same mesh axes.
@@ -511,9 +590,10 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
   own ops insert that cast (``pvary``) when traced, but a recorded
   equation is bound as it was. Outside ``shard_map`` nothing varies and
   this is JAX's ``eval_jaxpr``. Calls of sub-programs (``jit``) are
-  evaluated inline, the same way, and so are those that hold an equation
-  of ``operands`` or ``per_example`` (see :func:`replay`; ``path``: the
-  ids of the calls these ``eqns`` are inside). (The parts are passed
+  evaluated inline, the same way; the call-like equations that hold an
+  equation of ``operands`` or ``per_example`` are evaluated with their
+  programs replayed (:func:`_eval_into`; see :func:`replay`; ``path``:
+  the ids of the calls these ``eqns`` are inside). (The parts are passed
   apart: JAX 0.11 folds a closed program's constants into its
   ``Jaxpr``.)
   """
@@ -529,6 +609,9 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
     ins = [read(v) for v in eqn.invars]
     if operands:
       ins = [operands.get((path, id(eqn), k), x) for k, x in enumerate(ins)]
+    if taps:
+      ins = [abs_tap(x, taps[(path, id(eqn), k)])
+             if (path, id(eqn), k) in taps else x for k, x in enumerate(ins)]
     axes = frozenset().union(*(varying_axes(x) for x in ins))
     if axes:
       ins = [vary_like(jnp.asarray(x), *ins) for x in ins]
@@ -555,12 +638,8 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
       how = per_example[(path, id(eqn))]
       outs = how(ins) if callable(how) else bind_per_example(eqn, ins, *how)
     elif path + (id(eqn),) in into:
-      body, body_consts = jit_body(eqn)
-      outs = _eval_varying(list(body.eqns), list(body.constvars),
-                           [body_consts[v] for v in body.constvars],
-                           list(body.invars), list(body.outvars), *ins,
-                           operands=operands, per_example=per_example,
-                           path=path + (id(eqn),))
+      outs = _eval_into(eqn, ins, operands, per_example, taps,
+                        path + (id(eqn),))
     elif axes and inner is not None:
       body = getattr(inner, "jaxpr", inner)
       outs = _eval_varying(list(body.eqns), list(body.constvars),
@@ -571,6 +650,50 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
     for v, o in zip(eqn.outvars, outs):
       env[v] = o
   return [read(v) for v in outvars]
+
+
+def _eval_into(eqn, ins, operands, per_example, taps, path) -> list:
+  """A call-like equation (:func:`call_bodies`) evaluated with its
+  programs replayed by :func:`_eval_varying` (``operands`` and
+  ``per_example`` applied inside, ``path`` the call's): a ``jit`` call
+  inline, a ``checkpoint`` under ``jax.checkpoint`` with its policy, a
+  ``cond`` by ``lax.switch`` on its index, a ``scan`` by ``lax.scan`` with
+  its length, direction and unrolling. The values put in place inside
+  (``Z``) are closed over: differentiation sums a loop's steps' parts."""
+  def run(body, consts, *args):
+    return _eval_varying(list(body.eqns), list(body.constvars),
+                         [consts[v] for v in body.constvars],
+                         list(body.invars), list(body.outvars), *args,
+                         operands=operands, per_example=per_example,
+                         taps=taps, path=path)
+  name = eqn.primitive.name
+  bodies = call_bodies(eqn)
+  if name in REMAT_NAMES:
+    (body, consts, _), = bodies
+    fn = jax.checkpoint(functools.partial(run, body, consts),
+                        prevent_cse=eqn.params.get("prevent_cse", True),
+                        policy=eqn.params.get("policy"))
+    return list(fn(*ins))
+  if name == "cond":
+    branches = [functools.partial(run, body, consts)
+                for body, consts, _ in bodies]
+    return list(lax.switch(ins[0], branches, *ins[1:]))
+  if name == "scan":
+    (body, consts, _), = bodies
+    n_consts, n_carry = scan_counts(eqn)
+    fixed = ins[:n_consts]
+
+    def step(carry, xs):
+      outs = run(body, consts, *fixed, *carry, *xs)
+      return outs[:n_carry], outs[n_carry:]
+    carry, ys = lax.scan(step, list(ins[n_consts:n_consts + n_carry]),
+                         list(ins[n_consts + n_carry:]),
+                         length=eqn.params["length"],
+                         reverse=eqn.params.get("reverse", False),
+                         unroll=eqn.params.get("unroll", 1))
+    return [*carry, *ys]
+  (body, consts, _), = bodies  # a jit call: inline
+  return run(body, consts, *ins)
 
 
 def bind_equation(eqn: Any, ins: list) -> list:

@@ -1124,12 +1124,49 @@ PROGRAM_NOT_SEPARABLE = (
     "before this use)")
 
 PROGRAM_IN_CALL = (
-    "it meets the examples' values inside `{primitive}` (a checkpoint, "
-    "scan, while_loop, cond, custom_jvp/custom_vjp or vmapped call; a "
-    "jax.jit call is followed inside), where program-level rules do not "
-    "look in this version. Apply "
-    "the parameter outside that call (e.g. add the positions before the "
-    "loop), or wrap its use in a tracked layer")
+    "it meets the examples' values inside `{primitive}` (a while_loop, a "
+    "vmapped call or another call-like primitive; jax.jit, "
+    "jax.checkpoint, lax.cond/switch and lax.scan are followed inside), "
+    "where program-level rules do not look: how many times, or for which "
+    "example, its body runs is not known here. Apply the parameter "
+    "outside that call (e.g. add the positions before the loop), write "
+    "the loop as a lax.scan, or wrap its use in a tracked layer")
+
+PROGRAM_IN_CUSTOM_DERIVATIVE = (
+    "it is an operand of `{primitive}` (a function with a custom "
+    "derivative, e.g. a jax.custom_jvp or jax.custom_vjp function of the "
+    "data and the parameter) together with the examples' values: "
+    "differentiation runs the function's own rule, not its body, and what "
+    "that rule gives each example's copy of the parameter cannot be read "
+    "here. Apply the parameter outside the function (f(x @ w), not "
+    "f(x, w): a custom activation of the data is fine), or wrap its use "
+    "in a tracked layer")
+
+PROGRAM_BRANCH_ON_EXAMPLES = (
+    "it is used inside a `{primitive}` whose branch is chosen from the "
+    "examples' values (one branch for the whole batch, picked from "
+    "several examples' data), so an example's gradient depends on the "
+    "other examples. Choose the branch from the parameters or constants "
+    "only, or per example (jax.vmap of the lax.cond, or jnp.where)")
+
+PROGRAM_LOOP_CARRIED = (
+    "it enters `{primitive}` as a loop carry or a scanned input (a learned "
+    "initial state, per-step weights), where program-level rules follow "
+    "only a loop's constants: each step's copy of the parameter would "
+    "differ. Pass the parameter to the loop body as a constant (close "
+    "over it) and, for a learned initial state, add it in the first step")
+
+PROGRAM_TRACKED_IN_LOOP = (
+    "the tracked layer that reads it as its parameter is applied inside "
+    "`{primitive}` too, where the layer keeps no per-example gradients of "
+    "its own to which the outside use's could be added")
+
+PROGRAM_OUT_OF_CALL = (
+    "a value computed from the parameter alone leaves `{primitive}` (a "
+    "branch's or a loop's output that is not yet the examples' values), "
+    "which program-level rules do not follow out. Use the parameter with "
+    "the examples' values inside the branch or loop body, or compute it "
+    "outside")
 
 PROGRAM_IN_GRAM_OP = (
     "it reaches a tracked layer's input computed from the parameter alone. "

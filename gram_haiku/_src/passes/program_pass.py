@@ -136,21 +136,26 @@ def _prefix(jaxpr, consts, site, num_param_leaves: int):
   """``(inputs, fn)``: ``fn(*values of the program inputs inputs) ->
   [operand]``, the program's own equations that compute ``site``'s
   prefix operand (from parameter leaves and constants alone), through the
-  bodies of the ``jit`` calls that hold it (:attr:`Site.calls`)."""
-  levels = [(jaxpr, consts)] + [hx.jit_body(c) for c in site.calls]
+  programs of the calls, branches and loops that hold it
+  (:attr:`Site.calls`; a loop's from its constants)."""
   ends = [*site.calls, site.eqn]  # where each level's slice ends
+  levels = [(jaxpr, consts, None)] + [
+      hx.body_holding(call, inner) for call, inner in zip(ends, ends[1:])]
   targets = [site.eqn.invars[site.operand]]
   fn = lambda *values: list(values)
   for depth in reversed(range(len(levels))):
-    body, body_consts = levels[depth]
+    body, body_consts, operands = levels[depth]
     eqns = list(body.eqns)
     at = next(k for k, e in enumerate(eqns) if e is ends[depth])
     ins, part = _slice(body, body_consts, targets, eqns[:at])
     fn = (lambda part, inner: lambda *values: inner(*part(*values)))(part,
                                                                      fn)
     if depth:  # the body's inputs: its call's operands, one level out
-      call = ends[depth - 1]
-      targets = [call.invars[list(body.invars).index(v)] for v in ins]
+      targets = [operands[list(body.invars).index(v)] for v in ins]
+      if any(t is None for t in targets):
+        raise AssertionError("gram_haiku internal error: a program-level "
+                             "site's operand is computed from a loop's "
+                             "carry or scanned input.")
   position = {v: k for k, v in enumerate(jaxpr.invars)}
   inputs = [position[v] for v in ins]
   if any(k >= num_param_leaves for k in inputs):
@@ -177,30 +182,48 @@ def _slice_fn(site, inputs, fn, leaves, acc) -> Callable:
   return f1
 
 
+def _steps(site) -> int:
+  """How many times ``site``'s equation runs per evaluation of the loss:
+  the product of the lengths of the ``scan`` loops that hold it (each
+  step's part of ``dL/dZ`` is added up by the loop's transpose)."""
+  return math.prod(c.params["length"] for c in site.calls
+                   if c.primitive.name == "scan")
+
+
 def _site_error(site, abs_sums) -> jax.Array:
   """``[B]``: the bound of the rounding of each example's ``dL/dZ`` at a
-  per-example site, in norm units: its entries are sums of products of
-  the site's other operands and its output cotangent (a contraction,
-  convolution or gather's transpose), off by at most ``e sum |x| |d|``
+  per-example site, or at a site inside a loop, in norm units.
+
+  At a per-example site its entries are sums of products of the site's
+  other operands and its output cotangent (a contraction, convolution or
+  gather's transpose), off by at most ``e sum |x| |d|``
   (:func:`~gram_haiku._src.compute.norm_bounds.dot_error`, ``n`` the
   terms of each entry: the data's free entries per example for a
   ``dot_general``, else the output's entries per example, more than any
-  entry's terms) where
-  ``abs_sums`` (``[B, *operand]``, computed by the same equation from
-  absolute values) is ``sum |x| |d|`` up to the same relative error;
-  so the bound is ``e / (1 - e) |abs_sums_i|``, rounded up."""
-  out = site.eqn.outvars[0].aval.shape
-  n = max(1, math.prod(out) // max(1, out[site.out_axis]))
-  if site.eqn.primitive.name == "dot_general":  # n / the operand's free
-    # entries: each entry of its cotangent sums the data's free entries.
+  entry's terms) where ``abs_sums`` (``[B, *operand]``, computed by the
+  same equation from absolute values) is ``sum |x| |d|`` up to the same
+  relative error; so the bound is ``e / (1 - e) |abs_sums_i|``, rounded
+  up. Inside a loop of ``T`` steps (:func:`_steps`) each entry is the sum
+  of ``T`` such sums (of one term each at a broadcast or concatenate
+  site, whose ``abs_sums`` is ``sum_t |d_t|``: ``hx.abs_tap``): ``n + T
+  - 1`` terms in all."""
+  n = 1
+  if site.mapped:
+    out = site.eqn.outvars[0].aval.shape
+    n = max(1, math.prod(out) // max(1, out[site.out_axis]))
+  if site.mapped and site.eqn.primitive.name == "dot_general":
+    # n / the operand's free entries: each entry of its cotangent sums the
+    # data's free entries.
     contracting, _ = site.eqn.params["dimension_numbers"]
     shape = site.eqn.invars[site.operand].aval.shape
     free = math.prod(shape) // max(1, math.prod(
         shape[d] for d in contracting[site.operand]))
     n = max(1, n // max(1, free))
+  n += _steps(site) - 1
   acc = abs_sums.dtype
   e = norm_bounds.dot_error(n, acc, site.eqn.params.get("precision"))
-  rows = abs_sums.reshape((abs_sums.shape[0], -1))
+  rows = jnp.moveaxis(abs_sums, site.axis, 0)
+  rows = rows.reshape((rows.shape[0], -1))
   u = jnp.finfo(acc).eps
   return (e / jnp.maximum(1 - e, 1e-30) * norm_bounds.row_norms(rows) *
           (1 + 4 * u))
@@ -369,10 +392,11 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
         for s, (inputs, fn), lin in zip(sites, prefixes, linear)]
   out_tree = jax.tree_util.tree_structure(shape)
 
-  # For clipping, each per-example site's abs probe: its cotangent bounds
-  # the rounding of the site's own dL/dZ (see _site_error).
-  abs_zs = [jnp.zeros_like(z) if s.mapped and upper_bound and z is not None
-            else None for s, z in zip(sites, zs)]
+  # For clipping, each per-example site's abs probe, and each other site's
+  # inside a loop: its cotangent bounds the rounding of the site's own
+  # dL/dZ (see _site_error).
+  abs_zs = [jnp.zeros_like(z) if upper_bound and z is not None and (
+      s.mapped or _steps(s) > 1) else None for s, z in zip(sites, zs)]
   # Each linear site's probe (see _linear_sites).
   lin_probes = [None if lin is None else jnp.zeros(
       lin[0].probe_aval.shape, lin[0].probe_aval.dtype) for lin in linear]
@@ -393,7 +417,10 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
                                                 list(arrays))),
                      {(s.path, id(s.eqn), s.operand): zk
                       for s, zk in zip(sites, z) if zk is not None},
-                     mapped)
+                     mapped,
+                     {(s.path, id(s.eqn), s.operand): a
+                      for s, a in zip(sites, abs_z)
+                      if a is not None and not s.mapped})
     return jax.tree_util.tree_unflatten(out_tree, outs)
 
   out, (d_leaves, d_probes, dzs, d_abs, d_lin) = jax.value_and_grad(
