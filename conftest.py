@@ -113,6 +113,10 @@ SAMPLED_SWEEPS = {
     # number, a dict), the same pass either way.
     "tests/test_cross_gram.py::"
     "test_a_per_layer_clipped_update_is_exact_in_float64": 2,
+    # Bare weights inside checkpoint, cond and scan: one model of each (the
+    # nested ones, a checkpoint in a scan and hk.dynamic_unroll, thorough).
+    "tests/test_program_rules_calls.py::"
+    "test_sites_inside_calls_are_the_reference": 2,
 }
 
 

@@ -1,0 +1,304 @@
+"""Program-level Gram rules inside calls, branches and loops
+(``program_rules.CALL_RULES``): a bare parameter used inside
+``jax.checkpoint``, a ``lax.cond``/``lax.switch`` chosen without the
+examples, or a ``lax.scan`` body (an RNN cell of bare weights; Haiku's
+``hk.dynamic_unroll``), through ``gram_haiku.functional``: exact against
+``F @ F.T`` of ``vmap(grad)`` in float64 and against the reference clipped
+sums; what cannot be proven per example is refused with the primitive and
+the user's line."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax import lax
+import numpy as np
+import pytest
+
+from gram_haiku import functional as gf
+from gram_haiku import testing
+from gram_haiku._src.analysis import program_rules
+from gram_haiku._src.compat import hijax_compat as hx
+
+B, T, D, H = 3, 4, 2, 5
+
+
+def _params(dtype, keys=("wx", "wh", "b", "g", "out")):
+  """The weights named ``keys`` (each model's own: a parameter it does not
+  use would be a term of no example)."""
+  rng = np.random.default_rng(7)
+  return {k: v for k, v in {"wx": jnp.asarray(rng.standard_normal((D, H)), dtype),
+          "wh": jnp.asarray(0.5 * rng.standard_normal((H, H)), dtype),
+          "b": jnp.asarray(rng.standard_normal(H), dtype),
+          "g": jnp.asarray(rng.standard_normal(H), dtype),
+          "out": jnp.asarray(rng.standard_normal(H), dtype)}.items()
+          if k in keys}
+
+
+def _batch(dtype, seed=0):
+  """``x: [B, T, D]`` with one example 1e3 times the others (huge inputs
+  next to small ones) and ``y: [B]``."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((B, T, D))
+  x[1] *= 1e3
+  return (jnp.asarray(x, dtype),
+          jnp.asarray(rng.standard_normal(B), dtype))
+
+
+@jax.custom_jvp
+def _softsign(a):
+  return a / (1 + jnp.abs(a))
+
+
+_softsign.defjvp(lambda primals, tangents: (
+    _softsign(primals[0]), tangents[0] / (1 + jnp.abs(primals[0])) ** 2))
+
+
+def _in_checkpoint(p, x, y):
+  """A bare weight and gate inside ``jax.checkpoint``, with custom_jvp
+  activations (``jax.nn.relu``, a user's) of the data and exact GELU."""
+  def block(a):
+    h = a @ p["wx"] + p["b"]
+    return (jax.nn.relu(h) + jax.nn.gelu(h * p["g"], approximate=False) +
+            _softsign(h))
+  h = jax.checkpoint(block)(x[:, 0] / 1e2)
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _in_cond(p, x, y):
+  """``lax.cond`` on the parameters and ``lax.switch`` on a constant, the
+  bare weights used in the branches (in a ``jit`` call in one)."""
+  a = x[:, 0] / 1e2
+  h = lax.cond(jnp.sum(p["g"]) > 0,
+               lambda a: jnp.tanh(a @ p["wx"] + p["b"]),
+               lambda a: jax.jit(lambda a: a @ p["wx"] * p["g"])(a), a)
+  h = lax.switch(jnp.int32(1), [lambda h: h * p["b"],
+                                lambda h: jnp.tanh(h @ p["wh"])], h)
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _rnn(p, x, y, remat=False):
+  """An RNN cell of bare weights scanned over time (examples on axis 0 of
+  the carry), unrolled by 2, the cell checkpointed where ``remat``."""
+  def cell(h, xt):
+    h = jnp.tanh(xt / 1e2 @ p["wx"] + h @ p["wh"] + p["b"])
+    return h, h * p["g"]
+  if remat:
+    cell = jax.checkpoint(cell)
+  h, hs = lax.scan(cell, jnp.zeros((x.shape[0], H), x.dtype),
+                   jnp.swapaxes(x, 0, 1), unroll=2)
+  return jnp.sum((h @ p["out"] - y) ** 2) + jnp.sum(jnp.tanh(hs) ** 2)
+
+
+class _BareCell(hk.RNNCore):
+  """An Elman cell of bare ``hk.get_parameter`` weights."""
+
+  def __call__(self, xt, h):
+    init = hk.initializers.RandomNormal()
+    wx = hk.get_parameter("wx", [D, H], xt.dtype, init)
+    wh = hk.get_parameter("wh", [H, H], xt.dtype, init)
+    b = hk.get_parameter("b", [H], xt.dtype, init)
+    h = jnp.tanh(xt @ wx + h @ wh + b)
+    return h, h
+
+  def initial_state(self, batch_size):
+    return jnp.zeros((batch_size, H))
+
+
+def _haiku_unroll(x, y):
+  hs, _ = hk.dynamic_unroll(_BareCell(name="cell"),
+                            jnp.swapaxes(x / 1e2, 0, 1),
+                            jnp.zeros((x.shape[0], H), x.dtype))
+  w = hk.get_parameter("out", [H], x.dtype, hk.initializers.RandomNormal())
+  return jnp.sum((hs[-1] @ w - y) ** 2)
+
+
+_UNROLL = hk.without_apply_rng(hk.transform(_haiku_unroll))
+
+
+def _unroll_loss(p, x, y):
+  return _UNROLL.apply(p, x, y)
+
+
+def _setup(name, dtype):
+  x, y = _batch(dtype)
+  if name == "hk_dynamic_unroll":
+    params = _UNROLL.init(jax.random.PRNGKey(0), x, y)
+    return _unroll_loss, jax.tree.map(lambda a: a.astype(dtype), params), (
+        x, y)
+  loss = {"checkpoint": _in_checkpoint, "cond": _in_cond, "scan": _rnn,
+          "scan_of_checkpoint": lambda p, x, y: _rnn(p, x, y, True)}[name]
+  keys = {"checkpoint": ("wx", "b", "g", "out")}.get(
+      name, ("wx", "wh", "b", "g", "out"))
+  return loss, _params(dtype, keys), (x, y)
+
+
+# (Sampled one in two by default, conftest.SAMPLED_SWEEPS: the kept ones,
+# 0, 2 and 4, are one of each rule.)
+CASES = ["checkpoint", "scan_of_checkpoint", "cond", "hk_dynamic_unroll",
+         "scan"]
+
+
+def _close(got, want, rtol):
+  top = max(float(np.abs(w).max()) for w in jax.tree.leaves(want))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=rtol, atol=rtol * top), got, want)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_sites_inside_calls_are_the_reference(name):
+  """The Gram, the gradient and the all-layer clipped sum (some examples
+  clipped, some not) against float64 ``vmap(grad)``."""
+  with jax.enable_x64(True):
+    loss, params, batch = _setup(name, jnp.float64)
+    _, grads, grams = jax.jit(gf.value_grad_and_gram(loss))(params, *batch)
+    assert grams.complete
+    assert all(c.rule.startswith("program:")
+               for c in grams.coverage.values())
+    f = np.asarray(testing.per_example_grads(loss, params, *batch))
+    testing.assert_gram_close(grams.total, f @ f.T, "float64")
+    _close(grads, testing.weighted_sum(f, np.ones(B), params), 1e-10)
+    norms = np.linalg.norm(f, axis=1)
+    c = float(np.median(norms))
+    got = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c))(params, *batch)
+    _close(got, testing.weighted_sum(f, testing.clip_reference(norms, c),
+                                     params), 1e-9)
+
+
+def test_scan_per_layer_clipping_is_the_reference():
+  """Per-layer clipping of the RNN (each leaf its own threshold) against
+  the float64 reference."""
+  with jax.enable_x64(True):
+    params, batch = _params(jnp.float64), _batch(jnp.float64, seed=3)
+    f = np.asarray(testing.per_example_grads(_rnn, params, *batch))
+    names = sorted(params)  # (leaf order)
+    sizes = [int(np.size(params[n])) for n in names]
+    cols = dict(zip(names, np.split(np.arange(f.shape[1]),
+                                    np.cumsum(sizes)[:-1])))
+    thresholds = {n: 0.5 * float(np.median(np.linalg.norm(f[:, c], axis=1)))
+                  for n, c in cols.items()}
+    got = jax.jit(gf.clipped_grad(_rnn, l2_clip_norm=thresholds,
+                                  clipping="per-layer"))(params, *batch)
+    total = np.zeros(f.shape[1])
+    for n, c in cols.items():
+      total[c] = testing.clip_reference(np.linalg.norm(f[:, c], axis=1),
+                                        thresholds[n]) @ f[:, c]
+    _close(got, testing.weighted_sum(np.eye(f.shape[1]), total, params),
+           1e-9)
+
+
+@pytest.mark.parametrize("use", ["matmul", "broadcast"])
+def test_clip_norms_of_sites_in_a_loop_bound_the_float64_norm(use):
+  """The norm a clip factor comes from is not below the float64 norm where
+  each example's gradient of a bare weight used in a ``scan`` body is a
+  float32 sum over the steps that cancels (inputs offset by +-1e4 at
+  alternate steps): the bound covers the loop's sum of the steps' parts
+  (``n + T - 1`` terms of ``sum_t |x_t| |d_t|``; at a broadcast site
+  ``sum_t |d_t|``, tapped by ``hx.abs_tap``: without it the broadcast
+  case's bound is below the float64 norm)."""
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((6, 32, 3)).astype(np.float32)
+  x[:, ::2] += 1e4
+  x[:, 1::2] -= 1e4
+  x = jnp.asarray(x)
+  shape = (3, 5) if use == "matmul" else (3,)
+  params = {"w": jnp.asarray(rng.standard_normal(shape), jnp.float32)}
+
+  def loss(p, x):
+    def step(c, xt):
+      h = xt @ p["w"] if use == "matmul" else xt * p["w"]
+      return c + h.sum(-1) * 1e-3, None
+    c, _ = lax.scan(step, jnp.zeros(x.shape[:1], x.dtype),
+                    jnp.swapaxes(x, 0, 1))
+    return jnp.sum(c)
+  with jax.enable_x64(True):
+    f = testing.per_example_grads(
+        loss, jax.tree.map(lambda a: a.astype(jnp.float64), params),
+        x.astype(jnp.float64))
+  true = np.linalg.norm(np.asarray(f), axis=1)
+  _, aux = jax.jit(gf.clipped_grad(loss, l2_clip_norm=1e9,
+                                   return_grad_norms=True))(params, x)
+  bound = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bound >= true), (bound, true)
+  assert np.all(bound <= 3 * true), (bound, true)  # (not vacuous)
+
+
+def _while_net(p, x, y):
+  h = lax.while_loop(lambda c: c[0] < 3,
+                     lambda c: (c[0] + 1, jnp.tanh(c[1] @ p["wh"])),
+                     (0, x[:, 0] @ p["wx"]))[1]
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _cond_on_data_net(p, x, y):
+  h = lax.cond(jnp.sum(x) > 0, lambda a: a @ p["wx"],
+               lambda a: -(a @ p["wx"]), x[:, 0])
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+@jax.custom_jvp
+def _straight_through(a, w):
+  return jnp.round(a @ w)
+
+
+_straight_through.defjvp(lambda primals, tangents: (
+    _straight_through(*primals),
+    tangents[0] @ primals[1] + primals[0] @ tangents[1]))
+
+
+def _custom_of_weight_net(p, x, y):
+  h = _straight_through(x[:, 0], p["wx"])
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _learned_initial_state_net(p, x, y):
+  h0 = jnp.broadcast_to(p["b"], (x.shape[0], H))
+  h, _ = lax.scan(lambda h, xt: (jnp.tanh(xt @ p["wx"] + h @ p["wh"]), None),
+                  h0, jnp.swapaxes(x, 0, 1))
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+@pytest.mark.parametrize("net, keys, primitive, why", [
+    (_while_net, ("wx", "wh", "out"), "while", "while_loop"),
+    (_cond_on_data_net, ("wx", "out"), "cond",
+     "chosen from the examples' values"),
+    (_custom_of_weight_net, ("wx", "out"), "custom_jvp_call",
+     "custom derivative"),
+    (_learned_initial_state_net, ("wx", "wh", "b", "out"), "scan",
+     "loop carry or a scanned input"),
+], ids=["while_loop", "cond_on_the_data", "custom_jvp_of_the_weight",
+        "learned_initial_state"])
+def test_what_cannot_be_proven_is_refused_at_the_users_line(net, keys,
+                                                            primitive, why):
+  params, batch = _params(jnp.float32, keys), _batch(jnp.float32)
+  with pytest.raises(ValueError, match="No program-level rule") as e:
+    gf.value_grad_and_gram(net)(params, *batch)
+  assert f"`{primitive}`" in str(e.value)
+  assert why in str(e.value)
+  assert "test_program_rules_calls.py:" in str(e.value)
+  # (Clipping may refuse first for another reason: a branch chosen from
+  # several examples' data is other examples' data for each.)
+  with pytest.raises(ValueError, match="test_program_rules_calls.py:"):
+    gf.clipped_grad(net, l2_clip_norm=1.0)(params, *batch)
+
+
+def _eqn_of(name):
+  """An equation of the primitive that ``name``'s model uses."""
+  loss, params, batch = _setup(name, jnp.float32)
+  prim = {"checkpoint": hx.REMAT_NAMES, "cond": ("cond",),
+          "scan": ("scan",)}[name]
+  jaxpr = jax.make_jaxpr(loss)(params, *batch).jaxpr
+  return next(e for e in jaxpr.eqns if e.primitive.name in prim)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "cond", "scan"])
+def test_without_its_call_rule_the_model_is_refused(monkeypatch, name):
+  """Mutation: each rule of ``CALL_RULES`` is what covers its model."""
+  eqn = _eqn_of(name)
+  for key in list(program_rules.CALL_RULES):
+    if getattr(key, "name", key) == eqn.primitive.name:
+      monkeypatch.delitem(program_rules.CALL_RULES, key)
+  assert hx.rule_of(program_rules.CALL_RULES, eqn) is None
+  loss, params, batch = _setup(name, jnp.float32)
+  with pytest.raises(ValueError, match="No program-level rule covers its "
+                     f"use by `{eqn.primitive.name}`"):
+    gf.value_grad_and_gram(loss)(params, *batch)
