@@ -1447,6 +1447,24 @@ def _tracked_layer_in_a_scan_read_outside(x, y):
   return _sq(jnp.swapaxes(o, 0, 1) + x @ lin.params_dict()["linear/w"], y)
 
 
+def _tracked_layer_in_a_remat_read_outside(x, y):
+  # The layer applied inside a checkpoint, its weight read outside it.
+  lin = hk.Linear(3)
+  h = hk.remat(lambda a: jnp.tanh(lin(a)))(x)
+  return _sq(h + jnp.tanh(x @ lin.params_dict()["linear/w"]), y)
+
+
+def _tracked_layer_in_a_cond_read_inside(x, y):
+  # The layer applied outside, its weight read in the branch a parameter
+  # chose (and by a broadcast in the other one).
+  lin = hk.Linear(3)
+  h = jnp.tanh(lin(x))
+  w, b = lin.params_dict()["linear/w"], lin.params_dict()["linear/b"]
+  h = jax.lax.cond(jnp.sum(b) < 1e9, lambda h: h + jnp.tanh(x @ w),
+                   lambda h: h * b, h)
+  return _sq(h, y)
+
+
 _MIXED = r"(?s)'linear/w' is used both inside a tracked layer.*`scan`"
 _PR = "tests/test_program_rules.py"
 _PROGRAM_REFUSED = "No program-level rule covers its use by `{}`.*{}"
@@ -1954,6 +1972,10 @@ ROWS: list[Row] = [
         EXACT, False, source=_PR),
     Row("tracked_weight_read_in_a_scan", _tracked_weight_read_in_a_scan,
         EXACT, False, source=_PR),
+    Row("tracked_layer_in_a_remat_read_outside",
+        _tracked_layer_in_a_remat_read_outside, EXACT, False, source=_PR),
+    Row("tracked_layer_in_a_cond_read_inside",
+        _tracked_layer_in_a_cond_read_inside, EXACT, False, source=_PR),
     Row("tracked_layer_in_a_scan_read_outside",
         _tracked_layer_in_a_scan_read_outside, _MIXED, _MIXED, source=_PR),
 ]

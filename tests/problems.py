@@ -64,6 +64,20 @@ def data(seed, shape, out_dim):
   return normal(k1, shape), normal(k2, shape[:-1] + (out_dim,))
 
 
+@jax.custom_jvp
+def uncovered_matmul(a, b):
+  """``a @ b`` as a function with a custom derivative (its own, exact): a
+  parameter that is its operand with the data has no program-level rule
+  (differentiation runs the rule, not the body), where ``a @ b`` itself is
+  covered by the rule for ``dot_general``."""
+  return a @ b
+
+
+uncovered_matmul.defjvp(lambda primals, tangents: (
+    primals[0] @ primals[1],
+    tangents[0] @ primals[1] + primals[0] @ tangents[1]))
+
+
 def sq(out, y):
   """The summed squared error (a sum of per-example losses)."""
   return 0.5 * jnp.sum((out - y) ** 2)

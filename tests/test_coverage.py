@@ -26,16 +26,16 @@ def _data(seed, b=5, t=3, d=4, out=3):
           problems.normal(k2, (b, t, out)))
 
 
-#: A matrix product inside a checkpoint: where a parameter meets the data
-#: there, no program-level rule covers it (they do not look inside a
-#: checkpoint; ``x @ m`` itself is covered by the rule for ``dot_general``).
-_uncovered_matmul = jax.checkpoint(jnp.matmul)
+#: A matrix product with a custom derivative: where a parameter meets the
+#: data there, no program-level rule covers it.
+_uncovered_matmul = problems.uncovered_matmul
 
 
 class Scale(hk.Module):
   """A module with no Gram rule: y = x * s, written as a product with
-  diag(s) inside a checkpoint, a use that no program-level rule covers
-  either (``x * s`` and ``x @ diag(s)`` themselves are covered)."""
+  diag(s) by a function with a custom derivative, a use that no
+  program-level rule covers either (``x * s`` and ``x @ diag(s)``
+  themselves are covered)."""
 
   def __call__(self, x):
     s = hk.get_parameter("s", [x.shape[-1]], x.dtype, init=jnp.ones)
@@ -439,13 +439,16 @@ def test_module_outside_every_track_block_is_read_from_the_program():
   assert grams.coverage["head/b"].rule == "program: broadcast"
   assert grams.coverage["head/w"].rule == "program: dot_general"
   assert grams.coverage["head/w"].module_type == "(outside track())"
-  # Inside a checkpoint, by none: untracked, not unused.
-  f = hk.transform_with_state(functools.partial(loss_fn, remat=True))
-  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+  # Inside a checkpoint (hk.remat), by the same rules, followed inside:
+  # the same Gram.
+  g = hk.transform_with_state(functools.partial(loss_fn, remat=True))
+  _, _, remat_grams = jax.jit(gram_haiku.value_grad_and_gram(g.apply))(
       params, state, None, x, y)
-  assert not grams.complete
-  assert grams.untracked == ["head/b", "head/w"]
-  assert grams.coverage["head/w"].module_type == "(outside track())"
+  assert remat_grams.complete
+  assert remat_grams.coverage["head/w"].rule == "program: dot_general"
+  assert remat_grams.coverage["head/w"].module_type == "(outside track())"
+  np.testing.assert_allclose(remat_grams.total, grams.total, rtol=1e-6,
+                             atol=1e-6 * float(np.abs(grams.total).max()))
 
 
 def _used_again_after_block(x, y, track=gram_haiku.track):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import gram_haiku
+from tests import problems
 
 
 def _mlp(x):
@@ -179,9 +180,9 @@ def test_a_parameter_outside_every_tracked_layer_is_refused():
   def f(x):
     with gram_haiku.track():
       h = hk.Linear(3)(x)
-    # A bare weight in a matmul inside a checkpoint: no module rule and no
-    # program rule.
-    return jax.checkpoint(jnp.matmul)(
+    # A bare weight in a matmul with a custom derivative: no module rule
+    # and no program rule.
+    return problems.uncovered_matmul(
         h, hk.get_parameter("mix", [3, 3], init=jnp.ones))
   t = hk.transform_with_state(f)
   x = jnp.ones((2, 4))

@@ -257,6 +257,14 @@ def _learned_initial_state_net(p, x, y):
   return jnp.sum((h @ p["out"] - y) ** 2)
 
 
+def _examples_summed_in_a_carry_net(p, x, y):
+  """A scan over the examples (one per step) that sums them in its carry
+  before a nonlinearity: no example's gradient of its own."""
+  c, _ = lax.scan(lambda c, xi: (c + xi[0] @ p["wx"], None), jnp.zeros(H),
+                  x)
+  return jnp.sum(jnp.tanh(c)) + 0.0 * jnp.sum(y)
+
+
 @pytest.mark.parametrize("net, keys, primitive, why", [
     (_while_net, ("wx", "wh", "out"), "while", "while_loop"),
     (_cond_on_data_net, ("wx", "out"), "cond",
@@ -265,8 +273,10 @@ def _learned_initial_state_net(p, x, y):
      "custom derivative"),
     (_learned_initial_state_net, ("wx", "wh", "b", "out"), "scan",
      "loop carry or a scanned input"),
+    (_examples_summed_in_a_carry_net, ("wx",), "dot_general",
+     "hold no examples' axis"),
 ], ids=["while_loop", "cond_on_the_data", "custom_jvp_of_the_weight",
-        "learned_initial_state"])
+        "learned_initial_state", "examples_summed_in_a_carry"])
 def test_what_cannot_be_proven_is_refused_at_the_users_line(net, keys,
                                                             primitive, why):
   params, batch = _params(jnp.float32, keys), _batch(jnp.float32)
