@@ -63,10 +63,26 @@ their outputs are constant. A value broadcast along an axis (size above
 1) may only go on through these before it meets the data (and not be
 contracted by ``dot_general``): a sum over a broadcast over the batch
 (``sum(broadcast_to(p, (B, D)), 0)``) would make each example's share
-depend on ``B``. A prefix value that
-meets the data by any other primitive, inside a loop, branch, checkpoint
-or custom derivative (a ``jax.jit`` call is followed inside:
-:func:`_into_call`), or that reaches the loss without meeting the data (a
+depend on ``B``.
+
+Where a prefix value and the data meet inside a call-like primitive (one
+with programs in its parameters), :data:`CALL_RULES` (keyed by primitive)
+says how it is followed: a ``jit`` call and a ``checkpoint``
+(``hk.remat``) inside, their derivative being their body's
+(:func:`_into_call`); a ``cond``/``switch`` whose index does not depend on
+the examples into every branch, one of which runs for the whole batch
+(:func:`_into_cond`); a ``scan`` into its body, for prefix values that are
+its constants, each site's ``Z`` then a constant of the replayed loop whose
+gradient sums the steps (:func:`_into_scan`). The sites found inside carry
+the calls that hold them (:attr:`Site.calls`), which the pass replays with
+``Z`` in place (:func:`gram_haiku._src.compat.hijax_compat.replay`). A
+function with a custom derivative that takes a prefix value with the data
+is refused (:func:`_custom_derivative`: its rule, not its body, is
+differentiated); one of the data alone (``jax.nn.relu(x @ w)``) takes no
+prefix value. A prefix value that meets the data by any other primitive
+(a ``while_loop``, a ``cond`` chosen from the examples, a loop carry or
+scanned input, a primitive without a rule), that leaves a branch or loop
+(:func:`_leaving`), or that reaches the loss without meeting the data (a
 penalty on the parameter, which belongs to no example), is a
 :class:`Refusal`: the parameter stays untracked, and the message names
 the primitive and the user's line.

@@ -13,7 +13,10 @@ primitives of the program, bound again). At a per-example site (a
 with the data) ``Z`` is the operand stacked per example, ``[B,
 *operand.shape]``, and the equation is bound once per example
 (:func:`gram_haiku._src.compat.hijax_compat.bind_per_example`, through
-``hx.replay``). Each example's gradient of the
+``hx.replay``). A site inside a ``jit`` call, a checkpoint, a ``cond``
+branch or a ``scan`` body is replayed there, ``Z`` closed over (in a loop
+the same ``Z`` at every step, so that ``dL/dZ`` is the sum of the steps'
+parts). Each example's gradient of the
 parameter is then the pull-back of its slice of ``dL/dZ`` through the
 program's own equations that compute one slice of ``Z`` from the
 parameter (``F_1``):
@@ -26,13 +29,15 @@ parameter a tracked module reads too, they are added to that module's
 ``PER_EXAMPLE`` store: :func:`gram_haiku._src.passes.pass_pipeline.run`): its Gram,
 norms (with a sound rounding bound: ``L r |dZ_i|``, ``L >= |J^T|`` and
 ``r`` the pull-back's rounding, read from its program by
-:mod:`gram_haiku._src.analysis.linear_bound`) and ``sum_i c_i g_i`` are
-read from it.
+:mod:`gram_haiku._src.analysis.linear_bound`, plus the rounding of a
+per-example or loop site's own ``dL/dZ``: :func:`_site_error`) and
+``sum_i c_i g_i`` are read from it.
 
 A site of the shape of a linear layer (``x @ W``, ``x @ W.T``,
 ``jnp.einsum('btd,de->bte', x, W)``: :class:`~gram_haiku._src.analysis.
 program_rules.LinearForm`) whose weight is the parameter itself (or its
-transpose) is not evaluated once per example: the linear layer's Gram op
+transpose) of the program's own (not inside
+a call or loop) is not evaluated once per example: the linear layer's Gram op
 (:func:`gram_haiku._src.ops.linear.linear_rule`) is bound there with the
 weight as its parameter and a probe of its own, so that it costs what a
 tracked ``hk.Linear`` costs. For a parameter with that one site (not also
