@@ -66,13 +66,18 @@ def _in_checkpoint(p, x, y):
 
 def _in_cond(p, x, y):
   """``lax.cond`` on the parameters and ``lax.switch`` on a constant, the
-  bare weights used in the branches (in a ``jit`` call in one)."""
+  bare weights used in the branches (in a ``jit`` call in one); then a
+  ``lax.cond`` per example (``jax.vmap``: a ``select_n`` of both branches,
+  one of which is dead for the loss)."""
   a = x[:, 0] / 1e2
   h = lax.cond(jnp.sum(p["g"]) > 0,
                lambda a: jnp.tanh(a @ p["wx"] + p["b"]),
                lambda a: jax.jit(lambda a: a @ p["wx"] * p["g"])(a), a)
   h = lax.switch(jnp.int32(1), [lambda h: h * p["b"],
                                 lambda h: jnp.tanh(h @ p["wh"])], h)
+  h = jax.vmap(lambda hi, ai: lax.cond(
+      jnp.sum(ai) > 0, lambda h: jnp.tanh(h @ p["wh"]),
+      lambda h: h * p["g"], hi))(h, a)
   return jnp.sum((h @ p["out"] - y) ** 2)
 
 

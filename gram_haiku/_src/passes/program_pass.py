@@ -383,8 +383,10 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
         if upper_bound else {})
   closed, shape = jax.make_jaxpr(traced, return_shape=True)(
       list(leaves), probes, list(arrays))
-  jaxpr = closed.jaxpr
-  consts = dict(zip(jaxpr.constvars, closed.consts))
+  # Without its dead equations, as the discovery read it (a vmapped cond
+  # leaves a dead select of each branch's operands: sites of no value).
+  jaxpr = hx.live_part(closed.jaxpr)
+  consts = dict(zip(closed.jaxpr.constvars, closed.consts))
   n = len(leaves)
   sites = program_rules.match(
       program_rules.find(jaxpr, n, sorted(program.leaves), op_lib.RuleOp,
