@@ -1465,6 +1465,15 @@ def _tracked_layer_in_a_cond_read_inside(x, y):
   return _sq(h, y)
 
 
+def _tracked_layer_in_a_cond_read_outside(x, y):
+  # The layer applied in the branch a constant chose, its weight read
+  # outside.
+  lin = hk.Linear(3)
+  h = hk.cond(jnp.float32(1.0) > 0, lambda a: jnp.tanh(lin(a)),
+              lambda a: jnp.tanh(lin(-a)), x)
+  return _sq(h + jnp.tanh(x @ lin.params_dict()["linear/w"]), y)
+
+
 _MIXED = r"(?s)'linear/w' is used both inside a tracked layer.*`scan`"
 _PR = "tests/test_program_rules.py"
 _PROGRAM_REFUSED = "No program-level rule covers its use by `{}`.*{}"
@@ -1976,6 +1985,8 @@ ROWS: list[Row] = [
         _tracked_layer_in_a_remat_read_outside, EXACT, False, source=_PR),
     Row("tracked_layer_in_a_cond_read_inside",
         _tracked_layer_in_a_cond_read_inside, EXACT, False, source=_PR),
+    Row("tracked_layer_in_a_cond_read_outside",
+        _tracked_layer_in_a_cond_read_outside, EXACT, False, source=_PR),
     Row("tracked_layer_in_a_scan_read_outside",
         _tracked_layer_in_a_scan_read_outside, _MIXED, _MIXED, source=_PR),
 ]
