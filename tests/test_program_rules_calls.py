@@ -227,6 +227,32 @@ def test_clip_norms_of_sites_in_a_loop_bound_the_float64_norm(use):
   assert np.all(bound <= 3 * true), (bound, true)  # (not vacuous)
 
 
+def test_a_cond_and_a_checkpoint_under_a_mesh_are_the_reference():
+  """``mesh=`` (one device: the shard_map's varying types are the same):
+  the cond and the checkpoint holding sites are traced again, from Python,
+  for values that vary over the mesh (a recorded call would not take
+  them)."""
+  def loss(p, x, y):
+    h = lax.cond(jnp.sum(p["g"]) > 0,
+                 lambda a: jnp.tanh(a @ p["wx"] + p["b"]),
+                 lambda a: a @ p["wx"] * p["g"], x[:, 0] / 1e2)
+    h = jax.checkpoint(lambda h: jnp.tanh(h * p["g"] + p["b"]))(h)
+    return jnp.sum((h @ p["out"] - y) ** 2)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  params = _params(jnp.float32, ("wx", "b", "g", "out"))
+  batch = _batch(jnp.float32)
+  _, _, grams = jax.jit(gf.value_grad_and_gram(loss, mesh=mesh))(params,
+                                                                 *batch)
+  f = np.asarray(testing.per_example_grads(loss, params, *batch), np.float64)
+  testing.assert_gram_close(grams.total, f @ f.T, "float32")
+  norms = np.linalg.norm(f, axis=1)
+  c = float(np.median(norms))
+  got = jax.jit(gf.clipped_grad(loss, mesh=mesh, l2_clip_norm=c))(params,
+                                                                  *batch)
+  _close(got, testing.weighted_sum(f, testing.clip_reference(norms, c),
+                                   params), 1e-4)
+
+
 def _while_net(p, x, y):
   h = lax.while_loop(lambda c: c[0] < 3,
                      lambda c: (c[0] + 1, jnp.tanh(c[1] @ p["wh"])),

@@ -617,8 +617,10 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
       ins = [vary_like(jnp.asarray(x), *ins) for x in ins]
     inner = eqn.params.get("jaxpr") if eqn.primitive.name in (
         "pjit", "jit") else None
-    if axes and inner is None and jaxprs_of(eqn):
-      # A custom derivative's rule was traced for replicated operands.
+    if (axes and inner is None and jaxprs_of(eqn) and
+        path + (id(eqn),) not in into):
+      # A custom derivative's rule was traced for replicated operands. (A
+      # call replayed by _eval_into is traced again, from Python.)
       raise NotImplementedError(
           f"gram_haiku: a parameter reaches a tracked layer through "
           f"`{eqn.primitive.name}` (a function with a custom derivative, "
