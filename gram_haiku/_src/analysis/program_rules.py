@@ -481,7 +481,11 @@ def _into_scan(ctx, eqn, ins) -> list:
   if not reached or any(c.leaves for c in carry):
     return _refuse(ctx, eqn, ins, errors.PROGRAM_OUT_OF_CALL.format(
         primitive=eqn.primitive.name))
-  return _leaving(ctx, eqn, ins, list(carry) + list(outs[n_carry:]))
+  # (A stacked output's constant axes are not the body's: only its size-1
+  # ones are known.)
+  ys = [Val(data=True) if o.data else Val(o.leaves, False, _ones(_shape(v)))
+        for v, o in zip(eqn.outvars[n_carry:], outs[n_carry:])]
+  return _leaving(ctx, eqn, ins, list(carry) + ys)
 
 
 def _custom_derivative(ctx, eqn, ins) -> list:
