@@ -53,3 +53,23 @@ def test_large_rows_take_the_loop_and_multi_axis_rows_flatten():
   np.testing.assert_array_equal(
       norm_bounds.sum_of_squares(a.reshape(2, 3, 4099)),
       norm_bounds.sum_of_squares(a))
+
+
+def test_the_fallback_round_is_not_hoisted_out_of_its_loop():
+  """``kernels.run_if``'s round stays inside its loop in the compiled
+  program (XLA's loop-invariant code motion hoisted a round that read only
+  outside values, and the materialised fallback of every layer's norm
+  bounds ran on every clipping step), and it gives ``fn(*operands)`` or
+  ``otherwise``."""
+  from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
+
+  def f(pred, x, d):
+    return kernels.run_if(
+        pred, lambda x, d: jnp.einsum("bti,btj->bij", x, d).sum((1, 2)),
+        jnp.full(x.shape[:1], -1.0), (x, d))
+  x, d = jnp.ones((4, 8, 32)), jnp.ones((4, 8, 16))
+  hlo = jax.jit(f).lower(jnp.array(False), x, d).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):].split("\n}")[0]
+  assert "while/body" not in entry, entry
+  np.testing.assert_array_equal(f(jnp.array(True), x, d), np.full(4, 8 * 512))
+  np.testing.assert_array_equal(f(jnp.array(False), x, d), np.full(4, -1.0))
