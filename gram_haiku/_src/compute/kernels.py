@@ -744,8 +744,12 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
         jnp.sqrt(ds)[:, None], n, m, acc, lax.Precision.HIGHEST)
 
   def rows(xi, di):
-    kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
-    kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
+    if with_slack:  # (wide kernels in two levels: norm_bounds.kernel)
+      kx = norm_bounds.kernel(xi, cfg.precision)
+      kd = norm_bounds.kernel(di, cfg.precision)
+    else:
+      kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
+      kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
     prod = _product_of_kernels(kx, kd)
     if not with_slack:
       return jnp.sum(prod, axis=(1, 2))
@@ -756,13 +760,16 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
     value = norm_bounds.two_level_sum(prod)
     slack = norm_bounds.ghost_slack(
         kx.astype(acc), kd.astype(acc), norm_bounds.row_norms(xi.astype(acc)),
-        norm_bounds.row_norms(di.astype(acc)), n, m, acc, cfg.precision)
+        norm_bounds.row_norms(di.astype(acc)), n, m, acc, cfg.precision,
+        by_kernel=True)
     return jnp.stack([value.astype(acc), slack.astype(acc)], axis=1)
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   t_hint = cost_model.size_hint(t)
-  # The kernels, and with the slack its (rows, T, T) terms.
-  per_row = (6 if with_slack else 2) * t_hint * t_hint * itemsize
+  # The kernels, and with the slack its (rows, T, T) terms and the chunks
+  # of two-level kernels.
+  per_row = ((6 + norm_bounds.kernel_chunks(n) + norm_bounds.kernel_chunks(m)
+              if with_slack else 2) * t_hint * t_hint * itemsize)
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
     value = map_row_blocks(
