@@ -508,11 +508,11 @@ def test_tied_table_clips_from_its_parts(style, clipping, two_level,
   # The tied table keeps each use's factors (not B x V x D per-example
   # gradients); its norm bounds hold against float64 and the clipped sum is
   # the reference sum clipped by those bounds. two_level: the output
-  # layer's logits-cotangent kernel in 17 chunks of its 300 features
-  # (as a 32000-word vocabulary's, norm_bounds.kernel).
+  # layer's logits-cotangent kernel in 17 chunks of its 301 features, the
+  # last one shorter (as a 32000-word vocabulary's, norm_bounds.kernel).
   v = 64
   if two_level:
-    v = 300
+    v = 301
     monkeypatch.setattr(norm_bounds, "KERNEL_LEVEL_FEATURES", 64)
     monkeypatch.setattr(norm_bounds, "KERNEL_CHUNK", 16)
     assert norm_bounds.kernel_split(v) == (17, 18)

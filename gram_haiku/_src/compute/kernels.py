@@ -766,10 +766,8 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
   t_hint = cost_model.size_hint(t)
-  # The kernels, and with the slack its (rows, T, T) terms and the chunks
-  # of two-level kernels.
-  per_row = ((6 + norm_bounds.kernel_chunks(n) + norm_bounds.kernel_chunks(m)
-              if with_slack else 2) * t_hint * t_hint * itemsize)
+  # The kernels, and with the slack its (rows, T, T) terms.
+  per_row = (6 if with_slack else 2) * t_hint * t_hint * itemsize
   if per_row > budget:  # One example's kernels do not fit.
     tau = max(1, math.isqrt(budget // (2 * itemsize)))
     value = map_row_blocks(
