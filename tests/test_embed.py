@@ -501,8 +501,7 @@ def _tracked_sum(body, *args):
 
 
 @pytest.mark.parametrize("style,clipping,two_level", [
-    ("ARRAY_INDEX", "all-layer", False), ("ONE_HOT", "per-layer", False),
-    ("ARRAY_INDEX", "all-layer", True)])
+    ("ARRAY_INDEX", "all-layer", True), ("ONE_HOT", "per-layer", False)])
 def test_tied_table_clips_from_its_parts(style, clipping, two_level,
                                          monkeypatch):
   # The tied table keeps each use's factors (not B x V x D per-example
