@@ -18,6 +18,7 @@ from gram_haiku._src.api import reweight
 from gram_haiku._src.compute import cost_model
 from gram_haiku._src.core import reference
 from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core.reference import assert_gram_close
 from gram_haiku._src.core.reference import reference_gram
 from gram_haiku._src.core.reference import RTOL_BF16
@@ -499,14 +500,23 @@ def _tracked_sum(body, *args):
     return body(*args)
 
 
-@pytest.mark.parametrize("style,clipping", [("ARRAY_INDEX", "all-layer"),
-                                            ("ONE_HOT", "per-layer")])
-def test_tied_table_clips_from_its_parts(style, clipping):
+@pytest.mark.parametrize("style,clipping,two_level", [
+    ("ARRAY_INDEX", "all-layer", True), ("ONE_HOT", "per-layer", False)])
+def test_tied_table_clips_from_its_parts(style, clipping, two_level,
+                                         monkeypatch):
   # The tied table keeps each use's factors (not B x V x D per-example
   # gradients); its norm bounds hold against float64 and the clipped sum is
-  # the reference sum clipped by those bounds.
-  body = _tied_model(style)
-  batch = _tied_case(21)
+  # the reference sum clipped by those bounds. two_level: the output
+  # layer's logits-cotangent kernel in 17 chunks of its 301 features, the
+  # last one shorter (as a 32000-word vocabulary's, norm_bounds.kernel).
+  v = 64
+  if two_level:
+    v = 301
+    monkeypatch.setattr(norm_bounds, "KERNEL_LEVEL_FEATURES", 64)
+    monkeypatch.setattr(norm_bounds, "KERNEL_CHUNK", 16)
+    assert norm_bounds.kernel_split(v) == (17, 18)
+  body = _tied_model(style, v=v)
+  batch = _tied_case(21, v=v)
   f, params, state, (grads, aux) = _tied_step(body, batch, clipping)
   r = reweight.run(f.apply, params, state, None, batch, {},
                    fn_name="clipped_grad", needs="norms", has_aux=False,

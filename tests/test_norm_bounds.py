@@ -53,3 +53,73 @@ def test_large_rows_take_the_loop_and_multi_axis_rows_flatten():
   np.testing.assert_array_equal(
       norm_bounds.sum_of_squares(a.reshape(2, 3, 4099)),
       norm_bounds.sum_of_squares(a))
+
+
+def test_the_fallback_round_is_not_hoisted_out_of_its_loop():
+  """``kernels.run_if``'s round stays inside its loop in the compiled
+  program (XLA's loop-invariant code motion hoisted a round that read only
+  outside values, and the materialised fallback of every layer's norm
+  bounds ran on every clipping step), and it gives ``fn(*operands)`` or
+  ``otherwise``."""
+  from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
+
+  def f(pred, x, d):
+    return kernels.run_if(
+        pred, lambda x, d: jnp.einsum("bti,btj->bij", x, d).sum((1, 2)),
+        jnp.full(x.shape[:1], -1.0), (x, d))
+  x, d = jnp.ones((4, 8, 32)), jnp.ones((4, 8, 16))
+  hlo = jax.jit(f).lower(jnp.array(False), x, d).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):].split("\n}")[0]
+  assert "while/body" not in entry, entry
+  np.testing.assert_array_equal(f(jnp.array(True), x, d), np.full(4, 8 * 512))
+  np.testing.assert_array_equal(f(jnp.array(False), x, d), np.full(4, -1.0))
+
+
+@pytest.mark.parametrize("m", [100, 8192, 32000 + 77])
+def test_two_level_kernels_are_within_their_bound(m):
+  """``norm_bounds.kernel``: each entry within ``kernel_error`` times the
+  float64 ``|a_t| . |a_s|`` of the float64 kernel, on rows of many
+  magnitudes riding on large offsets of either sign (one level below
+  ``KERNEL_LEVEL_FEATURES``, two above, 55x tighter at 32000)."""
+  a = _rows(2 * 3, m, seed=m).reshape(2, 3, m)
+  a *= np.where(np.arange(3) % 2, -1.0, 1.0)[None, :, None]
+  got = np.asarray(jax.jit(
+      lambda a: norm_bounds.kernel(a, jax.lax.Precision.HIGHEST))(a),
+                   np.float64)
+  a64 = a.astype(np.float64)
+  true = np.einsum("itm,ism->its", a64, a64)
+  size = np.einsum("itm,ism->its", np.abs(a64), np.abs(a64))
+  e = float(norm_bounds.kernel_error(m, jnp.float32, jax.lax.Precision.HIGHEST))
+  assert np.all(np.abs(got - true) <= e * size)
+  one = float(norm_bounds.dot_error(m, jnp.float32, jax.lax.Precision.HIGHEST))
+  assert (e == one) == (norm_bounds.kernel_split(m) is None)
+  if m > 30000:
+    assert e < one / 50
+
+
+def test_a_wide_output_layers_ghost_bound_is_tight(monkeypatch):
+  """A linear map to ``M = 8192`` features (a vocabulary) at ``T = 192``
+  positions, inputs sharing an offset and nearly orthogonal cotangents
+  (logits' cotangents): one level's kernel bound (``e_M sum |kx| |d_t|
+  |d_s|``, about ``M T u`` of the value) exceeds ``LOOSE`` and the
+  materialised fallback would run; the two-level kernels' is tight, and
+  an upper bound of the float64 norm."""
+  from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  t, n, m = 192, 16, 8192
+  x = (rng.normal(size=(1, t, n)) + 30.0).astype(np.float32)
+  d = rng.normal(size=(1, t, m)).astype(np.float32)
+  cfg = kernels.KernelConfig(precision=jax.lax.Precision.HIGHEST,
+                             upper_bound=True)
+
+  def norms(x, d):  # (traced at each call)
+    return jax.jit(lambda x, d: norm_bounds.ghost(
+        *kernels.ghost_sq_norms(x, d, cfg, True)))(x, d)
+  g = np.einsum("btn,btm->bnm", x.astype(np.float64), d.astype(np.float64))
+  true = (g ** 2).sum((1, 2))
+  bound, loose = norms(x, d)
+  assert not np.any(loose)
+  assert np.all(true <= np.asarray(bound, np.float64))
+  assert np.all(np.asarray(bound, np.float64) <= true * 1.01)
+  monkeypatch.setattr(norm_bounds, "KERNEL_LEVEL_FEATURES", 1 << 30)
+  assert np.all(norms(x, d)[1])  # (one level: loose)

@@ -35,6 +35,7 @@ the Gram's columns are gathered and how much memory a block may take.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -743,8 +744,12 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
         jnp.sqrt(ds)[:, None], n, m, acc, lax.Precision.HIGHEST)
 
   def rows(xi, di):
-    kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
-    kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
+    if with_slack:  # (wide kernels in two levels: norm_bounds.kernel)
+      kx = norm_bounds.kernel(xi, cfg.precision)
+      kd = norm_bounds.kernel(di, cfg.precision)
+    else:
+      kx = jnp.einsum("itn,isn->its", xi, xi, precision=cfg.precision)
+      kd = jnp.einsum("itm,ism->its", di, di, precision=cfg.precision)
     prod = _product_of_kernels(kx, kd)
     if not with_slack:
       return jnp.sum(prod, axis=(1, 2))
@@ -755,7 +760,8 @@ def ghost_sq_norms(x: jax.Array, d: jax.Array, cfg: KernelConfig,
     value = norm_bounds.two_level_sum(prod)
     slack = norm_bounds.ghost_slack(
         kx.astype(acc), kd.astype(acc), norm_bounds.row_norms(xi.astype(acc)),
-        norm_bounds.row_norms(di.astype(acc)), n, m, acc, cfg.precision)
+        norm_bounds.row_norms(di.astype(acc)), n, m, acc, cfg.precision,
+        by_kernel=True)
     return jnp.stack([value.astype(acc), slack.astype(acc)], axis=1)
   itemsize = jnp.dtype(x.dtype).itemsize
   budget = cfg.memory_budget_bytes
@@ -868,15 +874,28 @@ def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
       norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1], cfg)
 
 
-def run_if(pred: jax.Array, fn, otherwise: jax.Array) -> jax.Array:
-  """``fn()`` where the scalar ``pred`` holds, else ``otherwise`` (same
-  type), as a loop of zero or one rounds: unlike ``lax.cond``, whose
+def run_if(pred: jax.Array, fn, otherwise: jax.Array,
+           operands: tuple = ()) -> jax.Array:
+  """``fn(*operands)`` where the scalar ``pred`` holds, else ``otherwise``
+  (same type), as a loop of zero or one rounds: unlike ``lax.cond``, whose
   operands XLA kept in copies in the models measured (CNN clipping step:
   +21 MB of temp memory for a branch that never ran). Not differentiable
   (a loop with a traced trip count): for the clipping pass's norm bounds,
-  which nothing differentiates."""
-  return lax.fori_loop(0, pred.astype(jnp.int32), lambda _, __: fn(),
-                       otherwise)
+  which nothing differentiates.
+
+  ``operands`` enter the round tied to the loop's counter
+  (``lax.optimization_barrier``), so that nothing computed from them is
+  loop-invariant: XLA's loop-invariant code motion otherwise hoisted a
+  round that reads only values from outside the loop in front of it, and
+  the fallback ran on every step (a GPT clipping step materialised every
+  linear layer's and the tied output layer's per-example gradients; found
+  in the compiled HLO, 2026-12-06). ``fn`` must read the arrays it works on
+  from its arguments, not from its closure.
+  """
+  def body(i, _):
+    _, tied = lax.optimization_barrier((i, tuple(operands)))
+    return fn(*tied)
+  return lax.fori_loop(0, pred.astype(jnp.int32), body, otherwise)
 
 
 #: The memory a fallback from cancelling ghost norms to materialised ones
@@ -909,7 +928,7 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   acc = d.dtype
   itemsize = jnp.dtype(acc).itemsize
 
-  def materialised(budget: int):
+  def materialised(budget: int, x, d):
     per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
     rows = max(1, budget // max(per_row, 1))
     value = map_row_slices(
@@ -920,15 +939,16 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
         t, acc, cfg.precision)
 
   if method != "ghost":
-    out = materialised(cfg.memory_budget_bytes)
+    out = materialised(cfg.memory_budget_bytes, x, d)
   elif isinstance(t, int) and t == 1:
     # One position: nothing cancels, the ghost bound is tight.
     out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
   else:
     bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
     # The fallback (rare: cancelling examples) in small blocks.
-    out = run_if(jnp.any(loose), lambda: materialised(
-        min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound)
+    out = run_if(jnp.any(loose), functools.partial(
+        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound,
+                 (x, d))
   if with_bias:
     out = out + bias_sq_norm_bounds(d, cfg.precision)
   return out
