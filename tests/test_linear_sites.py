@@ -239,3 +239,71 @@ def test_a_linear_site_exports_with_a_symbolic_batch_and_length():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
                                                        atol=1e-6),
                exported.call(p, x), fn(p, x))
+
+
+def _bare_only_net(x):
+  """A Haiku model whose only parameter is a bare weight, used
+  untransposed and transposed, under ``jax.vmap`` over the examples: no
+  tracked layer, so no probe in the state."""
+  w = hk.get_parameter("w", [F, F], x.dtype,
+                       init=hk.initializers.RandomNormal())
+  return jax.vmap(lambda xi: jnp.sum(jnp.tanh(jnp.tanh(xi @ w) @ w.T) ** 2))(
+      x)
+
+
+def test_a_haiku_model_of_bare_weights_alone_is_covered_by_the_program():
+  """Inside ``track()`` with no tracked layer (the state holds no probe):
+  the bare weight's sites are read from the program, ``B`` from the
+  batch. Before, ``NO_PROBES`` refused it ("call the model inside
+  track()", which it was)."""
+  def loss(x):
+    with gram_haiku.track():
+      return _bare_only_net(x).sum()
+  f = hk.transform_with_state(loss)
+  with jax.enable_x64(True):
+    x, _ = _batch(4)
+    x = jnp.stack([x, x[::-1]], axis=1)  # [B, 2, F]: two positions
+    params, state = f.init(jax.random.PRNGKey(0), x)
+    plain = hk.transform(lambda x: _bare_only_net(x).sum())
+    ff = np.asarray(testing.per_example_grads(
+        lambda p, x: plain.apply(p, None, x), params, x))
+    _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, x)
+    assert grams.complete
+    testing.assert_gram_close(grams.total, ff @ ff.T, "float64")
+    np.testing.assert_allclose(
+        grads["~"]["w"], jax.grad(lambda p: plain.apply(p, None, x))(
+            params)["~"]["w"], rtol=1e-10)
+    norms = np.linalg.norm(ff, axis=1)
+    c = float(np.median(norms))
+    got = jax.jit(gram_haiku.clipped_grad(lambda *a: f.apply(*a)[0],
+                                          l2_clip_norm=c))(
+                                              params, state, None, x)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9),
+                 got, testing.weighted_sum(
+                     ff, testing.clip_reference(norms, c), params))
+
+
+def test_no_probe_and_no_program_rule_is_refused():
+  """No tracked layer and no use a program rule covers (a weight read in
+  a scan): there is no Gram to form; the refusal says so, not an index
+  error from an empty sum."""
+  def loss(x):
+    with gram_haiku.track(untracked="ignore"):
+      w = hk.get_parameter("w", [F, F], x.dtype, init=jnp.ones)
+      c, _ = jax.lax.scan(lambda c, xt: (jnp.tanh(c @ w + xt), None),
+                          jnp.zeros_like(x[:, 0]), jnp.swapaxes(x, 0, 1))
+      return jnp.sum(c ** 2)
+  f = hk.transform_with_state(loss)
+  x = jnp.ones((B, T, F))
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="no Gram to form"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
+
+
+def test_the_reference_takes_an_empty_batch():
+  """``testing.per_example_grads`` at ``B = 0``: ``[0, P]`` (it reshaped
+  with ``-1``, which a size-0 array cannot infer)."""
+  params, (x, y) = _params(("w1", "w2")), _batch()
+  f = testing.per_example_grads(_matmul, params, x[:0], y[:0])
+  assert f.shape == (0, F * H + H * D)

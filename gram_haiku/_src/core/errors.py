@@ -91,10 +91,22 @@ NOT_SCALAR = (
 
 NO_PROBES = (
     "gram_haiku.value_grad_and_gram: the Haiku state holds no Gram probe "
-    "('gram_probe' entries), so no layer was tracked.\n"
+    "('gram_probe' entries) and no track() context read a parameter, so "
+    "no layer was tracked.\n"
     "What to do: call the model inside `with gram_haiku.track():` in the "
     "function given to hk.transform_with_state, and pass the state returned "
     "by its init.")
+
+NO_GRAM_TO_FORM = (
+    "gram_haiku: no layer inside track() was tracked (the Haiku state holds "
+    "no 'gram_probe' entry) and no parameter's use is covered by a "
+    "program-level rule (a bare weight in x @ W or jnp.einsum, a broadcast "
+    "add or mul, a gather), so there is no Gram to form "
+    "(track(untracked='warn') names each untracked use).\n"
+    "What to do: apply the parameters through tracked layers (hk.Linear, "
+    "hk.Conv2D, ...), or use them outside loops and branches in one of the "
+    "forms a program rule reads (see 'Parameters read from the program' in "
+    "docs/semantics.rst).")
 
 BAD_BATCH_SIZE = (
     "gram_haiku.resize_probes: batch_size must be a positive int, got "

@@ -11,6 +11,7 @@ benchmarks and the demo all compare with this one reference.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -68,7 +69,8 @@ def per_example_grads(per_example_loss: Callable[..., Any], params, *batch,
     leaves = jax.tree.leaves(grads)
     b = leaves[0].shape[0]
     return jnp.concatenate(
-        [jnp.asarray(l, jnp.promote_types(l.dtype, jnp.float32)).reshape(b, -1)
+        [jnp.asarray(l, jnp.promote_types(l.dtype, jnp.float32)).reshape(
+            b, math.prod(l.shape[1:]))  # (not -1: B may be 0)
          for l in leaves], axis=1)
   # Under jit: one compilation, not one per primitive (op-by-op dispatch).
   return jax.jit(flat)(params, *batch)

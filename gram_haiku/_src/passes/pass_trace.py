@@ -417,8 +417,11 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   _check_arguments(apply_fn, params, state)
   bare = plain_jax.is_bare(apply_fn)
   rest, probes = split_probes(state)
-  if not probes and not bare:
-    raise ValueError(errors.NO_PROBES)
+  # No probe: no layer was tracked. Inside track() (its getters saw the
+  # parameters: bare hk.get_parameter weights alone) every use is read
+  # from the program and B from the batch; with no track() at all, the
+  # model was not run inside it (NO_PROBES, below).
+  no_layers = bare or not probes
   n_devices = _check_mesh_axes(axes, fn_name)
 
   def loss_of(params, probes, rng, args, kwargs, extra=None):
@@ -441,7 +444,9 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   found, seen, check_examples, program, (sites, deferred) = _discover(
       lambda *a: loss_of(*a)[0], params, probes, rng, args, kwargs, axes,
       example_axes, jax.tree_util.tree_leaves(rest), frozen, bare)
-  if not found.sizes and not bare:
+  if not probes and not bare and not seen:
+    raise ValueError(errors.NO_PROBES)
+  if not found.sizes and not no_layers:
     arrays, array_axes, _ = batch_args.split_batch(
         (None, *args), kwargs, example_axes)
     sizes = [batch_args.example_size(a, ax)
@@ -465,6 +470,8 @@ def trace_loss(apply_fn, has_aux: bool, params, state, rng, args, kwargs,
   names = leaf_names(params)
   rules = program_rules.resolve(sites, observed, size, names, {
       k: found.mixed[n][0] for k, n in enumerate(names) if n in found.mixed})
+  if not probes and not bare and not rules.leaves:
+    raise ValueError(errors.NO_GRAM_TO_FORM)
   _check_mixed(found, rules, probes, frozen)
   seen = _with_program(seen, rules, deferred)
   # A privacy guarantee (or a block across two sets): a sum, not a mean.
