@@ -307,3 +307,29 @@ def test_the_reference_takes_an_empty_batch():
   params, (x, y) = _params(("w1", "w2")), _batch()
   f = testing.per_example_grads(_matmul, params, x[:0], y[:0])
   assert f.shape == (0, F * H + H * D)
+
+
+def test_time_major_examples_and_a_stopped_second_use():
+  """Time-major data (``[T, B, F]``, ``example_axes=(1,)``) into
+  ``einsum('tbd,de->bte')`` (the output's examples moved to axis 0), the
+  same weight read again through ``stop_gradient`` (no gradient from that
+  use): the Gram and the clipped sum against the reference taken along
+  axis 1."""
+  def loss(p, x):
+    z = jnp.einsum("tbd,de->bte", x, p["w"])
+    zs = jnp.einsum("tbd,de->bte", x, jax.lax.stop_gradient(p["w"]))
+    return jnp.sum(jnp.tanh(z) * jnp.tanh(zs) * (1 + jnp.arange(H) / H))
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(5)
+    p = {"w": jnp.asarray(rng.standard_normal((F, H)))}
+    x = jnp.asarray(rng.standard_normal((T, B, F)))
+    f = np.asarray(testing.per_example_grads(loss, p, x, in_axes=1))
+    _, _, grams = jax.jit(gf.value_grad_and_gram(loss, example_axes=(1,)))(
+        p, x)
+    testing.assert_gram_close(grams.total, f @ f.T, "float64")
+    norms = np.linalg.norm(f, axis=1)
+    c = float(np.median(norms))
+    got = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c, example_axes=(1,)))(
+        p, x)
+    np.testing.assert_allclose(got["w"], testing.weighted_sum(
+        f, testing.clip_reference(norms, c), p)["w"], rtol=1e-9)
