@@ -284,18 +284,25 @@ def test_a_haiku_model_of_bare_weights_alone_is_covered_by_the_program():
                      ff, testing.clip_reference(norms, c), params))
 
 
+@jax.custom_vjp
+def _opaque_product(x, w):
+  return x @ w
+
+
+_opaque_product.defvjp(lambda x, w: (x @ w, (x, w)),
+                       lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+
 def test_no_probe_and_no_program_rule_is_refused():
-  """No tracked layer and no use a program rule covers (a weight read in
-  a scan): there is no Gram to form; the refusal says so, not an index
-  error from an empty sum."""
+  """No tracked layer and no use a program rule covers (a weight inside a
+  custom_vjp): there is no Gram to form; the refusal says so, not an
+  index error from an empty sum."""
   def loss(x):
     with gram_haiku.track(untracked="ignore"):
       w = hk.get_parameter("w", [F, F], x.dtype, init=jnp.ones)
-      c, _ = jax.lax.scan(lambda c, xt: (jnp.tanh(c @ w + xt), None),
-                          jnp.zeros_like(x[:, 0]), jnp.swapaxes(x, 0, 1))
-      return jnp.sum(c ** 2)
+      return jnp.sum(jnp.tanh(_opaque_product(x, w)) ** 2)
   f = hk.transform_with_state(loss)
-  x = jnp.ones((B, T, F))
+  x = jnp.ones((B, F))
   params, state = f.init(jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match="no Gram to form"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)

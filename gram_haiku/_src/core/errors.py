@@ -104,9 +104,8 @@ NO_GRAM_TO_FORM = (
     "add or mul, a gather), so there is no Gram to form "
     "(track(untracked='warn') names each untracked use).\n"
     "What to do: apply the parameters through tracked layers (hk.Linear, "
-    "hk.Conv2D, ...), or use them outside loops and branches in one of the "
-    "forms a program rule reads (see 'Parameters read from the program' in "
-    "docs/semantics.rst).")
+    "hk.Conv2D, ...), or use them in one of the forms a program rule reads "
+    "(see 'Parameters read from the program' in docs/semantics.rst).")
 
 BAD_BATCH_SIZE = (
     "gram_haiku.resize_probes: batch_size must be a positive int, got "
