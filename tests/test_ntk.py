@@ -128,6 +128,22 @@ def test_one_output_axis_in_each_layout():
                      np.einsum(spec, full))
 
 
+def test_one_number_per_example_is_the_pair_kernel_by_default():
+  """Output ``[N]`` (a regression head): the default traces no axis (the
+  last is the examples'), so the kernel is ``[N1, N2]``, not the trace
+  over the batch that ``trace_axes=(-1,)`` asks for."""
+  with jax.enable_x64(True):
+    MODELS["scalar"] = (lambda x: _mlp(x)[:, 0], (6,))
+    try:
+      tracked, plain, params, state, x1, x2 = _problem("scalar")
+    finally:
+      del MODELS["scalar"]
+    want = np.einsum("ip,jp->ij", np.asarray(_jacobian(plain, params, x1)),
+                     np.asarray(_jacobian(plain, params, x2)))
+    ntk = gram_haiku.empirical_ntk(tracked.apply)
+    _assert_kernel(np.asarray(ntk(params, state, x1, x2)), want)
+
+
 def test_two_output_axes_and_the_batch_diagonal():
   with jax.enable_x64(True):
     tracked, plain, params, state, x1, x2 = _problem("attention")

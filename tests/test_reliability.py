@@ -151,17 +151,31 @@ def _tangent_prop(x, y, with_loss=True):
 
 @pytest.mark.parametrize("with_loss", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_forward_mode_through_tracked_layers_is_refused(with_loss, jit):
+def test_forward_mode_through_tracked_layers_is_exact_or_refused(with_loss,
+                                                               jit):
   # Tangent propagation: jax.jvp of the tracked model inside the loss. The
-  # layers run as their plain computation there, so that term's share of
-  # the Gram would be lost (was a silently zero Gram on the raw path).
+  # layers run as their plain computation there (was a silently zero Gram
+  # on the raw path). With the model also applied outside the jvp, the
+  # tangent path's products of its weights are program-level sites of the
+  # tracked leaves (their per-example gradients added to the layers'), so
+  # the Gram is the reference's; with the model only inside the jvp no
+  # tracked layer is applied, which is refused.
   x, y = _data(12, (4, 6), 3)
   f, _ = _transforms(lambda x, y: _tangent_prop(x, y, with_loss))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   fn = jax.jit(fn) if jit else fn
-  with pytest.raises(ValueError, match="jax.jvp|outside every tracked"):
-    fn(params, state, None, x, y)
+  plain = hk.without_apply_rng(hk.transform(
+      lambda x, y: _tangent_prop(x, y, with_loss)))
+  if with_loss:
+    _, _, grams = fn(params, state, None, x, y)
+    assert grams.complete
+    flat = np.asarray(per_example_grads(plain.apply, params, x, y),
+                      np.float64)
+    assert_gram_close(grams.total, flat @ flat.T)
+  else:
+    with pytest.raises(ValueError, match="jax.jvp|outside every tracked"):
+      fn(params, state, None, x, y)
   sized = gram_haiku.resize_probes(state, x.shape[0])
   raw = jax.grad(lambda s: f.apply(params, s, None, x, y)[0])
   raw = jax.jit(raw) if jit else raw
@@ -169,8 +183,6 @@ def test_forward_mode_through_tracked_layers_is_refused(with_loss, jit):
     raw(sized)
   # The parameters' own derivatives are JAX's, as untracked.
   g = jax.grad(lambda p: f.apply(p, state, None, x, y)[0])(params)
-  plain = hk.without_apply_rng(hk.transform(
-      lambda x, y: _tangent_prop(x, y, with_loss)))
   chex.assert_trees_all_close(g, jax.jit(jax.grad(plain.apply))(params, x, y),
                               rtol=1e-5, atol=1e-6)
 
@@ -445,10 +457,10 @@ def test_verify_reports_untracked_parameters():
   x, y = _data(12, (5, 4), 2)
   def body(x, y):
     gain = hk.get_parameter("gain", [], init=jnp.ones)
-    # (a product inside a checkpoint, which no program-level rule covers:
-    # gain * x and x @ (gain * eye) are covered)
-    return _sq(jax.checkpoint(jnp.matmul)(hk.Linear(2)(x),
-                                          gain * jnp.eye(2)), y)
+    # (a product with a custom derivative, which no program-level rule
+    # covers: gain * x and x @ (gain * eye) are covered)
+    return _sq(problems.uncovered_matmul(hk.Linear(2)(x), gain * jnp.eye(2)),
+               y)
   f = hk.transform_with_state(
       lambda x, y: _track_ignoring(body, x, y))
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)

@@ -442,9 +442,13 @@ def test_frozen_parameters_get_zero_gradient_and_need_no_rule():
   x, y = problems.data(6, (5, 4), 2)
 
   def loss(x, y):
-    # Outside track() and inside a checkpoint: no rule (a program-level
-    # rule covers the layer outside a checkpoint).
-    h = hk.remat(hk.Linear(3, name="frozen_features"))(x)
+    # Outside track(), its weight in a product with a custom derivative: no
+    # rule (a program-level rule covers a plain product, and one inside a
+    # checkpoint).
+    with hk.name_scope("frozen_features"):
+      w = hk.get_parameter("w", [4, 3], init=hk.initializers.RandomNormal())
+      b = hk.get_parameter("b", [3], init=jnp.ones)
+    h = problems.uncovered_matmul(x, w) + b
     with gram_haiku.track():
       return problems.sq(hk.Linear(2, name="head")(jnp.tanh(h)), y)
   f = hk.transform_with_state(loss)

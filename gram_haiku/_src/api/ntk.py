@@ -69,7 +69,7 @@ def _contract(full: jax.Array, ndim: int, trace: tuple[int, ...],
 
 
 def empirical_ntk(apply_fn: Callable[..., Any], *,
-                  trace_axes: Sequence[int] = (-1,),
+                  trace_axes: Optional[Sequence[int]] = None,
                   diagonal_axes: Sequence[int] = ()) -> Callable[..., Any]:
   """The empirical NTK of a tracked model, per output.
 
@@ -79,8 +79,11 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
       ``[N, *O]``, example ``i``'s output depending on example ``i`` alone
       (a per-example model: no batch statistics).
     trace_axes: axes of ``f(x)`` (``0`` the examples, negative from the end)
-      whose pair is summed over: ``(-1,)`` (the default, as in
-      neural-tangents) sums over the logits, ``()`` keeps every output pair.
+      whose pair is summed over: ``(-1,)`` sums over the logits, ``()``
+      keeps every output pair. Default (None): ``(-1,)``, as in
+      neural-tangents, where ``f(x)`` has an axis after the examples';
+      ``()`` for a ``[N]`` output (one number per example), whose last
+      axis is the examples' own.
     diagonal_axes: axes of ``f(x)`` whose pair keeps only its diagonal:
       ``(0,)`` gives each example's kernel with itself only (``x2`` must
       then be None or as long as ``x1``).
@@ -108,7 +111,8 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
     with ambient.plain_haiku():
       out = jax.eval_shape(apply_fn, params, state, rng, x1)[0]
     ndim = len(out.shape)
-    trace = _normalised(trace_axes, ndim, "trace_axes")
+    trace = _normalised((-1,) if trace_axes is None and ndim > 1 else
+                        trace_axes or (), ndim, "trace_axes")
     diagonal = _normalised(diagonal_axes, ndim, "diagonal_axes")
     if set(trace) & set(diagonal):
       raise ValueError(errors.NTK_BAD_AXES.format(

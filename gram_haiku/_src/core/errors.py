@@ -522,7 +522,7 @@ EXAMPLES_COUPLED = (
     "part outside gram_haiku.track().")
 
 LOSS_COUPLED = (
-    "gram_haiku.value_grad_and_gram: the loss is not a sum (or mean) of "
+    "gram_haiku: the loss is not a sum (or mean) of "
     "per-example terms: it combines the examples nonlinearly (a softmax or "
     "logsumexp over the batch, a contrastive loss, a function of a batch "
     "sum). Per-example gradients, and so the Gram, are not defined. The "
