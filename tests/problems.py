@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gram_haiku import functional
+from gram_haiku import testing
 from gram_haiku.conformance.plugin import thorough
 from gram_haiku.conformance.registry import normal as _normal
 from gram_haiku.conformance.registry import numpy_rng
@@ -100,3 +102,21 @@ def lora(nxt, v, c):
   b = hk.get_parameter("lora_b", (2, v.shape[1]), v.dtype,
                        init=hk.initializers.RandomNormal())
   return jax.lax.stop_gradient(nxt(v)) + a @ b
+
+
+def assert_clip_norms_bound(loss, params, *batch, within: float = 3.0):
+  """The float32 clip norms of :func:`gram_haiku.functional.clipped_grad`
+  (``return_grad_norms``, under ``jit``) are at least the float64
+  per-example norms of ``loss`` (``vmap(grad)`` in float64), and at most
+  ``within`` times them (so the check is not vacuous)."""
+  with jax.enable_x64(True):
+    f = testing.per_example_grads(
+        loss, jax.tree.map(lambda a: a.astype(jnp.float64), params),
+        *(b.astype(jnp.float64) for b in batch))
+  true = np.linalg.norm(np.asarray(f), axis=1)
+  _, aux = jax.jit(functional.clipped_grad(loss, l2_clip_norm=1e9,
+                                           return_grad_norms=True))(
+                                               params, *batch)
+  bound = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(bound >= true), (bound, true)
+  assert np.all(bound <= within * true), (bound, true)

@@ -237,21 +237,30 @@ def _two_losses():
           lambda p, x, y: query.apply(p, None, x, y))
 
 
+def _query_problem(seed):
+  """Float64 training rows and queries far off them (``1e2``), the two
+  losses' model (:func:`_two_losses`) and its parameters, and the
+  reference per-example gradients: ``f`` of the training loss
+  (``train_loss``, returned too), ``h`` of the query loss. Call under ``jax.enable_x64``."""
+  k = jax.random.split(jax.random.PRNGKey(seed), 5)
+  x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
+          jax.random.normal(k[1], (6, 3), jnp.float64))
+  xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
+  yq = jax.random.normal(k[3], (V, 3), jnp.float64)
+  t, train_loss, query_loss = _two_losses()
+  params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
+  f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
+  h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+  return x, y, xq, yq, t, train_loss, params, state, f, h
+
+
 @pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])
 def test_a_separate_query_loss_and_clipping_are_exact_in_float64(clipped):
   """``query_flag``: the block against the query loss's gradients (queries
   far off the training inputs); ``l2_clip_norm``: the clipped update of
   the training examples alone, the block still of the unclipped ones."""
   with jax.enable_x64(True):
-    k = jax.random.split(jax.random.PRNGKey(5), 5)
-    x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
-            jax.random.normal(k[1], (6, 3), jnp.float64))
-    xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
-    yq = jax.random.normal(k[3], (V, 3), jnp.float64)
-    t, train_loss, query_loss = _two_losses()
-    params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
-    f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
-    h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+    x, y, xq, yq, t, train_loss, params, state, f, h = _query_problem(5)
     want, norms = f @ h.T, np.sqrt(np.sum(f * f, axis=1))
     c_norm = float(np.median(norms)) if clipped else None
     value, grads, cross = jax.jit(gram_haiku.cross_gram(
@@ -377,15 +386,7 @@ def test_a_per_layer_clipped_update_is_exact_in_float64(form):
   against the per-layer clipped sum of ``vmap(grad)``'s gradients; the
   block stays of the unclipped ones."""
   with jax.enable_x64(True):
-    k = jax.random.split(jax.random.PRNGKey(8), 5)
-    x, y = (jax.random.normal(k[0], (6, 4), jnp.float64),
-            jax.random.normal(k[1], (6, 3), jnp.float64))
-    xq = 1e2 + jax.random.normal(k[2], (V, 4), jnp.float64)
-    yq = jax.random.normal(k[3], (V, 3), jnp.float64)
-    t, train_loss, query_loss = _two_losses()
-    params, state = t.init(k[4], x, y, is_query=jnp.zeros((6,), bool))
-    f = np.asarray(testing.per_example_grads(train_loss, params, x, y))
-    h = np.asarray(testing.per_example_grads(query_loss, params, xq, yq))
+    x, y, xq, yq, t, train_loss, params, state, f, h = _query_problem(8)
     groups = column_groups(params)
     norms = {m: np.sqrt(np.sum(f[:, c] ** 2, axis=1))
              for m, c in groups.items()}

@@ -181,6 +181,13 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   _assert_tree_close(grads, plain, RTOL)
   if name not in CLIPPED and not vmapped:
     return
+  _assert_clips_as_reference(f, params, state, x, y, fr)
+  del value
+
+
+def _assert_clips_as_reference(f, params, state, x, y, fr):
+  """``clipped_grad`` at the median norm: its norms and clipped sum
+  against the reference's per-example gradients ``fr``."""
   norms = np.sqrt(np.sum(fr * fr, 1))
   c_norm = float(np.median(norms))
   clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
@@ -188,7 +195,6 @@ def test_reparametrised_layer_is_exact(name, vmapped):
   np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
   _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
                                            params), RTOL)
-  del value
 
 
 @pytest.mark.parametrize("name,budget", [("standardised-conv", 1000),
@@ -209,13 +215,7 @@ def test_pull_back_in_blocks_of_examples(name, budget, monkeypatch):
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert_gram_close(grams.total, fr @ fr.T)
-  norms = np.sqrt(np.sum(fr * fr, 1))
-  c_norm = float(np.median(norms))
-  clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c_norm))(
-      params, state, None, x, y)
-  np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
-  _assert_tree_close(clipped, weighted_sum(fr, clip_reference(norms, c_norm),
-                                           params), RTOL)
+  _assert_clips_as_reference(f, params, state, x, y, fr)
   assert seen and all(1 < r < 6 if budget else r == 6 for r in seen), seen
 
 
