@@ -7,6 +7,8 @@ examples, or a ``lax.scan`` body (an RNN cell of bare weights; Haiku's
 sums; what cannot be proven per example is refused with the primitive and
 the user's line."""
 
+import warnings
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from jax import lax
 import numpy as np
 import pytest
 
+import gram_haiku
 from gram_haiku import functional as gf
 from gram_haiku import testing
 from gram_haiku._src.analysis import program_rules
@@ -335,3 +338,40 @@ def test_without_its_call_rule_the_model_is_refused(monkeypatch, name):
   with pytest.raises(ValueError, match="No program-level rule covers its "
                      f"use by `{eqn.primitive.name}`"):
     gf.value_grad_and_gram(loss)(params, *batch)
+
+
+def _bare_hk_scan(x, y):
+  """``hk.scan`` of a cell whose weights are all bare ``hk.get_parameter``
+  inside ``track()`` (read in the body), no tracked layer: no probe."""
+  init = hk.initializers.RandomNormal()
+  with gram_haiku.track():
+    def cell(h, xt):
+      w = hk.get_parameter("w", [D, H], x.dtype, init)
+      b = hk.get_parameter("b", [H], x.dtype, init)
+      return jnp.tanh(xt @ w + h * b), None
+    h, _ = hk.scan(cell, jnp.zeros((x.shape[0], H), x.dtype),
+                   jnp.swapaxes(x / 1e2, 0, 1))
+    o = hk.get_parameter("o", [H], x.dtype, init)
+    return jnp.sum((h @ o - y) ** 2)
+
+
+def test_clipped_grad_of_a_haiku_model_with_bare_parameters_only():
+  """``clipped_grad(f.apply)`` of a Haiku model with no probe (its state
+  ``{}``): ``f.apply``'s ``(loss, {})`` is the loss and its new state (it
+  was taken for a loss that is a tuple), against the float64 reference."""
+  with jax.enable_x64(True):
+    f = hk.transform_with_state(_bare_hk_scan)
+    x, y = _batch(jnp.float64)
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    assert state == {}
+    loss = lambda p, x, y: f.apply(p, state, None, x, y)[0]
+    with warnings.catch_warnings():  # (the raw apply reports bare reads)
+      warnings.simplefilter("ignore", gram_haiku.UntrackedParameterWarning)
+      fr = np.asarray(testing.per_example_grads(loss, params, x, y))
+    norms = np.linalg.norm(fr, axis=1)
+    c = float(np.median(norms))
+    got, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
+        params, state, None, x, y)
+    assert np.all(np.asarray(aux.grad_norms) >= norms * (1 - 1e-12))
+    _close(got, testing.weighted_sum(fr, testing.clip_reference(norms, c),
+                                     params), 1e-9)

@@ -287,14 +287,20 @@ def _batch_example_axes(batch: tuple[int, ...], args) -> tuple:
   return tuple(0 if i in batch else None for i in range(3, len(args)))
 
 
-def _returns_state(out, has_aux: bool) -> bool:
+def _returns_state(out, has_aux: bool, state) -> bool:
   """Whether ``out`` is a Haiku apply's ``(loss or (loss, aux), new
   state)``: a pair whose second entry is a state holding the probes (a
-  tracked model's state always does)."""
+  tracked model's state always does), or, for a model with no probe (its
+  parameters all bare ``hk.get_parameter`` inside ``track()``), a state
+  of the same modules as the ``state`` it was given (``{}`` for ``{}``)."""
   if not (isinstance(out, tuple) and len(out) == 2 and
-          isinstance(out[1], Mapping) and any(
-              isinstance(v, Mapping) and PROBE_NAME in v
-              for v in out[1].values())):
+          isinstance(out[1], Mapping)):
+    return False
+  if not any(isinstance(v, Mapping) and PROBE_NAME in v
+             for v in out[1].values()) and not (
+                 isinstance(state, Mapping) and
+                 set(out[1]) == set(state) and
+                 all(isinstance(v, Mapping) for v in out[1].values())):
     return False
   return not has_aux or isinstance(out[0], (tuple, list))
 
@@ -312,7 +318,7 @@ def _as_apply(fun, has_aux: bool):
 
   def apply(params, state, rng, *args, **kwargs):
     out = fun(params, state, rng, *args, **kwargs)
-    return out if _returns_state(out, has_aux) else (out, state)
+    return out if _returns_state(out, has_aux, state) else (out, state)
   return apply
 
 
