@@ -375,3 +375,33 @@ def test_clipped_grad_of_a_haiku_model_with_bare_parameters_only():
     assert np.all(np.asarray(aux.grad_norms) >= norms * (1 - 1e-12))
     _close(got, testing.weighted_sum(fr, testing.clip_reference(norms, c),
                                      params), 1e-9)
+
+
+def _named_rnn(p, x, y):
+  """An RNN cell checkpointed with ``save_only_these_names``, its input
+  product tagged by ``checkpoint_name`` (a ``name`` primitive)."""
+  from jax.ad_checkpoint import checkpoint_name
+  cell = jax.checkpoint(
+      lambda h, xt: jnp.tanh(checkpoint_name(xt / 1e2 @ p["wx"], "x") +
+                             h @ p["wh"]),
+      policy=jax.checkpoint_policies.save_only_these_names("x"))
+  h, _ = lax.scan(lambda h, xt: (cell(h, xt), None),
+                  jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1))
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def test_checkpoint_name_in_a_scanned_checkpoint_is_the_reference():
+  """``checkpoint_name`` is the identity to every domain (the example flow
+  lost the examples there, and the weight after the loop was refused)."""
+  with jax.enable_x64(True):
+    params = _params(jnp.float64, ("wx", "wh", "out"))
+    batch = _batch(jnp.float64)
+    _, _, grams = jax.jit(gf.value_grad_and_gram(_named_rnn))(params, *batch)
+    f = np.asarray(testing.per_example_grads(_named_rnn, params, *batch))
+    testing.assert_gram_close(grams.total, f @ f.T, "float64")
+    norms = np.linalg.norm(f, axis=1)
+    c = float(np.median(norms))
+    got = jax.jit(gf.clipped_grad(_named_rnn, l2_clip_norm=c))(params,
+                                                               *batch)
+    _close(got, testing.weighted_sum(f, testing.clip_reference(norms, c),
+                                     params), 1e-9)

@@ -44,7 +44,7 @@ from gram_haiku._src.core import errors
 _VALUE_PRESERVING = frozenset({
     "convert_element_type", "copy", "copy_p", "reshape", "squeeze",
     "expand_dims", "device_put", "reduce_precision", "pvary", "pcast",
-    "sharding_constraint", "reshard", "mesh_cast",
+    "sharding_constraint", "reshard", "mesh_cast", "name",
 })
 
 #: Primitives by which a loss reads a parameter in a penalty on the weights

@@ -60,11 +60,11 @@ erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite le lgamma log log1p
 logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem
 round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan
 tanh xor
-pvary device_put optimization_barrier
+pvary device_put optimization_barrier name
 """.split())
 #: Elementwise primitives that are linear in each argument (a SUM stays one).
 LINEAR = frozenset("add sub neg convert_element_type copy copy_p "
-                    "reduce_precision stop_gradient pvary device_put "
+                    "reduce_precision stop_gradient pvary device_put name "
                     "conj real imag complex".split())
 
 

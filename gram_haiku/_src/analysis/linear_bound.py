@@ -272,7 +272,8 @@ RULES: dict[str, Callable[..., Any]] = {
     **{name: _unary() for name in (
         "neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
         "copy_p", "rev", "slice", "dynamic_slice", "real", "imag",
-        "reduce_precision", "optimization_barrier", "split", "pvary")},
+        "reduce_precision", "optimization_barrier", "split", "pvary",
+        "name")},
     "pcast": lambda eqn, ins: (
         _unary()(eqn, ins) if eqn.params.get("to") == "varying" else
         f"`pcast` to {eqn.params.get('to')!r} (not known to keep values)"),
@@ -295,7 +296,7 @@ _KEEPS_ZERO = {
         "broadcast_in_dim", "reshape", "convert_element_type", "squeeze",
         "expand_dims", "transpose", "copy", "copy_p", "slice", "rev", "neg",
         "dynamic_slice", "reduce_sum", "real", "imag", "split", "pvary",
-        "pcast")},
+        "pcast", "name")},
     "pad": 2, "concatenate": 1 << 30, "add": 2, "add_any": 2, "sub": 2,
 }
 

@@ -38,7 +38,7 @@ class MeanLossWarning(UserWarning):
 #: Primitives a loss value passes through unchanged in what it sums.
 _TRANSPARENT = frozenset({"convert_element_type", "reshape", "squeeze",
                           "copy", "copy_p", "expand_dims",
-                          "broadcast_in_dim", "reduce_precision"})
+                          "broadcast_in_dim", "reduce_precision", "name"})
 #: Primitives that call a sub-jaxpr with the same inputs and outputs.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call",
                     "custom_jvp_call", "custom_vjp_call", "remat",
