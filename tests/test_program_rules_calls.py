@@ -128,6 +128,24 @@ def _unroll_loss(p, x, y):
   return _UNROLL.apply(p, x, y)
 
 
+def _cond_on_a_step_counter(p, x, y):
+  """A ``lax.cond`` on a step counter carried by the scan (the same branch
+  for every example, a different one from step to step) and a
+  ``lax.switch`` on a scanned index."""
+  def cell(c, a):
+    h, t = c
+    xt, k = a
+    xt = xt / 1e2
+    h = lax.cond(t % 2 == 0, lambda h: jnp.tanh(h @ p["wh"] + xt @ p["wx"]),
+                 lambda h: h * p["b"] + xt @ p["wx"], h)
+    h = lax.switch(k, [lambda h: h, lambda h: jnp.sin(h) * p["g"],
+                       lambda h: jnp.tanh(h @ p["wh"])], h)
+    return (h, t + 1), None
+  (h, _), _ = lax.scan(cell, (jnp.zeros((x.shape[0], H), x.dtype), 0),
+                       (jnp.swapaxes(x, 0, 1), jnp.array([2, 0, 1, 2])))
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
 def _setup(name, dtype):
   x, y = _batch(dtype)
   if name == "hk_dynamic_unroll":
@@ -135,6 +153,7 @@ def _setup(name, dtype):
     return _unroll_loss, jax.tree.map(lambda a: a.astype(dtype), params), (
         x, y)
   loss = {"checkpoint": _in_checkpoint, "cond": _in_cond, "scan": _rnn,
+          "cond_on_a_step_counter": _cond_on_a_step_counter,
           "scan_of_checkpoint": lambda p, x, y: _rnn(p, x, y, True)}[name]
   keys = {"checkpoint": ("wx", "b", "g", "out")}.get(
       name, ("wx", "wh", "b", "g", "out"))
@@ -171,6 +190,13 @@ def test_sites_inside_calls_are_the_reference(name):
     got = jax.jit(gf.clipped_grad(loss, l2_clip_norm=c))(params, *batch)
     _close(got, testing.weighted_sum(f, testing.clip_reference(norms, c),
                                      params), 1e-9)
+
+
+def test_a_cond_on_a_step_counter_is_the_reference():
+  """A ``cond`` in a loop body on a carried step counter (and a ``switch``
+  on a scanned index) is chosen without the examples (it was refused, the
+  body's carries and scanned inputs all taken for the examples' values)."""
+  test_sites_inside_calls_are_the_reference("cond_on_a_step_counter")
 
 
 def test_scan_per_layer_clipping_is_the_reference():
@@ -291,6 +317,34 @@ def _examples_summed_in_a_carry_net(p, x, y):
   return jnp.sum(jnp.tanh(c)) + 0.0 * jnp.sum(y)
 
 
+def _cond_on_one_examples_carry_net(p, x, y):
+  """A ``lax.cond`` in a scan on a carry that example 1's data feeds (a step
+  counter to the rule, but not example-independent)."""
+  def cell(c, xt):
+    h, t = c
+    h = lax.cond(t > 0.5, lambda h: jnp.tanh(h @ p["wh"] + xt @ p["wx"]),
+                 lambda h: h + xt @ p["wx"], h)
+    return (h, t * 0 + xt[1, 0]), None
+  (h, _), _ = lax.scan(cell, (jnp.zeros((x.shape[0], H), x.dtype), 0.0),
+                       jnp.swapaxes(x, 0, 1))
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _cond_on_stopped_data_net(p, x, y):
+  """A ``lax.cond`` on one example's data under ``stop_gradient`` (taken for
+  a constant: the Gram of the batch's branch, no refusal)."""
+  h = lax.cond(lax.stop_gradient(x)[0, 0, 0] > 0, lambda a: a @ p["wx"],
+               lambda a: -(a @ p["wx"]), x[:, 0])
+  return jnp.sum((h @ p["out"] - y) ** 2)
+
+
+def _stopped_batch_mean_net(p, x, y):
+  """A bare weight times a batch mean under ``stop_gradient`` (taken for a
+  prefix value: an internal AssertionError in the pass)."""
+  h = x[:, 0] @ p["wx"] - lax.stop_gradient(x[:, 0].mean(0)) @ p["wx"]
+  return jnp.sum((jnp.tanh(h) @ p["out"] - y) ** 2)
+
+
 @pytest.mark.parametrize("net, keys, primitive, why", [
     (_while_net, ("wx", "wh", "out"), "while", "while_loop"),
     (_cond_on_data_net, ("wx", "out"), "cond",
@@ -301,8 +355,16 @@ def _examples_summed_in_a_carry_net(p, x, y):
      "loop carry or a scanned input"),
     (_examples_summed_in_a_carry_net, ("wx",), "dot_general",
      "hold no examples' axis"),
+    (_cond_on_one_examples_carry_net, ("wx", "wh", "out"), "cond",
+     "chosen from the examples' values"),
+    (_cond_on_stopped_data_net, ("wx", "out"), "cond",
+     "chosen from the examples' values"),
+    (_stopped_batch_mean_net, ("wx", "out"), "dot_general",
+     "hold no examples' axis"),
 ], ids=["while_loop", "cond_on_the_data", "custom_jvp_of_the_weight",
-        "learned_initial_state", "examples_summed_in_a_carry"])
+        "learned_initial_state", "examples_summed_in_a_carry",
+        "cond_on_one_examples_carry", "cond_on_stopped_data",
+        "stopped_batch_mean"])
 def test_what_cannot_be_proven_is_refused_at_the_users_line(net, keys,
                                                             primitive, why):
   params, batch = _params(jnp.float32, keys), _batch(jnp.float32)

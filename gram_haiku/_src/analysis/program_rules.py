@@ -134,14 +134,28 @@ class Val:
     data: it depends on the examples (the batch, a probe, a Gram op).
     const: for a prefix value, the axes along which it is constant (its
       size-1 axes and those a broadcast made).
+    stepped: for a ``data`` value, it is computed from a loop's carries and
+      scanned inputs that do not depend on the examples (a step counter)
+      and from constants only: it changes from step to step (so it is no
+      prefix value), the same for every example (a ``cond`` may branch on
+      it, :func:`_into_cond`).
   """
   leaves: frozenset = frozenset()
   data: bool = False
   const: frozenset = frozenset()
+  stepped: bool = False
 
 
 def _join(a: Val, b: Val) -> Val:
-  return Val(a.leaves | b.leaves, a.data or b.data, a.const & b.const)
+  data = a.data or b.data
+  return Val(a.leaves | b.leaves, data, a.const & b.const,
+             data and _stepped(a) and _stepped(b))
+
+
+def _stepped(v: Val) -> bool:
+  """Whether ``v`` does not depend on the examples (a prefix value, a
+  constant, or a :attr:`Val.stepped` value)."""
+  return not v.data or v.stepped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,12 +437,16 @@ def _into_cond(ctx, eqn, ins) -> list:
   for every example (its index is example-independent: a constant, or a
   value of the parameters alone), and each example's gradient is that
   branch's, which the pass replays by ``lax.switch`` on the same index
-  (a site of the branch that does not run takes a zero gradient). An
-  index computed from the examples' values (one branch for the batch,
-  chosen from several examples) is refused; a ``cond`` per example
+  (a site of the branch that does not run takes a zero gradient). In a
+  loop body, an index computed from carries and scanned inputs that do not
+  depend on the examples (a step counter, :attr:`Val.stepped`) is one
+  too: each step's branch is the same for every example, and the
+  replayed loop computes it alike. An index computed from the examples'
+  values (one branch for the batch, chosen from several examples; under
+  ``stop_gradient`` too) is refused; a ``cond`` per example
   (``jax.vmap`` of it) is no ``cond`` in the program but a ``select_n``
   of both branches' values, which the broadcast rule covers."""
-  if ins[0].data:
+  if not _stepped(ins[0]):
     return _refuse(ctx, eqn, ins, errors.PROGRAM_BRANCH_ON_EXAMPLES.format(
         primitive=eqn.primitive.name))
   ctx.config.calls.append(eqn)
@@ -465,7 +483,9 @@ def _into_scan(ctx, eqn, ins) -> list:
   if any(s.leaves for s in carry + xs):
     return _refuse(ctx, eqn, ins, errors.PROGRAM_LOOP_CARRIED.format(
         primitive=eqn.primitive.name))
-  stepping = [Val(data=True)] * (n_carry + len(xs))
+  # (A carry or scanned input that does not depend on the examples, a step
+  # counter, stays one: Val.stepped, while the body keeps it one.)
+  stepping = [Val(data=True, stepped=_stepped(s)) for s in carry + xs]
 
   def step(c):
     outs = ctx.run(body, consts + c[:n_carry] + stepping[n_carry:],
@@ -541,10 +561,16 @@ def _equation(ctx, eqn, ins: list) -> list:
   data = any(s.data for s in ins)
   is_op = hx.gram_op_of(eqn, ctx.gram_op_type) is not None
   if not leaves:
-    if eqn.primitive.name == "stop_gradient":
+    if eqn.primitive.name == "stop_gradient" and not data:
       return [Val()] * n_out
+    # (The examples' values under stop_gradient are still theirs: a value
+    # computed from them is no prefix value, which the pass computes from
+    # the parameters alone.)
     if data or is_op:
-      return [Val(data=True)] * n_out
+      # (A step counter's function is one: none of its operands depends
+      # on the examples.)
+      stepped = not is_op and all(_stepped(s) for s in ins)
+      return [Val(data=True, stepped=stepped)] * n_out
     # An example-independent constant (a zero carry): its constant axes,
     # where a prefix rule knows them.
     rule = None if hx.jaxprs_of(eqn) else hx.rule_of(PREFIX_RULES, eqn)
