@@ -199,6 +199,25 @@ def test_a_cond_on_a_step_counter_is_the_reference():
   test_sites_inside_calls_are_the_reference("cond_on_a_step_counter")
 
 
+def test_a_chain_of_carries_reaches_its_fixed_point():
+  """Carries that the examples reach one step of a chain at a time (zero
+  initial states, each fed by the previous one): a step counter's state
+  turns into the examples' one carry per round of the fixed point."""
+  def loss(p, x, y):
+    def cell(c, xt):
+      h1, h2, h3, h4 = c
+      return (jnp.tanh(xt @ p["wx"]), jnp.tanh(h1), jnp.tanh(h2),
+              jnp.tanh(h3)), None
+    z = jnp.zeros((x.shape[0], H), x.dtype)
+    c, _ = lax.scan(cell, (z,) * 4, jnp.swapaxes(x / 1e2, 0, 1))
+    return jnp.sum((c[3] @ p["out"] - y) ** 2)
+  with jax.enable_x64(True):
+    params, batch = _params(jnp.float64, ("wx", "out")), _batch(jnp.float64)
+    _, _, grams = jax.jit(gf.value_grad_and_gram(loss))(params, *batch)
+    f = np.asarray(testing.per_example_grads(loss, params, *batch))
+    testing.assert_gram_close(grams.total, f @ f.T, "float64")
+
+
 def test_scan_per_layer_clipping_is_the_reference():
   """Per-layer clipping of the RNN (each leaf its own threshold) against
   the float64 reference."""

@@ -495,7 +495,10 @@ def _into_scan(ctx, eqn, ins) -> list:
 
   ctx.config.calls.append(eqn)
   try:
-    outs, carry, reached = ctx.fixed_point(step, stepping[:n_carry], 3)
+    # (Each round past the first turns at least one stepped carry into
+    # the examples' values, or is the last.)
+    outs, carry, reached = ctx.fixed_point(step, stepping[:n_carry],
+                                           3 + n_carry)
   finally:
     ctx.config.calls.pop()
   if not reached or any(c.leaves for c in carry):
