@@ -151,6 +151,55 @@ def test_plain_jax_two_tower_is_the_haiku_gram():
   _check("two_tower_logit_scale", _two_tower_plain, lambda p: p)
 
 
+def _mixer_plain(params, x, y):
+  """The MLP-Mixer: token mixing over the swapped axes, then channel
+  mixing."""
+  h = _linear(params["stem"], x)
+  a = jnp.swapaxes(_layer_norm(params["ln_token"], h), 1, 2)
+  a = _linear(params["token_mix_out"],
+              jax.nn.gelu(_linear(params["token_mix_in"], a)))
+  h = h + jnp.swapaxes(a, 1, 2)
+  a = _layer_norm(params["ln_channel"], h)
+  h = h + _linear(params["channel_mix_out"],
+                  jax.nn.gelu(_linear(params["channel_mix_in"], a)))
+  return model_zoo._xent(_linear(params["head"], h.mean(1)), y).sum()
+
+
+def test_plain_jax_mixer_is_the_haiku_gram():
+  _check("mlp_mixer", _mixer_plain, lambda p: p)
+
+
+def _vit_plain(params, x, y, heads=2, patch=2):
+  """The ViT: patches by reshape, a class token broadcast along the batch
+  and concatenated, learned positions, one non-causal block."""
+  b, image = x.shape[0], x.shape[1]
+  side = image // patch
+  p = x.reshape(b, side, patch, side, patch, -1).transpose(0, 1, 3, 2, 4, 5)
+  h = _linear(params["patch_embed"], p.reshape(b, side * side, -1))
+  cls = params["~"]["cls_token"]
+  h = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, h.shape[-1])), h],
+                      axis=1)
+  h = h + params["~"]["pos_embedding"]
+  blk = "block/"
+  a = _layer_norm(params[blk + "layer_norm"], h)
+  split = lambda z: z.reshape(*z.shape[:-1], heads, -1)
+  q, k, v = (split(_linear(params[blk + "multi_head_attention/" + n], a))
+             for n in ("query", "key", "value"))
+  logits = jnp.einsum("bthd,bThd->bhtT", q, k) / np.sqrt(q.shape[-1])
+  att = jnp.einsum("bhtT,bThd->bthd", jax.nn.softmax(logits), v)
+  h = h + _linear(params[blk + "multi_head_attention/linear"],
+                  att.reshape(*att.shape[:2], -1))
+  a = _layer_norm(params[blk + "layer_norm_1"], h)
+  a = jax.nn.gelu(_linear(params[blk + "linear"], a))
+  h = h + _linear(params[blk + "linear_1"], a)
+  h = _layer_norm(params["ln_f"], h[:, 0])
+  return model_zoo._xent(_linear(params["head"], h), y).sum()
+
+
+def test_plain_jax_vit_is_the_haiku_gram():
+  _check("vit_class_token", _vit_plain, lambda p: p)
+
+
 # -- Flax linen ---------------------------------------------------------------
 
 def _linen(module):
