@@ -200,6 +200,66 @@ def test_plain_jax_vit_is_the_haiku_gram():
   _check("vit_class_token", _vit_plain, lambda p: p)
 
 
+def _group_norm(p, x, groups=2, eps=1e-5):
+  """GroupNorm over ``[B, H, W, C]``: statistics per example and group of
+  channels, over the spatial axes and the group's channels."""
+  g = x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
+  mean = g.mean((1, 2, 4), keepdims=True)
+  var = jnp.square(g - mean).mean((1, 2, 4), keepdims=True)
+  g = (g - mean) * jax.lax.rsqrt(var + eps)
+  return g.reshape(x.shape) * p["scale"] + p["offset"]
+
+
+def _std_conv(p, x, eps=1e-4):
+  """A SAME stride-1 convolution with a weight-standardised HWIO kernel."""
+  w = p["w"]
+  mean = w.mean((0, 1, 2), keepdims=True)
+  w = (w - mean) * jax.lax.rsqrt(
+      jnp.square(w - mean).mean((0, 1, 2), keepdims=True) + eps)
+  return jax.lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+  ) + p["b"]
+
+
+def _resnet_plain(params, x, y):
+  h = _std_conv(params["conv_stem"], x)
+  r = jax.nn.relu(_group_norm(params["gn1"], h))
+  r = _std_conv(params["conv1"], r)
+  r = jax.nn.relu(_group_norm(params["gn2"], r))
+  h = h + _std_conv(params["conv2"], r)
+  h = jnp.mean(jax.nn.relu(h), axis=(1, 2))
+  return model_zoo._xent(_linear(params["head"], h), y).sum()
+
+
+def test_plain_jax_resnet_is_the_haiku_gram():
+  _check("resnet_gn_ws", _resnet_plain, lambda p: p)
+
+
+def _lstm_plain(params, tokens, targets):
+  """The LSTM LM: a ``lax.scan`` over time of hk.LSTM's cell (one linear
+  of ``[x, h]`` split into gates i, g, f, o; the forget gate's bias +1)."""
+  h = params["embed"]["embeddings"][tokens]
+  cell = params["lstm/linear"]
+  d = cell["w"].shape[1] // 4
+
+  def step(carry, x):
+    hid, c = carry
+    gated = jnp.concatenate([x, hid], axis=-1) @ cell["w"] + cell["b"]
+    i, g, f, o = jnp.split(gated, 4, axis=-1)
+    c = jax.nn.sigmoid(f + 1) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+    hid = jax.nn.sigmoid(o) * jnp.tanh(c)
+    return (hid, c), hid
+
+  zeros = jnp.zeros((tokens.shape[0], d), h.dtype)
+  _, out = jax.lax.scan(step, (zeros, zeros), jnp.swapaxes(h, 0, 1))
+  logits = _linear(params["out"], jnp.swapaxes(out, 0, 1))
+  return model_zoo._xent(logits, targets).sum()
+
+
+def test_plain_jax_lstm_is_the_haiku_gram():
+  _check("lstm_lm", _lstm_plain, lambda p: p)
+
+
 # -- Flax linen ---------------------------------------------------------------
 
 def _linen(module):
