@@ -566,6 +566,113 @@ if nnx is not None:
       return (jnp.exp(self.logit_scale[...]) * jnp.sum(zi * zt, -1)
               - target) ** 2
 
+  def _nnx_attention(query, key, value, mask=None, **unused):
+    """NNX's attention with its softmax in the inputs' dtype (without
+    dropout its default goes to ``jax.nn.dot_product_attention``, whose
+    softmax is in float32)."""
+    del unused
+    from flax.nnx.nn.attention import dot_product_attention_weights
+    weights = dot_product_attention_weights(query, key, mask=mask)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, value)
+
+  class NnxBlock(nnx.Module):
+    """:class:`Block` in NNX (the same parameter tree)."""
+
+    def __init__(self, rngs, d=8, heads=2):
+      self.ln1 = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(heads, d, qkv_features=d,
+                                         attention_fn=_nnx_attention,
+                                         decode=False, rngs=rngs)
+      self.ln2 = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.mlp_in = nnx.Linear(d, 4 * d, rngs=rngs)
+      self.mlp_out = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, h, mask=None):
+      h = h + self.attn(self.ln1(h), mask=mask)
+      return h + self.mlp_out(nnx.gelu(self.mlp_in(self.ln2(h))))
+
+  class NnxGPT(nnx.Module):
+
+    def __init__(self, rngs, vocab=13, d=8, heads=2, t=5):
+      # (float64: nnx.Embed computes in its table's dtype at creation.)
+      self.embed = nnx.Embed(vocab, d, param_dtype=jnp.float64,
+                             rngs=rngs)
+      self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
+                                                         (t, d)))
+      self.block = NnxBlock(rngs, d, heads)
+      self.ln_f = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.unembed = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens, targets):
+      h = self.embed(tokens) + self.pos[...]
+      h = self.block(h, nnx.make_causal_mask(tokens))
+      logits = self.unembed(self.ln_f(h))
+      return model_zoo._xent(logits, targets).sum(-1)
+
+  class NnxViT(nnx.Module):
+    """:class:`ViT` in NNX: a strided convolution for the patches, a tiled
+    class token, learned positions."""
+
+    def __init__(self, rngs, d=8, heads=2, patch=2, image=4, classes=3):
+      self.embedding = nnx.Conv(1, d, (patch, patch), strides=patch,
+                                padding="VALID", rngs=rngs)
+      self.cls = nnx.Param(jnp.zeros((1, 1, d)))
+      self.pos_embedding = nnx.Param(nnx.initializers.normal(0.02)(
+          rngs.params(), (1, (image // patch) ** 2 + 1, d)))
+      self.block = NnxBlock(rngs, d, heads)
+      self.ln_f = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
+      self.head = nnx.Linear(d, classes, rngs=rngs)
+
+    def __call__(self, x, y):
+      x = self.embedding(x)
+      n, hh, ww, c = x.shape
+      x = jnp.reshape(x, [n, hh * ww, c])
+      x = jnp.concatenate([jnp.tile(self.cls[...], [n, 1, 1]), x], axis=1)
+      x = self.block(x + self.pos_embedding[...])
+      return model_zoo._xent(self.head(self.ln_f(x[:, 0])), y)
+
+  class NnxStdConv(nnx.Conv):
+    """An ``nnx.Conv`` whose kernel is standardised as it is read."""
+
+    def __call__(self, x):
+      kernel = _standardize(self.kernel[...], axis=[0, 1, 2], eps=1e-4)
+      return jax.lax.conv_general_dilated(
+          x, kernel, (1, 1), "SAME",
+          dimension_numbers=("NHWC", "HWIO", "NHWC")) + self.bias[...]
+
+  class NnxResNet(nnx.Module):
+
+    def __init__(self, rngs, channels=2, width=4, classes=3):
+      self.conv_stem = NnxStdConv(channels, width, (3, 3), rngs=rngs)
+      self.gn1 = nnx.GroupNorm(width, 2, epsilon=1e-5, rngs=rngs)
+      self.conv1 = NnxStdConv(width, width, (3, 3), rngs=rngs)
+      self.gn2 = nnx.GroupNorm(width, 2, epsilon=1e-5, rngs=rngs)
+      self.conv2 = NnxStdConv(width, width, (3, 3), rngs=rngs)
+      self.head = nnx.Linear(width, classes, rngs=rngs)
+
+    def __call__(self, x, y):
+      h = self.conv_stem(x)
+      r = self.conv1(nnx.relu(self.gn1(h)))
+      h = h + self.conv2(nnx.relu(self.gn2(r)))
+      h = jnp.mean(nnx.relu(h), axis=(1, 2))
+      return model_zoo._xent(self.head(h), y)
+
+  class NnxLSTMLM(nnx.Module):
+    """An ``nnx.OptimizedLSTMCell`` in ``nnx.RNN`` (from a zero carry)."""
+
+    def __init__(self, rngs, vocab=11, d=6):
+      # (float64: nnx.Embed computes in its table's dtype at creation.)
+      self.embed = nnx.Embed(vocab, d, param_dtype=jnp.float64,
+                             rngs=rngs)
+      self.rnn = nnx.RNN(nnx.OptimizedLSTMCell(d, d, rngs=rngs), rngs=False)
+      self.out = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens, targets):
+      h = self.embed(tokens)
+      zeros = jnp.zeros(h[:, 0].shape, h.dtype)
+      h = self.rnn(h, initial_carry=(zeros, zeros))
+      return model_zoo._xent(self.out(h), targets).sum(-1)
+
 
 def _nnx_mixer_params(p):
   return {"stem": _dense(p["stem"]), "ln_token": _ln(p["ln_token"]),
@@ -577,9 +684,30 @@ def _nnx_mixer_params(p):
           "head": _dense(p["head"])}
 
 
+def _nnx_lstm_params(p):
+  """hk.LSTM's one ``[x, h] -> (i, g, f, o)`` linear as the optimised
+  cell's ``dense_i`` / ``dense_h``, its columns in ``(i, f, g, o)`` order
+  (the forget bias of 1 in ``dense_h``'s bias)."""
+  w, b = p["lstm/linear"]["w"], p["lstm/linear"]["b"]
+  d = w.shape[1] // 4
+  cols = {g: slice(k * d, (k + 1) * d) for k, g in enumerate("igfo")}
+  order = lambda a: jnp.concatenate([a[..., cols[g]] for g in "ifgo"], -1)
+  b = b.at[cols["f"]].add(1.0)
+  return {"embed": {"embedding": p["embed"]["embeddings"]},
+          "rnn": {"cell": {"dense_i": {"kernel": order(w[:d])},
+                           "dense_h": {"kernel": order(w[d:]),
+                                       "bias": order(b)}}},
+          "out": _dense(p["out"])}
+
+
 NNX = {
     "mlp_mixer": (lambda: NnxMixer, _nnx_mixer_params),
     "two_tower_logit_scale": (lambda: NnxTwoTower, _two_tower_params),
+    # The linen models' parameter trees: their mappings.
+    "gpt_haiku_example": (lambda: NnxGPT, _gpt_params),
+    "vit_class_token": (lambda: NnxViT, _vit_params),
+    "resnet_gn_ws": (lambda: NnxResNet, _resnet_params),
+    "lstm_lm": (lambda: NnxLSTMLM, _nnx_lstm_params),
 }
 
 
