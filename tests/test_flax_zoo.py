@@ -111,9 +111,10 @@ def _linear(p, x):
   return x @ p["w"] + p["b"]
 
 
-def _gpt_plain(params, tokens, targets, heads=2):
+def _gpt_plain(params, tokens, targets, heads=2, tied=False):
   """The decoder as a plain function of a dict of arrays: an explicit
-  causal attention with ``jnp.einsum`` over the heads."""
+  causal attention with ``jnp.einsum`` over the heads; ``tied``: the
+  output layer is the embedding table, transposed."""
   t = tokens.shape[-1]
   h = params["embed"]["embeddings"][tokens]
   h = h + params["~"]["positional_embeddings"]
@@ -130,12 +131,16 @@ def _gpt_plain(params, tokens, targets, heads=2):
   a = _layer_norm(params[blk + "layer_norm_1"], h)
   a = jax.nn.gelu(_linear(params[blk + "linear"], a))
   h = h + _linear(params[blk + "linear_1"], a)
-  logits = _linear(params["unembed"], _layer_norm(params["ln_f"], h))
+  h = _layer_norm(params["ln_f"], h)
+  logits = (h @ params["embed"]["embeddings"].T if tied
+            else _linear(params["unembed"], h))
   return model_zoo._xent(logits, targets).sum()
 
 
-def test_plain_jax_gpt_is_the_haiku_gram():
-  _check("gpt_haiku_example", _gpt_plain, lambda p: p)
+@pytest.mark.parametrize("name", ["gpt_haiku_example", "gpt_tied_output"])
+def test_plain_jax_gpt_is_the_haiku_gram(name):
+  _check(name, functools.partial(_gpt_plain, tied=name == "gpt_tied_output"),
+         lambda p: p)
 
 
 def _two_tower_plain(params, img, txt, target):
@@ -288,15 +293,18 @@ if nn is not None:
     vocab: int = 13
     d: int = 8
     heads: int = 2
+    tied: bool = False  # the output layer: the table (Embed.attend)
 
     @nn.compact
     def __call__(self, tokens, targets):
-      h = nn.Embed(self.vocab, self.d, name="embed")(tokens)
+      embed = nn.Embed(self.vocab, self.d, name="embed")
+      h = embed(tokens)
       h = h + self.param("pos", nn.initializers.normal(0.02),
                          (tokens.shape[-1], self.d))
       h = Block(self.heads, name="block")(h, nn.make_causal_mask(tokens))
       h = nn.LayerNorm(epsilon=1e-5, name="ln_f")(h)
-      logits = nn.Dense(self.vocab, name="unembed")(h)
+      logits = (embed.attend(h) if self.tied else
+                nn.Dense(self.vocab, name="unembed")(h))
       return model_zoo._xent(logits, targets).sum(-1)
 
   class ViT(nn.Module):
@@ -431,10 +439,12 @@ def _block(p, prefix):
 
 
 def _gpt_params(p):
-  return {"embed": {"embedding": p["embed"]["embeddings"]},
-          "pos": p["~"]["positional_embeddings"],
-          "block": _block(p, "__block/"), "ln_f": _ln(p["ln_f"]),
-          "unembed": _dense(p["unembed"])}
+  out = {"embed": {"embedding": p["embed"]["embeddings"]},
+         "pos": p["~"]["positional_embeddings"],
+         "block": _block(p, "__block/"), "ln_f": _ln(p["ln_f"])}
+  if "unembed" in p:  # (the tied decoder has none)
+    out["unembed"] = _dense(p["unembed"])
+  return out
 
 
 def _vit_params(p):
@@ -481,6 +491,7 @@ def _lstm_params(p):
 
 LINEN = {
     "gpt_haiku_example": (lambda: GPT(), _gpt_params),
+    "gpt_tied_output": (lambda: GPT(tied=True), _gpt_params),
     "vit_class_token": (lambda: ViT(), _vit_params),
     "resnet_gn_ws": (lambda: ResNet(), _resnet_params),
     "mlp_mixer": (lambda: Mixer(), _mixer_params),
@@ -593,7 +604,7 @@ if nnx is not None:
 
   class NnxGPT(nnx.Module):
 
-    def __init__(self, rngs, vocab=13, d=8, heads=2, t=5):
+    def __init__(self, rngs, vocab=13, d=8, heads=2, t=5, tied=False):
       # (float64: nnx.Embed computes in its table's dtype at creation.)
       self.embed = nnx.Embed(vocab, d, param_dtype=jnp.float64,
                              rngs=rngs)
@@ -601,12 +612,14 @@ if nnx is not None:
                                                          (t, d)))
       self.block = NnxBlock(rngs, d, heads)
       self.ln_f = nnx.LayerNorm(d, epsilon=1e-5, rngs=rngs)
-      self.unembed = nnx.Linear(d, vocab, rngs=rngs)
+      # tied: the output layer is the table (Embed.attend).
+      self.unembed = None if tied else nnx.Linear(d, vocab, rngs=rngs)
 
     def __call__(self, tokens, targets):
       h = self.embed(tokens) + self.pos[...]
-      h = self.block(h, nnx.make_causal_mask(tokens))
-      logits = self.unembed(self.ln_f(h))
+      h = self.ln_f(self.block(h, nnx.make_causal_mask(tokens)))
+      logits = (self.embed.attend(h) if self.unembed is None else
+                self.unembed(h))
       return model_zoo._xent(logits, targets).sum(-1)
 
   class NnxViT(nnx.Module):
@@ -705,6 +718,8 @@ NNX = {
     "two_tower_logit_scale": (lambda: NnxTwoTower, _two_tower_params),
     # The linen models' parameter trees: their mappings.
     "gpt_haiku_example": (lambda: NnxGPT, _gpt_params),
+    "gpt_tied_output": (lambda: functools.partial(NnxGPT, tied=True),
+                        _gpt_params),
     "vit_class_token": (lambda: NnxViT, _vit_params),
     "resnet_gn_ws": (lambda: NnxResNet, _resnet_params),
     "lstm_lm": (lambda: NnxLSTMLM, _nnx_lstm_params),
