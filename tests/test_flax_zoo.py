@@ -111,26 +111,33 @@ def _linear(p, x):
   return x @ p["w"] + p["b"]
 
 
-def _gpt_plain(params, tokens, targets, heads=2, tied=False):
-  """The decoder as a plain function of a dict of arrays: an explicit
-  causal attention with ``jnp.einsum`` over the heads; ``tied``: the
-  output layer is the embedding table, transposed."""
-  t = tokens.shape[-1]
-  h = params["embed"]["embeddings"][tokens]
-  h = h + params["~"]["positional_embeddings"]
-  blk = "__block/"
+def _block_plain(params, blk: str, h, heads: int, causal: bool):
+  """The zoo's pre-LayerNorm transformer block (its Haiku parameters under
+  the prefix ``blk``) as plain JAX: an explicit attention with
+  ``jnp.einsum`` over the heads (``causal``: masked), then the MLP."""
   a = _layer_norm(params[blk + "layer_norm"], h)
   split = lambda z: z.reshape(*z.shape[:-1], heads, -1)
   q, k, v = (split(_linear(params[blk + "multi_head_attention/" + n], a))
              for n in ("query", "key", "value"))
   logits = jnp.einsum("bthd,bThd->bhtT", q, k) / np.sqrt(q.shape[-1])
-  logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e30)
+  if causal:
+    t = h.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e30)
   att = jnp.einsum("bhtT,bThd->bthd", jax.nn.softmax(logits), v)
   h = h + _linear(params[blk + "multi_head_attention/linear"],
                   att.reshape(*att.shape[:2], -1))
   a = _layer_norm(params[blk + "layer_norm_1"], h)
   a = jax.nn.gelu(_linear(params[blk + "linear"], a))
-  h = h + _linear(params[blk + "linear_1"], a)
+  return h + _linear(params[blk + "linear_1"], a)
+
+
+def _gpt_plain(params, tokens, targets, heads=2, tied=False):
+  """The decoder as a plain function of a dict of arrays: an explicit
+  causal attention with ``jnp.einsum`` over the heads; ``tied``: the
+  output layer is the embedding table, transposed."""
+  h = params["embed"]["embeddings"][tokens]
+  h = h + params["~"]["positional_embeddings"]
+  h = _block_plain(params, "__block/", h, heads, causal=True)
   h = _layer_norm(params["ln_f"], h)
   logits = (h @ params["embed"]["embeddings"].T if tied
             else _linear(params["unembed"], h))
@@ -185,18 +192,7 @@ def _vit_plain(params, x, y, heads=2, patch=2):
   h = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, h.shape[-1])), h],
                       axis=1)
   h = h + params["~"]["pos_embedding"]
-  blk = "block/"
-  a = _layer_norm(params[blk + "layer_norm"], h)
-  split = lambda z: z.reshape(*z.shape[:-1], heads, -1)
-  q, k, v = (split(_linear(params[blk + "multi_head_attention/" + n], a))
-             for n in ("query", "key", "value"))
-  logits = jnp.einsum("bthd,bThd->bhtT", q, k) / np.sqrt(q.shape[-1])
-  att = jnp.einsum("bhtT,bThd->bthd", jax.nn.softmax(logits), v)
-  h = h + _linear(params[blk + "multi_head_attention/linear"],
-                  att.reshape(*att.shape[:2], -1))
-  a = _layer_norm(params[blk + "layer_norm_1"], h)
-  a = jax.nn.gelu(_linear(params[blk + "linear"], a))
-  h = h + _linear(params[blk + "linear_1"], a)
+  h = _block_plain(params, "block/", h, heads, causal=False)
   h = _layer_norm(params["ln_f"], h[:, 0])
   return model_zoo._xent(_linear(params["head"], h), y).sum()
 
