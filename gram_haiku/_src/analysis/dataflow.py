@@ -800,53 +800,47 @@ def _check_probe(app: Application, num_param_leaves: int,
                                                       found=found))
 
 
-def _parted(shared: set, r: _Reading, layers: Mapping[str, set],
-            pullbacks: Mapping[str, Any], apps, module_of,
-            num_param_leaves: int, probe_names: list[str]) -> dict:
-  """Module -> its applications' ops (:attr:`Discovery.parts`), for the
-  ``shared`` modules with their own probe and layer name, not sharded by an
-  Explicit mesh nor pulled back, whose applications ``apps`` are each of
-  its own rule and run once (:func:`_parts`); empty where an application
-  reads no one module's probe (as :func:`_slotted`)."""
+def _own_probe_modules(shared: set, r: _Reading, layers: Mapping[str, set],
+                       pullbacks: Mapping[str, Any], apps, module_of,
+                       num_param_leaves: int, probe_names: list[str]):
+  """``(module, its applications, its probe's leaf index)`` for the
+  ``shared`` modules with their own probe and layer name (``layers``:
+  :func:`by_layer`), not sharded by an Explicit mesh (``r.specs``) nor
+  pulled back: the candidates for slots (:func:`_slotted`) and parts
+  (:func:`_parted`). None where an application (outside the loss's live
+  program, which :func:`_check_probe` did not check) reads no one
+  module's probe: which module's slot or part it would take is not known
+  (every shared module then keeps per-example gradients, which are
+  exact)."""
   if any(module_of(a) is None for a in apps):
-    return {}
+    return None
   namesakes = {m for ms in layers.values() if len(ms) > 1 for m in ms}
+  return [(module, [a for a in apps if module_of(a) == module],
+           num_param_leaves + probe_names.index(module))
+          for module in sorted(shared - set(r.specs) - set(pullbacks) -
+                               namesakes)
+          if module in probe_names]
+
+
+def _parted(candidates, num_param_leaves: int) -> dict:
+  """Module -> its applications' ops (:attr:`Discovery.parts`), for the
+  ``candidates`` (:func:`_own_probe_modules`) whose applications are each
+  of its own rule and run once (:func:`_parts`)."""
   out = {}
-  for module in sorted(shared - set(r.specs) - set(pullbacks) - namesakes):
-    if module not in probe_names:
-      continue
-    got = _parts([a for a in apps if module_of(a) == module],
-                 num_param_leaves + probe_names.index(module),
-                 num_param_leaves)
+  for module, apps, probe_leaf in candidates or ():
+    got = _parts(apps, probe_leaf, num_param_leaves)
     if got is not None:
       out[module] = got
   return out
 
 
-def _slotted(shared: set, r: _Reading, layers: Mapping[str, set],
-             pullbacks: Mapping[str, Any], apps, module_of,
-             num_param_leaves: int, probe_names: list[str]) -> dict:
+def _slotted(candidates) -> dict:
   """Module -> its slot count (:attr:`Discovery.slot_counts`), for the
-  ``shared`` modules with their own probe and layer name (``layers``:
-  :func:`by_layer`), not sharded by an Explicit mesh (``r.specs``) nor
-  pulled back, whose applications ``apps`` can keep their factors in
-  slots.
-
-  Empty where an application (outside the loss's live program, which
-  :func:`_check_probe` did not check) reads no one module's probe: which
-  module's slot it would take is not known (every shared module then
-  keeps per-example gradients, which are exact).
-  """
-  if any(module_of(a) is None for a in apps):
-    return {}
-  namesakes = {m for ms in layers.values() if len(ms) > 1 for m in ms}
+  ``candidates`` (:func:`_own_probe_modules`) whose applications can keep
+  their factors in slots (:func:`_slot_count`)."""
   slotted = {}
-  for module in sorted(shared - set(r.specs) - set(pullbacks) - namesakes):
-    if module not in probe_names:
-      continue
-    uses = _slot_count(
-        [a for a in apps if module_of(a) == module],
-        num_param_leaves + probe_names.index(module))
+  for module, apps, probe_leaf in candidates or ():
+    uses = _slot_count(apps, probe_leaf)
     if uses is not None:
       slotted[module] = uses
   return slotted
@@ -921,10 +915,10 @@ def discover(jaxpr, num_param_leaves: int, leaf_names: list[str],
   slot_apps = found.applications
   if full_jaxpr is not None and shared:  # (only shared modules get slots)
     slot_apps = follow(full_jaxpr, ins, gram_op_type)[1].applications
-  slotted = _slotted(shared, r, layers, pullbacks, slot_apps, module_of,
-                     num_param_leaves, probe_names)
-  parts = _parted(shared, r, layers, pullbacks, slot_apps, module_of,
-                  num_param_leaves, probe_names)
+  candidates = _own_probe_modules(shared, r, layers, pullbacks, slot_apps,
+                                  module_of, num_param_leaves, probe_names)
+  slotted = _slotted(candidates)
+  parts = _parted(candidates, num_param_leaves)
   return Discovery(sizes=r.sizes, param_counts=r.counts,
                    shared=frozenset(shared), vmapped=r.vmapped, modes=r.modes,
                    example_specs=r.specs, probe_dtypes=r.dtypes,
