@@ -53,9 +53,9 @@ class ModulePass:
       :func:`gram_haiku._src.passes.slots.slotted_modules`).
     frozen: indices of its op's parameters that have no gradient
       (``Plan.frozen``).
-    parts: ``((kind, start, width), ...)``: its ``"factors"`` probe holds
-      each application's factors in its own columns, the application of
-      rule ``kind`` (:attr:`RuleOp.kind`) in ``[start, start + width)``
+    parts: ``((kind, width), ...)``: its ``"factors"`` probe is a tuple
+      of one ``[B, width]`` probe per application, in this order, the
+      application of rule ``kind`` (:attr:`RuleOp.kind`) reading its own
       (a module applied once by each of several rules, e.g. a tied
       embedding; see :mod:`gram_haiku._src.passes.parts`); empty
       otherwise.
@@ -65,7 +65,7 @@ class ModulePass:
   clip: Optional[Clip] = None
   slotted: bool = False
   frozen: tuple[int, ...] = ()
-  parts: tuple[tuple[str, int, int], ...] = ()
+  parts: tuple[tuple[str, int], ...] = ()
 
   def __post_init__(self):
     check_clip("ModulePass", self.mode, self.clip)

@@ -7,7 +7,9 @@ Each tracked module keeps its probe in its own ``hk.State`` entry
 gradient is the module's Gram. A module applied several times inside a
 :func:`gram_haiku.value_grad_and_gram` pass may instead get a *slotted*
 probe ``[U, B, K]`` with a counter ``gram_slot`` beside it (see
-:mod:`gram_haiku._src.passes.slots`).
+:mod:`gram_haiku._src.passes.slots`), and a module applied once by each
+of several rules (a tied embedding) a tuple of one ``[B, K_u]`` probe per
+application (see :mod:`gram_haiku._src.passes.parts`).
 """
 
 from __future__ import annotations
@@ -58,21 +60,23 @@ def module_probe(x: jax.Array, mode: str, num_params: int,
 
 
 def part(kind: str, parts) -> jax.Array:
-  """This application's columns ``[B, width]`` of the current module's
-  probe ``[B, sum of widths]``, for the application of rule ``kind`` (see
-  :attr:`gram_haiku._src.frontend.ambient.ModulePass.parts`).
+  """This application's probe ``[B, width]``, for the application of rule
+  ``kind``: the current module's probe is a tuple of one probe per
+  application (see :attr:`gram_haiku._src.frontend.ambient.ModulePass
+  .parts`), so that each application's cotangent leaves the backward pass
+  as it is (columns of one shared probe would be padded back to the
+  shared width and added).
 
   Raises:
     ValueError: for a rule the pass did not plan for (the traced program
       and the pass disagree: an internal error).
   """
-  for k, start, width in parts:
+  for i, (k, _) in enumerate(parts):
     if k == kind:
-      probe = hk.get_state(PROBE_NAME)
-      return jax.lax.slice_in_dim(probe, start, start + width, axis=1)
+      return hk.get_state(PROBE_NAME)[i]
   raise ValueError(
       f"gram_haiku: internal error: a {kind!r} application of a module whose "
-      f"probe was planned for the applications {[k for k, _, _ in parts]}.")
+      f"probe was planned for the applications {[k for k, _ in parts]}.")
 
 
 def next_slot(reads: Optional[list]) -> jax.Array:

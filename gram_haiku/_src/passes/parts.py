@@ -7,9 +7,13 @@ O_i`` and its squared norm ``|E_i|^2 + |O_i|^2 + 2 <E_i, O_i>``. Instead
 of accumulating ``B x V x D`` per-example gradients (the ``per_example``
 store of a shared module), each application writes its factors (input and
 output cotangent, :func:`~gram_haiku._src.ops.factors.factor_matrix`) into
-its own columns of one ``[B, K_1 + K_2]`` probe (the application of rule
-``kind`` finds its columns in
-:attr:`~gram_haiku._src.frontend.ambient.ModulePass.parts`). After the pass
+its own ``[B, K_u]`` probe, one of a tuple of probes in the module's state
+(the application of rule ``kind`` finds its own by
+:attr:`~gram_haiku._src.frontend.ambient.ModulePass.parts`). A probe per
+application, not columns of one ``[B, K_1 + K_2]`` probe: the backward
+pass of a slice pads the slice's cotangent back to the full width, so
+each application's cotangent would be padded to ``B (K_1 + K_2)`` and the
+two added (twice the store, and more, in temporary buffers). After the pass
 each part's squared norm comes from its own rule, the cross term from a
 rule for the pair (:func:`gram_haiku._src.layers.tied.cross_rule`), and
 ``sum_i c_i g_i`` is the sum of the parts' re-contractions. Chosen for
@@ -69,29 +73,24 @@ def parted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
   return out
 
 
-def layout(ops) -> tuple[tuple[str, int, int], ...]:
-  """``((kind, start, width), ...)``: each application's columns."""
-  out, start = [], 0
-  for op in ops:
-    width = factors.factor_width(op)
-    out.append((op.kind, start, width))
-    start += width
-  return tuple(out)
+def layout(ops) -> tuple[tuple[str, int], ...]:
+  """``((kind, width), ...)``: each application's rule and probe width."""
+  return tuple((op.kind, factors.factor_width(op)) for op in ops)
 
 
-def width(ops) -> int:
-  """``K``: the columns of the module's probe."""
-  return sum(factors.factor_width(op) for op in ops)
+def probe_shapes(ops, size: int) -> tuple[tuple[int, int], ...]:
+  """``((B, K_u), ...)``: the shapes of the module's probes, one per
+  application (see :func:`layout`)."""
+  return tuple((size, w) for _, w in layout(ops))
 
 
-def open_parts(ops, f, leaves, leaf_index) -> tuple:
-  """``((op, x, g, params), ...)`` per application, from the probe's
-  cotangent ``f: [B, K]`` (see :func:`layout`)."""
-  out = []
-  for op, (_, start, w) in zip(ops, layout(ops)):
-    x, g = factors.split_factors(op, f[:, start:start + w])
-    out.append((op, x, g, bk.op_params(op, leaves, leaf_index)))
-  return tuple(out)
+def open_parts(ops, fs, leaves, leaf_index) -> tuple:
+  """``((op, x, g, params), ...)`` per application, from the probes'
+  cotangents ``fs``: one ``[B, K_u]`` per application (see
+  :func:`layout`)."""
+  return tuple((op, *factors.split_factors(op, f),
+                bk.op_params(op, leaves, leaf_index))
+               for op, f in zip(ops, fs))
 
 
 def sq_norms(opened, upper_bound: bool) -> jax.Array:

@@ -78,9 +78,9 @@ class Store:
       output cotangent per example), re-contracted after the pass.
     SLOTS: ``[U, B, K]``: the factors of each of ``U`` applications, one
       slot each (:mod:`gram_haiku._src.passes.slots`).
-    PARTS: ``[B, K_1 + ... + K_U]``: the factors of each of ``U``
-      applications by different rules, in columns of their own (a tied
-      embedding; :mod:`gram_haiku._src.passes.parts`).
+    PARTS: ``([B, K_1], ..., [B, K_U])``: the factors of each of ``U``
+      applications by different rules, in a probe of their own each (a
+      tied embedding; :mod:`gram_haiku._src.passes.parts`).
     CLIP: ``[B]`` squared norms, while the module clips its own parameters'
       gradients inside its backward rule (per-layer clipping).
   """
@@ -103,7 +103,8 @@ _OP_MODE = {Store.PER_EXAMPLE: "per_example", Store.FACTORS: "factors",
 #: The trailing axes of a store's probe that hold the store (the rest are
 #: ``hk.layer_stack``'s); the examples are the first of them.
 #: (A store that is an op mode has its probe's axes, ``PROBE_NDIM``; slots
-#: stack ``[B, K]`` factors; parts are ``[B, K]`` factors side by side.)
+#: stack ``[B, K]`` factors; parts are a tuple of ``[B, K_u]`` factors,
+#: never stacked.)
 _OWN_NDIM = {**plan_lib.PROBE_NDIM, Store.SLOTS: 2, Store.PARTS: 2}
 #: The stores re-contracted from factors after the pass.
 _OF_FACTORS = frozenset({Store.FACTORS, Store.SLOTS})
@@ -385,9 +386,10 @@ def _rows_sharded(probe, example_spec, own_ndim: int):
 
 
 def _probe_shape(t: TracedLoss, m: str, store: str, slotted,
-                 upper_bound: bool) -> tuple[int, ...]:
+                 upper_bound: bool) -> tuple:
   """The shape of the probe that receives module ``m``'s ``store``: its
-  init-time probe's leading (``hk.layer_stack``) axes, then the store's."""
+  init-time probe's leading (``hk.layer_stack``) axes, then the store's;
+  for ``PARTS`` a tuple of shapes, one probe per application."""
   p, op, size = t.probes[m], t.found.ops.get(m), t.size
   lead = tuple(p.shape[:p.ndim - _init_ndim(p, t.found, m)])
   if store == Store.GRAM:
@@ -400,8 +402,8 @@ def _probe_shape(t: TracedLoss, m: str, store: str, slotted,
     own = (size, op.num_params() + int(upper_bound))
   elif store == Store.FACTORS:
     own = (size, factors_lib.factor_width(op))
-  elif store == Store.PARTS:
-    own = (size, parts_lib.width(t.found.parts[m]))
+  elif store == Store.PARTS:  # (never stacked: one shape per application)
+    return parts_lib.probe_shapes(t.found.parts[m], size)
   else:  # NORMS, CLIP
     own = (size,)
   return lead + own
@@ -413,6 +415,8 @@ def _fresh_probe(t: TracedLoss, m: str, store: str, shape, mask):
   dtype = t.found.probe_dtypes.get(m, t.probes[m].dtype)
   if store == Store.CLIP:
     probe = jnp.broadcast_to(mask.astype(dtype), shape)
+  elif store == Store.PARTS:  # A tuple: one probe per application (on one
+    return tuple(jnp.zeros(s, dtype) for s in shape)  # device, unsharded).
   else:
     probe = jnp.zeros(shape, dtype)
   probe = _rows_sharded(probe, t.found.example_specs.get(m), _OWN_NDIM[store])
