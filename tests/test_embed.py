@@ -569,6 +569,29 @@ def test_tied_table_bound_holds_where_its_uses_cancel():
   assert np.all(np.isfinite(bounds))
 
 
+def test_tied_table_parts_are_not_padded_to_the_shared_width():
+  # Each use of the tied table keeps its factors in a probe of its own:
+  # the compiled clipping step holds no array as wide as both uses'
+  # factors together (B x (T (D + 1) + T (D + V))). Columns of one shared
+  # probe were padded back to that width in the backward pass and added,
+  # use by use (docs/performance.rst, the GPT's tied embedding).
+  b, t, v, d = 5, 4, 64, 16
+  body = _tied_model("ARRAY_INDEX", v=v, d=d)
+  batch = _tied_case(23, b=b, t=t, v=v, d=d)
+  f = hk.transform_with_state(lambda *a: _tracked_sum(body, *a))
+  params, state = jax.eval_shape(f.init, jax.random.PRNGKey(0), *batch)
+  modes = []  # (the stores the pass keeps, traced abstractly)
+  jax.eval_shape(lambda p, s: modes.append(reweight.run(
+      f.apply, p, s, None, batch, {}, fn_name="clipped_grad", needs="norms",
+      has_aux=False, axes=(), frozen=None, weight_fn=lambda g: g.norms,
+      privacy=True).modes), params, state)
+  assert modes[0]["embed"] == "parts", modes
+  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1.0))
+  hlo = step.lower(params, state, None, *batch).compile().as_text()
+  lookup, output = t * (d + 1), t * (d + v)  # each use's factors
+  assert f"[{b},{lookup + output}]" not in hlo
+
+
 def _hidden(body, ids, hx):
   """The tied model's output-layer input ``h``."""
   del body
