@@ -174,7 +174,7 @@ class Discovery:
       and branch) and reading its probe unchanged, where each reads the
       same one parameter leaf, and whose layer name is its own (a tied
       embedding's lookup and :func:`gram_haiku.unembed`). Such a module
-      can keep each application's factors in its own columns of one probe
+      can keep each application's factors in a probe of its own
       (:mod:`gram_haiku._src.passes.parts`).
   """
   sizes: Mapping[str, int]
@@ -275,7 +275,7 @@ def _slot_count(apps, probe_leaf: int) -> Optional[int]:
 
 def _parts(apps, probe_leaf: int, num_param_leaves: int) -> Optional[tuple]:
   """The ops of these applications of one module, if each can keep its
-  factors in its own columns of one probe (see :class:`Discovery`)."""
+  factors in a probe of its own (see :class:`Discovery`)."""
   kinds, leaves = set(), set()
   for app in apps:
     sources = list(app.probe_sources)

@@ -52,7 +52,7 @@ def _crosses(ops) -> list:
 def parted_modules(found: dataflow.Discovery, axes: tuple[str, ...],
                    probe_dtypes: Mapping[str, object]) -> dict:
   """Module -> its applications' ops, for the shared modules that keep
-  each application's factors in its own columns (see the module
+  each application's factors in a probe of its own (see the module
   docstring): :attr:`Discovery.parts` where every pair has a cross rule,
   every input survives the probe's float dtype and the factors are
   smaller than the per-example gradients; on one device (no mesh axes)."""
