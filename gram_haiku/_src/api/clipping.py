@@ -57,6 +57,7 @@ from gram_haiku._src.api import shard_examples
 from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compute.plan import Clip
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.core.result import Grams
 from gram_haiku._src.frontend import plain_jax
 from gram_haiku._src.frontend.probes import PROBE_NAME
@@ -583,7 +584,7 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
                  kwargs)
 
   sensitivity_bound = 1.0 if rescale_to_unit_norm else s.total
-  return callable_type(g, sensitivity_bound / s.normalize_by,
+  return callable_type(one_program.compiled_when_eager(g), sensitivity_bound / s.normalize_by,
                        bool(s.full_aux or s.jp_aux))
 
 

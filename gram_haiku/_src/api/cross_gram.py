@@ -35,6 +35,7 @@ from gram_haiku._src.api import reweight
 from gram_haiku._src.api import shard_examples
 from gram_haiku._src.compute.plan import Clip
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.core.result import CrossGrams
 from gram_haiku._src.frontend import ambient
 from gram_haiku._src.ops.modes import clip_weights
@@ -227,7 +228,7 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     return value, r.grads, CrossGrams(blocks, summed, sq, r.grams.coverage)
 
   if mesh is None:
-    return fn
+    return one_program.compiled_when_eager(fn)
 
   def joint(params, state, rng, *args_and_queries, **kwargs):
     n = len(args_and_queries) // 2  # The queries as arguments: split too.
@@ -253,7 +254,7 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     return value, grads, CrossGrams(
         blocks, {m: jnp.sum(blk, axis=1) for m, blk in blocks.items()},
         cross.sq_norms_by_layer, cross.coverage)
-  return on_mesh
+  return one_program.compiled_when_eager(on_mesh)
 
 
 def _clips(l2_clip_norm, clipping: str, layer_split):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from gram_haiku._src.api.value_grad_and_gram import value_grad_and_gram
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.frontend import ambient
 
 
@@ -144,7 +145,7 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
     full = g.reshape((n1,) + shape + (n2,) + shape)
     return _contract(full, ndim, trace, diagonal)
 
-  return ntk_fn
+  return one_program.compiled_when_eager(ntk_fn)
 
 
 def _examples(x, name: str) -> int:

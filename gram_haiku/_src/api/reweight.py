@@ -26,6 +26,7 @@ import numpy as np
 from gram_haiku._src.api import shard_examples
 from gram_haiku._src.compute.plan import Clip
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.core.result import Grams
 from gram_haiku._src.frontend.coverage import ParamCoverage
 from gram_haiku._src.ops.modes import clip_weights
@@ -373,10 +374,10 @@ def reweighted_grad(apply_fn: Callable[..., Any],
     value = (r.value, r.state) if return_state else r.value
     return value, r.grads, r.grams, c
 
-  if mesh is None:
-    return fn
-  return shard_examples.shard_examples(
-      fn, mesh=mesh, axes=axes, example_axes=example_axes,
-      fn_name="reweighted_grad",
-      rows=lambda out: (shard_examples.mark(out[:2], False),
-                        shard_examples.mark(out[2:], True)))
+  if mesh is not None:
+    fn = shard_examples.shard_examples(
+        fn, mesh=mesh, axes=axes, example_axes=example_axes,
+        fn_name="reweighted_grad",
+        rows=lambda out: (shard_examples.mark(out[:2], False),
+                          shard_examples.mark(out[2:], True)))
+  return one_program.compiled_when_eager(fn)

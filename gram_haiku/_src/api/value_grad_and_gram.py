@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from gram_haiku._src.api import shard_examples
 from gram_haiku._src.compute import plan as plan_lib
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.ops import adapter
 from gram_haiku._src.passes import pass_pipeline as pipeline
 # (The probes in the Haiku state, and the trace, the pipeline's first step,
@@ -155,11 +156,11 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     value = (p.value, p.aux) if has_aux else p.value
     return ((value, p.state) if return_state else value), grads, grams
 
-  if mesh is None:
-    return fn
-  return shard_examples.shard_examples(
-      fn, mesh=mesh, axes=axes, example_axes=example_axes,
-      fn_name="value_grad_and_gram",
-      rows=lambda out: (shard_examples.mark(out[0], False),
-                        shard_examples.mark(out[1], False),
-                        shard_examples.mark(out[2], True)))
+  if mesh is not None:
+    fn = shard_examples.shard_examples(
+        fn, mesh=mesh, axes=axes, example_axes=example_axes,
+        fn_name="value_grad_and_gram",
+        rows=lambda out: (shard_examples.mark(out[0], False),
+                          shard_examples.mark(out[1], False),
+                          shard_examples.mark(out[2], True)))
+  return one_program.compiled_when_eager(fn)
