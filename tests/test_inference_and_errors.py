@@ -330,7 +330,8 @@ def test_argument_slips_get_teaching_errors():
     vgg(params, None, x, y)
   with pytest.raises(ValueError, match="(?s)swapped.*params, state, rng"):
     vgg(state, params, None, x, y)
-  with pytest.raises(ValueError, match="is a ArrayImpl, not the Haiku state"):
+  with pytest.raises(ValueError, match=r"is an array float32\[\d+, \d+\], "
+                     "not the Haiku state"):
     vgg(params, x, None, x, y)
   with pytest.raises(ValueError, match="state argument is None"):
     gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0)(params, None, x, y)

@@ -740,9 +740,18 @@ STATE_IS_NONE = (
     "f.init(rng, *batch)`, then `gram_haiku.value_grad_and_gram(f.apply)"
     "(params, state, rng, *batch)`.")
 
+def describe(value) -> str:
+  """What a user passed, for a message: ``"an array float32[3, 4]"`` for an
+  array (concrete or traced: the same words under ``jit``), else ``"a"``
+  and its type's name."""
+  if hasattr(value, "shape") and hasattr(value, "dtype"):
+    return f"an array {value.dtype}{list(value.shape)}"
+  return f"a {type(value).__name__}"
+
+
 STATE_NOT_A_MAPPING = (
     "gram_haiku: the state argument (the second of (params, state, rng, "
-    "*batch)) is a {type}, not the Haiku state mapping that holds the Gram "
+    "*batch)) is {what}, not the Haiku state mapping that holds the Gram "
     "probes.\n"
     "What to do: pass the arguments in the order of f.apply of "
     "hk.transform_with_state: `(params, state, rng, *batch)`, with `params, "

@@ -372,7 +372,7 @@ def _check_arguments(apply_fn, params, state) -> None:
     raise ValueError(errors.STATE_IS_NONE)
   if not isinstance(state, Mapping):
     raise ValueError(errors.STATE_NOT_A_MAPPING.format(
-        type=type(state).__name__))
+        what=errors.describe(state)))
   leaves = jax.tree_util.tree_leaves(params)
   bad = [(n, a) for n, a in zip(leaf_names(params), leaves)
          if not jnp.issubdtype(jnp.result_type(a), jnp.inexact)]
