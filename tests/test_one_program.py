@@ -1,0 +1,97 @@
+"""An eager call of a returned callable runs as one compiled program
+(gram_haiku/_src/core/one_program.py)."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gram_haiku
+from gram_haiku import testing
+from gram_haiku._src.core import one_program
+from tests import problems
+
+
+def _model():
+  traces = []
+
+  def loss(x, y, is_training):
+    traces.append(is_training)
+    with gram_haiku.track():
+      h = hk.Linear(5)(x)
+    h = jax.nn.relu(h) if is_training else jnp.tanh(h)  # A Python branch.
+    with gram_haiku.track():
+      out = hk.Linear(2)(h)
+    return problems.sq(out, y)
+
+  f = hk.transform_with_state(loss)
+  x, y = problems.data(3, (6, 4), 2)
+  params, state = f.init(jax.random.PRNGKey(0), x, y, True)
+  traces.clear()  # (init's)
+  return f, params, state, x, y, traces
+
+
+def _reference(f, params, x, y, is_training):
+  def one(p, x1, y1):
+    return f.apply(p, {}, None, x1, y1, is_training)[0]
+  return testing.reference_gram(one, params, x, y)
+
+
+@pytest.mark.parametrize("is_training", [True, False])
+def test_an_eager_call_is_one_program_with_python_values_static(is_training):
+  """The Gram of an eager call is the reference's, a Python bool argument
+  reaches the model as a bool (its branch taken as eagerly), and a second
+  call with the same shapes traces nothing."""
+  f, params, state, x, y, traces = _model()
+  fn = gram_haiku.value_grad_and_gram(f.apply)
+  _, _, grams = fn(params, state, None, x, y, is_training)
+  testing.assert_gram_close(grams.total,
+                            _reference(f, params, x, y, is_training))
+  assert traces and all(t is is_training for t in traces)
+  n = len(traces)
+  _, _, again = fn(params, state, None, x + 1.0, y, is_training)
+  assert len(traces) == n  # Compiled once: the new values only ran.
+  testing.assert_gram_close(again.total,
+                            _reference(f, params, x + 1.0, y, is_training))
+
+
+def test_inside_a_trace_it_is_the_function_itself():
+  """Under jit the wrapper adds no inner jit (the arguments are tracers),
+  and an unhashable static leaf runs the call eagerly, op by op."""
+  seen = []
+
+  def fn(a, scale):
+    seen.append(isinstance(a, jax.core.Tracer))
+    return a * scale[0] if isinstance(scale, list) else a * scale
+
+  wrapped = one_program.compiled_when_eager(fn)
+  a = jnp.arange(3.0)
+  np.testing.assert_array_equal(wrapped(a, 2.0), a * 2.0)
+  assert seen == [True]  # Traced once by the wrapper's jit.
+  np.testing.assert_array_equal(jax.jit(wrapped)(a, 3.0), a * 3.0)
+  assert seen == [True, True]  # The outer jit's trace only.
+
+  class Unhashable:
+    __hash__ = None
+
+    def __init__(self, v):
+      self.v = v
+
+    def __mul__(self, other):
+      return other * self.v
+
+    __rmul__ = __mul__
+
+  np.testing.assert_array_equal(wrapped(a, Unhashable(4.0)), a * 4.0)
+  assert seen[-1] is False  # Eager: concrete arrays.
+
+
+def test_a_python_int_and_float_are_not_one_static_value():
+  """1, 1.0 and True hash alike: each is its own compiled program."""
+  fn = one_program.compiled_when_eager(
+      lambda a, s: a * s if not isinstance(s, bool) else a + 100)
+  a = jnp.ones((2,), jnp.float32)
+  np.testing.assert_array_equal(fn(a, 1), a)
+  np.testing.assert_array_equal(fn(a, True), a + 100)
+  np.testing.assert_array_equal(fn(a, 1.0), a)
