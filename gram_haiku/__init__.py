@@ -12,6 +12,8 @@ Public API (everything else lives in ``gram_haiku._src`` and is private):
 * :func:`cross_gram`: the Gram block ``<g_i, h_q>`` between a training
   step's examples and a set of queries (:class:`CrossGrams`), in the
   step's one backward pass, the queries kept out of the update.
+* :func:`standardise_weight`: weight standardisation the pass reads in
+  closed form (a custom getter's, without ``B x P`` per-example gradients).
 * :func:`empirical_ntk`: the empirical neural tangent kernel per output
   (neural-tangents' ``trace_axes`` / ``diagonal_axes``), from one Gram pass.
 * :class:`Rule`: a layer's Gram rule as pure functions (``forward``,
@@ -56,6 +58,7 @@ _SOURCES = {
     "LayerCall": "gram_haiku._src.frontend.tracking",
     "track": "gram_haiku._src.frontend.tracking",
     "resize_probes": "gram_haiku._src.api.value_grad_and_gram",
+    "standardise_weight": "gram_haiku._src.frontend.standardise",
     "value_grad_and_gram": "gram_haiku._src.api.value_grad_and_gram",
     "verify": "gram_haiku._src.api.verify",
     "VerifyReport": "gram_haiku._src.api.verify",
@@ -107,6 +110,7 @@ __all__ = (
     "register_layer",
     "resize_probes",
     "reweighted_grad",
+    "standardise_weight",
     "track",
     "unembed",
     "value_grad_and_gram",

@@ -84,6 +84,20 @@ CASES = {
                     "linear", (3, 4)),
     "lora": (problems.lora, "linear", (4,)),
     "standardised-conv": (_only("w", _standardise), "conv", (5, 5, 2)),
+    # Marked (gram_haiku.standardise_weight): read in closed form from the
+    # layer's factors (eps = 0 and eps > 0), a linear layer and a grouped
+    # conv too.
+    "marked-standardised-conv": (
+        _only("w", gram_haiku.standardise_weight), "conv", (5, 5, 2)),
+    "marked-standardised-conv-eps": (
+        _only("w", lambda w: gram_haiku.standardise_weight(w, 0.5)), "conv",
+        (5, 5, 2)),
+    "marked-standardised-grouped-conv": (
+        _only("w", lambda w: gram_haiku.standardise_weight(w, 1e-3)),
+        "grouped_conv", (5, 5, 4)),
+    "marked-standardised-linear": (
+        _only("w", lambda w: gram_haiku.standardise_weight(w, 1e-2)),
+        "linear", (3, 4)),
     "scaled-embedding": (_only("embeddings", lambda e: e * 3.0), "embed",
                          (5,)),
     "layer-norm-scale-plus-one": (_only("scale", lambda s: 1.0 + s),
@@ -114,12 +128,16 @@ _MASK_T = np.random.default_rng(1).choice([0.0, 1.0, 2.0], (3, 3, 3, 2))
 #: The cases whose clipped sum is checked too (one pull-back, per kind of
 #: rule: factors of a linear layer and a conv, a custom derivative).
 CLIPPED = ("lora", "standardised-conv", "custom-vjp-doubled-gradient",
-           "scaled-embedding", "masked-conv")
+           "scaled-embedding", "masked-conv", "marked-standardised-conv",
+           "marked-standardised-conv-eps", "marked-standardised-grouped-conv",
+           "marked-standardised-linear")
 
 
 def _layer(kind):
   return {"linear": lambda: hk.Linear(3, name="target"),
           "conv": lambda: hk.Conv2D(3, 3, name="target"),
+          "grouped_conv": lambda: hk.Conv2D(4, 3, feature_group_count=2,
+                                            name="target"),
           "embed": lambda: hk.Embed(7, 3, name="target"),
           "layer_norm": lambda: hk.LayerNorm(-1, True, True, name="target"),
           "masked_conv": lambda: hk.Conv2D(3, 3, mask=_MASK, name="target"),

@@ -38,6 +38,7 @@ from gram_haiku._src.compat import hijax_compat as hx
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core import errors
+from gram_haiku._src.frontend import standardise
 
 #: Whether a CPU too pulls back a block of examples at once. XLA's CPU
 #: backend fuses a reduction over a vectorised cotangent into the loop that
@@ -66,9 +67,93 @@ class PullBack:
       ``fn`` takes them.
     fn: ``fn(*theta) -> [W'...]``: the op's present parameter operands, in
       order (the program's own equations that compute them).
+    closed: where the reparametrisation is one the pass knows in closed
+      form (:data:`CLOSED_FORMS`, recognised by its mark): how to read it
+      (:class:`Standardised`); else None (the generic pull-back).
   """
   leaves: tuple[int, ...]
   fn: Any
+  closed: Optional["Standardised"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Standardised:
+  """A weight standardisation (:func:`gram_haiku.standardise_weight`) of
+  the op's first parameter operand, recognised by its mark.
+
+  Its Jacobian at the standardised kernel ``w_hat`` (the operand) is, per
+  output channel ``c`` of fan-in ``n``, ``J_c = (1/s_c)(I - 1 1^T / n -
+  w_hat_c w_hat_c^T / n)`` (symmetric, whatever ``eps``), so the
+  per-example gradients of the kernel are ``J^T f_i`` in closed form
+  (:mod:`gram_haiku._src.passes.standardised`).
+
+  Attributes:
+    fn: ``fn(*theta) -> [w_hat, s]``: the standardised kernel and its
+      scales ``[1, ..., 1, C]``, from the parameter leaves ``theta`` (the
+      pull-back's, in its order; the marked call's own program).
+    kernel: the parameter leaf standardised.
+    others: the parameter leaf each present operand after the kernel is
+      (a bias, read as it is), in order.
+  """
+  fn: Any
+  kernel: int
+  others: tuple[int, ...]
+
+
+def _read_standardised(jaxpr, consts, app, chosen, inputs):
+  """:class:`Standardised`, where the slice ``chosen`` computing ``app``'s
+  operands is the marked call alone, its first output the op's first
+  parameter operand and read by nothing else there; else None."""
+  (eqn,) = chosen
+  w_hat = eqn.outvars[0]
+  operands = app.eqn.invars[1:-1]
+  position = {v: k for k, v in enumerate(jaxpr.invars)}
+  if (not operands or operands[0] is not w_hat or
+      isinstance(eqn.invars[0], hx.Literal) or eqn.invars[0] not in position
+      or any(isinstance(v, hx.Literal) or v not in position
+             for v in operands[1:])):
+    return None
+  body, body_consts = hx.jit_body(eqn)
+  # The marked program ends ``centred / s`` (its unused second output
+  # ``s`` may have been pruned from the call): ``s`` is read there.
+  last = body.eqns[-1] if body.eqns else None
+  if (last is None or last.primitive.name != "div" or
+      last.outvars[0] is not body.outvars[0] or
+      isinstance(last.invars[1], hx.Literal)):
+    return None
+  inner, _ = hx.sub_program(body, body_consts, list(body.invars),
+                            [body.outvars[0], last.invars[1]],
+                            list(body.eqns))
+  order = [jaxpr.invars[k] for k in inputs]
+
+  def fn(*theta):
+    env = dict(zip(order, theta))
+    args = [v.val if isinstance(v, hx.Literal) else
+            env[v] if v in env else consts[v] for v in eqn.invars]
+    return inner(*args)
+  return Standardised(fn, position[eqn.invars[0]],
+                      tuple(position[v] for v in operands[1:]))
+
+
+#: The reparametrisations read in closed form: the name of the ``jit``
+#: call that marks one -> its reader ``(jaxpr, consts, app, chosen, inputs)
+#: -> closed form or None``.
+CLOSED_FORMS = {standardise.MARKER: _read_standardised}
+
+
+def _closed_form(jaxpr, consts, slices, apps):
+  """The closed form of one application's slice, where it is a marked call
+  of :data:`CLOSED_FORMS` alone (by construction, never by its contents);
+  else None."""
+  if len(slices) != 1 or len(apps) != 1:
+    return None
+  chosen, inputs, _, _ = slices[0]
+  if len(chosen) != 1:
+    return None
+  body = hx.jit_body(chosen[0])
+  name = chosen[0].params.get("name") if body is not None else None
+  reader = CLOSED_FORMS.get(name)
+  return reader and reader(jaxpr, consts, apps[0], chosen, inputs)
 
 
 def _slice(jaxpr, eqns: list, app, gram_op_type):
@@ -112,7 +197,8 @@ def read_pullback(jaxpr, consts: Mapping[Any, Any], apps: list,
   why = _other_reads(jaxpr, eqns, slices, apps)
   if why is not None:
     return None, why
-  return PullBack(slices[0][1], slices[0][2]), None
+  return PullBack(slices[0][1], slices[0][2],
+                  _closed_form(jaxpr, consts, slices, apps)), None
 
 
 def _slices(jaxpr, consts, eqns, apps, num_param_leaves: int, gram_op_type):

@@ -48,6 +48,7 @@ from gram_haiku._src.passes import bookkeeping as bk
 from gram_haiku._src.passes import parts as parts_lib
 from gram_haiku._src.passes import program_pass
 from gram_haiku._src.passes import slots as slots_lib
+from gram_haiku._src.passes import standardised
 from gram_haiku._src.passes.pass_trace import coverage_of
 from gram_haiku._src.passes.pass_trace import leaf_names
 from gram_haiku._src.passes.pass_trace import restore_state
@@ -283,6 +284,31 @@ def participants(t: TracedLoss, objective: Objective, params
 # -- what each module keeps ---------------------------------------------------
 
 
+def _is_standardised(t: TracedLoss, m: str) -> bool:
+  """Whether module ``m``'s kernel is a marked weight standardisation read
+  in closed form (:mod:`gram_haiku._src.passes.standardised`)."""
+  op = t.found.ops.get(m)
+  return op is not None and standardised.applies(op, t.found.pullbacks.get(m))
+
+
+def _standardised_store(t: TracedLoss, m: str, objective: Objective,
+                        ambiguous: set) -> bool:
+  """Whether module ``m`` keeps factors for the closed form of its weight
+  standardisation instead of ``B x P`` per-example gradients: applied
+  once, not stacked, sharded, gathered or read in Gram blocks, its input
+  exact in the probe's dtype, and not told to materialise."""
+  if not _is_standardised(t, m):
+    return False
+  found, p = t.found, t.probes[m]
+  op = found.ops[m]
+  return (found.applications.get(m, 1) == 1 and
+          p.ndim == _init_ndim(p, found, m) and
+          m not in found.example_specs and m not in ambiguous and
+          not t.axes and not objective.blocks and
+          op.plan.strategy != "materialize" and
+          op.factors_exact(found.probe_dtypes.get(m, p.dtype)))
+
+
 def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
               ambiguous: set, parted) -> str:
   """What module ``m`` keeps through the pass (see :func:`decide`)."""
@@ -295,6 +321,11 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     # Some parameter of it is used outside it too: the program-level
     # rules' per-example gradients of that use are added to its own.
     return Store.PER_EXAMPLE
+  if _standardised_store(t, m, objective, ambiguous):
+    # A weight standardisation: its norms, Gram and update in closed form
+    # from the factors (never clipped inside its rule, which sees only
+    # the standardised kernel).
+    return Store.FACTORS
   if not objective.recontract:
     # The op forms its Gram (or norms) in its backward rule; a module
     # applied more than once accumulates its per-example gradients, whose
@@ -691,6 +722,10 @@ def open_stores(t: TracedLoss, p: Pass, leaves) -> dict:
     op = t.found.ops.get(m)
     if m in p.program_factors:
       continue
+    if s == Store.FACTORS and _is_standardised(t, m):
+      out[m] = (op, *factors_lib.split_factors(op, p.cotangents[m]),
+                standardised.operands(op, t.found.pullbacks[m], leaves))
+      continue
     if s == Store.FACTORS:
       opened = (op, *factors_lib.split_factors(op, p.cotangents[m]))
     elif s == Store.SLOTS:
@@ -717,6 +752,10 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
     return _from_per_example(f, want, t.axes, row_split=row_split)
   if store == Store.PARTS:
     return parts_lib.sq_norms(opened[m], bound)
+  if store == Store.FACTORS and _is_standardised(t, m):
+    return standardised.read(*opened[m][:1], t.found.pullbacks[m],
+                             *opened[m][1:], leaves, want, bound, skip,
+                             row_split)
   if store in _OF_FACTORS:
     val = bk.from_factors(*opened[m], want, bound, row_split,
                           () if row_split is None else t.axes)
@@ -862,6 +901,12 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
       cts = bk.recontract_factors(
           *opened[m], weights[m], padded,
           None if rows is None or store != Store.FACTORS else (0, rows))
+      if store == Store.FACTORS and _is_standardised(t, m):
+        for k, ct in standardised.pull_back_sum(
+            op, t.found.pullbacks[m], cts, leaves).items():
+          if k not in skip:
+            grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
+        continue
     elif store == Store.PER_EXAMPLE:
       g = _split_slack(p.cotangents[m], objective.upper_bound)[0]
       cts = bk.recontract_per_example(op, g, weights[m])

@@ -1,0 +1,64 @@
+"""Weight standardisation with a mark the pass recognises.
+
+:func:`standardise_weight` is the weight standardisation of a kernel
+(Qiao et al. 2019, "Micro-batch training with batch-channel normalization
+and weight standardization"; De et al. 2022 use it for DP-SGD), written as
+one ``jax.jit`` call named :data:`MARKER`. A tracked layer that reads its
+kernel through it (a custom getter) is recognised by that call in the
+traced program (:mod:`gram_haiku._src.analysis.reparam`), and its
+per-example norms and Gram come in closed form from the layer's factors
+(:mod:`gram_haiku._src.passes.standardised`) instead of ``B x P``
+per-example gradients pulled back one example at a time. Any other
+standardisation (written by hand) still gets the exact generic pull-back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+#: The name of the ``jit`` call that marks a weight standardisation.
+MARKER = "gram_haiku_standardise_weight"
+
+
+def _standardise(w, eps):
+  """``((w - mean) / s, s)`` over every axis of ``w`` but the last,
+  ``s = sqrt(var + eps)`` (``[1, ..., 1, C]``)."""
+  axes = tuple(range(w.ndim - 1))
+  mean = jnp.mean(w, axis=axes, keepdims=True)
+  centred = w - mean
+  var = jnp.mean(jnp.square(centred), axis=axes, keepdims=True)
+  s = jnp.sqrt(var + jnp.asarray(eps, var.dtype))
+  return centred / s, s
+
+
+_standardise.__name__ = MARKER
+_standardise.__qualname__ = MARKER
+_marked = jax.jit(_standardise)
+
+
+def standardise_weight(w: jax.Array, eps: float = 0.0) -> jax.Array:
+  """Weight standardisation: ``(w - mean) / sqrt(var + eps)`` per output
+  channel.
+
+  Use it in a custom getter (``hk.custom_getter``) of a tracked
+  ``hk.Linear`` or ``hk.ConvND`` (channels last) kernel; the pass then
+  forms that layer's per-example norms and Gram in closed form (with sound
+  bounds for clipping) without keeping its per-example gradients.
+
+  Args:
+    w: ``[..., C_in, C_out]`` kernel (``hk.Linear``'s ``[N, M]``,
+      ``hk.ConvND``'s ``[*kernel, C_in, C_out]``), float. The mean and the
+      variance are over every axis but the last (the fan-in ``n``).
+    eps: ``>= 0``, added to the variance.
+
+  Returns:
+    The standardised kernel, ``w``'s shape and dtype.
+
+  Raises:
+    ValueError: for a scalar ``w`` (no output channel axis).
+  """
+  if jnp.ndim(w) < 1:
+    raise ValueError("standardise_weight: the kernel needs an output "
+                     f"channel axis, got shape {jnp.shape(w)}.")
+  return _marked(w, eps)[0]

@@ -1,0 +1,299 @@
+"""A weight-standardised layer's norms, Gram and update in closed form.
+
+A layer whose kernel is :func:`gram_haiku.standardise_weight` of a
+parameter ``w`` (recognised by its mark,
+:class:`gram_haiku._src.analysis.reparam.Standardised`) keeps its factors
+(input ``x_i``, output cotangent ``d_i``) through the pass, not its
+``B x P`` per-example gradients. Per output channel ``c`` of fan-in ``n``,
+with ``w_hat`` the standardised kernel (the layer's operand) and ``s`` its
+scale, the Jacobian of the standardisation is ``J_c = (1/s_c) M_c``,
+``M_c = I - 1 1^T / n - w_hat_c w_hat_c^T / n`` (symmetric, for any
+``eps``), so with ``f_i`` the per-example gradient of the operand
+
+    ``g_ic = J_c f_ic = (1/s_c)(f_ic - (a_ic / n) 1 - (b_ic / n) w_hat_c)``
+
+    ``<g_ic, g_jc> = F_ij - [a_i a_j + (2 - q) b_i b_j
+                             - (sigma / n)(a_i b_j + b_i a_j)] / n``
+
+(each per channel, ``1/s_c`` taken into the cotangent: ``D = d / s``), where
+``F`` is the layer's own Gram of the kernel for the cotangent ``D``
+(ghost or materialised, by its rule and the cost model), ``a_ic = 1 .
+f_ic = sum_t D_itc (x_i * 1)_tc`` and ``b_ic = w_hat_c . f_ic = sum_t
+D_itc (x_i * w_hat)_tc`` per-example channel sums of the layer's outputs
+for an all-ones kernel and for its own kernel (two forward passes of the
+rule), ``q_c = |w_hat_c|^2 / n`` and ``sigma_c = 1 . w_hat_c`` (``q = 1 -
+eps / s^2`` and ``sigma = 0`` in exact arithmetic; kept as computed, so
+the identities are exact for the kernel the layer used). The bias, if
+any, is not standardised: its term is ``e_i . e_j``, ``e_i = sum_t d_it``.
+The reweighted update is ``J^T sum_i c_i f_i`` (:func:`pull_back_sum`).
+
+Clipping bounds (``upper_bound``): ``|g_i|`` is bounded by the layer's own
+sound bound of ``|f(D')|^2`` (``D' = fl(d / s)``) less a lower bound of the
+corrections (the rounding of ``a``, ``b``, ``q``, ``sigma`` and of their
+quadratic form bounded term by term, Higham's ``gamma_n``), plus
+``|M| |f(D - D')|``, the division's rounding (``|M| <= max(1, q)``). Where
+that bound is loose (above twice its estimate: the corrections cancel the
+leading term), the kernel's per-example gradients are formed from the
+factors in small blocks and pulled back exactly (the generic pull-back and
+its bound, :mod:`gram_haiku._src.analysis.reparam`), at run time
+(:func:`gram_haiku._src.compute.kernels.run_if`).
+
+Supported layers (:data:`CHANNEL_LAST_RULES`): those whose output channel
+``c`` is the output's last axis and reads only ``W[..., c]``: ``hk.Linear``
+and ``hk.ConvND`` channels last (feature groups included), not transposed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gram_haiku._src.analysis import reparam
+from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
+from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.ops import modes
+
+
+def _conv_channels_last(rule) -> bool:
+  fn = rule.forward
+  spec = getattr(fn, "keywords", {}).get("spec")
+  return (spec is not None and spec.channels_last and not spec.transpose)
+
+
+#: Rule name (:func:`gram_haiku._src.rules.rule.rule_name`) -> whether an
+#: op of that rule has its output channels last, each reading only its
+#: own column ``W[..., c]`` of the first parameter (the kernel).
+CHANNEL_LAST_RULES = {"linear": lambda rule: True,
+                      "conv": _conv_channels_last}
+
+
+def applies(op, pb) -> bool:
+  """Whether module's op ``op`` with pull-back ``pb`` is read in closed
+  form: a marked standardisation of its kernel, on a supported layer."""
+  if pb is None or not isinstance(pb.closed, reparam.Standardised):
+    return False
+  check = CHANNEL_LAST_RULES.get(op.kind)
+  return bool(check and check(op.rule)) and op.param_avals[0] is not None
+
+
+def operands(op, pb, leaves: Sequence[Any]) -> list:
+  """The op's parameter operands (None for absent ones) from the leaves,
+  by the getter's own program."""
+  present = iter(pb.fn(*[leaves[k] for k in pb.leaves]))
+  return [None if a is None else next(present).astype(a.dtype)
+          for a in op.param_avals]
+
+
+def _scales(op, pb, leaves):
+  """``(w_hat, s)``: the standardised kernel and its ``[C]`` scales, in the
+  accumulation dtype."""
+  acc = op.accumulation_dtype()
+  w_hat, s = pb.closed.fn(*[leaves[k] for k in pb.leaves])
+  return w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc)
+
+
+def _channel_sums(op, x, d, kernel) -> jax.Array:
+  """``[B, C]``: ``sum_t d_itc y_itc``, ``y`` the layer's output (no bias)
+  at ``x`` for ``kernel``."""
+  e = op.example_axis.resolved_position()
+  y = op.rule.forward(x, kernel, None).astype(d.dtype)
+  prod = jnp.moveaxis(d * y, e, 0)
+  return jnp.sum(prod.reshape(prod.shape[0], -1, prod.shape[-1]), axis=1)
+
+
+def _abs_sums(op, d) -> jax.Array:
+  e = op.example_axis.resolved_position()
+  m = jnp.moveaxis(d, e, 0)
+  return m.reshape(m.shape[0], -1, m.shape[-1])
+
+
+def _bias_present(op, skip_bias: bool) -> bool:
+  return (len(op.param_avals) > 1 and op.param_avals[1] is not None and
+          1 not in (op.plan.frozen or ()) and not skip_bias)
+
+
+def _kernel_only(op):
+  """The op with its bias frozen (the kernel's terms alone)."""
+  frozen = set(op.plan.frozen or ())
+  if len(op.param_avals) > 1 and op.param_avals[1] is not None:
+    frozen.add(1)
+  return op.with_plan(frozen=tuple(sorted(frozen)))
+
+
+def _cfg(op, upper_bound: bool, row_split=None) -> KernelConfig:
+  return KernelConfig(memory_budget_bytes=op.plan.memory_budget_bytes,
+                      precision=op.plan.precision, upper_bound=upper_bound,
+                      row_split=row_split)
+
+
+def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
+         upper_bound: bool = False, skip=frozenset(),
+         row_split: Optional[int] = None) -> jax.Array:
+  """``[B, B]`` Gram (``want == "gram"``; its block ``G[:s, s:]`` with
+  ``row_split``) or ``[B]`` squared norms (sound upper bounds with
+  ``upper_bound``) of the per-example gradients of the leaves the getter
+  reads (those in ``skip`` frozen), from the factors ``(x, d)`` of one
+  application (``d`` in the accumulation dtype) and the op's operands
+  ``params`` (:func:`operands`)."""
+  acc = op.accumulation_dtype()
+  bias_leaf = pb.closed.others
+  skip_bias = bool(bias_leaf) and all(k in skip for k in bias_leaf)
+  if pb.closed.kernel in skip:  # (frozen kernel: the generic path)
+    return _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
+                  row_split)
+  w_hat, s = _scales(op, pb, leaves)
+  n = math.prod(w_hat.shape[:-1])
+  dd = d.astype(acc)
+  big_d = dd / s
+  x_acc = x.astype(acc) if kernels.is_float(x.dtype) else x
+  a = _channel_sums(op, x_acc, big_d, jnp.ones_like(w_hat))
+  b = _channel_sums(op, x_acc, big_d, w_hat)
+  q = jnp.sum(jnp.square(w_hat).reshape(n, -1), axis=0) / n
+  sigma = jnp.sum(w_hat.reshape(n, -1), axis=0)
+  with_bias = _bias_present(op, skip_bias)
+  kernel_op = _kernel_only(op)
+  if want == "gram":
+    cfg = _cfg(op, False, row_split)
+    value = modes.products(kernel_op.in_mode("gram"), x, big_d, params, (),
+                           cfg, reuse=False)[0]
+    rows = slice(None) if row_split is None else slice(0, row_split)
+    cols = slice(None) if row_split is None else slice(row_split, None)
+    r = sigma / n
+    corr = (jnp.einsum("ic,jc->ij", a[rows], a[cols] / n) +
+            jnp.einsum("ic,jc->ij", b[rows], b[cols] * ((2 - q) / n)) -
+            jnp.einsum("ic,jc->ij", a[rows], b[cols] * (r / n)) -
+            jnp.einsum("ic,jc->ij", b[rows], a[cols] * (r / n)))
+    value = value - corr.astype(value.dtype)
+    if with_bias:
+      e = jnp.sum(_abs_sums(op, dd), axis=1)
+      value = value + (e[rows] @ e[cols].T).astype(value.dtype)
+    return value
+  quad = (jnp.square(a) + (2 - q) * jnp.square(b) -
+          2 * a * b * (sigma / n)) / n
+  if not upper_bound:
+    value = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
+                           _cfg(op, False), reuse=False)[0]
+    value = value - jnp.sum(quad, axis=1).astype(value.dtype)
+    if with_bias:
+      value = value + jnp.sum(jnp.square(jnp.sum(_abs_sums(op, dd), axis=1)),
+                              axis=1).astype(value.dtype)
+    return value
+  lead = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
+                        _cfg(op, True), reuse=False)[0].astype(acc)
+  bound, loose = _bound(op, x_acc, dd, big_d, w_hat, a, b, q, sigma, lead,
+                        with_bias)
+  operands_ = (x, d, *[leaves[k] for k in pb.leaves])
+
+  def exact(x_, d_, *theta):
+    mine = list(leaves)
+    for k, t in zip(pb.leaves, theta):
+      mine[k] = t
+    return _exact(op, pb, x_, d_, params, mine, "norms", True, skip,
+                  None).astype(bound.dtype)
+  return kernels.run_if(jnp.any(loose), exact, bound, operands_)
+
+
+def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias):
+  """``([B] bound of |g_i|^2, [B] whether it is loose)``: see the module
+  docstring. ``lead``: the layer's bound of ``|f(D')|^2``."""
+  acc = dd.dtype
+  n = math.prod(w_hat.shape[:-1])
+  positions = _abs_sums(op, dd).shape[1]
+  c_count = w_hat.shape[-1]
+  u = float(jnp.finfo(acc).eps) / 2
+  g_n = norm_bounds.dot_error(n, acc, None)  # (the helper convs' precision)
+  g_t = norm_bounds.dot_error(positions, acc, lax.Precision.HIGHEST)
+  g_c = norm_bounds.dot_error(2 * c_count + 8, acc, lax.Precision.HIGHEST)
+  up = 1 + 4 * g_c  # A generous rounding-up factor for short formulas.
+  # Patch norms |p_tc| (per output channel), rounded up.
+  patch = jnp.sqrt(jnp.maximum(op.rule.forward(
+      jnp.square(x), jnp.ones_like(w_hat), None).astype(acc), 0) * (
+          1 + 2 * g_n)) * up
+  big_abs = jnp.abs(big_d)
+  sums = lambda v: jnp.sum(_abs_sums(op, v), axis=1) * (1 + g_t)
+  q_sum = sums(patch * big_abs)  # [B, C]: sum_t |p_tc| |D'_tc|
+  ones_out = op.rule.forward(x, jnp.ones_like(w_hat), None).astype(acc)
+  y_out = op.rule.forward(x, w_hat, None).astype(acc)
+  a_abs = sums(jnp.abs(ones_out) * big_abs)
+  b_abs = sums(jnp.abs(y_out) * big_abs)
+  q_up = q * (1 + g_n) * up
+  sig_up = (jnp.abs(sigma) + g_n * n * jnp.sqrt(q_up)) * up
+  e_a = (g_t * a_abs + g_n * math.sqrt(n) * q_sum) * up
+  e_b = (g_t * b_abs + g_n * jnp.sqrt(n * q_up) * q_sum) * up
+  # A lower bound of the corrections' quadratic form at the computed a, b.
+  pos = jnp.sum(jnp.square(a) + jnp.maximum(2 - q_up, 0) * jnp.square(b),
+                axis=1) / n
+  cross = jnp.sum(2 * jnp.abs(a * b) * sig_up, axis=1) / (n * n)
+  c_hat = jnp.maximum(pos * (1 - g_c) - cross * up, 0)
+  lam = (2 + jnp.max(sig_up) / n) / n
+  e_q = jnp.sqrt(lam * jnp.sum(jnp.square(e_a) + jnp.square(e_b), axis=1)
+                 ) * up
+  root_c = jnp.maximum(jnp.sqrt(c_hat) * (1 - g_c) - e_q, 0)
+  kernel_sq = jnp.maximum(lead - jnp.square(root_c) * (1 - g_c), 0) * up
+  m_norm = jnp.maximum(1, jnp.max(q_up))
+  e_div = (u / (1 - u)) * norm_bounds.row_norms(q_sum) * up
+  kernel_norm = jnp.sqrt(kernel_sq) * up + m_norm * e_div
+  value = jnp.square(kernel_norm) * up
+  estimate = jnp.maximum(lead / (1 + norm_bounds.LOOSE) - c_hat, 0)
+  if with_bias:
+    e = jnp.sum(_abs_sums(op, dd), axis=1)
+    e_err = g_t * norm_bounds.row_norms(sums(jnp.abs(dd)))
+    bias = jnp.square(norm_bounds.row_norms(e) * up + e_err) * up
+    value = value + bias * up
+    estimate = estimate + jnp.sum(jnp.square(e), axis=1)
+  return value, value > 2 * estimate
+
+
+def _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
+           row_split):
+  """The generic path from the factors: the per-example gradients of the
+  operands formed (in blocks of examples where only norms are wanted) and
+  pulled back exactly (:mod:`gram_haiku._src.analysis.reparam`)."""
+  e = op.example_axis.resolved_position()
+  pe = op.in_mode("per_example").with_plan(upper_bound=upper_bound)
+  cfg = _cfg(op, upper_bound)
+
+  def rows_of(xb, db):
+    f = modes.products(pe, xb, db, params, (), cfg)[0]
+    if upper_bound:
+      f, err = f[:, :-1], f[:, -1]
+      slack = reparam.per_example_error(op, pb, f, leaves, err, op.name)
+      sq, p = reparam.sq_sums(op, pb, f, leaves, skip)
+      return norm_bounds.of_sq_sums(sq, p, f.dtype, slack)
+    g = reparam.per_example(op, pb, f, leaves, skip)
+    return jnp.sum(g * g, axis=-1) if want != "gram" else g
+  if want == "gram":
+    g = rows_of(x, d)
+    return kernels.gram_matmul(g, g, KernelConfig(
+        precision=op.plan.precision, row_split=row_split))
+  per_row = max(1, op.num_params() * 3 * jnp.dtype(d.dtype).itemsize)
+  block = max(1, kernels.FALLBACK_BYTES // per_row)
+  xm, dm = jnp.moveaxis(x, e, 0), jnp.moveaxis(d, e, 0)
+  return kernels.map_row_blocks(
+      lambda xb, db: rows_of(jnp.moveaxis(xb, 0, e), jnp.moveaxis(db, 0, e)),
+      block, (xm, dm))
+
+
+def pull_back_sum(op, pb, cts: dict, leaves: Sequence[Any]) -> dict:
+  """``{leaf: J^T sum_i c_i f_i}`` from the op's operand cotangents
+  ``cts`` (``{operand: sum_i c_i f_i}``), by the closed form (the same
+  ``J`` the norms are bounded for); the bias (not standardised) as it
+  is."""
+  w_hat, s = _scales(op, pb, leaves)
+  out = {}
+  if 0 in cts:
+    f = cts[0].astype(w_hat.dtype)
+    n = math.prod(w_hat.shape[:-1])
+    a = jnp.sum(f.reshape(n, -1), axis=0) / n
+    b = jnp.sum((f * w_hat).reshape(n, -1), axis=0) / n
+    out[pb.closed.kernel] = (f - a - b * w_hat) / s
+  present = [k for k, a in enumerate(op.param_avals) if a is not None]
+  for k, leaf in zip(present[1:], pb.closed.others):
+    if k in cts:
+      out[leaf] = cts[k]
+  return out
