@@ -374,3 +374,59 @@ def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter,
              argnums=(0, 1))(params, state)
   finally:
     hk.mixed_precision.clear_policy(hk.Linear)
+
+
+@pytest.mark.parametrize("getter,closed", [
+    ("marked-standardised-conv", True), ("standardised-conv", False),
+    ("marked-unlisted", False)])
+def test_the_mark_alone_routes_a_standardisation_to_the_closed_form(
+    getter, closed, monkeypatch):
+  """Only :func:`gram_haiku.standardise_weight`'s marked call is read in
+  closed form (factors kept, no pull-back of per-example gradients); a
+  standardisation written by hand, or the marked one with its mark taken
+  out of :data:`reparam.CLOSED_FORMS` (a mutation), takes the generic
+  pull-back; each exact (Gram, clip norms and clipped sum)."""
+  from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
+  if getter == "marked-unlisted":
+    monkeypatch.setattr(reparam, "CLOSED_FORMS", {})
+    getter = "marked-standardised-conv"
+  seen = {"closed": 0, "pulled": 0}
+  read, summed = standardised.read, reparam.summed
+
+  def count(key, fn):
+    def counted(*a, **k):
+      seen[key] += 1
+      return fn(*a, **k)
+    return counted
+  monkeypatch.setattr(standardised, "read", count("closed", read))
+  # (the generic update: J^T sum_i c_i f_i by the getter's own VJP)
+  monkeypatch.setattr(reparam, "summed", count("pulled", summed))
+  f, params, state, x, y, fr = _problem(getter)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  _assert_clips_as_reference(f, params, state, x, y, fr)
+  _assert_clips_per_layer_as_reference(f, params, state, x, y, fr)
+  assert bool(seen["closed"]) == closed and bool(seen["pulled"]) != closed, (
+      seen)
+
+
+def _assert_clips_per_layer_as_reference(f, params, state, x, y, fr):
+  """``clipped_grad(clipping="per-layer")`` (``C_l = C / sqrt(L)``): each
+  module's norms and clipped sum against the reference's columns."""
+  sizes = {m: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params[m]))
+           for m in sorted(params)}
+  c_norm = float(np.median(np.sqrt(np.sum(fr * fr, 1))))
+  c_layer = c_norm / np.sqrt(len(sizes))
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(
+      f.apply, c_norm, clipping="per-layer"))(params, state, None, x, y)
+  want, start = np.zeros_like(fr), 0
+  for m, size in sizes.items():
+    cols = fr[:, start:start + size]
+    norms = np.sqrt(np.sum(cols * cols, 1))
+    np.testing.assert_allclose(aux.weights[m], clip_reference(norms, c_layer),
+                               rtol=RTOL)
+    want[:, start:start + size] = cols * clip_reference(norms, c_layer)[:, None]
+    start += size
+  _assert_tree_close(clipped, weighted_sum(want, np.ones(len(fr)), params),
+                     RTOL)

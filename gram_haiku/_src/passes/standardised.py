@@ -32,8 +32,9 @@ sound bound of ``|f(D')|^2`` (``D' = fl(d / s)``) less a lower bound of the
 corrections (the rounding of ``a``, ``b``, ``q``, ``sigma`` and of their
 quadratic form bounded term by term, Higham's ``gamma_n``), plus
 ``|M| |f(D - D')|``, the division's rounding (``|M| <= max(1, q)``). Where
-that bound is loose (above twice its estimate: the corrections cancel the
-leading term), the kernel's per-example gradients are formed from the
+that bound is loose (above its estimate by more than
+:data:`~gram_haiku._src.compute.norm_bounds.LOOSE`: the corrections cancel
+the leading term), the kernel's per-example gradients are formed from the
 factors in small blocks and pulled back exactly (the generic pull-back and
 its bound, :mod:`gram_haiku._src.analysis.reparam`), at run time
 (:func:`gram_haiku._src.compute.kernels.run_if`).
@@ -239,14 +240,16 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias):
   e_div = (u / (1 - u)) * norm_bounds.row_norms(q_sum) * up
   kernel_norm = jnp.sqrt(kernel_sq) * up + m_norm * e_div
   value = jnp.square(kernel_norm) * up
-  estimate = jnp.maximum(lead / (1 + norm_bounds.LOOSE) - c_hat, 0)
+  # The bound's own slack, against the layer's bound less the corrections
+  # (the layer's slack is its kernel's, below LOOSE of |f(D')|^2 there).
+  estimate = jnp.maximum(lead - c_hat, 0)
   if with_bias:
     e = jnp.sum(_abs_sums(op, dd), axis=1)
     e_err = g_t * norm_bounds.row_norms(sums(jnp.abs(dd)))
     bias = jnp.square(norm_bounds.row_norms(e) * up + e_err) * up
     value = value + bias * up
     estimate = estimate + jnp.sum(jnp.square(e), axis=1)
-  return value, value > 2 * estimate
+  return value, value > (1 + norm_bounds.LOOSE) * estimate
 
 
 def _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
