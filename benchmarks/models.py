@@ -319,11 +319,10 @@ REAL_MODEL_NAMES = ("wrn", "vit", "gpt")
 
 def standardise(w: jax.Array, eps: float = 1e-4) -> jax.Array:
   """Weight standardisation of a kernel ``[..., C_in, C_out]``: zero mean
-  and unit variance over everything but the output channel."""
-  axes = tuple(range(w.ndim - 1))
-  mean = w.mean(axis=axes, keepdims=True)
-  var = jnp.square(w - mean).mean(axis=axes, keepdims=True)
-  return (w - mean) * jax.lax.rsqrt(var + eps)
+  and unit variance over everything but the output channel
+  (:func:`gram_haiku.standardise_weight`, whose mark lets the pass read
+  the layer's norms and Gram in closed form)."""
+  return gram_haiku.standardise_weight(w, eps)
 
 
 def _ws_getter(next_getter, value, context):

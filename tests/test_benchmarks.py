@@ -320,3 +320,46 @@ def test_real_suite_smoke(tmp_path):
   assert all(f["max_batch"] >= 2 and f["predicted"] for f in fits.values())
   inc = (out / "real_smoke_table.inc").read_text()
   assert inc.startswith(".. list-table::") and "jax-privacy" in inc
+
+
+def test_the_weight_standardised_wrn_is_exact():
+  """The benchmarks' WRN (smoke size: every convolution weight-standardised
+  by :func:`gram_haiku.standardise_weight`, read in closed form) against
+  the float64 reference: its Gram, clip norms and clipped sum."""
+  import haiku as hk
+  import jax
+  import numpy as np
+  import gram_haiku
+  from benchmarks import models
+  from benchmarks import realistic
+  from gram_haiku._src.core.reference import assert_gram_close
+  from gram_haiku._src.core.reference import clip_reference
+  from gram_haiku._src.core.reference import per_example_grads
+  kwargs, _ = realistic.SCALES["smoke"]["wrn"]
+  bench = models.make_wrn(batch_size=3, **kwargs)
+
+  def tracked(*batch):
+    with gram_haiku.track():
+      return bench.net(*batch).sum()
+  f = hk.transform_with_state(tracked)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *bench.batch)
+  plain = hk.without_apply_rng(hk.transform(lambda *b: bench.net(*b).sum()))
+  with jax.enable_x64(True):
+    fr = np.asarray(per_example_grads(
+        plain.apply, jax.tree.map(lambda a: np.asarray(a, np.float64),
+                                  params),
+        *(np.asarray(a, np.float64) if a.dtype.kind == "f" else a
+          for a in bench.batch)), np.float64)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, *bench.batch)
+  assert_gram_close(grams.total, fr @ fr.T)
+  norms = np.linalg.norm(fr, axis=1)
+  c = float(np.median(norms))
+  clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
+      params, state, None, *bench.batch)
+  assert np.all(np.asarray(aux.grad_norms, np.float64) >= norms * (1 - 1e-9))
+  np.testing.assert_allclose(aux.grad_norms, norms, rtol=1e-3)
+  want = clip_reference(norms, c) @ fr
+  got = np.concatenate([np.ravel(g) for g in jax.tree.leaves(clipped)])
+  np.testing.assert_allclose(got, want, rtol=1e-3,
+                             atol=1e-4 * np.max(np.abs(want)))

@@ -98,13 +98,28 @@ def _scales(op, pb, leaves):
   return w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc)
 
 
-def _channel_sums(op, x, d, kernel) -> jax.Array:
-  """``[B, C]``: ``sum_t d_itc y_itc``, ``y`` the layer's output (no bias)
-  at ``x`` for ``kernel``."""
+def _channel_sums(op, x, d, y) -> jax.Array:
+  """``[B, C]``: ``sum_t d_itc y_itc`` (``y`` a layer output at ``x``)."""
   e = op.example_axis.resolved_position()
-  y = op.rule.forward(x, kernel, None).astype(d.dtype)
+  y = y.astype(d.dtype)
   prod = jnp.moveaxis(d * y, e, 0)
   return jnp.sum(prod.reshape(prod.shape[0], -1, prod.shape[-1]), axis=1)
+
+
+def _groups(op) -> int:
+  """Feature groups of the op (1 for a linear layer)."""
+  spec = getattr(op.rule.forward, "keywords", {}).get("spec")
+  return 1 if spec is None else spec.feature_group_count
+
+
+def _all_ones_output(op, x, w_hat) -> jax.Array:
+  """The layer's output (no bias) at ``x`` for an all-ones kernel: each
+  output channel's patch sums, the same for every channel of a feature
+  group, so formed for one channel per group and repeated."""
+  g = _groups(op)
+  c = w_hat.shape[-1]
+  ones = jnp.ones(w_hat.shape[:-1] + (g,), w_hat.dtype)
+  return jnp.repeat(op.rule.forward(x, ones, None), c // g, axis=-1)
 
 
 def _abs_sums(op, d) -> jax.Array:
@@ -152,8 +167,10 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   dd = d.astype(acc)
   big_d = dd / s
   x_acc = x.astype(acc) if kernels.is_float(x.dtype) else x
-  a = _channel_sums(op, x_acc, big_d, jnp.ones_like(w_hat))
-  b = _channel_sums(op, x_acc, big_d, w_hat)
+  ones_out = _all_ones_output(op, x_acc, w_hat)
+  y_out = op.rule.forward(x_acc, w_hat, None)
+  a = _channel_sums(op, x_acc, big_d, ones_out)
+  b = _channel_sums(op, x_acc, big_d, y_out)
   q = jnp.sum(jnp.square(w_hat).reshape(n, -1), axis=0) / n
   sigma = jnp.sum(w_hat.reshape(n, -1), axis=0)
   with_bias = _bias_present(op, skip_bias)
@@ -187,7 +204,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   lead = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
                         _cfg(op, True), reuse=False)[0].astype(acc)
   bound, loose = _bound(op, x_acc, dd, big_d, w_hat, a, b, q, sigma, lead,
-                        with_bias)
+                        with_bias, ones_out, y_out)
   operands_ = (x, d, *[leaves[k] for k in pb.leaves])
 
   def exact(x_, d_, *theta):
@@ -199,9 +216,12 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   return kernels.run_if(jnp.any(loose), exact, bound, operands_)
 
 
-def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias):
+def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
+           ones_out, y_out):
   """``([B] bound of |g_i|^2, [B] whether it is loose)``: see the module
-  docstring. ``lead``: the layer's bound of ``|f(D')|^2``."""
+  docstring. ``lead``: the layer's bound of ``|f(D')|^2``; ``ones_out``,
+  ``y_out``: the layer's outputs (no bias) for an all-ones kernel and for
+  ``w_hat``."""
   acc = dd.dtype
   n = math.prod(w_hat.shape[:-1])
   positions = _abs_sums(op, dd).shape[1]
@@ -212,14 +232,12 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias):
   g_c = norm_bounds.dot_error(2 * c_count + 8, acc, lax.Precision.HIGHEST)
   up = 1 + 4 * g_c  # A generous rounding-up factor for short formulas.
   # Patch norms |p_tc| (per output channel), rounded up.
-  patch = jnp.sqrt(jnp.maximum(op.rule.forward(
-      jnp.square(x), jnp.ones_like(w_hat), None).astype(acc), 0) * (
-          1 + 2 * g_n)) * up
+  patch = jnp.sqrt(jnp.maximum(_all_ones_output(
+      op, jnp.square(x), w_hat).astype(acc), 0) * (1 + 2 * g_n)) * up
   big_abs = jnp.abs(big_d)
   sums = lambda v: jnp.sum(_abs_sums(op, v), axis=1) * (1 + g_t)
   q_sum = sums(patch * big_abs)  # [B, C]: sum_t |p_tc| |D'_tc|
-  ones_out = op.rule.forward(x, jnp.ones_like(w_hat), None).astype(acc)
-  y_out = op.rule.forward(x, w_hat, None).astype(acc)
+  ones_out, y_out = ones_out.astype(acc), y_out.astype(acc)
   a_abs = sums(jnp.abs(ones_out) * big_abs)
   b_abs = sums(jnp.abs(y_out) * big_abs)
   q_up = q * (1 + g_n) * up
