@@ -146,7 +146,7 @@ def _layer(kind):
           }[kind]()
 
 
-def _problem(name, vmapped=False, budget=None):
+def _problem(name, vmapped=False, budget=None, strategy="auto"):
   getter, kind, shape = CASES[name]
   kx, ky = jax.random.split(jax.random.PRNGKey(_seed(name)))
   b = 6
@@ -167,7 +167,7 @@ def _problem(name, vmapped=False, budget=None):
 
   def tracked(x, y):
     opts = {} if budget is None else {"memory_budget_bytes": budget}
-    with gram_haiku.track(untracked="error", **opts):
+    with gram_haiku.track(untracked="error", strategy=strategy, **opts):
       if vmapped:
         return hk.vmap(body, split_rng=False)(x, y).sum()
       return body(x, y)
@@ -376,39 +376,45 @@ def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter,
     hk.mixed_precision.clear_policy(hk.Linear)
 
 
-@pytest.mark.parametrize("getter,closed", [
-    ("marked-standardised-conv", True), ("standardised-conv", False),
-    ("marked-unlisted", False)])
+@pytest.mark.parametrize("getter,closed,strategy", [
+    ("marked-standardised-conv", "factors", "ghost"),
+    ("marked-standardised-grouped-conv", "per-example", "auto"),
+    ("standardised-conv", None, "ghost"),
+    ("marked-unlisted", None, "ghost")])
 def test_the_mark_alone_routes_a_standardisation_to_the_closed_form(
-    getter, closed, monkeypatch):
+    getter, closed, strategy, monkeypatch):
   """Only :func:`gram_haiku.standardise_weight`'s marked call is read in
-  closed form (factors kept, no pull-back of per-example gradients); a
+  closed form: from the layer's factors (kept where they are the smaller
+  store, or with ``strategy="ghost"``), or its per-example gradients
+  pulled back in closed form, never by the getter's VJP; a
   standardisation written by hand, or the marked one with its mark taken
   out of :data:`reparam.CLOSED_FORMS` (a mutation), takes the generic
-  pull-back; each exact (Gram, clip norms and clipped sum)."""
+  pull-back; each exact (Gram, clip norms and clipped sum, all-layer and
+  per layer)."""
   from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
   if getter == "marked-unlisted":
     monkeypatch.setattr(reparam, "CLOSED_FORMS", {})
     getter = "marked-standardised-conv"
-  seen = {"closed": 0, "pulled": 0}
+  seen = {"factors": 0, "per-example": 0, "pulled": 0}
   read, summed = standardised.read, reparam.summed
+  rows = standardised.per_example
 
   def count(key, fn):
     def counted(*a, **k):
       seen[key] += 1
       return fn(*a, **k)
     return counted
-  monkeypatch.setattr(standardised, "read", count("closed", read))
+  monkeypatch.setattr(standardised, "read", count("factors", read))
+  monkeypatch.setattr(standardised, "per_example", count("per-example", rows))
   # (the generic update: J^T sum_i c_i f_i by the getter's own VJP)
   monkeypatch.setattr(reparam, "summed", count("pulled", summed))
-  f, params, state, x, y, fr = _problem(getter)
+  f, params, state, x, y, fr = _problem(getter, strategy=strategy)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
   assert_gram_close(grams.total, fr @ fr.T)
   _assert_clips_as_reference(f, params, state, x, y, fr)
   _assert_clips_per_layer_as_reference(f, params, state, x, y, fr)
-  assert bool(seen["closed"]) == closed and bool(seen["pulled"]) != closed, (
-      seen)
+  assert {k for k, v in seen.items() if v} == {closed or "pulled"}, seen
 
 
 def _assert_clips_per_layer_as_reference(f, params, state, x, y, fr):

@@ -296,7 +296,10 @@ def _standardised_store(t: TracedLoss, m: str, objective: Objective,
   """Whether module ``m`` keeps factors for the closed form of its weight
   standardisation instead of ``B x P`` per-example gradients: applied
   once, not stacked, sharded, gathered or read in Gram blocks, its input
-  exact in the probe's dtype, and not told to materialise."""
+  exact in the probe's dtype, not told to materialise, and its factors
+  the smaller store
+  (:func:`~gram_haiku._src.compute.cost_model.bookkeeping_method`; else
+  its per-example gradients are kept and pulled back in closed form)."""
   if not _is_standardised(t, m):
     return False
   found, p = t.found, t.probes[m]
@@ -306,6 +309,10 @@ def _standardised_store(t: TracedLoss, m: str, objective: Objective,
           m not in found.example_specs and m not in ambiguous and
           not t.axes and not objective.blocks and
           op.plan.strategy != "materialize" and
+          (op.plan.strategy == "ghost" or cost_model.bookkeeping_method(
+              op.num_params(), factors_lib.factor_width(op),
+              op.factors_exact(found.probe_dtypes.get(m, p.dtype)))
+           == "factors") and
           op.factors_exact(found.probe_dtypes.get(m, p.dtype)))
 
 
@@ -658,6 +665,8 @@ def per_example_of(found, m: str, f, leaves, skip=frozenset()):
   pb = found.pullbacks.get(m)
   if pb is None:
     return f
+  if standardised.applies(found.ops[m], pb) and f.ndim == 2:
+    return standardised.per_example(found.ops[m], pb, f, leaves, skip)
   return reparam.per_example(found.ops[m], pb, f, leaves, skip)
 
 
@@ -765,6 +774,9 @@ def _read_one(t: TracedLoss, m: str, store: str, g, want: str, opened,
   if store == Store.PER_EXAMPLE:
     g, slack = _split_slack(g, upper_bound)
     pb = t.found.pullbacks.get(m)
+    if bound and _is_standardised(t, m) and g.ndim == 2:  # (closed form)
+      return norm_bounds.of_rows(*standardised.per_example_bound(
+          t.found.ops[m], pb, g, leaves, slack, skip))
     if bound and pb is not None:  # Its rounding bound, pulled back.
       slack = reparam.per_example_error(t.found.ops[m], pb, g, leaves,
                                         slack, m)
@@ -912,7 +924,10 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
       cts = bk.recontract_per_example(op, g, weights[m])
       pb = t.found.pullbacks.get(m)
       if pb is not None:  # With respect to the leaves its getter reads.
-        for k, ct in reparam.summed(op, pb, cts, leaves, m).items():
+        pulled = (standardised.pull_back_sum(op, pb, cts, leaves)
+                  if _is_standardised(t, m) and g.ndim == 2 else
+                  reparam.summed(op, pb, cts, leaves, m))
+        for k, ct in pulled.items():
           if k not in skip:
             grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
         continue

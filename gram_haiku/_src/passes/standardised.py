@@ -318,3 +318,64 @@ def pull_back_sum(op, pb, cts: dict, leaves: Sequence[Any]) -> dict:
     if k in cts:
       out[leaf] = cts[k]
   return out
+
+
+def _kernel_rows(op, f):
+  """``(kernel rows [B, n, C], other columns [B, P - n C])`` of the
+  per-example gradients ``f: [B, P]`` of the op's operands (kernel first)."""
+  shape = op.param_avals[0].shape
+  size = math.prod(shape)
+  n = math.prod(shape[:-1])
+  return f[:, :size].reshape(f.shape[0], n, shape[-1]), f[:, size:]
+
+
+def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
+  """``[B, P_theta]``: the per-example gradients of the leaves
+  ``pb.leaves`` (in that order, flattened; those in ``skip`` zero) from
+  the op's ``f: [B, P']``, pulled back in closed form (the kernel's
+  ``J^T f_i``, vectorised; the bias as it is), the layout of
+  :func:`gram_haiku._src.analysis.reparam.per_example`."""
+  w_hat, s = _scales(op, pb, leaves)
+  rows, rest = _kernel_rows(op, f.astype(w_hat.dtype))
+  n = rows.shape[1]
+  wh = w_hat.reshape(n, -1)
+  a = jnp.sum(rows, axis=1, keepdims=True) / n
+  b = jnp.sum(rows * wh, axis=1, keepdims=True) / n
+  g = ((rows - a - b * wh) / s).reshape(f.shape[0], -1)
+  cols = {pb.closed.kernel: g}
+  start = 0
+  for leaf in pb.closed.others:
+    size = math.prod(jnp.shape(leaves[leaf]))
+    cols[leaf] = rest[:, start:start + size]
+    start += size
+  out = [jnp.zeros_like(cols[k]) if k in skip else cols[k]
+         for k in pb.leaves]
+  return jnp.concatenate(out, axis=1)
+
+
+def per_example_bound(op, pb, f, leaves: Sequence[Any], err,
+                      skip=frozenset()):
+  """``(g, e)``: :func:`per_example`'s rows and ``[B]`` bounds of their
+  distance to ``J^T w_i``, the pull-back of the exact per-example
+  gradients ``w_i`` (``|f_i - w_i| <= err_i``, the stored rows' bound):
+  per channel ``|J_c| <= max(1, q_c) / s_c`` maps ``err``, and the closed
+  form's own rounding is at most ``(gamma_4 (2 + q_c) + gamma_n (1 +
+  q_c)) |f_ic| / s_c`` (its sums ``a``, ``b`` are ``n``-term dot products,
+  ``|a_c| <= sqrt(n) |f_c|``, ``|b_c| <= |w_hat_c| |f_c|``, ``|w_hat_c|^2
+  = n q_c``), so ``e_i = L err_i + kappa |f_i|``."""
+  g = per_example(op, pb, f, leaves, skip)
+  w_hat, s = _scales(op, pb, leaves)
+  acc = w_hat.dtype
+  n = math.prod(w_hat.shape[:-1])
+  g_n = norm_bounds.dot_error(n, acc, lax.Precision.HIGHEST)
+  g_4 = norm_bounds.dot_error(4, acc, lax.Precision.HIGHEST)
+  q = jnp.sum(jnp.square(w_hat).reshape(n, -1), axis=0) / n
+  up = 1 + 4 * norm_bounds.dot_error(n + 8, acc, lax.Precision.HIGHEST)
+  q_up = q * (1 + g_n) * up
+  lip = jnp.max(jnp.maximum(1, q_up) / s) * up
+  kappa = jnp.max((g_4 * (2 + q_up) + g_n * (1 + q_up)) / s) * up
+  lip = jnp.maximum(lip, 1.0)  # (the bias: the identity)
+  e = kappa * norm_bounds.row_norms(f.astype(acc))
+  if err is not None:
+    e = e + lip * err.astype(acc)
+  return g, e * up
