@@ -245,8 +245,11 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   e_a = (g_t * a_abs + g_n * math.sqrt(n) * q_sum) * up
   e_b = (g_t * b_abs + g_n * jnp.sqrt(n * q_up) * q_sum) * up
   # A lower bound of the corrections' quadratic form at the computed a, b.
-  pos = jnp.sum(jnp.square(a) + jnp.maximum(2 - q_up, 0) * jnp.square(b),
-                axis=1) / n
+  # The form is positive definite where q < 3/2 and |sigma| / n < 1/4 (a
+  # standardised kernel has q <= 1 and sigma = 0 up to rounding); else the
+  # bound is not used (loose, and infinite).
+  valid = (jnp.max(q_up) < 1.5) & (jnp.max(sig_up) / n < 0.25)
+  pos = jnp.sum(jnp.square(a) + (2 - q_up) * jnp.square(b), axis=1) / n
   cross = jnp.sum(2 * jnp.abs(a * b) * sig_up, axis=1) / (n * n)
   c_hat = jnp.maximum(pos * (1 - g_c) - cross * up, 0)
   lam = (2 + jnp.max(sig_up) / n) / n
@@ -267,7 +270,8 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
     bias = jnp.square(norm_bounds.row_norms(e) * up + e_err) * up
     value = value + bias * up
     estimate = estimate + jnp.sum(jnp.square(e), axis=1)
-  return value, value > (1 + norm_bounds.LOOSE) * estimate
+  value = jnp.where(valid, value, jnp.inf)
+  return value, (value > (1 + norm_bounds.LOOSE) * estimate) | ~valid
 
 
 def _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
