@@ -387,7 +387,7 @@ def test_the_mark_alone_routes_a_standardisation_to_the_closed_form(
   closed form: from the layer's factors (kept where they are the smaller
   store, or with ``strategy="ghost"``), or its per-example gradients
   pulled back in closed form, never by the getter's VJP; a
-  standardisation written by hand, or the marked one with its mark taken
+  standardisation in plain jax.numpy, or the marked one with its mark taken
   out of :data:`reparam.CLOSED_FORMS` (a mutation), takes the generic
   pull-back; each exact (Gram, clip norms and clipped sum, all-layer and
   per layer)."""

@@ -9,7 +9,7 @@ traced program (:mod:`gram_haiku._src.analysis.reparam`), and its
 per-example norms and Gram come in closed form from the layer's factors
 (:mod:`gram_haiku._src.passes.standardised`) instead of ``B x P``
 per-example gradients pulled back one example at a time. Any other
-standardisation (written by hand) still gets the exact generic pull-back.
+standardisation (plain ``jax.numpy``) still gets the exact generic pull-back.
 """
 
 from __future__ import annotations
