@@ -122,7 +122,9 @@ def _all_ones_output(op, x, w_hat) -> jax.Array:
   return jnp.repeat(op.rule.forward(x, ones, None), c // g, axis=-1)
 
 
-def _abs_sums(op, d) -> jax.Array:
+def _by_position(op, d) -> jax.Array:
+  """``[B, T, C]``: ``d`` with its examples first and every other axis but
+  the channels merged into positions."""
   e = op.example_axis.resolved_position()
   m = jnp.moveaxis(d, e, 0)
   return m.reshape(m.shape[0], -1, m.shape[-1])
@@ -188,7 +190,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
             jnp.einsum("ic,jc->ij", b[rows], a[cols] * (r / n)))
     value = value - corr.astype(value.dtype)
     if with_bias:
-      e = jnp.sum(_abs_sums(op, dd), axis=1)
+      e = jnp.sum(_by_position(op, dd), axis=1)
       value = value + (e[rows] @ e[cols].T).astype(value.dtype)
     return value
   quad = (jnp.square(a) + (2 - q) * jnp.square(b) -
@@ -198,7 +200,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
                            _cfg(op, False), reuse=False)[0]
     value = value - jnp.sum(quad, axis=1).astype(value.dtype)
     if with_bias:
-      value = value + jnp.sum(jnp.square(jnp.sum(_abs_sums(op, dd), axis=1)),
+      value = value + jnp.sum(jnp.square(jnp.sum(_by_position(op, dd), axis=1)),
                               axis=1).astype(value.dtype)
     return value
   lead = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
@@ -224,7 +226,7 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   ``w_hat``."""
   acc = dd.dtype
   n = math.prod(w_hat.shape[:-1])
-  positions = _abs_sums(op, dd).shape[1]
+  positions = _by_position(op, dd).shape[1]
   c_count = w_hat.shape[-1]
   u = float(jnp.finfo(acc).eps) / 2
   g_n = norm_bounds.dot_error(n, acc, None)  # (the helper convs' precision)
@@ -235,7 +237,7 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   patch = jnp.sqrt(jnp.maximum(_all_ones_output(
       op, jnp.square(x), w_hat).astype(acc), 0) * (1 + 2 * g_n)) * up
   big_abs = jnp.abs(big_d)
-  sums = lambda v: jnp.sum(_abs_sums(op, v), axis=1) * (1 + g_t)
+  sums = lambda v: jnp.sum(_by_position(op, v), axis=1) * (1 + g_t)
   q_sum = sums(patch * big_abs)  # [B, C]: sum_t |p_tc| |D'_tc|
   ones_out, y_out = ones_out.astype(acc), y_out.astype(acc)
   a_abs = sums(jnp.abs(ones_out) * big_abs)
@@ -265,7 +267,7 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   # (the layer's slack is its kernel's, below LOOSE of |f(D')|^2 there).
   estimate = jnp.maximum(lead - c_hat, 0)
   if with_bias:
-    e = jnp.sum(_abs_sums(op, dd), axis=1)
+    e = jnp.sum(_by_position(op, dd), axis=1)
     e_err = g_t * norm_bounds.row_norms(sums(jnp.abs(dd)))
     bias = jnp.square(norm_bounds.row_norms(e) * up + e_err) * up
     value = value + bias * up
