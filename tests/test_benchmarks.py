@@ -325,9 +325,11 @@ def test_real_suite_smoke(tmp_path):
 def test_the_weight_standardised_wrn_is_exact():
   """The benchmarks' WRN (smoke size: every convolution weight-standardised
   by :func:`gram_haiku.standardise_weight`, read in closed form) against
-  the float64 reference: its clip norms and clipped sum (and, thorough,
-  its Gram; the default run's Grams of marked layers are
-  tests/test_reparam.py's)."""
+  the float64 reference: its Gram, clip norms and clipped sum. Thorough
+  only (its compiles take about a minute cold); the default run checks
+  marked layers in tests/test_reparam.py and tests/test_clip_bound.py."""
+  if not thorough():
+    pytest.skip("thorough: the WRN's compiles take about a minute cold")
   import haiku as hk
   import jax
   import numpy as np
@@ -352,10 +354,9 @@ def test_the_weight_standardised_wrn_is_exact():
                                   params),
         *(np.asarray(a, np.float64) if a.dtype.kind == "f" else a
           for a in bench.batch)), np.float64)
-  if thorough():
-    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
-        params, state, None, *bench.batch)
-    assert_gram_close(grams.total, fr @ fr.T)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, *bench.batch)
+  assert_gram_close(grams.total, fr @ fr.T)
   norms = np.linalg.norm(fr, axis=1)
   c = float(np.median(norms))
   clipped, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
