@@ -437,3 +437,28 @@ def _assert_clips_per_layer_as_reference(f, params, state, x, y, fr):
     start += size
   _assert_tree_close(clipped, weighted_sum(want, np.ones(len(fr)), params),
                      RTOL)
+
+
+def test_a_marked_standardisation_gives_exact_cross_grams():
+  """:func:`gram_haiku.cross_gram` of a marked standardisation (its Gram
+  blocks read from per-example gradients pulled back in closed form, never
+  from factors): the block, the examples' own norms and the sums over the
+  queries against the float64 reference."""
+  f, params, state, x, y, fr = _problem("marked-standardised-conv-eps",
+                                        strategy="ghost")
+  xq = problems.normal(jax.random.PRNGKey(7), (3,) + x.shape[1:])
+  yq = problems.normal(jax.random.PRNGKey(8), (3,) + y.shape[1:])
+  getter, kind, _ = CASES["marked-standardised-conv-eps"]
+
+  def model(x, y):
+    with hk.custom_getter(getter):
+      h = _layer(kind)(x)
+    return problems.sq(hk.Linear(2, name="head")(jnp.tanh(
+        h.reshape(h.shape[0], -1))), y)
+  plain = hk.without_apply_rng(hk.transform(model))
+  hq = np.asarray(per_example_grads(plain.apply, params, xq, yq), np.float64)
+  _, _, cross = jax.jit(gram_haiku.cross_gram(f.apply))(
+      params, state, None, x, y, queries=(xq, yq))
+  assert_gram_close(cross.total, fr @ hq.T)
+  assert_gram_close(cross.sq_norms[:, None], np.sum(fr * fr, 1)[:, None])
+  assert_gram_close(cross.query_summed[:, None], (fr @ hq.sum(0))[:, None])
