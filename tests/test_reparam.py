@@ -76,6 +76,16 @@ def _no_tangent(w):
 _no_tangent.defjvp(lambda p, t: (p[0], jnp.zeros_like(t[0])))
 
 
+def _forged(w, eps):
+  """Named like standardise_weight's mark and ending in a division like it,
+  but a scaling: the name alone must not route it to the closed form."""
+  return w * 2.0 / (1.0 + eps), jnp.ones(w.shape[-1:], w.dtype)
+
+
+_forged.__name__ = _forged.__qualname__ = "gram_haiku_standardise_weight"
+_forged = jax.jit(_forged)
+
+
 #: name -> (getter, layer, input shape). Custom derivatives count: an
 #: identity whose rule scales or zeroes the gradient is a reparametrisation.
 CASES = {
@@ -95,6 +105,8 @@ CASES = {
     "marked-standardised-grouped-conv": (
         _only("w", lambda w: gram_haiku.standardise_weight(w, 1e-3)),
         "grouped_conv", (5, 5, 4)),
+    "forged-mark": (_only("w", lambda w: _forged(w, 0.5)[0]), "conv",
+                    (5, 5, 2)),
     "marked-standardised-linear": (
         _only("w", lambda w: gram_haiku.standardise_weight(w, 1e-2)),
         "linear", (3, 4)),
@@ -380,6 +392,7 @@ def test_raw_path_refuses_a_getter_that_changes_the_parameters(getter,
     ("marked-standardised-conv", "factors", "ghost"),
     ("marked-standardised-grouped-conv", "per-example", "auto"),
     ("standardised-conv", None, "ghost"),
+    ("forged-mark", None, "ghost"),
     ("marked-unlisted", None, "ghost")])
 def test_the_mark_alone_routes_a_standardisation_to_the_closed_form(
     getter, closed, strategy, monkeypatch):
@@ -387,7 +400,8 @@ def test_the_mark_alone_routes_a_standardisation_to_the_closed_form(
   closed form: from the layer's factors (kept where they are the smaller
   store, or with ``strategy="ghost"``), or its per-example gradients
   pulled back in closed form, never by the getter's VJP; a
-  standardisation in plain jax.numpy, or the marked one with its mark taken
+  standardisation in plain jax.numpy, a program that only takes the mark's
+  name, or the marked one with its mark taken
   out of :data:`reparam.CLOSED_FORMS` (a mutation), takes the generic
   pull-back; each exact (Gram, clip norms and clipped sum; the closed
   forms per layer too)."""

@@ -114,6 +114,9 @@ def _read_standardised(jaxpr, consts, app, chosen, inputs):
              for v in operands[1:])):
     return None
   body, body_consts = hx.jit_body(eqn)
+  if body_consts or not standardise.is_marked_program(
+      body, [v.aval for v in eqn.invars]):
+    return None  # Named like the mark, but another program.
   # The marked program ends ``centred / s`` (its unused second output
   # ``s`` may have been pruned from the call): ``s`` is read there.
   last = body.eqns[-1] if body.eqns else None

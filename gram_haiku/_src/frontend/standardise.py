@@ -37,6 +37,21 @@ _standardise.__qualname__ = MARKER
 _marked = jax.jit(_standardise)
 
 
+def is_marked_program(body, avals) -> bool:
+  """Whether ``body`` (the open jaxpr of a call named :data:`MARKER`, with
+  inputs of ``avals``) is :func:`standardise_weight`'s own program, equation
+  for equation (with its first output, or both): the closed form then
+  holds by construction, not by a name another function could take."""
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                               weak_type=getattr(a, "weak_type", False))
+          for a in avals]
+  if len(args) != 2:
+    return False
+  outs = len(body.outvars)
+  ours = jax.make_jaxpr(lambda w, eps: _standardise(w, eps)[:outs])(*args)
+  return str(ours.jaxpr) == str(body)
+
+
 def standardise_weight(w: jax.Array, eps: float = 0.0) -> jax.Array:
   """Weight standardisation: ``(w - mean) / sqrt(var + eps)`` per output
   channel.
