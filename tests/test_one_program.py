@@ -95,3 +95,23 @@ def test_a_python_int_and_float_are_not_one_static_value():
   np.testing.assert_array_equal(fn(a, 1), a)
   np.testing.assert_array_equal(fn(a, True), a + 100)
   np.testing.assert_array_equal(fn(a, 1.0), a)
+
+
+def test_a_call_that_needs_values_runs_eagerly_as_before():
+  """A ``weight_fn`` that reads the Grams with NumPy cannot be traced; the
+  eager call runs it op by op as before (its weights those of the same
+  function in jax.numpy, under jit), and later calls skip the trace."""
+  f, params, state, x, y, traces = _model()
+  np_weights = lambda g: np.asarray(1 / (1 + np.asarray(g.norms)), np.float32)
+  fn = gram_haiku.reweighted_grad(f.apply, np_weights)
+  _, grads, _, c = fn(params, state, None, x, y, True)
+  first = len(traces)
+  _, want_grads, _, want_c = jax.jit(gram_haiku.reweighted_grad(
+      f.apply, lambda g: 1 / (1 + g.norms)), static_argnums=5)(
+          params, state, None, x, y, True)
+  np.testing.assert_allclose(c, want_c, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+               grads, want_grads)
+  traces.clear()
+  fn(params, state, None, x, y, True)
+  assert 0 < len(traces) < first  # Eager at once: no failed trace first.

@@ -16,7 +16,11 @@ and scalars) are the program's inputs; every other leaf (a Python bool,
 int, float or string, a callable) is a static argument, so that a model's
 Python control flow on it (``if is_training:``) runs as eagerly. A call
 with a leaf that cannot be hashed runs eagerly, one primitive at a time,
-as before. ``jax.disable_jit()`` runs it eagerly too.
+as before. A call that needs concrete values while it runs (NumPy on
+traced values, a Python ``if`` on an array: in a model, or in a
+``weight_fn`` that reads the Grams with NumPy) fails to trace; it then runs
+eagerly, as before, and so does every later call of that callable.
+``jax.disable_jit()`` runs it eagerly too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ import jax
 import numpy as np
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
+
+#: JAX's errors for a concrete value asked of a traced one: what ran
+#: eagerly may raise them under ``jit``.
+_NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
+                 jax.errors.TracerArrayConversionError,
+                 jax.errors.TracerBoolConversionError,
+                 jax.errors.TracerIntegerConversionError)
 
 
 def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -52,11 +63,13 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn(*args, **kwargs)
 
   jitted = jax.jit(run, static_argnums=(0, 1))
+  needs_values = []  # Set once a call needed concrete values.
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+    if needs_values or any(isinstance(leaf, jax.core.Tracer)
+                           for leaf in leaves):
       return fn(*args, **kwargs)
     static, dynamic = [], []
     for i, leaf in enumerate(leaves):
@@ -69,6 +82,10 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
       hash((treedef, static))
     except TypeError:
       return fn(*args, **kwargs)
-    return jitted(treedef, static, *dynamic)
+    try:
+      return jitted(treedef, static, *dynamic)
+    except _NEEDS_VALUES:  # (Raised while tracing: nothing ran.)
+      needs_values.append(True)
+    return fn(*args, **kwargs)
 
   return call
