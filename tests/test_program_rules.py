@@ -461,6 +461,23 @@ def _mixer_net(x, y, tokens=3, c=2):
   return jnp.sum((out - y) ** 2, axis=-1)
 
 
+def _kernel_per_example_net(x, y):
+  """A bare parameter image under a kernel made from each example
+  (``jax.vmap`` of a convolution whose kernel is the example's: JAX folds
+  the examples into the kernel's output features)."""
+  image = _w("image", [1, D + 1, 2], x.dtype)  # NWC, one image
+
+  def one(xi):  # [F] -> [D]
+    a, b = jnp.tanh(xi[:2]), xi[1:]
+    k = jnp.stack([a, b * a], -1)[..., None]  # [W 2, I 2, O 1]
+    return jax.lax.conv_general_dilated(
+        image, k, (1,), "VALID",
+        dimension_numbers=("NWC", "WIO", "NWC"))[0, :, 0]
+  h = jax.vmap(one)(x)  # [B, D]
+  return jnp.sum((jnp.tanh(h) * hk.Linear(D, name="linear")(x) - y) ** 2,
+                 axis=-1)
+
+
 #: In this order, the default budget's sampling (conftest.SAMPLED_SWEEPS)
 #: keeps every other: shared, mixer, in_jit_calls, conv (the others have
 #: rows of tests/interpreter_corpus.py: bare_weight_first_in_einsum,
@@ -485,7 +502,21 @@ def test_a_bare_weight_contracted_or_indexed_is_exact(name):
   """The Gram (F @ F.T), the summed gradient and the all-layer clipped sum
   (the reference's min(1, C / |g_i|)), float64, under jit and
   untracked="error"."""
-  net, rules = _PER_EXAMPLE_NETS[name]
+  _assert_exact(*_PER_EXAMPLE_NETS[name])
+
+
+def test_examples_as_a_convolutions_kernel_are_followed():
+  """Per-example kernels over a bare parameter image: each output feature
+  reads its kernel feature alone, so the examples are followed along them
+  (they were taken for combined: a loss "not a sum of per-example
+  terms", and a privacy refusal), and the Gram and clipped sum are the
+  reference's."""
+  _assert_exact(_kernel_per_example_net,
+                {"~/image": "program: conv_general_dilated"})
+
+
+def _assert_exact(net, rules):
+  """:func:`test_a_bare_weight_contracted_or_indexed_is_exact`'s checks."""
   with jax.enable_x64(True):
     f, params, state, batch = _setup(net, seed=4)
     ff = _ref_f(net, params, batch)

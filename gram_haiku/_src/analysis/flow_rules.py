@@ -655,11 +655,18 @@ def _dot_general(ctx, eqn, ins):
 
 def _conv_general_dilated(ctx, eqn, ins):
   lhs, rhs = ins[0], ins[1]
+  dn = eqn.params["dimension_numbers"]
+  if (lhs == CONST and isinstance(rhs, Ex) and rhs.dim == dn.rhs_spec[0]
+      and eqn.params.get("feature_group_count", 1) == 1
+      and eqn.params.get("batch_group_count", 1) == 1):
+    # Per-example kernels (jax.vmap of a convolution whose kernel is an
+    # example's): the examples lie along the kernel's output features, and
+    # output feature o reads kernel feature o alone.
+    return [dataclasses.replace(rhs, dim=dn.out_spec[1])]
   if rhs not in (CONST,):
     return [MIXED if rhs == MIXED or isinstance(rhs, Ex) else UNKNOWN]
   if not isinstance(lhs, Ex):
     return [lhs]
-  dn = eqn.params["dimension_numbers"]
   if lhs.dim != dn.lhs_spec[0] or eqn.params.get("batch_group_count", 1) != 1:
     return [MIXED]
   return [dataclasses.replace(lhs, dim=dn.out_spec[0])]
