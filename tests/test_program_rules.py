@@ -515,6 +515,27 @@ def test_examples_as_a_convolutions_kernel_are_followed():
                 {"~/image": "program: conv_general_dilated"})
 
 
+def test_examples_as_the_steps_of_a_loop_are_refused_naming_vmap():
+  """The same kernels made one example per step of ``lax.map``: the check
+  cannot tell that loop from one that mixes the examples, so clipping
+  refuses, and the message says that jax.vmap is followed exactly."""
+  def net(x, y):
+    image = _w("image", [1, D + 1, 2], x.dtype)
+
+    def one(xi):
+      k = jnp.stack([jnp.tanh(xi[:2]), xi[1:]], -1)[..., None]
+      return jax.lax.conv_general_dilated(
+          image, k, (1,), "VALID",
+          dimension_numbers=("NWC", "WIO", "NWC"))[0, :, 0]
+    return jnp.sum((jax.lax.map(one, x) - y) ** 2, axis=-1)
+  f, params, state, batch = _setup(net)
+  with pytest.raises(ValueError, match="(?s)reads data of other examples.*"
+                     "steps of a loop.*jax.vmap"):
+    jax.eval_shape(gram_haiku.clipped_grad(lambda *a: f.apply(*a)[0],
+                                           l2_clip_norm=1.0),
+                   params, state, None, *batch)
+
+
 def _assert_exact(net, rules):
   """:func:`test_a_bare_weight_contracted_or_indexed_is_exact`'s checks."""
   with jax.enable_x64(True):

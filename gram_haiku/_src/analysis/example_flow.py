@@ -283,6 +283,11 @@ class FlowLog:
   def looped_over_examples(self) -> None:
     self._looped = True
 
+  @property
+  def looped(self) -> bool:
+    """Whether a ``scan`` ran over the examples so far."""
+    return self._looped
+
   def unknown(self, primitive: str) -> None:
     self._unknown.append(primitive)
 
@@ -605,6 +610,8 @@ class _Flow(interpreter.Interpreter):
     loops = sorted(n[1] for n in notes if isinstance(n, tuple))
     if loops:
       message += errors.LOOP_TRIP_COUPLED.format(where=", ".join(loops))
+    if self.log.looped:
+      message += errors.LOOPED_OVER_EXAMPLES
     return message
 
   def _combined_sites(self, eqn, vals, ins, outs) -> list:
@@ -1043,7 +1050,9 @@ def _check_loss(flow: "_Flow", outs: list, record: FlowRecord,
                                                      "")
     raise ValueError(errors.LOSS_COUPLED.format(
         primitive=primitive, shapes=shapes, line=line) + (
-            _views_hint(record) if primitive == "reshape" else ""))
+            _views_hint(record) if primitive == "reshape" else "") + (
+                errors.LOOPED_OVER_EXAMPLES if record.looped_over_examples
+                else ""))
   if record.paired_with_others is not None and not single:
     primitive, shapes, line = record.paired_with_others
     raise ValueError(errors.REORDERED_ROWS_MEET_DATA.format(

@@ -628,6 +628,12 @@ DATA_COUPLED = (
     "What to do: compute each example's loss from its own row only (a "
     "normalisation with fixed, data-independent statistics is fine).")
 
+LOOPED_OVER_EXAMPLES = (
+    "\nHere the examples are the steps of a loop (jax.lax.map, hk.map or a "
+    "scan over the batch, one example per step), which this check cannot "
+    "tell from a loop that mixes them: map over the examples with jax.vmap "
+    "(hk.vmap in Haiku code) instead, which is followed exactly.")
+
 BAD_EXAMPLE_AXES = (
     "gram_haiku: example_axes={got!r} does not match the batch: it needs one "
     "entry per positional batch argument ({n} given after rng), each an int "
