@@ -28,6 +28,7 @@ batching, ``jax.checkpoint`` policy) are the named values of
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Iterator
 
@@ -85,16 +86,59 @@ def _loss(out):
 
 
 def _probe(shape, x64=False):
-  return jnp.zeros(shape, jnp.float64 if x64 else jnp.float32)
+  # device_put of NumPy zeros: jnp.zeros outside jit compiles a program per
+  # shape.
+  return jax.device_put(np.zeros(shape, np.float64 if x64 else np.float32))
+
+
+#: How many problems and references :func:`_memoized` keeps (the oldest
+#: goes first): a check's inputs and reference are those of the other
+#: checks of the same op, dtypes and shape.
+MEMO_SIZE = 128
+_MEMO: collections.OrderedDict = collections.OrderedDict()
+
+
+def _memoized(kind: str, spec: OpSpec, args: tuple, make):
+  """``make()``, computed once per ``(kind, spec, args)`` and the JAX
+  settings it depends on (x64, the default device) among the last
+  :data:`MEMO_SIZE` ones.
+
+  The checks of one op share its random problem and its reference
+  per-example gradients: each is one program traced, lowered and
+  compiled, as many times as checks used them before. A spec that cannot
+  be hashed (a third party's callable object) is computed every time.
+  """
+  key = (kind, spec, args, bool(jax.config.jax_enable_x64),
+         str(jax.config.jax_default_device))
+  try:
+    hash(key)
+  except TypeError:
+    return make()
+  if key in _MEMO:
+    _MEMO.move_to_end(key)
+    return _MEMO[key]
+  value = _MEMO[key] = make()
+  while len(_MEMO) > MEMO_SIZE:
+    _MEMO.popitem(last=False)
+  return value
 
 
 def make_problem(spec: OpSpec, lead, param_dtype="float32",
                  x_dtype="float32", seed=0):
-  """Random parameters and input ``x: lead + feature shape``."""
-  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-  params = spec.make_params(k1, jnp.dtype(param_dtype))
-  x = spec.make_example(k2, tuple(lead), jnp.dtype(x_dtype))
-  return params, x
+  """Random parameters and input ``x: lead + feature shape``.
+
+  Drawn once per op, shape, dtypes and seed (:func:`_memoized`); each call
+  gets its own parameter containers holding the same (immutable) arrays.
+  """
+  def make():
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    params = spec.make_params(k1, jnp.dtype(param_dtype))
+    x = spec.make_example(k2, tuple(lead), jnp.dtype(x_dtype))
+    return params, x
+  params, x = _memoized(
+      "problem", spec, (tuple(lead), jnp.dtype(param_dtype).name,
+                        jnp.dtype(x_dtype).name, seed), make)
+  return jax.tree.map(lambda a: a, params), x
 
 
 def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
@@ -111,6 +155,26 @@ def per_example_grads(spec: OpSpec, params, x) -> np.ndarray:
 def reference_gram(spec: OpSpec, params, x) -> np.ndarray:
   """The truth: ``F @ F.T`` with ``F`` from :func:`per_example_grads`."""
   f = per_example_grads(spec, params, x)
+  return f @ f.T
+
+
+def problem_and_reference(spec: OpSpec, lead, param_dtype="float32",
+                          x_dtype="float32", seed=0):
+  """``(params, x, F)``: :func:`make_problem` and its reference
+  :func:`per_example_grads` (read-only), each computed once per op, shape,
+  dtypes and seed (:func:`_memoized`)."""
+  params, x = make_problem(spec, lead, param_dtype, x_dtype, seed)
+
+  def make():
+    f = per_example_grads(spec, params, x)
+    f.setflags(write=False)
+    return f
+  f = _memoized("reference", spec, (tuple(lead), jnp.dtype(param_dtype).name,
+                                    jnp.dtype(x_dtype).name, seed), make)
+  return params, x, f
+
+
+def _gram(f):
   return f @ f.T
 
 
@@ -172,14 +236,16 @@ def check_backward_parity(spec: OpSpec, case: str = "float32", seed=0):
       return _loss(spec.apply(params, probe, x))
     grad = jax.grad(loss, argnums=(0, 1, 2), allow_int=True)
     primals = (params, probe, x)
-    # Under jit (one compilation; the eager path is the vmap-depth family's
+    # Under jit, the cotangents and both forward outputs in one program
+    # (one compilation; the eager path is the vmap-depth family's
     # ``jit_none`` layouts): jit keeps dtypes and weak types as they are.
-    _assert_parity(jax.jit(grad)(params, probe, x), primals,
-                   f"{spec.name}/{case}")
-    _assert_parity(jax.eval_shape(grad, params, probe, x), primals,
+    # ``jax.eval_shape`` of the same function reuses its trace.
+    def run(p, probe, x):
+      return grad(p, probe, x), spec.apply(p, probe, x), spec.plain(p, x)
+    cts, out, plain = jax.jit(run)(params, probe, x)
+    _assert_parity(cts, primals, f"{spec.name}/{case}")
+    _assert_parity(jax.eval_shape(run, params, probe, x)[0], primals,
                    f"{spec.name}/{case} (eval_shape)")
-    out = jax.jit(spec.apply)(params, probe, x)
-    plain = jax.jit(spec.plain)(params, x)
     assert out.dtype == plain.dtype and out.shape == plain.shape, (
         f"{spec.name}/{case}: output {out.dtype}{out.shape} but the plain op "
         f"gives {plain.dtype}{plain.shape}")
@@ -208,9 +274,9 @@ def check_reference_equality(spec: OpSpec, case: str, vmapped, seed=0):
     x_dtype = "int32"
   x64 = case == "float64"
   with x64_if(x64):
-    params, x = make_problem(spec, (B,) + WITHIN[:1], param_dtype, x_dtype,
-                             seed)
-    ref = reference_gram(spec, params, x)
+    params, x, f = problem_and_reference(spec, (B,) + WITHIN[:1],
+                                         param_dtype, x_dtype, seed)
+    ref = _gram(f)
 
     def loss(probe, x):
       return _loss(batching(lambda xi: spec.apply(params, probe, xi))(x))
@@ -243,8 +309,8 @@ def check_vmap_depth_invariance(spec: OpSpec, in_axes=(), out_axes=(),
   """
   layout = variants.VmapLayout(tuple(in_axes), tuple(out_axes))
   jit = variants.JIT[jit] if isinstance(jit, str) else jit
-  params, x = make_problem(spec, (B,) + WITHIN, seed=seed)
-  ref = reference_gram(spec, params, x)
+  params, x, f = problem_and_reference(spec, (B,) + WITHIN, seed=seed)
+  ref = _gram(f)
   nlead = 1 + len(WITHIN)
   xs = jnp.transpose(x, layout.order(nlead) + list(range(nlead, x.ndim)))
 
@@ -276,8 +342,8 @@ def check_example_axis_selection(spec: OpSpec, case: str, seed=0):
   """
   if case not in EXAMPLE_AXIS_CASES:
     raise ValueError(f"unknown case {case!r}")
-  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
-  ref = reference_gram(spec, params, x)
+  params, x, f = problem_and_reference(spec, (B,) + WITHIN[:1], seed=seed)
+  ref = _gram(f)
   axis = {"named_outer": ExampleAxis.from_spec("batch"),
           "named_inner": ExampleAxis.from_spec("batch"),
           "leading": ExampleAxis.from_spec(0),
@@ -315,8 +381,8 @@ CHECKPOINT_POLICIES = {name: v.policy
 
 
 def _explicit_problem(spec, seed):
-  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
-  return params, x, reference_gram(spec, params, x)
+  params, x, f = problem_and_reference(spec, (B,) + WITHIN[:1], seed=seed)
+  return params, x, _gram(f)
 
 
 def check_checkpoint(spec: OpSpec, policy, vmapped, seed=0):
@@ -439,7 +505,8 @@ def check_with_refs(spec: OpSpec, seed=0):
   vjp.with_refs(param_refs, probe_ref)(jnp.ones((), jnp.float32))
   assert_close(probe_ref[...] - start, ref,
                what="Gram accumulated with with_refs")
-  plain_grads = jax.grad(lambda p: _loss(spec.plain(p, x)))(params)
+  plain_grads = jax.jit(jax.grad(lambda p, x: _loss(spec.plain(p, x))))(
+      params, x)
   for got, want in zip(jax.tree.leaves(param_refs),
                        jax.tree.leaves(plain_grads)):
     np.testing.assert_allclose(got[...], want, rtol=1e-4, atol=1e-5)
@@ -477,9 +544,10 @@ def check_has_aux(spec: OpSpec, seed=0):
   (value, aux), gram = jax.value_and_grad(loss, has_aux=True)(
       _probe((B, B)), x)
   assert_close(gram, ref, what="Gram with has_aux")
-  np.testing.assert_allclose(value, _loss(spec.plain(params, x)), rtol=1e-5)
-  chex.assert_trees_all_close(aux, spec.plain(params, x), rtol=1e-5,
-                              atol=1e-6)
+  plain, plain_loss = jax.jit(lambda params, x: (
+      spec.plain(params, x), _loss(spec.plain(params, x))))(params, x)
+  np.testing.assert_allclose(value, plain_loss, rtol=1e-5)
+  chex.assert_trees_all_close(aux, plain, rtol=1e-5, atol=1e-6)
   jitted = jax.jit(lambda probe, x: loss(probe, x)[0])
   assert_close(jax.grad(jitted)(_probe((B, B)), x), ref,
                what="Gram of grad(jit(loss))")
@@ -547,12 +615,11 @@ def check_frozen(spec: OpSpec, seed=0):
       :func:`op_param_indices`.
   """
   from gram_haiku import Plan  # pylint: disable=g-import-not-at-top
-  params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
+  params, x, f = problem_and_reference(spec, (B,) + WITHIN[:1], seed=seed)
   index = op_param_indices(spec, params, x)
   paths = jax.tree_util.tree_flatten_with_path(params)[0]
   keys = [jax.tree_util.keystr(k) for k, _ in paths]
   sizes = [int(np.size(v)) for _, v in paths]
-  f = per_example_grads(spec, params, x)
   starts = np.cumsum([0] + sizes)
   columns = {k: slice(starts[j], starts[j + 1]) for j, k in enumerate(keys)}
   # The op's per-example columns follow its parameter order.
@@ -569,28 +636,37 @@ def check_frozen(spec: OpSpec, seed=0):
   if len(index) == len(keys) > 1:
     cases.append(tuple(keys))
 
-  def run(plan, probe):
-    def loss(probe, x):
-      return _loss(spec.apply(params, probe, x, plan=plan))
-    try:
-      return np.asarray(jax.jit(jax.grad(loss))(probe, x), np.float64)
-    except TypeError as e:
-      if "unexpected keyword argument 'plan'" in str(e):
-        raise NotApplicable(f"{spec.name}: apply does not take plan= ({e})")
-      raise
+  # Every (frozen set, mode) pass in one program: one trace, lowering and
+  # compilation for the check, not one per pass.
+  modes = {"gram": (B, B), "norms": (B,), "per_example": (B, f.shape[1])}
+  runs = [(frozen, mode, Plan(mode=mode,
+                              frozen=tuple(sorted(index[k] for k in frozen))))
+          for frozen in cases for mode in modes]
+
+  def all_passes(probes, x):
+    def grad(plan, probe):
+      return jax.grad(lambda probe: _loss(spec.apply(params, probe, x,
+                                                     plan=plan)))(probe)
+    return [grad(plan, probe) for (_, _, plan), probe in zip(runs, probes)]
+  try:
+    got = jax.jit(all_passes)([_probe(modes[mode]) for _, mode, _ in runs], x)
+  except TypeError as e:
+    if "unexpected keyword argument 'plan'" in str(e):
+      raise NotApplicable(f"{spec.name}: apply does not take plan= ({e})")
+    raise
+  got = {(frozen, mode): np.asarray(g, np.float64)
+         for (frozen, mode, _), g in zip(runs, got)}
 
   for frozen in cases:
     live = [columns[k] for k in keys if k not in frozen]
     f_rest = (np.concatenate([f[:, c] for c in live], axis=1) if live
               else np.zeros((B, 0)))
     ref = f_rest @ f_rest.T
-    ids = tuple(sorted(index[k] for k in frozen))
     label = f"frozen {', '.join(frozen)}"
-    gram = run(Plan(mode="gram", frozen=ids), _probe((B, B)))
-    assert_close(gram, ref, what=f"Gram ({label})")
-    sq = run(Plan(mode="norms", frozen=ids), _probe((B,)))
-    assert_close(sq, np.diag(ref), what=f"squared norms ({label})")
-    per = run(Plan(mode="per_example", frozen=ids), _probe((B, f.shape[1])))
+    assert_close(got[frozen, "gram"], ref, what=f"Gram ({label})")
+    assert_close(got[frozen, "norms"], np.diag(ref),
+                 what=f"squared norms ({label})")
+    per = got[frozen, "per_example"]
     for k in frozen if op_columns else ():
       np.testing.assert_array_equal(
           per[:, op_columns[k]], 0.,
@@ -615,34 +691,38 @@ def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
   two positions), so the reference gradient is the exact one of the
   cotangents the op sees."""
   params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
-  if case == "cancelling":
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise NotApplicable("the op's input is not floating-point")
-    a = 1e3 * jnp.max(jnp.abs(x)) * jax.random.normal(
-        jax.random.PRNGKey(seed + 7), x.shape[2:], x.dtype)
-    x = x.at[0, 0].add(a).at[0, 1].add(-a)
+  if case == "cancelling" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise NotApplicable("the op's input is not floating-point")
   out = jax.eval_shape(lambda: spec.plain(params, x[0]))
-  v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
-                        jnp.float32)
-  v = v.at[0, 1].set(v[0, 0])
-  f = np.asarray(testing.per_example_grads(
-      lambda p, xi, vi: jnp.sum(spec.plain(p, xi).astype(jnp.float32) * vi),
-      params, x, v, upcast=True), np.float64)
-  true = np.sqrt(np.sum(f * f, axis=1))
   plan = gram_haiku.Plan.make(mode=mode, example_axis=0).replace(
       upper_bound=True)
-  width = f.shape[1] + 1
+  width = _num_params(params) + 1
   probe = _probe((B,) if mode == "norms" else (B, width))
 
-  def loss(probe):
-    out = spec.apply(params, probe, x, plan=plan)
-    return jnp.sum(out.astype(jnp.float32) * v)
-  got = jax.jit(jax.grad(loss))(probe)
-  if mode == "norms":
-    sq = np.asarray(got, np.float64)
-  else:
-    sq = np.asarray(testing.squared_norm_bounds(got[:, :-1], got[:, -1]),
-                    np.float64)
+  def run(probe, x):
+    """The inputs, the reference rows ``F`` and the op's squared norm
+    bounds, in one program."""
+    if case == "cancelling":
+      a = 1e3 * jnp.max(jnp.abs(x)) * jax.random.normal(
+          jax.random.PRNGKey(seed + 7), x.shape[2:], x.dtype)
+      x = x.at[0, 0].add(a).at[0, 1].add(-a)
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
+                          jnp.float32)
+    v = v.at[0, 1].set(v[0, 0])
+    f = testing.per_example_grads(
+        lambda p, xi, vi: jnp.sum(spec.plain(p, xi).astype(jnp.float32) * vi),
+        params, x, v, upcast=True)
+
+    def loss(probe):
+      out = spec.apply(params, probe, x, plan=plan)
+      return jnp.sum(out.astype(jnp.float32) * v)
+    got = jax.grad(loss)(probe)
+    if mode == "norms":
+      return f, got
+    return f, testing.squared_norm_bounds(got[:, :-1], got[:, -1])
+  f, sq = jax.jit(run)(probe, x)
+  f, sq = np.asarray(f, np.float64), np.asarray(sq, np.float64)
+  true = np.sqrt(np.sum(f * f, axis=1))
   low = np.flatnonzero(np.sqrt(np.maximum(sq, 0)) < true * (1 - 1e-9))
   if low.size:
     raise AssertionError(
