@@ -408,49 +408,85 @@ def test_every_collected_family_has_a_row(tmp_path):
     assert marks[0].args[0] == check.family, check
 
 
-def test_the_old_import_path_warns_and_is_the_same_suite():
-  code = (
-      "import warnings\n"
-      "with warnings.catch_warnings(record=True) as w:\n"
-      "  warnings.simplefilter('always')\n"
-      "  import conformance\n"
-      "  from conformance import checks, testing\n"
-      "  from conformance.examples import scaled_linear\n"
-      "import gram_haiku.conformance as new\n"
-      "from gram_haiku.conformance import checks as new_checks\n"
-      "assert checks is new_checks and checks.__spec__.name == "
-      "'gram_haiku.conformance.checks'\n"
-      "assert conformance.register is new.register\n"
-      "assert scaled_linear.SPEC.name == 'example_scaled_linear'\n"
-      "msgs = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
-      "assert len(msgs) == 1 and 'import gram_haiku.conformance' in msgs[0], "
-      "msgs\n"
-      # Then, in the same process, `python -m conformance --help`.
-      "import runpy, sys\n"
-      "sys.argv = ['conformance', '--help']\n"
-      "try:\n"
-      "  runpy.run_module('conformance', run_name='__main__', "
-      "alter_sys=True)\n"
-      "except SystemExit as e:\n"
-      "  print('exit', e.code)\n")
+# Two checks of what an import loads, each needing a fresh Python process:
+# they share one (a process that imports JAX costs about 2.5 CPU-s), the
+# public names' first, before anything has imported JAX.
+_PUBLIC_NAMES = (
+    "import sys, gram_haiku\n"
+    "assert 'jax' not in sys.modules and 'haiku' not in sys.modules\n"
+    "gram_haiku.track\n"
+    "assert 'jax' in sys.modules\n"
+    "assert all(hasattr(gram_haiku, n) for n in gram_haiku.__all__)\n")
+
+_OLD_IMPORT_PATH = (
+    "import warnings\n"
+    "with warnings.catch_warnings(record=True) as w:\n"
+    "  warnings.simplefilter('always')\n"
+    "  import conformance\n"
+    "  from conformance import checks, testing\n"
+    "  from conformance.examples import scaled_linear\n"
+    "import gram_haiku.conformance as new\n"
+    "from gram_haiku.conformance import checks as new_checks\n"
+    "assert checks is new_checks and checks.__spec__.name == "
+    "'gram_haiku.conformance.checks'\n"
+    "assert conformance.register is new.register\n"
+    "assert scaled_linear.SPEC.name == 'example_scaled_linear'\n"
+    "msgs = [str(x.message) for x in w if x.category is DeprecationWarning]\n"
+    "assert len(msgs) == 1 and 'import gram_haiku.conformance' in msgs[0], "
+    "msgs\n"
+    # Then, in the same process, `python -m conformance --help`.
+    "import runpy, sys\n"
+    "sys.argv = ['conformance', '--help']\n"
+    "try:\n"
+    "  runpy.run_module('conformance', run_name='__main__', "
+    "alter_sys=True)\n"
+    "except SystemExit as e:\n"
+    "  print('exit', e.code)\n")
+
+_PARTS = (("public_names", _PUBLIC_NAMES), ("old_import_path", _OLD_IMPORT_PATH))
+
+_RUN_PARTS = """
+import sys, traceback
+for name, code in PARTS:
+  for stream in (sys.stdout, sys.stderr):
+    print(f"=== part {name}", file=stream, flush=True)
+  try:
+    exec(compile(code, name, "exec"), {"__name__": "__" + name + "__"})
+  except BaseException:  # Reported by the part's own test.
+    traceback.print_exc()
+    print("=== failed", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def import_parts():
+  """``{part: (failed, stdout, stderr)}`` of :data:`_PARTS`, run in order
+  in one fresh Python process."""
+  code = f"PARTS = {_PARTS!r}\n{_RUN_PARTS}"
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
                         text=True, check=False, timeout=120)
   assert proc.returncode == 0, proc.stderr
-  assert "exit 0" in proc.stdout, proc.stdout + proc.stderr
-  assert "python -m gram_haiku.conformance instead" in proc.stderr
-  assert "--ops" in proc.stdout
+
+  def split(text):
+    chunks = text.split("=== part ")[1:]
+    return {c.split("\n", 1)[0]: c.split("\n", 1)[1] for c in chunks}
+  out, err = split(proc.stdout), split(proc.stderr)
+  return {name: ("=== failed" in err[name], out[name], err[name])
+          for name, _ in _PARTS}
 
 
-def test_gram_haiku_public_names_load_on_first_use():
+def test_the_old_import_path_warns_and_is_the_same_suite(import_parts):
+  failed, stdout, stderr = import_parts["old_import_path"]
+  assert not failed, stderr
+  assert "exit 0" in stdout, stdout + stderr
+  assert "python -m gram_haiku.conformance instead" in stderr
+  assert "--ops" in stdout
+
+
+def test_gram_haiku_public_names_load_on_first_use(import_parts):
   """``import gram_haiku`` (what the plugin's import starts with) imports no
   JAX; every name of ``__all__`` is one that loads on first use."""
   import gram_haiku  # pylint: disable=g-import-not-at-top
   assert set(gram_haiku.__all__) == set(gram_haiku._SOURCES)  # pylint: disable=protected-access
-  code = ("import sys, gram_haiku\n"
-          "assert 'jax' not in sys.modules and 'haiku' not in sys.modules\n"
-          "gram_haiku.track\n"
-          "assert 'jax' in sys.modules\n"
-          "assert all(hasattr(gram_haiku, n) for n in gram_haiku.__all__)\n")
-  proc = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                        text=True, check=False, timeout=120)
-  assert proc.returncode == 0, proc.stderr
+  failed, _, stderr = import_parts["public_names"]
+  assert not failed, stderr
