@@ -100,6 +100,8 @@ def check_random_model(model: RandomModel):
   def loss(probes, xs):
     g = layout(lambda xi: run(params, probes, xi, tracked=True))
     return checks._loss(g(xs))  # pylint: disable=protected-access
-  probes = [jnp.zeros((b, b)) for _ in model.ops]
-  grams = jax.grad(loss)(probes, xs)
+  probes = [checks._probe((b, b)) for _ in model.ops]  # pylint: disable=protected-access
+  # One program (eagerly, each primitive of the model's pass is a program of
+  # its own; the eager path is the vmap family's ``jit_none`` layouts).
+  grams = jax.jit(jax.grad(loss))(probes, xs)
   checks.assert_close(sum(grams), ref, what=f"total Gram of {model!r}")
