@@ -92,8 +92,9 @@ def _backward_products(op, x, g, params, wanted, cfg, weights):
   conformance suite: 22.1 -> 15.3 CPU-s cold with this). The op (hashed by
   its parameters, as JAX's own caches do) and the kernel configuration are
   static, so a repeated eager call with the same shapes reuses the
-  program. Inside a trace, or for an op or configuration that cannot be
-  hashed, it is the function itself.
+  program. Inside a trace, for an op or configuration that cannot be
+  hashed, or for a rule that reads its arrays' values in Python (it cannot
+  be traced), it is the function itself.
   """
   leaves = jax.tree.leaves((x, g, params, weights))
   if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
@@ -102,9 +103,19 @@ def _backward_products(op, x, g, params, wanted, cfg, weights):
     except TypeError:
       pass
     else:
-      return _jitted_backward_products(op, x, g, tuple(params),
-                                       tuple(wanted), cfg, weights)
+      try:
+        return _jitted_backward_products(op, x, g, tuple(params),
+                                         tuple(wanted), cfg, weights)
+      except _NEEDS_VALUES:
+        pass
   return modes.backward_products(op, x, g, params, wanted, cfg, weights)
+
+
+#: What tracing raises where a rule reads its arrays' values in Python.
+_NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
+                 jax.errors.TracerArrayConversionError,
+                 jax.errors.TracerBoolConversionError,
+                 jax.errors.TracerIntegerConversionError)
 
 
 class Adapter(hx.VJPHiPrimitive):
