@@ -115,3 +115,64 @@ def test_a_call_that_needs_values_runs_eagerly_as_before():
   traces.clear()
   fn(params, state, None, x, y, True)
   assert 0 < len(traces) < first  # Eager at once: no failed trace first.
+
+
+def _recording_products(monkeypatch):
+  """Records, for each call of ``modes.backward_products``, whether it ran
+  inside a trace (its input a tracer)."""
+  from gram_haiku._src.ops import adapter  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops import modes  # pylint: disable=g-import-not-at-top
+  calls, products = [], modes.backward_products
+
+  def recording(op, x, *args, **kwargs):
+    calls.append(isinstance(x, jax.core.Tracer))
+    return products(op, x, *args, **kwargs)
+  monkeypatch.setattr(modes, "backward_products", recording)
+  adapter._jitted_backward_products.clear_cache()  # pylint: disable=protected-access
+  return calls
+
+
+def test_an_eager_backward_of_a_bound_op_forms_its_products_in_one_program(
+    monkeypatch):
+  """``jax.grad`` outside ``jit`` through a Gram op: the probe's cotangent
+  is formed by one traced program (compiled once for two calls with the
+  same shapes), and equals the reference."""
+  calls = _recording_products(monkeypatch)
+  x = problems.normal(jax.random.PRNGKey(5), (5, 3, 4))
+  w = problems.normal(jax.random.PRNGKey(6), (4, 2))
+
+  def loss(probe, x):
+    return jnp.sum(jnp.tanh(gram_haiku.ops.gram_linear(x, w, None, probe)))
+  grams = [jax.grad(loss)(jnp.zeros((5, 5)), x) for _ in range(2)]
+  assert calls == [True], calls
+  ref = testing.reference_gram(
+      lambda w, xi: jnp.sum(jnp.tanh(xi @ w)), w, x)
+  for gram in grams:
+    testing.assert_gram_close(gram, ref)
+
+
+def test_an_eager_backward_whose_rule_reads_values_runs_op_by_op(
+    monkeypatch):
+  """A rule that reads its arrays' values in Python cannot be traced: its
+  eager backward falls back to running op by op, with the same Gram."""
+  calls = _recording_products(monkeypatch)
+
+  def reads_values(x, g, params, example_dim, cfg):
+    del params, cfg
+    assert float(jnp.abs(x).max()) >= 0.  # A concrete value, in Python.
+    x = jnp.moveaxis(x, example_dim, 0)
+    g = jnp.moveaxis(g, example_dim, 0)
+    per = jnp.einsum("btn,btm->bnm", x, g).reshape(x.shape[0], -1)
+    return per @ per.T
+  rule = gram_haiku.Rule(forward=lambda x, w: x @ w, param_names=("w",),
+                         gram=reads_values)
+  x = problems.normal(jax.random.PRNGKey(7), (3, 2, 4))
+  w = problems.normal(jax.random.PRNGKey(8), (4, 2))
+
+  def loss(probe):
+    return jnp.sum(jnp.tanh(gram_haiku.ops.bind(rule, x, (w,), probe,
+                                                name="reads")))
+  gram = jax.grad(loss)(jnp.zeros((3, 3)))
+  assert calls == [True, False], calls  # Tried traced, then op by op.
+  testing.assert_gram_close(gram, testing.reference_gram(
+      lambda w, xi: jnp.sum(jnp.tanh(xi @ w)), w, x))
