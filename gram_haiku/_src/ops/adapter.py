@@ -111,7 +111,8 @@ def _backward_products(op, x, g, params, wanted, cfg, weights):
   return modes.backward_products(op, x, g, params, wanted, cfg, weights)
 
 
-#: What tracing raises where a rule reads its arrays' values in Python.
+#: What tracing raises where a rule reads its arrays' values in Python (as
+#: in gram_haiku._src.core.one_program).
 _NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
                  jax.errors.TracerArrayConversionError,
                  jax.errors.TracerBoolConversionError,
