@@ -127,8 +127,9 @@ def _recording_products(monkeypatch):
   def recording(op, x, *args, **kwargs):
     calls.append(isinstance(x, jax.core.Tracer))
     return products(op, x, *args, **kwargs)
-  monkeypatch.setattr(modes, "backward_products", recording)
-  adapter._jitted_backward_products.clear_cache()  # pylint: disable=protected-access
+  # (Wrapped afresh: a cache of its own.)
+  monkeypatch.setattr(adapter, "_backward_products",
+                      one_program.compiled_when_eager(recording))
   return calls
 
 

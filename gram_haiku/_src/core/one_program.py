@@ -18,8 +18,10 @@ Python control flow on it (``if is_training:``) runs as eagerly. A call
 with a leaf that cannot be hashed runs eagerly, one primitive at a time,
 as before. A call that needs concrete values while it runs (NumPy on
 traced values, a Python ``if`` on an array: in a model, or in a
-``weight_fn`` that reads the Grams with NumPy) fails to trace; it then runs
-eagerly, as before, and so does every later call of that callable.
+``weight_fn`` that reads the Grams with NumPy, a rule that reads its
+arrays' values) fails to trace; it then runs eagerly, as before, and so
+does every later call with the same static values (the same op, for a Gram
+op's backward products).
 ``jax.disable_jit()`` runs it eagerly too.
 """
 
@@ -63,13 +65,12 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn(*args, **kwargs)
 
   jitted = jax.jit(run, static_argnums=(0, 1))
-  needs_values = []  # Set once a call needed concrete values.
+  needs_values = set()  # The static parts of calls that needed values.
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    if needs_values or any(isinstance(leaf, jax.core.Tracer)
-                           for leaf in leaves):
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
       return fn(*args, **kwargs)
     static, dynamic = [], []
     for i, leaf in enumerate(leaves):
@@ -79,13 +80,14 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         static.append((i, type(leaf), leaf))
     static = tuple(static)
     try:
-      hash((treedef, static))
-    except TypeError:
+      if (treedef, static) in needs_values:
+        return fn(*args, **kwargs)
+    except TypeError:  # (Unhashable.)
       return fn(*args, **kwargs)
     try:
       return jitted(treedef, static, *dynamic)
     except _NEEDS_VALUES:  # (Raised while tracing: nothing ran.)
-      needs_values.append(True)
+      needs_values.add((treedef, static))
     return fn(*args, **kwargs)
 
   return call

@@ -14,7 +14,6 @@ value by :func:`gram_haiku._src.ops.modes.backward_products`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional
 
 import jax
@@ -27,6 +26,7 @@ from gram_haiku._src.compute.plan import PROBE_NDIM
 from gram_haiku._src.compute.kernels import is_float
 from gram_haiku._src.compute.kernels import KernelConfig
 from gram_haiku._src.core import errors
+from gram_haiku._src.core import one_program
 from gram_haiku._src.ops import modes
 
 
@@ -77,46 +77,17 @@ class ProbeFacts:
   column_axes: tuple[str, ...]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _jitted_backward_products(op, x, g, params, wanted, cfg, weights):
-  return modes.backward_products(op, x, g, params, list(wanted), cfg, weights)
-
-
-def _backward_products(op, x, g, params, wanted, cfg, weights):
-  """:func:`modes.backward_products`, as one compiled program when the
-  backward pass runs eagerly (``jax.grad`` outside ``jit``: its arguments
-  are arrays, not tracers).
-
-  Eagerly, the rule's products would run one primitive at a time, each a
-  program traced, lowered and compiled on its own (the eager cases of the
-  conformance suite: 22.1 -> 15.3 CPU-s cold with this). The op (hashed by
-  its parameters, as JAX's own caches do) and the kernel configuration are
-  static, so a repeated eager call with the same shapes reuses the
-  program. Inside a trace, for an op or configuration that cannot be
-  hashed, or for a rule that reads its arrays' values in Python (it cannot
-  be traced), it is the function itself.
-  """
-  leaves = jax.tree.leaves((x, g, params, weights))
-  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-    try:
-      hash((op, cfg, tuple(wanted)))
-    except TypeError:
-      pass
-    else:
-      try:
-        return _jitted_backward_products(op, x, g, tuple(params),
-                                         tuple(wanted), cfg, weights)
-      except _NEEDS_VALUES:
-        pass
-  return modes.backward_products(op, x, g, params, wanted, cfg, weights)
-
-
-#: What tracing raises where a rule reads its arrays' values in Python (as
-#: in gram_haiku._src.core.one_program).
-_NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
-                 jax.errors.TracerArrayConversionError,
-                 jax.errors.TracerBoolConversionError,
-                 jax.errors.TracerIntegerConversionError)
+#: :func:`modes.backward_products`, as one compiled program when the
+#: backward pass runs eagerly (``jax.grad`` outside ``jit``: its arguments
+#: are arrays, not tracers), the op and kernel configuration static: op by
+#: op, each of the rule's products is a program traced, lowered and
+#: compiled on its own (the eager cases of the conformance suite: 22.1 ->
+#: 15.3 CPU-s cold with this). Inside a trace, for an op that cannot be
+#: hashed, or a rule that reads its arrays' values in Python, it is the
+#: function itself (:func:`gram_haiku._src.core.one_program.
+#: compiled_when_eager`).
+_backward_products = one_program.compiled_when_eager(
+    modes.backward_products)
 
 
 class Adapter(hx.VJPHiPrimitive):
