@@ -3,6 +3,8 @@
 clipping, a cross-example ``weight_fn``, padding masks, optax's DP
 aggregate, and the completeness errors that protect a privacy guarantee."""
 
+import functools
+
 import chex
 import haiku as hk
 import jax
@@ -41,11 +43,14 @@ def _zoo_problem(entry, style, seed):
   x = layer_zoo._draw(entry, lead, seed)  # pylint: disable=protected-access
   tracked = hk.transform_with_state(layer_zoo._tracked(fn, entry))  # pylint: disable=protected-access
   plain = hk.transform_with_state(lambda x: layer_zoo._tail(fn(x)))  # pylint: disable=protected-access
-  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
-  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
-  plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
-  f = np.asarray(per_example_grads(plain_loss, params, x), np.float64)
-  return tracked, params, state, x, f
+
+  def setup(key, x):  # One program: both inits and the reference.
+    params, state = tracked.init(key, x)
+    _, plain_state = plain.init(key, x)
+    plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
+    return params, state, per_example_grads(plain_loss, params, x)
+  params, state, f = jax.jit(setup)(jax.random.PRNGKey(1), x)
+  return tracked, params, state, x, np.asarray(f, np.float64)
 
 
 #: The default run: one entry per class of what a layer keeps and how it
@@ -92,6 +97,30 @@ def test_all_layer_clipping_matches_reference(name, style):
   assert clipped.sensitivity() == c_norm
 
 
+def _setup(f, plain_loss, seed, batch):
+  """``(params, state, F)``: ``f.init`` and the reference ``F`` (float64)
+  of ``plain_loss(params, *batch)``, in one program."""
+  def setup(key, *batch):
+    params, state = f.init(key, *batch)
+    return params, state, per_example_grads(plain_loss, params, *batch)
+  params, state, ref = jax.jit(setup)(jax.random.PRNGKey(seed), *batch)
+  return params, state, np.asarray(ref, np.float64)
+
+
+def _kept(make):
+  """``make(seed, ...)`` made once per process for each argument list (the
+  model, its parameters and its reference are the same each time); each
+  call gets its own copy of the reference ``F`` (a test may write to it)."""
+  made = functools.lru_cache(maxsize=None)(make)
+
+  @functools.wraps(make)
+  def get(*args, **kwargs):
+    f, params, state, batch, ref = made(*args, **kwargs)
+    return f, params, state, batch, ref.copy()
+  return get
+
+
+@_kept
 def _mlp(seed=0, b=6):
   x, y = problems.data(seed, (b, 5), 3)
 
@@ -99,13 +128,13 @@ def _mlp(seed=0, b=6):
     with gram_haiku.track():
       return problems.sq(hk.nets.MLP([7, 4, 3])(x), y)
   f = hk.transform_with_state(loss)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), x, y)
   plain = hk.transform(lambda x, y: problems.sq(hk.nets.MLP([7, 4, 3])(x), y))
-  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
-      p, None, x, y), params, x, y), np.float64)
+  params, state, ref = _setup(f, lambda p, x, y: plain.apply(p, None, x, y),
+                              seed, (x, y))
   return f, params, state, (x, y), ref
 
 
+@_kept
 def _lstm(seed=0, b=5, t=4):
   x, y = problems.data(seed, (b, t, 3), 2)
 
@@ -119,10 +148,9 @@ def _lstm(seed=0, b=5, t=4):
     with gram_haiku.track():
       return model(x, y)
   f = hk.transform_with_state(loss)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), x, y)
   plain = hk.transform(model)
-  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
-      p, None, x, y), params, x, y), np.float64)
+  params, state, ref = _setup(f, lambda p, x, y: plain.apply(p, None, x, y),
+                              seed, (x, y))
   return f, params, state, (x, y), ref
 
 
@@ -242,10 +270,9 @@ def test_by_size_counts_the_parameters_a_module_owns(model, frozen):
     with gram_haiku.track():
       return problems.sq(model(x), y)
   f = hk.transform_with_state(loss)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(2), x, y)
   plain = hk.transform(lambda x, y: problems.sq(model(x), y))
-  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
-      p, None, x, y), params, x, y), np.float64)
+  params, state, ref = _setup(f, lambda p, x, y: plain.apply(p, None, x, y),
+                              2, (x, y))
   groups = column_groups(params)
   # Freeze the bias of a module other than the head: a stacked one's is
   # [L, 5].
@@ -426,14 +453,13 @@ def test_per_layer_clip_norms_are_costed_without_reuse(monkeypatch):
     with gram_haiku.track():
       return model(x, y)
   f = hk.transform_with_state(loss)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  plain = hk.transform(model)
+  params, state, ref = _setup(f, lambda p, x, y: plain.apply(p, None, x, y),
+                              0, (x, y))
   grads, _ = jax.jit(gram_haiku.clipped_grad(f.apply, 0.5,
                                              clipping="per-layer"))(
                                                  params, state, None, x, y)
   assert chosen and all(c == ("norms", False, "ghost") for c in chosen)
-  plain = hk.transform(model)
-  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
-      p, None, x, y), params, x, y), np.float64)
   want = clip_reference(np.sqrt(np.sum(ref ** 2, axis=1)), 0.5) @ ref
   _assert_tree_close(grads, weighted_sum(want[None], [1.0], params), RTOL)
 
@@ -673,10 +699,14 @@ def test_module_in_both_branches_of_a_cond(take_first):
       return model(x, y, pred)
   pred = jnp.asarray(take_first)
   f = hk.transform_with_state(tracked)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y, pred)
   plain = hk.transform(model)
-  ref = np.asarray(per_example_grads(lambda p, x, y: plain.apply(
-      p, None, x, y, pred), params, x, y), np.float64)
+
+  def setup(key, x, y, pred):
+    params, state = f.init(key, x, y, pred)
+    return params, state, per_example_grads(lambda p, x, y: plain.apply(
+        p, None, x, y, pred), params, x, y)
+  params, state, ref = jax.jit(setup)(jax.random.PRNGKey(0), x, y, pred)
+  ref = np.asarray(ref, np.float64)
   c = np.linspace(0.2, 1.0, 5)
   r = reweight.run(f.apply, params, state, None, (x, y, pred), {},
                    fn_name="t", needs="norms", has_aux=False, axes=(),
