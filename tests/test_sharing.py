@@ -11,6 +11,9 @@ under one module name, refused) are rows of the interpreter's corpus
 ``jax.grad`` path, coverage, the layers' names).
 """
 
+import dataclasses
+from typing import Any
+
 import chex
 import haiku as hk
 import jax
@@ -22,6 +25,7 @@ import gram_haiku
 from gram_haiku._src.api import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku._src.core.reference import reference_gram
 from tests import interpreter_corpus as corpus
 from tests import problems
@@ -42,47 +46,69 @@ def _check(tracked_loss, plain_loss, x, y, jit=True, dtype="float32",
   """
   f = hk.transform_with_state(tracked_loss)
   g = hk.without_apply_rng(hk.transform(plain_loss))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  chex.assert_trees_all_equal_shapes(
-      params, jax.jit(g.init)(jax.random.PRNGKey(0), x, y))
+  # Both inits in one program.
+  (params, state), plain_params = jax.jit(lambda k, x, y: (
+      f.init(k, x, y), g.init(k, x, y)))(jax.random.PRNGKey(0), x, y)
+  chex.assert_trees_all_equal_shapes(params, plain_params)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   if jit:
     fn = jax.jit(fn)
   value, grads, grams = fn(params, state, None, x, y)
-  ref = reference_gram(g.apply, params, x, y)
+  plain = _plain(g.apply, params, x, y)
+  ref = plain.ref
   assert_gram_close(grams.total, ref, dtype)
-  np.testing.assert_allclose(value, jax.jit(g.apply)(params, x, y),
-                             rtol=1e-5)
-  chex.assert_trees_all_close(grads,
-                              jax.jit(jax.grad(g.apply))(params, x, y),
-                              rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(value, plain.value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, plain.grads, rtol=1e-5, atol=1e-6)
   assert grams.complete
-  _check_raw_path(f, g, params, state, x, y, ref, raw, dtype)
+  _check_raw_path(f, plain, params, state, x, y, raw, dtype)
   return grams
 
 
-def _check_raw_path(f, g, params, state, x, y, ref, raw, dtype):
+@dataclasses.dataclass
+class _Plain:
+  """The untracked model at the parameters: its loss, its gradient and the
+  reference Gram ``F @ F.T`` (float64)."""
+  value: Any
+  grads: Any
+  ref: np.ndarray
+
+
+def _plain(plain_loss, params, x, y) -> _Plain:
+  """The untracked ``plain_loss(params, x, y)``'s value, gradient and
+  per-example gradients ``F``, in one program (``F @ F.T`` as
+  :func:`reference_gram` forms it)."""
+  value, grads, flat = jax.jit(lambda p, x, y: (
+      *jax.value_and_grad(plain_loss)(p, x, y),
+      per_example_grads(plain_loss, p, x, y)))(params, x, y)
+  flat = np.asarray(flat, np.float64)
+  return _Plain(value, grads, flat @ flat.T)
+
+
+def _check_raw_path(f, plain, params, state, x, y, raw, dtype):
   state = gram_haiku.resize_probes(state, x.shape[0])
   rest, probes = gram_haiku_vgg.split_probes(state)
   def loss(params, probes):
     return f.apply(params, gram_haiku_vgg.merge_probes(rest, probes), None,
                    x, y)[0]
-  np.testing.assert_allclose(jax.jit(loss)(params, probes),
-                             jax.jit(g.apply)(params, x, y), rtol=1e-5)
-  chex.assert_trees_all_close(jax.jit(jax.grad(loss))(params, probes),
-                              jax.jit(jax.grad(g.apply))(params, x, y),
-                              rtol=1e-5, atol=1e-6)
-  probe_grad = jax.jit(jax.grad(loss, argnums=1))
+  # The forward pass (not differentiated) and the gradient in one program;
+  # where the raw path is exact, the probes' gradient too.
+  argnums = 0 if raw == "refused" else (0, 1)
+  value, grads = jax.jit(lambda p, pr: (loss(p, pr), jax.grad(
+      loss, argnums=argnums)(p, pr)))(params, probes)
+  if raw != "refused":
+    grads, dprobes = grads
+  np.testing.assert_allclose(value, plain.value, rtol=1e-5)
+  chex.assert_trees_all_close(grads, plain.grads, rtol=1e-5, atol=1e-6)
   if raw == "refused":
     # A shared module, or (for the getters) a new value of its parameters.
     with pytest.raises(ValueError,
                        match="more than once|loop body|a new value"):
-      probe_grad(params, probes)
+      jax.jit(jax.grad(loss, argnums=1))(params, probes)
   else:
-    dprobes = probe_grad(params, probes)
     b = x.shape[0]  # hk.layer_stack's probes are stacked: [L, B, B].
     assert_gram_close(sum(d.reshape(-1, b, b).sum(0)
-                          for d in jax.tree.leaves(dprobes)), ref, dtype)
+                          for d in jax.tree.leaves(dprobes)), plain.ref,
+                      dtype)
 
 
 def _tracked(body):
@@ -239,9 +265,9 @@ def test_unembed_inside_remat():
   params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids, y)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, ids, y)
-  ref = reference_gram(g.apply, params, ids, y)
-  assert_gram_close(grams.total, ref)
-  _check_raw_path(f, g, params, state, ids, y, ref, "refused", "float32")
+  plain = _plain(g.apply, params, ids, y)
+  assert_gram_close(grams.total, plain.ref)
+  _check_raw_path(f, plain, params, state, ids, y, "refused", "float32")
 
 
 @pytest.mark.parametrize("threaded", [True, False],
@@ -265,15 +291,14 @@ def test_lifted_transform_applied_twice(threaded):
 
   f = hk.transform_with_state(_tracked(body))
   g = hk.transform_with_state(body)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  _, plain_state = g.init(jax.random.PRNGKey(0), x, y)
+  (params, state), (_, plain_state) = jax.jit(lambda k, x, y: (
+      f.init(k, x, y), g.init(k, x, y)))(jax.random.PRNGKey(0), x, y)
   per_example = lambda p, x, y: g.apply(p, plain_state, None, x, y)[0]
   _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, y)
-  assert_gram_close(grams.total, reference_gram(per_example, params, x, y))
-  chex.assert_trees_all_close(
-      grads, jax.grad(lambda p: per_example(p, x, y))(params),
-      rtol=1e-5, atol=1e-6)
+  plain = _plain(per_example, params, x, y)
+  assert_gram_close(grams.total, plain.ref)
+  chex.assert_trees_all_close(grads, plain.grads, rtol=1e-5, atol=1e-6)
   assert grams.complete
   # The lift's outer names are covered by the inner module's rule.
   assert {k: c.rule for k, c in grams.coverage.items()} == {
@@ -305,7 +330,8 @@ def test_raw_path_two_calls_on_one_state_are_refused(jit):
     grad(state)
   # One call per state is the raw path's normal use: exact.
   g = hk.without_apply_rng(hk.transform(lambda x, y: _sq(model(x), y)))
-  probes = jax.grad(lambda s: _sq(f.apply(params, s, None, x)[0], y))(state)
+  probe_grad = jax.grad(lambda s: _sq(f.apply(params, s, None, x)[0], y))
+  probes = (jax.jit(probe_grad) if jit else probe_grad)(state)
   assert_gram_close(sum(p[gram_haiku.PROBE_NAME] for p in probes.values()),
                     reference_gram(g.apply, params, x, y))
 
