@@ -10,6 +10,8 @@ listed in ``coverage``), and ``clipped_grad`` refuses, naming them: never
 a silently partial clip.
 """
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -35,10 +37,19 @@ def _transformed(model, untracked="ignore"):
   return hk.transform_with_state(loss)
 
 
+@functools.lru_cache(maxsize=None)
+def _init(name):
+  """A zoo model's tracked transform and its jitted init, made once per
+  process: the tests that draw the model's parameters (with their own
+  seeds, the same shapes) share one traced and compiled init."""
+  f = _transformed(_BY_NAME[name])
+  return f, jax.jit(f.init)
+
+
 def _setup(model, seed=0):
-  f = _transformed(model)
+  f, init = _init(model.name)
   batch = tuple(jnp.asarray(a) for a in model.batch(seed))
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(seed), *batch)
+  params, state = init(jax.random.PRNGKey(seed), *batch)
   return f, params, state, batch
 
 
@@ -46,6 +57,7 @@ def _ids(models):
   return [m.name for m in models]
 
 
+_BY_NAME = {m.name: m for m in model_zoo.ZOO}
 COVERED = [m for m in model_zoo.ZOO if m.covered]
 UNTRACKED = [m for m in model_zoo.ZOO if m.untracked]
 REFUSED = [m for m in model_zoo.ZOO if m.refused]
@@ -97,14 +109,18 @@ def test_bare_parameters_are_covered_under_untracked_error(model):
   with jax.enable_x64(True):
     up = lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a
     batch = tuple(up(jnp.asarray(a)) for a in model.batch(2))
-    params, state = strict.init(jax.random.PRNGKey(2), *batch)
-    params = jax.tree.map(up, params)
+    plain = hk.transform(lambda *b: model.net(*b).sum())
+
+    def setup(key, *batch):  # One program: the init and the reference F.
+      params, state = strict.init(key, *batch)
+      params = jax.tree.map(up, params)
+      return params, state, reference.per_example_grads(
+          lambda p, *ex: plain.apply(p, None, *ex), params, *batch)
+    params, state, f = jax.jit(setup)(jax.random.PRNGKey(2), *batch)
+    f = np.asarray(f)
     _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(strict.apply))(
         params, state, None, *batch)
     assert grams.complete
-    plain = hk.transform(lambda *b: model.net(*b).sum())
-    f = np.asarray(reference.per_example_grads(
-        lambda p, *ex: plain.apply(p, None, *ex), params, *batch))
     reference.assert_gram_close(grams.total, f @ f.T, "float64")
     argnums = tuple(range(3, 3 + len(batch)))
     got = jax.jit(gram_haiku.clipped_grad(
