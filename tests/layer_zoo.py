@@ -29,8 +29,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import jmp
+import numpy as np
 
 import gram_haiku
+from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku._src.core.reference import reference_gram
 from gram_haiku._src.core.reference import relative_error as rel_err
 from tests import problems
@@ -234,17 +236,24 @@ def run(entry: Entry, style: str, seed=0, **track_kw):
   x = _draw(entry, lead, seed)
   tracked = hk.transform_with_state(_tracked(fn, entry, **track_kw))
   plain = hk.transform_with_state(lambda x: _tail(fn(x)))
-  params, state = jax.jit(tracked.init)(jax.random.PRNGKey(1), x)
-  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(1), x)
+  # Both inits in one program.
+  (params, state), (_, plain_state) = jax.jit(lambda k, x: (
+      tracked.init(k, x), plain.init(k, x)))(jax.random.PRNGKey(1), x)
   plain_loss = lambda p, x: plain.apply(p, plain_state, None, x)[0]
   vgg = gram_haiku.value_grad_and_gram(tracked.apply)
-  plain_vg = jax.value_and_grad(plain_loss)
-  if style != "eager":
-    vgg, plain_vg = jax.jit(vgg), jax.jit(plain_vg)
-  value, grads, grams = vgg(params, state, None, x)
-  ref = reference_gram(plain_loss, params, x)
-  plain_value, plain_grads = plain_vg(params, x)
-  return grams, ref, value, plain_value, grads, plain_grads
+  if style == "eager":
+    value, grads, grams = vgg(params, state, None, x)
+    ref = reference_gram(plain_loss, params, x)
+    plain_value, plain_grads = jax.value_and_grad(plain_loss)(params, x)
+    return grams, ref, value, plain_value, grads, plain_grads
+  value, grads, grams = jax.jit(vgg)(params, state, None, x)
+  # The untracked model's loss, gradient and per-example gradients ``F``
+  # in one program; the reference ``F @ F.T`` as reference_gram forms it.
+  plain_value, plain_grads, flat = jax.jit(lambda p, x: (
+      *jax.value_and_grad(plain_loss)(p, x),
+      per_example_grads(plain_loss, p, x)))(params, x)
+  flat = np.asarray(flat, np.float64)
+  return grams, flat @ flat.T, value, plain_value, grads, plain_grads
 
 
 def table(seed=0) -> str:

@@ -8,6 +8,8 @@ where the block-shaped products show in the program lowered for the CPU
 (other platforms keep the full products).
 """
 
+import functools
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -40,10 +42,11 @@ def _kernel(xi, di, xj, dj):
 def test_blocks_match_the_full_evaluation_and_are_symmetric(b, n_blocks):
   x = problems.normal(jax.random.PRNGKey(b), (b, 6))
   d = problems.normal(jax.random.PRNGKey(b + 100), (b, 2))
-  out = kernels.symmetric_blocks(_kernel, (x, d), n_blocks)
+  out, full = jax.jit(lambda x, d: (  # one program, not op by op
+      kernels.symmetric_blocks(_kernel, (x, d), n_blocks),
+      _kernel(x, d, x, d)))(x, d)
   assert out.shape == (b, b)
-  np.testing.assert_allclose(out, _kernel(x, d, x, d), rtol=1e-6,
-                             atol=1e-6)
+  np.testing.assert_allclose(out, full, rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(out, out.T)
 
 
@@ -73,7 +76,10 @@ def test_every_layer_from_blocks_matches_the_reference(name, monkeypatch):
     np.testing.assert_array_equal(g, np.asarray(g).T)
 
 
+@functools.lru_cache(maxsize=None)
 def _mlp_at_the_threshold(strategy, bias):
+  """The model, its parameters and its jitted ``value_grad_and_gram``,
+  made once per process (two tests use it)."""
   b = kernels.SYMMETRIC_MIN_ROWS + 3  # blocks of 257, 257, 256, 257
 
   def net(x):
@@ -85,7 +91,7 @@ def _mlp_at_the_threshold(strategy, bias):
       return net(x)
   f = hk.transform_with_state(loss)
   x = problems.normal(jax.random.PRNGKey(0), (b, 5))
-  params, state = f.init(jax.random.PRNGKey(1), x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x)
   vgg = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
   plain = hk.transform(net)
   return vgg, params, state, x, lambda p, x: plain.apply(p, None, x)
@@ -145,13 +151,17 @@ def _pair_kernels(seed):
   # int8 ids, ONE_HOT over 300 rows: iota wraps, so a key's weight is 1 or
   # 2; a few lookups dropped (key -1, weight 0), as out-of-range ids are.
   ids = problems.randint(k[2], (7, 5), -128, 128).astype(jnp.int8)
-  key, weight, _ = embed_op.lookup_keys(ids, 300, "ONE_HOT")
-  dropped = jax.random.bernoulli(k[4], 0.2, key.shape)
-  key = jnp.where(dropped, -1, key)
-  weight = jnp.where(dropped, 0, weight)
-  assert int(weight.max()) == 2 and int(weight.min()) == 0
   rows = problems.normal(k[3], (7, 5, 4))
-  rows = jnp.where((weight > 0)[..., None], rows, 0)
+
+  @jax.jit  # one program, not op by op
+  def embedded(ids, rows, k):
+    key, weight, _ = embed_op.lookup_keys(ids, 300, "ONE_HOT")
+    dropped = jax.random.bernoulli(k, 0.2, key.shape)
+    key = jnp.where(dropped, -1, key)
+    weight = jnp.where(dropped, 0, weight)
+    return key, weight, jnp.where((weight > 0)[..., None], rows, 0)
+  key, weight, rows = embedded(ids, rows, k[4])
+  assert int(weight.max()) == 2 and int(weight.min()) == 0
   return {
       "sequence": lambda cfg: kernels.ghost_gram(x, d, cfg),
       "embed_ghost": lambda cfg: embed_op.ghost_gram(key, weight, rows, cfg),
@@ -166,7 +176,8 @@ def test_pair_kernels_from_blocks_match_every_pair(budget, monkeypatch):
   cfg = kernels.KernelConfig(memory_budget_bytes=budget,
                              precision=jax.lax.Precision.HIGHEST)
   kernels_ = _pair_kernels(budget)
-  full = {n: np.asarray(f(cfg)) for n, f in kernels_.items()}
+  full = {n: np.asarray(jax.jit(lambda f=f: f(cfg))())
+          for n, f in kernels_.items()}
   monkeypatch.setattr(kernels, "SYMMETRIC_MIN_ROWS", 1)
   monkeypatch.setattr(kernels, "SYMMETRIC_BLOCKS", 3)
   for name, f in kernels_.items():
@@ -201,7 +212,7 @@ def test_sequence_models_from_blocks_match_the_reference(strategy,
     with gram_haiku.track(strategy=strategy, memory_budget_bytes=600):
       return _sequence_and_embedding_net(ids, x)
   f = hk.transform_with_state(loss)
-  params, state = f.init(jax.random.PRNGKey(2), ids, x)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(2), ids, x)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, ids, x)
   plain = hk.transform(_sequence_and_embedding_net)
@@ -225,7 +236,7 @@ def test_sequence_kernels_at_the_threshold_take_the_upper_blocks():
   f = hk.transform_with_state(loss)
   ids = jnp.zeros((b, t), jnp.int32)
   x = jnp.zeros((b, t, 5))
-  params, state = f.init(jax.random.PRNGKey(0), ids[:2], x[:2])
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), ids[:2], x[:2])
   vgg = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
   cpu = _product_shapes(vgg, "cpu", params, state, None, ids, x)
   tpu = _product_shapes(vgg, "tpu", params, state, None, ids, x)
