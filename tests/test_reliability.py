@@ -307,7 +307,7 @@ def test_masked_rows_with_huge_inputs_have_zero_gradient(mode, shape):
       return loss(x, y, v)
   f = hk.transform_with_state(tracked)
   g = hk.without_apply_rng(hk.transform(loss))
-  params, state = f.init(jax.random.PRNGKey(0), x, y, valid)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y, valid)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
                                                         x, y, valid)
   ref = reference_gram(g.apply, params, x, y, valid)
@@ -359,11 +359,11 @@ def test_complex_operands_are_refused_and_inference_still_works(name, use):
     with gram_haiku.track(mode="norms" if use == "norms" else "gram"):
       return jnp.sum(losses(x, y))
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   if name == "real_weights":
     params = jax.tree.map(jnp.real, params)
   plain = hk.transform_with_state(lambda x, y: jnp.sum(losses(x, y)))
-  _, plain_state = plain.init(jax.random.PRNGKey(0), x, y)
+  _, plain_state = jax.jit(plain.init)(jax.random.PRNGKey(0), x, y)
   # Inference and plain gradients of the tracked model are unaffected.
   loss = lambda p: f.apply(p, state, None, x, y)[0]
   plain_loss = lambda p: plain.apply(p, plain_state, None, x, y)[0]
@@ -544,11 +544,12 @@ def test_linearize_of_a_tracked_loss(jit):
 
 
 def _init_errors(body, x, y):
-  """The init error of ``body`` tracked and untracked: (tracked, plain)."""
+  """The init error of ``body`` tracked and untracked: (tracked, plain),
+  raised while tracing (traced only: nothing to compile or run)."""
   out = []
   for f in _transforms(body):
     with pytest.raises(Exception) as info:
-      f.init(jax.random.PRNGKey(0), x, y)
+      jax.eval_shape(f.init, jax.random.PRNGKey(0), x, y)
     out.append(info.value)
   return out
 
@@ -594,7 +595,7 @@ def _per_example_branches(select):
 def test_per_example_cond_under_hk_vmap_says_to_select():
   x, y = _data(17, (5, 3), 2)
   f, _ = _transforms(_per_example_branches(select=False))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match=r"(?s)hk.cond or hk.switch whose "
                      r"predicate.*jnp.where\(pred, a, b\)"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x, y)
@@ -605,7 +606,7 @@ def test_per_example_branches_by_select_are_exact(jit):
   x, y = _data(18, (5, 3), 2)
   assert 0 < int(jnp.sum(x[:, 0] > 0)) < 5, "both branches are taken"
   f, g = _transforms(_per_example_branches(select=True))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   _, grads, grams = (jax.jit(fn) if jit else fn)(params, state, None, x, y)
   assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
@@ -619,7 +620,7 @@ def test_a_jax_vmap_over_groups_with_mapped_state_gives_each_its_gram():
   # own Gram, as separate calls do.
   x, y = _data(19, (2, 4, 3), 2)  # two groups of four examples
   f, _ = _transforms(lambda x, y: _sq(hk.Linear(2)(x), y))
-  params, state = f.init(jax.random.PRNGKey(0), x[0], y[0])
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x[0], y[0])
   states = jax.tree.map(lambda a: jnp.stack([a, a]), state)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   _, _, grams = jax.vmap(lambda s, x, y: fn(params, s, None, x, y))(
@@ -642,7 +643,7 @@ def test_empty_batch_that_leaves_no_layer_says_so():
     picked = jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), labels]
     return -jnp.sum(picked)
   f, _ = _transforms(body)
-  params, state = f.init(jax.random.PRNGKey(0), tokens, labels)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), tokens, labels)
   with pytest.raises(ValueError,
                      match=r"(?s)batch is empty.*x.shape\[0\] == 0"):
     gram_haiku.value_grad_and_gram(f.apply)(params, state, None,
@@ -698,7 +699,7 @@ def test_an_untracked_module_named_like_a_tracked_one_is_not_its_layer(
   # fine-tuning). Now the program-level rules cover it, by name of rule.
   x, y = _data(1, (5, 6), 3)
   f = hk.transform_with_state(body)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
       params, state, None, x, y)
   assert grams.complete
@@ -727,7 +728,7 @@ def _inner_tracked(x):
 def _nested_transform(x, y):
   # Outer parameters fed to an inner tracked transform with its own state.
   inner = hk.transform_with_state(_inner_tracked)
-  _, inner_state = inner.init(jax.random.PRNGKey(0), x)
+  _, inner_state = jax.jit(inner.init)(jax.random.PRNGKey(0), x)
   w = hk.get_parameter("w", (x.shape[-1], 4), init=jnp.ones)
   b = hk.get_parameter("b", (4,), init=jnp.zeros)
   h, _ = inner.apply({"inner": {"w": w, "b": b}}, inner_state, None, x)
@@ -744,7 +745,7 @@ def test_probes_not_taken_from_the_differentiated_state_are_refused(how, jit):
   x, y = _data(2, (5, 6), 3)
   f = hk.transform_with_state(
       _nested_transform if how == "nested_transform" else _mlp_body)
-  params, state0 = f.init(jax.random.PRNGKey(0), x, y)
+  params, state0 = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   state0 = gram_haiku.resize_probes(state0, x.shape[0])
   apply = {
       "closed_over": lambda p, s, r, *a: f.apply(p, state0, r, *a),
@@ -818,7 +819,7 @@ def test_a_closed_over_input_moved_off_the_example_axis_is_refused(kind, jit):
   losses = _closed_over_losses(move, back)
   y = jax.random.normal(jax.random.PRNGKey(30), (4, 2))
   f = hk.transform_with_state(_track_all(lambda y: jnp.sum(losses(y))))
-  params, state = f.init(jax.random.PRNGKey(0), y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), y)
   fn = gram_haiku.value_grad_and_gram(f.apply)
   with pytest.raises(ValueError, match=error):
     (jax.jit(fn) if jit else fn)(params, state, None, y)
@@ -835,7 +836,7 @@ def test_a_closed_over_input_kept_on_the_example_axis_stays_exact():
   losses = _closed_over_losses(lambda h: h, lambda h: h)
   y = jax.random.normal(jax.random.PRNGKey(30), (4, 2))
   f = hk.transform_with_state(_track_all(lambda y: jnp.sum(losses(y))))
-  params, state = f.init(jax.random.PRNGKey(0), y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
       params, state, None, y)
   plain = hk.without_apply_rng(hk.transform(losses))
@@ -862,7 +863,7 @@ def test_noise_from_a_fixed_key_inside_the_loss_is_exact(noise):
     out = hk.Linear(3)(jnp.tanh(hk.Linear(4)(x + noise(x))))
     return 0.5 * jnp.sum((out - y) ** 2, axis=-1)
   f = hk.transform_with_state(_track_all(lambda x, y: jnp.sum(losses(x, y))))
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
       params, state, None, x, y)
   assert grams.complete

@@ -85,7 +85,7 @@ def _model():
 
 
 def _clipped(f, *batch, rng=None, **kw):
-  params, state = f.init(jax.random.PRNGKey(0), *batch)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch)
   return params, gram_haiku.clipped_grad(f.apply, C, **kw)(
       params, state, rng, *batch)
 
@@ -138,7 +138,7 @@ def test_tracers_of_an_enclosing_jit_are_refused(what):
       return jnp.sum((out - ys) ** 2)
     f = hk.transform_with_state(loss)
     arg = y if what == "inputs" else x
-    params, state = f.init(jax.random.PRNGKey(0), arg)
+    params, state = jax.jit(f.init)(jax.random.PRNGKey(0), arg)
     return gram_haiku.clipped_grad(f.apply, C)(params, state, None, arg)[0]
   with pytest.raises(ValueError, match=_CLOSED):
     step(x, y)
@@ -158,7 +158,7 @@ def test_the_models_own_state_is_not_closed_over_data():
     with gram_haiku.track():
       return body(x, y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   grads, _ = gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, y)
   plain = hk.transform_with_state(body)
   ema = {m: v for m, v in state.items() if "gram_probe" not in v}
@@ -198,7 +198,7 @@ def test_merged_tokens_are_refused_whatever_the_key(key, fn):
     with gram_haiku.track():
       return _batch_apply_dropout(x, y)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   transform = (gram_haiku.value_grad_and_gram(f.apply) if fn == "gram" else
                gram_haiku.clipped_grad(f.apply, C))
   with pytest.raises(ValueError, match="merges the examples"):
@@ -214,7 +214,7 @@ def test_merged_tokens_without_an_rng_are_refused():
       out = hk.BatchApply(hk.Linear(O, name="head"))(x)
     return jnp.sum((out - y) ** 2)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="merges the examples"):
     gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, y)
 
@@ -240,7 +240,7 @@ def test_any_key_with_any_batch_is_exact(key, b):
   flat = _jacobian_rows(lambda p: plain.apply(p, rng, x, y), params)
   _assert_clipped(grads, flat, params)
   # The Gram as well.
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(params, state, rng,
                                                         x, y)
   np.testing.assert_allclose(grams.total, flat @ flat.T, rtol=RTOL,
@@ -252,7 +252,7 @@ def test_without_apply_rng_the_first_argument_is_batch_data(axes):
   x, y = _data(18)
   f, plain = _model()
   f = hk.without_apply_rng(f)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   grads, _ = gram_haiku.clipped_grad(f.apply, C, example_axes=axes)(
       params, state, x, y)
   _assert_clipped(grads, _rows(plain.apply, params, x, y), params)
@@ -269,7 +269,7 @@ def test_no_one_batch_size_is_a_privacy_error():
       out = hk.BatchApply(hk.Linear(F, name="head"))(x)
     return jnp.sum(out * jnp.mean(memory, 0))
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, memory)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, memory)
   with pytest.raises(ValueError, match="batch size cannot be told"):
     gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, memory)
 
@@ -297,7 +297,7 @@ def test_a_time_major_input_under_a_named_vmap(fn):
                     split_rng=False)(x)
     return jnp.sum((out - y) ** 2)
   f = hk.transform_with_state(tracked)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
 
   def transform(**kw):
     return (gram_haiku.value_grad_and_gram(f.apply, **kw) if fn == "gram"
@@ -326,7 +326,7 @@ def test_a_weight_penalty_in_the_loss_says_what_to_do():
     return jnp.sum((out - y) ** 2) + lam * jnp.sum(lin.params_dict()[
         "head/w"] ** 2)
   f = hk.transform_with_state(with_penalty)
-  params, state = f.init(jax.random.PRNGKey(0), x, y)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
   with pytest.raises(ValueError, match="optimizer's weight decay"):
     gram_haiku.clipped_grad(f.apply, C)(params, state, None, x, y)
   # What it says to do: the penalty's gradient added outside.
