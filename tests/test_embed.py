@@ -55,8 +55,10 @@ def _plain_loss(style, depth=0):
   return loss
 
 
-def _op_gram(e, ids, y, style, b, depth=0, jit=None, **kw):
-  """The op's Gram with ``depth`` nested vmaps (0: explicitly batched)."""
+def _op_gram(e, ids, y, style, b, depth=0, jit="outside", **kw):
+  """The op's Gram with ``depth`` nested vmaps (0: explicitly batched);
+  ``jit``: the gradient under ``jax.jit`` (``"outside"``, one program),
+  around the op (``"inside"``), or None: eagerly, op by op."""
   def loss(probe):
     f = lambda i: gram_embed(i, e, probe, lookup_style=style,
                              precision=_HIGHEST, **kw)
@@ -147,13 +149,18 @@ def test_pair_blocking_same_result(budget):
   # Unblocked, row blocks (padded), and row-by-column blocks.
   _, ids, _ = _problem(10, lo=-3, hi=8)
   d = problems.normal(jax.random.PRNGKey(11), (5, 8, 3))
-  key, weight, _ = embed_op.lookup_keys(ids, 6, "ARRAY_INDEX")
-  d = jnp.where((weight > 0)[..., None], d, 0)
-  whole = [embed_op.ghost_gram(key, weight, d, kernels.LOCAL),
-           embed_op.segment_gram(key, weight, d, kernels.LOCAL)]
   cfg = kernels.KernelConfig(memory_budget_bytes=budget)
-  blocked = [embed_op.ghost_gram(key, weight, d, cfg),
-             embed_op.segment_gram(key, weight, d, cfg)]
+
+  @jax.jit  # one program, not op by op
+  def grams(ids, d):
+    key, weight, _ = embed_op.lookup_keys(ids, 6, "ARRAY_INDEX")
+    d = jnp.where((weight > 0)[..., None], d, 0)
+    whole = [embed_op.ghost_gram(key, weight, d, kernels.LOCAL),
+             embed_op.segment_gram(key, weight, d, kernels.LOCAL)]
+    blocked = [embed_op.ghost_gram(key, weight, d, cfg),
+               embed_op.segment_gram(key, weight, d, cfg)]
+    return whole, blocked
+  whole, blocked = grams(ids, d)
   for w, bl in zip(whole, blocked):
     np.testing.assert_allclose(bl, w, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(whole[0], whole[1], rtol=1e-5, atol=1e-5)
