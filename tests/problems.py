@@ -66,6 +66,17 @@ def data(seed, shape, out_dim):
   return normal(k1, shape), normal(k2, shape[:-1] + (out_dim,))
 
 
+def untracked(loss, params, *batch):
+  """``(value, grads, F)`` of the untracked ``loss(params, *batch)``: its
+  value, its gradient and its per-example gradients ``F`` (float64 numpy,
+  :func:`gram_haiku.testing.per_example_grads`), from one jitted program
+  (three otherwise). The reference Gram is ``F @ F.T``."""
+  value, grads, flat = jax.jit(lambda p, *b: (
+      *jax.value_and_grad(loss)(p, *b),
+      testing.per_example_grads(loss, p, *b)))(params, *batch)
+  return value, grads, np.asarray(flat, np.float64)
+
+
 @jax.custom_jvp
 def uncovered_matmul(a, b):
   """``a @ b`` as a function with a custom derivative (its own, exact): a

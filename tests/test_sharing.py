@@ -25,7 +25,6 @@ import gram_haiku
 from gram_haiku._src.api import value_grad_and_gram as gram_haiku_vgg
 from gram_haiku._src.core import errors
 from gram_haiku._src.core.reference import assert_gram_close
-from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku._src.core.reference import reference_gram
 from tests import interpreter_corpus as corpus
 from tests import problems
@@ -75,12 +74,8 @@ class _Plain:
 
 def _plain(plain_loss, params, x, y) -> _Plain:
   """The untracked ``plain_loss(params, x, y)``'s value, gradient and
-  per-example gradients ``F``, in one program (``F @ F.T`` as
-  :func:`reference_gram` forms it)."""
-  value, grads, flat = jax.jit(lambda p, x, y: (
-      *jax.value_and_grad(plain_loss)(p, x, y),
-      per_example_grads(plain_loss, p, x, y)))(params, x, y)
-  flat = np.asarray(flat, np.float64)
+  reference Gram, from one program (:func:`problems.untracked`)."""
+  value, grads, flat = problems.untracked(plain_loss, params, x, y)
   return _Plain(value, grads, flat @ flat.T)
 
 
