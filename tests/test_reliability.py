@@ -4,6 +4,7 @@ Each test draws random inputs and compares with the reference ``F @ F.T``
 (:mod:`gram_haiku._src.core.reference`), or checks the teaching error.
 """
 
+import functools
 import warnings
 
 import chex
@@ -35,6 +36,14 @@ def _transforms(body):
       return body(*a)
   return (hk.transform_with_state(tracked),
           hk.without_apply_rng(hk.transform(body)))
+
+
+@functools.lru_cache(maxsize=None)
+def _tracked_init(body):
+  """``body``'s tracked transform and its jitted init, made once per
+  process (for the tests that run one model in several ways)."""
+  f, _ = _transforms(body)
+  return f, jax.jit(f.init)
 
 
 # -- nested track() contexts ---------------------------------------------------
@@ -227,8 +236,8 @@ def _lstm_unrolled(x, y):
 def test_empty_batch_of_shared_modules_and_clipping(body, clipping):
   # Poisson sampling draws B = 0 now and then: zero gradients, empty Grams.
   x, y = _data(6, (4, 6), 3)
-  f, _ = _transforms(body)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  f, init = _tracked_init(body)
+  params, state = init(jax.random.PRNGKey(0), x, y)
   if clipping is None:
     _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
         params, state, None, x[:0], y[:0])
@@ -736,6 +745,34 @@ def _nested_transform(x, y):
     return _sq(hk.Linear(3, name="head")(h), y)
 
 
+@functools.lru_cache(maxsize=None)
+def _init_probed(body):
+  """``body``'s transform and jitted init, made once per process."""
+  f = hk.transform_with_state(body)
+  return f, jax.jit(f.init)
+
+
+def _probed(body, x, y):
+  """``(f, params, state)`` of ``body`` (its probes sized for ``x``)."""
+  f, init = _init_probed(body)
+  params, state = init(jax.random.PRNGKey(0), x, y)
+  return f, params, gram_haiku.resize_probes(state, x.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_exact(seed):
+  """``(grams, reference Gram)`` of ``_mlp_body`` given its own state, on
+  ``_data(seed, (5, 6), 3)``: computed once per process (the same for every
+  case that checks it)."""
+  x, y = _data(seed, (5, 6), 3)
+  f, params, state = _probed(_mlp_body, x, y)
+  _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
+      params, state, None, x, y)
+  g = hk.without_apply_rng(hk.transform(
+      lambda x, y: _sq(hk.Linear(3)(jnp.tanh(hk.Linear(5)(x))), y)))
+  return grams, reference_gram(g.apply, params, x, y)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("how", ["closed_over", "stop_gradient", "other_entry",
                                  "scaled", "nested_transform"])
@@ -743,10 +780,8 @@ def test_probes_not_taken_from_the_differentiated_state_are_refused(how, jit):
   # The Gram is the gradient of the probes in `state`: a layer reading any
   # other probe used to give a zero, partial or scaled Gram, complete=True.
   x, y = _data(2, (5, 6), 3)
-  f = hk.transform_with_state(
-      _nested_transform if how == "nested_transform" else _mlp_body)
-  params, state0 = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
-  state0 = gram_haiku.resize_probes(state0, x.shape[0])
+  f, params, state0 = _probed(
+      _nested_transform if how == "nested_transform" else _mlp_body, x, y)
   apply = {
       "closed_over": lambda p, s, r, *a: f.apply(p, state0, r, *a),
       "stop_gradient": lambda p, s, r, *a: f.apply(
@@ -762,11 +797,8 @@ def test_probes_not_taken_from_the_differentiated_state_are_refused(how, jit):
     with pytest.raises(ValueError, match="not the probe of the `state`"):
       (jax.jit(fn) if jit else fn)(params, state0, None, x, y)
   if how != "nested_transform":  # Given the state unchanged: exact.
-    _, _, grams = gram_haiku.value_grad_and_gram(f.apply)(
-        params, state0, None, x, y)
-    g = hk.without_apply_rng(hk.transform(
-        lambda x, y: _sq(hk.Linear(3)(jnp.tanh(hk.Linear(5)(x))), y)))
-    assert_gram_close(grams.total, reference_gram(g.apply, params, x, y))
+    grams, ref = _mlp_exact(2)
+    assert_gram_close(grams.total, ref)
 
 
 
