@@ -88,9 +88,13 @@ class Standardised:
   (:mod:`gram_haiku._src.passes.standardised`).
 
   Attributes:
-    fn: ``fn(*theta) -> [w_hat, s]``: the standardised kernel and its
-      scales ``[1, ..., 1, C]``, from the parameter leaves ``theta`` (the
-      pull-back's, in its order; the marked call's own program).
+    fn: ``fn(*theta, dtype=None) -> [w_hat, s]``: the standardised kernel
+      and its scales ``[1, ..., 1, C]``, from the parameter leaves
+      ``theta`` (the pull-back's, in its order; the marked call's own
+      program), or, with ``dtype``, the same standardisation evaluated in
+      ``dtype`` from the kernel and ``eps`` cast up (the closed form's
+      Jacobian at the kernel itself, not at a low-precision rounding of
+      its ``w_hat`` and ``s``).
     kernel: the parameter leaf standardised.
     others: the parameter leaf each present operand after the kernel is
       (a bias, read as it is), in order.
@@ -129,10 +133,13 @@ def _read_standardised(jaxpr, consts, app, chosen, inputs):
                             list(body.eqns))
   order = [jaxpr.invars[k] for k in inputs]
 
-  def fn(*theta):
+  def fn(*theta, dtype=None):
     env = dict(zip(order, theta))
     args = [v.val if isinstance(v, hx.Literal) else
             env[v] if v in env else consts[v] for v in eqn.invars]
+    if dtype is not None:  # (the program is _standardise's own, checked)
+      w, eps = args
+      return standardise.standardise_in(w, eps, dtype)
     return inner(*args)
   return Standardised(fn, position[eqn.invars[0]],
                       tuple(position[v] for v in operands[1:]))

@@ -37,6 +37,15 @@ _standardise.__qualname__ = MARKER
 _marked = jax.jit(_standardise)
 
 
+def standardise_in(w, eps, dtype):
+  """``(w_hat, s)`` of :func:`standardise_weight` evaluated in ``dtype``
+  (at least ``w``'s): ``w`` and ``eps`` cast up first, so that neither
+  ``w_hat`` nor ``s`` carries ``w``'s own (bfloat16) rounding."""
+  dtype = jnp.promote_types(dtype, jnp.result_type(w))
+  return _standardise(jnp.asarray(w).astype(dtype),
+                      jnp.asarray(eps).astype(dtype))
+
+
 def is_marked_program(body, avals) -> bool:
   """Whether ``body`` (the open jaxpr of a call named :data:`MARKER`, with
   inputs of ``avals``) is :func:`standardise_weight`'s own program, equation

@@ -91,10 +91,12 @@ def operands(op, pb, leaves: Sequence[Any]) -> list:
 
 
 def _scales(op, pb, leaves):
-  """``(w_hat, s)``: the standardised kernel and its ``[C]`` scales, in the
-  accumulation dtype."""
+  """``(w_hat, s)``: the standardised kernel and its ``[C]`` scales,
+  evaluated in the accumulation dtype from the kernel itself (not the
+  operand's rounding to a low-precision kernel dtype: a bfloat16 ``s``
+  is off by ``2^-9``, more than the bounds' slack)."""
   acc = op.accumulation_dtype()
-  w_hat, s = pb.closed.fn(*[leaves[k] for k in pb.leaves])
+  w_hat, s = pb.closed.fn(*[leaves[k] for k in pb.leaves], dtype=acc)
   return w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc)
 
 
