@@ -757,23 +757,31 @@ def test_a_frozen_kernel_leaves_a_bounded_bias(clipping):
   assert_sound_norms(bounds[1:], true[1:])  # The others do not cancel.
 
 
-@pytest.mark.parametrize("strategy", ["ghost", "auto"])
+@pytest.mark.parametrize("strategy,with_bias,offset,noise", [
+    ("ghost", False, 3.0, 1.0), ("auto", False, 3.0, 1.0),
+    ("ghost", True, 30.0, 0.01)], ids=["factors", "per-example",
+                                       "factors-exact-fallback"])
 def test_a_bfloat16_standardised_kernel_is_bounded_at_its_own_scales(
-    strategy):
+    strategy, with_bias, offset, noise):
   """A bfloat16 kernel through :func:`gram_haiku.standardise_weight`, on
-  inputs partly along ``span{1, w_hat_c}`` (the corrections large): the
-  closed form's Jacobian ``(1/s)(I - 1 1^T/n - w_hat w_hat^T/n)`` is taken
-  at the kernel itself (``w_hat`` and ``s`` evaluated in float32), not at
-  their bfloat16 roundings, which put ``1/s`` off by up to ``2^-9`` and
-  the clip norms (ghost factors and per-example rows alike) about 0.25%
-  below the float64 norms."""
+  inputs along ``span{1, w_hat_c}`` (offsets ``offset``, the rest
+  ``noise``: the corrections cancel most of the leading term). The closed
+  form's Jacobian ``(1/s)(I - 1 1^T/n - w_hat w_hat^T/n)`` is taken at the
+  kernel itself (``w_hat`` and ``s`` evaluated in float32), not at their
+  bfloat16 roundings, which put ``1/s`` off by up to ``2^-9`` and the clip
+  norms (ghost factors and per-example rows alike) about 0.25% below the
+  float64 norms. Where the closed-form bound is loose (the last case), the
+  exact fallback pulls the per-example gradients back in closed form too:
+  the getter's own VJP runs in bfloat16, and its rounding bound (``2^-9
+  |f_i|``) put the clip norms 60 to 1500 times above the truth."""
   rng = np.random.RandomState(0)
-  b, t, n, m = 6, 3, 16, 2
+  b, t, n = 6, 3, 16
+  m = 1 if with_bias else 2
 
   def body(x):
     with hk.custom_getter(lambda nxt, v, c: gram_haiku.standardise_weight(
         nxt(v)) if c.name == "w" else nxt(v)):
-      return hk.Linear(m, with_bias=False, name="layer")(x)
+      return hk.Linear(m, with_bias=with_bias, name="layer")(x)
 
   def loss_fn(x, v):
     with gram_haiku.track(strategy=strategy):
@@ -785,12 +793,10 @@ def test_a_bfloat16_standardised_kernel_is_bounded_at_its_own_scales(
   params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
   w_hat = np.asarray(gram_haiku.standardise_weight(
       params["layer"]["w"].astype(jnp.float32)))
-  # Inputs partly along span{1, w_hat_c}: the corrections cancel part of
-  # the leading term.
-  x = rng.normal(size=(b, t, 1)) * 3 + rng.normal(size=(b, t, n))
+  x = rng.normal(size=(b, t, 1)) * offset
   for k in range(m):
-    x = x + rng.normal(size=(b, t, 1)) * 3 * w_hat[:, k]
-  x = jnp.asarray(x, jnp.bfloat16)
+    x = x + rng.normal(size=(b, t, 1)) * offset * w_hat[:, k]
+  x = jnp.asarray(x + rng.normal(size=(b, t, n)) * noise, jnp.bfloat16)
   v = jnp.asarray(rng.normal(size=(b, t, m)), jnp.bfloat16)
   true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
   c = float(np.median(true))
@@ -798,6 +804,6 @@ def test_a_bfloat16_standardised_kernel_is_bounded_at_its_own_scales(
       params, state, None, x, v)
   norms = np.asarray(aux.grad_norms, np.float64)
   assert np.all(norms >= true), norms / true
-  assert np.all(norms <= 1.01 * true), norms / true
+  assert np.all(norms <= 1.1 * true), norms / true
   (weights,) = aux.weights.values()
   assert np.all(np.asarray(weights, np.float64) * true <= c * (1 + 1e-6))

@@ -35,9 +35,12 @@ quadratic form bounded term by term, Higham's ``gamma_n``), plus
 that bound is loose (above its estimate by more than
 :data:`~gram_haiku._src.compute.norm_bounds.LOOSE`: the corrections cancel
 the leading term), the kernel's per-example gradients are formed from the
-factors in small blocks and pulled back exactly (the generic pull-back and
-its bound, :mod:`gram_haiku._src.analysis.reparam`), at run time
-(:func:`gram_haiku._src.compute.kernels.run_if`).
+factors in small blocks and pulled back by the Jacobian in closed form,
+with its rounding bound (:func:`per_example_bound`; the getter's own VJP
+would round in the kernel's dtype, ``2^-9 |f_i|`` in bfloat16, swamping
+``|g_i|``), at run time (:func:`gram_haiku._src.compute.kernels.run_if`).
+``w_hat`` and ``s`` are evaluated in the accumulation dtype from the kernel
+itself (``Standardised.fn(..., dtype=)``), not taken from the operand.
 
 Supported layers (:data:`CHANNEL_LAST_RULES`): those whose output channel
 ``c`` is the output's last axis and reads only ``W[..., c]``: ``hk.Linear``
@@ -216,7 +219,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
     for k, t in zip(pb.leaves, theta):
       mine[k] = t
     return _exact(op, pb, x_, d_, params, mine, "norms", True, skip,
-                  None).astype(bound.dtype)
+                  None, closed=True).astype(bound.dtype)
   return kernels.run_if(jnp.any(loose), exact, bound, operands_)
 
 
@@ -279,10 +282,14 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
 
 
 def _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
-           row_split):
+           row_split, closed=False):
   """The generic path from the factors: the per-example gradients of the
   operands formed (in blocks of examples where only norms are wanted) and
-  pulled back exactly (:mod:`gram_haiku._src.analysis.reparam`)."""
+  pulled back exactly (:mod:`gram_haiku._src.analysis.reparam`), or, with
+  ``closed`` (norm bounds of a kernel that is not frozen), pulled back in
+  closed form (:func:`per_example_bound`: the Jacobian in the accumulation
+  dtype; the getter's own VJP runs in the kernel's dtype, and a bfloat16
+  kernel's rounding of ``|f_i|`` swamps ``|g_i|`` where they cancel)."""
   e = op.example_axis.resolved_position()
   pe = op.in_mode("per_example").with_plan(upper_bound=upper_bound)
   cfg = _cfg(op, upper_bound)
@@ -291,6 +298,9 @@ def _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
     f = modes.products(pe, xb, db, params, (), cfg)[0]
     if upper_bound:
       f, err = f[:, :-1], f[:, -1]
+      if closed:
+        return norm_bounds.of_rows(*per_example_bound(op, pb, f, leaves, err,
+                                                      skip))
       slack = reparam.per_example_error(op, pb, f, leaves, err, op.name)
       sq, p = reparam.sq_sums(op, pb, f, leaves, skip)
       return norm_bounds.of_sq_sums(sq, p, f.dtype, slack)
