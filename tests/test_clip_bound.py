@@ -807,3 +807,58 @@ def test_a_bfloat16_standardised_kernel_is_bounded_at_its_own_scales(
   assert np.all(norms <= 1.1 * true), norms / true
   (weights,) = aux.weights.values()
   assert np.all(np.asarray(weights, np.float64) * true <= c * (1 + 1e-6))
+
+
+def test_a_standardised_bound_keeps_its_corrections_lower_bound(
+    monkeypatch):
+  """The closed-form bound of a marked standardisation (``eps = 0``,
+  inputs nearly in ``span{1, w_hat}``, offsets up to ``10^3``) with the
+  layer's bound of ``|f(D')|^2`` replaced by the tightest one (float64,
+  rounded up to float32): its lead no longer hides the corrections'
+  rounding, so the bound stands on its lower bound of the corrections
+  alone. It stays above the float64 norms; the computed corrections in
+  its place (a mutation) fall below them, some nearly to zero."""
+  from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
+  bound = standardised._bound
+
+  def tight(x, big_d):
+    f = np.einsum("btn,btc->bnc", np.asarray(x, np.float64),
+                  np.asarray(big_d, np.float64))
+    return np.nextafter(np.sum(f * f, axis=(1, 2)).astype(np.float32),
+                        np.float32(np.inf))
+
+  def spy(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, *rest):
+    lead = jax.pure_callback(
+        tight, jax.ShapeDtypeStruct(lead.shape, lead.dtype), x, big_d)
+    return bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, *rest)
+  monkeypatch.setattr(standardised, "_bound", spy)
+
+  def body(x):
+    with hk.custom_getter(lambda nxt, v, c: gram_haiku.standardise_weight(
+        nxt(v)) if c.name == "w" else nxt(v)):
+      return hk.Linear(1, with_bias=False, name="l")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="ghost"):
+      return jnp.sum(body(x) * v)
+  b, t, n = 6, 1, 16
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), np.zeros((b, t, n),
+                                                         np.float32),
+                         np.zeros((b, t, 1), np.float32))
+  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9, full_aux=True))
+  for seed in (6, 7):
+    rng = np.random.RandomState(seed)
+    p = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
+        np.float32) * 0.1, params)  # pylint: disable=cell-var-from-loop
+    w_hat = np.asarray(gram_haiku.standardise_weight(p["l"]["w"]),
+                       np.float64)
+    for scale in (30.0, 100.0, 300.0, 1000.0):
+      x = (rng.normal(size=(b, t, 1)) * scale +
+           rng.normal(size=(b, t, 1)) * scale * w_hat[:, 0] +
+           rng.normal(size=(b, t, n))).astype(np.float32)
+      v = rng.normal(size=(b, t, 1)).astype(np.float32)
+      true = np.linalg.norm(_reference("linear", body, p, x, v), axis=1)
+      _, aux = step(p, state, None, x, v)
+      norms = np.asarray(aux.grad_norms, np.float64)
+      assert np.all(norms >= true), (seed, scale, norms / true)
