@@ -12,6 +12,8 @@ elsewhere are rows of the interpreter's corpus
 
 from __future__ import annotations
 
+import sys
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -84,6 +86,22 @@ def _forged(w, eps):
 
 _forged.__name__ = _forged.__qualname__ = "gram_haiku_standardise_weight"
 _forged = jax.jit(_forged)
+
+
+def _learned_eps(w):
+  """:func:`gram_haiku.standardise_weight` with a trainable ``eps``."""
+  eps = hk.get_parameter("eps", (), w.dtype,
+                         init=hk.initializers.Constant(0.5))
+  return gram_haiku.standardise_weight(w, eps)
+
+
+CASES_UNSAMPLED = {
+    # A learned eps (a parameter): no closed form, the generic pull-back
+    # (the closed form had no term for eps: a wrong Gram, a crash when
+    # clipping).
+    "marked-standardised-learned-eps": (_only("w", _learned_eps), "linear",
+                                        (3, 4)),
+}
 
 
 #: name -> (getter, layer, input shape). Custom derivatives count: an
@@ -480,3 +498,18 @@ def test_a_marked_standardisation_gives_exact_cross_grams():
   assert_gram_close(cross.total, fr @ hq.T)
   assert_gram_close(cross.sq_norms[:, None], np.sum(fr * fr, 1)[:, None])
   assert_gram_close(cross.query_summed[:, None], (fr @ hq.sum(0))[:, None])
+
+
+@pytest.mark.parametrize("name", sorted(CASES_UNSAMPLED))
+def test_a_standardisation_of_a_learned_eps_is_exact(name, monkeypatch):
+  """:func:`gram_haiku.standardise_weight` whose ``eps`` is a parameter:
+  its per-example gradient is part of the Gram and of the clip norms (the
+  closed form, which has no term for it, is not used)."""
+  monkeypatch.setattr(sys.modules[__name__], "CASES",
+                      {**CASES, **CASES_UNSAMPLED})
+  f, params, state, x, y, fr = _problem(name)
+  assert "eps" in params["target"], params
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, y)
+  assert_gram_close(grams.total, fr @ fr.T)
+  _assert_clips_as_reference(f, params, state, x, y, fr)

@@ -117,6 +117,9 @@ def _read_standardised(jaxpr, consts, app, chosen, inputs):
       or any(isinstance(v, hx.Literal) or v not in position
              for v in operands[1:])):
     return None
+  eps = eqn.invars[1] if len(eqn.invars) > 1 else None
+  if eps is not None and not isinstance(eps, hx.Literal) and eps not in consts:
+    return None  # A parameter (a learned eps): its gradient has no closed form.
   body, body_consts = hx.jit_body(eqn)
   if body_consts or not standardise.is_marked_program(
       body, [v.aval for v in eqn.invars]):
