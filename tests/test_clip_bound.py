@@ -349,6 +349,21 @@ def test_a_cancelling_example_through_a_getter_is_clipped(getter):
     assert_sound_norms(np.asarray(aux.grad_norms)[1:], true[1:])
 
 
+def _standardised_linear(strategy: str):
+  """``(f, body)``: ``body(x)``, a ``Linear(1)`` without bias whose kernel
+  is read through :func:`gram_haiku.standardise_weight` (a custom getter),
+  and ``f`` the transformed loss ``sum(body(x) * v)`` with ``body``
+  tracked with ``strategy``."""
+  def body(x):
+    with hk.custom_getter(lambda nxt, w, c: gram_haiku.standardise_weight(
+        nxt(w)) if c.name == "w" else nxt(w)):
+      return hk.Linear(1, with_bias=False, name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      return jnp.sum(body(x) * v)
+  return hk.transform_with_state(loss_fn), body
+
 @pytest.mark.parametrize("scale,falls_back,strategy", [
     (10.0, False, "ghost"), (1e3, True, "ghost"), (1e3, None, "auto")],
                          ids=["factors", "factors-exact-fallback",
@@ -377,18 +392,10 @@ def test_a_standardised_layer_whose_gradient_cancels_is_clipped(
     return value, loose
   monkeypatch.setattr(standardised, "_bound", spy)
 
-  def body(x):
-    with hk.custom_getter(lambda n, v, c: gram_haiku.standardise_weight(
-        n(v)) if c.name == "w" else n(v)):
-      return hk.Linear(1, with_bias=False, name="layer")(x)
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy=strategy):
-      return jnp.sum(body(x) * v)
   rng = np.random.RandomState(0)
   b, t, n = 6, 3, 16
   v = rng.normal(size=(b, t, 1)).astype(np.float32)
-  f = hk.transform_with_state(loss_fn)
+  f, body = _standardised_linear(strategy)
   params, state = f.init(jax.random.PRNGKey(1), np.zeros((b, t, n),
                                                          np.float32), v)
   w_hat = np.asarray(gram_haiku.standardise_weight(params["layer"]["w"]))
@@ -833,16 +840,8 @@ def test_a_standardised_bound_keeps_its_corrections_lower_bound(
     return bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, *rest)
   monkeypatch.setattr(standardised, "_bound", spy)
 
-  def body(x):
-    with hk.custom_getter(lambda nxt, v, c: gram_haiku.standardise_weight(
-        nxt(v)) if c.name == "w" else nxt(v)):
-      return hk.Linear(1, with_bias=False, name="l")(x)
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy="ghost"):
-      return jnp.sum(body(x) * v)
   b, t, n = 6, 1, 16
-  f = hk.transform_with_state(loss_fn)
+  f, body = _standardised_linear("ghost")
   params, state = f.init(jax.random.PRNGKey(0), np.zeros((b, t, n),
                                                          np.float32),
                          np.zeros((b, t, 1), np.float32))
@@ -851,7 +850,7 @@ def test_a_standardised_bound_keeps_its_corrections_lower_bound(
     rng = np.random.RandomState(seed)
     p = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
         np.float32) * 0.1, params)  # pylint: disable=cell-var-from-loop
-    w_hat = np.asarray(gram_haiku.standardise_weight(p["l"]["w"]),
+    w_hat = np.asarray(gram_haiku.standardise_weight(p["layer"]["w"]),
                        np.float64)
     for scale in (30.0, 100.0, 300.0, 1000.0):
       x = (rng.normal(size=(b, t, 1)) * scale +
