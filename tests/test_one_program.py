@@ -177,3 +177,23 @@ def test_an_eager_backward_whose_rule_reads_values_runs_op_by_op(
   assert calls == [True, False], calls  # Tried traced, then op by op.
   testing.assert_gram_close(gram, testing.reference_gram(
       lambda w, xi: jnp.sum(jnp.tanh(xi @ w)), w, x))
+
+
+def test_non_array_outputs_come_back_as_they_are():
+  """An aux with a string and a Python number (what an eager call returned
+  before) comes back as it is, not refused as an output of jit nor turned
+  into an array; a typed PRNG key is an array input like any other."""
+  def loss(x):
+    with gram_haiku.track():
+      out = hk.Linear(2)(jax.random.normal(hk.next_rng_key(), x.shape) + x)
+    return jnp.sum(out ** 2), {"tag": "run1", "step": 3, "n": out.shape[0]}
+  f = hk.transform_with_state(loss)
+  x = jnp.ones((4, 3))
+  key = jax.random.key(0)
+  params, state = f.init(key, x)
+  fn = gram_haiku.value_grad_and_gram(f.apply, has_aux=True)
+  for _ in range(2):  # (traced, then from the compiled program)
+    (value, aux), _, grams = fn(params, state, key, x)
+    assert aux == {"tag": "run1", "step": 3, "n": 4}
+    assert all(type(aux[k]) is int for k in ("step", "n"))
+    assert grams.total.shape == (4, 4) and np.isfinite(float(value))

@@ -16,7 +16,9 @@ and scalars) are the program's inputs; every other leaf (a Python bool,
 int, float or string, a callable) is a static argument, so that a model's
 Python control flow on it (``if is_training:``) runs as eagerly. A call
 with a leaf that cannot be hashed runs eagerly, one primitive at a time,
-as before. A call that needs concrete values while it runs (NumPy on
+as before. Outputs that are not traced values (a string or a Python
+number in an aux) come back as they are, as eagerly, not as arrays. A
+call that needs concrete values while it runs (NumPy on
 traced values, a Python ``if`` on an array: in a model, or in a
 ``weight_fn`` that reads the Grams with NumPy, a rule that reads its
 arrays' values) fails to trace; it then runs eagerly, as before, and so
@@ -43,6 +45,14 @@ _NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
                  jax.errors.TracerIntegerConversionError)
 
 
+def _signature(arrays) -> tuple:
+  """The shapes and (canonical) dtypes of a call's array inputs, concrete
+  or traced alike: what, with the static part, decides the output's
+  structure."""
+  return tuple((tuple(np.shape(a)), str(jax.dtypes.canonicalize_dtype(
+      a.dtype, allow_extended_dtype=True))) for a in arrays)
+
+
 def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
   """``fn``, run as one jitted program when called with concrete arguments.
 
@@ -56,13 +66,30 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     values reuse one compiled program.
   """
 
+  # Per call signature (static part, inputs' shapes and dtypes): the
+  # output's structure and its leaves that are not traced values (a string
+  # or a Python number in an aux), which come back as they are, not as
+  # arrays: jit returns arrays only.
+  outputs = {}
+
   def run(treedef, static, *dynamic):
+    key = (treedef, static, _signature(dynamic))
     leaves, dynamic = [], iter(dynamic)
     static = dict((i, v) for i, _, v in static)
     for i in range(treedef.num_leaves):
       leaves.append(static[i] if i in static else next(dynamic))
     args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-    return fn(*args, **kwargs)
+    out, out_tree = jax.tree_util.tree_flatten(fn(*args, **kwargs))
+    traced = [isinstance(leaf, jax.core.Tracer) for leaf in out]
+    outputs[key] = (out_tree, tuple(None if t else leaf
+                                    for leaf, t in zip(out, traced)))
+    return [leaf for leaf, t in zip(out, traced) if t]
+
+  def rebuild(key, arrays):
+    out_tree, kept = outputs[key]
+    arrays = iter(arrays)
+    return jax.tree_util.tree_unflatten(
+        out_tree, [next(arrays) if leaf is None else leaf for leaf in kept])
 
   jitted = jax.jit(run, static_argnums=(0, 1))
   needs_values = set()  # The static parts of calls that needed values.
@@ -85,9 +112,10 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     except TypeError:  # (Unhashable.)
       return fn(*args, **kwargs)
     try:
-      return jitted(treedef, static, *dynamic)
+      arrays = jitted(treedef, static, *dynamic)
     except _NEEDS_VALUES:  # (Raised while tracing: nothing ran.)
       needs_values.add((treedef, static))
-    return fn(*args, **kwargs)
+      return fn(*args, **kwargs)
+    return rebuild((treedef, static, _signature(dynamic)), arrays)
 
   return call
