@@ -74,9 +74,10 @@ def standardise_weight(w: jax.Array, eps: float = 0.0) -> jax.Array:
     w: ``[..., C_in, C_out]`` kernel (``hk.Linear``'s ``[N, M]``,
       ``hk.ConvND``'s ``[*kernel, C_in, C_out]``), float. The mean and the
       variance are over every axis but the last (the fan-in ``n``).
-    eps: ``>= 0``, added to the variance. A number (or a constant); an
-      ``eps`` that is a parameter or computed from the batch takes the
-      generic pull-back (exact, with ``B x P`` per-example gradients).
+    eps: ``>= 0``, added to the variance: a number (or a constant). A
+      learned ``eps`` (a parameter) is not read in closed form: the layer
+      takes the generic pull-back (exact, with ``B x P`` per-example
+      gradients).
 
   Returns:
     The standardised kernel, ``w``'s shape and dtype.
