@@ -304,16 +304,15 @@ def _standardised_store(t: TracedLoss, m: str, objective: Objective,
     return False
   found, p = t.found, t.probes[m]
   op = found.ops[m]
+  exact = op.factors_exact(found.probe_dtypes.get(m, p.dtype))
   return (found.applications.get(m, 1) == 1 and
           p.ndim == _init_ndim(p, found, m) and
           m not in found.example_specs and m not in ambiguous and
-          not t.axes and not objective.blocks and
+          not t.axes and not objective.blocks and exact and
           op.plan.strategy != "materialize" and
           (op.plan.strategy == "ghost" or cost_model.bookkeeping_method(
-              op.num_params(), factors_lib.factor_width(op),
-              op.factors_exact(found.probe_dtypes.get(m, p.dtype)))
-           == "factors") and
-          op.factors_exact(found.probe_dtypes.get(m, p.dtype)))
+              op.num_params(), factors_lib.factor_width(op), exact)
+           == "factors"))
 
 
 def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,

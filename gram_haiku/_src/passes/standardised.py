@@ -63,9 +63,13 @@ from gram_haiku._src.compute.kernels import KernelConfig
 from gram_haiku._src.ops import modes
 
 
+def _spec(rule):
+  """A conv rule's spec (its forward's ``spec`` keyword); None for others."""
+  return getattr(rule.forward, "keywords", {}).get("spec")
+
+
 def _conv_channels_last(rule) -> bool:
-  fn = rule.forward
-  spec = getattr(fn, "keywords", {}).get("spec")
+  spec = _spec(rule)
   return (spec is not None and spec.channels_last and not spec.transpose)
 
 
@@ -103,6 +107,22 @@ def _scales(op, pb, leaves):
   return w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc)
 
 
+def _q_sigma(w_hat):
+  """``([C] q, [C] sigma)``: ``|w_hat_c|^2 / n`` and ``1 . w_hat_c``."""
+  wh = w_hat.reshape(-1, w_hat.shape[-1])
+  return jnp.sum(jnp.square(wh), axis=0) / wh.shape[0], jnp.sum(wh, axis=0)
+
+
+def _pulled_back(rows, w_hat, s):
+  """``J^T f`` for rows ``[..., n, C]`` of kernel gradients: per channel
+  ``(f - (1.f / n) 1 - (w_hat.f / n) w_hat) / s``."""
+  n = rows.shape[-2]
+  wh = w_hat.reshape(n, -1)
+  a = jnp.sum(rows, axis=-2, keepdims=True) / n
+  b = jnp.sum(rows * wh, axis=-2, keepdims=True) / n
+  return (rows - a - b * wh) / s
+
+
 def _channel_sums(op, x, d, y) -> jax.Array:
   """``[B, C]``: ``sum_t d_itc y_itc`` (``y`` a layer output at ``x``)."""
   e = op.example_axis.resolved_position()
@@ -113,7 +133,7 @@ def _channel_sums(op, x, d, y) -> jax.Array:
 
 def _groups(op) -> int:
   """Feature groups of the op (1 for a linear layer)."""
-  spec = getattr(op.rule.forward, "keywords", {}).get("spec")
+  spec = _spec(op.rule)
   return 1 if spec is None else spec.feature_group_count
 
 
@@ -133,6 +153,11 @@ def _by_position(op, d) -> jax.Array:
   e = op.example_axis.resolved_position()
   m = jnp.moveaxis(d, e, 0)
   return m.reshape(m.shape[0], -1, m.shape[-1])
+
+
+def _bias_rows(op, d) -> jax.Array:
+  """``[B, C]``: the bias's per-example gradients ``e_i = sum_t d_it``."""
+  return jnp.sum(_by_position(op, d), axis=1)
 
 
 def _bias_present(op, skip_bias: bool) -> bool:
@@ -178,8 +203,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   y_out = op.rule.forward(x_acc, w_hat, None)
   a = _channel_sums(op, x_acc, big_d, ones_out)
   b = _channel_sums(op, x_acc, big_d, y_out)
-  q = jnp.sum(jnp.square(w_hat).reshape(n, -1), axis=0) / n
-  sigma = jnp.sum(w_hat.reshape(n, -1), axis=0)
+  q, sigma = _q_sigma(w_hat)
   with_bias = _bias_present(op, skip_bias)
   kernel_op = _kernel_only(op)
   if want == "gram":
@@ -195,7 +219,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
             jnp.einsum("ic,jc->ij", b[rows], a[cols] * (r / n)))
     value = value - corr.astype(value.dtype)
     if with_bias:
-      e = jnp.sum(_by_position(op, dd), axis=1)
+      e = _bias_rows(op, dd)
       value = value + (e[rows] @ e[cols].T).astype(value.dtype)
     return value
   quad = (jnp.square(a) + (2 - q) * jnp.square(b) -
@@ -205,7 +229,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
                            _cfg(op, False), reuse=False)[0]
     value = value - jnp.sum(quad, axis=1).astype(value.dtype)
     if with_bias:
-      value = value + jnp.sum(jnp.square(jnp.sum(_by_position(op, dd), axis=1)),
+      value = value + jnp.sum(jnp.square(_bias_rows(op, dd)),
                               axis=1).astype(value.dtype)
     return value
   lead = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
@@ -272,7 +296,7 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   # (the layer's slack is its kernel's, below LOOSE of |f(D')|^2 there).
   estimate = jnp.maximum(lead - c_hat, 0)
   if with_bias:
-    e = jnp.sum(_by_position(op, dd), axis=1)
+    e = _bias_rows(op, dd)
     e_err = g_t * norm_bounds.row_norms(sums(jnp.abs(dd)))
     bias = jnp.square(norm_bounds.row_norms(e) * up + e_err) * up
     value = value + bias * up
@@ -327,10 +351,8 @@ def pull_back_sum(op, pb, cts: dict, leaves: Sequence[Any]) -> dict:
   out = {}
   if 0 in cts:
     f = cts[0].astype(w_hat.dtype)
-    n = math.prod(w_hat.shape[:-1])
-    a = jnp.sum(f.reshape(n, -1), axis=0) / n
-    b = jnp.sum((f * w_hat).reshape(n, -1), axis=0) / n
-    out[pb.closed.kernel] = (f - a - b * w_hat) / s
+    out[pb.closed.kernel] = _pulled_back(
+        f.reshape(-1, f.shape[-1]), w_hat, s).reshape(f.shape)
   present = [k for k, a in enumerate(op.param_avals) if a is not None]
   for k, leaf in zip(present[1:], pb.closed.others):
     if k in cts:
@@ -347,19 +369,17 @@ def _kernel_rows(op, f):
   return f[:, :size].reshape(f.shape[0], n, shape[-1]), f[:, size:]
 
 
-def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset()):
+def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset(),
+                scales=None):
   """``[B, P_theta]``: the per-example gradients of the leaves
   ``pb.leaves`` (in that order, flattened; those in ``skip`` zero) from
   the op's ``f: [B, P']``, pulled back in closed form (the kernel's
   ``J^T f_i``, vectorised; the bias as it is), the layout of
-  :func:`gram_haiku._src.analysis.reparam.per_example`."""
-  w_hat, s = _scales(op, pb, leaves)
+  :func:`gram_haiku._src.analysis.reparam.per_example`. ``scales``:
+  :func:`_scales`' ``(w_hat, s)`` where the caller has them."""
+  w_hat, s = scales or _scales(op, pb, leaves)
   rows, rest = _kernel_rows(op, f.astype(w_hat.dtype))
-  n = rows.shape[1]
-  wh = w_hat.reshape(n, -1)
-  a = jnp.sum(rows, axis=1, keepdims=True) / n
-  b = jnp.sum(rows * wh, axis=1, keepdims=True) / n
-  g = ((rows - a - b * wh) / s).reshape(f.shape[0], -1)
+  g = _pulled_back(rows, w_hat, s).reshape(f.shape[0], -1)
   cols = {pb.closed.kernel: g}
   start = 0
   for leaf in pb.closed.others:
@@ -381,13 +401,13 @@ def per_example_bound(op, pb, f, leaves: Sequence[Any], err,
   q_c)) |f_ic| / s_c`` (its sums ``a``, ``b`` are ``n``-term dot products,
   ``|a_c| <= sqrt(n) |f_c|``, ``|b_c| <= |w_hat_c| |f_c|``, ``|w_hat_c|^2
   = n q_c``), so ``e_i = L err_i + kappa |f_i|``."""
-  g = per_example(op, pb, f, leaves, skip)
   w_hat, s = _scales(op, pb, leaves)
+  g = per_example(op, pb, f, leaves, skip, scales=(w_hat, s))
   acc = w_hat.dtype
   n = math.prod(w_hat.shape[:-1])
   g_n = norm_bounds.dot_error(n, acc, lax.Precision.HIGHEST)
   g_4 = norm_bounds.dot_error(4, acc, lax.Precision.HIGHEST)
-  q = jnp.sum(jnp.square(w_hat).reshape(n, -1), axis=0) / n
+  q, _ = _q_sigma(w_hat)
   up = 1 + 4 * norm_bounds.dot_error(n + 8, acc, lax.Precision.HIGHEST)
   q_up = q * (1 + g_n) * up
   lip = jnp.max(jnp.maximum(1, q_up) / s) * up
