@@ -314,11 +314,18 @@ def test_a_clipped_update_from_per_example_stores_is_exact_in_float64():
                                 rtol=1e-10, atol=1e-13)
 
 
-def test_query_flag_errors():
+def _flagged_setup():
+  """``(t, params, state, x, y)``: :func:`_two_losses`' transform, inited
+  on ones with a query flag."""
   t, _, _ = _two_losses()
   x, y = jnp.ones((4, 4)), jnp.ones((4, 3))
   params, state = t.init(jax.random.PRNGKey(0), x, y,
                          is_query=jnp.zeros((4,), bool))
+  return t, params, state, x, y
+
+
+def test_query_flag_errors():
+  t, params, state, x, y = _flagged_setup()
   with pytest.raises(ValueError, match="must be a Python identifier"):
     gram_haiku.cross_gram(t.apply, query_flag="is query")
   with pytest.raises(ValueError, match="would overwrite it"):
@@ -416,10 +423,7 @@ def test_a_per_layer_clipped_update_is_exact_in_float64(form):
 
 
 def test_clipping_errors():
-  t, _, _ = _two_losses()
-  x, y = jnp.ones((4, 4)), jnp.ones((4, 3))
-  params, state = t.init(jax.random.PRNGKey(0), x, y,
-                         is_query=jnp.zeros((4,), bool))
+  t, params, state, x, y = _flagged_setup()
   with pytest.raises(ValueError, match="expected one of"):
     gram_haiku.cross_gram(t.apply, l2_clip_norm=1.0, clipping="by-layer")
   with pytest.raises(ValueError, match="'all-layer' with a dict"):
