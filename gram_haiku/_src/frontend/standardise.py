@@ -68,7 +68,12 @@ def standardise_weight(w: jax.Array, eps: float = 0.0) -> jax.Array:
   Use it in a custom getter (``hk.custom_getter``) of a tracked
   ``hk.Linear`` or ``hk.ConvND`` (channels last) kernel; the pass then
   forms that layer's per-example norms and Gram in closed form (with sound
-  bounds for clipping) without keeping its per-example gradients.
+  bounds for clipping) without keeping its per-example gradients. Other
+  layers, and a standardisation written in ``jax.numpy``, get the exact
+  generic pull-back. Sources: Qiao et al. 2019 (weight standardisation);
+  the closed form of its Jacobian, ``(1/s)(I - 1 1^T/n - w_hat
+  w_hat^T/n)`` per output channel, is derived on the Performance page
+  (the WRN).
 
   Args:
     w: ``[..., C_in, C_out]`` kernel (``hk.Linear``'s ``[N, M]``,
