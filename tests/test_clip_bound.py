@@ -412,6 +412,107 @@ def test_a_standardised_layer_whose_gradient_cancels_is_clipped(
   assert np.all(norms <= 1.3 * true), norms / true
 
 
+def _accelerator_dot_error(dot_error):
+  """:func:`norm_bounds.dot_error` as a program compiled for a TPU counts
+  it (float32 at ``HIGHEST`` as ``4 * 2^-24``, ``2^-7`` more below it), on
+  any platform."""
+  def accelerator(n, dtype, precision):
+    out = dot_error(n, dtype, jax.lax.Precision.HIGHEST) * 4
+    if precision != jax.lax.Precision.HIGHEST:
+      out = out + 2.0 ** -7
+    return out
+  return accelerator
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_standardised_conv_bound_is_tight_under_an_accelerators_rounding(
+    groups, monkeypatch):
+  """A WRN block's conv (``standardise_weight``, then GroupNorm) on
+  rectified inputs (a ReLU's output): its closed-form clipping bound is tight, so the exact fallback does
+  not run, when rounding is counted as on a TPU. The bound reads per-example
+  channel sums of helper outputs of the layer; below ``HIGHEST`` a TPU
+  rounds their factors to bfloat16, and counting that ``2^-7`` made the
+  bound loose on every layer of a WRN, so the fallback ran on each step
+  (17x a plain step, 2026-12-06). The clip norms stay above the float64
+  norms and within 7% of them."""
+  from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(standardised.norm_bounds, "dot_error",
+                      _accelerator_dot_error(norm_bounds.dot_error))
+  seen = []
+  bound = standardised._bound
+
+  def spy(*args):
+    value, loose = bound(*args)
+    jax.debug.callback(lambda l: seen.append(bool(np.any(l))), loose)
+    return value, loose
+  monkeypatch.setattr(standardised, "_bound", spy)
+
+  def body(x):
+    with hk.custom_getter(lambda nxt, w, c: gram_haiku.standardise_weight(
+        nxt(w)) if c.name == "w" else nxt(w)):
+      h = hk.Conv2D(8, 3, feature_group_count=groups, name="conv")(x)
+    return hk.GroupNorm(4, name="norm")(h)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="ghost"):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  rng = np.random.RandomState(groups)
+  b = 5
+  x = np.maximum(rng.normal(size=(b, 6, 6, 16)), 0).astype(np.float32)
+  v = rng.normal(size=(b, 6, 6, 8)).astype(np.float32)
+  params, state = f.init(jax.random.PRNGKey(0), x, v)
+  wide = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  true = np.linalg.norm(jax.vmap(lambda xi, vi: jnp.concatenate([
+      jnp.ravel(g) for g in jax.tree.leaves(jax.grad(
+          lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
+                            vi[None]))(wide))]))(
+                                np.float64(x), np.float64(v)), axis=1)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
+      params, state, None, x, v)
+  jax.effects_barrier()
+  assert seen == [False]
+  norms = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(norms >= true), norms / true
+  assert np.all(norms <= 1.07 * true), norms / true
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv", "conv-groups"])
+def test_the_standardised_helper_outputs_run_at_highest(kind):
+  """The closed form's helper outputs (the layer's map for its kernel and
+  for an all-ones kernel, the latter from channel sums of the input) equal
+  the layer's own map, and every product in them is at ``HIGHEST``, the
+  precision their rounding is counted at."""
+  from gram_haiku._src.ops import conv as conv_ops  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.ops import linear as linear_ops  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  if kind == "linear":
+    op = types.SimpleNamespace(kind="linear", rule=linear_ops.linear_rule())
+    x, w = rng.normal(size=(3, 4, 6)), rng.normal(size=(6, 5))
+  else:
+    g = 2 if kind == "conv-groups" else 1
+    op = types.SimpleNamespace(kind="conv", rule=conv_ops.conv_rule(
+        num_spatial_dims=2, stride=(1, 2), padding="SAME", rate=(1, 1),
+        feature_group_count=g))
+    x, w = rng.normal(size=(3, 7, 7, 4)), rng.normal(size=(3, 3, 4 // g, 6))
+  x, w = np.float32(x), np.float32(w)
+  for fn, kernel in [(standardised._output, w),
+                     (standardised._all_ones_output, np.ones_like(w))]:
+    got = fn(op, x, w)
+    want = op.rule.forward(np.float64(x), np.float64(kernel), None)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    eqns = jax.make_jaxpr(lambda a, k, fn=fn: fn(op, a, k))(x, w).eqns
+    products = [e for e in eqns if e.primitive.name in (
+        "dot_general", "conv_general_dilated")]
+    assert products and all(
+        jax.lax.Precision.HIGHEST in (e.params["precision"] or ())
+        if isinstance(e.params["precision"], tuple)
+        else e.params["precision"] == jax.lax.Precision.HIGHEST
+        for e in products), [e.params["precision"] for e in products]
+
+
 @jax.custom_vjp
 def _doubled(w):
   return w

@@ -20,8 +20,8 @@ scale, the Jacobian of the standardisation is ``J_c = (1/s_c) M_c``,
 (ghost or materialised, by its rule and the cost model), ``a_ic = 1 .
 f_ic = sum_t D_itc (x_i * 1)_tc`` and ``b_ic = w_hat_c . f_ic = sum_t
 D_itc (x_i * w_hat)_tc`` per-example channel sums of the layer's outputs
-for an all-ones kernel and for its own kernel (two forward passes of the
-rule), ``q_c = |w_hat_c|^2 / n`` and ``sigma_c = 1 . w_hat_c`` (``q = 1 -
+for an all-ones kernel and for its own kernel (two helper outputs of the
+layer at ``HIGHEST`` precision, :func:`_output`), ``q_c = |w_hat_c|^2 / n`` and ``sigma_c = 1 . w_hat_c`` (``q = 1 -
 eps / s^2`` and ``sigma = 0`` in exact arithmetic; kept as computed, so
 the identities are exact for the kernel the layer used). The bias, if
 any, is not standardised: its term is ``e_i . e_j``, ``e_i = sum_t d_it``.
@@ -49,6 +49,7 @@ and ``hk.ConvND`` channels last (feature groups included), not transposed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
@@ -60,6 +61,7 @@ from gram_haiku._src.analysis import reparam
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.compute.kernels import KernelConfig
+from gram_haiku._src.ops import conv
 from gram_haiku._src.ops import modes
 
 
@@ -73,11 +75,33 @@ def _conv_channels_last(rule) -> bool:
   return (spec is not None and spec.channels_last and not spec.transpose)
 
 
-#: Rule name (:func:`gram_haiku._src.rules.rule.rule_name`) -> whether an
+def _linear_map(x, w):
+  """``x @ w`` at ``HIGHEST`` (the linear rule's map, no bias)."""
+  return jnp.dot(x, w, precision=lax.Precision.HIGHEST)
+
+
+def _conv_map(rule):
+  """The conv rule's map (no bias) at ``HIGHEST``."""
+  spec = dataclasses.replace(_spec(rule), precision=lax.Precision.HIGHEST)
+  return lambda x, w: conv.conv_forward(x, w, None, spec=spec)
+
+
+#: Rule name (:func:`gram_haiku._src.rules.rule.rule_name`) -> ``(whether an
 #: op of that rule has its output channels last, each reading only its
-#: own column ``W[..., c]`` of the first parameter (the kernel).
-CHANNEL_LAST_RULES = {"linear": lambda rule: True,
-                      "conv": _conv_channels_last}
+#: own column ``W[..., c]`` of the first parameter (the kernel); the rule's
+#: map ``(x, w) -> y`` without bias at ``HIGHEST`` precision)``. The closed
+#: form's helper outputs (:func:`_output`) run at ``HIGHEST``: below it a
+#: TPU rounds each factor to bfloat16, and that ``2^-7`` of every
+#: per-example channel sum made the clipping bound loose on every layer of a
+#: WRN (the exact fallback ran on each step: 17x a plain step, 2026-12-06).
+CHANNEL_LAST_RULES = {"linear": (lambda rule: True, lambda rule: _linear_map),
+                      "conv": (_conv_channels_last, _conv_map)}
+
+
+def _output(op, x, w) -> jax.Array:
+  """The layer's output (no bias) at ``x`` for the kernel ``w``, at
+  ``HIGHEST`` (:data:`CHANNEL_LAST_RULES`)."""
+  return CHANNEL_LAST_RULES[op.kind][1](op.rule)(x, w)
 
 
 def applies(op, pb) -> bool:
@@ -86,7 +110,7 @@ def applies(op, pb) -> bool:
   if pb is None or not isinstance(pb.closed, reparam.Standardised):
     return False
   check = CHANNEL_LAST_RULES.get(op.kind)
-  return bool(check and check(op.rule)) and op.param_avals[0] is not None
+  return bool(check and check[0](op.rule)) and op.param_avals[0] is not None
 
 
 def operands(op, pb, leaves: Sequence[Any]) -> list:
@@ -138,13 +162,16 @@ def _groups(op) -> int:
 
 
 def _all_ones_output(op, x, w_hat) -> jax.Array:
-  """The layer's output (no bias) at ``x`` for an all-ones kernel: each
-  output channel's patch sums, the same for every channel of a feature
-  group, so formed for one channel per group and repeated."""
+  """The layer's output (no bias) at ``x`` for an all-ones kernel, at
+  ``HIGHEST``: each output channel's patch sums, the same for every channel
+  of a feature group. So the input channels of each group are summed first
+  and the layer's map runs on one input and one output channel per group,
+  then is repeated over the group's output channels."""
   g = _groups(op)
   c = w_hat.shape[-1]
-  ones = jnp.ones(w_hat.shape[:-1] + (g,), w_hat.dtype)
-  return jnp.repeat(op.rule.forward(x, ones, None), c // g, axis=-1)
+  summed = jnp.sum(x.reshape(x.shape[:-1] + (g, -1)), axis=-1)
+  ones = jnp.ones(w_hat.shape[:-2] + (1, g), w_hat.dtype)
+  return jnp.repeat(_output(op, summed, ones), c // g, axis=-1)
 
 
 def _by_position(op, d) -> jax.Array:
@@ -200,7 +227,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   big_d = dd / s
   x_acc = x.astype(acc) if kernels.is_float(x.dtype) else x
   ones_out = _all_ones_output(op, x_acc, w_hat)
-  y_out = op.rule.forward(x_acc, w_hat, None)
+  y_out = _output(op, x_acc, w_hat)
   a = _channel_sums(op, x_acc, big_d, ones_out)
   b = _channel_sums(op, x_acc, big_d, y_out)
   q, sigma = _q_sigma(w_hat)
@@ -258,7 +285,7 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   positions = _by_position(op, dd).shape[1]
   c_count = w_hat.shape[-1]
   u = float(jnp.finfo(acc).eps) / 2
-  g_n = norm_bounds.dot_error(n, acc, None)  # (the helper convs' precision)
+  g_n = norm_bounds.dot_error(n, acc, lax.Precision.HIGHEST)  # (_output's)
   g_t = norm_bounds.dot_error(positions, acc, lax.Precision.HIGHEST)
   g_c = norm_bounds.dot_error(2 * c_count + 8, acc, lax.Precision.HIGHEST)
   up = 1 + 4 * g_c  # A generous rounding-up factor for short formulas.
