@@ -97,6 +97,44 @@ def test_a_python_int_and_float_are_not_one_static_value():
   np.testing.assert_array_equal(fn(a, 1.0), a)
 
 
+def test_a_python_number_that_keeps_changing_warns_once_naming_it(
+    recwarn):
+  """An eager caller passing a new step counter each call compiles a
+  program per value: from the RECOMPILES-th value on one
+  RecompileWarning names the argument (a keyword here) and says to pass an
+  array, which then reuses one program. Other static values (a changing
+  bool, an op object) and calls of other shapes do not count."""
+  traces = []
+
+  def fn(a, scale, *, step, flag):
+    traces.append(step)
+    return a * scale + step if flag else a
+
+  wrapped = one_program.compiled_when_eager(fn)
+  a = jnp.ones((3,), jnp.float32)
+  for k in range(one_program.RECOMPILES - 1):
+    np.testing.assert_array_equal(wrapped(a, 2.0, step=k, flag=True),
+                                  a * 2.0 + k)
+    np.testing.assert_array_equal(wrapped(a, 2.0, step=k, flag=False), a)
+    wrapped(jnp.ones((k + 1,)), 2.0, step=0, flag=True)  # Other shapes.
+  assert not [w for w in recwarn if issubclass(
+      w.category, gram_haiku.RecompileWarning)]
+  for k in range(3):  # The eighth value warns; later ones do not again.
+    wrapped(a, 2.0, step=100 + k, flag=True)
+  caught = [w for w in recwarn
+            if issubclass(w.category, gram_haiku.RecompileWarning)]
+  assert len(caught) == 1, [str(w.message) for w in caught]
+  message = str(caught[0].message)
+  assert "kwargs['step']" in message and "jnp.asarray" in message, message
+  assert "scale" not in message and "flag" not in message, message
+  assert caught[0].filename == __file__  # The caller's line.
+  n = len(traces)
+  for k in range(5):  # As an array: one program for every value.
+    np.testing.assert_array_equal(
+        wrapped(a, 2.0, step=jnp.asarray(k), flag=True), a * 2.0 + k)
+  assert len(traces) == n + 1
+
+
 def test_a_call_that_needs_values_runs_eagerly_as_before():
   """A ``weight_fn`` that reads the Grams with NumPy cannot be traced; the
   eager call runs it op by op as before (its weights those of the same

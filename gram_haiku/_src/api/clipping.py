@@ -584,7 +584,9 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
                  kwargs)
 
   sensitivity_bound = 1.0 if rescale_to_unit_norm else s.total
-  return callable_type(one_program.compiled_when_eager(g), sensitivity_bound / s.normalize_by,
+  eager = one_program.compiled_when_eager(
+      g, "the function clipped_grad returned")
+  return callable_type(eager, sensitivity_bound / s.normalize_by,
                        bool(s.full_aux or s.jp_aux))
 
 

@@ -228,7 +228,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     return value, r.grads, CrossGrams(blocks, summed, sq, r.grams.coverage)
 
   if mesh is None:
-    return one_program.compiled_when_eager(fn)
+    return one_program.compiled_when_eager(
+        fn, "the function cross_gram returned")
 
   def joint(params, state, rng, *args_and_queries, **kwargs):
     n = len(args_and_queries) // 2  # The queries as arguments: split too.
@@ -254,7 +255,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     return value, grads, CrossGrams(
         blocks, {m: jnp.sum(blk, axis=1) for m, blk in blocks.items()},
         cross.sq_norms_by_layer, cross.coverage)
-  return one_program.compiled_when_eager(on_mesh)
+  return one_program.compiled_when_eager(
+      on_mesh, "the function cross_gram returned")
 
 
 def _clips(l2_clip_norm, clipping: str, layer_split):

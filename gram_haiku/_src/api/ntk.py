@@ -145,7 +145,8 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
     full = g.reshape((n1,) + shape + (n2,) + shape)
     return _contract(full, ndim, trace, diagonal)
 
-  return one_program.compiled_when_eager(ntk_fn)
+  return one_program.compiled_when_eager(
+      ntk_fn, "the function empirical_ntk returned")
 
 
 def _examples(x, name: str) -> int:

@@ -380,4 +380,5 @@ def reweighted_grad(apply_fn: Callable[..., Any],
         fn_name="reweighted_grad",
         rows=lambda out: (shard_examples.mark(out[:2], False),
                           shard_examples.mark(out[2:], True)))
-  return one_program.compiled_when_eager(fn)
+  return one_program.compiled_when_eager(
+      fn, "the function reweighted_grad returned")

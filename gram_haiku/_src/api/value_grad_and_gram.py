@@ -163,4 +163,5 @@ def value_grad_and_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
         rows=lambda out: (shard_examples.mark(out[0], False),
                           shard_examples.mark(out[1], False),
                           shard_examples.mark(out[2], True)))
-  return one_program.compiled_when_eager(fn)
+  return one_program.compiled_when_eager(
+      fn, "the function value_grad_and_gram returned")

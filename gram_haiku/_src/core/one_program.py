@@ -25,15 +25,23 @@ arrays' values) fails to trace; it then runs eagerly, as before, and so
 does every later call with the same static values (the same op, for a Gram
 op's backward products).
 ``jax.disable_jit()`` runs it eagerly too.
+
+A Python number that changes from call to call (a step counter passed to
+the model) therefore compiles a new program for each of its values; from
+the :data:`RECOMPILES`-th value on, a :class:`RecompileWarning` names the
+argument and says to pass it as an array, or to call under ``jax.jit``.
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
+import warnings
 
 import jax
 import numpy as np
+
+from gram_haiku._src.core import warning_site
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)
 
@@ -45,6 +53,35 @@ _NEEDS_VALUES = (jax.errors.ConcretizationTypeError,
                  jax.errors.TracerIntegerConversionError)
 
 
+_NUMBERS = (int, float, complex)
+
+#: The number of static values of one call shape (the same arrays'
+#: shapes and dtypes, the same kinds of static leaves) from which an eager
+#: call warns that it keeps compiling (:class:`RecompileWarning`).
+RECOMPILES = 8
+
+
+class RecompileWarning(UserWarning):
+  """An eager call of a gram_haiku callable compiled a new program for
+  each new value of a Python number among its arguments (a static value:
+  see :mod:`gram_haiku._src.core.one_program`). Passing the number as an
+  array (``jnp.asarray(step)``) makes it an input of one program; calling
+  under ``jax.jit`` does the same."""
+
+
+def _varying(treedef, statics) -> list[str]:
+  """The paths (``args[5]``, ``kwargs['step']``) of the static leaves whose
+  values differ among ``statics`` (static parts of one call shape)."""
+  leaves = jax.tree_util.tree_unflatten(treedef, list(range(
+      treedef.num_leaves)))
+  paths = {i: jax.tree_util.keystr(path).replace("[0]", "args", 1)
+           .replace("[1]", "kwargs", 1)
+           for path, i in jax.tree_util.tree_flatten_with_path(leaves)[0]}
+  first, *rest = statics
+  return [paths[i] for k, (i, _, v) in enumerate(first)
+          if any(other[k][2] != v for other in rest)]
+
+
 def _signature(arrays) -> tuple:
   """The shapes and (canonical) dtypes of a call's array inputs, concrete
   or traced alike: what, with the static part, decides the output's
@@ -53,12 +90,15 @@ def _signature(arrays) -> tuple:
       a.dtype, allow_extended_dtype=True))) for a in arrays)
 
 
-def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compiled_when_eager(fn: Callable[..., Any],
+                        name: str = "") -> Callable[..., Any]:
   """``fn``, run as one jitted program when called with concrete arguments.
 
   Args:
     fn: a function of pytrees of arrays and static Python values, whose
       outputs are pytrees of arrays (what ``jax.jit`` returns).
+    name: what a :class:`RecompileWarning` calls it (default: its
+      ``__name__``), e.g. ``"the function clipped_grad returned"``.
 
   Returns:
     A function with ``fn``'s signature and results. Its jitted form is made
@@ -91,8 +131,33 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return jax.tree_util.tree_unflatten(
         out_tree, [next(arrays) if leaf is None else leaf for leaf in kept])
 
+  label = name or getattr(fn, "__name__", "a callable")
   jitted = jax.jit(run, static_argnums=(0, 1))
   needs_values = set()  # The static parts of calls that needed values.
+  # Per call shape (treedef, the static leaves but for the values of
+  # Python numbers, the arrays' signature): the static parts compiled for
+  # it, until it has warned.
+  variants = {}
+
+  def count(treedef, static, dynamic):
+    shape = (treedef, tuple((i, t, None if t in _NUMBERS else v)
+                            for i, t, v in static), _signature(dynamic))
+    seen = variants.setdefault(shape, {})
+    if seen is None:  # (Warned already.)
+      return
+    seen[static] = None
+    if len(seen) >= RECOMPILES:
+      variants[shape] = None
+      where = ", ".join(_varying(treedef, list(seen))) or "its arguments"
+      warnings.warn(
+          f"gram_haiku: {label} was called "
+          f"eagerly (outside jax.jit) with {len(seen)} different values of "
+          f"the Python number(s) at {where}, and compiled a new program for "
+          "each: a Python value is static in an eager call, so that the "
+          "model's Python control flow on it runs as it would eagerly. Pass "
+          "it as an array (jnp.asarray(value)) to reuse one program, or "
+          "call the function under jax.jit.", RecompileWarning,
+          stacklevel=warning_site.user_stacklevel())
 
   @functools.wraps(fn)
   def call(*args, **kwargs):
@@ -111,6 +176,7 @@ def compiled_when_eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
     except TypeError:  # (Unhashable.)
       return fn(*args, **kwargs)
+    count(treedef, static, dynamic)
     try:
       arrays = jitted(treedef, static, *dynamic)
     except _NEEDS_VALUES:  # (Raised while tracing: nothing ran.)
