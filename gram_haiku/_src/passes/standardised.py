@@ -21,9 +21,10 @@ scale, the Jacobian of the standardisation is ``J_c = (1/s_c) M_c``,
 f_ic = sum_t D_itc (x_i * 1)_tc`` and ``b_ic = w_hat_c . f_ic = sum_t
 D_itc (x_i * w_hat)_tc`` per-example channel sums of the layer's outputs
 for an all-ones kernel and for its own kernel (two helper outputs of the
-layer at ``HIGHEST`` precision, :func:`_output`), ``q_c = |w_hat_c|^2 / n`` and ``sigma_c = 1 . w_hat_c`` (``q = 1 -
-eps / s^2`` and ``sigma = 0`` in exact arithmetic; kept as computed, so
-the identities are exact for the kernel the layer used). The bias, if
+layer at ``HIGHEST`` precision, :func:`_output`), ``q_c = |w_hat_c|^2 /
+n`` and ``sigma_c = 1 . w_hat_c`` (``q = 1 - eps / s^2`` and ``sigma = 0``
+in exact arithmetic; kept as computed, so the identities are exact for the
+kernel the layer used). The bias, if
 any, is not standardised: its term is ``e_i . e_j``, ``e_i = sum_t d_it``.
 The reweighted update is ``J^T sum_i c_i f_i`` (:func:`pull_back_sum`).
 
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,22 +87,32 @@ def _conv_map(rule):
   return lambda x, w: conv.conv_forward(x, w, None, spec=spec)
 
 
-#: Rule name (:func:`gram_haiku._src.rules.rule.rule_name`) -> ``(whether an
-#: op of that rule has its output channels last, each reading only its
-#: own column ``W[..., c]`` of the first parameter (the kernel); the rule's
-#: map ``(x, w) -> y`` without bias at ``HIGHEST`` precision)``. The closed
-#: form's helper outputs (:func:`_output`) run at ``HIGHEST``: below it a
-#: TPU rounds each factor to bfloat16, and that ``2^-7`` of every
-#: per-example channel sum made the clipping bound loose on every layer of a
-#: WRN (the exact fallback ran on each step: 17x a plain step, 2026-12-06).
-CHANNEL_LAST_RULES = {"linear": (lambda rule: True, lambda rule: _linear_map),
-                      "conv": (_conv_channels_last, _conv_map)}
+class _Layer(NamedTuple):
+  """What the closed form needs of a rule (:data:`CHANNEL_LAST_RULES`)."""
+  #: ``rule -> bool``: whether an op of the rule has its output channels
+  #: last, each reading only its own column ``W[..., c]`` of the first
+  #: parameter (the kernel).
+  channels_last: Callable[[Any], bool]
+  #: ``rule -> ((x, w) -> y)``: the rule's map without bias at ``HIGHEST``
+  #: precision. The closed form's helper outputs (:func:`_output`) run at
+  #: ``HIGHEST``: below it a TPU rounds each factor to bfloat16, and that
+  #: ``2^-7`` of every per-example channel sum made the clipping bound
+  #: loose on every layer of a WRN (the exact fallback ran on each step:
+  #: 17x a plain step, 2026-12-06).
+  exact_map: Callable[[Any], Callable[[jax.Array, jax.Array], jax.Array]]
+
+
+#: Rule name (:func:`gram_haiku._src.rules.rule.rule_name`) -> its
+#: :class:`_Layer`: the rules the closed form supports.
+CHANNEL_LAST_RULES = {
+    "linear": _Layer(lambda rule: True, lambda rule: _linear_map),
+    "conv": _Layer(_conv_channels_last, _conv_map)}
 
 
 def _output(op, x, w) -> jax.Array:
   """The layer's output (no bias) at ``x`` for the kernel ``w``, at
   ``HIGHEST`` (:data:`CHANNEL_LAST_RULES`)."""
-  return CHANNEL_LAST_RULES[op.kind][1](op.rule)(x, w)
+  return CHANNEL_LAST_RULES[op.kind].exact_map(op.rule)(x, w)
 
 
 def applies(op, pb) -> bool:
@@ -110,7 +121,8 @@ def applies(op, pb) -> bool:
   if pb is None or not isinstance(pb.closed, reparam.Standardised):
     return False
   check = CHANNEL_LAST_RULES.get(op.kind)
-  return bool(check and check[0](op.rule)) and op.param_avals[0] is not None
+  return (bool(check and check.channels_last(op.rule)) and
+          op.param_avals[0] is not None)
 
 
 def operands(op, pb, leaves: Sequence[Any]) -> list:
