@@ -63,8 +63,8 @@ RECOMPILES = 8
 
 class RecompileWarning(UserWarning):
   """An eager call of a gram_haiku callable compiled a new program for
-  each new value of a Python number among its arguments (a static value:
-  see :mod:`gram_haiku._src.core.one_program`). Passing the number as an
+  each new value of a Python number among its arguments (a static value,
+  part of the compiled program's key). Passing the number as an
   array (``jnp.asarray(step)``) makes it an input of one program; calling
   under ``jax.jit`` does the same."""
 
