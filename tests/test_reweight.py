@@ -428,6 +428,29 @@ def test_modes_follow_the_cost_model():
     chex.assert_trees_all_close(got, grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_clipped_grad_ignores_the_track_mode(clipping):
+  """clipped_grad computes only the norms: the lowered step is the same
+  under track() and track(mode="norms") (docs/performance.rst, "How to
+  choose the options", tells users there is nothing to set)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 5))
+  y = jnp.arange(8) % 3
+
+  def lowered(mode):
+    def loss_fn(x, y):
+      with gram_haiku.track(mode=mode):
+        logits = hk.nets.MLP([16, 3])(x)
+      logp = jax.nn.log_softmax(logits)
+      return -jnp.take_along_axis(logp, y[:, None], -1).sum()
+    f = hk.transform_with_state(loss_fn)
+    params, state = f.init(jax.random.PRNGKey(1), x, y)
+    step = gram_haiku.clipped_grad(f.apply, l2_clip_norm=1.0,
+                                   clipping=clipping)
+    return jax.jit(step).lower(params, state, None, x, y).as_text()
+
+  assert lowered("gram") == lowered("norms")
+
+
 def test_per_layer_clip_norms_are_costed_without_reuse(monkeypatch):
   """Per-layer clipping re-contracts its clipped sum from the factors, so
   nothing reuses materialised per-example gradients: the norms' method is
