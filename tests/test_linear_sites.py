@@ -311,6 +311,31 @@ def test_the_reference_takes_an_empty_batch():
   assert f.shape == (0, F * H + H * D)
 
 
+def test_the_reference_keeps_a_time_major_layout():
+  """``testing.per_example_grads(in_axes=1)`` passes each example as a
+  batch of one along axis 1 (``(T, 1, F)``). It used to add the axis in
+  front (``(1, T, F)``: one time step of ``T`` examples), which a loss that
+  sums independent positions cannot tell apart but a recurrence can: the
+  reference was silently another model's."""
+  def loss(p, x):  # x: (T, B, F); a recurrence over T.
+    def step(h, xt):
+      h = jnp.tanh(xt @ p["w"] + h @ p["u"])
+      return h, h
+    h0 = jnp.zeros((x.shape[1], H), x.dtype)
+    return jnp.sum(jax.lax.scan(step, h0, x)[1][-1] ** 2)
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(6)
+    p = {"w": jnp.asarray(rng.standard_normal((F, H))),
+         "u": jnp.asarray(rng.standard_normal((H, H)))}
+    x = jnp.asarray(rng.standard_normal((T, B, F)))
+    f = np.asarray(testing.per_example_grads(loss, p, x, in_axes=1))
+    rows = jax.vmap(jax.grad(lambda p, xe: loss(p, xe[:, None])),
+                    in_axes=(None, 1))(p, x)
+  want = np.concatenate([np.asarray(l).reshape(B, -1)
+                         for l in jax.tree.leaves(rows)], axis=1)
+  np.testing.assert_allclose(f, want, rtol=1e-10, atol=1e-12)
+
+
 def test_time_major_examples_and_a_stopped_second_use():
   """Time-major data (``[T, B, F]``, ``example_axes=(1,)``) into
   ``einsum('tbd,de->bte')`` (the output's examples moved to axis 0), the

@@ -3,7 +3,8 @@ tolerance table.
 
 ``F[i]`` is the flattened gradient of example ``i``'s loss, each example
 evaluated alone as a batch of one (a length-1 example axis is added inside
-the mapped function so that layers keep their rank), from
+the mapped function, where the examples were, so that layers keep their
+rank and layout), from
 ``jax.vmap(jax.grad(per_example_loss))`` of the *untracked* model: exact by
 construction, at ``B x P`` memory. The tests, the conformance suite, the
 benchmarks and the demo all compare with this one reference.
@@ -48,7 +49,9 @@ def per_example_grads(per_example_loss: Callable[..., Any], params, *batch,
       untracked model, called on a batch of one example.
     params: the parameters (any pytree); ``P`` is their number of entries.
     *batch: the examples, example axis ``in_axes``.
-    in_axes: the example axis of each array in ``batch`` (``jax.vmap``).
+    in_axes: the example axis of each array in ``batch`` (``jax.vmap``);
+      each example is passed as a batch of one along that same axis (a
+      time-major ``(T, B, F)`` batch, ``in_axes=1``: ``(T, 1, F)``).
     upcast: evaluate in at least float32 (parameters and float inputs
       cast up first); otherwise in the given dtypes, gradients then cast.
 
@@ -58,7 +61,7 @@ def per_example_grads(per_example_loss: Callable[..., Any], params, *batch,
     order.
   """
   def loss_one(p, *example):
-    example = jax.tree.map(lambda a: a[None], example)
+    example = jax.tree.map(lambda a: jnp.expand_dims(a, in_axes), example)
     return per_example_loss(p, *example)
 
   def flat(params, *batch):
