@@ -462,3 +462,32 @@ def test_parameters_along_axis_0_of_one_example_are_exact(name):
   model = _chain([lambda: hk.vmap(_PER_EXAMPLE_PARAMS[name](),
                                   split_rng=False)])
   _check_model(model, x, y, [name])
+
+
+_FULL_RANK_PARAMS = {
+    "layer_norm": lambda: LN((1, 2), True, True, param_axis=1),
+    "rms_norm": lambda: hk.RMSNorm((1, 2), param_axis=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FULL_RANK_PARAMS))
+def test_full_rank_parameters_on_the_raw_path(name):
+  """A scale Haiku stores at the input's rank, ``(1, T, 1)``
+  (``param_axis=1``), on the raw ``jax.grad`` path: the op takes the value
+  Haiku holds (it used to take a reshape of it, which the raw path read as
+  a custom getter's new value and refused)."""
+  x, y = _data(7, (4, 3, 6))
+  norm = _FULL_RANK_PARAMS[name]
+
+  def loss(x, y):
+    with gram_haiku.track():
+      return jnp.sum((norm()(x)[..., :3] - y) ** 2)
+  f = hk.transform_with_state(loss)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), x, y)
+  assert params[name]["scale"].shape == (1, 3, 1)
+  state = gram_haiku.resize_probes(state, x.shape[0])
+  grad = jax.jit(jax.grad(lambda s: f.apply(params, s, None, x, y)[0]))
+  gram = grad(state)[name][gram_haiku.PROBE_NAME]
+  plain = hk.without_apply_rng(hk.transform(
+      lambda x, y: jnp.sum((norm()(x)[..., :3] - y) ** 2)))
+  assert_gram_close(gram, reference_gram(plain.apply, params, x, y))

@@ -55,35 +55,42 @@ def affine_forward(x, scale, offset, offset_multiplier=None):
 
   The same elementwise operations, in the same order, as the end of
   ``hk.GroupNorm`` and ``hk.Bias``; explicit broadcasting keeps it valid
-  under ``jax_numpy_rank_promotion="raise"`` (as Haiku does).
+  under ``jax_numpy_rank_promotion="raise"`` (as Haiku does). A
+  parameter's leading size-1 axes are dropped first (:func:`_feature_shape`),
+  so that it broadcasts to one example's ``x`` under ``vmap``.
   """
   y = x
   if scale is not None:
-    y = y * jnp.broadcast_to(scale, jnp.shape(y))
+    y = y * jnp.broadcast_to(_features(scale), jnp.shape(y))
   if offset is not None:
-    b = jnp.broadcast_to(offset, jnp.shape(y))
+    b = jnp.broadcast_to(_features(offset), jnp.shape(y))
     if offset_multiplier is not None:
       b = b * offset_multiplier
     y = y + b
   return y
 
 
-def _strip_leading_ones(p):
-  """Drops the leading size-1 axes of a parameter (a reshape, outside the op).
+def _feature_shape(shape) -> tuple[int, ...]:
+  """A parameter's shape without its leading size-1 axes.
 
   Haiku stores some parameters at the input's full rank with a size-1
   leading (batch) axis, e.g. ``hk.LayerNorm(param_axis=1)`` on ``(B, T, C)``
   has scale ``(1, T, 1)``. Those axes are broadcast over, so they are not
-  parameter axes; dropping them leaves the example axis among the leading
-  axes. Forward values are unchanged (a broadcast of the same numbers).
+  parameter axes: the op takes the parameter as stored (so that it is the
+  very value Haiku holds, and its cotangent has the stored shape), and the
+  rule counts its axes from this shape, which leaves the example axis
+  among the leading axes of ``x``.
   """
-  if p is None:
-    return None
-  shape = tuple(p.shape)
+  shape = tuple(shape)
   k = 0
   while k < len(shape) and shape[k] == 1:
     k += 1
-  return p if k == 0 else jnp.reshape(p, shape[k:])
+  return shape[k:]
+
+
+def _features(p):
+  """``p`` without its leading size-1 axes (:func:`_feature_shape`)."""
+  return jnp.reshape(p, _feature_shape(jnp.shape(p)))
 
 
 def static_multiplier(value):
@@ -115,7 +122,8 @@ def _reduce_to(a, param_shape, feature_ndim):
   """
   feat = a.shape[a.ndim - feature_ndim:] if feature_ndim else ()
   a = kernels.rows(a, *feat).sum(axis=1)
-  padded = (1,) * (feature_ndim - len(param_shape)) + tuple(param_shape)
+  own = _feature_shape(param_shape)
+  padded = (1,) * (feature_ndim - len(own)) + own
   axes = tuple(1 + k for k, (p, n) in enumerate(zip(padded, feat))
                if p == 1 and n != 1)
   if axes:
@@ -206,8 +214,8 @@ def affine_rule(feature_ndim: int, offset_multiplier=None) -> Rule:
 
 def layer_rule(x, scale, offset, offset_multiplier=None, name="affine"):
   """``(rule, scale, offset)``: :func:`affine_rule` for these operands, and
-  the parameters as the op takes them (leading size-1 axes dropped, a
-  reshape outside the op).
+  the parameters as the op takes them: as stored (leading size-1 axes
+  kept; the rule's ``feature_ndim`` does not count them).
 
   Raises:
     ValueError: when neither ``scale`` nor ``offset`` is given, or they do
@@ -217,9 +225,8 @@ def layer_rule(x, scale, offset, offset_multiplier=None, name="affine"):
   if scale is None and offset is None:
     raise ValueError("gram_affine needs a scale or an offset parameter.")
   offset_multiplier = static_multiplier(offset_multiplier)
-  scale = _strip_leading_ones(scale)
-  offset = _strip_leading_ones(offset)
-  feature_ndim = max(p.ndim for p in (scale, offset) if p is not None)
+  feature_ndim = max(len(_feature_shape(p.shape)) for p in (scale, offset)
+                     if p is not None)
   if feature_ndim > jnp.ndim(x):
     raise ValueError(
         f"gram_affine ({name}): parameters of rank {feature_ndim} do not "
