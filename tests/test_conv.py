@@ -723,6 +723,25 @@ def test_track_mask_of_the_wrong_shape_is_haikus_error():
                                           jnp.ones((2, 5, 5, 2)))
 
 
+def test_a_mask_on_the_raw_path_is_refused_naming_the_mask():
+  # The op receives w * mask; the raw jax.grad path cannot pull its Gram
+  # back to w. The refusal names the mask (not a custom getter the user
+  # does not have) and the entry point that is exact for it.
+  mask = jnp.asarray(np.tril(np.ones((3, 3)))[:, :, None, None]
+                     * np.ones((1, 1, 2, 4)), jnp.float32)
+  x = _x(28, (2, 5, 5, 2))
+
+  def tracked(x):
+    with gram_haiku.track():
+      return jnp.sum(hk.Conv2D(4, 3, mask=mask, name="masked")(x) ** 2)
+  f = hk.transform_with_state(tracked)
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  state = gram_haiku.resize_probes(state, 2)
+  with pytest.raises(ValueError, match=r"'masked' multiplies its weight by "
+                     r"its mask(.|\n)*value_grad_and_gram"):
+    jax.grad(lambda s: f.apply(params, s, None, x)[0])(state)
+
+
 def test_track_rank_and_group_errors_match_haiku():
   def tracked(x, groups=1):
     with gram_haiku.track():

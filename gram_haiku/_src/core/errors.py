@@ -338,6 +338,18 @@ RAW_GETTER = (
     "clipped_grad): it reads the getter from the traced program and is "
     "exact for frozen and reparametrised weights.")
 
+RAW_MASKED = (
+    "gram_haiku: module '{module}' multiplies its weight by its mask "
+    "(hk.ConvND/ConvNDTranspose(mask=...)) before the convolution, so the "
+    "tracked op receives w * mask, not the parameter w (a custom getter "
+    "that changes the values would do the same). On the raw jax.grad path "
+    "nothing pulls the layer's per-example gradients back to w, so its Gram "
+    "would be taken with respect to w * mask: wrong wherever the mask is "
+    "not 0 or 1, and counting the masked entries' gradients.\n"
+    "What to do: use gram_haiku.value_grad_and_gram (or reweighted_grad, "
+    "clipped_grad): it reads the mask from the traced program and is exact "
+    "for masked weights.")
+
 PARTLY_DIFFERENTIATED = (
     "gram_haiku: the Gram of the tracked layer '{module}' is taken, but only "
     "its parameter(s) {wanted} are differentiated, not {others} (frozen: "

@@ -21,7 +21,8 @@ values, not the program's data flow, so they catch only what those show:
   a module in both branches of one ``hk.cond`` counts as two uses;
 * a value is the parameter Haiku stores if it *is* that value (``is``), or
   has the dtype of the module's mixed-precision policy cast of it (a
-  getter that changes the values as well as casting them is not seen);
+  getter that changes the values as well as casting them is not seen); a
+  convolution's ``mask`` (``w * mask``) is refused as such a new value;
 * one state handed to two calls of the transformed function (a siamese
   loss) is seen only where both calls get the very same probe value (held
   weakly, compared with ``is``): a state copied or rebuilt between the
@@ -114,6 +115,9 @@ def _held_refusal(module: hk.Module, params) -> Optional[str]:
   if hx.inside_loop_trace():
     return errors.LOOP_BODY.format(module=name)
   if _handed_new_values(module, params):
+    if getattr(module, "mask", None) is not None and isinstance(
+        module, (hk.ConvND, hk.ConvNDTranspose)):
+      return errors.RAW_MASKED.format(module=name)
     return errors.RAW_GETTER.format(module=name)
   if not _hands_every_parameter(module, params):
     return errors.RAW_PARAM_OUTSIDE_OP.format(module=name)
