@@ -91,10 +91,12 @@ class Standardised:
     fn: ``fn(*theta, dtype=None) -> [w_hat, s]``: the standardised kernel
       and its scales ``[1, ..., 1, C]``, from the parameter leaves
       ``theta`` (the pull-back's, in its order; the marked call's own
-      program), or, with ``dtype``, the same standardisation evaluated in
-      ``dtype`` from the kernel and ``eps`` cast up (the closed form's
-      Jacobian at the kernel itself, not at a low-precision rounding of
-      its ``w_hat`` and ``s``).
+      program), or, with ``dtype``, ``[w_hat, s, err]``: the same
+      standardisation evaluated in ``dtype`` from the kernel and ``eps``
+      cast up (the closed form's Jacobian at the kernel itself, not at a
+      low-precision rounding of its ``w_hat`` and ``s``) and ``[C]``
+      bounds of that Jacobian's distance to the exact one
+      (:func:`gram_haiku._src.frontend.standardise.standardise_in`).
     kernel: the parameter leaf standardised.
     others: the parameter leaf each present operand after the kernel is
       (a bias, read as it is), in order.

@@ -317,6 +317,22 @@ def squares_rel(p, dtype):
   return 2 * _elementwise_u(dtype) * (terms + 2)
 
 
+def sum_in_two_levels(a: jax.Array) -> jax.Array:
+  """The sum of ``a: [B, P]`` over its last axis in :func:`sum_of_squares`'
+  two levels (the partial sums kept apart), so that its rounding is at most
+  ``squares_rel(P) sum |a|`` in any order of summation within a level (a
+  sum of ``k`` terms is off by at most ``gamma_{k-1}`` of its absolute
+  sum; two levels of ``k`` and ``rows`` terms by ``gamma_{k + rows - 2}``)."""
+  p = a.shape[-1]
+  split = _split(p)
+  if split is None:
+    return jnp.sum(a, axis=-1)
+  rows, k = split
+  a = jnp.pad(a, [(0, 0), (0, rows * k - p)])
+  part = jnp.sum(a.reshape((a.shape[0], rows, k)), axis=-1)
+  return jnp.sum(lax.optimization_barrier(part), axis=-1)
+
+
 def sum_of_squares(a: jax.Array) -> jax.Array:
   """The sum of the squares of ``a`` over its axes after the first, in two
   levels of about ``sqrt(P)`` terms each, the partial sums kept apart

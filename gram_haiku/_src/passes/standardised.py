@@ -32,7 +32,10 @@ Clipping bounds (``upper_bound``): ``|g_i|`` is bounded by the layer's own
 sound bound of ``|f(D')|^2`` (``D' = fl(d / s)``) less a lower bound of the
 corrections (the rounding of ``a``, ``b``, ``q``, ``sigma`` and of their
 quadratic form bounded term by term, Higham's ``gamma_n``), plus
-``|M| |f(D - D')|``, the division's rounding (``|M| <= max(1, q)``). Where
+``|M| |f(D - D')|``, the division's rounding (``|M| <= max(1, q)``), plus
+``max_c err_c |f(d / s)|``, the distance of the Jacobian at the computed
+``w_hat`` and ``s`` to the exact one (``err``:
+:func:`gram_haiku._src.frontend.standardise.jacobian_error`). Where
 that bound is loose (above its estimate by more than
 :data:`~gram_haiku._src.compute.norm_bounds.LOOSE`: the corrections cancel
 the leading term), the kernel's per-example gradients are formed from the
@@ -134,13 +137,16 @@ def operands(op, pb, leaves: Sequence[Any]) -> list:
 
 
 def _scales(op, pb, leaves):
-  """``(w_hat, s)``: the standardised kernel and its ``[C]`` scales,
+  """``(w_hat, s, err)``: the standardised kernel, its ``[C]`` scales,
   evaluated in the accumulation dtype from the kernel itself (not the
   operand's rounding to a low-precision kernel dtype: a bfloat16 ``s``
-  is off by ``2^-9``, more than the bounds' slack)."""
+  is off by ``2^-9``, more than the bounds' slack), and ``[C]`` bounds of
+  ``s_c`` times the distance of the closed form's Jacobian at them to the
+  exact one (:func:`gram_haiku._src.frontend.standardise.standardise_in`)."""
   acc = op.accumulation_dtype()
-  w_hat, s = pb.closed.fn(*[leaves[k] for k in pb.leaves], dtype=acc)
-  return w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc)
+  w_hat, s, err = pb.closed.fn(*[leaves[k] for k in pb.leaves], dtype=acc)
+  return (w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc),
+          jnp.reshape(err, (-1,)).astype(acc))
 
 
 def _q_sigma(w_hat):
@@ -233,7 +239,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   if pb.closed.kernel in skip:  # (frozen kernel: the generic path)
     return _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
                   row_split)
-  w_hat, s = _scales(op, pb, leaves)
+  w_hat, s, j_err = _scales(op, pb, leaves)
   n = math.prod(w_hat.shape[:-1])
   dd = d.astype(acc)
   big_d = dd / s
@@ -274,7 +280,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   lead = modes.products(kernel_op.in_mode("norms"), x, big_d, params, (),
                         _cfg(op, True), reuse=False)[0].astype(acc)
   bound, loose = _bound(op, x_acc, dd, big_d, w_hat, a, b, q, sigma, lead,
-                        with_bias, ones_out, y_out)
+                        with_bias, ones_out, y_out, j_err)
   operands_ = (x, d, *[leaves[k] for k in pb.leaves])
 
   def exact(x_, d_, *theta):
@@ -287,11 +293,14 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
 
 
 def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
-           ones_out, y_out):
+           ones_out, y_out, j_err):
   """``([B] bound of |g_i|^2, [B] whether it is loose)``: see the module
   docstring. ``lead``: the layer's bound of ``|f(D')|^2``; ``ones_out``,
   ``y_out``: the layer's outputs (no bias) for an all-ones kernel and for
-  ``w_hat``."""
+  ``w_hat``; ``j_err``: ``[C]`` bounds of ``|s J - s' J'|`` (the computed
+  ``w_hat`` and ``s``' Jacobian against the exact one, :func:`_scales`),
+  which adds ``max_c j_err_c |f(d / s')|`` (``|f(d / s')| <= sqrt(lead) +
+  e_div``)."""
   acc = dd.dtype
   n = math.prod(w_hat.shape[:-1])
   positions = _by_position(op, dd).shape[1]
@@ -329,7 +338,8 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   kernel_sq = jnp.maximum(lead - jnp.square(root_c) * (1 - g_c), 0) * up
   m_norm = jnp.maximum(1, jnp.max(q_up))
   e_div = (u / (1 - u)) * norm_bounds.row_norms(q_sum) * up
-  kernel_norm = jnp.sqrt(kernel_sq) * up + m_norm * e_div
+  kernel_norm = (jnp.sqrt(kernel_sq) * up + m_norm * e_div +
+                 jnp.max(j_err) * (jnp.sqrt(lead) + e_div) * up)
   value = jnp.square(kernel_norm) * up
   # The bound's own slack, against the layer's bound less the corrections
   # (the layer's slack is its kernel's, below LOOSE of |f(D')|^2 there).
@@ -386,7 +396,7 @@ def pull_back_sum(op, pb, cts: dict, leaves: Sequence[Any]) -> dict:
   ``cts`` (``{operand: sum_i c_i f_i}``), by the closed form (the same
   ``J`` the norms are bounded for); the bias (not standardised) as it
   is."""
-  w_hat, s = _scales(op, pb, leaves)
+  w_hat, s, _ = _scales(op, pb, leaves)
   out = {}
   if 0 in cts:
     f = cts[0].astype(w_hat.dtype)
@@ -416,7 +426,7 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset(),
   ``J^T f_i``, vectorised; the bias as it is), the layout of
   :func:`gram_haiku._src.analysis.reparam.per_example`. ``scales``:
   :func:`_scales`' ``(w_hat, s)`` where the caller has them."""
-  w_hat, s = scales or _scales(op, pb, leaves)
+  w_hat, s = scales or _scales(op, pb, leaves)[:2]
   rows, rest = _kernel_rows(op, f.astype(w_hat.dtype))
   g = _pulled_back(rows, w_hat, s).reshape(f.shape[0], -1)
   cols = {pb.closed.kernel: g}
@@ -439,8 +449,10 @@ def per_example_bound(op, pb, f, leaves: Sequence[Any], err,
   form's own rounding is at most ``(gamma_4 (2 + q_c) + gamma_n (1 +
   q_c)) |f_ic| / s_c`` (its sums ``a``, ``b`` are ``n``-term dot products,
   ``|a_c| <= sqrt(n) |f_c|``, ``|b_c| <= |w_hat_c| |f_c|``, ``|w_hat_c|^2
-  = n q_c``), so ``e_i = L err_i + kappa |f_i|``."""
-  w_hat, s = _scales(op, pb, leaves)
+  = n q_c``), so ``e_i = L err_i + kappa |f_i|``; the computed ``w_hat``
+  and ``s``' Jacobian is within ``j = max_c j_err_c / s_c`` of the exact
+  one (:func:`_scales`), which adds ``j (|f_i| + err_i)``."""
+  w_hat, s, j_err = _scales(op, pb, leaves)
   g = per_example(op, pb, f, leaves, skip, scales=(w_hat, s))
   acc = w_hat.dtype
   n = math.prod(w_hat.shape[:-1])
@@ -450,8 +462,9 @@ def per_example_bound(op, pb, f, leaves: Sequence[Any], err,
   up = 1 + 4 * norm_bounds.dot_error(n + 8, acc, lax.Precision.HIGHEST)
   q_up = q * (1 + g_n) * up
   lip = jnp.max(jnp.maximum(1, q_up) / s) * up
-  kappa = jnp.max((g_4 * (2 + q_up) + g_n * (1 + q_up)) / s) * up
-  lip = jnp.maximum(lip, 1.0)  # (the bias: the identity)
+  j = jnp.max(j_err / s) * up
+  kappa = jnp.max((g_4 * (2 + q_up) + g_n * (1 + q_up)) / s) * up + j
+  lip = jnp.maximum(lip, 1.0) + j  # (the bias: the identity)
   e = kappa * norm_bounds.row_norms(f.astype(acc))
   if err is not None:
     e = e + lip * err.astype(acc)
