@@ -364,6 +364,23 @@ def _standardised_linear(strategy: str):
       return jnp.sum(body(x) * v)
   return hk.transform_with_state(loss_fn), body
 
+def _standardised_ghost_step(b: int, t: int, n: int):
+  """``(body, step, params, state)``: :func:`_standardised_linear` with the
+  ghost strategy, initialised for ``[b, t, n]`` inputs, and its jitted
+  ``clipped_grad`` at ``C = 10^9`` (nothing clipped) with the full aux."""
+  f, body = _standardised_linear("ghost")
+  params, state = f.init(jax.random.PRNGKey(0), np.zeros((b, t, n),
+                                                         np.float32),
+                         np.zeros((b, t, 1), np.float32))
+  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9, full_aux=True))
+  return body, step, params, state
+
+
+def _perturbed(params, rng):
+  """``params`` plus ``N(0, 0.1^2)`` noise drawn from ``rng``."""
+  return jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
+      np.float32) * 0.1, params)
+
 @pytest.mark.parametrize("scale,falls_back,strategy", [
     (10.0, False, "ghost"), (1e3, True, "ghost"), (1e3, None, "auto")],
                          ids=["factors", "factors-exact-fallback",
@@ -942,15 +959,10 @@ def test_a_standardised_bound_keeps_its_corrections_lower_bound(
   monkeypatch.setattr(standardised, "_bound", spy)
 
   b, t, n = 6, 1, 16
-  f, body = _standardised_linear("ghost")
-  params, state = f.init(jax.random.PRNGKey(0), np.zeros((b, t, n),
-                                                         np.float32),
-                         np.zeros((b, t, 1), np.float32))
-  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9, full_aux=True))
+  body, step, params, state = _standardised_ghost_step(b, t, n)
   for seed in (6, 7):
     rng = np.random.RandomState(seed)
-    p = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
-        np.float32) * 0.1, params)  # pylint: disable=cell-var-from-loop
+    p = _perturbed(params, rng)
     w_hat = np.asarray(gram_haiku.standardise_weight(p["layer"]["w"]),
                        np.float64)
     for scale in (30.0, 100.0, 300.0, 1000.0):
@@ -1068,15 +1080,10 @@ def test_a_standardised_bound_counts_the_rounding_of_its_channel_sums(
   monkeypatch.setattr(standardised, "_bound", spy)
 
   b, t, n = 6, 2, 16
-  f, _ = _standardised_linear("ghost")
-  params, state = f.init(jax.random.PRNGKey(0), np.zeros((b, t, n),
-                                                         np.float32),
-                         np.zeros((b, t, 1), np.float32))
-  step = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9, full_aux=True))
+  _, step, params, state = _standardised_ghost_step(b, t, n)
   for seed in (0, 1):
     rng = np.random.RandomState(seed)
-    p = jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
-        np.float32) * 0.1, params)  # pylint: disable=cell-var-from-loop
+    p = _perturbed(params, rng)
     offset = rng.uniform(0.5, 1.5, size=(b, t, 1)) * 1e4
     offset[:, 1] *= -1
     x = (offset + rng.normal(size=(b, t, n))).astype(np.float32)
