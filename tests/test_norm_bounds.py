@@ -1,8 +1,11 @@
 """``norm_bounds.sum_of_squares``: both of its evaluations (a padded
 reshape for small rows, a loop over blocks of column chunks for large
-ones) are
-within :func:`norm_bounds.squares_rel` of the float64 sum, on rows whose
-terms span many magnitudes, under ``jit`` and ``vmap``."""
+ones) are within :func:`norm_bounds.squares_rel` of the float64 sum, on
+rows whose terms span many magnitudes, under ``jit`` and ``vmap``; and the
+module's other rounding bounds (one division's,
+:func:`norm_bounds.division_error`) against float64."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +126,36 @@ def test_a_wide_output_layers_ghost_bound_is_tight(monkeypatch):
   assert np.all(np.asarray(bound, np.float64) <= true * 1.01)
   monkeypatch.setattr(norm_bounds, "KERNEL_LEVEL_FEATURES", 1 << 30)
   assert np.all(norms(x, d)[1])  # (one level: loose)
+
+
+def _lowered_constants(fn, platform: str) -> set[float]:
+  """The float constants of ``fn``'s program lowered for ``platform``
+  (lowering needs no such device)."""
+  text = jax.jit(fn).trace().lower(lowering_platforms=(platform,)).as_text()
+  found = set()
+  for literal in re.findall(r"dense<([0-9.eE+-]+)>", text):
+    try:
+      found.add(float(literal))
+    except ValueError:
+      pass
+  return found
+
+
+def test_a_division_is_counted_as_a_tpu_divides():
+  """One float32 division's rounding: the unit roundoff where it is
+  IEEE-rounded (this CPU: checked on divisions of random numbers), four
+  times it in a program lowered for a TPU (a refined reciprocal); float64
+  is IEEE everywhere."""
+  u = float(jnp.finfo(jnp.float32).eps) / 2
+  assert float(norm_bounds.division_error(jnp.float32)) == u
+  rng = np.random.default_rng(0)
+  a = rng.lognormal(0, 8, 10_000).astype(np.float32)
+  b = rng.lognormal(0, 8, 10_000).astype(np.float32)
+  got = np.asarray(jnp.asarray(a) / jnp.asarray(b), np.float64)
+  exact = np.float64(a) / np.float64(b)
+  assert np.max(np.abs(got - exact) / exact) <= u
+  fn = lambda: norm_bounds.division_error(jnp.float32)
+  assert 4.0 in _lowered_constants(fn, "tpu")
+  assert 4.0 not in _lowered_constants(fn, "cpu")
+  assert 4.0 not in _lowered_constants(
+      lambda: norm_bounds.division_error(jnp.float64), "tpu")

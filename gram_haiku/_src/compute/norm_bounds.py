@@ -100,6 +100,19 @@ def dot_error(n, dtype, precision) -> jax.Array:
   return out
 
 
+def division_error(dtype) -> jax.Array:
+  """``e`` with ``|fl(a / b) - a / b| <= e |a / b|`` for one division in
+  ``dtype``: the unit roundoff ``u`` where division is IEEE-rounded, and
+  ``4 u`` in a program compiled for a TPU, which divides by a refined
+  reciprocal (the same allowance :func:`dot_error` makes for its float32
+  products). A float32 scalar."""
+  u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
+  if jnp.dtype(dtype) != jnp.float64:
+    u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
+                                   default=lambda: jnp.float32(1))
+  return u
+
+
 def count(n) -> jax.Array:
   """A size (an int, or a symbolic size under ``jax.export``) as a float32
   scalar."""

@@ -305,7 +305,6 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   n = math.prod(w_hat.shape[:-1])
   positions = _by_position(op, dd).shape[1]
   c_count = w_hat.shape[-1]
-  u = float(jnp.finfo(acc).eps) / 2
   g_n = norm_bounds.dot_error(n, acc, lax.Precision.HIGHEST)  # (_output's)
   g_t = norm_bounds.dot_error(positions, acc, lax.Precision.HIGHEST)
   g_c = norm_bounds.dot_error(2 * c_count + 8, acc, lax.Precision.HIGHEST)
@@ -337,7 +336,8 @@ def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
   root_c = jnp.maximum(jnp.sqrt(c_hat) * (1 - g_c) - e_q, 0)
   kernel_sq = jnp.maximum(lead - jnp.square(root_c) * (1 - g_c), 0) * up
   m_norm = jnp.maximum(1, jnp.max(q_up))
-  e_div = (u / (1 - u)) * norm_bounds.row_norms(q_sum) * up
+  u_div = norm_bounds.division_error(acc)  # (D' = fl(d / s))
+  e_div = (u_div / (1 - u_div)) * norm_bounds.row_norms(q_sum) * up
   kernel_norm = (jnp.sqrt(kernel_sq) * up + m_norm * e_div +
                  jnp.max(j_err) * (jnp.sqrt(lead) + e_div) * up)
   value = jnp.square(kernel_norm) * up
