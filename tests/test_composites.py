@@ -103,8 +103,10 @@ def _attention_sizes_and_mask(x):
   t = x.shape[1]
   lengths = 1 + jnp.argmax(x[:, :, 0], axis=1)
   mask = jnp.arange(t)[None, None, None, :] < lengths[:, None, None, None]
-  out = hk.MultiHeadAttention(2, 3, value_size=5, model_size=7,
-                              w_init_scale=0.5)(x, x, jnp.sin(x), mask=mask)
+  out = hk.MultiHeadAttention(
+      2, 3, value_size=5, model_size=7,
+      w_init=hk.initializers.VarianceScaling(0.5))(x, x, jnp.sin(x),
+                                                   mask=mask)
   return jnp.sum(jnp.tanh(out) ** 2, axis=(1, 2))
 
 
