@@ -364,6 +364,21 @@ def _standardised_linear(strategy: str):
       return jnp.sum(body(x) * v)
   return hk.transform_with_state(loss_fn), body
 
+def _spy_on_looseness(standardised, monkeypatch) -> list:
+  """A list that records, per run of the standardised closed form's bound
+  (:func:`standardised._bound`), whether it was loose for any example
+  (the exact fallback then runs)."""
+  seen = []
+  bound = standardised._bound
+
+  def spy(*args):
+    value, loose = bound(*args)
+    jax.debug.callback(lambda l: seen.append(bool(np.any(l))), loose)
+    return value, loose
+  monkeypatch.setattr(standardised, "_bound", spy)
+  return seen
+
+
 def _standardised_ghost_step(b: int, t: int, n: int):
   """``(body, step, params, state)``: :func:`_standardised_linear` with the
   ghost strategy, initialised for ``[b, t, n]`` inputs, and its jitted
@@ -400,14 +415,7 @@ def test_a_standardised_layer_whose_gradient_cancels_is_clipped(
   per-example gradients are the smaller store (``strategy="auto"`` here),
   they are kept and pulled back in closed form, bounded as well."""
   from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
-  seen = []
-  bound = standardised._bound
-
-  def spy(*args):
-    value, loose = bound(*args)
-    jax.debug.callback(lambda l: seen.append(bool(np.any(l))), loose)
-    return value, loose
-  monkeypatch.setattr(standardised, "_bound", spy)
+  seen = _spy_on_looseness(standardised, monkeypatch)
 
   rng = np.random.RandomState(0)
   b, t, n = 6, 3, 16
@@ -455,14 +463,7 @@ def test_a_standardised_conv_bound_is_tight_under_an_accelerators_rounding(
   from gram_haiku._src.passes import standardised  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(standardised.norm_bounds, "dot_error",
                       _accelerator_dot_error(norm_bounds.dot_error))
-  seen = []
-  bound = standardised._bound
-
-  def spy(*args):
-    value, loose = bound(*args)
-    jax.debug.callback(lambda l: seen.append(bool(np.any(l))), loose)
-    return value, loose
-  monkeypatch.setattr(standardised, "_bound", spy)
+  seen = _spy_on_looseness(standardised, monkeypatch)
 
   def body(x):
     with hk.custom_getter(lambda nxt, w, c: gram_haiku.standardise_weight(
