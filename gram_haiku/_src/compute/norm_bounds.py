@@ -88,11 +88,7 @@ def dot_error(n, dtype, precision) -> jax.Array:
   below ``HIGHEST`` in a program compiled for a TPU or GPU, which may round
   each factor to bfloat16 (or TF32) first (XLA's CPU backend multiplies
   float32 in float32 at every precision). A float32 scalar (inf where ``(n + 1) u >= 1``)."""
-  u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
-  if jnp.dtype(dtype) != jnp.float64:
-    u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
-                                   default=lambda: jnp.float32(1))
-  nu = (count(n) + 1) * u
+  nu = (count(n) + 1) * _op_roundoff(dtype)
   out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
   if precision != lax.Precision.HIGHEST:  # (XLA's CPU dots stay float32.)
     out = out + lax.platform_dependent(cpu=lambda: jnp.float32(0),
@@ -106,6 +102,14 @@ def division_error(dtype) -> jax.Array:
   ``4 u`` in a program compiled for a TPU, which divides by a refined
   reciprocal (the same allowance :func:`dot_error` makes for its float32
   products). A float32 scalar."""
+  return _op_roundoff(dtype)
+
+
+def _op_roundoff(dtype) -> jax.Array:
+  """The unit roundoff of one operation in ``dtype`` as the bounds count
+  it: ``u``, and ``4 u`` below float64 in a program compiled for a TPU
+  (float32 products from bfloat16 passes, division by a refined
+  reciprocal). A float32 scalar."""
   u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
   if jnp.dtype(dtype) != jnp.float64:
     u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
@@ -355,15 +359,10 @@ def sum_of_squares(a: jax.Array) -> jax.Array:
   a = a.reshape(a.shape[:1] + (math.prod(a.shape[1:]),))
   p = a.shape[-1]
   split = _split(p)
-  if split is None:
-    return jnp.sum(jnp.square(a), axis=-1)
-  rows, k = split
-  if (cost_model.size_hint(a.shape[0]) * p * jnp.dtype(a.dtype).itemsize >
-      LOOP_BYTES):
-    return _chunked_sum_of_squares(a, k)
-  a = jnp.pad(a, [(0, 0), (0, rows * k - p)])
-  part = jnp.sum(jnp.square(a.reshape((a.shape[0], rows, k))), axis=-1)
-  return jnp.sum(lax.optimization_barrier(part), axis=-1)
+  if split is not None and (cost_model.size_hint(a.shape[0]) * p *
+                            jnp.dtype(a.dtype).itemsize > LOOP_BYTES):
+    return _chunked_sum_of_squares(a, split[1])
+  return sum_in_two_levels(jnp.square(a))
 
 
 def _chunked_sum_of_squares(a: jax.Array, k: int) -> jax.Array:
