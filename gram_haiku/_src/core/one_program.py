@@ -139,9 +139,9 @@ def compiled_when_eager(fn: Callable[..., Any],
   # it, until it has warned.
   variants = {}
 
-  def count(treedef, static, dynamic):
+  def count(treedef, static, signature):
     shape = (treedef, tuple((i, t, None if t in _NUMBERS else v)
-                            for i, t, v in static), _signature(dynamic))
+                            for i, t, v in static), signature)
     seen = variants.setdefault(shape, {})
     if seen is None:  # (Warned already.)
       return
@@ -176,12 +176,13 @@ def compiled_when_eager(fn: Callable[..., Any],
         return fn(*args, **kwargs)
     except TypeError:  # (Unhashable.)
       return fn(*args, **kwargs)
-    count(treedef, static, dynamic)
+    signature = _signature(dynamic)
+    count(treedef, static, signature)
     try:
       arrays = jitted(treedef, static, *dynamic)
     except _NEEDS_VALUES:  # (Raised while tracing: nothing ran.)
       needs_values.add((treedef, static))
       return fn(*args, **kwargs)
-    return rebuild((treedef, static, _signature(dynamic)), arrays)
+    return rebuild((treedef, static, signature), arrays)
 
   return call
