@@ -24,6 +24,18 @@ Gram ``F F^T``, formed several ways, against the layer's plain backward pass
   ahead (one transpose of the input), so that a tap starting at
   ``s q + r`` is phase ``r`` from ``q`` on. A strided slice along a
   TPU's sublanes is a gather; these are not.
+* ``blocked``: ``patches`` a block of examples at a time in a
+  ``lax.map`` (``cost_model.patch_block``: no more patches at once than
+  the layer's input), what the library does where the whole batch's
+  patches exceed its memory budget;
+* ``pallas``: the library's Pallas kernel
+  (:mod:`gram_haiku._src.compute.pallas_conv`; interpret mode off a TPU)
+  in its default layout; ``pallas_in`` with the window's column offset
+  taken ahead of the kernel, ``pallas_d`` and ``pallas_s`` with the other
+  two forms of its products (``pallas_conv.FORMS``).
+
+``--model wrn`` measures the 3x3 convolutions of a WRN-16-4 on 32x32
+images instead of the CNN's; ``--out DIR`` writes ``conv_kernels.json``.
 
 Each is checked against the per-tap kernel at ``HIGHEST`` precision (the
 Gram to ``--rtol``) before it is timed. Times are device time a step (:mod:`benchmarks.device_time`: ``k``
@@ -37,6 +49,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
+import time
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -45,11 +60,21 @@ from jax import lax
 
 from benchmarks import device_time
 from benchmarks import models
+from gram_haiku._src.compute import cost_model
+from gram_haiku._src.compute import pallas_conv
 from gram_haiku._src.ops.conv import im2col
 
 #: ``vmap`` last: on a TPU v5e its program at ``HIGHEST`` had not compiled
 #: after 150 s, so the others are measured (and printed) first.
-KERNELS = ("patches", "taps", "patches_t", "patches_cm", "phases", "vmap")
+KERNELS = ("patches", "taps", "patches_t", "patches_cm", "phases",
+           "blocked", "pallas", "pallas_in", "pallas_d", "pallas_s", "vmap")
+
+#: ``(spatial size, in channels, out channels, stride)`` of the 3x3
+#: convolutions of a WRN-16-4 (widths 16, 64, 128, 256) on 32x32 images
+#: (the 1x1 shortcuts left out).
+WRN_LAYERS = ((32, 3, 16, 1), (32, 16, 64, 1), (32, 64, 64, 1),
+              (32, 64, 128, 2), (16, 128, 128, 1), (16, 128, 256, 2),
+              (8, 256, 256, 1))
 _DN = lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2))
 
 
@@ -154,8 +179,36 @@ def per_example_step(kernel: str, stride: int, precision) -> Callable:
                      w)[1](di[None])[0]
     return _sum_and_gram(jax.vmap(one)(x, d), precision)
 
+  def blocked(w, x, d):
+    del w
+    b = x.shape[0]
+    block = cost_model.patch_block(b, 9 * x.size * 4 // stride**2,
+                                   x.size * 4)
+
+    def one(xd):
+      p, dd = _patches(xd[0][None], xd[1][None], stride)
+      return jnp.einsum("itn,itm->inm", p, dd, precision=precision)[0]
+    return _sum_and_gram(lax.map(one, (x, d), batch_size=block), precision)
+
+  def pallas(shift, form):
+    def step(w, x, d):
+      del w
+      pads = lax.padtype_to_pads(x.shape[1:3], (3, 3), (stride, stride),
+                                 "SAME")
+      per = pallas_conv.per_example_conv_grads_pallas(
+          x, d, (3, 3), strides=(stride, stride), padding=pads,
+          precision=precision, shift=shift, form=form,
+          interpret=jax.default_backend() != "tpu")
+      return _sum_and_gram(per, precision)
+    return step
+
   return {"patches": patches, "patches_t": patches_t,
           "patches_cm": patches_cm, "phases": phases, "taps": taps,
+          "blocked": blocked,
+          "pallas": pallas("kernel", pallas_conv.DEFAULT_FORM),
+          "pallas_in": pallas("input", pallas_conv.DEFAULT_FORM),
+          "pallas_d": pallas("kernel", "d_t"),
+          "pallas_s": pallas("kernel", "d_t_stacked"),
           "vmap": vmapped}[kernel]
 
 
@@ -187,13 +240,26 @@ def layers(image: int = 32, channels: int = 3
 def measure(kernels: Sequence[str] = KERNELS, *, batch_size: int = 64,
             image: int = 32, precision: str = "highest", k: int = 20,
             reps: int = 3, calls: int = 7, rtol: float = 1e-3,
-            seed: int = 0) -> Iterator[dict]:
+            seed: int = 0, model: str = "cnn",
+            only: Sequence[int] = (), timer: str = "looped"
+            ) -> Iterator[dict]:
   """One record per (layer, kernel), as each is measured: ``device_s``,
   ``ratio`` to the layer's plain backward and ``gram_rel_err`` against the
   per-tap kernel at ``HIGHEST``."""
   prec = None if precision == "default" else lax.Precision[precision.upper()]
   key = jax.random.PRNGKey(seed)
-  for size, cin, cout, stride in layers(image):
+  shapes = layers(image) if model == "cnn" else WRN_LAYERS
+  if only:
+    shapes = [shapes[i] for i in only]
+
+  def timed(step, fn):
+    if timer == "dispatched":  # one compile: fn, already run
+      return device_time.dispatched_step_s(lambda: fn(w, x, d), k=k,
+                                           reps=reps, calls=calls)
+    return device_time.step_device_s(_all_args(step), ((w, x, d),), k=k,
+                                     reps=reps, calls=calls)
+
+  for size, cin, cout, stride in shapes:
     k1, k2, k3, key = jax.random.split(key, 4)
     x = jax.random.normal(k1, (batch_size, size, size, cin))
     w = jax.random.normal(k2, (3, 3, cin, cout))
@@ -201,21 +267,29 @@ def measure(kernels: Sequence[str] = KERNELS, *, batch_size: int = 64,
     d = jax.random.normal(k3, (batch_size, out, out, cout))
     ref = jax.jit(per_example_step("taps", stride, lax.Precision.HIGHEST))(
         w, x, d)[1]
-    plain = device_time.step_device_s(_all_args(plain_step(stride)),
-                                      ((w, x, d),), k=k, reps=reps,
-                                      calls=calls)
+    plain_fn = jax.jit(plain_step(stride))
+    jax.block_until_ready(plain_fn(w, x, d))
+    plain = timed(plain_step(stride), plain_fn)
     layer = f"{cin}->{cout}/s{stride}"
     yield {"layer": layer, "kernel": "plain", "device_s": plain,
            "ratio": 1.0, "gram_rel_err": 0.0}
     for name in kernels:
       step = per_example_step(name, stride, prec)
-      gram = jax.jit(step)(w, x, d)[1]
+      fn = jax.jit(step)
+      try:
+        gram = fn(w, x, d)[1]
+      except Exception as e:  # pylint: disable=broad-except
+        # A kernel that does not compile here (a Pallas layout Mosaic
+        # refuses) is reported, and the others still measured.
+        yield {"layer": layer, "kernel": name, "device_s": float("nan"),
+               "ratio": float("nan"), "gram_rel_err": float("nan"),
+               "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        continue
       err = float(jnp.max(jnp.abs(gram - ref)) / jnp.max(jnp.abs(ref)))
       if not err <= rtol:
         raise AssertionError(f"{name} on layer {layer}: Gram relative "
                              f"error {err:.2e} > {rtol:.0e}")
-      t = device_time.step_device_s(_all_args(step), ((w, x, d),), k=k,
-                                    reps=reps, calls=calls)
+      t = timed(step, fn)
       yield {"layer": layer, "kernel": name, "device_s": t,
              "ratio": t / plain if plain > 0 else float("nan"),
              "gram_rel_err": err}
@@ -232,12 +306,46 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--calls", type=int, default=7)
   parser.add_argument("--rtol", type=float, default=1e-3)
+  parser.add_argument("--model", default="cnn", choices=("cnn", "wrn"))
+  parser.add_argument("--layers", default="",
+                      help="indices of the layers to measure, in order "
+                      "(default: all)")
+  parser.add_argument("--timer", default="looped",
+                      choices=("looped", "dispatched"),
+                      help="device time from a looped program, or from "
+                      "steps dispatched back to back (one compile a "
+                      "kernel; for steps of milliseconds)")
+  parser.add_argument("--out", default=None,
+                      help="folder for conv_kernels.json")
   a = parser.parse_args(argv)
-  print(f"device: {jax.devices()[0].device_kind}; precision {a.precision}; "
-        f"B = {a.batch_size}")
+  device = jax.devices()[0].device_kind
+  print(f"device: {device}; precision {a.precision}; B = {a.batch_size}")
+  rows = []
+
+  def write():  # after every row: a run cut short keeps what it measured
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "conv_kernels.json"), "w") as f:
+      json.dump(dict(device=device, backend=jax.default_backend(),
+                     jax=jax.__version__, model=a.model,
+                     batch_size=a.batch_size, precision=a.precision,
+                     timing=f"device time a step ({a.timer}, "
+                     f"benchmarks.device_time), k={a.k}, median of "
+                     f"{a.reps} reps of {a.calls} calls",
+                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     rows=rows), f, indent=1)
+
   for r in measure(a.kernel.split(","), batch_size=a.batch_size,
                    image=a.image, precision=a.precision, k=a.k, reps=a.reps,
-                   calls=a.calls, rtol=a.rtol):
+                   calls=a.calls, rtol=a.rtol, model=a.model,
+                   only=[int(i) for i in a.layers.split(",") if i],
+                   timer=a.timer):
+    rows.append(r)
+    if a.out:
+      write()
+    if "error" in r:
+      print(f"{r['layer']:14s} {r['kernel']:10s} ERROR {r['error']}",
+            flush=True)
+      continue
     print(f"{r['layer']:14s} {r['kernel']:10s} {r['device_s'] * 1e6:10.1f} us"
           f" {r['ratio']:7.2f}x  err {r['gram_rel_err']:.1e}", flush=True)
   return 0

@@ -153,9 +153,9 @@ def test_default_precision_on_a_tpu_reads_bfloat16():
   ``HIGHEST`` keep float32."""
   x, d = _inputs(2, 3, 4, 5, "float32")
   default, highest = lax.Precision.DEFAULT, HIGHEST
-  assert pg._compute_dtype(x, d, default, False) == jnp.bfloat16  # pylint: disable=protected-access
-  assert pg._compute_dtype(x, d, default, True) == jnp.float32  # pylint: disable=protected-access
-  assert pg._compute_dtype(x, d, highest, False) == jnp.float32  # pylint: disable=protected-access
+  assert pg.compute_dtype(x, d, default, False) == jnp.bfloat16
+  assert pg.compute_dtype(x, d, default, True) == jnp.float32
+  assert pg.compute_dtype(x, d, highest, False) == jnp.float32
 
 
 @pytest.mark.parametrize("b,t,n,m", [(128, 65, 384, 1536),

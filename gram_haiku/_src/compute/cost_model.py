@@ -68,6 +68,52 @@ SYMBOLIC_SIZE = 1024
 PALLAS_GHOST_GRAM = ("tpu",)
 
 
+#: Platforms where a 2-d convolution's per-example kernel gradients (the
+#: ``"materialize"`` method, every mode) may run as the Pallas kernel of
+#: :mod:`gram_haiku._src.compute.pallas_conv` (the padded input read into
+#: VMEM once, a product per kernel tap, no im2col patches in HBM) rather
+#: than as XLA's patch products (``conv.probe_cotangent_and_grads``), for
+#: the layers of :func:`pallas_conv_grads_platforms`. Elsewhere Pallas
+#: runs only in interpret mode (the tests put ``"cpu"`` here).
+PALLAS_CONV_GRADS = ("tpu",)
+
+#: The layers the kernel was measured faster on. One TPU v5e chip,
+#: 2026-12-07, jax 0.10.2, ``python -m benchmarks.conv_kernels --model
+#: wrn --batch_size 256`` (device time, float32, ``HIGHEST``; the kernel's
+#: ``"window_t"`` form, :data:`pallas_conv.DEFAULT_FORM`), against XLA's
+#: patches (whole batch / blocked, what the library runs):
+#:
+#: * 3x3, 64 -> 64 channels, 32x32, stride 1: **3.05 ms** against 4.44 /
+#:   4.11 ms (1.35x faster than the blocked patches);
+#: * 3x3, 16 -> 64, 32x32: 2.27 ms against 1.59 / 1.86 ms (slower);
+#: * 3x3, 3 -> 16, 32x32: 2.15 ms against 0.16 / 0.46 ms (far slower: the
+#:   three channels fill 3 of 128 lanes).
+#:
+#: So it is taken from :data:`PALLAS_CONV_MIN_CHANNELS` input channels and
+#: :data:`PALLAS_CONV_MIN_POSITIONS` output positions per example (a
+#: program of one example), at unit stride: the configuration compiled and
+#: checked on the chip. Strided layers and smaller maps (several examples
+#: a program) ran only in interpret mode (the device was withdrawn before
+#: they were measured), so they keep the patch path.
+PALLAS_CONV_MIN_CHANNELS = 64
+PALLAS_CONV_MIN_POSITIONS = 512
+PALLAS_CONV_STRIDED = False
+
+
+def pallas_conv_grads_platforms(channels: int, positions: int,
+                                unit_stride: bool) -> tuple[str, ...]:
+  """The platforms of :data:`PALLAS_CONV_GRADS` on which a convolution of
+  ``channels`` input channels (per feature group) and ``positions`` output
+  positions per example, at unit stride or not, runs the Pallas kernel
+  (the measured scope above); ``()``: the patch path. The layout checks
+  (2-d, one group, VMEM) are the rule's (``conv._pallas_platforms``)."""
+  if (not PALLAS_CONV_GRADS or channels < PALLAS_CONV_MIN_CHANNELS or
+      positions < PALLAS_CONV_MIN_POSITIONS or
+      not (unit_stride or PALLAS_CONV_STRIDED)):
+    return ()
+  return tuple(PALLAS_CONV_GRADS)
+
+
 def pallas_ghost_gram_platforms(x, d, spread: bool) -> tuple[str, ...]:
   """The platforms of :data:`PALLAS_GHOST_GRAM` on which the ghost Gram of
   ``x: (B, T, N)``, ``d: (B, T, M)`` can run as the Pallas kernel: the

@@ -131,9 +131,24 @@ def _elementwise_u(dtype) -> float:
 
 def row_norms(a: jax.Array) -> jax.Array:
   """``|a_t|`` over the last axis, rounded up by its own rounding bound."""
-  n = a.shape[-1]
-  sq = jnp.sum(jnp.square(a), axis=-1)
-  return jnp.sqrt(sq * (1 + 2 * _elementwise_u(a.dtype) * (count(n) + 4)))
+  return norms_of_sq_sums(jnp.sum(jnp.square(a), axis=-1), a.shape[-1])
+
+
+def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
+  """Norms from sums ``sq`` of ``n`` squares each, summed in any order (in
+  ``sq``'s dtype, exact adds), rounded up by their rounding bound: the
+  squares and the sum are within ``(1 + u)^(n + 1)`` of the exact value,
+  below ``1 + 2 u (n + 4)``."""
+  return jnp.sqrt(sq * (1 + 2 * _elementwise_u(sq.dtype) * (count(n) + 4)))
+
+
+def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:
+  """The sum of nonnegative ``terms`` over ``axis``, in any order, rounded up
+  by its rounding bound (``n`` terms: ``1 + 2 u (n + 4)``)."""
+  axes = (axis,) if isinstance(axis, int) else tuple(axis)
+  n = math.prod(terms.shape[a] for a in axes)
+  return jnp.sum(terms, axis=axis) * (
+      1 + 2 * _elementwise_u(terms.dtype) * (count(n) + 4))
 
 
 def of_sum(err_a: jax.Array, err_b: jax.Array, s: jax.Array) -> jax.Array:

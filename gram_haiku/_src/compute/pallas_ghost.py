@@ -59,7 +59,8 @@ pairs of them ``t <= s`` (off-diagonal tile pairs counted twice), up to 8
 examples per program.
 
 Every ``jax.experimental.pallas`` import of the package is in this module
-(an experimental API). Interpret mode (``interpret=True``) runs the same
+and in :mod:`gram_haiku._src.compute.pallas_conv` (an experimental API),
+which shares its dtype, precision and VMEM helpers. Interpret mode (``interpret=True``) runs the same
 kernels on any backend, which is how the tests check them on the CPU.
 """
 
@@ -144,7 +145,7 @@ def _pow2_at_least(v: int) -> int:
   return 1 << max(0, (v - 1).bit_length())
 
 
-def _sublanes(dtype) -> int:
+def sublanes(dtype) -> int:
   """Rows of a native tile: 8 for 32-bit, 16 for 16-bit types."""
   return 8 * 4 // jnp.dtype(dtype).itemsize
 
@@ -206,7 +207,7 @@ def _check(x, d, name: str):
                                           "ghost_gram_pallas", name))
 
 
-def _compute_dtype(x, d, precision: lax.Precision, interpret: bool):
+def compute_dtype(x, d, precision: lax.Precision, interpret: bool):
   """The dtype the kernel reads: bfloat16 where both inputs are, and where
   a TPU runs it at ``DEFAULT`` precision (one bfloat16 pass of the MXU, as
   XLA's ``DEFAULT`` float32 products on a TPU: the cast ahead of the
@@ -218,7 +219,7 @@ def _compute_dtype(x, d, precision: lax.Precision, interpret: bool):
   return jnp.dtype(jnp.float32)
 
 
-def _precision(precision) -> lax.Precision:
+def mxu_precision(precision) -> lax.Precision:
   """None: the library's default (:data:`plan.DEFAULT_PRECISION`). Mosaic
   has one bf16 pass (``DEFAULT``) and float32 products (``HIGHEST``);
   ``HIGH`` takes the latter."""
@@ -371,9 +372,9 @@ def _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
   m = d.shape[-1]
   if b == 0 or v == 0 or t == 0 or n == 0 or m == 0:
     return jnp.zeros((b, v), jnp.float32)
-  precision = _precision(precision)
-  dtype = max(_compute_dtype(x, d, precision, interpret),
-              _compute_dtype(x2, d2, precision, interpret),
+  precision = mxu_precision(precision)
+  dtype = max(compute_dtype(x, d, precision, interpret),
+              compute_dtype(x2, d2, precision, interpret),
               key=lambda dt: dt.itemsize)  # float32 unless both say bf16
   if dtype == jnp.bfloat16:  # exact products in one pass
     precision = lax.Precision.DEFAULT
@@ -430,7 +431,7 @@ def _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
       out_shape=jax.ShapeDtypeStruct((rows_b, nc * LANES), jnp.float32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=_vmem_limit(tiles.vmem_bytes, name, n + m)),
+          vmem_limit_bytes=vmem_limit(tiles.vmem_bytes, name, n + m)),
       cost_estimate=pl.CostEstimate(
           flops=flops, transcendentals=0,
           bytes_accessed=(nb * nt + len(pairs) * nt * nt) * tp * be * (
@@ -446,7 +447,7 @@ def _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
   return (u + u.T)[:b, :b]
 
 
-def _vmem_limit(need: int, name: str, features: int) -> int:
+def vmem_limit(need: int, name: str, features: int) -> int:
   limit = max(32 * 2**20, need + 16 * 2**20)
   if limit > VMEM_LIMIT_BYTES:
     raise ValueError(_TOO_WIDE.format(name, features, need >> 20,
@@ -470,7 +471,7 @@ def norm_tiles(b: int, t: int, n: int, m: int, dtype,
   multiple of 8 sublanes, 16 for bfloat16)."""
   itemsize = jnp.dtype(dtype).itemsize
   n_p, m_p = _round_up(max(n, 1), LANES), _round_up(max(m, 1), LANES)
-  sub = _sublanes(dtype)
+  sub = sublanes(dtype)
   if block_positions is None:
     tp = min(_round_up(t, LANES), 2 * LANES)
     if tp > LANES and _norms_vmem(1, tp, n_p, m_p, itemsize) > (
@@ -535,8 +536,8 @@ def ghost_sq_norms_pallas(x: jax.Array, d: jax.Array, *, precision=None,
   m = d.shape[-1]
   if b == 0 or t == 0 or n == 0 or m == 0:
     return jnp.zeros((b,), jnp.float32)
-  precision = _precision(precision)
-  dtype = _compute_dtype(x, d, precision, interpret)
+  precision = mxu_precision(precision)
+  dtype = compute_dtype(x, d, precision, interpret)
   if dtype == jnp.bfloat16:  # exact products in one pass
     precision = lax.Precision.DEFAULT
   eb, tiles = norm_tiles(b, t, n, m, dtype, block_positions)
@@ -559,7 +560,7 @@ def ghost_sq_norms_pallas(x: jax.Array, d: jax.Array, *, precision=None,
       out_shape=jax.ShapeDtypeStruct((ne, eb, LANES), jnp.float32),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-          vmem_limit_bytes=_vmem_limit(
+          vmem_limit_bytes=vmem_limit(
               tiles.vmem_bytes, "ghost_sq_norms_pallas", n + m)),
       cost_estimate=pl.CostEstimate(
           flops=2 * tiles.b * tiles.t * tiles.t * (tiles.n + tiles.m),

@@ -172,6 +172,24 @@ def _transpose_pads(kernel: Sequence[int], strides: Sequence[int], padding):
   return tuple(pads)
 
 
+def _effective_kernel(kernel: Sequence[int], rhs_dilation: Sequence[int]):
+  return tuple(0 if k == 0 else (k - 1) * r + 1
+               for k, r in zip(kernel, rhs_dilation))
+
+
+def explicit_pads(spatial: Sequence[int], kernel: Sequence[int],
+                  window_strides: Sequence[int], padding: Padding,
+                  rhs_dilation: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  """``padding`` (``"SAME"``, ``"VALID"`` or pairs) as ``(low, high)`` pairs
+  of an input of ``spatial`` size, as ``conv_general_dilated`` resolves it
+  (before any input dilation)."""
+  if isinstance(padding, str):
+    return tuple(lax.padtype_to_pads(
+        spatial, _effective_kernel(kernel, rhs_dilation), window_strides,
+        padding))
+  return tuple(tuple(p) for p in padding)
+
+
 def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
            padding: Padding, lhs_dilation: Sequence[int],
            rhs_dilation: Sequence[int]) -> jax.Array:
@@ -195,13 +213,9 @@ def im2col(x, kernel: Sequence[int], *, window_strides: Sequence[int],
   allowed), resolved as ``conv_general_dilated`` resolves it.
   """
   n = len(kernel)
-  spatial = x.shape[1:1 + n]
-  eff_kernel = tuple(0 if k == 0 else (k - 1) * r + 1
-                     for k, r in zip(kernel, rhs_dilation))
-  if isinstance(padding, str):
-    pads = lax.padtype_to_pads(spatial, eff_kernel, window_strides, padding)
-  else:
-    pads = tuple(padding)
+  eff_kernel = _effective_kernel(kernel, rhs_dilation)
+  pads = explicit_pads(x.shape[1:1 + n], kernel, window_strides, padding,
+                       rhs_dilation)
   # (A pad of a symbolic size, jax.export's, stays symbolic.)
   dim = lambda v: v if not isinstance(v, (int, np.integer)) else int(v)
   config = ([(0, 0, 0)] + [(dim(lo), dim(hi), int(l) - 1) for (lo, hi), l in
@@ -408,30 +422,61 @@ def _grouped(p, d, example_dim, with_bias: bool, method: str, mode: str,
   return out
 
 
-def _triangle(p, d, example_dim, with_bias: bool):
-  """``(tri, T)``: per example, ``sum_{t,f} |p_tf| |d_tf|`` over the output
-  positions ``t`` and groups ``f`` (plus ``sum_t |d_t|`` for the bias), at
-  most the Frobenius norm of the absolute terms that each entry of the
-  per-example gradients sums over its ``T`` positions
-  (:mod:`gram_haiku._src.compute.norm_bounds`)."""
-  groups, n, m = p.shape[-2], p.shape[-1], d.shape[-1]
-  pm = kernels.rows(jnp.moveaxis(p, example_dim, 0), groups, n)
-  dm = kernels.rows(jnp.moveaxis(d, example_dim, 0), groups, m)
-  b, t = pm.shape[:2]
-  tri = norm_bounds.triangle(pm.reshape(b, t * groups, n),
-                             dm.reshape(b, t * groups, m))
+def _triangle(spec: ConvSpec, x, g, kernel, example_dim, with_bias: bool,
+              acc):
+  """``(tri, T)``: per example, ``sum_{t,f} |p_tf| |d_tf|`` over the ``T``
+  output positions ``t`` and groups ``f`` (plus ``sum_t |d_t|`` for the
+  bias), at most the Frobenius norm of the absolute terms that each entry
+  of the per-example gradients sums over its ``T`` positions
+  (:mod:`gram_haiku._src.compute.norm_bounds`), rounded up.
+
+  No patches are formed: a patch's squared norm is the sum of the squared
+  entries in its window, a window sum (``lax.reduce_window``: adds only)
+  of the padded input's per-position squared norms of each group's
+  channels, so this costs a few passes over the input whichever kernel
+  forms the per-example gradients."""
+  n = spec.num_spatial_dims
+  xb, lead = _flatten_lead(spec, x.astype(acc))
+  gb, _ = _flatten_lead(spec, g.astype(acc))
+  if not spec.channels_last:
+    xb, gb = jnp.moveaxis(xb, 1, -1), jnp.moveaxis(gb, 1, -1)
+  groups = spec.groups
+  cg, m = xb.shape[-1] // groups, gb.shape[-1] // groups
+  sq = jnp.sum(jnp.square(xb.reshape(xb.shape[:-1] + (groups, cg))), -1)
+  args = spec.conv_args(kernel)
+  pads = explicit_pads(xb.shape[1:1 + n], kernel, args["window_strides"],
+                       args["padding"], args["rhs_dilation"])
+  sq = lax.pad(sq, jnp.zeros((), sq.dtype),
+               ((0, 0, 0),) + tuple((lo, hi, l - 1) for (lo, hi), l in zip(
+                   pads, args["lhs_dilation"])) + ((0, 0, 0),))
+  ones = (1,) * n
+  sq = lax.reduce_window(
+      sq, jnp.zeros((), sq.dtype), lax.add, (1,) + tuple(kernel) + (1,),
+      (1,) + tuple(args["window_strides"]) + (1,), "VALID",
+      window_dilation=(1,) + tuple(args["rhs_dilation"]) + (1,),
+      base_dilation=(1,) + ones + (1,))
+  if sq.shape[:-1] != gb.shape[:-1]:
+    raise AssertionError(  # A bug here, never a silent bound.
+        f"gram_haiku conv rule ({spec}): patch norms {sq.shape} do not "
+        f"match the output cotangent {gb.shape}.")
+  pn = norm_bounds.norms_of_sq_sums(sq, math.prod(kernel) * cg)
+  dn = norm_bounds.row_norms(gb.reshape(gb.shape[:-1] + (groups, m)))
+  terms = pn * dn  # [N, *out, F]
   if with_bias:
-    tri = tri + jnp.sum(norm_bounds.row_norms(
-        dm.reshape(b, t, groups * m)), axis=1)
-  return tri, t
+    terms = jnp.concatenate([terms, norm_bounds.row_norms(gb)[..., None]],
+                            axis=-1)
+  terms = kernels.rows(jnp.moveaxis(
+      explicit_mesh.split_leading(terms, lead), example_dim, 0))
+  positions = terms.shape[1] // (groups + int(with_bias))
+  return norm_bounds.rounded_up_sum(terms, 1), positions
 
 
-def _materialized_bound(f, p, d, example_dim, with_bias: bool,
-                        cfg: KernelConfig):
+def _materialized_bound(f, spec: ConvSpec, x, g, kernel, example_dim,
+                        with_bias: bool, acc, cfg: KernelConfig):
   """Sound upper bounds of the squared norms of materialised per-example
   gradients ``f: [B, P]`` (:func:`gram_haiku._src.compute.norm_bounds.materialized`
   with :func:`_triangle`)."""
-  tri, t = _triangle(p, d, example_dim, with_bias)
+  tri, t = _triangle(spec, x, g, kernel, example_dim, with_bias, acc)
   return norm_bounds.of_rows(
       f, norm_bounds.dot_error(t, f.dtype, cfg.precision) * tri)
 
@@ -518,6 +563,83 @@ def _to_kernel_layout(spec: ConvSpec, w, like):
   return lambda a: vjp(a)[0]
 
 
+def _pallas_platforms(spec: ConvSpec, x, g, w, example_dim: int, acc,
+                      cfg: KernelConfig) -> tuple[str, ...]:
+  """The platforms of :func:`cost_model.pallas_conv_grads_platforms` (the
+  layers it was measured faster on) on which the per-example gradients
+  run as the kernel of :mod:`gram_haiku._src.compute.pallas_conv`: a 2-d
+  convolution (not
+  transposed: no input dilation) of one feature group, the examples as
+  the one leading axis on one device (not under ``shard_map``'s columns
+  or an Explicit mesh), every size known, float32 or bfloat16, and a
+  layout whose program fits VMEM. ``()``: the patch path."""
+  n = spec.num_spatial_dims
+  if (n != 2 or spec.transpose or spec.groups != 1 or
+      example_dim != 0 or spec.lead_ndim(x) != 1 or cfg.column_axes or
+      explicit_mesh.under_explicit_mesh() or
+      explicit_mesh.explicit_spec(x) is not None or
+      jnp.dtype(acc) not in (jnp.dtype(jnp.float32),
+                             jnp.dtype(jnp.bfloat16)) or
+      not all(isinstance(v, int) for v in (*x.shape, *g.shape))):
+    return ()
+  kernel = tuple(w.shape[:n])
+  xs, gs = x.shape, g.shape
+  if not spec.channels_last:
+    xs, gs = (xs[0], *xs[2:], xs[1]), (gs[0], *gs[2:], gs[1])
+  args = spec.conv_args(kernel)
+  platforms = cost_model.pallas_conv_grads_platforms(
+      xs[-1], gs[1] * gs[2], all(s == 1 for s in args["window_strides"]))
+  if not platforms:
+    return ()
+  from gram_haiku._src.compute import pallas_conv  # pylint: disable=g-import-not-at-top
+  try:
+    pallas_conv.plan(xs, gs, kernel, args["window_strides"],
+                     explicit_pads(xs[1:3], kernel, args["window_strides"],
+                                   args["padding"], args["rhs_dilation"]),
+                     args["rhs_dilation"], acc)
+  except ValueError:
+    return ()
+  return platforms
+
+
+def _pallas_per_example(spec: ConvSpec, w, with_bias: bool, acc,
+                        cfg: KernelConfig, platform: str):
+  """``(x, g, p, d) -> (per, db)`` as the patch path's, the kernel
+  gradients by :func:`pallas_conv.per_example_conv_grads_pallas` (in
+  interpret mode off a TPU), never reading the patches ``p``. Its JVP is
+  the patch path's (the kernel has none)."""
+  from gram_haiku._src.compute import pallas_conv  # pylint: disable=g-import-not-at-top
+  n = spec.num_spatial_dims
+  kernel = tuple(w.shape[:n])
+  args = spec.conv_args(kernel)
+
+  @jax.custom_jvp
+  def per_example(x, g):
+    xb, gb = x.astype(acc), g.astype(acc)
+    if not spec.channels_last:
+      xb, gb = jnp.moveaxis(xb, 1, -1), jnp.moveaxis(gb, 1, -1)
+    pads = explicit_pads(xb.shape[1:1 + n], kernel, args["window_strides"],
+                         args["padding"], args["rhs_dilation"])
+    per = pallas_conv.per_example_conv_grads_pallas(
+        xb, gb, kernel, strides=args["window_strides"], padding=pads,
+        rhs_dilation=args["rhs_dilation"], precision=cfg.precision,
+        interpret=platform != "tpu")
+    return per[:, None].astype(acc)  # [B, F = 1, n, m]
+
+  @per_example.defjvp
+  def _(primals, tangents):
+    def patches(x, g):
+      pe, de = _patches_and_cotangents(spec, x, g, w, acc)
+      return _per_example(pe, de, 0, False, cfg.precision)[0]
+    return jax.jvp(patches, primals, tangents)
+
+  def fn(x, g, p, d):
+    del p
+    db = kernels.rows(d.sum(axis=1)) if with_bias else None
+    return per_example(x, g), db
+  return fn
+
+
 def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
                               wanted, cfg: KernelConfig, *, spec: ConvSpec):
   """The probe's value by ``mode``; materialised per-example gradients
@@ -552,11 +674,11 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
       return per_e[0], None if db_e is None else db_e[0]
     return lax.map(one, (x, g), batch_size=block)
 
-  if block is None:
-    per, db = whole(x, g, p, d)
-  elif p.size * jnp.dtype(p.dtype).itemsize > cfg.memory_budget_bytes:
-    per, db = blocked(x, g, p, d)
-  else:
+  def patch_path(x, g, p, d):
+    if block is None:
+      return whole(x, g, p, d)
+    if p.size * jnp.dtype(p.dtype).itemsize > cfg.memory_budget_bytes:
+      return blocked(x, g, p, d)
     # Blocks save memory at the cost of a loop over them: on the CPU the
     # loop is free (its steps are as large as the patches of the whole
     # batch would be), on a GPU it serialises small kernels (the
@@ -564,8 +686,14 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
     # 1.24x whole; DP step 1.58x and 1.26x). So the patches are blocked
     # on the CPU only, unless they exceed the memory budget. Both
     # branches are traced; the compiler keeps the one of its platform.
-    per, db = lax.platform_dependent(x, g, p, d, cpu=blocked,
-                                     default=whole)
+    return lax.platform_dependent(x, g, p, d, cpu=blocked, default=whole)
+
+  # The Pallas kernel (no patches in HBM) where it was measured faster.
+  platforms = _pallas_platforms(spec, x, g, w, e, acc, cfg)
+  per, db = lax.platform_dependent(
+      x, g, p, d, default=patch_path,
+      **{pf: _pallas_per_example(spec, w, b is not None, acc, cfg, pf)
+         for pf in platforms})
   flat = per
   if mode == "per_example":
     # In the kernel's own layout, like every op's per-example gradients.
@@ -574,7 +702,9 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
   if db is not None:
     f = jnp.concatenate([f, db], axis=1)
   if mode == "norms" and cfg.upper_bound:
-    value = _materialized_bound(f, p, d, e, b is not None, cfg)
+    value = _materialized_bound(f, spec, x, g,
+                                tuple(w.shape[:spec.num_spatial_dims]), e,
+                                b is not None, acc, cfg)
   else:
     value = kernels.probe_value(mode, f, cfg)
   provided = {}
