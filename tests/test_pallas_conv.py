@@ -347,3 +347,34 @@ def test_the_patch_free_triangle_is_the_patch_triangle(spec_kw, x_shape,
   u = 2.0**-24
   slack = 2 * u * (t * (groups + 1) + p.shape[-1] + d.shape[-1] + 12)
   assert np.all(tri <= want * (1 + slack))
+
+
+def test_the_kernels_branch_differentiates_like_the_patch_path(
+    kernel_on_the_cpu, monkeypatch):
+  """A loss of the rule's Gram differentiates through the kernel's branch
+  (the kernel has no JVP of its own: the patch path's is used), with the
+  patch path's values."""
+  del kernel_on_the_cpu
+  calls = []
+  kernel = pc.per_example_conv_grads_pallas
+  monkeypatch.setattr(pc, "per_example_conv_grads_pallas",
+                      lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+  spec = conv_op.ConvSpec(num_spatial_dims=2, stride=(1, 1), rate=(1, 1))
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((3, 5, 5, 2)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3, 3, 2, 4)), jnp.float32)
+  b = jnp.zeros((4,), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((3, 5, 5, 4)), jnp.float32)
+  cfg = conv_op.KernelConfig(method="materialize",
+                             precision=lax.Precision.HIGHEST)
+  loss = lambda x, g: jnp.sum(jnp.sin(conv_op.gram(x, g, (w, b), 0, cfg,
+                                                   spec=spec)))
+  got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, g)
+  got_t = jax.jvp(loss, (x, g), (g[..., :2], x[..., :1] * g))[1]
+  assert calls
+  monkeypatch.setattr(cost_model, "PALLAS_CONV_GRADS", ())
+  want = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, g)
+  want_t = jax.jvp(loss, (x, g), (g[..., :2], x[..., :1] * g))[1]
+  for a, c in zip(got, want):
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5 * np.abs(c).max())
+  np.testing.assert_allclose(got_t, want_t, rtol=1e-5)

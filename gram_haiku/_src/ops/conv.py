@@ -449,12 +449,10 @@ def _triangle(spec: ConvSpec, x, g, kernel, example_dim, with_bias: bool,
   sq = lax.pad(sq, jnp.zeros((), sq.dtype),
                ((0, 0, 0),) + tuple((lo, hi, l - 1) for (lo, hi), l in zip(
                    pads, args["lhs_dilation"])) + ((0, 0, 0),))
-  ones = (1,) * n
   sq = lax.reduce_window(
       sq, jnp.zeros((), sq.dtype), lax.add, (1,) + tuple(kernel) + (1,),
       (1,) + tuple(args["window_strides"]) + (1,), "VALID",
-      window_dilation=(1,) + tuple(args["rhs_dilation"]) + (1,),
-      base_dilation=(1,) + ones + (1,))
+      window_dilation=(1,) + tuple(args["rhs_dilation"]) + (1,))
   if sq.shape[:-1] != gb.shape[:-1]:
     raise AssertionError(  # A bug here, never a silent bound.
         f"gram_haiku conv rule ({spec}): patch norms {sq.shape} do not "
@@ -566,13 +564,13 @@ def _to_kernel_layout(spec: ConvSpec, w, like):
 def _pallas_platforms(spec: ConvSpec, x, g, w, example_dim: int, acc,
                       cfg: KernelConfig) -> tuple[str, ...]:
   """The platforms of :func:`cost_model.pallas_conv_grads_platforms` (the
-  layers it was measured faster on) on which the per-example gradients
-  run as the kernel of :mod:`gram_haiku._src.compute.pallas_conv`: a 2-d
-  convolution (not
-  transposed: no input dilation) of one feature group, the examples as
-  the one leading axis on one device (not under ``shard_map``'s columns
-  or an Explicit mesh), every size known, float32 or bfloat16, and a
-  layout whose program fits VMEM. ``()``: the patch path."""
+  layers the kernel was measured faster on) on which the per-example
+  gradients run as the kernel of :mod:`gram_haiku._src.compute.pallas_conv`:
+  a 2-d convolution, not transposed (no input dilation), of one feature
+  group; the examples the one leading axis, on one device (not under
+  ``shard_map``'s columns or an Explicit mesh); every size known; float32
+  or bfloat16; a layout whose program fits VMEM. ``()``: the patch
+  path."""
   n = spec.num_spatial_dims
   if (n != 2 or spec.transpose or spec.groups != 1 or
       example_dim != 0 or spec.lead_ndim(x) != 1 or cfg.column_axes or
@@ -690,10 +688,13 @@ def probe_cotangent_and_grads(x, g, params, example_dim: int, mode: str,
 
   # The Pallas kernel (no patches in HBM) where it was measured faster.
   platforms = _pallas_platforms(spec, x, g, w, e, acc, cfg)
-  per, db = lax.platform_dependent(
-      x, g, p, d, default=patch_path,
-      **{pf: _pallas_per_example(spec, w, b is not None, acc, cfg, pf)
-         for pf in platforms})
+  if platforms:
+    per, db = lax.platform_dependent(
+        x, g, p, d, default=patch_path,
+        **{pf: _pallas_per_example(spec, w, b is not None, acc, cfg, pf)
+           for pf in platforms})
+  else:
+    per, db = patch_path(x, g, p, d)
   flat = per
   if mode == "per_example":
     # In the kernel's own layout, like every op's per-example gradients.
