@@ -117,6 +117,10 @@ SAMPLED_SWEEPS = {
     # nested ones, a checkpoint in a scan and hk.dynamic_unroll, thorough).
     "tests/test_program_rules_calls.py::"
     "test_sites_inside_calls_are_the_reference": 2,
+    # The Pallas conv kernel in interpret mode (slow on the CPU): one case
+    # in two against float64, one data format of the tracked CNN.
+    "tests/test_pallas_conv.py::test_matches_float64_and_the_patch_path": 2,
+    "tests/test_pallas_conv.py::test_a_tracked_cnn_through_the_kernel": 2,
 }
 
 

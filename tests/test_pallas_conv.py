@@ -178,6 +178,26 @@ def test_tpu_lowering():
 # -- Through the conv rule ------------------------------------------------------
 
 
+def test_a_tpu_program_takes_the_kernel_in_its_measured_scope():
+  """``clipped_grad`` of a two-conv model exported for a TPU from the CPU
+  (``jax.export``): the 64 -> 64 channel conv at 32x32 (the measured
+  scope) lowers to the Pallas kernel, the 8-channel one keeps the patch
+  path; what a TPU compiles."""
+  def loss(x):
+    with gram_haiku.track(strategy="materialize"):
+      h = hk.Conv2D(64, 3, with_bias=False)(x)
+      return jnp.sum(hk.Conv2D(64, 3)(jax.nn.relu(h)) ** 2)
+  f = hk.transform_with_state(loss)
+  x = jnp.zeros((2, 32, 32, 8), jnp.float32)
+  params, state = f.init(jax.random.key(0), x)
+  exported = jax.export.export(
+      jax.jit(gram_haiku.clipped_grad(f.apply, 1.0)),
+      platforms=["tpu"])(params, state, None, x)
+  text = exported.mlir_module()
+  assert text.count("tpu_custom_call") == 1
+  assert "_per_example_conv_kernel" in text
+
+
 @pytest.fixture
 def kernel_on_the_cpu(monkeypatch):
   """The kernel selected for every layer it can run, in interpret mode on

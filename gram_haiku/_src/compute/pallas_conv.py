@@ -236,7 +236,8 @@ def _slabs(x, p: Plan, strides) -> jax.Array:
   return jnp.stack(out, axis=1)
 
 
-def _kernel(x_ref, d_ref, o_ref, *, taps, ho, wo_p, be, precision, form):
+def _per_example_conv_kernel(x_ref, d_ref, o_ref, *, taps, ho, wo_p, be,
+                             precision, form):
   dot = functools.partial(lax.dot_general, precision=(precision, precision),
                           preferred_element_type=jnp.float32)
   for e in range(be):
@@ -322,7 +323,7 @@ def per_example_conv_grads_pallas(
     dp = jnp.swapaxes(dp, 1, 2)  # [B, O, T]
   out_block = {"window_t": (taps, p.c_p, o), "d_t": (taps, o, p.c_p),
                "d_t_stacked": (o, taps * p.c_p)}[form]
-  kern = functools.partial(_kernel, taps=p.taps, ho=p.ho, wo_p=p.wo_p,
+  kern = functools.partial(_per_example_conv_kernel, taps=p.taps, ho=p.ho, wo_p=p.wo_p,
                            be=p.be, precision=precision, form=form)
   q = len(p.slabs)
   itemsize = jnp.dtype(dtype).itemsize
