@@ -266,12 +266,16 @@ def test_a_tracked_cnn_through_the_kernel(data_format, monkeypatch,
   params = plain.init(jax.random.key(0), x)
   f = hk.without_apply_rng(hk.transform_with_state(tracked))
   _, state = f.init(jax.random.key(0), x)
-  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, x)
   assert len(calls) == 3
   per_example = lambda p, xi: plain.apply(p, xi).sum()
   ref = reference.reference_gram(per_example, params, x, upcast=True)
   assert _rel(grams.total, ref) < 1e-5
+  # The summed gradient is the kernel's per-example gradients' sum.
+  want_grads = jax.grad(lambda p: plain.apply(p, x).sum())(params)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
   calls.clear()
   clip = 0.3
@@ -398,3 +402,49 @@ def test_the_kernels_branch_differentiates_like_the_patch_path(
   for a, c in zip(got, want):
     np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-5 * np.abs(c).max())
   np.testing.assert_allclose(got_t, want_t, rtol=1e-5)
+
+
+def test_a_standardised_conv_clips_through_the_kernel(kernel_on_the_cpu,
+                                                      monkeypatch):
+  """A WRN block's conv (``standardise_weight``, then GroupNorm), its
+  per-example gradients materialised by the kernel (the closed form reads
+  them in the kernel's layout): the clip norms are sound and tight against
+  float64, and the clipped sum is the float64 one."""
+  del kernel_on_the_cpu
+  calls = []
+  kernel = pc.per_example_conv_grads_pallas
+  monkeypatch.setattr(pc, "per_example_conv_grads_pallas",
+                      lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+
+  def body(x):
+    with hk.custom_getter(lambda nxt, w, c: gram_haiku.standardise_weight(
+        nxt(w)) if c.name == "w" else nxt(w)):
+      h = hk.Conv2D(8, 3, name="conv")(x)
+    return hk.GroupNorm(4, name="norm")(h)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="materialize"):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  rng = np.random.RandomState(3)
+  x = np.maximum(rng.normal(size=(4, 6, 6, 5)), 0).astype(np.float32)
+  v = rng.normal(size=(4, 6, 6, 8)).astype(np.float32)
+  params, state = f.init(jax.random.PRNGKey(0), x, v)
+  clip = 0.5
+  grads, aux = jax.jit(gram_haiku.clipped_grad(f.apply, clip))(
+      params, state, None, x, v)
+  assert calls
+  with jax.enable_x64(True):
+    wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    per = jax.vmap(lambda xi, vi: jax.grad(lambda p: jnp.sum(
+        hk.transform(body).apply(p, None, xi[None]) * vi[None]))(wide))(
+            jnp.float64(x), jnp.float64(v))
+    true = np.sqrt(sum(np.sum(np.asarray(a).reshape(4, -1) ** 2, 1)
+                       for a in jax.tree.leaves(per)))
+    scale = np.minimum(1.0, clip / true)
+    want = jax.tree.map(lambda a: np.tensordot(scale, np.asarray(a), 1), per)
+  norms = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(norms >= true) and np.all(norms <= 1.01 * true), norms / true
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4,
+                               atol=1e-5 * clip)
