@@ -1095,3 +1095,75 @@ def test_a_standardised_bound_counts_the_rounding_of_its_channel_sums(
   jax.effects_barrier()
   assert len(ratios) == 2
   assert np.all(np.concatenate(ratios) >= 1), ratios
+
+
+# Every kind whose per-example gradient is bilinear in its input and its
+# cotangent, at one position and at several, under both strategies.
+@pytest.mark.parametrize("kind,t,strategy", [
+    ("linear", 1, "ghost"), ("linear", 1, "materialize"),
+    ("linear", 4, "ghost"), ("linear", 4, "materialize"),
+    ("conv", 5, "ghost"), ("conv", 5, "materialize"),
+])
+def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
+                                                             strategy):
+  """An adversary's example with inputs near ``1e-21`` and cotangents near
+  ``1e19`` (a regression target it chose): its gradient (about ``1e-1``)
+  is representable, while its squares, row norms and ghost kernel entries
+  flush to zero in float32. Its ghost bound was 0 (weight 1: ten times a
+  clip norm of 0.01 let through, found 2026-12-07) and its conv
+  triangle 0; each example's inputs and cotangents are now scaled by
+  powers of two before the bound (norm_bounds: underflow), so every bound
+  is above the float64 norm and within 1e-3 of it."""
+  rng = np.random.RandomState(7)
+  b = 3
+  x = rng.normal(size=(b, t, 6)).astype(np.float32)
+  x[0] *= 1e-21
+  # No bias: its gradient, sum_t d_t, would be 1e19 itself (and its bound
+  # inf, which is sound: the example gets weight 0).
+  body = {"linear": _linear(False),
+          "conv": lambda x: hk.Conv1D(4, 3, with_bias=False,
+                                      name="layer")(x)}[kind]
+  plain = hk.transform(body)
+  out = jax.eval_shape(
+      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
+      None, x)
+  v = rng.normal(size=out.shape).astype(np.float32)
+  v[0] *= 1e19
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
+      params, state, None, x, v)
+  true = np.linalg.norm(_reference(kind, body, params, x, v), axis=1)
+  assert true[0] > 0.01  # the example the bound must catch
+  got = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(got >= true), got / true
+  assert np.all(got <= true * (1 + 1e-3)), got / true
+
+
+def test_times_pow2_is_exact_across_the_range():
+  """``times_pow2`` multiplies by ``2^k`` exactly where ``2^k`` itself is
+  no float32 (``k`` beyond +-127), and saturates to inf and 0 past the
+  dtype's range; ``pow2_exponents`` bounds the largest entry within a
+  factor 2, 0 for zero and non-finite rows."""
+  v = jnp.asarray([1e-30, 3e-38, 1.5, 3e38], jnp.float32)
+  for k in (150, -150, 0, 40):
+    want = np.asarray(v, np.float64) * 2.0 ** k
+    got = np.asarray(norm_bounds.times_pow2(v, jnp.int32(k)), np.float64)
+    finite = (np.abs(want) < 3.4e38) & (np.abs(want) > 1.2e-38)
+    np.testing.assert_array_equal(got[finite], want[finite])
+  assert norm_bounds.times_pow2(jnp.float32(1e30), jnp.int32(400)) == np.inf
+  assert norm_bounds.times_pow2(jnp.float32(1e-30), jnp.int32(-400)) == 0
+  a = jnp.asarray([[1e-21, -3e-22], [0.0, 0.0], [np.inf, 1.0],
+                   [0.75, 1.0]], jnp.float32)
+  e = np.asarray(norm_bounds.pow2_exponents(a, -1))
+  m = np.abs(np.asarray(a, np.float64)).max(axis=1)
+  assert np.all((m[[0, 3]] < 2.0 ** e[[0, 3]]) &
+                (m[[0, 3]] >= 2.0 ** (e[[0, 3]] - 1)))
+  assert e[1] == 0 and e[2] == 0
+  # A row of tiny entries keeps its norm.
+  np.testing.assert_allclose(norm_bounds.row_norms(a[:1]),
+                             np.hypot(1e-21, 3e-22), rtol=1e-6)

@@ -927,6 +927,13 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   m = d.shape[-1]
   acc = d.dtype
   itemsize = jnp.dtype(acc).itemsize
+  # Against underflow (norm_bounds' docstring): each example's inputs and
+  # cotangents scaled by powers of two to a largest entry below 1, the
+  # scaled bound plus the flushed intermediates' allowance, scaled back.
+  ex = norm_bounds.pow2_exponents(x, (1, 2))
+  ed = norm_bounds.pow2_exponents(d, (1, 2))
+  xs = norm_bounds.times_pow2(x, -ex[:, None, None])
+  ds = norm_bounds.times_pow2(d, -ed[:, None, None])
 
   def materialised(budget: int, x, d):
     per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
@@ -939,16 +946,18 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
         t, acc, cfg.precision)
 
   if method != "ghost":
-    out = materialised(cfg.memory_budget_bytes, x, d)
+    out = materialised(cfg.memory_budget_bytes, xs, ds)
   elif isinstance(t, int) and t == 1:
     # One position: nothing cancels, the ghost bound is tight.
-    out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
+    out = norm_bounds.ghost(*ghost_sq_norms(xs, ds, cfg, True))[0]
   else:
-    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
+    bound, loose = norm_bounds.ghost(*ghost_sq_norms(xs, ds, cfg, True))
     # The fallback (rare: cancelling examples) in small blocks.
     out = run_if(jnp.any(loose), functools.partial(
         materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound,
-                 (x, d))
+                 (xs, ds))
+  out = norm_bounds.times_pow2(
+      out + norm_bounds.underflow_slack(t, n, m, acc), 2 * (ex + ed))
   if with_bias:
     out = out + bias_sq_norm_bounds(d, cfg.precision)
   return out

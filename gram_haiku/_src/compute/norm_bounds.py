@@ -54,10 +54,35 @@ per-example gradients and (M) (a loop of zero or one rounds,
 and norms :func:`gram_haiku.value_grad_and_gram` reports are the nearest
 estimates (the materialised form where a ghost value is loose).
 
+**Underflow.** The rounding model above is relative; a result below the
+dtype's smallest normal number (``tiny``, about ``1e-38`` in float32) may
+be flushed to zero, an absolute error. An example whose inputs are tiny
+(``1e-21``) and whose cotangents are huge (``1e19``: a regression target
+an adversary chose) has a representable gradient (``1e-2``) while its
+squared entries, row norms and ghost kernel entries flush to zero, so
+(G) would give it a bound of 0 and a weight of 1. So:
+
+* :func:`row_norms` (hence ``tri``) scales each row by a power of two
+  (:func:`pow2_exponents`, :func:`times_pow2`: exact) before squaring,
+  so no row norm of a row with a normal entry flushes;
+* a linear map's bound (``kernels._bounded_linear_sq_norms``, which the
+  convolutions' ghost norms use too) scales each example's inputs and
+  cotangents by powers of two to a largest entry below 1, bounds the
+  scaled value with (G) or (M) plus :func:`underflow_slack` (every
+  flushed intermediate of the scaled problem, at most ``tiny`` each), and
+  scales the bound back: exact, or saturating to 0 (an example whose
+  gradient is itself below ``tiny``) or inf (clipped to 0).
+
 Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
 built-in ones do); a reparametrising getter's pull-back maps a kept
 per-example gradient's rounding bound, which is carried in the layer's
-operand space, by its Jacobian, which is not bounded here.
+operand space, by its Jacobian, which is not bounded here. The scaling
+against underflow covers the linear and convolution layers' norms and
+every allowance built from :func:`row_norms`; the closed forms of a
+weight standardisation and of getters, the embeddings' and the
+normalisation layers' ghost terms count rounding only (their gradients are
+linear in the cotangent alone, so a flushed term there is a gradient
+below ``tiny``, except in those closed forms).
 """
 
 from __future__ import annotations
@@ -129,9 +154,66 @@ def _elementwise_u(dtype) -> float:
   return float(jnp.finfo(dtype).eps) / 2
 
 
+def pow2_exponents(a: jax.Array, axis) -> jax.Array:
+  """``int32`` exponents ``e`` with ``max |a| < 2^e`` over ``axis``
+  (reduced away), within a factor 2; 0 where the maximum is 0 or not
+  finite (nothing to scale, or an inf/NaN that must stay one)."""
+  m = jnp.max(jnp.abs(a), axis=axis, initial=0)  # (0 over no entries)
+  _, e = jnp.frexp(m)
+  return jnp.where((m > 0) & jnp.isfinite(m), e, 0).astype(jnp.int32)
+
+
+def times_pow2(v: jax.Array, k: jax.Array) -> jax.Array:
+  """``v * 2^k`` for integer ``k`` (broadcast against ``v``), exact unless
+  the result leaves the dtype's range (then inf, or a flush to 0 below
+  ``tiny``): four factors ``2^(k/4)``, each a normal number, since
+  ``2^k`` alone may not be (``2^150`` is no float32)."""
+  info = jnp.finfo(v.dtype)
+  piece = info.maxexp // 2
+  k = jnp.clip(k, -4 * piece, 4 * piece)
+  for _ in range(4):
+    step = jnp.clip(k, -piece, piece)
+    v = v * _pow2(step, v.dtype)
+    k = k - step
+  return v
+
+
+def _pow2(k: jax.Array, dtype) -> jax.Array:
+  """``2^k`` exactly, for integers ``k`` within the dtype's normal range,
+  from its bit pattern (``exp2`` may round)."""
+  if jnp.dtype(dtype) == jnp.float64:
+    bits = (k.astype(jnp.int64) + 1023) << 52
+    return lax.bitcast_convert_type(bits, jnp.float64)
+  bits = (k.astype(jnp.int32) + 127) << 23
+  return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
+
+
+def underflow_slack(t, n, m, dtype) -> jax.Array:
+  """The absolute allowance, in squared-norm units, for intermediate
+  results flushed to zero in a linear map's bound (G) or (M) of ``T``
+  positions, ``N`` inputs and ``M`` outputs, its inputs and cotangents
+  scaled to a largest entry below 1 (so no intermediate overflows): a
+  kernel entry loses at most ``2 N tiny`` (its ``N`` products and partial
+  sums), a product of kernel entries at most ``5 N M tiny``, the ``T^2``
+  products and their sums ``T^2 (5 N M + 1) tiny``, and the slack terms
+  as much again; a materialised entry at most ``2 T tiny``, its norm
+  ``2 T sqrt(N M) tiny``, less than the same. ``16 T^2 N M tiny``."""
+  tiny = float(jnp.finfo(dtype).tiny)
+  return 16 * tiny * jnp.square(count(t)) * count(n) * count(m)
+
+
 def row_norms(a: jax.Array) -> jax.Array:
-  """``|a_t|`` over the last axis, rounded up by its own rounding bound."""
-  return norms_of_sq_sums(jnp.sum(jnp.square(a), axis=-1), a.shape[-1])
+  """``|a_t|`` over the last axis, rounded up by its own rounding bound.
+  Each row is scaled by a power of two to a largest entry below 1 before
+  its squares are summed (exact), so a row of tiny entries is not
+  flushed to a norm of 0; the squares flushed in the scaled row (entries
+  below ``sqrt(tiny)`` of its largest) add at most ``n tiny``."""
+  n = a.shape[-1]
+  e = pow2_exponents(a, -1)
+  scaled = times_pow2(a, -e[..., None])
+  tiny = float(jnp.finfo(a.dtype).tiny)
+  sq = jnp.sum(jnp.square(scaled), axis=-1) + tiny * count(n)
+  return times_pow2(norms_of_sq_sums(sq, n), e)
 
 
 def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
