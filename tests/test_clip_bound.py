@@ -1111,9 +1111,10 @@ def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
   is representable, while its squares, row norms and ghost kernel entries
   flush to zero in float32. Its ghost bound was 0 (weight 1: ten times a
   clip norm of 0.01 let through, found 2026-12-07) and its conv
-  triangle 0; each example's inputs and cotangents are now scaled by
-  powers of two before the bound (norm_bounds: underflow), so every bound
-  is above the float64 norm and within 1e-3 of it."""
+  triangle 0. Now the bound counts flushed intermediates (norm_bounds:
+  underflow): it is above the float64 norm for that example (inf where
+  its squared cotangents overflow: weight 0) and within 1e-3 of it for
+  the others."""
   rng = np.random.RandomState(7)
   b = 3
   x = rng.normal(size=(b, t, 6)).astype(np.float32)
@@ -1141,7 +1142,9 @@ def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
   assert true[0] > 0.01  # the example the bound must catch
   got = np.asarray(aux.grad_norms, np.float64)
   assert np.all(got >= true), got / true
-  assert np.all(got <= true * (1 + 1e-3)), got / true
+  assert np.all(got[1:] <= true[1:] * (1 + 1e-3)), got / true
+  if strategy == "materialize":  # no squared cotangent: finite and tight
+    assert got[0] <= true[0] * (1 + 1e-3), got / true
 
 
 def test_times_pow2_is_exact_across_the_range():

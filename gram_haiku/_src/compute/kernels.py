@@ -927,14 +927,6 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   m = d.shape[-1]
   acc = d.dtype
   itemsize = jnp.dtype(acc).itemsize
-  # Against underflow (norm_bounds' docstring): each example's inputs and
-  # cotangents scaled by powers of two to a largest entry below 1, the
-  # scaled bound plus the flushed intermediates' allowance, scaled back.
-  ex = norm_bounds.pow2_exponents(x, (1, 2))
-  ed = norm_bounds.pow2_exponents(d, (1, 2))
-  xs = norm_bounds.times_pow2(x, -ex[:, None, None])
-  ds = norm_bounds.times_pow2(d, -ed[:, None, None])
-
   def materialised(budget: int, x, d):
     per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
     rows = max(1, budget // max(per_row, 1))
@@ -946,18 +938,24 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
         t, acc, cfg.precision)
 
   if method != "ghost":
-    out = materialised(cfg.memory_budget_bytes, xs, ds)
+    out = materialised(cfg.memory_budget_bytes, x, d)
   elif isinstance(t, int) and t == 1:
     # One position: nothing cancels, the ghost bound is tight.
-    out = norm_bounds.ghost(*ghost_sq_norms(xs, ds, cfg, True))[0]
+    out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
   else:
-    bound, loose = norm_bounds.ghost(*ghost_sq_norms(xs, ds, cfg, True))
+    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
     # The fallback (rare: cancelling examples) in small blocks.
     out = run_if(jnp.any(loose), functools.partial(
         materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound,
-                 (xs, ds))
-  out = norm_bounds.times_pow2(
-      out + norm_bounds.underflow_slack(t, n, m, acc), 2 * (ex + ed))
+                 (x, d))
+  # Intermediates flushed to zero (norm_bounds' docstring: underflow);
+  # an overflow met by a flushed zero (inf * 0) is an inf bound, not NaN,
+  # where the example's inputs and cotangents are finite.
+  mx = jnp.max(jnp.abs(x), axis=(1, 2), initial=0)
+  md = jnp.max(jnp.abs(d), axis=(1, 2), initial=0)
+  out = out + norm_bounds.underflow_slack(t, n, m, mx, md)
+  out = jnp.where(jnp.isnan(out) & jnp.isfinite(mx) & jnp.isfinite(md),
+                  jnp.inf, out)
   if with_bias:
     out = out + bias_sq_norm_bounds(d, cfg.precision)
   return out

@@ -66,12 +66,10 @@ squared entries, row norms and ghost kernel entries flush to zero, so
   (:func:`pow2_exponents`, :func:`times_pow2`: exact) before squaring,
   so no row norm of a row with a normal entry flushes;
 * a linear map's bound (``kernels._bounded_linear_sq_norms``, which the
-  convolutions' ghost norms use too) scales each example's inputs and
-  cotangents by powers of two to a largest entry below 1, bounds the
-  scaled value with (G) or (M) plus :func:`underflow_slack` (every
-  flushed intermediate of the scaled problem, at most ``tiny`` each), and
-  scales the bound back: exact, or saturating to 0 (an example whose
-  gradient is itself below ``tiny``) or inf (clipped to 0).
+  convolutions' ghost norms use too) adds :func:`underflow_slack`, every
+  flushed intermediate's worst effect from the example's largest input
+  and cotangent entries: negligible on ordinary data, and large (or inf)
+  for an example whose tiny inputs meet huge cotangents.
 
 Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
 built-in ones do); a reparametrising getter's pull-back maps a kept
@@ -188,18 +186,24 @@ def _pow2(k: jax.Array, dtype) -> jax.Array:
   return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
-def underflow_slack(t, n, m, dtype) -> jax.Array:
-  """The absolute allowance, in squared-norm units, for intermediate
-  results flushed to zero in a linear map's bound (G) or (M) of ``T``
-  positions, ``N`` inputs and ``M`` outputs, its inputs and cotangents
-  scaled to a largest entry below 1 (so no intermediate overflows): a
-  kernel entry loses at most ``2 N tiny`` (its ``N`` products and partial
-  sums), a product of kernel entries at most ``5 N M tiny``, the ``T^2``
-  products and their sums ``T^2 (5 N M + 1) tiny``, and the slack terms
-  as much again; a materialised entry at most ``2 T tiny``, its norm
-  ``2 T sqrt(N M) tiny``, less than the same. ``16 T^2 N M tiny``."""
-  tiny = float(jnp.finfo(dtype).tiny)
-  return 16 * tiny * jnp.square(count(t)) * count(n) * count(m)
+def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
+  """``[B]``: the absolute allowance, in squared-norm units, for
+  intermediate results flushed to zero in a linear map's bound (G) or (M)
+  over ``T`` positions, ``N`` inputs and ``M`` outputs, from each
+  example's largest input ``mx`` and cotangent ``md`` entries. With a
+  flushed result off by at most ``tiny``: a kernel entry ``x_t . x_s`` by
+  ``2 N tiny`` (its products and partial sums), so a product of kernel
+  entries by ``2 N tiny |kd| + 2 M tiny |kx| + tiny <= 2 N M tiny (mx^2 +
+  md^2) + tiny``; the ``T^2`` products, their sums and the slack's own
+  terms at most twice that; a materialised entry by ``2 T tiny``, its
+  squared norm by less (``2 |g| 2 T sqrt(N M) tiny`` with ``|g| <= T
+  sqrt(N M) mx md``). So ``8 T^2 tiny ((N M + N + M)(mx^2 + md^2) + 1)``:
+  negligible on ordinary data, and large (or inf) exactly for an example
+  whose tiny inputs meet huge cotangents, which is then clipped harder."""
+  tiny = float(jnp.finfo(mx.dtype).tiny)
+  sq = jnp.square(mx) + jnp.square(md)
+  nm = count(n) * count(m) + count(n) + count(m)
+  return 8 * tiny * jnp.square(count(t)) * (nm * sq + 1)
 
 
 def row_norms(a: jax.Array) -> jax.Array:
