@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gram_haiku._src.compute import pallas_ghost
+from gram_haiku._src.compute.pallas_ghost import round_up
 
 #: Output positions ``be Ho Wo`` a program aims at: a program's products
 #: are ``|K|`` matrices ``[C, be Ho Wo] x [be Ho Wo, O]``; fewer positions
@@ -136,16 +137,12 @@ class Plan:
   vmem_bytes: int
 
 
-def _round_up(v: int, k: int) -> int:
-  return -(-v // k) * k
-
-
 def _vmem(be, slabs, rows, cols, c, rows_d, o, taps, itemsize) -> int:
-  lanes = lambda v: _round_up(v, pallas_ghost.LANES)
-  x = be * slabs * rows * _round_up(cols, 8) * lanes(c) * itemsize
+  lanes = lambda v: round_up(v, pallas_ghost.LANES)
+  x = be * slabs * rows * round_up(cols, 8) * lanes(c) * itemsize
   d = be * rows_d * lanes(o) * itemsize
-  out = be * taps * _round_up(c, 8) * lanes(o) * 4
-  window = rows_d * lanes(c) * 4 + _round_up(c, 8) * lanes(o) * 4
+  out = be * taps * round_up(c, 8) * lanes(o) * 4
+  window = rows_d * lanes(c) * 4 + round_up(c, 8) * lanes(o) * 4
   return 2 * (x + d + out) + 2 * window
 
 
@@ -182,7 +179,7 @@ def plan(x_shape: Sequence[int], d_shape: Sequence[int],
           f"outputs of a {k}-tap kernel (stride {s}, rate {r}), but d has "
           f"{out}"))
   sub = pallas_ghost.sublanes(dtype)
-  wo_p = _round_up(max(wo, 1), sub)
+  wo_p = round_up(max(wo, 1), sub)
   oys = [(rh * ky) // sh for ky in range(kh)]
   oxs = [(rw * kx) // sw for kx in range(kw)]
   rows = max(oys) + ho
@@ -313,7 +310,7 @@ def per_example_conv_grads_pallas(
   xs = _slabs(x.astype(dtype), p, strides)
   dp = jnp.pad(d.astype(dtype), ((0, 0), (0, 0), (0, p.wo_p - p.wo), (0, 0)))
   dp = dp.reshape(b, p.ho * p.wo_p, o)
-  b_p = _round_up(b, p.be)
+  b_p = round_up(b, p.be)
   if b_p != b:
     xs = jnp.pad(xs, ((0, b_p - b),) + ((0, 0),) * 4)
     dp = jnp.pad(dp, ((0, b_p - b), (0, 0), (0, 0)))

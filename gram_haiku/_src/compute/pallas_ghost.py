@@ -137,7 +137,7 @@ class Tiles:
   vmem_bytes: int
 
 
-def _round_up(v: int, k: int) -> int:
+def round_up(v: int, k: int) -> int:
   return -(-v // k) * k
 
 
@@ -168,7 +168,7 @@ def gram_tiles(b: int, t: int, n: int, m: int, dtype,
   ``block_positions`` override the choice (tests, tuning).
   """
   itemsize = jnp.dtype(dtype).itemsize
-  n_p, m_p = _round_up(max(n, 1), LANES), _round_up(max(m, 1), LANES)
+  n_p, m_p = round_up(max(n, 1), LANES), round_up(max(m, 1), LANES)
   if block_examples is None:
     be = min(LANES, max(8, _pow2_at_least(b)))
   else:
@@ -179,11 +179,11 @@ def gram_tiles(b: int, t: int, n: int, m: int, dtype,
         "a multiple of 8.")
   unit = LANES // be  # tp * be must be a multiple of 128 lanes
   if block_positions is None:
-    tp = _round_up(max(1, TARGET_ROWS // be), unit)
-    tp = min(tp, _round_up(t, unit))
+    tp = round_up(max(1, TARGET_ROWS // be), unit)
+    tp = min(tp, round_up(t, unit))
     while tp > unit and _gram_vmem(be, tp, n_p, m_p, itemsize) > (
         VMEM_BUDGET_BYTES):
-      tp = max(unit, _round_up(tp // 2, unit))
+      tp = max(unit, round_up(tp // 2, unit))
   else:
     tp = block_positions
   if tp % unit:
@@ -191,7 +191,7 @@ def gram_tiles(b: int, t: int, n: int, m: int, dtype,
         f"ghost_gram_pallas: block_positions={tp} must be a multiple of "
         f"{unit} with {be} examples per block (a tile's rows fill whole "
         f"{LANES}-lane groups).")
-  return Tiles(be=be, tp=tp, b=_round_up(b, be), t=_round_up(t, tp), n=n_p,
+  return Tiles(be=be, tp=tp, b=round_up(b, be), t=round_up(t, tp), n=n_p,
                m=m_p, vmem_bytes=_gram_vmem(be, tp, n_p, m_p, itemsize))
 
 
@@ -382,7 +382,7 @@ def _ghost_pallas(x, d, x2, d2, precision, interpret, block_examples,
                      block_positions)
   be, tp = tiles.be, tiles.tp
   nt = tiles.t // tp
-  rows_b, cols_b = _round_up(b, be), _round_up(v, be)
+  rows_b, cols_b = round_up(b, be), round_up(v, be)
   nb, nc = rows_b // be, cols_b // be
 
   def layout(a, f, bp):  # (B, T, F) -> (B' / be, T' be, F') zero-padded
@@ -470,10 +470,10 @@ def norm_tiles(b: int, t: int, n: int, m: int, dtype,
   :data:`VMEM_BUDGET_BYTES`. ``block_positions`` overrides ``tp`` (a
   multiple of 8 sublanes, 16 for bfloat16)."""
   itemsize = jnp.dtype(dtype).itemsize
-  n_p, m_p = _round_up(max(n, 1), LANES), _round_up(max(m, 1), LANES)
+  n_p, m_p = round_up(max(n, 1), LANES), round_up(max(m, 1), LANES)
   sub = sublanes(dtype)
   if block_positions is None:
-    tp = min(_round_up(t, LANES), 2 * LANES)
+    tp = min(round_up(t, LANES), 2 * LANES)
     if tp > LANES and _norms_vmem(1, tp, n_p, m_p, itemsize) > (
         VMEM_BUDGET_BYTES):
       tp = LANES
@@ -488,7 +488,7 @@ def norm_tiles(b: int, t: int, n: int, m: int, dtype,
       VMEM_BUDGET_BYTES):
     eb //= 2
   eb = min(eb, b)
-  return eb, Tiles(be=eb, tp=tp, b=_round_up(b, eb), t=_round_up(t, tp),
+  return eb, Tiles(be=eb, tp=tp, b=round_up(b, eb), t=round_up(t, tp),
                    n=n_p, m=m_p,
                    vmem_bytes=_norms_vmem(eb, tp, n_p, m_p, itemsize))
 
