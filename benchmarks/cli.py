@@ -33,6 +33,7 @@ from benchmarks import report
 from benchmarks import runner
 from benchmarks import scaling
 from benchmarks import torch_peers
+from gram_haiku._src.compute import cost_model
 
 ALL_METHODS = jax_methods.JAX_METHODS + torch_peers.TORCH_METHODS
 
@@ -120,6 +121,11 @@ def parser() -> argparse.ArgumentParser:
                  help="real suite: keep the other models' results of the "
                  "JSON already in --out (one table from runs of one model "
                  "each)")
+  p.add_argument("--no_pallas", action="store_true",
+                 help="real suite: XLA's paths only (the cost model's "
+                 "Pallas kernels off: cost_model.PALLAS_GHOST_GRAM and "
+                 "PALLAS_CONV_GRADS emptied), to measure what the kernels "
+                 "bring to a whole step")
   p.add_argument("--k", type=int, default=4,
                  help="real suite, device time: k + 1 steps dispatched "
                  "against one (default: %(default)s)")
@@ -228,6 +234,17 @@ def _main_real(args, argv) -> int:
   if bad:
     parser().error(f"not in the real suite: {bad}")
   os.makedirs(args.out, exist_ok=True)
+  kept = cost_model.PALLAS_GHOST_GRAM, cost_model.PALLAS_CONV_GRADS
+  if args.no_pallas:
+    cost_model.PALLAS_GHOST_GRAM = cost_model.PALLAS_CONV_GRADS = ()
+  try:
+    return _run_real(args, argv)
+  finally:
+    cost_model.PALLAS_GHOST_GRAM, cost_model.PALLAS_CONV_GRADS = kept
+
+
+def _run_real(args, argv) -> int:
+  """:func:`_main_real` with the cost model as the options set it."""
   env = environment()
   if argv is not None:
     env["command"] = " ".join(["python -m benchmarks", *argv])
