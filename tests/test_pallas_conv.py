@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.test_util import check_grads
 
 import gram_haiku
 from gram_haiku._src.compute import cost_model
@@ -448,3 +449,23 @@ def test_a_standardised_conv_clips_through_the_kernel(kernel_on_the_cpu,
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4,
                                atol=1e-5 * clip)
+
+
+def test_the_patch_free_bound_differentiates():
+  """The rule's sound norm bound (``sq_norms`` with ``upper_bound``, whose
+  rounding allowance is :func:`conv._triangle`'s window sums) has the
+  derivatives of its finite differences in both modes, in float64, as it
+  had when the triangle was formed from patches (a window sum with a traced
+  zero is a ``reduce_window`` that cannot be transposed)."""
+  spec = conv_op.ConvSpec(num_spatial_dims=2, stride=(2, 1), rate=(1, 2),
+                          padding=((1, 0), (2, -1)))
+  rng = np.random.default_rng(4)
+  with jax.enable_x64(True):
+    x = jnp.asarray(rng.standard_normal((2, 5, 6, 2)))
+    w = jnp.asarray(rng.standard_normal((2, 2, 2, 3)))
+    g = jnp.asarray(rng.standard_normal(
+        conv_op.conv_forward(x, w, None, spec=spec).shape))
+    cfg = conv_op.KernelConfig(method="materialize", upper_bound=True)
+    bound = jax.jit(lambda x, g: conv_op.sq_norms(
+        x, g, (w, w[0, 0, 0]), 0, cfg, spec=spec))
+    check_grads(bound, (x, g), order=1, modes=("fwd", "rev"))

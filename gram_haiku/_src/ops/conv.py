@@ -454,8 +454,11 @@ def _triangle(spec: ConvSpec, x, g, kernel, example_dim, with_bias: bool,
   sq = lax.pad(sq, jnp.zeros((), sq.dtype),
                ((0, 0, 0),) + tuple((lo, hi, l - 1) for (lo, hi), l in zip(
                    pads, args["lhs_dilation"])) + ((0, 0, 0),))
+  # A concrete zero (not a traced one) makes this ``reduce_window_sum``,
+  # which is linear (transposable) like the patch path it replaces: the
+  # bound differentiates, as the rule's other outputs do.
   sq = lax.reduce_window(
-      sq, jnp.zeros((), sq.dtype), lax.add, (1,) + tuple(kernel) + (1,),
+      sq, np.zeros((), sq.dtype), lax.add, (1,) + tuple(kernel) + (1,),
       (1,) + tuple(args["window_strides"]) + (1,), "VALID",
       window_dilation=(1,) + tuple(args["rhs_dilation"]) + (1,))
   if sq.shape[:-1] != gb.shape[:-1]:
