@@ -58,6 +58,20 @@ def _conv(x):
   return hk.Conv1D(4, 3, name="layer")(x)
 
 
+def _conv2d(x):
+  """A strided, dilated ``hk.Conv2D`` over channels first: ``(B, T, 6)``
+  read as ``[B, 2, T, 3]`` (the cancelling positions are rows 0 and 1)."""
+  x = jnp.moveaxis(x.reshape(x.shape[:2] + (3, 2)), -1, 1)
+  return hk.Conv2D(4, 2, stride=(1, 2), rate=(2, 1),
+                   padding=((1, 0), (1, -1)), data_format="NCHW",
+                   name="layer")(x)
+
+
+def _conv_transpose(x):
+  """``hk.Conv1DTranspose`` (the input dilated by its stride)."""
+  return hk.Conv1DTranspose(4, 3, stride=2, name="layer")(x)
+
+
 def _layer_norm(x):
   return hk.LayerNorm(-1, True, True, name="layer")(x)
 
@@ -95,7 +109,8 @@ def _problem(kind, rng, b, t, offset, dtype):
     return _layer_norm, x, v
   x = _cancelling(rng, b, t, 6, offset, dtype)
   body = {"linear": _linear(False), "linear_bias": _linear(True),
-          "conv": _conv, "gru": _gru}[kind]
+          "conv": _conv, "conv2d": _conv2d,
+          "conv_transpose": _conv_transpose, "gru": _gru}[kind]
   plain = hk.transform(body)
   out = jax.eval_shape(
       plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
@@ -142,7 +157,8 @@ def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
           np.asarray(aux.grad_norms, np.float64), true)
 
 
-KINDS = ("linear", "linear_bias", "conv", "layer_norm", "embed", "gru")
+KINDS = ("linear", "linear_bias", "conv", "conv2d", "conv_transpose",
+         "layer_norm", "embed", "gru")
 
 
 STRATEGIES = ("auto", "ghost", "materialize")
@@ -723,6 +739,10 @@ def test_no_example_moves_the_sum_by_more_than_c():
     # float16 cannot hold the largest offsets (inf inputs get weight 0,
     # tested above).
     hypothesis.assume(case["dtype"] != jnp.float16 or case["offset"] < 6e4)
+    # A GRU's float32 gates saturate at large inputs (1 - sigmoid(30)
+    # rounds to 0), so its float32 gradient is not the float64 one the
+    # bound is checked against (as test_a_cancelling_example_is_clipped).
+    hypothesis.assume(case["kind"] != "gru" or case["offset"] <= 20)
     contrib, bounds, true = _contributions(**case)
     assert np.all(contrib <= 1 + 1e-6), (case, contrib)
     assert np.all(bounds >= true * (1 - 1e-9)), (case, bounds, true)
