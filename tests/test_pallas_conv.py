@@ -330,7 +330,8 @@ def test_not_selected_where_it_cannot_run(kernel_on_the_cpu):
                    (3, 3, 3, 4)) == ()
 
 
-@pytest.mark.parametrize("spec_kw,x_shape,w_shape", [
+#: (spec, x shape, w shape[, example_dim, offset, dtype]).
+_TRIANGLE_CASES = [
     (dict(num_spatial_dims=2, stride=(2, 1), rate=(1, 2),
           padding=((1, 0), (2, -1))), (3, 9, 8, 4), (3, 2, 4, 5)),
     (dict(num_spatial_dims=2, feature_group_count=2, stride=(1, 1),
@@ -339,27 +340,42 @@ def test_not_selected_where_it_cannot_run(kernel_on_the_cpu):
      (3, 5, 4, 4), (3, 3, 6, 4)),
     (dict(num_spatial_dims=1, channels_last=False, stride=(3,), rate=(1,),
           padding="VALID"), (3, 4, 11), (2, 4, 5)),
-])
-def test_the_patch_free_triangle_is_the_patch_triangle(spec_kw, x_shape,
-                                                       w_shape):
+    # Within-example axes ([T, B, H, W, C], the examples second), negative
+    # padding larger than the kernel, a huge common offset.
+    (dict(num_spatial_dims=2, stride=(1, 2), rate=(2, 1),
+          padding=((-3, -2), (4, -1))), (2, 3, 9, 8, 3), (2, 2, 3, 4), 1,
+     1e5),
+    # A 3-d transposed conv over channels first, bfloat16.
+    (dict(num_spatial_dims=3, channels_last=False, transpose=True,
+          stride=(2, 1, 3), rate=(1, 1, 1), padding="SAME"), (2, 2, 3, 2, 2),
+     (2, 1, 3, 3, 2), 0, 1e3, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "spec_kw,x_shape,w_shape,example_dim,offset,dtype",
+    [c + (0, 0.0, jnp.float32)[len(c) - 3:] for c in _TRIANGLE_CASES])
+def test_the_patch_free_triangle_is_the_patch_triangle(
+    spec_kw, x_shape, w_shape, example_dim, offset, dtype):
   """``conv._triangle`` (window sums of the input's squared norms) is at
   least ``sum_{t,f} |p_tf| |d_tf|`` from the patches themselves, in
   float64, and above it by no more than its rounding allowance."""
   spec = conv_op.ConvSpec(**spec_kw)
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
-  w = jnp.asarray(rng.standard_normal(w_shape), jnp.float32)
+  x = jnp.asarray(rng.standard_normal(x_shape) + offset, dtype)
+  w = jnp.asarray(rng.standard_normal(w_shape), dtype)
   y = conv_op.conv_forward(x, w, None, spec=spec)
-  g = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
+  g = jnp.asarray(rng.standard_normal(y.shape), dtype)
   tri, t = conv_op._triangle(  # pylint: disable=protected-access
-      spec, x, g, tuple(w_shape[:spec.num_spatial_dims]), 0, True,
+      spec, x, g, tuple(w_shape[:spec.num_spatial_dims]), example_dim, True,
       jnp.float32)
   with jax.enable_x64(True):
     p, d = conv_op._patches_and_cotangents(  # pylint: disable=protected-access
         spec, jnp.asarray(x, jnp.float64), jnp.asarray(g, jnp.float64),
         jnp.asarray(w, jnp.float64), jnp.float64)
-    p, d = np.asarray(p), np.asarray(d)
-  b = x.shape[0]
+    p = np.moveaxis(np.asarray(p), example_dim, 0)
+    d = np.moveaxis(np.asarray(d), example_dim, 0)
+  b = x.shape[example_dim]
   p, d = p.reshape(b, -1, *p.shape[-2:]), d.reshape(b, -1, *d.shape[-2:])
   assert t == p.shape[1]
   want = (np.linalg.norm(p, axis=-1) * np.linalg.norm(d, axis=-1)).sum(
