@@ -485,3 +485,43 @@ def test_the_patch_free_bound_differentiates():
     bound = jax.jit(lambda x, g: conv_op.sq_norms(
         x, g, (w, w[0, 0, 0]), 0, cfg, spec=spec))
     check_grads(bound, (x, g), order=1, modes=("fwd", "rev"))
+
+
+def test_per_example_gradients_and_bounds_through_the_kernel(
+    kernel_on_the_cpu):
+  """The rule's per-example gradients (in the kernel's layout, with the
+  summed ``dw``, ``db``) and its sound squared norms, through the kernel,
+  for a channels-first layer striding past a 1-wide kernel row, dilated,
+  one row cropped and a bias: against float64 per-example gradients."""
+  del kernel_on_the_cpu
+  spec = conv_op.ConvSpec(num_spatial_dims=2, channels_last=False,
+                          stride=(2, 3), rate=(1, 2),
+                          padding=((0, -1), (2, 1)))
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((3, 2, 7, 9)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((2, 1, 2, 5)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((5, 1, 1)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal(
+      conv_op.conv_forward(x, w, b, spec=spec).shape), jnp.float32)
+  cfg = conv_op.KernelConfig(method="materialize", upper_bound=True)
+  assert conv_op._pallas_platforms(  # pylint: disable=protected-access
+      spec, x, g, w, 0, jnp.float32, cfg) == ("cpu",)
+  with jax.enable_x64(True):
+    one = lambda p, xi, gi: jnp.sum(
+        conv_op.conv_forward(xi[None], *p, spec=spec) * gi[None])
+    per = jax.vmap(jax.grad(one), in_axes=(None, 0, 0))(
+        (jnp.asarray(w, jnp.float64), jnp.asarray(b, jnp.float64)),
+        jnp.asarray(x, jnp.float64), jnp.asarray(g, jnp.float64))
+    ref = np.concatenate([np.asarray(a).reshape(3, -1) for a in per], 1)
+  run = lambda mode: jax.jit(lambda x, g: conv_op.probe_cotangent_and_grads(
+      x, g, (w, b), 0, mode, (0, 1), cfg, spec=spec))(x, g)
+  f, sums = run("per_example")
+  np.testing.assert_allclose(f, ref, rtol=1e-5,
+                             atol=1e-6 * np.abs(ref).max())
+  for got, want in zip((sums[0], sums[1]), per):
+    np.testing.assert_allclose(got, np.asarray(want).sum(0), rtol=1e-5,
+                               atol=1e-5)
+  bounds, _ = run("norms")
+  true = np.sum(ref ** 2, axis=1)
+  assert np.all(np.asarray(bounds, np.float64) >= true)
+  assert np.all(np.asarray(bounds, np.float64) <= true * (1 + 1e-4))
