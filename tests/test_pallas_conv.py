@@ -136,6 +136,25 @@ def test_huge_offset_and_cancellation_stay_within_float32():
   assert np.all(np.abs(np.asarray(got, np.float64) - want) <= bound)
 
 
+@pytest.mark.parametrize("shift", pc.SHIFTS)
+def test_the_input_a_layer_crops_is_never_read(shift):
+  """The window width padded to the sublane tile reads past the last
+  output column; where the layer's negative padding crops columns (and
+  rows) it must read zeros there, not the cropped input: an inf or NaN
+  the layer never reads made every tap's gradient NaN."""
+  rng = np.random.default_rng(6)
+  x = rng.standard_normal((2, 6, 10, 3)).astype(np.float32)
+  x[:, :, -3:] = np.nan
+  x[:, -1:] = np.inf
+  pads = ((1, -1), (0, -3))
+  d = rng.standard_normal((2, 4, 6, 4)).astype(np.float32)
+  got = pc.per_example_conv_grads_pallas(
+      jnp.asarray(x), jnp.asarray(d), (3, 2), padding=pads, interpret=True,
+      shift=shift)
+  x[:, :, -3:] = x[:, -1:] = 0  # (cropped, as the layer does)
+  assert _rel(got, _reference(x, d, (3, 2), (1, 1), pads, (1, 1))) < 2e-6
+
+
 def test_empty_batch_and_bad_inputs():
   x = jnp.zeros((0, 4, 4, 3))
   d = jnp.zeros((0, 4, 4, 2))

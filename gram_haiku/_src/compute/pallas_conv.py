@@ -116,9 +116,14 @@ class Plan:
     slabs: per slab ``(a, b, shift)``: the phase (row, column) and, with
       ``shift="input"``, the column offset taken ahead of the kernel.
     rows, cols: a slab's rows and columns ``Hq, Wq``.
+    crop: the rows and columns the layer's negative high padding drops
+      (``<= 0``), cut from the input first: the sublane-padded window
+      width reads past the last output column, which must find zeros
+      there, not the layer's cropped input (whose inf or NaN times a zero
+      cotangent would be NaN).
     pads: the ``(low, high)`` padding of the rows and columns that makes
-      the padded input ``s Hq`` by ``s Wq0`` (high may be negative: rows no
-      tap reads are dropped), ``Wq0`` the phase width before a shift.
+      the cropped input ``s Hq`` by ``s Wq0`` (high may be negative: rows
+      no tap reads are dropped), ``Wq0`` the phase width before a shift.
     ho, wo, wo_p: output rows, columns, columns padded to the sublane tile.
     c_p: input channels padded (at least 8).
     be: examples per program.
@@ -128,6 +133,7 @@ class Plan:
   slabs: tuple[tuple[int, int, int], ...]
   rows: int
   cols: int
+  crop: tuple[int, int]
   pads: tuple[tuple[int, int], tuple[int, int]]
   ho: int
   wo: int
@@ -207,10 +213,11 @@ def plan(x_shape: Sequence[int], d_shape: Sequence[int],
     raise ValueError(_BAD.format(
         f"one program needs {need(be) >> 20} MiB of VMEM, more than the "
         f"{pallas_ghost.VMEM_LIMIT_BYTES >> 20} MiB a kernel may take"))
-  pads_out = tuple((lo, s * n - size - lo) for (lo, _), s, n, size in zip(
-      pads, strides, (rows, cols0), (h, w)))
+  crop = tuple(min(hi, 0) for _, hi in pads)
+  pads_out = tuple((lo, s * n - size - cut - lo) for (lo, _), s, n, size, cut
+                   in zip(pads, strides, (rows, cols0), (h, w), crop))
   return Plan(taps=tuple(taps), slabs=tuple(tap_slab), rows=rows, cols=cols,
-              pads=pads_out, ho=ho, wo=wo, wo_p=wo_p, c_p=c_p, be=be,
+              crop=crop, pads=pads_out, ho=ho, wo=wo, wo_p=wo_p, c_p=c_p, be=be,
               vmem_bytes=need(be))
 
 
@@ -219,6 +226,8 @@ def _slabs(x, p: Plan, strides) -> jax.Array:
   phases (and, with ``shift="input"``, column shifts) the taps read."""
   sh, sw = strides
   (lo_h, hi_h), (lo_w, hi_w) = p.pads
+  if any(p.crop):
+    x = x[:, :x.shape[1] + p.crop[0], :x.shape[2] + p.crop[1]]
   zero = jnp.zeros((), x.dtype)
   xp = lax.pad(x, zero, ((0, 0, 0), (lo_h, hi_h, 0), (lo_w, hi_w, 0),
                          (0, p.c_p - x.shape[-1], 0)))
