@@ -137,11 +137,12 @@ def test_huge_offset_and_cancellation_stay_within_float32():
 
 
 @pytest.mark.parametrize("shift", pc.SHIFTS)
-def test_the_input_a_layer_crops_is_never_read(shift):
+def test_the_input_the_layer_skips_is_never_read(shift):
   """The window width padded to the sublane tile reads past the last
   output column; where the layer's negative padding crops columns (and
-  rows) it must read zeros there, not the cropped input: an inf or NaN
-  the layer never reads made every tap's gradient NaN."""
+  rows), or its stride and rate skip them, it must read zeros there, not
+  the input: an inf or NaN the layer never reads made every tap's
+  gradient NaN."""
   rng = np.random.default_rng(6)
   x = rng.standard_normal((2, 6, 10, 3)).astype(np.float32)
   x[:, :, -3:] = np.nan
@@ -153,6 +154,17 @@ def test_the_input_a_layer_crops_is_never_read(shift):
       shift=shift)
   x[:, :, -3:] = x[:, -1:] = 0  # (cropped, as the layer does)
   assert _rel(got, _reference(x, d, (3, 2), (1, 1), pads, (1, 1))) < 2e-6
+  # Columns a stride and rate skip: a 2-tap kernel at rate 3 and stride 2
+  # over 9 columns reads 0, 2, 3, 4, 5 and 7; the padded width, 6 and 8.
+  x = rng.standard_normal((2, 3, 9, 3)).astype(np.float32)
+  x[:, :, [1, 6, 8]] = np.nan
+  d = rng.standard_normal((2, 3, 3, 4)).astype(np.float32)
+  got = pc.per_example_conv_grads_pallas(
+      jnp.asarray(x), jnp.asarray(d), (1, 2), strides=(1, 2),
+      rhs_dilation=(1, 3), interpret=True, shift=shift)
+  x[:, :, [1, 6, 8]] = 0  # (never read by the layer)
+  want = _reference(x, d, (1, 2), (1, 2), ((0, 0), (0, 0)), (1, 3))
+  assert _rel(got, want) < 2e-6
 
 
 def test_empty_batch_and_bad_inputs():

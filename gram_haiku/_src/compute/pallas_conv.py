@@ -124,6 +124,10 @@ class Plan:
     pads: the ``(low, high)`` padding of the rows and columns that makes
       the cropped input ``s Hq`` by ``s Wq0`` (high may be negative: rows
       no tap reads are dropped), ``Wq0`` the phase width before a shift.
+    read: None, or per column of the padded input whether the layer reads
+      it: where a stride or rate skips input columns that the padded
+      window width reads, the others are zeroed ahead of the kernel (an
+      inf or NaN the layer never reads must not reach the products).
     ho, wo, wo_p: output rows, columns, columns padded to the sublane tile.
     c_p: input channels padded (at least 8).
     be: examples per program.
@@ -135,6 +139,7 @@ class Plan:
   cols: int
   crop: tuple[int, int]
   pads: tuple[tuple[int, int], tuple[int, int]]
+  read: Optional[tuple[bool, ...]]
   ho: int
   wo: int
   wo_p: int
@@ -216,8 +221,17 @@ def plan(x_shape: Sequence[int], d_shape: Sequence[int],
   crop = tuple(min(hi, 0) for _, hi in pads)
   pads_out = tuple((lo, s * n - size - cut - lo) for (lo, _), s, n, size, cut
                    in zip(pads, strides, (rows, cols0), (h, w), crop))
+  # The padded input's columns the layer reads, and those the windows of
+  # the padded width read that hold input (not padding) without it.
+  read = {sw * j + rw * kx for j in range(wo) for kx in range(kw)}
+  lo_w = pads[1][0]
+  data = range(max(lo_w, 0), lo_w + w + crop[1])
+  stray = any(sw * j + rw * kx not in read and sw * j + rw * kx in data
+              for j in range(wo, wo_p) for kx in range(kw))
+  read = tuple(col in read for col in range(sw * cols0)) if stray else None
   return Plan(taps=tuple(taps), slabs=tuple(tap_slab), rows=rows, cols=cols,
-              crop=crop, pads=pads_out, ho=ho, wo=wo, wo_p=wo_p, c_p=c_p, be=be,
+              crop=crop, pads=pads_out, read=read, ho=ho, wo=wo, wo_p=wo_p,
+              c_p=c_p, be=be,
               vmem_bytes=need(be))
 
 
@@ -231,6 +245,8 @@ def _slabs(x, p: Plan, strides) -> jax.Array:
   zero = jnp.zeros((), x.dtype)
   xp = lax.pad(x, zero, ((0, 0, 0), (lo_h, hi_h, 0), (lo_w, hi_w, 0),
                          (0, p.c_p - x.shape[-1], 0)))
+  if p.read is not None:
+    xp = jnp.where(jnp.asarray(p.read)[None, None, :, None], xp, zero)
   b, c = xp.shape[0], xp.shape[-1]
   cols0 = xp.shape[2] // sw
   phases = xp.reshape(b, p.rows, sh, cols0, sw, c)
