@@ -54,8 +54,11 @@ def _reference(x, d, kernel, strides, pads, rate):
 
 
 def _rel(a, ref):
+  """The largest error relative to the largest entry (absolute where the
+  reference is zero: a layout that reads only padding)."""
   ref = np.asarray(ref, np.float64)
-  return np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref))
+  err = np.max(np.abs(np.asarray(a, np.float64) - ref))
+  return err / (np.max(np.abs(ref)) or 1.0)
 
 
 # (B, H, W, C, O, kernel, strides, pads, rate, block_examples)
@@ -66,6 +69,10 @@ CASES = [
     (2, 11, 9, 3, 5, (3, 2), (1, 2), ((2, 1), (0, -1)), (2, 1), None),
     (7, 5, 6, 9, 4, (2, 3), (3, 1), ((0, 2), (1, 1)), (1, 2), 3),
     (10, 4, 4, 16, 8, (3, 3), (1, 1), ((1, 1), (1, 1)), (1, 1), None),
+    # Rows cropped into their own low padding, columns whose low crop
+    # exceeds the input (only the layer's padded size is nonnegative; it
+    # reads padding only).
+    (2, 2, 3, 2, 3, (1, 2), (3, 1), ((2, -3), (-4, 3)), (1, 1), None),
 ]
 
 

@@ -116,14 +116,15 @@ class Plan:
     slabs: per slab ``(a, b, shift)``: the phase (row, column) and, with
       ``shift="input"``, the column offset taken ahead of the kernel.
     rows, cols: a slab's rows and columns ``Hq, Wq``.
-    crop: the rows and columns the layer's negative high padding drops
-      (``<= 0``), cut from the input first: the sublane-padded window
-      width reads past the last output column, which must find zeros
-      there, not the layer's cropped input (whose inf or NaN times a zero
-      cotangent would be NaN).
-    pads: the ``(low, high)`` padding of the rows and columns that makes
-      the cropped input ``s Hq`` by ``s Wq0`` (high may be negative: rows
-      no tap reads are dropped), ``Wq0`` the phase width before a shift.
+    crop: the layer's negative high padding of the rows and columns
+      (``<= 0``, else 0), applied with the low padding first: the
+      sublane-padded window width reads past the last output column,
+      which must find zeros there, not the input the layer crops (whose
+      inf or NaN times a zero cotangent would be NaN).
+    pads: the ``(low, high)`` padding of the rows and columns, ``high``
+      applied after the crop, that makes the input ``s Hq`` by ``s Wq0``
+      (high may be negative: rows no tap reads are dropped), ``Wq0`` the
+      phase width before a shift.
     read: None, or per column of the padded input whether the layer reads
       it: where a stride or rate skips input columns that the padded
       window width reads, the others are zeroed ahead of the kernel (an
@@ -240,11 +241,15 @@ def _slabs(x, p: Plan, strides) -> jax.Array:
   phases (and, with ``shift="input"``, column shifts) the taps read."""
   sh, sw = strides
   (lo_h, hi_h), (lo_w, hi_w) = p.pads
-  if any(p.crop):
-    x = x[:, :x.shape[1] + p.crop[0], :x.shape[2] + p.crop[1]]
   zero = jnp.zeros((), x.dtype)
+  c = x.shape[-1]
+  if any(p.crop):  # Low padding and crop first (the layer's padded size).
+    x = lax.pad(x, zero, ((0, 0, 0),) + tuple(
+        (lo, cut, 0) if cut else (0, 0, 0)
+        for (lo, _), cut in zip(p.pads, p.crop)) + ((0, 0, 0),))
+    lo_h, lo_w = (0 if cut else lo for (lo, _), cut in zip(p.pads, p.crop))
   xp = lax.pad(x, zero, ((0, 0, 0), (lo_h, hi_h, 0), (lo_w, hi_w, 0),
-                         (0, p.c_p - x.shape[-1], 0)))
+                         (0, p.c_p - c, 0)))
   if p.read is not None:
     xp = jnp.where(jnp.asarray(p.read)[None, None, :, None], xp, zero)
   b, c = xp.shape[0], xp.shape[-1]
