@@ -680,6 +680,32 @@ def test_a_getter_whose_vjp_has_no_bound_is_refused():
   gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)
 
 
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_input_a_conv_never_reads_leaves_its_bound_finite(clipping):
+  """An inf and a NaN where a conv never looks (columns its negative
+  padding crops, a row its stride skips): the example's gradient is
+  finite, so its bound must be too (the closed-form rounding bound read
+  the whole input, which made the bound NaN and dropped the example)."""
+  rng = np.random.RandomState(2)
+  x = rng.normal(size=(3, 5, 9, 2)).astype(np.float32)
+  x[0, :, -2:] = np.nan
+  x[1, 1] = np.inf  # stride 2 reads rows 0, 2, 4 (a 1-row kernel)
+  v = rng.normal(size=(3, 3, 3, 3)).astype(np.float32)
+  body = lambda x: hk.Conv2D(3, (1, 3), stride=(2, 2),
+                             padding=((0, 0), (1, -2)), name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="materialize"):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), np.nan_to_num(x), v)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping))(
+      params, state, None, x, v)
+  true = np.linalg.norm(_reference("conv", body, params, x, v), axis=1)
+  assert np.all(np.isfinite(true))
+  assert_sound_norms(np.asarray(aux.grad_norms, np.float64), true)
+
+
 def test_a_non_finite_example_contributes_nothing():
   """A NaN or inf in one example's input: the clipped sum stays finite and
   equals the sum without that example (jax-privacy's nan_safe)."""

@@ -493,26 +493,17 @@ def _materialized_bound(f, spec: ConvSpec, x, g, kernel, example_dim,
 def per_example_error(x, g, params, example_dim: int, cfg: KernelConfig, *,
                       spec: ConvSpec) -> jax.Array:
   """``[B]``: the rounding bound of the materialised per-example gradients
-  in norm units, ``e_T`` times a bound of :func:`_triangle` that needs no
-  patches: each input entry lies in at most ``|K|`` windows, so by
-  Cauchy-Schwarz ``sum_{t,f} |p_tf| |d_tf| <= sqrt(|K|) |x_i| |d_i|``
-  (and ``sum_t |d_t| <= sqrt(T) |d_i|`` for the bias), ``T`` the output
-  positions of one example."""
+  in norm units, ``e_T`` times :func:`_triangle` (``T`` the output
+  positions of one example; window sums of the input, no patches). It
+  reads only the input the layer reads: an inf or NaN in columns a
+  negative padding crops or a stride skips leaves it finite (the closed
+  form ``sqrt(|K|) |x_i| |d_i|`` it replaces read the whole input, which
+  made such an example's bound NaN and dropped it from the clipped
+  sum)."""
   w, b = params
   acc = rule_lib.accumulation_dtype(x, params)
-  nd = spec.num_spatial_dims
-  taps = math.prod(w.shape[:nd])
-  xn = norm_bounds.row_norms(kernels.rows(
-      jnp.moveaxis(x, example_dim, 0)).astype(acc))
-  dn = norm_bounds.row_norms(kernels.rows(
-      jnp.moveaxis(g, example_dim, 0)).astype(acc))
-  bsz = x.shape[example_dim]
-  out_channels = g.shape[-1] if spec.channels_last else g.shape[
-      g.ndim - nd - 1]
-  t = math.prod(g.shape) // max(bsz * out_channels, 1)
-  tri = math.sqrt(taps) * xn * dn
-  if b is not None:
-    tri = tri + jnp.sqrt(norm_bounds.count(t)) * dn
+  tri, t = _triangle(spec, x, g, tuple(w.shape[:spec.num_spatial_dims]),
+                     example_dim, b is not None, acc)
   return norm_bounds.dot_error(t, acc, cfg.precision) * tri * (1 + 1e-6)
 
 
