@@ -62,9 +62,9 @@ an adversary chose) has a representable gradient (``1e-2``) while its
 squared entries, row norms and ghost kernel entries flush to zero, so
 (G) would give it a bound of 0 and a weight of 1. So:
 
-* :func:`row_norms` (hence ``tri``) scales each row by a power of two
-  (:func:`pow2_exponents`, :func:`times_pow2`: exact) before squaring,
-  so no row norm of a row with a normal entry flushes;
+* :func:`row_norms` (hence ``tri``) adds ``2 n tiny`` to its sums of
+  squares (:func:`norms_of_sq_sums`), so a row of tiny entries has a norm
+  bounded from above, not 0;
 * a linear map's bound (``kernels._bounded_linear_sq_norms``, which the
   convolutions' ghost norms use too) adds :func:`underflow_slack`, every
   flushed intermediate's worst effect from the example's largest input
@@ -152,40 +152,6 @@ def _elementwise_u(dtype) -> float:
   return float(jnp.finfo(dtype).eps) / 2
 
 
-def pow2_exponents(a: jax.Array, axis) -> jax.Array:
-  """``int32`` exponents ``e`` with ``max |a| < 2^e`` over ``axis``
-  (reduced away), within a factor 2; 0 where the maximum is 0 or not
-  finite (nothing to scale, or an inf/NaN that must stay one)."""
-  m = jnp.max(jnp.abs(a), axis=axis, initial=0)  # (0 over no entries)
-  _, e = jnp.frexp(m)
-  return jnp.where((m > 0) & jnp.isfinite(m), e, 0).astype(jnp.int32)
-
-
-def times_pow2(v: jax.Array, k: jax.Array) -> jax.Array:
-  """``v * 2^k`` for integer ``k`` (broadcast against ``v``), exact unless
-  the result leaves the dtype's range (then inf, or a flush to 0 below
-  ``tiny``): four factors ``2^(k/4)``, each a normal number, since
-  ``2^k`` alone may not be (``2^150`` is no float32)."""
-  info = jnp.finfo(v.dtype)
-  piece = info.maxexp // 2
-  k = jnp.clip(k, -4 * piece, 4 * piece)
-  for _ in range(4):
-    step = jnp.clip(k, -piece, piece)
-    v = v * _pow2(step, v.dtype)
-    k = k - step
-  return v
-
-
-def _pow2(k: jax.Array, dtype) -> jax.Array:
-  """``2^k`` exactly, for integers ``k`` within the dtype's normal range,
-  from its bit pattern (``exp2`` may round)."""
-  if jnp.dtype(dtype) == jnp.float64:
-    bits = (k.astype(jnp.int64) + 1023) << 52
-    return lax.bitcast_convert_type(bits, jnp.float64)
-  bits = (k.astype(jnp.int32) + 127) << 23
-  return lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
-
-
 def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
   """``[B]``: the absolute allowance, in squared-norm units, for
   intermediate results flushed to zero in a linear map's bound (G) or (M)
@@ -207,25 +173,22 @@ def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
 
 
 def row_norms(a: jax.Array) -> jax.Array:
-  """``|a_t|`` over the last axis, rounded up by its own rounding bound.
-  Each row is scaled by a power of two to a largest entry below 1 before
-  its squares are summed (exact), so a row of tiny entries is not
-  flushed to a norm of 0; the squares flushed in the scaled row (entries
-  below ``sqrt(tiny)`` of its largest) add at most ``n tiny``."""
-  n = a.shape[-1]
-  e = pow2_exponents(a, -1)
-  scaled = times_pow2(a, -e[..., None])
-  tiny = float(jnp.finfo(a.dtype).tiny)
-  sq = jnp.sum(jnp.square(scaled), axis=-1) + tiny * count(n)
-  return times_pow2(norms_of_sq_sums(sq, n), e)
+  """``|a_t|`` over the last axis, rounded up by its own rounding bound
+  (:func:`norms_of_sq_sums`)."""
+  return norms_of_sq_sums(jnp.sum(jnp.square(a), axis=-1), a.shape[-1])
 
 
 def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
   """Norms from sums ``sq`` of ``n`` squares each, summed in any order (in
   ``sq``'s dtype, exact adds), rounded up by their rounding bound: the
   squares and the sum are within ``(1 + u)^(n + 1)`` of the exact value,
-  below ``1 + 2 u (n + 4)``."""
-  return jnp.sqrt(sq * (1 + 2 * _elementwise_u(sq.dtype) * (count(n) + 4)))
+  below ``1 + 2 u (n + 4)``, plus ``2 n tiny`` for the squares and partial
+  sums flushed to zero (a row of entries near ``1e-21`` has squares below
+  float32's ``tiny``: its norm is then bounded by ``sqrt(2 n tiny)``,
+  about ``1.5e-19 sqrt(n)``, not by 0)."""
+  tiny = float(jnp.finfo(sq.dtype).tiny)
+  return jnp.sqrt((sq + 2 * tiny * count(n)) *
+                  (1 + 2 * _elementwise_u(sq.dtype) * (count(n) + 4)))
 
 
 def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:

@@ -442,11 +442,6 @@ def _triangle(spec: ConvSpec, x, g, kernel, example_dim, with_bias: bool,
     xb, gb = jnp.moveaxis(xb, 1, -1), jnp.moveaxis(gb, 1, -1)
   groups = spec.groups
   cg, m = xb.shape[-1] // groups, gb.shape[-1] // groups
-  # Each row scaled by a power of two to a largest entry below 1 (exact),
-  # so that tiny inputs' squares do not flush to zero (norm_bounds'
-  # docstring: underflow); a flushed square adds at most ``tiny``.
-  e = norm_bounds.pow2_exponents(xb, tuple(range(1, xb.ndim)))
-  xb = norm_bounds.times_pow2(xb, -e.reshape((-1,) + (1,) * (xb.ndim - 1)))
   sq = jnp.sum(jnp.square(xb.reshape(xb.shape[:-1] + (groups, cg))), -1)
   args = spec.conv_args(kernel)
   pads = explicit_pads(xb.shape[1:1 + n], kernel, args["window_strides"],
@@ -465,10 +460,7 @@ def _triangle(spec: ConvSpec, x, g, kernel, example_dim, with_bias: bool,
     raise AssertionError(  # A bug here, never a silent bound.
         f"gram_haiku conv rule ({spec}): patch norms {sq.shape} do not "
         f"match the output cotangent {gb.shape}.")
-  taps_cg = math.prod(kernel) * cg
-  pn = norm_bounds.norms_of_sq_sums(
-      sq + float(jnp.finfo(sq.dtype).tiny) * taps_cg, taps_cg)
-  pn = norm_bounds.times_pow2(pn, e.reshape((-1,) + (1,) * (pn.ndim - 1)))
+  pn = norm_bounds.norms_of_sq_sums(sq, math.prod(kernel) * cg)
   dn = norm_bounds.row_norms(gb.reshape(gb.shape[:-1] + (groups, m)))
   terms = pn * dn  # [N, *out, F]
   if with_bias:
