@@ -93,9 +93,9 @@ SAMPLED_SWEEPS = {
     # The refusals without jit, every other model (each runs under jit as a
     # row of tests/interpreter_corpus.py).
     "tests/test_example_flow.py::test_refused_at_any_size": 2,
-    # The interpreter's red-team corpus, one row in three (its rows replaced
+    # The interpreter's red-team corpus, one row in four (its rows replaced
     # the special-case tests that checked no more than a verdict).
-    "tests/test_interpreter_corpus.py::test_corpus_row": 3,
+    "tests/test_interpreter_corpus.py::test_corpus_row": 4,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
         2,
     "tests/test_example_flow.py::"
@@ -121,6 +121,18 @@ SAMPLED_SWEEPS = {
     # in two against float64, one data format of the tracked CNN.
     "tests/test_pallas_conv.py::test_matches_float64_and_the_patch_path": 2,
     "tests/test_pallas_conv.py::test_a_tracked_cnn_through_the_kernel": 2,
+    "tests/test_pallas_conv.py::"
+    "test_the_patch_free_triangle_is_the_patch_triangle": 2,
+    # The model zoos (each model a few seconds of compiles): every other
+    # model; the clipping case of each kind and mode, every other one.
+    "tests/test_flax_zoo.py::test_linen_model_is_the_haiku_gram": 2,
+    "tests/test_flax_zoo.py::test_nnx_model_is_the_haiku_gram": 2,
+    "tests/test_model_zoo.py::test_a_covered_model_clips_like_jax_privacy": 2,
+    "tests/test_model_zoo.py::test_a_covered_model_gives_the_reference_gram":
+        2,
+    "tests/test_model_zoo.py::"
+    "test_bare_parameters_are_covered_under_untracked_error": 2,
+    "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 2,
 }
 
 
