@@ -927,6 +927,7 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   m = d.shape[-1]
   acc = d.dtype
   itemsize = jnp.dtype(acc).itemsize
+
   def materialised(budget: int, x, d):
     per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
     rows = max(1, budget // max(per_row, 1))

@@ -74,13 +74,14 @@ squared entries, row norms and ghost kernel entries flush to zero, so
 Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
 built-in ones do); a reparametrising getter's pull-back maps a kept
 per-example gradient's rounding bound, which is carried in the layer's
-operand space, by its Jacobian, which is not bounded here. The scaling
-against underflow covers the linear and convolution layers' norms and
-every allowance built from :func:`row_norms`; the closed forms of a
-weight standardisation and of getters, the embeddings' and the
-normalisation layers' ghost terms count rounding only (their gradients are
-linear in the cotangent alone, so a flushed term there is a gradient
-below ``tiny``, except in those closed forms).
+operand space, by its Jacobian, which is not bounded here. The
+underflow allowances cover the linear and convolution layers' norms and
+every allowance built from :func:`row_norms`; the getters' closed forms
+(:mod:`gram_haiku._src.analysis.linear_bound`; a weight
+standardisation's cases were checked against float64) and the
+embeddings' and normalisation layers' ghost terms count rounding only
+(the latter two's gradients are linear in the cotangent alone, so a term
+flushed there is a gradient below ``tiny``).
 """
 
 from __future__ import annotations
