@@ -188,8 +188,13 @@ def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
   float32's ``tiny``: its norm is then bounded by ``sqrt(2 n tiny)``,
   about ``1.5e-19 sqrt(n)``, not by 0)."""
   tiny = float(jnp.finfo(sq.dtype).tiny)
-  return jnp.sqrt((sq + 2 * tiny * count(n)) *
-                  (1 + 2 * _elementwise_u(sq.dtype) * (count(n) + 4)))
+  return jnp.sqrt((sq + 2 * tiny * count(n)) * _sum_rounding(n, sq.dtype))
+
+
+def _sum_rounding(n, dtype) -> jax.Array:
+  """``1 + 2 u (n + 4)``: above the rounding of a sum of ``n`` nonnegative
+  terms in any order (and of their squares), ``(1 + u)^(n + 1)``."""
+  return 1 + 2 * _elementwise_u(dtype) * (count(n) + 4)
 
 
 def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:
@@ -197,8 +202,7 @@ def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:
   by its rounding bound (``n`` terms: ``1 + 2 u (n + 4)``)."""
   axes = (axis,) if isinstance(axis, int) else tuple(axis)
   n = math.prod(terms.shape[a] for a in axes)
-  return jnp.sum(terms, axis=axis) * (
-      1 + 2 * _elementwise_u(terms.dtype) * (count(n) + 4))
+  return jnp.sum(terms, axis=axis) * _sum_rounding(n, terms.dtype)
 
 
 def of_sum(err_a: jax.Array, err_b: jax.Array, s: jax.Array) -> jax.Array:
@@ -215,9 +219,7 @@ def of_sum(err_a: jax.Array, err_b: jax.Array, s: jax.Array) -> jax.Array:
 def triangle(x: jax.Array, d: jax.Array) -> jax.Array:
   """(T): ``sum_t |x_t| |d_t|`` per example, ``x: (B, T, N)``,
   ``d: (B, T, M)`` -> ``(B,)``, rounded up (see the module docstring)."""
-  acc = d.dtype
-  tri = jnp.sum(row_norms(x.astype(acc)) * row_norms(d), axis=1)
-  return tri * (1 + 2 * _elementwise_u(acc) * (count(x.shape[1]) + 4))
+  return rounded_up_sum(row_norms(x.astype(d.dtype)) * row_norms(d), 1)
 
 
 def two_level_sum(p: jax.Array) -> jax.Array:
