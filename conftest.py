@@ -64,13 +64,24 @@ from gram_haiku.conformance.examples import scaled_linear  # pylint: disable=g-i
 conformance.register(scaled_linear.SPEC)
 
 
-# The default budget samples the widest sweeps over the layer zoo (or a
-# kernel table): function -> keep one case in this many, taken in turn so
-# that the kept cases spread over the sweep; the nightly conformance-thorough
-# env (CONFORMANCE_THOROUGH=1 / --conformance-thorough) runs every case.
-# Each sweep's classes stay covered by its kept cases and by the suites that
-# run every layer through the same code (test_composites, conformance/);
-# what is sampled is the cross product of layer x option.
+# The default budget (the README's test command, at most 6 minutes cold on
+# 2 cores) samples the parametrised sweeps; the nightly conformance-thorough
+# env (CONFORMANCE_THOROUGH=1 / --conformance-thorough) runs every case. In
+# each sweep every value of every option (a parameter with at most
+# OPTION_VALUES values: a dtype, a mode, eager or jit) still runs, and the
+# rest of the cross product (layers, models, shapes, seeds) keeps one case in
+# k, taken in turn: k from SAMPLED_SWEEPS, else DEFAULT_EVERY for a sweep of
+# at least DEFAULT_MIN_CASES cases outside FULL_FILES. The classes sampled
+# out stay covered by the suites that run every layer through the same code
+# (test_composites, conformance/).
+DEFAULT_MIN_CASES = 3
+DEFAULT_EVERY = 2
+OPTION_VALUES = 2
+# Files whose sweeps all run every case by default (unless listed in
+# SAMPLED_SWEEPS): the clip bound's attacks (a privacy bug there is silent),
+# the real cases of shared/cases and the checks of every documentation page.
+FULL_FILES = ("tests/test_clip_bound.py", "tests/test_cases.py",
+              "tests/test_docs.py")
 SAMPLED_SWEEPS = {
     "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 6,
     "tests/test_export.py::"
@@ -80,10 +91,10 @@ SAMPLED_SWEEPS = {
         5,
     "tests/test_symmetric.py::"
     "test_every_layer_from_blocks_matches_the_reference": 4,
-    "tests/test_reparam.py::test_reparametrised_layer_is_exact": 4,
+    "tests/test_reparam.py::test_reparametrised_layer_is_exact": 6,
     "tests/test_norms.py::test_every_module_and_flag_x64": 3,
     "tests/test_rules.py::test_conv_rule": 3,
-    "tests/test_composites.py::test_layer_matches_reference": 2,
+    "tests/test_composites.py::test_layer_matches_reference": 3,
     "tests/test_reweight.py::test_all_layer_clipping_matches_reference": 2,
     "tests/test_rules.py::test_embed_rule": 2,
     "tests/test_rules.py::test_linear_rule": 2,
@@ -95,7 +106,7 @@ SAMPLED_SWEEPS = {
     "tests/test_example_flow.py::test_refused_at_any_size": 2,
     # The interpreter's red-team corpus, one row in four (its rows replaced
     # the special-case tests that checked no more than a verdict).
-    "tests/test_interpreter_corpus.py::test_corpus_row": 4,
+    "tests/test_interpreter_corpus.py::test_corpus_row": 6,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
         2,
     "tests/test_example_flow.py::"
@@ -133,6 +144,10 @@ SAMPLED_SWEEPS = {
     "tests/test_model_zoo.py::"
     "test_bare_parameters_are_covered_under_untracked_error": 2,
     "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 2,
+    # The unknown op's message from each entry point: the CLI (with xdist
+    # workers, whose messages must not repeat) by default.
+    "tests/test_conformance_plugin.py::"
+    "test_an_unknown_op_is_one_message_saying_how_to_register": 3,
 }
 
 
@@ -189,24 +204,73 @@ def _alternated(items):
           if values[key][value] == cases[key][case] % len(values[key])}
 
 
+def _sampled(items):
+  """The items of the parametrised sweeps to keep in the default budget.
+
+  Each function's cases (in order of appearance; the conformance suite's
+  and :data:`ALTERNATED_SWEEPS`' are sampled elsewhere) keep about one in
+  ``k`` (``k``: :data:`SAMPLED_SWEEPS`, else :data:`DEFAULT_EVERY` for a
+  sweep of at least :data:`DEFAULT_MIN_CASES` outside :data:`FULL_FILES`):
+  first each case that holds a value not yet kept of an option (a
+  parameter with at most :data:`OPTION_VALUES` values over the sweep: a
+  dtype, a mode, eager or jit), then cases taken in turn; every value of
+  every option runs, whatever ``k``."""
+  groups = {}
+  for item in items:
+    callspec = getattr(item, "callspec", None)
+    key = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
+    if (callspec is None or "conformance_op" in callspec.params
+        or key in ALTERNATED_SWEEPS or (key.split("::")[0] in FULL_FILES
+                                        and key not in SAMPLED_SWEEPS)):
+      continue
+    groups.setdefault(key, []).append(item)
+  keep = set()
+  for key, group in groups.items():
+    every = SAMPLED_SWEEPS.get(
+        key, DEFAULT_EVERY if len(group) >= DEFAULT_MIN_CASES else 1)
+    values = {}
+    for item in group:
+      for name, value in item.callspec.params.items():
+        values.setdefault(name, set()).add(repr(value))
+    options = [n for n, v in values.items() if len(v) <= OPTION_VALUES]
+    held = [{(n, repr(item.callspec.params[n])) for n in options
+             if n in item.callspec.params} for item in group]
+    # First the cases that hold an option value not yet kept, then the
+    # rest in turn, up to one case in `every`; then any value still missing.
+    kept, covered = [], set()
+    for i, h in enumerate(held):
+      if not h <= covered and len(kept) * every < len(group):
+        kept.append(i)
+        covered |= h
+    for i in range(0, len(group), every):
+      if len(kept) * every >= len(group):
+        break
+      if i not in kept:
+        kept.append(i)
+        covered |= held[i]
+    kept += [i for i, h in enumerate(held) if not h <= covered
+             and not covered.update(h)]
+    keep.update(id(group[i]) for i in kept)
+  return keep, {id(item) for group in groups.values() for item in group}
+
+
 def pytest_collection_modifyitems(config, items):
-  """Samples :data:`SAMPLED_SWEEPS` and :data:`ALTERNATED_SWEEPS` outside
-  the thorough budget, and says how many cases it left out."""
+  """Samples the parametrised sweeps (:func:`_sampled`) and
+  :data:`ALTERNATED_SWEEPS` outside the thorough budget, and says how many
+  cases it left out."""
   if _plugin.thorough():
     return
-  seen, keep, drop = {}, [], []
+  keep, drop = [], []
   alternated = _alternated(items)
+  sampled, grouped = _sampled(items)
   for item in items:
     key = f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
     if key in ALTERNATED_SWEEPS and hasattr(item, "callspec"):
       (keep if id(item) in alternated else drop).append(item)
-      continue
-    every = SAMPLED_SWEEPS.get(key)
-    if every is None:
+    elif id(item) in grouped:
+      (keep if id(item) in sampled else drop).append(item)
+    else:
       keep.append(item)
-      continue
-    i = seen[key] = seen.get(key, -1) + 1
-    (keep if i % every == 0 else drop).append(item)
   if drop:
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
@@ -216,8 +280,8 @@ def pytest_terminal_summary(terminalreporter, config):
   del config
   if not _plugin.thorough():
     terminalreporter.write_line(
-        "gram_haiku: the layer-zoo sweeps of conftest.SAMPLED_SWEEPS ran one "
-        "case in k, and those of conftest.ALTERNATED_SWEEPS each case with "
-        "one value of one parameter, such as the jit placement (the default "
-        "budget; in the deselected count); tox -e "
-        "conformance-thorough runs them all.")
+        "gram_haiku: the parametrised sweeps ran about one case in k, every "
+        "value of their options included (conftest.SAMPLED_SWEEPS; the "
+        "default budget; in the deselected count), and those of "
+        "conftest.ALTERNATED_SWEEPS each case with one value of one "
+        "parameter; tox -e conformance-thorough runs them all.")
