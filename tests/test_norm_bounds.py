@@ -5,10 +5,12 @@ rows whose terms span many magnitudes, under ``jit`` and ``vmap``; and the
 module's other rounding bounds (one division's,
 :func:`norm_bounds.division_error`) against float64."""
 
+import fractions
 import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -133,7 +135,13 @@ def _lowered_constants(fn, platform: str) -> set[float]:
   (lowering needs no such device)."""
   text = jax.jit(fn).trace().lower(lowering_platforms=(platform,)).as_text()
   found = set()
-  for literal in re.findall(r"dense<([0-9.eE+-]+)>", text):
+  for literal in re.findall(r"dense<(0x[0-9A-F]+|[0-9.eE+-]+)>", text):
+    if literal.startswith("0x"):  # (inf and nan, as their bits)
+      kind = {10: np.uint32, 18: np.uint64}.get(len(literal))
+      if kind is not None:
+        found.add(float(np.array(int(literal, 16), kind).view(
+            np.float32 if kind is np.uint32 else np.float64)))
+      continue
     try:
       found.add(float(literal))
     except ValueError:
@@ -155,7 +163,63 @@ def test_a_division_is_counted_as_a_tpu_divides():
   exact = np.float64(a) / np.float64(b)
   assert np.max(np.abs(got - exact) / exact) <= u
   fn = lambda: norm_bounds.division_error(jnp.float32)
-  assert 4.0 in _lowered_constants(fn, "tpu")
-  assert 4.0 not in _lowered_constants(fn, "cpu")
-  assert 4.0 not in _lowered_constants(
-      lambda: norm_bounds.division_error(jnp.float64), "tpu")
+  f32 = lambda platform: {np.float32(c) for c in _lowered_constants(
+      fn, platform)}  # (float32 literals print with 9 digits)
+  assert np.float32(4 * u) in f32("tpu")
+  assert np.float32(4 * u) not in f32("cpu")
+  assert np.float32(u) in f32("cpu")
+  u64 = float(jnp.finfo(jnp.float64).eps) / 2
+  assert {np.float32(c) for c in _lowered_constants(
+      lambda: norm_bounds.division_error(jnp.float64), "tpu")} == {
+          np.float32(u64)}
+
+
+def _exact_dot_error(n, dtype, precision, platform):
+  """:func:`norm_bounds.dot_error` from its definition, in exact
+  rationals (None: inf)."""
+  u = fractions.Fraction(float(jnp.finfo(dtype).eps)) / 2
+  if platform == "tpu" and jnp.dtype(dtype) != jnp.float64:
+    u *= 4
+  nu = (n + 1) * u
+  if nu >= 1:
+    return None
+  extra = (fractions.Fraction(1, 128) if platform != "cpu" and
+           precision != lax.Precision.HIGHEST else 0)
+  return nu / (1 - nu) + extra
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"])
+def test_rounding_constants_are_rounded_up_on_each_platform(platform):
+  """The bounds' constants are literals of the program lowered for each
+  platform, not arithmetic: ``dot_error`` is the least float32 at or above
+  its exact value (a random draw of term counts, dtypes and precisions;
+  inf where ``(n + 1) u >= 1``), and the same as the traced evaluation a
+  symbolic size takes, up to that one's float32 rounding; the relative
+  allowances of float64 sums stay float64 (float32 would round ``1 + 2 u
+  k`` to 1)."""
+  rng = np.random.default_rng(0)
+  ns = [1, 3, 64, 65, 1000, 2 ** 24 - 2, 2 ** 24, 2 ** 26]
+  ns += [int(n) for n in rng.integers(1, 1 << 22, 8)]
+  for n in ns:
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float64):
+      for precision in (lax.Precision.HIGHEST, lax.Precision.DEFAULT):
+        got = _lowered_constants(
+            lambda: norm_bounds.dot_error(n, dtype, precision), platform)
+        got = max(got - {0.0, 1.0, 2.0})  # (the index literals)
+        want = _exact_dot_error(n, dtype, precision, platform)
+        if want is None:
+          assert got == np.inf, (n, dtype, precision)
+          continue
+        f = np.float32(got)
+        assert fractions.Fraction(float(f)) >= want, (n, dtype, precision)
+        below = np.nextafter(f, np.float32(0))
+        assert fractions.Fraction(float(below)) < want, (n, dtype, precision)
+        if platform == "cpu":
+          traced = norm_bounds.dot_error(jnp.int32(n), dtype, precision)
+          np.testing.assert_allclose(float(traced), float(f), rtol=5e-7)
+  for dtype in (jnp.float32, jnp.float64):
+    u = fractions.Fraction(float(jnp.finfo(dtype).eps)) / 2
+    factor = norm_bounds.rounding_factor(37, dtype)
+    assert np.asarray(factor).dtype == jnp.dtype(dtype)
+    assert 1 + 74 * u <= fractions.Fraction(float(factor)) < (
+        1 + 74 * u) * (1 + 2 * u)

@@ -86,11 +86,13 @@ flushed there is a gradient below ``tiny``).
 
 from __future__ import annotations
 
+import fractions
 import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+import numpy as np
 
 from gram_haiku._src.compute import cost_model
 
@@ -99,6 +101,66 @@ from gram_haiku._src.compute import cost_model
 #: at most ``sqrt(1 + LOOSE)``, about 3%, above the truth; tighter bounds
 #: than the worst case would switch less often).
 LOOSE = 2.0 ** -4
+
+
+#: The platforms the bounds tell apart (:func:`per_platform`): a CPU, a TPU,
+#: and any other (a GPU).
+PLATFORMS = ("cpu", "tpu", "other")
+
+
+def _rounded_up(x, dtype=jnp.float32):
+  """The least float32 (float64 for a ``dtype`` of float64, whose
+  allowances float32 would round away) at or above ``x``, an exact
+  rational (``fractions.Fraction``, an int) or inf."""
+  kind = np.float64 if jnp.dtype(dtype) == jnp.float64 else np.float32
+  if isinstance(x, float) and not math.isfinite(x):
+    return kind(x)
+  x = fractions.Fraction(x)
+  f = kind(float(x))
+  while fractions.Fraction(float(f)) < x:
+    f = np.nextafter(f, kind(np.inf))
+  return f
+
+
+def per_platform(value) -> jax.Array:
+  """A float32 constant (scalar, or a vector of several) that depends on the
+  platform the program is compiled for: ``value(platform)`` for each of
+  :data:`PLATFORMS`, an exact rational (or inf) or a list of them, rounded
+  up. One ``lax.platform_dependent`` of literals where the
+  platforms differ, a literal where they agree: the bounds' constants are
+  not arithmetic in the traced program."""
+  def constant(platform):
+    v = value(platform)
+    return (np.array([_rounded_up(w) for w in v], np.float32)
+            if isinstance(v, (list, tuple)) else _rounded_up(v))
+  cpu, tpu, other = (constant(p) for p in PLATFORMS)
+  if np.array_equal(cpu, tpu) and np.array_equal(cpu, other):
+    return jnp.asarray(cpu)
+  return lax.platform_dependent(cpu=lambda: jnp.asarray(cpu),
+                                tpu=lambda: jnp.asarray(tpu),
+                                default=lambda: jnp.asarray(other))
+
+
+def _static(*sizes) -> bool:
+  return all(isinstance(n, (int, np.integer)) for n in sizes)
+
+
+def _roundoff_on(dtype, platform: str) -> fractions.Fraction:
+  """:func:`_op_roundoff`'s value on ``platform``, exactly."""
+  u = fractions.Fraction(float(jnp.finfo(dtype).eps)) / 2
+  return 4 * u if platform == "tpu" and jnp.dtype(dtype) != jnp.float64 else u
+
+
+def _dot_error_on(n: int, dtype, precision, platform: str):
+  """:func:`dot_error`'s value on ``platform``: an exact rational, or
+  inf."""
+  nu = (int(n) + 1) * _roundoff_on(dtype, platform)
+  if nu >= 1:
+    return math.inf
+  out = nu / (1 - nu)
+  if precision != lax.Precision.HIGHEST and platform != "cpu":
+    out += fractions.Fraction(1, 2 ** 7)
+  return out
 
 
 def dot_error(n, dtype, precision) -> jax.Array:
@@ -111,7 +173,11 @@ def dot_error(n, dtype, precision) -> jax.Array:
   from several bfloat16 passes; IEEE float32 elsewhere), plus ``2^-7``
   below ``HIGHEST`` in a program compiled for a TPU or GPU, which may round
   each factor to bfloat16 (or TF32) first (XLA's CPU backend multiplies
-  float32 in float32 at every precision). A float32 scalar (inf where ``(n + 1) u >= 1``)."""
+  float32 in float32 at every precision). A float32 scalar (inf where
+  ``(n + 1) u >= 1``), rounded up: a constant per platform
+  (:func:`per_platform`) for a static ``n``."""
+  if _static(n):
+    return per_platform(lambda p: _dot_error_on(n, dtype, precision, p))
   nu = (count(n) + 1) * _op_roundoff(dtype)
   out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
   if precision != lax.Precision.HIGHEST:  # (XLA's CPU dots stay float32.)
@@ -134,23 +200,23 @@ def _op_roundoff(dtype) -> jax.Array:
   it: ``u``, and ``4 u`` below float64 in a program compiled for a TPU
   (float32 products from bfloat16 passes, division by a refined
   reciprocal). A float32 scalar."""
-  u = jnp.float32(float(jnp.finfo(dtype).eps) / 2)
-  if jnp.dtype(dtype) != jnp.float64:
-    u = u * lax.platform_dependent(tpu=lambda: jnp.float32(4),
-                                   default=lambda: jnp.float32(1))
-  return u
+  return per_platform(lambda p: _roundoff_on(dtype, p))
 
 
-def count(n) -> jax.Array:
+def count(n):
   """A size (an int, or a symbolic size under ``jax.export``) as a float32
-  scalar."""
-  if isinstance(n, int):
-    return jnp.float32(n)
+  scalar: a float32 constant for an int (arithmetic on it is not traced)."""
+  if _static(n):
+    return np.float32(n)
   return jnp.asarray(n).astype(jnp.float32)
 
 
 def _elementwise_u(dtype) -> float:
   return float(jnp.finfo(dtype).eps) / 2
+
+
+def _exact_u(dtype) -> fractions.Fraction:
+  return fractions.Fraction(float(jnp.finfo(dtype).eps)) / 2
 
 
 def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
@@ -167,10 +233,13 @@ def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
   sqrt(N M) mx md``). So ``8 T^2 tiny ((N M + N + M)(mx^2 + md^2) + 1)``:
   negligible on ordinary data, and large (or inf) exactly for an example
   whose tiny inputs meet huge cotangents, which is then clipped harder."""
-  tiny = float(jnp.finfo(mx.dtype).tiny)
+  tiny = fractions.Fraction(float(jnp.finfo(mx.dtype).tiny))
   sq = jnp.square(mx) + jnp.square(md)
+  if _static(t, n, m):
+    return _rounded_up(8 * tiny * t * t, mx.dtype) * (
+        _rounded_up(n * m + n + m, mx.dtype) * sq + 1)
   nm = count(n) * count(m) + count(n) + count(m)
-  return 8 * tiny * jnp.square(count(t)) * (nm * sq + 1)
+  return 8 * float(tiny) * jnp.square(count(t)) * (nm * sq + 1)
 
 
 def row_norms(a: jax.Array) -> jax.Array:
@@ -187,14 +256,25 @@ def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
   sums flushed to zero (a row of entries near ``1e-21`` has squares below
   float32's ``tiny``: its norm is then bounded by ``sqrt(2 n tiny)``,
   about ``1.5e-19 sqrt(n)``, not by 0)."""
-  tiny = float(jnp.finfo(sq.dtype).tiny)
-  return jnp.sqrt((sq + 2 * tiny * count(n)) * _sum_rounding(n, sq.dtype))
+  tiny = fractions.Fraction(float(jnp.finfo(sq.dtype).tiny))
+  flushed = (_rounded_up(2 * tiny * int(n), sq.dtype) if _static(n)
+             else 2 * float(tiny) * count(n))
+  return jnp.sqrt((sq + flushed) * _sum_rounding(n, sq.dtype))
 
 
-def _sum_rounding(n, dtype) -> jax.Array:
+def _sum_rounding(n, dtype):
   """``1 + 2 u (n + 4)``: above the rounding of a sum of ``n`` nonnegative
   terms in any order (and of their squares), ``(1 + u)^(n + 1)``."""
-  return 1 + 2 * _elementwise_u(dtype) * (count(n) + 4)
+  return rounding_factor(n + 4, dtype)
+
+
+def rounding_factor(k, dtype):
+  """``1 + 2 u k`` in ``dtype``'s unit roundoff ``u``: a relative allowance
+  of ``k`` roundings, as a constant rounded up (float64 for ``dtype``
+  float64, float32 else; traced for a symbolic ``k``)."""
+  if _static(k):
+    return _rounded_up(1 + 2 * _exact_u(dtype) * int(k), dtype)
+  return 1 + 2 * _elementwise_u(dtype) * count(k)
 
 
 def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:
@@ -254,15 +334,23 @@ def ghost_slack(kx: jax.Array, kd: jax.Array, xn: jax.Array, dn: jax.Array,
   xx = xn[:, :, None] * xn[:, None, :]
   dd = dn[:, :, None] * dn[:, None, :]
   akx, akd = jnp.abs(kx), jnp.abs(kd)
-  error = kernel_error if by_kernel else dot_error
-  en = error(n, dtype, precision)
-  em = error(m, dtype, precision)
-  e1 = dot_error(t, dtype, lax.Precision.HIGHEST)
-  et = 2 * e1 * (1 + e1)
-  terms = (en * jnp.sum(xx * akd, axis=(1, 2)) +
-           em * jnp.sum(akx * dd, axis=(1, 2)) +
-           en * em * jnp.sum(xx * dd, axis=(1, 2)) +
-           et * (1 + en + em) * jnp.sum(akx * akd, axis=(1, 2)))
+
+  def coefficients(en, em, e1):  # (float64 per platform, or traced)
+    return [en, em, en * em, 2 * e1 * (1 + e1) * (1 + en + em)]
+  if _static(n, m, t):
+    error_on = _kernel_error_on if by_kernel else _dot_error_on
+    c = per_platform(lambda p: coefficients(
+        error_on(n, dtype, precision, p), error_on(m, dtype, precision, p),
+        _dot_error_on(t, dtype, lax.Precision.HIGHEST, p)))
+  else:
+    error = kernel_error if by_kernel else dot_error
+    c = jnp.stack(coefficients(error(n, dtype, precision),
+                               error(m, dtype, precision),
+                               dot_error(t, dtype, lax.Precision.HIGHEST)))
+  terms = (c[0] * jnp.sum(xx * akd, axis=(1, 2)) +
+           c[1] * jnp.sum(akx * dd, axis=(1, 2)) +
+           c[2] * jnp.sum(xx * dd, axis=(1, 2)) +
+           c[3] * jnp.sum(akx * akd, axis=(1, 2)))
   return terms * (1 + 16 * _elementwise_u(terms.dtype))
 
 
@@ -309,12 +397,19 @@ def kernel_error(m, dtype, precision) -> jax.Array:
   products' and ``e_C`` the sum of the ``C`` chunk values' (each value off
   by at most ``e_k`` times its chunk's ``|a_t| . |a_s|``; the sum of the
   values, at most ``(1 + e_k)`` times those, rounded in any order)."""
+  if _static(m):
+    return per_platform(lambda p: _kernel_error_on(m, dtype, precision, p))
+  return dot_error(m, dtype, precision)  # (one level: kernel_split)
+
+
+def _kernel_error_on(m: int, dtype, precision, platform: str) -> float:
+  """:func:`kernel_error`'s value on ``platform``, in float64."""
   split = kernel_split(m)
   if split is None:
-    return dot_error(m, dtype, precision)
+    return _dot_error_on(m, dtype, precision, platform)
   chunks, k = split
-  ek = dot_error(k, dtype, precision)
-  ec = dot_error(chunks, dtype, lax.Precision.HIGHEST)
+  ek = _dot_error_on(k, dtype, precision, platform)
+  ec = _dot_error_on(chunks, dtype, lax.Precision.HIGHEST, platform)
   return ek + ec * (1 + ek)
 
 
@@ -363,6 +458,11 @@ def coarse_ghost_slack(tri: jax.Array, n, m, t, dtype,
   ``2 (e_N + e_M + e_{T^2}) tri^2`` (see :func:`ghost_slack`; the factor 2
   covers its second-order terms while each ``e`` is below 1/2). ``n=None``:
   the input kernel is exact (an embedding's key matches), ``e_N = 0``."""
+  if _static(m, t) and (n is None or _static(n)):
+    e = per_platform(lambda p: _dot_error_on(m, dtype, precision, p) + (
+        _dot_error_on(t * t, dtype, lax.Precision.HIGHEST, p)) + (
+            0 if n is None else _dot_error_on(n, dtype, precision, p)))
+    return 2 * e * jnp.square(tri)
   e = (dot_error(m, dtype, precision) +
        dot_error(t * t, dtype, lax.Precision.HIGHEST))
   if n is not None:
@@ -397,8 +497,10 @@ def squares_rel(p, dtype):
   in ``dtype``: ``2 u (rows + k + 4)`` for its two levels (``2 u (p + 2)``
   for one)."""
   split = _split(p)
-  terms = count(p) if split is None else count(sum(split) + 2)
-  return 2 * _elementwise_u(dtype) * (terms + 2)
+  if _static(p):
+    terms = p if split is None else sum(split) + 2
+    return _rounded_up(2 * _exact_u(dtype) * (int(terms) + 2), dtype)
+  return 2 * _elementwise_u(dtype) * (count(p) + 2)
 
 
 def sum_in_two_levels(a: jax.Array) -> jax.Array:

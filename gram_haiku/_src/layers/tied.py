@@ -182,8 +182,7 @@ def lookup_output_cross(lookup, output, upper_bound: bool):
   terms = (ed * jnp.sum(en[:, :, None] * hn[:, None, :] * jnp.abs(zk),
                         axis=(1, 2)) +
            ets * (1 + ed) * jnp.sum(jnp.abs(prod), axis=(1, 2)))
-  u = float(jnp.finfo(acc).eps) / 2
-  return value, terms * (1 + 2 * u * (norm_bounds.count(t * s) + 16))
+  return value, terms * norm_bounds.rounding_factor(t * s + 16, acc)
 
 
 def cross_rule(first, second):
