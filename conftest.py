@@ -213,8 +213,9 @@ def _sampled(items):
   sweep of at least :data:`DEFAULT_MIN_CASES` outside :data:`FULL_FILES`):
   first each case that holds a value not yet kept of an option (a
   parameter with at most :data:`OPTION_VALUES` values over the sweep: a
-  dtype, a mode, eager or jit), then cases taken in turn; every value of
-  every option runs, whatever ``k``."""
+  dtype, a mode, eager or jit), then cases taken in turn. Every value of
+  every option then runs, whatever ``k``, except in a sweep of
+  :data:`SAMPLED_SWEEPS` (whose comment says what its kept cases are)."""
   groups = {}
   for item in items:
     callspec = getattr(item, "callspec", None)
@@ -248,8 +249,9 @@ def _sampled(items):
       if i not in kept:
         kept.append(i)
         covered |= held[i]
-    kept += [i for i, h in enumerate(held) if not h <= covered
-             and not covered.update(h)]
+    if key not in SAMPLED_SWEEPS:  # (a listed sweep's comment says why not)
+      kept += [i for i, h in enumerate(held) if not h <= covered
+               and not covered.update(h)]
     keep.update(id(group[i]) for i in kept)
   return keep, {id(item) for group in groups.values() for item in group}
 
