@@ -217,6 +217,7 @@ def test_rounding_constants_are_rounded_up_on_each_platform(platform):
         if platform == "cpu":
           traced = norm_bounds.dot_error(jnp.int32(n), dtype, precision)
           np.testing.assert_allclose(float(traced), float(f), rtol=5e-7)
+          assert fractions.Fraction(float(traced)) >= want, (n, dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
@@ -234,3 +235,33 @@ def test_relative_allowances_keep_their_dtype(dtype):
     assert stored.dtype == value.dtype and float(stored[0]) > 3.0
     sq = jnp.asarray([3.0], dtype)
     assert float(norm_bounds.norms_of_sq_sums(sq, 100)[0]) ** 2 > 3.0
+
+
+def test_a_symbolic_size_keeps_float64_allowances_and_rounds_up():
+  """The traced constants a symbolic size takes (``jax.export``) are those
+  of a static one, rounded up: in float64, ``1 + 2 u k`` stayed float32
+  (1: the allowance lost) and ``tiny``'s multiples flushed to 0 there;
+  ``dot_error``'s division was rounded to nearest (below its value for
+  about half the sizes); and a float64 ``dot_error`` was float32, so
+  ``1 + e`` was 1 (the standardised bounds' factors)."""
+  hi = lax.Precision.HIGHEST
+  with jax.enable_x64(True):
+    def constants(x):
+      t, b = x.shape[1], x.shape[0]
+      mx = jnp.max(x, axis=1)
+      return (norm_bounds.rounding_factor(t + 4, x.dtype),
+              norm_bounds.underflow_slack(t, 3, 4, mx, mx),
+              norm_bounds.norms_of_sq_sums(jnp.zeros((b,), x.dtype), t),
+              norm_bounds.squares_rel(t, x.dtype) + 1,
+              norm_bounds.dot_error(t, x.dtype, hi) + 1)
+    for dtype in (jnp.float32, jnp.float64):
+      spec = jax.ShapeDtypeStruct(
+          (2,) + jax.export.symbolic_shape("t"), dtype)
+      exported = jax.export.export(jax.jit(constants))(spec)
+      x = jnp.ones((2, 7), dtype)
+      for sym, static in zip(exported.call(x), jax.jit(constants)(x)):
+        assert sym.dtype == static.dtype == dtype
+        np.testing.assert_allclose(sym, static, rtol=3e-7, atol=0)
+        assert np.all(sym > (1 if sym.ndim == 0 else 0)), (dtype, sym)
+    e = norm_bounds.dot_error(100, jnp.float64, hi)
+    assert e.dtype == jnp.float64 and 1 + e > 1

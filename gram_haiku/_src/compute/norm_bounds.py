@@ -108,11 +108,20 @@ LOOSE = 2.0 ** -4
 PLATFORMS = ("cpu", "tpu", "other")
 
 
+def _kind(dtype):
+  """The dtype of the bounds' constants for sums in ``dtype``: float64 for
+  float64 (float32 would round its allowances ``1 + 2 u k`` to 1, and its
+  ``tiny`` to 0), float32 else (and where x64 is off, float64 being
+  float32 then)."""
+  return (np.float64 if jax.dtypes.canonicalize_dtype(dtype) == np.float64
+          else np.float32)
+
+
 def _rounded_up(x, dtype=jnp.float32):
   """The least float32 (float64 for a ``dtype`` of float64, whose
-  allowances float32 would round away) at or above ``x``, an exact
-  rational (``fractions.Fraction``, an int) or inf."""
-  kind = np.float64 if jnp.dtype(dtype) == jnp.float64 else np.float32
+  allowances float32 would round away: :func:`_kind`) at or above ``x``,
+  an exact rational (``fractions.Fraction``, an int) or inf."""
+  kind = _kind(dtype)
   if isinstance(x, float) and not math.isfinite(x):
     return kind(x)
   x = fractions.Fraction(x)
@@ -122,8 +131,9 @@ def _rounded_up(x, dtype=jnp.float32):
   return f
 
 
-def per_platform(value) -> jax.Array:
-  """A float32 constant (scalar, or a vector of several) that depends on the
+def per_platform(value, dtype=jnp.float32) -> jax.Array:
+  """A float32 constant (float64 for sums in float64: :func:`_kind`;
+  scalar, or a vector of several) that depends on the
   platform the program is compiled for: ``value(platform)`` for each of
   :data:`PLATFORMS`, an exact rational (or inf) or a list of them, rounded
   up. One ``lax.platform_dependent`` of literals where the
@@ -131,8 +141,8 @@ def per_platform(value) -> jax.Array:
   not arithmetic in the traced program."""
   def constant(platform):
     v = value(platform)
-    return (np.array([_rounded_up(w) for w in v], np.float32)
-            if isinstance(v, (list, tuple)) else _rounded_up(v))
+    return (np.array([_rounded_up(w, dtype) for w in v], _kind(dtype))
+            if isinstance(v, (list, tuple)) else _rounded_up(v, dtype))
   cpu, tpu, other = (constant(p) for p in PLATFORMS)
   if np.array_equal(cpu, tpu) and np.array_equal(cpu, other):
     return jnp.asarray(cpu)
@@ -173,16 +183,24 @@ def dot_error(n, dtype, precision) -> jax.Array:
   from several bfloat16 passes; IEEE float32 elsewhere), plus ``2^-7``
   below ``HIGHEST`` in a program compiled for a TPU or GPU, which may round
   each factor to bfloat16 (or TF32) first (XLA's CPU backend multiplies
-  float32 in float32 at every precision). A float32 scalar (inf where
+  float32 in float32 at every precision). A float32 scalar (float64 for
+  ``dtype`` float64, so that ``1 + e`` keeps it: :func:`_kind`; inf where
   ``(n + 1) u >= 1``), rounded up: a constant per platform
   (:func:`per_platform`) for a static ``n``."""
   if _static(n):
-    return per_platform(lambda p: _dot_error_on(n, dtype, precision, p))
-  nu = (count(n) + 1) * _op_roundoff(dtype)
-  out = jnp.where(nu < 1, nu / jnp.maximum(1 - nu, 1e-30), jnp.inf)
+    return per_platform(lambda p: _dot_error_on(n, dtype, precision, p),
+                        dtype)
+  # Traced (a symbolic n): nu and 1 - nu are exact (a power of two times an
+  # integer below 1 / u), the division and the sum each rounded to nearest,
+  # so each result is moved up one ulp.
+  kind = _kind(dtype)
+  up = lambda v: lax.nextafter(v, jnp.asarray(jnp.inf, kind))
+  nu = (count(n, dtype) + 1) * _op_roundoff(dtype)
+  out = jnp.where(nu < 1, up(nu / jnp.maximum(1 - nu, 1e-30)), jnp.inf)
   if precision != lax.Precision.HIGHEST:  # (XLA's CPU dots stay float32.)
-    out = out + lax.platform_dependent(cpu=lambda: jnp.float32(0),
-                                       default=lambda: jnp.float32(2.0 ** -7))
+    out = up(out + lax.platform_dependent(
+        cpu=lambda: jnp.asarray(0, kind),
+        default=lambda: jnp.asarray(2.0 ** -7, kind)))
   return out
 
 
@@ -199,16 +217,18 @@ def _op_roundoff(dtype) -> jax.Array:
   """The unit roundoff of one operation in ``dtype`` as the bounds count
   it: ``u``, and ``4 u`` below float64 in a program compiled for a TPU
   (float32 products from bfloat16 passes, division by a refined
-  reciprocal). A float32 scalar."""
-  return per_platform(lambda p: _roundoff_on(dtype, p))
+  reciprocal). A float32 scalar (float64 for float64: :func:`_kind`)."""
+  return per_platform(lambda p: _roundoff_on(dtype, p), dtype)
 
 
-def count(n):
+def count(n, dtype=jnp.float32):
   """A size (an int, or a symbolic size under ``jax.export``) as a float32
-  scalar: a float32 constant for an int (arithmetic on it is not traced)."""
+  scalar (float64 for a ``dtype`` of float64: :func:`_kind`): a constant
+  for an int (arithmetic on it is not traced)."""
+  kind = _kind(dtype)
   if _static(n):
-    return np.float32(n)
-  return jnp.asarray(n).astype(jnp.float32)
+    return kind(n)
+  return jnp.asarray(n).astype(kind)
 
 
 def _elementwise_u(dtype) -> float:
@@ -238,8 +258,8 @@ def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
   if _static(t, n, m):
     return _rounded_up(8 * tiny * t * t, mx.dtype) * (
         _rounded_up(n * m + n + m, mx.dtype) * sq + 1)
-  nm = count(n) * count(m) + count(n) + count(m)
-  return 8 * float(tiny) * jnp.square(count(t)) * (nm * sq + 1)
+  n, m, t = (count(k, mx.dtype) for k in (n, m, t))
+  return 8 * float(tiny) * jnp.square(t) * ((n * m + n + m) * sq + 1)
 
 
 def row_norms(a: jax.Array) -> jax.Array:
@@ -258,7 +278,7 @@ def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
   about ``1.5e-19 sqrt(n)``, not by 0)."""
   tiny = fractions.Fraction(float(jnp.finfo(sq.dtype).tiny))
   flushed = (_rounded_up(2 * tiny * int(n), sq.dtype) if _static(n)
-             else 2 * float(tiny) * count(n))
+             else 2 * float(tiny) * count(n, sq.dtype))
   return jnp.sqrt((sq + flushed) * _sum_rounding(n, sq.dtype))
 
 
@@ -274,7 +294,7 @@ def rounding_factor(k, dtype):
   float64, float32 else; traced for a symbolic ``k``)."""
   if _static(k):
     return _rounded_up(1 + 2 * _exact_u(dtype) * int(k), dtype)
-  return 1 + 2 * _elementwise_u(dtype) * count(k)
+  return 1 + 2 * _elementwise_u(dtype) * count(k, dtype)
 
 
 def rounded_up_sum(terms: jax.Array, axis) -> jax.Array:
@@ -341,7 +361,7 @@ def ghost_slack(kx: jax.Array, kd: jax.Array, xn: jax.Array, dn: jax.Array,
     error_on = _kernel_error_on if by_kernel else _dot_error_on
     c = per_platform(lambda p: coefficients(
         error_on(n, dtype, precision, p), error_on(m, dtype, precision, p),
-        _dot_error_on(t, dtype, lax.Precision.HIGHEST, p)))
+        _dot_error_on(t, dtype, lax.Precision.HIGHEST, p)), dtype)
   else:
     error = kernel_error if by_kernel else dot_error
     c = jnp.stack(coefficients(error(n, dtype, precision),
@@ -398,7 +418,8 @@ def kernel_error(m, dtype, precision) -> jax.Array:
   by at most ``e_k`` times its chunk's ``|a_t| . |a_s|``; the sum of the
   values, at most ``(1 + e_k)`` times those, rounded in any order)."""
   if _static(m):
-    return per_platform(lambda p: _kernel_error_on(m, dtype, precision, p))
+    return per_platform(lambda p: _kernel_error_on(m, dtype, precision, p),
+                        dtype)
   return dot_error(m, dtype, precision)  # (one level: kernel_split)
 
 
@@ -461,7 +482,8 @@ def coarse_ghost_slack(tri: jax.Array, n, m, t, dtype,
   if _static(m, t) and (n is None or _static(n)):
     e = per_platform(lambda p: _dot_error_on(m, dtype, precision, p) + (
         _dot_error_on(t * t, dtype, lax.Precision.HIGHEST, p)) + (
-            0 if n is None else _dot_error_on(n, dtype, precision, p)))
+            0 if n is None else _dot_error_on(n, dtype, precision, p)),
+                     dtype)
     return 2 * e * jnp.square(tri)
   e = (dot_error(m, dtype, precision) +
        dot_error(t * t, dtype, lax.Precision.HIGHEST))
@@ -500,7 +522,7 @@ def squares_rel(p, dtype):
   if _static(p):
     terms = p if split is None else sum(split) + 2
     return _rounded_up(2 * _exact_u(dtype) * (int(terms) + 2), dtype)
-  return 2 * _elementwise_u(dtype) * (count(p) + 2)
+  return 2 * _elementwise_u(dtype) * (count(p, dtype) + 2)
 
 
 def sum_in_two_levels(a: jax.Array) -> jax.Array:
