@@ -138,13 +138,13 @@ def _read_standardised(jaxpr, consts, app, chosen, inputs):
                             list(body.eqns))
   order = [jaxpr.invars[k] for k in inputs]
 
-  def fn(*theta, dtype=None):
+  def fn(*theta, dtype=None, with_error=True):
     env = dict(zip(order, theta))
     args = [v.val if isinstance(v, hx.Literal) else
             env[v] if v in env else consts[v] for v in eqn.invars]
     if dtype is not None:  # (the program is _standardise's own, checked)
       w, eps = args
-      return standardise.standardise_in(w, eps, dtype)
+      return standardise.standardise_in(w, eps, dtype, with_error)
     return inner(*args)
   return Standardised(fn, position[eqn.invars[0]],
                       tuple(position[v] for v in operands[1:]))

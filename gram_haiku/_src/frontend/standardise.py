@@ -41,13 +41,14 @@ _standardise.__qualname__ = MARKER
 _marked = jax.jit(_standardise)
 
 
-def standardise_in(w, eps, dtype):
+def standardise_in(w, eps, dtype, with_error: bool = True):
   """``(w_hat, s, err)``: :func:`standardise_weight`'s ``w_hat`` and ``s``
   evaluated in ``dtype`` (at least ``w``'s) from ``w`` and ``eps`` cast up
   (neither carries ``w``'s own bfloat16 rounding), and ``err``: ``[C]``
   bounds of ``|s_c J_c - s_c J'_c|`` (spectral norm), ``J_c = (1/s_c) M_c``
   the exact standardisation's Jacobian and ``J'_c`` the closed form's at
-  the computed ``w_hat``, ``s`` (:func:`jacobian_error`).
+  the computed ``w_hat``, ``s`` (:func:`jacobian_error`; None without
+  ``with_error``: a pull-back that bounds nothing need not trace it).
 
   Its sums run in :func:`norm_bounds.sum_in_two_levels` (``err`` about
   ``sqrt(n) u`` on ordinary kernels, not ``n u``), and the mean is kept in
@@ -67,7 +68,7 @@ def standardise_in(w, eps, dtype):
   sq = sums(jnp.square(centred))
   s = jnp.sqrt(sq / n + eps)
   w_hat = (centred / s[:, None]).T.reshape(w.shape)
-  err = jacobian_error(centred, low, sq, s)
+  err = jacobian_error(centred, low, sq, s) if with_error else None
   return w_hat, s.reshape((1,) * (w.ndim - 1) + (-1,)), err
 
 

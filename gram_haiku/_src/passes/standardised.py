@@ -136,17 +136,19 @@ def operands(op, pb, leaves: Sequence[Any]) -> list:
           for a in op.param_avals]
 
 
-def _scales(op, pb, leaves):
+def _scales(op, pb, leaves, with_error: bool = True):
   """``(w_hat, s, err)``: the standardised kernel, its ``[C]`` scales,
   evaluated in the accumulation dtype from the kernel itself (not the
   operand's rounding to a low-precision kernel dtype: a bfloat16 ``s``
   is off by ``2^-9``, more than the bounds' slack), and ``[C]`` bounds of
   ``s_c`` times the distance of the closed form's Jacobian at them to the
-  exact one (:func:`gram_haiku._src.frontend.standardise.standardise_in`)."""
+  exact one (:func:`gram_haiku._src.frontend.standardise.standardise_in`;
+  None without ``with_error``)."""
   acc = op.accumulation_dtype()
-  w_hat, s, err = pb.closed.fn(*[leaves[k] for k in pb.leaves], dtype=acc)
+  w_hat, s, err = pb.closed.fn(*[leaves[k] for k in pb.leaves], dtype=acc,
+                               with_error=with_error)
   return (w_hat.astype(acc), jnp.reshape(s, (-1,)).astype(acc),
-          jnp.reshape(err, (-1,)).astype(acc))
+          None if err is None else jnp.reshape(err, (-1,)).astype(acc))
 
 
 def _q_sigma(w_hat):
@@ -239,7 +241,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
   if pb.closed.kernel in skip:  # (frozen kernel: the generic path)
     return _exact(op, pb, x, d, params, leaves, want, upper_bound, skip,
                   row_split)
-  w_hat, s, j_err = _scales(op, pb, leaves)
+  w_hat, s, j_err = _scales(op, pb, leaves, with_error=upper_bound)
   n = math.prod(w_hat.shape[:-1])
   dd = d.astype(acc)
   big_d = dd / s
@@ -396,7 +398,7 @@ def pull_back_sum(op, pb, cts: dict, leaves: Sequence[Any]) -> dict:
   ``cts`` (``{operand: sum_i c_i f_i}``), by the closed form (the same
   ``J`` the norms are bounded for); the bias (not standardised) as it
   is."""
-  w_hat, s, _ = _scales(op, pb, leaves)
+  w_hat, s, _ = _scales(op, pb, leaves, with_error=False)
   out = {}
   if 0 in cts:
     f = cts[0].astype(w_hat.dtype)
@@ -426,7 +428,7 @@ def per_example(op, pb, f, leaves: Sequence[Any], skip=frozenset(),
   ``J^T f_i``, vectorised; the bias as it is), the layout of
   :func:`gram_haiku._src.analysis.reparam.per_example`. ``scales``:
   :func:`_scales`' ``(w_hat, s)`` where the caller has them."""
-  w_hat, s = scales or _scales(op, pb, leaves)[:2]
+  w_hat, s = scales or _scales(op, pb, leaves, with_error=False)[:2]
   rows, rest = _kernel_rows(op, f.astype(w_hat.dtype))
   g = _pulled_back(rows, w_hat, s).reshape(f.shape[0], -1)
   cols = {pb.closed.kernel: g}
