@@ -66,14 +66,13 @@ conformance.register(scaled_linear.SPEC)
 
 # The default budget (the README's test command, at most 6 minutes cold on
 # 2 cores) samples the parametrised sweeps; the nightly conformance-thorough
-# env (CONFORMANCE_THOROUGH=1 / --conformance-thorough) runs every case. In
-# each sweep every value of every option (a parameter with at most
-# OPTION_VALUES values: a dtype, a mode, eager or jit) still runs, and the
-# rest of the cross product (layers, models, shapes, seeds) keeps one case in
-# k, taken in turn: k from SAMPLED_SWEEPS, else DEFAULT_EVERY for a sweep of
-# at least DEFAULT_MIN_CASES cases outside FULL_FILES. The classes sampled
-# out stay covered by the suites that run every layer through the same code
-# (test_composites, conformance/).
+# env (CONFORMANCE_THOROUGH=1 / --conformance-thorough) runs every case. A
+# sweep of at least DEFAULT_MIN_CASES cases outside FULL_FILES keeps about
+# one case in DEFAULT_EVERY and every value of every option (a parameter with
+# at most OPTION_VALUES values: a dtype, a mode, eager or jit); a sweep of
+# SAMPLED_SWEEPS keeps one in its k (its comment says which cases are
+# kept). The classes sampled out stay covered by the suites that run every
+# layer through the same code (test_composites, conformance/).
 DEFAULT_MIN_CASES = 3
 DEFAULT_EVERY = 2
 OPTION_VALUES = 2
@@ -104,7 +103,7 @@ SAMPLED_SWEEPS = {
     # The refusals without jit, every other model (each runs under jit as a
     # row of tests/interpreter_corpus.py).
     "tests/test_example_flow.py::test_refused_at_any_size": 2,
-    # The interpreter's red-team corpus, one row in four (its rows replaced
+    # The interpreter's red-team corpus, one row in six (its rows replaced
     # the special-case tests that checked no more than a verdict).
     "tests/test_interpreter_corpus.py::test_corpus_row": 6,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
