@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import gram_haiku
 from gram_haiku import functional
 from gram_haiku import testing
 from gram_haiku.conformance.plugin import thorough
@@ -131,3 +132,20 @@ def assert_clip_norms_bound(loss, params, *batch, within: float = 3.0):
   bound = np.asarray(aux.grad_norms, np.float64)
   assert np.all(bound >= true), (bound, true)
   assert np.all(bound <= within * true), (bound, true)
+
+
+def tracked_gram(net, tracked, x):
+  """``(params, state, plain, grads, grams, ref)`` for the loss
+  ``net(x).sum()``: the jitted ``value_grad_and_gram`` of ``tracked`` (the
+  same network inside ``gram_haiku.track``) at the parameters of the
+  untracked ``plain`` transform of ``net`` (``state``: the probes), and the
+  float64 reference Gram ``F F^T`` of ``x``'s per-example losses."""
+  plain = hk.without_apply_rng(hk.transform(net))
+  params = plain.init(jax.random.key(0), x)
+  f = hk.without_apply_rng(hk.transform_with_state(tracked))
+  _, state = f.init(jax.random.key(0), x)
+  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, x)
+  ref = testing.reference_gram(lambda p, xi: plain.apply(p, xi).sum(),
+                               params, x, upcast=True)
+  return params, state, plain, grads, grams, ref

@@ -26,6 +26,7 @@ from gram_haiku._src.compute import cost_model
 from gram_haiku._src.compute import pallas_conv as pc
 from gram_haiku._src.core import reference
 from gram_haiku._src.ops import conv as conv_op
+from tests import problems
 
 
 def _out_size(size, lo_hi, k, s, r):
@@ -51,14 +52,6 @@ def _reference(x, d, kernel, strides, pads, rate):
             b:b + strides[1] * (wo - 1) + 1:strides[1]]
     out.append(np.einsum("bhwc,bhwo->bco", win, d))
   return np.stack(out, 1).reshape(x.shape[0], -1, d.shape[-1])
-
-
-def _rel(a, ref):
-  """The largest error relative to the largest entry (absolute where the
-  reference is zero: a layout that reads only padding)."""
-  ref = np.asarray(ref, np.float64)
-  err = np.max(np.abs(np.asarray(a, np.float64) - ref))
-  return err / (np.max(np.abs(ref)) or 1.0)
 
 
 # (B, H, W, C, O, kernel, strides, pads, rate, block_examples)
@@ -101,7 +94,8 @@ def test_matches_float64_and_the_patch_path(b, h, w, c, o, kernel, strides,
       interpret=True, shift=shift, form=form, block_examples=be)
   assert got.shape == (b, kernel[0] * kernel[1] * c, o)
   assert got.dtype == jnp.float32
-  assert _rel(got, _reference(x, d, kernel, strides, pads, rate)) < 2e-6
+  want = _reference(x, d, kernel, strides, pads, rate)
+  assert reference.relative_error(got, want) < 2e-6
   patches = conv_op.im2col(x, kernel, window_strides=strides, padding=pads,
                            lhs_dilation=(1, 1), rhs_dilation=rate)
   via_patches = jnp.einsum("bhwn,bhwo->bno", patches, d,
@@ -119,7 +113,8 @@ def test_bfloat16_inputs_multiply_exactly():
   pads = ((1, 1), (1, 1))
   got = pc.per_example_conv_grads_pallas(x, d, (3, 3), padding=pads,
                                          interpret=True)
-  assert _rel(got, _reference(x, d, (3, 3), (1, 1), pads, (1, 1))) < 2e-6
+  want = _reference(x, d, (3, 3), (1, 1), pads, (1, 1))
+  assert reference.relative_error(got, want) < 2e-6
 
 
 def test_huge_offset_and_cancellation_stay_within_float32():
@@ -160,7 +155,8 @@ def test_the_input_the_layer_skips_is_never_read(shift):
       jnp.asarray(x), jnp.asarray(d), (3, 2), padding=pads, interpret=True,
       shift=shift)
   x[:, :, -3:] = x[:, -1:] = 0  # (cropped, as the layer does)
-  assert _rel(got, _reference(x, d, (3, 2), (1, 1), pads, (1, 1))) < 2e-6
+  want = _reference(x, d, (3, 2), (1, 1), pads, (1, 1))
+  assert reference.relative_error(got, want) < 2e-6
   # Columns a stride and rate skip: a 2-tap kernel at rate 3 and stride 2
   # over 9 columns reads 0, 2, 3, 4, 5 and 7; the padded width, 6 and 8.
   x = rng.standard_normal((2, 3, 9, 3)).astype(np.float32)
@@ -171,7 +167,7 @@ def test_the_input_the_layer_skips_is_never_read(shift):
       rhs_dilation=(1, 3), interpret=True, shift=shift)
   x[:, :, [1, 6, 8]] = 0  # (never read by the layer)
   want = _reference(x, d, (1, 2), (1, 2), ((0, 0), (0, 0)), (1, 3))
-  assert _rel(got, want) < 2e-6
+  assert reference.relative_error(got, want) < 2e-6
 
 
 def test_empty_batch_and_bad_inputs():
@@ -301,16 +297,10 @@ def test_a_tracked_cnn_through_the_kernel(data_format, monkeypatch,
   shape = (5, 9, 9, 3) if data_format == "NHWC" else (5, 3, 9, 9)
   x = jnp.asarray(np.random.default_rng(2).standard_normal(shape),
                   jnp.float32)
-  plain = hk.without_apply_rng(hk.transform(net))
-  params = plain.init(jax.random.key(0), x)
-  f = hk.without_apply_rng(hk.transform_with_state(tracked))
-  _, state = f.init(jax.random.key(0), x)
-  _, grads, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
-      params, state, x)
+  params, state, plain, grads, grams, ref = problems.tracked_gram(
+      net, tracked, x)
   assert len(calls) == 3
-  per_example = lambda p, xi: plain.apply(p, xi).sum()
-  ref = reference.reference_gram(per_example, params, x, upcast=True)
-  assert _rel(grams.total, ref) < 1e-5
+  assert reference.relative_error(grams.total, ref) < 1e-5
   # The summed gradient is the kernel's per-example gradients' sum.
   want_grads = jax.grad(lambda p: plain.apply(p, x).sum())(params)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):

@@ -281,6 +281,7 @@ def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):
   import gram_haiku  # pylint: disable=g-import-not-at-top
   from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   from gram_haiku._src.core import reference  # pylint: disable=g-import-not-at-top
+  from tests import problems  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cost_model, "PALLAS_GHOST_GRAM", ("cpu",))
   calls = []
   kernel = pg.ghost_gram_pallas
@@ -300,16 +301,9 @@ def test_a_tracked_sequence_model_through_the_pallas_ghost_gram(monkeypatch):
 
   x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 6, 7)),
                   jnp.float32)
-  plain = hk.without_apply_rng(hk.transform(net))
-  params = plain.init(jax.random.key(0), x)
-  f = hk.without_apply_rng(hk.transform_with_state(tracked))
-  _, state = f.init(jax.random.key(0), x)
-  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
-      params, state, x)
-  per_example = lambda p, xi: plain.apply(p, xi).sum()
-  ref = reference.reference_gram(per_example, params, x, upcast=True)
+  grams, ref = problems.tracked_gram(net, tracked, x)[4:]
   assert sorted(calls) == [(5, 6, 7, 12), (5, 6, 12, 3)]
-  assert _rel(grams.total, ref) < 1e-5
+  assert reference.relative_error(grams.total, ref) < 1e-5
 
 
 def test_the_selected_kernel_is_differentiable_like_the_xla_path(
