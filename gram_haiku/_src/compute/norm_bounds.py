@@ -157,7 +157,7 @@ def _static(*sizes) -> bool:
 
 def _roundoff_on(dtype, platform: str) -> fractions.Fraction:
   """:func:`_op_roundoff`'s value on ``platform``, exactly."""
-  u = fractions.Fraction(float(jnp.finfo(dtype).eps)) / 2
+  u = _exact_u(dtype)
   return 4 * u if platform == "tpu" and jnp.dtype(dtype) != jnp.float64 else u
 
 
@@ -479,16 +479,14 @@ def coarse_ghost_slack(tri: jax.Array, n, m, t, dtype,
   ``2 (e_N + e_M + e_{T^2}) tri^2`` (see :func:`ghost_slack`; the factor 2
   covers its second-order terms while each ``e`` is below 1/2). ``n=None``:
   the input kernel is exact (an embedding's key matches), ``e_N = 0``."""
+  def total(error):  # error(k, precision): exact per platform, or traced
+    e = error(m, precision) + error(t * t, lax.Precision.HIGHEST)
+    return e if n is None else e + error(n, precision)
   if _static(m, t) and (n is None or _static(n)):
-    e = per_platform(lambda p: _dot_error_on(m, dtype, precision, p) + (
-        _dot_error_on(t * t, dtype, lax.Precision.HIGHEST, p)) + (
-            0 if n is None else _dot_error_on(n, dtype, precision, p)),
-                     dtype)
-    return 2 * e * jnp.square(tri)
-  e = (dot_error(m, dtype, precision) +
-       dot_error(t * t, dtype, lax.Precision.HIGHEST))
-  if n is not None:
-    e = e + dot_error(n, dtype, precision)
+    e = per_platform(lambda p: total(
+        lambda k, prec: _dot_error_on(k, dtype, prec, p)), dtype)
+  else:
+    e = total(lambda k, prec: dot_error(k, dtype, prec))
   return 2 * e * jnp.square(tri)
 
 
