@@ -225,26 +225,35 @@ def test_a_tied_use_that_cancels_the_layers_part_is_clipped(clipping):
 
 
 def test_the_issue_case_was_unclipped_by_ghost_norms():
-  """The issue's numbers: without the bound, example 0's ghost norm
-  cancels (its contribution was 31-34 C); the plain ghost value is still
-  what the kernel computes, far below the truth."""
-  rng = np.random.RandomState(0)
-  x = _cancelling(rng, 4, 2, 16, 1e4, jnp.float32)
-  d = rng.normal(size=(4, 2, 64)).astype(np.float32)
-  d[0, 1] = d[0, 0]
+  """The issue's case (offset 1e4): without the bound, example 0's ghost
+  norm cancels (its contribution was 31-34 C); the bound is not fooled, at
+  that offset and ten times it. At 1e5 the plain ghost value, what the
+  kernel computes, is rounding noise: off from the truth by more than half
+  of it on any CPU (0 on one, a multiple of 2^15 on another; at 1e4 the
+  noise is a multiple of 512, below the truth on one CPU and above it on
+  another)."""
   from gram_haiku._src.compute import kernels  # pylint: disable=g-import-not-at-top
   cfg = kernels.KernelConfig()
-  ghost = np.asarray(kernels.ghost_sq_norms(jnp.asarray(x), jnp.asarray(d),
-                                            cfg))
-  true = np.einsum("btn,btm->bnm", x.astype(np.float64),
-                   d.astype(np.float64))
-  true = (true ** 2).sum((1, 2))
-  assert ghost[0] < 0.7 * true[0]  # The cancellation is real...
-  bound = np.asarray(kernels.linear_sq_norms(
-      jnp.asarray(x), jnp.asarray(d), with_bias=False, method="ghost",
-      cfg=cfg.replace(upper_bound=True)))
-  assert np.all(bound >= true)  # ...and the bound is not fooled.
-  np.testing.assert_allclose(bound[1:], true[1:], rtol=1e-3)
+  for offset in (1e4, 1e5):
+    rng = np.random.RandomState(0)
+    x = _cancelling(rng, 4, 2, 16, offset, jnp.float32)
+    d = rng.normal(size=(4, 2, 64)).astype(np.float32)
+    d[0, 1] = d[0, 0]
+    true = np.einsum("btn,btm->bnm", x.astype(np.float64),
+                     d.astype(np.float64))
+    true = (true ** 2).sum((1, 2))
+    if offset == 1e5:  # The cancellation is real...
+      ghost = np.asarray(kernels.ghost_sq_norms(
+          jnp.asarray(x), jnp.asarray(d), cfg), np.float64)
+      assert abs(ghost[0] - true[0]) > 0.5 * true[0], (ghost, true)
+    bound = np.asarray(kernels.linear_sq_norms(
+        jnp.asarray(x), jnp.asarray(d), with_bias=False, method="ghost",
+        cfg=cfg.replace(upper_bound=True)))
+    # ...and the bound is not fooled: above the truth and close to it
+    # (the plain ghost value fails one or the other on any CPU).
+    assert np.all(bound >= true), (offset, bound, true)
+    np.testing.assert_allclose(bound, true, rtol=0.05)
+    np.testing.assert_allclose(bound[1:], true[1:], rtol=1e-3)
 
 
 def test_a_sensor_offset_with_a_temporal_difference_loss():
