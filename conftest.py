@@ -13,6 +13,8 @@ whose HLO collective counts are checked compiles with JAX's defaults).
 import importlib.metadata
 import os
 
+import pytest
+
 # XLA's compilations persist across runs (and across this run's workers and
 # subprocesses, which inherit the environment) in the ignored folder
 # .jax_cache: a first run compiles everything (about 10% of it is repeated,
@@ -253,6 +255,17 @@ def _sampled(items):
                and not covered.update(h)]
     keep.update(id(group[i]) for i in kept)
   return keep, {id(item) for group in groups.values() for item in group}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+  """Under ``-n`` without ``--dist``, xdist's worksteal scheduler: a worker
+  that runs out of tests takes some of the other's, where the default one
+  leaves a core idle while the other finishes its queue."""
+  option = config.option
+  if getattr(option, "numprocesses", None) and getattr(
+      option, "dist", None) == "no":
+    option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -346,8 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"{r['layer']:14s} {r['kernel']:10s} ERROR {r['error']}",
             flush=True)
       continue
-    print(f"{r['layer']:14s} {r['kernel']:10s} {r['device_s'] * 1e6:10.1f} us"
-          f" {r['ratio']:7.2f}x  err {r['gram_rel_err']:.1e}", flush=True)
+    print(f"{r['layer']:14s} {r['kernel']:10s} "
+          f"{device_time.format_time(r['device_s']):>13s} {r['ratio']:7.2f}x"
+          f"  err {r['gram_rel_err']:.1e}", flush=True)
   return 0
 
 

@@ -11,14 +11,17 @@ are perturbed by a runtime zero carried from one iteration to the next (so
 the compiler can neither hoist a step out of the loop nor run two at once),
 and the device time of a step is ``(t(k + 1) - t(1)) / k``, the median of
 ``--reps`` such differences, each of the median of ``--calls`` timed calls.
-The ratios are to the plain step measured in the same process.
+The ratios are to the plain step measured in the same process. A step
+whose difference is not above zero took less device time than the timer's
+noise over ``k`` steps resolves: its time is NaN (printed as unresolved),
+never a negative or zero number; a larger ``--k`` resolves it.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,13 +60,33 @@ def _median_call_s(fn: Callable[[], object], calls: int) -> float:
   return float(np.median(times))
 
 
-def step_device_s(step: Callable, args: tuple, *, k: int, reps: int,
-                  calls: int) -> float:
-  """Seconds of device time one ``step(*args)`` takes (module docstring)."""
-  one, many = looped(step, args, 1), looped(step, args, k + 1)
-  return float(np.median([
+def per_step_s(one: Callable[[], object], many: Callable[[], object], *,
+               k: int, reps: int, calls: int) -> float:
+  """Seconds a step adds: the median over ``reps`` of ``(t(many) -
+  t(one)) / k`` (``many`` runs ``k`` steps more than ``one``; each ``t``
+  the median of ``calls`` timings), or NaN where that is not above zero
+  (the step is below what ``k`` steps resolve against the timer's noise)."""
+  s = float(np.median([
       (_median_call_s(many, calls) - _median_call_s(one, calls)) / k
       for _ in range(reps)]))
+  return s if s > 0 else float("nan")
+
+
+def format_time(seconds: Optional[float], unit: str = "us") -> str:
+  """``seconds`` in ``unit`` (``"us"`` or ``"ms"``) for a table, or
+  ``"unresolved"`` (NaN, :func:`per_step_s`; None, as a JSON record keeps
+  it)."""
+  if seconds is None or np.isnan(seconds):
+    return "unresolved"
+  return f"{seconds * {'us': 1e6, 'ms': 1e3}[unit]:.2f} {unit}"
+
+
+def step_device_s(step: Callable, args: tuple, *, k: int, reps: int,
+                  calls: int) -> float:
+  """Seconds of device time one ``step(*args)`` takes (module docstring;
+  NaN where unresolved)."""
+  return per_step_s(looped(step, args, 1), looped(step, args, k + 1), k=k,
+                    reps=reps, calls=calls)
 
 
 def dispatched_step_s(dispatch: Callable[[], object], *, k: int,
@@ -90,9 +113,7 @@ def dispatched_step_s(dispatch: Callable[[], object], *, k: int,
         out = dispatch()
       jax.block_until_ready(out)
     return go
-  return float(np.median([
-      (_median_call_s(run(k + 1), calls) - _median_call_s(run(1), calls)) / k
-      for _ in range(reps)]))
+  return per_step_s(run(1), run(k + 1), k=k, reps=reps, calls=calls)
 
 
 def measure(model: str, methods: Sequence[str], *, k: int = 20, reps: int = 3,
@@ -130,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = measure(model, a.method.split(","), k=a.k, reps=a.reps,
                   calls=a.calls, gram_precision=a.gram_precision)
     for method, v in res.items():
-      print(f"{model:10s} {method:8s} {v['device_s'] * 1e6:10.1f} us "
+      print(f"{model:10s} {method:8s} {format_time(v['device_s']):>13s} "
             f"{v['ratio']:7.2f}x")
   return 0
 

@@ -401,13 +401,15 @@ def _time(compiled: dict, opts: Options, desc: str, log=print) -> dict:
     t0 = time.perf_counter()
     s = device_time.dispatched_step_s(c.dispatch, k=opts.k,
                                       reps=opts.rounds, calls=opts.repeats)
-    out[m] = {"timer": "device", "median_s": s, "q25_s": None,
-              "q75_s": None, "n_steps": opts.k, "ratio": None}
-    log(f"    {m}: device time {s * 1e3:.2f} ms "
+    # (None where unresolved: a NaN is not JSON.)
+    out[m] = {"timer": "device", "median_s": None if math.isnan(s) else s,
+              "q25_s": None, "q75_s": None, "n_steps": opts.k,
+              "ratio": None}
+    log(f"    {m}: device time {device_time.format_time(s, 'ms')} "
         f"(measured in {time.perf_counter() - t0:.1f} s)")
   plain = out.get("plain", {}).get("median_s")
   for m, t in out.items():
-    if plain and m != "plain":
+    if plain and m != "plain" and t["median_s"] is not None:
       t["ratio"] = t["median_s"] / plain
   return out
 
@@ -518,7 +520,8 @@ def run_model(name: str, opts: Options, log=print) -> tuple[list, list]:
         r = recs[m]
         t, mem = r["time"], r["memory"] or {}
         log(f"    B={b} {m:13s} " + (
-            f"{t['median_s'] * 1e3:9.2f} ms ({t['ratio'] or 1:.2f}x), temp "
+            f"{device_time.format_time(t['median_s'], 'ms'):>12s} "
+            f"({t['ratio'] or 1:.2f}x), temp "
             f"{(mem.get('temp_bytes') or 0) / 2**20:.1f} MiB" if t else
             r["status"]))
 

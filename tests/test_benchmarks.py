@@ -154,6 +154,25 @@ def test_device_time_runs_k_unchanged_steps_in_one_program(capsys):
   assert [ln.split()[1] for ln in lines[1:]] == ["plain", "gram", "norms"]
 
 
+def test_a_step_below_the_timers_noise_is_unresolved_not_negative():
+  # (t(k + 1) - t(1)) / k of two noisy timings can be zero or negative for
+  # a step of microseconds (the conv-kernel table printed negative times):
+  # it is NaN, printed "unresolved"; a resolved step keeps its time.
+  import time as _time
+  import numpy as np
+  from benchmarks import device_time
+  slow = lambda: _time.sleep(2e-3)
+  fast = lambda: None
+  kw = dict(k=2, reps=1, calls=3)
+  assert np.isnan(device_time.per_step_s(slow, fast, **kw))
+  resolved = device_time.per_step_s(fast, slow, **kw)
+  assert 0.5e-3 < resolved < 0.1, resolved  # (2 ms more over k = 2 steps)
+  assert device_time.format_time(float("nan")) == "unresolved"
+  assert device_time.format_time(None, "ms") == "unresolved"
+  assert device_time.format_time(1.5e-3, "ms") == "1.50 ms"
+  assert device_time.format_time(2.5e-6) == "2.50 us"
+
+
 def test_conv_kernels_agree_with_the_plain_gradient_and_each_other(capsys):
   # Every per-example kernel of benchmarks.conv_kernels sums to the plain
   # kernel gradient and gives vmap's Gram; main checks the Grams itself.
