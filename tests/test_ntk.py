@@ -205,3 +205,27 @@ def test_a_parameter_outside_every_tracked_layer_is_refused():
   params, state = t.init(jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match=r"parameters ~/mix are read outside"):
     gram_haiku.empirical_ntk(t.apply)(params, state, x)
+
+
+def test_an_int_axis_is_that_one_axis():
+  """``trace_axes=0`` (an int, as neural-tangents takes it) traces the
+  batch pair: not the untraced kernel (0 is falsy), not a TypeError; and
+  ``trace_axes=-1``, ``diagonal_axes=-1`` are the one-axis tuples."""
+  with jax.enable_x64(True):
+    tracked, plain, params, state, x1, _ = _problem("mlp")
+    j = np.asarray(_jacobian(plain, params, x1))
+    full = np.einsum("iap,jbp->ijab", j, j)
+    for trace, diagonal, spec in [(0, (), "iiab->ab"), (-1, (), "ijaa->ij"),
+                                  ((), -1, "ijaa->ija"), ((), 0, "iiab->iab")]:
+      ntk = gram_haiku.empirical_ntk(tracked.apply, trace_axes=trace,
+                                     diagonal_axes=diagonal)
+      _assert_kernel(np.asarray(ntk(params, state, x1, x1)),
+                     np.einsum(spec, full))
+
+
+def test_a_traced_batch_axis_needs_as_many_examples_in_x2():
+  tracked, _, params, state, x1, x2 = _problem("mlp", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="trace_axes includes the example "
+                     "axis 0.*x1 has 3 examples and x2 2"):
+    gram_haiku.empirical_ntk(tracked.apply, trace_axes=(0, -1))(
+        params, state, x1, x2)

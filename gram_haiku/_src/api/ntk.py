@@ -36,7 +36,16 @@ from gram_haiku._src.core import one_program
 from gram_haiku._src.frontend import ambient
 
 
-def _normalised(axes: Sequence[int], ndim: int, what: str) -> tuple[int, ...]:
+def _normalised(axes: int | Sequence[int], ndim: int,
+                what: str) -> tuple[int, ...]:
+  """``axes`` (one int is that one axis, as in neural-tangents) as distinct
+  non-negative axes of a rank-``ndim`` output.
+
+  Raises:
+    ValueError: for an axis out of range, not an int, or repeated.
+  """
+  if isinstance(axes, int) and not isinstance(axes, bool):
+    axes = (axes,)
   out = []
   for a in axes:
     if isinstance(a, bool) or not isinstance(a, int) or not -ndim <= a < ndim:
@@ -70,8 +79,9 @@ def _contract(full: jax.Array, ndim: int, trace: tuple[int, ...],
 
 
 def empirical_ntk(apply_fn: Callable[..., Any], *,
-                  trace_axes: Optional[Sequence[int]] = None,
-                  diagonal_axes: Sequence[int] = ()) -> Callable[..., Any]:
+                  trace_axes: Optional[int | Sequence[int]] = None,
+                  diagonal_axes: int | Sequence[int] = ()
+                  ) -> Callable[..., Any]:
   """The empirical NTK of a tracked model, per output.
 
   Args:
@@ -80,12 +90,15 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
       ``[N, *O]``, example ``i``'s output depending on example ``i`` alone
       (a per-example model: no batch statistics).
     trace_axes: axes of ``f(x)`` (``0`` the examples, negative from the end)
-      whose pair is summed over: ``(-1,)`` sums over the logits, ``()``
-      keeps every output pair. Default (None): ``(-1,)``, as in
+      whose pair is summed over (one int: that axis): ``(-1,)`` sums over
+      the logits, ``()`` keeps every output pair, ``0`` sums over the
+      pairs of example ``i`` of ``x1`` with example ``i`` of ``x2``
+      (``x2`` then None or as long as ``x1``). Default (None): ``(-1,)``, as in
       neural-tangents, where ``f(x)`` has an axis after the examples';
       ``()`` for a ``[N]`` output (one number per example), whose last
       axis is the examples' own.
-    diagonal_axes: axes of ``f(x)`` whose pair keeps only its diagonal:
+    diagonal_axes: axes of ``f(x)`` whose pair keeps only its diagonal
+      (one int: that axis):
       ``(0,)`` gives each example's kernel with itself only (``x2`` must
       then be None or as long as ``x1``).
 
@@ -103,7 +116,8 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
 
   Raises:
     ValueError: for axes outside ``f(x)``'s rank, repeated or both traced
-      and diagonal; for a diagonal batch axis with ``N1 != N2``; and when
+      and diagonal; for a diagonal or traced batch axis with
+      ``N1 != N2``; and when
       some trainable parameter is not covered by a Gram rule (its part of
       the kernel would be missing): the message lists them.
   """
@@ -112,16 +126,19 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
     with ambient.plain_haiku():
       out = jax.eval_shape(apply_fn, params, state, rng, x1)[0]
     ndim = len(out.shape)
-    trace = _normalised((-1,) if trace_axes is None and ndim > 1 else
-                        trace_axes or (), ndim, "trace_axes")
+    trace = _normalised(
+        trace_axes if trace_axes is not None else (-1,) if ndim > 1 else (),
+        ndim, "trace_axes")
     diagonal = _normalised(diagonal_axes, ndim, "diagonal_axes")
     if set(trace) & set(diagonal):
       raise ValueError(errors.NTK_BAD_AXES.format(
           what="trace_axes and diagonal_axes", axes=(trace, diagonal),
           ndim=ndim))
     n2 = n1 if x2 is None else _examples(x2, "x2")
-    if 0 in diagonal and n1 != n2:
-      raise ValueError(errors.NTK_DIAGONAL_BATCH.format(n1=n1, n2=n2))
+    for what, axes in (("diagonal_axes", diagonal), ("trace_axes", trace)):
+      if 0 in axes and n1 != n2:  # (pairs example i of x1 with i of x2)
+        raise ValueError(errors.NTK_PAIRED_BATCH.format(what=what, n1=n1,
+                                                        n2=n2))
     x = x1 if x2 is None else jax.tree.map(
         lambda a, b: jnp.concatenate([a, b]), x1, x2)
     n = n1 if x2 is None else n1 + n2

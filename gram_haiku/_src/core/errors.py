@@ -1029,12 +1029,12 @@ NTK_BAD_AXES = (
     "keeps every pair of outputs, diagonal_axes=(0,) keeps each example "
     "with itself only.")
 
-NTK_DIAGONAL_BATCH = (
-    "gram_haiku.empirical_ntk: diagonal_axes includes the example axis 0, "
+NTK_PAIRED_BATCH = (
+    "gram_haiku.empirical_ntk: {what} includes the example axis 0, "
     "which pairs example i of x1 with example i of x2, but x1 has {n1} "
     "examples and x2 {n2}.\n"
     "What to do: give x2 as many examples as x1 (or x2=None for x1 with "
-    "itself), or leave 0 out of diagonal_axes for the full x1 x x2 kernel.")
+    "itself), or leave 0 out of {what} for the full x1 x x2 kernel.")
 
 NTK_BAD_BATCH = (
     "gram_haiku.empirical_ntk: every leaf of {name} must have the examples "
