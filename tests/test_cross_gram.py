@@ -433,3 +433,36 @@ def test_clipping_errors():
     gram_haiku.cross_gram(t.apply, query_flag="is_query",
                           l2_clip_norm={"linear": 1.0}, clipping="per-layer")(
                               params, state, None, x, y, queries=(x, y))
+
+
+def test_query_summed_keeps_float32_accuracy_with_bfloat16_parameters():
+  """bfloat16 parameters and float32 inputs: the layers compute in float32,
+  so ``query_summed`` (from the queries' summed gradient, not the block)
+  is as accurate as ``total``: that sum is not rounded to the parameters'
+  bfloat16 first (which left it off by ~1e-3 of its largest entry)."""
+  def body(x):
+    return jnp.sum(hk.Linear(3)(jnp.tanh(hk.Linear(5)(x))) ** 2, axis=-1)
+
+  def loss(x):
+    with gram_haiku.track():
+      return body(x).sum()
+  k = jax.random.split(jax.random.PRNGKey(9), 3)
+  x = jax.random.normal(k[0], (4, 6))
+  xq = jax.random.normal(k[1], (V, 6))
+  t = hk.transform_with_state(loss)
+  params, state = t.init(k[2], x)
+  params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  _, _, cross = jax.jit(gram_haiku.cross_gram(t.apply))(
+      params, state, None, x, queries=(xq,))
+  with jax.enable_x64(True):
+    plain = hk.transform(lambda x: body(x).sum())
+    p64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    plain_loss = lambda p, x: plain.apply(p, None, x)
+    f = np.asarray(testing.per_example_grads(
+        plain_loss, p64, jnp.asarray(x, jnp.float64)))
+    h = np.asarray(testing.per_example_grads(
+        plain_loss, p64, jnp.asarray(xq, jnp.float64)))
+  want = f @ h.T
+  for got, ref in [(cross.total, want), (cross.query_summed, want.sum(1))]:
+    np.testing.assert_allclose(got, ref, rtol=0,
+                               atol=1e-5 * np.abs(ref).max())

@@ -234,7 +234,9 @@ class Adapter(hx.VJPHiPrimitive):
     ``wanted``, in that order, by JAX's own VJP of ``forward``.
 
     So shapes, dtypes and weak types are exactly those an untracked layer
-    gets; under ``jit`` the recomputed primal output is dead code.
+    gets; under ``jit`` the recomputed primal output is dead code. ``g``
+    is cast to that output's dtype (the layer's own, unless ``x`` or the
+    parameters are given cast up, e.g. to accumulate in float32).
     """
     idx = ([0] if want_x else []) + [i + 1 for i in wanted]
     # A frozen parameter known only as absent (after the pass, see
@@ -247,8 +249,8 @@ class Adapter(hx.VJPHiPrimitive):
       for i, a in zip(idx, live):
         full[i] = a
       return self.forward(*full)
-    _, vjp = jax.vjp(f, *[args[i] for i in idx])
-    return list(vjp(g.astype(self.out_aval.dtype)))
+    y, vjp = jax.vjp(f, *[args[i] for i in idx])
+    return list(vjp(g.astype(y.dtype)))
 
   def _check_probe_varies(self, x, probe):
     """Inside ``shard_map`` the probe varies wherever the examples do."""
