@@ -210,13 +210,15 @@ def test_a_parameter_outside_every_tracked_layer_is_refused():
 def test_an_int_axis_is_that_one_axis():
   """``trace_axes=0`` (an int, as neural-tangents takes it) traces the
   batch pair: not the untraced kernel (0 is falsy), not a TypeError; and
-  ``trace_axes=-1``, ``diagonal_axes=-1`` are the one-axis tuples."""
+  ``trace_axes=-1``, ``diagonal_axes=-1`` (a numpy integer too) are the
+  one-axis tuples."""
   with jax.enable_x64(True):
     tracked, plain, params, state, x1, _ = _problem("mlp")
     j = np.asarray(_jacobian(plain, params, x1))
     full = np.einsum("iap,jbp->ijab", j, j)
     for trace, diagonal, spec in [(0, (), "iiab->ab"), (-1, (), "ijaa->ij"),
-                                  ((), -1, "ijaa->ija"), ((), 0, "iiab->iab")]:
+                                  ((), -1, "ijaa->ija"), ((), 0, "iiab->iab"),
+                                  (np.int64(-1), (), "ijaa->ij")]:
       ntk = gram_haiku.empirical_ntk(tracked.apply, trace_axes=trace,
                                      diagonal_axes=diagonal)
       _assert_kernel(np.asarray(ntk(params, state, x1, x1)),

@@ -24,11 +24,13 @@ Cost: one pass over ``(N1 + N2) P`` rows (``x2`` is concatenated to
 from __future__ import annotations
 
 import math
+import numbers
 import string
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gram_haiku._src.api.value_grad_and_gram import value_grad_and_gram
 from gram_haiku._src.core import errors
@@ -38,20 +40,22 @@ from gram_haiku._src.frontend import ambient
 
 def _normalised(axes: int | Sequence[int], ndim: int,
                 what: str) -> tuple[int, ...]:
-  """``axes`` (one int is that one axis, as in neural-tangents) as distinct
-  non-negative axes of a rank-``ndim`` output.
+  """``axes`` (one int is that one axis, as in neural-tangents; numpy
+  integers count) as distinct non-negative axes of a rank-``ndim`` output.
 
   Raises:
     ValueError: for an axis out of range, not an int, or repeated.
   """
-  if isinstance(axes, int) and not isinstance(axes, bool):
+  is_int = lambda a: (isinstance(a, numbers.Integral) and
+                      not isinstance(a, (bool, np.bool_)))
+  if is_int(axes):
     axes = (axes,)
   out = []
   for a in axes:
-    if isinstance(a, bool) or not isinstance(a, int) or not -ndim <= a < ndim:
+    if not is_int(a) or not -ndim <= a < ndim:
       raise ValueError(errors.NTK_BAD_AXES.format(
           what=what, axes=tuple(axes), ndim=ndim))
-    out.append(a % ndim)
+    out.append(int(a) % ndim)
   if len(set(out)) != len(out):
     raise ValueError(errors.NTK_BAD_AXES.format(
         what=what, axes=tuple(axes), ndim=ndim))
