@@ -164,6 +164,15 @@ def test_mismatched_queries_and_untracked_parameters_are_refused():
   with pytest.raises(ValueError, match="one B and one V"):
     step(params, state, None, x, y, queries=(jnp.ones((2, 3)),
                                              jnp.ones((3, 2))))
+  # Queries in another dtype would promote the training rows (bfloat16
+  # rows run in float32: another model's Gram); a NumPy float64 query is
+  # float32 to JAX and passes.
+  with pytest.raises(ValueError, match=r"differ in dtype.*\['bfloat16'\]"):
+    step(params, state, None, x.astype(jnp.bfloat16), y,
+         queries=(jnp.ones((2, 3)), jnp.ones((2, 2))))
+  with pytest.raises(ValueError, match=r"\['~/s'\]"):
+    step(params, state, None, x, y, queries=(np.ones((2, 3)),
+                                             np.ones((2, 2))))
   with pytest.raises(ValueError, match=r"\['~/s'\]"):
     step(params, state, None, x, y, queries=(jnp.ones((2, 3)),
                                              jnp.ones((2, 2))))

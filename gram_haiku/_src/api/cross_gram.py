@@ -43,7 +43,10 @@ from gram_haiku._src.ops.modes import clip_weights
 
 def _concatenated(args, queries, example_axes):
   """Each argument with its queries appended along its example axis
-  (``example_axes[k]``, default 0; None: shared, taken from ``args``)."""
+  (``example_axes[k]``, default 0; None: shared, taken from ``args``);
+  the queries of an argument must have its structure, shapes off that
+  axis and dtypes (as JAX takes them: a NumPy float64 is float32 without
+  x64)."""
   if not isinstance(queries, (tuple, list)) or len(queries) != len(args):
     raise ValueError(errors.CROSS_QUERIES.format(
         n=len(args), got=type(queries).__name__ if not isinstance(
@@ -65,6 +68,12 @@ def _concatenated(args, queries, example_axes):
       raise ValueError(errors.CROSS_QUERY_SHAPES.format(
           k=k, axis=ax, args=[jnp.shape(x) for x in a_leaves],
           queries=[jnp.shape(y) for y in q_leaves]))
+    dtypes = ([jnp.result_type(x) for x in a_leaves],
+              [jnp.result_type(y) for y in q_leaves])
+    if dtypes[0] != dtypes[1]:
+      raise ValueError(errors.CROSS_QUERY_DTYPES.format(
+          k=k, args=[str(d) for d in dtypes[0]],
+          queries=[str(d) for d in dtypes[1]]))
     sizes |= {(jnp.shape(x)[ax], jnp.shape(y)[ax])
               for x, y in zip(a_leaves, q_leaves)}
     out.append(jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=ax),
@@ -181,7 +190,8 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
 
   Raises:
     ValueError: for queries that do not match the arguments (count,
-      structure, shapes off the example axis, one ``B`` and one ``V``),
+      structure, shapes off the example axis, dtypes, one ``B`` and one
+      ``V``),
       a ``query_flag`` that is not an identifier or is passed by the
       caller too, an ``l2_clip_norm`` that is not a non-negative number
       (per layer: positive numbers, one per tracked module), an unknown

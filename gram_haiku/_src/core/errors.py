@@ -1078,6 +1078,14 @@ CROSS_QUERY_SHAPES = (
     "their own number of examples on the example axis (or mark a shared, "
     "not per-example, argument None in example_axes).")
 
+CROSS_QUERY_DTYPES = (
+    "gram_haiku.cross_gram: argument {k} and its queries differ in dtype: "
+    "argument leaves {args}, query leaves {queries}. Appended to the "
+    "training rows, the queries would promote them (a bfloat16 batch run "
+    "in float32 gives a Gram of another model than the one you train).\n"
+    "What to do: cast the queries to the arguments' dtypes (e.g. "
+    "jax.tree.map(lambda q, a: q.astype(a.dtype), queries, args)).")
+
 CROSS_QUERY_FLAG = (
     "gram_haiku.cross_gram: query_flag={got}: query_flag names the keyword "
     "argument of the loss that tells the query rows from the training rows "
