@@ -1211,3 +1211,49 @@ def test_row_norms_of_tiny_rows_are_bounded_from_above():
   tiny = float(jnp.finfo(jnp.float32).tiny)
   assert got[0] <= 1.01 * np.sqrt(want[0] ** 2 + 6 * tiny)
   assert got[1] <= want[1] * (1 + 1e-5)
+
+
+#: Getters whose VJP flushes to zero in float32 while the gradient is
+#: representable: an intermediate (``f 1e-38`` for cotangents near 1,
+#: scaled back up ``1e38``-fold: the gradient is about ``1e-2 |f|``), and
+#: the pulled-back rows themselves (entries near ``1e-30``, whose squares
+#: flush).
+FLUSHING_GETTERS = {
+    "intermediate": lambda w: w * 1e-2 * 1e19 * 1e19 * 1e-19 * 1e-19,
+    "rows": lambda w: w * 1e-30,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLUSHING_GETTERS))
+def test_a_getter_whose_vjp_underflows_keeps_a_sound_bound(name):
+  """A reparametrising getter's pull-back ``fl(J^T f_i)`` flushed to zero
+  (XLA's CPU flushes subnormals): its norm was 0, its rounding allowance
+  ``L (e_i + r |f_i|)`` relative, and ``L`` itself, a float32 product of
+  ``1e-19`` factors, 0 too. The bound was 0 for every example (weight 1;
+  ``|g_i|`` about 0.1, ten times a clip norm of 0.01, found 2026-12-07).
+  Now the VJP's flushed results count (an absolute allowance read from
+  its program) and the squares of its rows too: each bound is at or above
+  the float64 norm and finite."""
+  rng = np.random.RandomState(5)
+  x = rng.normal(size=(3, 2, 6)).astype(np.float32)
+  v = rng.normal(size=(3, 2, 5)).astype(np.float32)
+  fn = FLUSHING_GETTERS[name]
+
+  def body(x):
+    with hk.custom_getter(
+        lambda n, w, c: fn(n(w)) if c.name == "w" else n(w)):
+      return hk.Linear(5, with_bias=False, name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track():
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
+  c = float(np.min(true)) / 10
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
+      params, state, None, x, v)
+  got = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(got >= true) and np.all(np.isfinite(got)), got / true
+  (weights,) = aux.weights.values()
+  assert np.all(np.asarray(weights, np.float64) * true <= c * (1 + 1e-6))
