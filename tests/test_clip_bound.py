@@ -1213,14 +1213,18 @@ def test_row_norms_of_tiny_rows_are_bounded_from_above():
   assert got[1] <= want[1] * (1 + 1e-5)
 
 
-#: Getters whose VJP flushes to zero in float32 while the gradient is
-#: representable: an intermediate (``f 1e-38`` for cotangents near 1,
-#: scaled back up ``1e38``-fold: the gradient is about ``1e-2 |f|``), and
-#: the pulled-back rows themselves (entries near ``1e-30``, whose squares
-#: flush).
+#: name -> (getter, cotangent scale): getters whose VJP flushes to zero in
+#: float32 while the gradient is representable: a product of constants
+#: (``1e-19 1e-19``, which XLA folds into one, 0: the gradient, about
+#: ``1e-2 |f|``, computes as 0), an intermediate at run time (``f 1e-32``
+#: for cotangents near ``1e-7``, summed, scaled back up ``1e30``-fold),
+#: and the pulled-back rows themselves (entries near ``1e-30``, whose
+#: squares flush).
 FLUSHING_GETTERS = {
-    "intermediate": lambda w: w * 1e-2 * 1e19 * 1e19 * 1e-19 * 1e-19,
-    "rows": lambda w: w * 1e-30,
+    "folded": (lambda w: w * 1e-2 * 1e19 * 1e19 * 1e-19 * 1e-19, 1.0),
+    "intermediate": (
+        lambda w: jnp.cumsum(w * 1e30, axis=0) * 1e-30 * 1e-2, 1e-7),
+    "rows": (lambda w: w * 1e-30, 1.0),
 }
 
 
@@ -1229,15 +1233,16 @@ def test_a_getter_whose_vjp_underflows_keeps_a_sound_bound(name):
   """A reparametrising getter's pull-back ``fl(J^T f_i)`` flushed to zero
   (XLA's CPU flushes subnormals): its norm was 0, its rounding allowance
   ``L (e_i + r |f_i|)`` relative, and ``L`` itself, a float32 product of
-  ``1e-19`` factors, 0 too. The bound was 0 for every example (weight 1;
-  ``|g_i|`` about 0.1, ten times a clip norm of 0.01, found 2026-12-07).
-  Now the VJP's flushed results count (an absolute allowance read from
-  its program) and the squares of its rows too: each bound is at or above
-  the float64 norm and finite."""
+  ``1e-19`` factors, 0 too. The bound was 0 for every example (folded:
+  weight 1 with ``|g_i|`` about 0.1, ten times the clip norm; found
+  2026-12-07). Now the VJP's flushed results count (allowances read from
+  its program, :mod:`gram_haiku._src.analysis.linear_bound`) and the
+  squares of its rows too: each bound is at or above the float64 norm
+  and finite."""
   rng = np.random.RandomState(5)
+  fn, scale = FLUSHING_GETTERS[name]
   x = rng.normal(size=(3, 2, 6)).astype(np.float32)
-  v = rng.normal(size=(3, 2, 5)).astype(np.float32)
-  fn = FLUSHING_GETTERS[name]
+  v = (rng.normal(size=(3, 2, 5)) * scale).astype(np.float32)
 
   def body(x):
     with hk.custom_getter(

@@ -34,6 +34,26 @@ dot product or sum, 1 per elementwise operation); with ``r = gamma_N``
 ``<= u k_j |v_j|``, carried through the rest of the program, sums to at most
 ``r L |f|`` (first order in ``u``; ``gamma`` covers the rest).
 
+**Underflow.** The rounding model is relative; a result below its dtype's
+smallest normal number (``tiny``) may be flushed to zero (XLA's CPU
+backend flushes subnormals), an absolute error of at most ``tiny`` per
+operation. A getter ``w 1e-2 1e19 1e19 1e-19 1e-19`` has a VJP whose
+intermediate ``f 1e-38`` flushes for cotangents near 1, while its
+gradient, ``1e-2 f``, is representable. So each variable also carries
+``A``, a bound (norm units, independent of the cotangent) of the effect of
+every result flushed on its paths: an equation's own flushed results,
+``2 k tiny sqrt(size)`` for ``k`` roundings per output entry, plus its
+operands' ``A`` mapped by the equation's factor (its rule applied to
+them). The factors themselves are float32 numbers whose products and sums
+of squares could flush too (``L`` of that getter was 0): they are formed
+so that they never fall below the exact factor (:func:`_times`,
+:func:`_norm`; no factor below ``tiny``). And XLA does not run the program
+as written: it folds ``(u c1) c2`` into ``u (c1 c2)`` where ``c1``, ``c2``
+are constants of the compiled program (``w 1e-2 1e19 1e19 1e-19 1e-19``
+compiles to ``f 0``). Where a product of consecutive factors flushes
+(in float32 here, at run time), the value it scales may be lost whole:
+``E``, in units of ``|ct|``, the ``L`` of that value, carried like ``A``.
+
 An equation the table does not know, or one that is not linear in the
 cotangent (a product of two dependent operands, a cast to integers, a
 constant added to a dependent value: ``g + k`` is affine, and only a
@@ -58,26 +78,66 @@ from gram_haiku._src.compat import hijax_compat as hx
 
 class _Lin:
   """A variable that depends on the cotangent: ``|v| <= L |ct|``, rounded
-  at most ``n`` times along any path.
+  at most ``n`` times along any path, and off by at most ``a`` (norm
+  units) from the results flushed to zero on its paths.
 
   Where it is a product by a value or a broadcast, its form too, so that
   a sum or product that follows is bounded per output entry
   (Cauchy-Schwarz) rather than by ``sqrt(n) max |c|``:
-  ``scaled = (u, c)``: ``v = c * u`` elementwise; ``spread = (u, axes,
-  c)``: ``v_j = c_j u_{o(j)}``, ``u`` copied along ``axes`` (``c`` None:
-  1)."""
-  __slots__ = ("l", "n", "scaled", "spread")
+  ``scaled = (u, c, raw)``: ``|v| = c * |u|`` elementwise (``c`` from
+  above, ``raw`` the float32 product of the factors' magnitudes, which may
+  have flushed); ``spread = (u, axes, c)``: ``v_j = c_j u_{o(j)}``, ``u``
+  copied along ``axes`` (``c`` None: 1).
 
-  def __init__(self, l, n: int, scaled=None, spread=None):
+  ``e``: a bound of the error, in units of ``|ct|``, of values lost where
+  XLA folds a product of constant factors that flushes to zero (see the
+  module docstring)."""
+  __slots__ = ("l", "n", "scaled", "spread", "a", "e")
+
+  def __init__(self, l, n: int, scaled=None, spread=None, a=0.0, e=0.0):
     self.l, self.n, self.scaled, self.spread = l, n, scaled, spread
+    self.a, self.e = a, e
+
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+def _floor(x) -> jax.Array:
+  """``max(|x|, tiny)`` in float32: above the exact value of a factor
+  whose float32 computation flushed to zero (or was exact)."""
+  return jnp.maximum(jnp.abs(jnp.asarray(x, jnp.float32)), _TINY)
+
+
+def _times(*factors) -> jax.Array:
+  """The product of nonnegative factor bounds, never below the exact
+  product of factors at least ``tiny`` (each partial product floored at
+  ``tiny``, which is above the exact one wherever the float32 one
+  flushed; rounded up by ``(1 + 2^-22)`` per product)."""
+  out = _floor(factors[0])
+  for f in factors[1:]:
+    out = _floor(out * _floor(f) * (1 + 2.0 ** -22))
+  return out
+
+
+def _norm(c, axes=None) -> jax.Array:
+  """``sqrt(sum c^2)`` over ``axes`` (None: all), from above: scaled by
+  the largest ``|c|`` (the squares neither overflow nor flush but the
+  ratios below ``sqrt(tiny)``, ``n tiny`` in all) and rounded up."""
+  c = jnp.abs(jnp.asarray(c, jnp.float32))
+  if not c.size:
+    return jnp.float32(0)
+  m = jnp.max(c, axis=axes, keepdims=True)
+  s = jnp.sum(jnp.square(c / jnp.where(m > 0, m, 1)), axis=axes)
+  n = c.size // max(s.size, 1)
+  return _times(jnp.squeeze(m, axis=axes), jnp.sqrt(
+      (s + n * _TINY) * (1 + 2.0 ** -23 * (n + 4))))
 
 
 def _grouped(c, axes) -> jax.Array:
   """``max_o sqrt(sum_{j in o} c_j^2)``, ``o`` ranging over the entries
   of ``c`` with ``axes`` summed out."""
-  c = jnp.square(jnp.asarray(c, jnp.float32))
-  return jnp.sqrt(jnp.max(jnp.sum(c, axis=tuple(axes)))) if c.size else (
-      jnp.float32(0))
+  c = jnp.asarray(c, jnp.float32)
+  return jnp.max(_norm(c, tuple(axes))) if c.size else jnp.float32(0)
 
 
 def _size(aval) -> int:
@@ -90,8 +150,7 @@ def _max_abs(a) -> jax.Array:
 
 
 def _frobenius(a) -> jax.Array:
-  a = jnp.asarray(a, jnp.float32)
-  return jnp.sqrt(jnp.sum(jnp.square(a)))
+  return _norm(a)
 
 
 def _unary(k: float = 1.0, rounds: int = 0):
@@ -105,7 +164,8 @@ def _unary(k: float = 1.0, rounds: int = 0):
         return (f"`{eqn.primitive.name}` whose indices or shape depend on "
                 "the cotangent (not linear)")
     lins = [x for x in ins if isinstance(x, _Lin)]
-    return _Lin(sum(x.l for x in lins) * k, max(x.n for x in lins) + rounds)
+    return _Lin(_times(sum(x.l for x in lins), k),
+                max(x.n for x in lins) + rounds)
   return rule
 
 
@@ -117,10 +177,10 @@ def _resized(eqn, ins):
   n_in, n_out = _size(eqn.invars[0].aval), _size(eqn.outvars[0].aval)
   if eqn.primitive.name == "reduce_sum":  # A sum of n_in / n_out terms.
     n = max(n_in // max(n_out, 1), 1)
-    l = lin.l * math.sqrt(n)
+    l = _times(lin.l, math.sqrt(n))
     if lin.scaled is not None:
-      u, c = lin.scaled
-      l = jnp.minimum(l, u.l * _grouped(c, eqn.params["axes"]))
+      u, c, _ = lin.scaled
+      l = jnp.minimum(l, _times(u.l, _grouped(c, eqn.params["axes"])))
     return _Lin(l, lin.n + n)
   shape_in = eqn.invars[0].aval.shape
   shape_out = eqn.outvars[0].aval.shape
@@ -129,9 +189,10 @@ def _resized(eqn, ins):
       d for k, d in enumerate(kept) if shape_in[k] != shape_out[d])
   spread = (lin, axes, None)
   if lin.scaled is not None and jnp.shape(lin.scaled[1]) == shape_in:
-    u, c = lin.scaled
+    u, c, _ = lin.scaled
     spread = (u, axes, lax.broadcast_in_dim(c, shape_out, kept))
-  return _Lin(lin.l * math.sqrt(n_out // max(n_in, 1)), lin.n, spread=spread)
+  return _Lin(_times(lin.l, math.sqrt(n_out // max(n_in, 1))), lin.n,
+              spread=spread)
 
 
 class _Zero:
@@ -193,16 +254,25 @@ def _scaled(eqn, ins):
     if k != 0:
       return "`div` by a value that depends on the cotangent (not linear)"
     c = 1.0 / c
-  l = lin.l * _max_abs(c)
-  base = lin
+  raw = jnp.abs(c)
+  c = _floor(c)  # (|c|, from above: 1 / c may flush)
+  l = _times(lin.l, _max_abs(c))
+  base, folded = lin, None
   if lin.scaled is not None:  # c * (c0 * u)
-    base, c0 = lin.scaled
-    c = c * c0
-    l = jnp.minimum(l, base.l * _max_abs(c))
+    base, c0, raw0 = lin.scaled
+    # XLA folds ``(u c0) c`` into ``u (c0 c)`` where both are constants:
+    # a product of factors that flushes loses the value it scales.
+    product = raw * raw0
+    folded = jnp.any((raw > 0) & (raw0 > 0) & (product < _TINY))
+    raw = product
+    c = _times(c, c0)
+    l = jnp.minimum(l, _times(base.l, _max_abs(c)))
   if lin.spread is not None:  # c_j c0_j u_{o(j)}
     u, axes, c0 = lin.spread
-    l = jnp.minimum(l, u.l * _grouped(c if c0 is None else c * c0, axes))
-  return _Lin(l, lin.n + 1, scaled=(base, c))
+    l = jnp.minimum(l, _times(u.l, _grouped(
+        c if c0 is None else _times(c, c0), axes)))
+  e = 0.0 if folded is None else jnp.where(folded, l, 0.0)
+  return _Lin(l, lin.n + 1, scaled=(base, c, raw), e=e)
 
 
 def _dot(eqn, ins):
@@ -215,7 +285,7 @@ def _dot(eqn, ins):
   k = lins[0]
   (contract, _), _ = eqn.params["dimension_numbers"]
   n = math.prod(eqn.invars[0].aval.shape[d] for d in contract)
-  return _Lin(ins[k].l * _frobenius(_value(ins[1 - k])),
+  return _Lin(_times(ins[k].l, _frobenius(_value(ins[1 - k]))),
               ins[k].n + max(n, 1))
 
 
@@ -224,14 +294,14 @@ def _concatenate(eqn, ins):
   if why:
     return why
   lins = [x for x in ins if isinstance(x, _Lin)]
-  return _Lin(jnp.sqrt(sum(jnp.square(jnp.asarray(x.l, jnp.float32))
-                           for x in lins)), max(x.n for x in lins))
+  return _Lin(_norm(jnp.stack([jnp.asarray(x.l, jnp.float32)
+                               for x in lins])), max(x.n for x in lins))
 
 
 def _cumsum(eqn, ins):
   (lin,) = [x for x in ins if isinstance(x, _Lin)]
   n = eqn.invars[0].aval.shape[eqn.params["axis"]]
-  return _Lin(lin.l * n, lin.n + n)
+  return _Lin(_times(lin.l, n), lin.n + n)
 
 
 def _pad(eqn, ins):
@@ -379,10 +449,44 @@ def _linear_eqn(ctx, eqn, vals) -> list:
   if not isinstance(out, _Lin):
     raise _Unbounded(out or f"`{name}`")
   base = max(x.n for x in vals if isinstance(x, _Lin))
-  if out.n > base:  # Its own roundings, in its output's dtype.
-    out = _Lin(out.l, base + (out.n - base) * _rounds_in(
-        eqn.outvars[0].aval.dtype, ctx.config.unit), out.scaled, out.spread)
+  out_aval = eqn.outvars[0].aval
+  own = out.n - base
+  a = _flushed(rule, eqn, vals, own, out_aval)
+  e = _carried(rule, eqn, vals, "e")
+  e = out.e if _is_zero(e) else e + out.e
+  if own > 0:  # Its own roundings, in its output's dtype.
+    out = _Lin(out.l, base + own * _rounds_in(
+        out_aval.dtype, ctx.config.unit), out.scaled, out.spread)
+  out.a, out.e = a, e
   return [out] * len(eqn.outvars)
+
+
+def _carried(rule, eqn, vals, field: str):
+  """The operands' ``field`` (``a`` or ``e``: errors that the rest of the
+  program maps as it maps the cotangent) through the equation's factor:
+  its rule applied to them alone, without the forms that refine ``L``."""
+  if all(not isinstance(x, _Lin) or _is_zero(getattr(x, field))
+         for x in vals):
+    return 0.0
+  return rule(eqn, [_Lin(getattr(x, field), x.n) if isinstance(x, _Lin)
+                    else x for x in vals]).l
+
+
+def _flushed(rule, eqn, vals, rounds: int, aval):
+  """``A`` of an equation's output (see the module docstring): its
+  operands' ``A`` carried (:func:`_carried`), plus its own ``rounds``
+  roundings per entry, each flushing at most ``tiny`` of its output's
+  dtype (twice, for a product and the sum it joins)."""
+  carried = _carried(rule, eqn, vals, "a")
+  if rounds <= 0 or not jnp.issubdtype(aval.dtype, jnp.inexact):
+    return carried
+  tiny = float(jnp.finfo(aval.dtype).tiny)
+  own = 2 * rounds * tiny * math.sqrt(max(_size(aval), 1)) * (1 + 2.0 ** -20)
+  return carried + own if _is_zero(carried) else _times(carried + own, 1)
+
+
+def _is_zero(a) -> bool:
+  return isinstance(a, (int, float)) and a == 0
 
 
 def _equation(ctx, eqn, vals) -> list:
@@ -430,7 +534,21 @@ def bound(fun: Callable[..., Any], *args: Any):
   ``precision`` the lowest of its dot products' (``None`` for none, else
   a ``lax.Precision``). ``L`` is a float32 scalar computed in the
   caller's trace. ``(None, None, None, why)`` where the program is not
-  linear in its arguments, or uses a primitive without a rule here."""
+  linear in its arguments, or uses a primitive without a rule here.
+  :func:`bound_and_flushed` adds the absolute allowance for results
+  flushed to zero."""
+  l, n, precision, _, why = bound_and_flushed(fun, *args)
+  return l, n, precision, why
+
+
+def bound_and_flushed(fun: Callable[..., Any], *args: Any):
+  """``(L, N, precision, (A, E), why)``: :func:`bound`'s, and float32
+  scalars ``A``, ``E`` with ``|fl(fun(*args)) - fun(*args)| <= (r L + E)
+  |args| + A`` where ``r`` is ``N``'s rounding bound
+  (:func:`gram_haiku._src.compute.norm_bounds.dot_error`): what the
+  results flushed to zero add (``A``), and the values lost where XLA folds
+  constant factors whose product flushes (``E``; 0 unless one does; see
+  the module docstring)."""
   closed = jax.make_jaxpr(fun)(*args)
   leaves = jax.tree.leaves(args)
   # Counts in roundings of the arguments' (the accumulation) dtype.
@@ -438,18 +556,22 @@ def bound(fun: Callable[..., Any], *args: Any):
   outs, why = _run(closed.jaxpr, list(closed.consts),
                    [_Lin(jnp.float32(1), 0)] * len(leaves), unit)
   if why:
-    return None, None, None, why
+    return None, None, None, (None, None), why
   if any(not isinstance(o, (_Lin, _Zero)) for o in outs):
-    return None, None, None, ("an output that does not depend on the "
-                              "cotangent and is not known to be zero (an "
-                              "affine map, not a linear one)")
+    return None, None, None, (None, None), (
+        "an output that does not depend on the cotangent and is not known "
+        "to be zero (an affine map, not a linear one)")
   lins = [o for o in outs if isinstance(o, _Lin)]
   if not lins:
-    return jnp.float32(0), 0, None, None
+    return jnp.float32(0), 0, None, (jnp.float32(0), jnp.float32(0)), None
   # Each output's L bounds it by max_k |ct_k| <= |ct| (every argument
-  # started at L = 1); the outputs together by their root sum of squares.
-  l = jnp.sqrt(sum(jnp.square(jnp.asarray(o.l, jnp.float32)) for o in lins))
-  return l, max(o.n for o in lins), _lowest_precision(closed.jaxpr), None
+  # started at L = 1); the outputs together by their root sum of squares
+  # (A by their sum).
+  l = _norm(jnp.stack([jnp.asarray(o.l, jnp.float32) for o in lins]))
+  a = _times(sum(jnp.asarray(o.a, jnp.float32) for o in lins), 1)
+  e = sum(jnp.asarray(o.e, jnp.float32) for o in lins)
+  return (l, max(o.n for o in lins), _lowest_precision(closed.jaxpr),
+          (a, e), None)
 
 
 def _lowest_precision(jaxpr):

@@ -75,11 +75,13 @@ Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
 built-in ones do); a reparametrising getter's pull-back maps a kept
 per-example gradient's rounding bound, which is carried in the layer's
 operand space, by its Jacobian, which is not bounded here. The
-underflow allowances cover the linear and convolution layers' norms and
-every allowance built from :func:`row_norms`; the getters' closed forms
-(:mod:`gram_haiku._src.analysis.linear_bound`; a weight
-standardisation's cases were checked against float64) and the
-embeddings' and normalisation layers' ghost terms count rounding only
+underflow allowances cover the linear and convolution layers' norms,
+every allowance built from :func:`row_norms` or :func:`of_sq_sums`, and a
+getter's generic pull-back (its VJP's flushed results and folded
+constants, :mod:`gram_haiku._src.analysis.linear_bound`); a weight
+standardisation's closed form (its cases were checked against float64)
+and the embeddings' and normalisation layers' ghost terms count rounding
+only
 (the latter two's gradients are linear in the cotangent alone, so a term
 flushed there is a gradient below ``tiny``).
 """
@@ -614,8 +616,14 @@ def of_rows(f: jax.Array, err=None) -> jax.Array:
 def of_sq_sums(sq: jax.Array, p, dtype, err=None) -> jax.Array:
   """:func:`of_rows` from the rows' sums of squares ``sq: [B]``
   (:func:`sum_of_squares` of rows of ``p`` entries of ``dtype``), formed
-  elsewhere (block by block)."""
-  value = stored(sq, squares_rel(p, dtype))
+  elsewhere (block by block); plus ``2 p tiny`` for the squares and
+  partial sums flushed to zero, as :func:`norms_of_sq_sums` (a getter's
+  pull-back ``1e-30 f`` has rows whose squares all flush: its bound was
+  0)."""
+  tiny = fractions.Fraction(float(jnp.finfo(sq.dtype).tiny))
+  flushed = (_rounded_up(2 * tiny * int(p), sq.dtype) if _static(p)
+             else 2 * float(tiny) * count(p, sq.dtype))
+  value = stored(sq + flushed, squares_rel(p, dtype))
   if err is None:
     return value
   return jnp.square(jnp.sqrt(value) + err.astype(value.dtype))

@@ -247,14 +247,15 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
   out = {k: g.astype(acc) for k, g in zip(site.leaves, grads)}
   if not upper_bound:
     return out, None
-  l, n, precision, why = linear_bound.bound(
+  l, n, precision, (a, e), why = linear_bound.bound_and_flushed(
       vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct))
   if why:
     raise ValueError(errors.GETTER_NOT_BOUNDED.format(
         module=", ".join(str(k) for k in site.leaves), why=why))
   r = norm_bounds.dot_error(n, acc, precision)
   rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
-  bound = l * r * norm_bounds.row_norms(rows)
+  norms = norm_bounds.row_norms(rows)
+  bound = (l * r + e) * norms + a  # (a, e: flushed results)
   if site_error is not None:  # |J^T e| <= l |e|, and J^T's own rounding
     bound = bound + l * (1 + r) * site_error.astype(bound.dtype)
   return out, bound
