@@ -129,8 +129,9 @@ def _norm(c, axes=None) -> jax.Array:
   m = jnp.max(c, axis=axes, keepdims=True)
   s = jnp.sum(jnp.square(c / jnp.where(m > 0, m, 1)), axis=axes)
   n = c.size // max(s.size, 1)
-  return _times(jnp.squeeze(m, axis=axes), jnp.sqrt(
-      (s + n * _TINY) * (1 + 2.0 ** -23 * (n + 4))))
+  m = jnp.squeeze(m, axis=axes)
+  out = _times(m, jnp.sqrt((s + n * _TINY) * (1 + 2.0 ** -23 * (n + 4))))
+  return jnp.where(jnp.isinf(m), jnp.inf, out)  # (not inf / inf)
 
 
 def _grouped(c, axes) -> jax.Array:
