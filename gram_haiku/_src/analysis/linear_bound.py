@@ -64,6 +64,7 @@ unbounded: :func:`bound` then says why, and the caller refuses.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -110,13 +111,21 @@ def _floor(x) -> jax.Array:
 
 def _times(*factors) -> jax.Array:
   """The product of nonnegative factor bounds, never below the exact
-  product of factors at least ``tiny`` (each partial product floored at
-  ``tiny``, which is above the exact one wherever the float32 one
-  flushed; rounded up by ``(1 + 2^-22)`` per product)."""
-  out = _floor(factors[0])
-  for f in factors[1:]:
-    out = _floor(out * _floor(f) * (1 + 2.0 ** -22))
-  return out
+  product of factors at least ``tiny``: each partial product floored at
+  ``tiny`` (above the exact one wherever the float32 one flushed), the
+  whole rounded up by ``(1 + 2^-22)`` per product."""
+  static = [f for f in factors if isinstance(f, (int, float))]
+  traced = [f for f in factors if not isinstance(f, (int, float))]
+  k = 1.0  # (the static factors in Python: no equations traced for them)
+  for f in static:
+    k = max(k * max(f, _TINY) * (1 + 2.0 ** -22), _TINY)
+  if not traced:
+    return jnp.float32(k)
+  out = jnp.maximum(traced[0], _TINY)
+  for f in traced[1:]:
+    out = jnp.maximum(out * f, _TINY)
+  up = k * (1 + 2.0 ** -22) ** len(traced)
+  return jnp.maximum(out * up, _TINY) if up != 1.0 else out
 
 
 def _norm(c, axes=None) -> jax.Array:
@@ -452,8 +461,9 @@ def _linear_eqn(ctx, eqn, vals) -> list:
   base = max(x.n for x in vals if isinstance(x, _Lin))
   out_aval = eqn.outvars[0].aval
   own = out.n - base
-  a = _flushed(rule, eqn, vals, own, out_aval)
-  e = _carried(rule, eqn, vals, "e")
+  factor = _factor(rule, eqn, vals)
+  a = _flushed(factor, vals, own, out_aval)
+  e = _carried(factor, vals, "e")
   e = out.e if _is_zero(e) else e + out.e
   if own > 0:  # Its own roundings, in its output's dtype.
     out = _Lin(out.l, base + own * _rounds_in(
@@ -462,28 +472,41 @@ def _linear_eqn(ctx, eqn, vals) -> list:
   return [out] * len(eqn.outvars)
 
 
-def _carried(rule, eqn, vals, field: str):
-  """The operands' ``field`` (``a`` or ``e``: errors that the rest of the
-  program maps as it maps the cotangent) through the equation's factor:
-  its rule applied to them alone, without the forms that refine ``L``."""
-  if all(not isinstance(x, _Lin) or _is_zero(getattr(x, field))
+def _factor(rule, eqn, vals):
+  """The equation's factor for errors that the rest of the program maps
+  as it maps the cotangent (``a``, ``e``): its rule applied to unit
+  bounds, without the forms that refine ``L`` (None where its operands
+  carry none). A rule is monotone and homogeneous in its operands'
+  bounds, so the factor times their largest bound is above the rule of
+  those bounds."""
+  if all(not isinstance(x, _Lin) or (_is_zero(x.a) and _is_zero(x.e))
          for x in vals):
-    return 0.0
-  return rule(eqn, [_Lin(getattr(x, field), x.n) if isinstance(x, _Lin)
+    return None
+  return rule(eqn, [_Lin(jnp.float32(1), x.n) if isinstance(x, _Lin)
                     else x for x in vals]).l
 
 
-def _flushed(rule, eqn, vals, rounds: int, aval):
+def _carried(factor, vals, field: str):
+  """The operands' ``field`` (``a`` or ``e``) through the equation's
+  ``factor`` (:func:`_factor`)."""
+  values = [getattr(x, field) for x in vals if isinstance(x, _Lin)
+            and not _is_zero(getattr(x, field))]
+  if factor is None or not values:
+    return 0.0
+  return _times(factor, functools.reduce(jnp.maximum, values))
+
+
+def _flushed(factor, vals, rounds: int, aval):
   """``A`` of an equation's output (see the module docstring): its
   operands' ``A`` carried (:func:`_carried`), plus its own ``rounds``
   roundings per entry, each flushing at most ``tiny`` of its output's
   dtype (twice, for a product and the sum it joins)."""
-  carried = _carried(rule, eqn, vals, "a")
+  carried = _carried(factor, vals, "a")
   if rounds <= 0 or not jnp.issubdtype(aval.dtype, jnp.inexact):
     return carried
   tiny = float(jnp.finfo(aval.dtype).tiny)
   own = 2 * rounds * tiny * math.sqrt(max(_size(aval), 1)) * (1 + 2.0 ** -20)
-  return carried + own if _is_zero(carried) else _times(carried + own, 1)
+  return carried + own  # (carried is at least tiny or 0: no flush)
 
 
 def _is_zero(a) -> bool:
