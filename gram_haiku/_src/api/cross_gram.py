@@ -188,6 +188,15 @@ def cross_gram(apply_fn: Callable[..., Any], *, has_aux: bool = False,
     ``|g_i|^2`` (under ``jit`` only what is used is computed). Traceable:
     ``jit`` it.
 
+    The blocks come from one forward pass of the ``B + V`` rows together:
+    a statistic over the batch that the model takes under
+    ``stop_gradient`` (allowed: no gradient couples the examples) is
+    then taken over the training rows and the queries, and the ``g_i``
+    are those of that joint forward pass. For the training batch's own
+    forward pass, take such a statistic over the training rows alone
+    (weighted by ``~flag`` through ``query_flag``) or use running
+    statistics.
+
   Raises:
     ValueError: for queries that do not match the arguments (count,
       structure, shapes off the example axis, dtypes, one ``B`` and one

@@ -19,6 +19,9 @@ once.
 
 Cost: one pass over ``(N1 + N2) P`` rows (``x2`` is concatenated to
 ``x1``), and a Gram of that size; the ``x1 x x2`` block is read from it.
+A statistic over the batch that the model takes under ``stop_gradient``
+is therefore taken over ``x1`` and ``x2`` together (use running
+statistics for the kernel of the model at ``x1`` alone).
 """
 
 from __future__ import annotations
