@@ -81,9 +81,8 @@ getter's generic pull-back (its VJP's flushed results and folded
 constants, :mod:`gram_haiku._src.analysis.linear_bound`); a weight
 standardisation's closed form (its cases were checked against float64)
 and the embeddings' and normalisation layers' ghost terms count rounding
-only
-(the latter two's gradients are linear in the cotangent alone, so a term
-flushed there is a gradient below ``tiny``).
+only (the latter two's gradients are linear in the cotangent alone, so a
+term flushed there is a gradient below ``tiny``).
 """
 
 from __future__ import annotations
