@@ -421,6 +421,34 @@ def _perturbed(params, rng):
   return jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
       np.float32) * 0.1, params)
 
+@pytest.mark.parametrize("strategy", ["ghost", "auto"])
+def test_a_standardised_layer_with_cotangents_near_underflow_is_bounded(
+    strategy):
+  """The standardisation's closed form (ghost factors, and the per-example
+  pull-back the cost model picks here) with cotangents of ``1e-38`` and
+  ``1e-40`` (subnormal: XLA's CPU flushes their products): each bound is
+  at or above the float64 norm (about ``1e-37``), by its absolute
+  allowance (about ``1e-17``), far below any threshold that clips."""
+  rng = np.random.RandomState(5)
+  f, body = _standardised_linear(strategy)
+  for scale in (1e-38, 1e-40):
+    x = rng.normal(size=(4, 3, 8)).astype(np.float32)
+    v = (rng.normal(size=(4, 3, 1)) * scale).astype(np.float32)
+    params, state = f.init(jax.random.PRNGKey(0), x, v)
+    _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e-30))(
+        params, state, None, x, v)
+    with jax.enable_x64(True):
+      plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
+      p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+      ref = np.asarray(per_example_grads(
+          lambda p, *ex: plain.apply(p, None, *ex), p64,
+          np.asarray(x, np.float64), np.asarray(v, np.float64)))
+    true = np.linalg.norm(ref, axis=1)
+    bounds = np.asarray(aux.grad_norms, np.float64)
+    assert np.all(true > 0) and np.all(bounds >= true), (scale, bounds, true)
+    assert np.all(bounds < 1e-15), bounds
+
+
 @pytest.mark.parametrize("scale,falls_back,strategy", [
     (10.0, False, "ghost"), (1e3, True, "ghost"), (1e3, None, "auto")],
                          ids=["factors", "factors-exact-fallback",
