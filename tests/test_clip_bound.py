@@ -29,6 +29,7 @@ from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core.reference import assert_sound_norms
 from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku.conformance import plugin
+from tests import layer_zoo
 
 C = 1.0
 BUDGET, THOROUGH_BUDGET = 12, 300
@@ -420,6 +421,44 @@ def _perturbed(params, rng):
   """``params`` plus ``N(0, 0.1^2)`` noise drawn from ``rng``."""
   return jax.tree.map(lambda a: a + rng.normal(size=a.shape).astype(
       np.float32) * 0.1, params)
+
+# Every layer of the zoo in the thorough budget; by default the kinds whose
+# bound had no allowance for flushed squares (the embeddings') and one of
+# each other kind of bound (ghost linear, conv, normalisation, recurrent,
+# tied table).
+_UNDERFLOW_ENTRIES = (
+    [e.name for e in layer_zoo.ENTRIES if e.explicit_ok] if plugin.thorough()
+    else ["Embed", "Embed-one-hot", "LayerNorm", "Conv2D", "tied-LM",
+          "LSTM-static"])
+
+
+@pytest.mark.parametrize("name", _UNDERFLOW_ENTRIES)
+def test_cotangents_near_underflow_keep_every_layers_bound_sound(name):
+  """The loss scaled by ``1e-40`` (``1e-37`` too, thorough): cotangents
+  that are subnormal (flushed by XLA's CPU) and gradients whose squares
+  flush. Each bound is at or above the float64 norm: an embedding's was
+  0 (its ghost products and squares flushed, with no allowance)."""
+  entry = layer_zoo.BY_NAME[name]
+  x = layer_zoo._draw(entry, (layer_zoo.B,), layer_zoo.seed_of(name))  # pylint: disable=protected-access
+  for scale in (1e-40, 1e-37) if plugin.thorough() else (1e-40,):
+    def loss(x, scale=scale):
+      with gram_haiku.track(untracked="error"):
+        return scale * layer_zoo._tail(entry.fn(x))  # pylint: disable=protected-access
+    f = hk.transform_with_state(loss)
+    params, state = f.init(jax.random.PRNGKey(1), x)
+    _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e-30))(
+        params, state, None, x)
+    with jax.enable_x64(True):
+      plain = hk.transform_with_state(
+          lambda x: layer_zoo._tail(entry.fn(x)))  # pylint: disable=protected-access
+      p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+      x64 = np.asarray(x) if entry.ids else np.asarray(x, np.float64)
+      ref = np.asarray(per_example_grads(
+          lambda p, x: plain.apply(p, state, None, x)[0], p64, x64)) * scale
+    true = np.linalg.norm(ref, axis=1)
+    bounds = np.asarray(aux.grad_norms, np.float64)
+    assert np.all(true > 0) and np.all(bounds >= true), (scale, bounds, true)
+
 
 @pytest.mark.parametrize("strategy", ["ghost", "auto"])
 def test_a_standardised_layer_with_cotangents_near_underflow_is_bounded(

@@ -75,14 +75,15 @@ Limits: a rule's own ``sq_norms`` must honour ``cfg.upper_bound`` (the
 built-in ones do); a reparametrising getter's pull-back maps a kept
 per-example gradient's rounding bound, which is carried in the layer's
 operand space, by its Jacobian, which is not bounded here. The
-underflow allowances cover the linear and convolution layers' norms,
-every allowance built from :func:`row_norms` or :func:`of_sq_sums`, and a
-getter's generic pull-back (its VJP's flushed results and folded
-constants, :mod:`gram_haiku._src.analysis.linear_bound`); a weight
-standardisation's closed form (its cases were checked against float64)
-and the embeddings' and normalisation layers' ghost terms count rounding
-only (the latter two's gradients are linear in the cotangent alone, so a
-term flushed there is a gradient below ``tiny``).
+underflow allowances cover the linear, convolution and embedding
+layers' norms, every allowance built from :func:`row_norms` or
+:func:`of_sq_sums`, and a getter's generic pull-back (its VJP's flushed
+results and folded constants,
+:mod:`gram_haiku._src.analysis.linear_bound`); a weight
+standardisation's closed form and the normalisation layers' ghost terms
+count rounding only, and were checked against float64 with cotangents of
+``1e-40`` and ``1e-37`` (``tests/test_clip_bound.py``: every layer of the
+zoo; an embedding's bound, without its allowance, was 0 there).
 """
 
 from __future__ import annotations

@@ -478,7 +478,9 @@ def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
   (:mod:`gram_haiku._src.compute.norm_bounds`), with ``tri = sum_t sqrt(w_t)
   |d_t|``: the ghost value plus ``2 (e_D + e_{T^2}) tri^2`` where that is
   tight for every example, else the segment sums' bound: each summed row
-  is off by at most ``e_T`` times the sum of its positions' ``|d_t|``."""
+  is off by at most ``e_T`` times the sum of its positions' ``|d_t|``;
+  plus the allowance for results flushed to zero
+  (:func:`gram_haiku._src.compute.norm_bounds.underflow_slack`)."""
   _, t, dim = d.shape
   acc = d.dtype
   tri = _triangle(key, weight, d)
@@ -492,10 +494,18 @@ def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
         lax.Precision.HIGHEST)
 
   if method != "ghost":
-    return segment()
-  bound, loose = norm_bounds.ghost(ghost_sq_norms(key, weight, d, cfg),
-                                   _ghost_slack(key, weight, d, cfg))
-  return lax.cond(jnp.any(loose), segment, lambda: bound)
+    out = segment()
+  else:
+    bound, loose = norm_bounds.ghost(ghost_sq_norms(key, weight, d, cfg),
+                                     _ghost_slack(key, weight, d, cfg))
+    out = lax.cond(jnp.any(loose), segment, lambda: bound)
+  # Intermediates flushed to zero (norm_bounds' docstring: underflow): the
+  # squares of a gradient below sqrt(tiny) flush, and with them the bound
+  # (it was 0 for cotangents near 1e-36). The key matches are exact, so
+  # the allowance is a linear map's with one input of the lookup's weight.
+  mx = jnp.sqrt(jnp.max(weight, axis=1, initial=0).astype(acc))
+  md = jnp.max(jnp.abs(d), axis=(1, 2), initial=0)
+  return out + norm_bounds.underflow_slack(t, 1, dim, mx, md)
 
 
 def factors_exact(ids, params, dtype) -> bool:
