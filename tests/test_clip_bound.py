@@ -27,6 +27,7 @@ from gram_haiku._src.analysis import linear_bound
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core.reference import assert_sound_norms
+from gram_haiku._src.core.reference import column_groups
 from gram_haiku._src.core.reference import per_example_grads
 from gram_haiku.conformance import plugin
 from tests import layer_zoo
@@ -223,6 +224,74 @@ def test_a_tied_use_that_cancels_the_layers_part_is_clipped(clipping):
   (weights,) = aux.weights.values()  # one layer: the table's both parts
   assert np.all(np.asarray(weights, np.float64) * true <= C * (1 + 1e-6))
   assert_sound_norms(bounds[1:], true[1:])
+
+
+def _shared_cancelling(xp, xm, v, x, w):
+  """One module called twice (inputs ``xp``, ``xm``) and another module;
+  linear in both outputs, so the cotangents are exact (columns of ``F``
+  per module: ``b``, then ``w``)."""
+  shared = hk.Linear(5, name="shared")
+  other = hk.Linear(3, name="other")
+  return (jnp.sum(shared(xp) * v) + jnp.sum(shared(xm) * v) +
+          jnp.sum(other(x) * w))
+
+
+def test_a_shared_module_whose_two_calls_cancel_is_clipped_per_layer():
+  """Per-layer clipping with a dict of thresholds, where example 0's two
+  calls of one module carry offsets ``+-1e4`` whose gradients cancel
+  about 10^3-fold: every module's bound is at least its float64 norm,
+  each module's contribution is at most its ``C_l`` (also measured as the
+  change of the clipped sum when example 0 is padded out), and the
+  non-cancelling module's clipped sum is the reference's."""
+  rng = np.random.RandomState(5)
+  b, n = 4, 6
+  x = rng.normal(size=(b, n))
+  a = np.zeros((b, n))
+  a[0] = rng.normal(size=n)
+  a[0] *= 1e4 / np.linalg.norm(a[0])
+  xp, xm = (np.asarray(x + a, np.float32), np.asarray(x - a, np.float32))
+  x = x.astype(np.float32)
+  v = rng.normal(size=(b, 5)).astype(np.float32)
+  w = rng.normal(size=(b, 3)).astype(np.float32)
+  batch = (xp, xm, v, x, w)
+
+  def loss_fn(*batch):
+    with gram_haiku.track(untracked="error"):
+      return _shared_cancelling(*batch)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), *batch)
+  with jax.enable_x64(True):
+    plain = hk.transform(_shared_cancelling)
+    p64 = jax.tree.map(lambda l: np.asarray(l, np.float64), params)
+    flat = np.asarray(per_example_grads(
+        lambda p, *ex: plain.apply(p, None, *ex), p64,
+        *(np.asarray(t, np.float64) for t in batch)), np.float64)
+  ref = {m: flat[:, cols] for m, cols in column_groups(params).items()}
+  true = {m: np.linalg.norm(g, axis=1) for m, g in ref.items()}
+  one_call = np.linalg.norm(xp[0]) * np.linalg.norm(v[0])
+  assert true["shared"][0] < 1e-2 * one_call  # (it does cancel)
+  thresholds = {"shared": 0.5 * float(true["shared"].min()),
+                "other": float(np.median(true["other"]))}
+  clipped = jax.jit(gram_haiku.clipped_grad(
+      f.apply, thresholds, clipping="per-layer", full_aux=True))
+  grads, aux = clipped(params, state, None, *batch,
+                       is_padding_example=np.zeros(b, bool))
+  without, _ = clipped(params, state, None, *batch,
+                       is_padding_example=np.arange(b) == 0)
+  for m, c_l in thresholds.items():
+    bounds = np.sqrt(np.asarray(aux.grams.sq_norms_by_layer[m], np.float64))
+    weights = np.asarray(aux.weights[m], np.float64)
+    assert np.all(bounds >= true[m] * (1 - 1e-9)), (m, bounds, true[m])
+    assert_sound_norms(bounds[1:], true[m][1:])
+    assert np.all(weights * true[m] <= c_l * (1 + 1e-6)), m
+    moved = np.sqrt(sum(np.sum((np.asarray(grads[m][k], np.float64) -
+                                np.asarray(without[m][k], np.float64)) ** 2)
+                        for k in ("b", "w")))
+    assert moved <= c_l * (1 + 1e-6), (m, moved, c_l)
+  want = np.asarray(aux.weights["other"], np.float64) @ ref["other"]
+  got = np.concatenate([np.ravel(grads["other"][k]) for k in ("b", "w")])
+  np.testing.assert_allclose(got, want, rtol=1e-5,
+                             atol=1e-5 * np.abs(want).max())
 
 
 def test_the_issue_case_was_unclipped_by_ghost_norms():
