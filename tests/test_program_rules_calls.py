@@ -146,6 +146,16 @@ def _cond_on_a_step_counter(p, x, y):
   return jnp.sum((h @ p["out"] - y) ** 2)
 
 
+def _value_out_of_checkpoint(p, x, y):
+  """A checkpointed block that returns, next to its value of the data, a
+  value of the parameters alone (``wh * g``), which meets the data after
+  the block (the prefix computed without the block's data operand)."""
+  def block(a, wx, wh, g):
+    return jnp.tanh(a @ wx + p["b"]), wh * g
+  h, w2 = jax.checkpoint(block)(x[:, 0] / 1e2, p["wx"], p["wh"], p["g"])
+  return jnp.sum((jnp.tanh(h @ w2) @ p["out"] - y) ** 2)
+
+
 def _setup(name, dtype):
   x, y = _batch(dtype)
   if name == "hk_dynamic_unroll":
@@ -154,6 +164,7 @@ def _setup(name, dtype):
         x, y)
   loss = {"checkpoint": _in_checkpoint, "cond": _in_cond, "scan": _rnn,
           "cond_on_a_step_counter": _cond_on_a_step_counter,
+          "value_out_of_checkpoint": _value_out_of_checkpoint,
           "scan_of_checkpoint": lambda p, x, y: _rnn(p, x, y, True)}[name]
   keys = {"checkpoint": ("wx", "b", "g", "out")}.get(
       name, ("wx", "wh", "b", "g", "out"))
@@ -197,6 +208,14 @@ def test_a_cond_on_a_step_counter_is_the_reference():
   on a scanned index) is chosen without the examples (it was refused, the
   body's carries and scanned inputs all taken for the examples' values)."""
   test_sites_inside_calls_are_the_reference("cond_on_a_step_counter")
+
+
+def test_a_parameters_value_returned_by_a_checkpoint_is_the_reference():
+  """A value of the parameters alone that a ``jax.checkpoint`` returns
+  with one of the data is computed from the checkpoint's body without the
+  data, as from a ``jit`` call's (it was an internal error: the whole
+  checkpoint, data operand included, taken as the prefix)."""
+  test_sites_inside_calls_are_the_reference("value_out_of_checkpoint")
 
 
 def test_a_chain_of_carries_reaches_its_fixed_point():

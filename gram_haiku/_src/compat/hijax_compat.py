@@ -483,6 +483,27 @@ def call_bodies(eqn: Any) -> Optional[list]:
   return None
 
 
+#: The calls whose outputs are those of their one program run on their
+#: operands (a ``jit`` call, a checkpoint: their derivative is that
+#: program's), by primitive name: a value that one of them returns can be
+#: computed by its program's equations alone (:func:`inline_body`).
+INLINE_CALLS = frozenset(("pjit", "jit", *REMAT_NAMES))
+
+
+def inline_body(eqn: Any) -> Optional[tuple]:
+  """``(body, consts)``: the program that a call of :data:`INLINE_CALLS`
+  runs on its operands (an open jaxpr whose inputs are the equation's
+  operands, in order) and its constants' values by variable; None for any
+  other equation."""
+  if eqn.primitive.name not in INLINE_CALLS:
+    return None
+  bodies = call_bodies(eqn)
+  if not bodies:
+    return None
+  (body, consts, _), = bodies
+  return body, consts
+
+
 def body_holding(eqn: Any, inner: Any) -> tuple:
   """``(body, consts, operands)`` of :func:`call_bodies` whose program
   holds equation ``inner`` (by identity)."""

@@ -100,10 +100,11 @@ def _slice(body, consts, targets: list, eqns: list):
   """``(ins, fn)``: ``fn(*values of ins) -> values of targets``, the
   equations of ``eqns`` (of ``body``, in order; constants' values
   ``consts`` by variable) that ``targets`` need, ``ins`` the inputs of
-  ``body`` they read. A ``jit`` call among them is cut to the outputs
-  needed (its body sliced the same way): a call that also takes the
-  examples may return a value of the parameters alone (``w2, h =
-  f(params, x)``), which is computed without the examples."""
+  ``body`` they read. A ``jit`` call or a checkpoint among them
+  (:data:`~gram_haiku._src.compat.hijax_compat.INLINE_CALLS`) is cut to
+  the outputs needed (its body sliced the same way): a call that also
+  takes the examples may return a value of the parameters alone (``w2, h
+  = f(params, x)``), which is computed without the examples."""
   lit = lambda v: isinstance(v, hx.Literal)
   constvars = set(body.constvars)
   needed = {v for v in targets if not lit(v)}
@@ -112,7 +113,7 @@ def _slice(body, consts, targets: list, eqns: list):
     want = [k for k, v in enumerate(e.outvars) if v in needed]
     if not want:
       continue
-    call = hx.jit_body(e)
+    call = hx.inline_body(e)
     if call is not None:
       sub, sub_consts = call
       sub_ins, part = _slice(sub, sub_consts, [sub.outvars[k] for k in want],
