@@ -558,3 +558,30 @@ def _assert_exact(net, rules):
         ff, reference.clip_reference(norms, c), params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-9)
+
+
+def _orthogonalised_net(x, y):
+  """``x @ Q``, ``Q`` the QR factor of a bare weight: a function of the
+  parameter alone whose VJP (a triangular solve) has no bound rule."""
+  q = jnp.linalg.qr(_w("w", [F, F], x.dtype))[0]
+  return jnp.sum((hk.Linear(D, name="linear")(jnp.tanh(x @ q)) - y) ** 2,
+                 axis=-1)
+
+
+def test_a_prefix_without_a_bound_is_refused_naming_the_parameter():
+  """The Gram through ``Q = qr(w)`` is the reference's; clipping, which
+  needs a bound of the pull-back through ``qr``'s VJP, is refused naming
+  the parameter (``'~/w'``) and its use (it named "module '0'" and a
+  custom getter, neither of which the model has)."""
+  with jax.enable_x64(True):
+    f, params, state, batch = _setup(_orthogonalised_net, seed=5)
+    ff = _ref_f(_orthogonalised_net, params, batch)
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, *batch)
+    reference.assert_gram_close(grams.total, ff @ ff.T, "float64")
+    with pytest.raises(ValueError, match=r"(?s)parameter '~/w'.*"
+                       r"`dot_general`.*triangular_solve.*What to do") as e:
+      jax.eval_shape(gram_haiku.clipped_grad(lambda *a: f.apply(*a)[0],
+                                             l2_clip_norm=1.0),
+                     params, state, None, *batch)
+    assert "custom getter" not in str(e.value)

@@ -1231,6 +1231,21 @@ PROGRAM_REACHES_LOSS = (
     "no example. Add the penalty's gradient outside gram_haiku, or declare "
     "the parameter frozen=")
 
+PROGRAM_PREFIX_NOT_BOUNDED = (
+    "gram_haiku.clipped_grad: parameter {params} meets the examples' "
+    "values at `{primitive}`{line} through a function of the parameters "
+    "alone whose VJP uses {why}, which the clipping bound cannot bound: "
+    "each example's norm is taken from its gradient "
+    "of that function's value pulled back through the VJP, and a sound "
+    "upper bound of the true norm needs the VJP's operator norm, read "
+    "equation by equation (gram_haiku/_src/analysis/linear_bound.py has a "
+    "rule for casts, reshapes, sums, broadcasts, products and quotients by "
+    "values of the parameters, dot products, concatenation, zero padding, "
+    "select and cumsum), and a VJP linear in the cotangent.\n"
+    "What to do: write that function with those operations, or freeze the "
+    "parameter (frozen=...); gram_haiku.value_grad_and_gram, which needs "
+    "no bound, still gives its Gram.")
+
 PROGRAM_NO_EXAMPLES = (
     "the values it meets there could not be followed to the examples (see "
     "gram_haiku.verify), so which axis holds them is not known")

@@ -236,10 +236,11 @@ def _site_error(site, abs_sums) -> jax.Array:
 
 
 def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
-                 site_error=None):
+                 site_error=None, names=()):
   """``({leaf: [B, *shape]}, [B] error or None)`` of one site from its
   ``dz = dL/dZ``; ``site_error``: ``[B]``, the bound of the rounding of
-  ``dz`` itself (a per-example site's), pulled back with it."""
+  ``dz`` itself (a per-example site's), pulled back with it; ``names``:
+  the site's leaves' names, for messages."""
   theta = [hx.vary_like(leaves[k], dz) for k in site.leaves]
   acc = jnp.promote_types(jnp.result_type(*theta), jnp.float32)
   _, vjp = jax.vjp(_slice_fn(site, inputs, fn, leaves, acc), *theta)
@@ -251,8 +252,9 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
   l, n, precision, (a, e), why = linear_bound.bound_and_flushed(
       vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct))
   if why:
-    raise ValueError(errors.GETTER_NOT_BOUNDED.format(
-        module=", ".join(str(k) for k in site.leaves), why=why))
+    raise ValueError(errors.PROGRAM_PREFIX_NOT_BOUNDED.format(
+        params=", ".join(repr(n) for n in names or site.leaves),
+        primitive=site.eqn.primitive.name, line=site.line, why=why))
   r = norm_bounds.dot_error(n, acc, precision)
   rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
   norms = norm_bounds.row_norms(rows)
@@ -451,7 +453,8 @@ def value_and_grad(traced: Callable, leaves: Sequence[Any],
       grads = {k: grads}
     else:
       grads, e = _per_example(s, inputs, fn, leaves, dz, upper_bound,
-                              None if da is None else _site_error(s, da))
+                              None if da is None else _site_error(s, da),
+                              [program.leaves[k] for k in s.leaves])
     for k, g in grads.items():
       per[k] = g if k not in per else per[k] + g
       if e is not None:  # (a bound of each part: their sum bounds the sum)
