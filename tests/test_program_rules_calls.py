@@ -505,3 +505,59 @@ def test_checkpoint_name_in_a_scanned_checkpoint_is_the_reference():
                                                                *batch)
     _close(got, testing.weighted_sum(f, testing.clip_reference(norms, c),
                                      params), 1e-9)
+
+
+def test_a_loop_carry_refuses_only_the_carried_parameter():
+  """A learned initial state (``z``, carried) with a weight the body closes
+  over (``a``, named first): the refusal names ``z``, the carried one (it
+  named ``a``, whose use in the body is covered, as "a loop carry or a
+  scanned input")."""
+  def net(p, x, y):
+    h0 = jnp.broadcast_to(p["z"], (x.shape[0], H))
+    h, _ = lax.scan(lambda h, xt: (jnp.tanh(xt @ p["a"] + h), None), h0,
+                    jnp.swapaxes(x, 0, 1))
+    return jnp.sum((h.sum(-1) - y) ** 2)
+  rng = np.random.default_rng(0)
+  params = {"a": jnp.asarray(rng.standard_normal((D, H)), jnp.float32),
+            "z": jnp.asarray(rng.standard_normal(H), jnp.float32)}
+  with pytest.raises(ValueError, match="No program-level rule") as e:
+    gf.value_grad_and_gram(net)(params, *_batch(jnp.float32))
+  assert "parameter 'z'" in str(e.value)
+  assert "loop carry or a scanned input" in str(e.value)
+
+
+def _carried_state_net(x, y):
+  """A Haiku RNN of bare weights closed over by the body and a bare
+  learned initial state ``z`` carried by the loop."""
+  w = lambda n, s: hk.get_parameter(n, s, x.dtype,
+                                    hk.initializers.RandomNormal())
+  wx, wh, z = w("wx", [D, H]), w("wh", [H, H]), w("z", [H])
+  h, _ = lax.scan(lambda h, xt: (jnp.tanh(xt @ wx + 0.5 * h @ wh), None),
+                  jnp.broadcast_to(z, (x.shape[0], H)),
+                  jnp.swapaxes(x / 1e2, 0, 1))
+  return jnp.sum((h.sum(-1) - y) ** 2)
+
+
+def test_the_constants_of_a_loop_with_a_carried_parameter_are_exact():
+  """With ``track(untracked="ignore")`` the carried ``z`` is left out
+  (``grams.complete`` False) and the weights the body closes over are
+  covered, their Grams the float64 reference's (there was no Gram: the
+  whole loop was refused)."""
+  def loss(x, y):
+    with gram_haiku.track(untracked="ignore"):
+      return _carried_state_net(x, y)
+  f = hk.transform_with_state(loss)
+  with jax.enable_x64(True), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    x, y = _batch(jnp.float64)
+    params, state = f.init(jax.random.PRNGKey(0), x, y)
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+        params, state, None, x, y)
+    assert not grams.complete and sorted(grams.by_layer) == ["~/wh", "~/wx"]
+    plain = hk.without_apply_rng(hk.transform(_carried_state_net))
+    g = jax.vmap(jax.grad(lambda p, a, b: plain.apply(p, a[None], b[None])),
+                 in_axes=(None, 0, 0))(params, x, y)
+    for k in ("wh", "wx"):
+      f_k = np.asarray(g["~"][k]).reshape(B, -1)
+      testing.assert_gram_close(grams.by_layer[f"~/{k}"], f_k @ f_k.T,
+                                "float64")

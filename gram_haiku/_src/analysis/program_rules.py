@@ -466,7 +466,8 @@ def _into_scan(ctx, eqn, ins) -> list:
   scanned slices count as data (a value that changes from step to step
   is no function of the parameters alone); a prefix value that is a
   carry or a scanned input (a learned initial state, per-step weights) is
-  refused, and so is one that leaves the loop.
+  refused (its leaves alone: the constants' uses are still followed), and
+  so is one that leaves the loop.
 
   Exact: the pass passes each site's ``Z`` into the loop as a constant
   (closed over by the replayed body, :func:`gram_haiku._src.compat.
@@ -481,7 +482,9 @@ def _into_scan(ctx, eqn, ins) -> list:
                        list(ins[n_consts:n_consts + n_carry]),
                        list(ins[n_consts + n_carry:]))
   if any(s.leaves for s in carry + xs):
-    return _refuse(ctx, eqn, ins, errors.PROGRAM_LOOP_CARRIED.format(
+    # (Only the carried leaves: the body is still followed for the
+    # constants, a carried value in it taken for the examples' values.)
+    _refuse(ctx, eqn, carry + xs, errors.PROGRAM_LOOP_CARRIED.format(
         primitive=eqn.primitive.name))
   # (A carry or scanned input that does not depend on the examples, a step
   # counter, stays one: Val.stepped, while the body keeps it one.)
