@@ -262,7 +262,7 @@ def pytest_cmdline_main(config):
   """Under ``-n`` without ``--dist``, xdist's worksteal scheduler: a worker
   that runs out of tests takes some of the other's queue instead of
   idling while the other finishes it (its gain was within this suite's
-  run-to-run noise on 2 cores, 2026-12-07; it cannot lengthen the run)."""
+  run-to-run noise on 2 cores, 2026-12-07)."""
   option = config.option
   if getattr(option, "numprocesses", None) and getattr(
       option, "dist", None) == "no":
