@@ -602,3 +602,22 @@ def test_tracked_layer_and_batch_statistic_in_aux_only():
   assert aux.shape == ()
   assert_gram_close(grams.by_layer["linear"],
                     reference_gram(g.apply, params, x, y))
+
+
+def test_a_bare_parameter_in_a_layer_stack_says_to_use_a_tracked_layer():
+  """A bare ``hk.get_parameter`` in an ``hk.layer_stack`` body is a stacked
+  parameter sliced per step, which the program-level rules do not follow:
+  the refusal says so and names the fix (a tracked layer), where it
+  suggested ``untracked='error'`` to a model already under it."""
+  def loss(x):
+    with gram_haiku.track(untracked="error"):
+      def body(h):
+        s = hk.get_parameter("s", [3], init=jnp.ones)
+        return jnp.tanh(hk.Linear(3)(h) * s)
+      return jnp.sum(hk.layer_stack(2)(body)(x) ** 2)
+  f = hk.transform_with_state(loss)
+  x = jnp.ones((4, 3))
+  params, state = f.init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"(?s)'~/s'.*hk\.layer_stack.*"
+                     r"read it through a tracked layer"):
+    gram_haiku.value_grad_and_gram(f.apply)(params, state, None, x)

@@ -185,7 +185,12 @@ UNTRACKED_PARAM = (
     "it out (grams.complete is False; grams.coverage lists it).\n"
     "What to do: use a supported layer, write a rule for this module "
     "(gram_haiku.Rule + gram_haiku.register_layer), or choose "
-    "track(untracked='ignore' | 'error').")
+    "track(untracked='ignore' | 'warn' | 'error'). A bare "
+    "hk.get_parameter is covered where the program-level rules can follow "
+    "its use (the 'Plain JAX and Flax' docs page lists them), not as a "
+    "stacked parameter sliced per step (hk.layer_stack, or hk.scan over "
+    "stacked parameters): read it through a tracked layer there (hk.Bias, "
+    "hk.Linear, ...).")
 
 BARE_UNCOVERED = (
     "gram_haiku.functional: parameter '{param}' of the plain-JAX loss has "
