@@ -124,15 +124,24 @@ def _problem(kind, rng, b, t, offset, dtype):
   return body, x, v
 
 
-def _reference(kind, body, params, x, v) -> np.ndarray:
-  """``F``: the float64 per-example gradients of ``sum(body(x) * v)``."""
+def _float64_grads(fn, params, *batch, state=None) -> np.ndarray:
+  """``F``: the float64 per-example gradients of the untracked Haiku loss
+  ``fn(*batch)`` at ``params`` (and ``state``), float parameters and
+  inputs cast to float64, integer inputs (ids) kept."""
   with jax.enable_x64(True):
-    plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
+    plain = hk.transform_with_state(fn)
     p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    xs = x if kind == "embed" else np.asarray(x, np.float64)
+    ex = [np.asarray(a, np.float64) if jnp.issubdtype(jnp.result_type(a),
+                                                      jnp.floating)
+          else np.asarray(a) for a in batch]
     return np.asarray(per_example_grads(
-        lambda p, x, v: plain.apply(p, None, x, v), p64, xs,
-        np.asarray(v, np.float64)), np.float64)
+        lambda p, *ex: plain.apply(p, state or {}, None, *ex)[0], p64, *ex),
+                      np.float64)
+
+
+def _reference(body, params, x, v) -> np.ndarray:
+  """``F``: the float64 per-example gradients of ``sum(body(x) * v)``."""
+  return _float64_grads(lambda x, v: jnp.sum(body(x) * v), params, x, v)
 
 
 def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
@@ -152,7 +161,7 @@ def _contributions(kind, clipping, clip_fn, b=4, t=3, offset=1e4,
   step = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping,
                                          clip_fn=clip_fn))
   _, aux = step(params, state, None, x, v)
-  ref = _reference(kind, body, params, x, v)
+  ref = _reference(body, params, x, v)
   true = np.linalg.norm(ref, axis=1)
   (weights,) = aux.weights.values()  # One layer: C_l = C per layer too.
   return (np.asarray(weights, np.float64) * true / C,
@@ -211,13 +220,8 @@ def test_a_tied_use_that_cancels_the_layers_part_is_clipped(clipping):
   params, state = f.init(jax.random.PRNGKey(1), ids, v, w)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping))(
       params, state, None, ids, v, w)
-  with jax.enable_x64(True):
-    plain = hk.transform(_tied_cancelling)
-    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    ref = np.asarray(per_example_grads(
-        lambda p, *ex: plain.apply(p, None, *ex), p64, ids,
-        np.asarray(v, np.float64), np.asarray(w, np.float64)), np.float64)
-  true = np.linalg.norm(ref, axis=1)
+  true = np.linalg.norm(_float64_grads(_tied_cancelling, params, ids, v, w),
+                        axis=1)
   bounds = np.asarray(aux.grad_norms, np.float64)
   assert true[0] < 1e-3 * true[1:].min()  # (it does cancel)
   assert np.all(bounds >= true * (1 - 1e-9)), (bounds, true)
@@ -260,12 +264,7 @@ def test_a_shared_module_whose_two_calls_cancel_is_clipped_per_layer():
       return _shared_cancelling(*batch)
   f = hk.transform_with_state(loss_fn)
   params, state = f.init(jax.random.PRNGKey(1), *batch)
-  with jax.enable_x64(True):
-    plain = hk.transform(_shared_cancelling)
-    p64 = jax.tree.map(lambda l: np.asarray(l, np.float64), params)
-    flat = np.asarray(per_example_grads(
-        lambda p, *ex: plain.apply(p, None, *ex), p64,
-        *(np.asarray(t, np.float64) for t in batch)), np.float64)
+  flat = _float64_grads(_shared_cancelling, params, *batch)
   ref = {m: flat[:, cols] for m, cols in column_groups(params).items()}
   true = {m: np.linalg.norm(g, axis=1) for m, g in ref.items()}
   one_call = np.linalg.norm(xp[0]) * np.linalg.norm(v[0])
@@ -429,7 +428,7 @@ def test_a_cancelling_example_through_a_getter_is_clipped(getter):
     return jnp.sum(out * v)
   f = hk.transform_with_state(loss_fn)
   params, state = f.init(jax.random.PRNGKey(1), x, v)
-  ref = _reference("linear", body, params, x, v)
+  ref = _reference(body, params, x, v)
   true = np.linalg.norm(ref, axis=1)
   for clipping, clip_fn in [("all-layer", "abadi"), ("per-layer",
                                                      "automatic")]:
@@ -517,14 +516,9 @@ def test_cotangents_near_underflow_keep_every_layers_bound_sound(name):
     params, state = f.init(jax.random.PRNGKey(1), x)
     _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e-30))(
         params, state, None, x)
-    with jax.enable_x64(True):
-      plain = hk.transform_with_state(
-          lambda x: layer_zoo._tail(entry.fn(x)))  # pylint: disable=protected-access
-      p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-      x64 = np.asarray(x) if entry.ids else np.asarray(x, np.float64)
-      ref = np.asarray(per_example_grads(
-          lambda p, x: plain.apply(p, state, None, x)[0], p64, x64)) * scale
-    true = np.linalg.norm(ref, axis=1)
+    ref = _float64_grads(lambda x: layer_zoo._tail(entry.fn(x)), params, x,  # pylint: disable=protected-access
+                         state=state)
+    true = np.linalg.norm(ref, axis=1) * scale
     bounds = np.asarray(aux.grad_norms, np.float64)
     assert np.all(true > 0) and np.all(bounds >= true), (scale, bounds, true)
 
@@ -545,13 +539,7 @@ def test_a_standardised_layer_with_cotangents_near_underflow_is_bounded(
     params, state = f.init(jax.random.PRNGKey(0), x, v)
     _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e-30))(
         params, state, None, x, v)
-    with jax.enable_x64(True):
-      plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
-      p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-      ref = np.asarray(per_example_grads(
-          lambda p, *ex: plain.apply(p, None, *ex), p64,
-          np.asarray(x, np.float64), np.asarray(v, np.float64)))
-    true = np.linalg.norm(ref, axis=1)
+    true = np.linalg.norm(_reference(body, params, x, v), axis=1)
     bounds = np.asarray(aux.grad_norms, np.float64)
     assert np.all(true > 0) and np.all(bounds >= true), (scale, bounds, true)
     assert np.all(bounds < 1e-15), bounds
@@ -588,7 +576,7 @@ def test_a_standardised_layer_whose_gradient_cancels_is_clipped(
   x = (rng.normal(size=(b, t, 1)) * scale +
        rng.normal(size=(b, t, 1)) * scale * w_hat[:, 0] +
        rng.normal(size=(b, t, n))).astype(np.float32)
-  true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, float(np.median(true))))(
       params, state, None, x, v)
   jax.effects_barrier()
@@ -846,7 +834,7 @@ def test_input_a_conv_never_reads_leaves_its_bound_finite(clipping):
   params, state = f.init(jax.random.PRNGKey(1), np.nan_to_num(x), v)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, C, clipping=clipping))(
       params, state, None, x, v)
-  true = np.linalg.norm(_reference("conv", body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   assert np.all(np.isfinite(true))
   assert_sound_norms(np.asarray(aux.grad_norms, np.float64), true)
 
@@ -1003,7 +991,7 @@ def test_the_reported_gram_is_the_best_estimate_where_ghost_cancels(kind,
   params, state = f.init(jax.random.PRNGKey(1), x, v)
   _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
       params, state, None, x, v)
-  ref = _reference(kind, body, params, x, v)
+  ref = _reference(body, params, x, v)
   want = ref @ ref.T
   if mode == "norms":
     np.testing.assert_allclose(grams.sq_norms, np.diag(want), rtol=1e-4)
@@ -1115,7 +1103,7 @@ def test_a_bfloat16_standardised_kernel_is_bounded_at_its_own_scales(
     x = x + rng.normal(size=(b, t, 1)) * offset * w_hat[:, k]
   x = jnp.asarray(x + rng.normal(size=(b, t, n)) * noise, jnp.bfloat16)
   v = jnp.asarray(rng.normal(size=(b, t, m)), jnp.bfloat16)
-  true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   c = float(np.median(true))
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
       params, state, None, x, v)
@@ -1162,7 +1150,7 @@ def test_a_standardised_bound_keeps_its_corrections_lower_bound(
            rng.normal(size=(b, t, 1)) * scale * w_hat[:, 0] +
            rng.normal(size=(b, t, n))).astype(np.float32)
       v = rng.normal(size=(b, t, 1)).astype(np.float32)
-      true = np.linalg.norm(_reference("linear", body, p, x, v), axis=1)
+      true = np.linalg.norm(_reference(body, p, x, v), axis=1)
       _, aux = step(p, state, None, x, v)
       norms = np.asarray(aux.grad_norms, np.float64)
       assert np.all(norms >= true), (seed, scale, norms / true)
@@ -1198,7 +1186,7 @@ def test_a_standardised_kernel_far_from_zero_mean_is_clipped(eps, strategy):
   params, state = f.init(jax.random.PRNGKey(0), x, v)
   params = {"layer": {"w": (rng.normal(size=(n, m)) * 0.25 + 1e5).astype(
       np.float32)}}
-  true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
       params, state, None, x, v)
   norms = np.asarray(aux.grad_norms, np.float64)
@@ -1329,7 +1317,7 @@ def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
   params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
       params, state, None, x, v)
-  true = np.linalg.norm(_reference(kind, body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   assert true[0] > 0.01  # the example the bound must catch
   got = np.asarray(aux.grad_norms, np.float64)
   assert np.all(got >= true), got / true
@@ -1390,7 +1378,7 @@ def test_a_getter_whose_vjp_underflows_keeps_a_sound_bound(name):
       return jnp.sum(body(x) * v)
   f = hk.transform_with_state(loss_fn)
   params, state = f.init(jax.random.PRNGKey(1), x, v)
-  true = np.linalg.norm(_reference("linear", body, params, x, v), axis=1)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
   c = float(np.min(true)) / 10
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, c))(
       params, state, None, x, v)
