@@ -431,11 +431,15 @@ def _abs_tap_bwd(_, d):
 abs_tap.defvjp(_abs_tap_fwd, _abs_tap_bwd)
 
 
+#: The names of ``jax.jit``'s call primitive across the supported releases.
+JIT_NAMES = ("pjit", "jit")
+
+
 def jit_body(eqn: Any) -> Optional[tuple]:
   """``(body, consts)``: the program a ``jit`` call ``eqn`` runs (an open
   jaxpr) and its constants' values by variable; None for any other
   equation."""
-  if eqn.primitive.name not in ("pjit", "jit"):
+  if eqn.primitive.name not in JIT_NAMES:
     return None
   closed = eqn.params.get("jaxpr")
   if closed is None:
@@ -461,7 +465,7 @@ def call_bodies(eqn: Any) -> Optional[list]:
   other equation (a custom derivative's: its rule, not its body, is what
   differentiation runs)."""
   name = eqn.primitive.name
-  if name in ("pjit", "jit"):
+  if name in JIT_NAMES:
     call = jit_body(eqn)
     if call is None:
       return None
@@ -487,7 +491,7 @@ def call_bodies(eqn: Any) -> Optional[list]:
 #: operands (a ``jit`` call, a checkpoint: their derivative is that
 #: program's), by primitive name: a value that one of them returns can be
 #: computed by its program's equations alone (:func:`inline_body`).
-INLINE_CALLS = frozenset(("pjit", "jit", *REMAT_NAMES))
+INLINE_CALLS = frozenset((*JIT_NAMES, *REMAT_NAMES))
 
 
 def inline_body(eqn: Any) -> Optional[tuple]:
@@ -636,8 +640,8 @@ def _eval_varying(eqns: list, constvars: list, consts: list, invars: list,
     axes = frozenset().union(*(varying_axes(x) for x in ins))
     if axes:
       ins = [vary_like(jnp.asarray(x), *ins) for x in ins]
-    inner = eqn.params.get("jaxpr") if eqn.primitive.name in (
-        "pjit", "jit") else None
+    inner = (eqn.params.get("jaxpr") if eqn.primitive.name in JIT_NAMES
+             else None)
     if (axes and inner is None and jaxprs_of(eqn) and
         path + (id(eqn),) not in into):
       # A custom derivative's rule was traced for replicated operands. (A
