@@ -231,3 +231,14 @@ def test_a_traced_batch_axis_needs_as_many_examples_in_x2():
                      "axis 0.*x1 has 3 examples and x2 2"):
     gram_haiku.empirical_ntk(tracked.apply, trace_axes=(0, -1))(
         params, state, x1, x2)
+
+
+def test_an_x2_of_another_dtype_is_refused():
+  """``x2`` is appended to ``x1``: a bfloat16 ``x2`` next to a float32
+  ``x1`` (or the other way) would promote one of them, a kernel of another
+  model; it is refused, naming both dtypes."""
+  tracked, _, params, state, x1, x2 = _problem("mlp", dtype=jnp.float32)
+  ntk = gram_haiku.empirical_ntk(tracked.apply)
+  with pytest.raises(ValueError, match=r"x2 must have x1's structure and "
+                     r"dtypes.*float32.*bfloat16"):
+    ntk(params, state, x1, x2.astype(jnp.bfloat16))

@@ -124,9 +124,10 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
   Raises:
     ValueError: for axes outside ``f(x)``'s rank, repeated or both traced
       and diagonal; for a diagonal or traced batch axis with
-      ``N1 != N2``; and when
-      some trainable parameter is not covered by a Gram rule (its part of
-      the kernel would be missing): the message lists them.
+      ``N1 != N2``; for an ``x2`` of another structure or dtypes than
+      ``x1``'s; and when some trainable parameter is not covered by a Gram
+      rule (its part of the kernel would be missing): the message lists
+      them.
   """
   def ntk_fn(params, state, x1, x2=None, rng=None):
     n1 = _examples(x1, "x1")
@@ -142,6 +143,14 @@ def empirical_ntk(apply_fn: Callable[..., Any], *,
           what="trace_axes and diagonal_axes", axes=(trace, diagonal),
           ndim=ndim))
     n2 = n1 if x2 is None else _examples(x2, "x2")
+    if x2 is not None:
+      kinds = [[(jnp.result_type(a), jnp.shape(a)[1:])
+                for a in jax.tree.leaves(x)] for x in (x1, x2)]
+      if (jax.tree.structure(x1) != jax.tree.structure(x2)
+          or [k[0] for k in kinds[0]] != [k[0] for k in kinds[1]]):
+        raise ValueError(errors.NTK_X2_MISMATCH.format(
+            x1=[f"{d}{list(s)}" for d, s in kinds[0]],
+            x2=[f"{d}{list(s)}" for d, s in kinds[1]]))
     for what, axes in (("diagonal_axes", diagonal), ("trace_axes", trace)):
       if 0 in axes and n1 != n2:  # (pairs example i of x1 with i of x2)
         raise ValueError(errors.NTK_PAIRED_BATCH.format(what=what, n1=n1,

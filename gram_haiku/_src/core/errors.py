@@ -1047,6 +1047,14 @@ NTK_BAD_BATCH = (
     "What to do: pass the inputs as arrays (or a pytree of arrays) whose "
     "axis 0 is the examples, one size for all of them.")
 
+NTK_X2_MISMATCH = (
+    "gram_haiku.empirical_ntk: x2 must have x1's structure and dtypes (it "
+    "is appended to x1 and runs through the model with it); got x1 leaves "
+    "{x1} and x2 leaves {x2}. A float32 x2 would promote a bfloat16 x1, a "
+    "kernel of another model than the one at x1.\n"
+    "What to do: cast x2 to x1's dtypes (jax.tree.map(lambda b, a: "
+    "b.astype(a.dtype), x2, x1)).")
+
 NTK_UNTRACKED = (
     "gram_haiku.empirical_ntk: the parameters {names} are read outside every "
     "tracked layer, so their part of each output's gradient, and of the "
