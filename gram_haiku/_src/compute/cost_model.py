@@ -75,9 +75,19 @@ PALLAS_GHOST_GRAM = ("tpu",)
 #: than as XLA's patch products (``conv.probe_cotangent_and_grads``), for
 #: the layers of :func:`pallas_conv_grads_platforms`. Elsewhere Pallas
 #: runs only in interpret mode (the tests put ``"cpu"`` here).
-PALLAS_CONV_GRADS = ("tpu",)
+#:
+#: Empty: no platform takes it by default. Per layer it was faster (below),
+#: but in the whole WRN-16-4 step it was slower. One TPU v5e chip,
+#: 2026-12-07, jax 0.10.2, ``python -m benchmarks --suite real --scale full
+#: --model wrn --timer device`` with and without ``--no_pallas``: the
+#: all-layer ``clipped_grad`` took 28.3 / 66.1 ms (B = 128 / 256) with the
+#: kernel on its three 64-channel layers against 23.7 / 56.7 ms on the patch
+#: path, and ``value_grad_and_gram`` (B = 256) 78.7 against 67.9 ms
+#: (``benchmarks/results/real_tpu_wrn_pallas.json``). Put ``"tpu"`` here to
+#: take it in the scope below.
+PALLAS_CONV_GRADS: tuple[str, ...] = ()
 
-#: The layers the kernel was measured faster on. One TPU v5e chip,
+#: The layers the kernel was measured faster on, alone. One TPU v5e chip,
 #: 2026-12-07, jax 0.10.2, ``python -m benchmarks.conv_kernels --model
 #: wrn --batch_size 256`` (device time, float32, ``HIGHEST``; the kernel's
 #: ``"window_t"`` form, :data:`pallas_conv.DEFAULT_FORM`), against XLA's
