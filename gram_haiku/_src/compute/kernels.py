@@ -898,6 +898,23 @@ def run_if(pred: jax.Array, fn, otherwise: jax.Array,
   return lax.fori_loop(0, pred.astype(jnp.int32), body, otherwise)
 
 
+
+def loose_fallback(loose: jax.Array, fn, bound: jax.Array,
+                   operands: tuple = ()) -> jax.Array:
+  """Each example's bound: ``fn(*operands)`` (a tighter fallback, ``[B]``)
+  where ``loose: bool[B]``, else its ``bound: [B]``; ``fn`` runs (by
+  :func:`run_if`) only where some example is loose.
+
+  Per example, never for the whole batch: an example's clip factor must
+  depend on that example alone. A batch-wide switch let one example whose
+  ghost norm cancels change every other example's bound (from its ghost
+  bound, up to ``sqrt(1 + LOOSE)`` above its norm, to the tighter
+  fallback), so adding it moved the clipped sum by more than ``C`` (up to
+  1.86 C with 31 other examples; ``tests/test_clip_bound.py``)."""
+  def pick(loose_, bound_, *ops):
+    return jnp.where(loose_, fn(*ops).astype(bound_.dtype), bound_)
+  return run_if(jnp.any(loose), pick, bound, (loose, bound, *operands))
+
 #: The memory a fallback from cancelling ghost norms to materialised ones
 #: forms at once (blocks of examples): it runs rarely, so it is kept small,
 #: since XLA reserves a conditional branch's memory whether or not it runs.
@@ -946,9 +963,9 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   else:
     bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
     # The fallback (rare: cancelling examples) in small blocks.
-    out = run_if(jnp.any(loose), functools.partial(
+    out = loose_fallback(loose, functools.partial(
         materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), bound,
-                 (x, d))
+                         (x, d))
   # Intermediates flushed to zero (norm_bounds' docstring: underflow);
   # an overflow met by a flushed zero (inf * 0) is an inf bound, not NaN,
   # where the example's inputs and cotangents are finite.

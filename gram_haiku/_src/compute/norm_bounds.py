@@ -43,11 +43,13 @@ cotangent) is formed in two levels, chunks of about ``sqrt(M)`` features
 summed in a loop (:func:`kernel`), and its ``e_M`` is then
 :func:`kernel_error`'s, about ``2 sqrt(M) u`` instead of ``M u``.
 
-A kernel asked for bounds (``KernelConfig.upper_bound``) returns (G) where
-it is tight (its slack below :data:`LOOSE` of the value for every example
-of the block) and otherwise, at run time, forms the materialised
-per-example gradients and (M) (a loop of zero or one rounds,
-:func:`gram_haiku._src.compute.kernels.run_if`). Kept per-example gradients carry
+A kernel asked for bounds (``KernelConfig.upper_bound``) returns, for
+each example, (G) where it is tight (its slack below :data:`LOOSE` of the
+value) and otherwise (M), from the materialised per-example gradients
+formed at run time where some example needs them (a loop of zero or one
+rounds, :func:`gram_haiku._src.compute.kernels.loose_fallback`): the
+choice is the example's own, so that no example changes another's clip
+factor. Kept per-example gradients carry
 (M)'s ``e_T tri`` term in a column of their own
 (``Rule.per_example_error``). Every clip factor of
 :func:`gram_haiku.clipped_grad` is computed from such a bound; the Grams
@@ -99,9 +101,9 @@ import numpy as np
 from gram_haiku._src.compute import cost_model
 
 #: A ghost bound whose slack exceeds this fraction of the value is loose:
-#: the kernel then forms the materialised bound instead (its norm is then
-#: at most ``sqrt(1 + LOOSE)``, about 3%, above the truth; tighter bounds
-#: than the worst case would switch less often).
+#: the kernel then forms the materialised bound for that example (a ghost
+#: bound kept is at most ``sqrt(1 + LOOSE)``, about 3%, above the norm;
+#: tighter bounds than the worst case would switch less often).
 LOOSE = 2.0 ** -4
 
 

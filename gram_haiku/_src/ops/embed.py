@@ -485,7 +485,7 @@ def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
   acc = d.dtype
   tri = _triangle(key, weight, d)
 
-  def segment():
+  def segment(key, weight, d, tri):
     _, uweight, rows = segment_rows(key, weight, d)
     value = norm_bounds.sum_of_squares(
         rows * jnp.sqrt(uweight.astype(acc))[:, :, None])
@@ -494,11 +494,12 @@ def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
         lax.Precision.HIGHEST)
 
   if method != "ghost":
-    out = segment()
+    out = segment(key, weight, d, tri)
   else:
     bound, loose = norm_bounds.ghost(ghost_sq_norms(key, weight, d, cfg),
                                      _ghost_slack(key, weight, d, cfg))
-    out = lax.cond(jnp.any(loose), segment, lambda: bound)
+    # (The loose examples' segment bounds only: see kernels.loose_fallback.)
+    out = kernels.loose_fallback(loose, segment, bound, (key, weight, d, tri))
   # Intermediates flushed to zero (norm_bounds' docstring: underflow): the
   # squares of a gradient below sqrt(tiny) flush, and with them the bound
   # (it was 0 for cotangents near 1e-36). The key matches are exact, so

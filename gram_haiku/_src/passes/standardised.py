@@ -42,7 +42,8 @@ the leading term), the kernel's per-example gradients are formed from the
 factors in small blocks and pulled back by the Jacobian in closed form,
 with its rounding bound (:func:`per_example_bound`; the getter's own VJP
 would round in the kernel's dtype, ``2^-9 |f_i|`` in bfloat16, swamping
-``|g_i|``), at run time (:func:`gram_haiku._src.compute.kernels.run_if`).
+``|g_i|``), at run time, for the examples whose bound is loose
+(:func:`gram_haiku._src.compute.kernels.loose_fallback`).
 ``w_hat`` and ``s`` are evaluated in the accumulation dtype from the kernel
 itself (``Standardised.fn(..., dtype=)``), not taken from the operand.
 
@@ -291,7 +292,7 @@ def read(op, pb, x, d, params, leaves: Sequence[Any], want: str,
       mine[k] = t
     return _exact(op, pb, x_, d_, params, mine, "norms", True, skip,
                   None, closed=True).astype(bound.dtype)
-  return kernels.run_if(jnp.any(loose), exact, bound, operands_)
+  return kernels.loose_fallback(loose, exact, bound, operands_)
 
 
 def _bound(op, x, dd, big_d, w_hat, a, b, q, sigma, lead, with_bias,
