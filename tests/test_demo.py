@@ -153,6 +153,24 @@ def test_dp_demo_runs_private_training(tmp_path, capsys):
   # The accountant spends the calibrated budget by the last step.
   assert summary["epsilon_spent"] == pytest.approx(8.0, rel=0.05)
   assert summary["noise_multiplier"] > 0
+  # The noise and the epsilon against dp_accounting directly: std z C / B
+  # (B the expected batch size, normalize_by), and Poisson sampling at
+  # q = B / n truncated to the padded size, add-or-remove neighbours, for
+  # every step taken; the demo's coarse PLD interval may only overstate.
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+  z, n, b = summary["noise_multiplier"], 1437, 128
+  assert summary["noise_stddev"] == pytest.approx(
+      z * summary["clip_norm"] / b, rel=1e-12)
+  pld = dp_accounting.pld.PLDAccountant(
+      dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+      value_discretization_interval=1e-4)
+  pld.compose(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+      dataset_size=n, sampling_probability=b / n,
+      truncated_batch_size=int(b + 4 * np.sqrt(b) + 1), noise_multiplier=z),
+              24)
+  fine = pld.get_epsilon(1e-5)
+  assert fine <= summary["epsilon_spent"] <= fine * 1.01, fine
+  assert summary["epsilon_spent"] <= 8.0
   eps = [r["epsilon"] for r in summary["curve"]]
   assert eps == sorted(eps) and eps[0] == 0.0 and len(eps) >= 3
   # C: the median norm over the held-out examples at initialisation, as

@@ -162,8 +162,9 @@ def run_dp_demo(cfg: DPDemoConfig) -> dict[str, Any]:
   max_batch = int(cfg.expected_batch_size +
                   4 * np.sqrt(cfg.expected_batch_size) + 1)
   # The PLD accountant discretises pessimistically: a coarser interval
-  # only overstates epsilon (here by < 1e-4 relative), and calibrates in
-  # about a second instead of a minute and a half.
+  # only overstates epsilon (at the defaults, 300 steps: 2.987 against
+  # 2.971 at an interval of 1e-4, 0.5% relative), and calibrates in about
+  # a second instead of a minute and a half.
   accountant = accounting.DpsgdTrainingAccountant(
       dp_accountant_config=accounting.PldAccountantConfig(
           value_discretization_interval=1e-2))

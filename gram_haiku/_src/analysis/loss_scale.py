@@ -2,8 +2,12 @@
 
 :func:`gram_haiku.clipped_grad` clips the gradient of each example's
 contribution to the loss: with ``sum_i l_i`` that is ``g_i``; with a mean,
-``g_i / B``, so the clip norm ``C`` acts as ``B C`` on the real gradients and
-the privacy accounting is off by that factor. :func:`gram_haiku.verify`
+``g_i / B``, so the clip norm ``C`` acts as ``B C`` on the real gradients
+(fewer examples clipped, the sum ``B`` times smaller: not jax-privacy's
+result). Each example still moves the clipped sum by at most ``C`` while
+``B`` is a constant (the sensitivity and the accounting hold); a divisor
+computed from the batch (its count of real examples) couples the examples
+and is refused by the pass. :func:`gram_haiku.verify`
 tells the two apart numerically; here the program that
 :func:`gram_haiku.value_grad_and_gram`'s discovery pass has traced anyway
 is read, at no extra cost, for the common spelling of a mean: the loss is a

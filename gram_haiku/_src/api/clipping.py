@@ -20,9 +20,11 @@ Clip functions: ``"abadi"``: ``c_i = min(1, C / |g_i|)``; ``"automatic"``:
 differentially private deep learning made easier and stronger"). Either way
 ``|c_i g_i| <= C``.
 
-Formal guarantees: for batches that differ in one example, the clipped sum
-moves by at most ``C`` (``sqrt(sum_l C_l^2)`` per-layer) before
-``normalize_by``, in floating point: every clip factor is computed from a
+Formal guarantees: for batches that differ in one example added or removed
+(or replaced by one that contributes nothing), the clipped sum moves by at
+most ``C`` (``sqrt(sum_l C_l^2)`` per-layer) before ``normalize_by``, in
+floating point (``2 C`` for one replaced by another: jax-privacy's
+``sensitivity(REPLACE_ONE)``): every clip factor is computed from a
 sound upper bound of the example's norm (:mod:`gram_haiku._src.compute.norm_bounds`:
 ghost norms cancel in float32), and an example whose norm is not finite
 gets weight 0 with its rows masked (jax-privacy's ``nan_safe``).
