@@ -1394,7 +1394,8 @@ def _offset_examples(kind, rng, t, n):
   example whose gradient of ``sum(body(inputs) * v)`` does not depend on
   the offset ``o`` while its ghost norm cancels by about ``o^2``: a linear
   layer's inputs ``o a + e_t`` with cotangents summing to 0 over the
-  positions, or one key looked up at every position with cotangents
+  positions (a ``Linear``, or a ``Conv1D`` of one tap, whose patches are
+  its inputs), or one key looked up at every position with cotangents
   ``o s_t a + e_t`` (``sum_t s_t = 0``)."""
   if kind == "embed":
     a, e = rng.normal(size=n), rng.normal(size=(t, n))
@@ -1406,12 +1407,16 @@ def _offset_examples(kind, rng, t, n):
   a, e, v = rng.normal(size=n), rng.normal(size=(t, n)), rng.normal(
       size=(t, m))
   v = (v - v.mean(0)).astype(np.float32)
-  body = lambda x: hk.Linear(m, with_bias=False, name="layer")(x)
+  if kind == "conv":
+    body = lambda x: hk.Conv1D(m, 1, with_bias=False, name="layer")(x)
+  else:
+    body = lambda x: hk.Linear(m, with_bias=False, name="layer")(x)
   return body, lambda o: ((o * a + e).astype(np.float32), v)
 
 
 @pytest.mark.parametrize("kind,strategy,n", [
-    ("linear", "ghost", 8), ("linear", "auto", 64), ("embed", "ghost", 6)])
+    ("linear", "ghost", 8), ("linear", "auto", 64), ("conv", "ghost", 8),
+    ("embed", "ghost", 6)])
 def test_a_loose_example_leaves_the_others_clip_factors_alone(kind, strategy,
                                                                n):
   """Adding one example moves the clipped sum by at most ``C``, also where
@@ -1422,7 +1427,9 @@ def test_a_loose_example_leaves_the_others_clip_factors_alone(kind, strategy,
   allowed) was clipped up to 3% less with the adversary in the batch; with
   31 such examples the sum moved by up to 1.50 C (a linear layer,
   ``strategy="ghost"``), 1.66 C (``"auto"`` choosing the ghost norm, 64
-  inputs), 1.86 C (an embedding); 0.994 C at most now. Measured in float64: ``|sum_i (c'_i - c_i) g_i|``, the clip
+  inputs), 1.86 C (an embedding); 0.994 C at most now (the convolution's
+  ghost norms are the linear map's). Measured in float64:
+  ``|sum_i (c'_i - c_i) g_i|``, the clip
   factors of the two batches applied to the reference ``g_i``, for others
   at every offset between tight and loose. The removed example's row is
   padding holding another example's data, as a padded batch does."""
