@@ -104,9 +104,12 @@ def test_haiku_private_attributes_exist():
         a))(x)[0]
     w = hk.get_parameter("w", (3,), init=jnp.ones)
     seen["stored"] = [p is w for p in hkc.stored_parameters("~")]
+    s = hk.get_state("s", (2,), init=jnp.ones)
+    seen["state"] = (hkc.stored_state("s") is s, hkc.stored_state("t"))
     return x
-  hk.transform(f).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
+  hk.transform_with_state(f).init(jax.random.PRNGKey(0), jnp.ones((2, 4)))
   assert seen["lifted"] and seen["stored"] == [True]
+  assert seen["state"] == (True, None)
   assert seen["param_axis"] is False
   assert seen["inside"] and seen["frame"]
   assert tuple(seen["group_shape"])[-2:] == (2, 2)

@@ -10,6 +10,8 @@ its ``HIGHEST``).
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
+import jmp
 import numpy as np
 import pytest
 from jax import lax
@@ -17,6 +19,7 @@ from jax import lax
 import gram_haiku
 from gram_haiku._src.compute import plan as plan_lib
 from gram_haiku._src.core.reference import assert_gram_close
+from gram_haiku._src.core.reference import reference_gram
 from tests import layer_zoo
 
 # Entries whose plain model has no Gram kernel of its own to check (their
@@ -119,3 +122,52 @@ def test_the_precision_is_in_the_plan_and_the_jaxpr():
 def test_a_bad_precision_is_a_clear_error(bad):
   with pytest.raises(ValueError, match=r"track\(gram_precision=.*highest"):
     gram_haiku.track(gram_precision=bad)
+
+
+@pytest.mark.parametrize("compute,scale", [("bfloat16", 1.0),
+                                           ("float16", 1.0),
+                                           ("float16", 40.0)])
+def test_a_mixed_precision_policy_keeps_the_gram_in_float32(compute, scale):
+  """A jmp policy (float32 parameters, ``compute`` inside ``hk.Linear``)
+  casts the module's state as well as its parameters (Haiku's policy
+  getter takes ``state=True``), so a probe read through it was
+  ``compute``-typed and the Gram rounded to it: 2^-9 relative in bfloat16,
+  inf for float16 entries over 65504 (``scale=40``: a diagonal of about
+  1e6). With inputs and cotangents representable in ``compute`` and a
+  loss linear in the layer's output, the model as run computes exactly the
+  float64 model's ``x`` and ``d``, so the Gram is float32-exact against
+  the float64 ``F F^T``."""
+  dtype = jnp.dtype(compute)
+  rng = np.random.RandomState(0)
+  x = np.asarray(jnp.asarray(rng.normal(size=(4, 3, 6)) * scale,
+                             dtype).astype(jnp.float32))
+  v = np.asarray(jnp.asarray(rng.normal(size=(4, 3, 5)) * scale,
+                             dtype).astype(jnp.float32))
+
+  def body(x, v):
+    return jnp.sum(hk.Linear(5, name="layer")(x) * v)
+
+  def loss_fn(x, v):
+    hk.mixed_precision.set_policy(hk.Linear, jmp.Policy(
+        jnp.float32, dtype, jnp.float32))
+    try:
+      with gram_haiku.track():
+        return body(x, v)
+    finally:
+      hk.mixed_precision.clear_policy(hk.Linear)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  # Parameters representable in `compute`: the cast leaves them unchanged.
+  params = jax.tree.map(lambda a: a.astype(dtype).astype(jnp.float32),
+                        params)
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, v)
+  with jax.enable_x64(True):
+    plain = hk.transform(body)
+    ref = np.asarray(reference_gram(
+        lambda p, x, v: plain.apply(p, None, x, v),
+        jax.tree.map(lambda a: np.asarray(a, np.float64), params),
+        np.asarray(x, np.float64), np.asarray(v, np.float64)), np.float64)
+  assert grams.total.dtype == jnp.float32
+  assert np.all(np.isfinite(np.asarray(grams.total))), grams.total
+  assert_gram_close(grams.total, ref)

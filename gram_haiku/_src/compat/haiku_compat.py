@@ -26,6 +26,7 @@ __all__ = [
     "outermost_frame",
     "outermost_frame_id",
     "stored_parameters",
+    "stored_state",
     "inside_transform",
     "innermost_transform_is_pure",
     "is_pure_apply",
@@ -74,6 +75,14 @@ def stored_parameters(module_name: str) -> list:
   """The values Haiku holds for module ``module_name``'s parameters in the
   current frame: what ``hk.get_parameter`` hands to the custom getters."""
   return list(_base.current_frame().params.get(module_name, {}).values())
+
+
+def stored_state(name: str) -> Any:
+  """The value Haiku holds for the current module's state entry ``name``
+  in the current frame (None where there is none): what ``hk.get_state``
+  hands to the custom state getters, before any of them changes it."""
+  entry = _base.current_frame().state[_base.current_name()].get(name)
+  return None if entry is None else entry.current
 
 
 def inside_transform() -> bool:

@@ -20,6 +20,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src.compat import haiku_compat as hkc
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.ops import adapter
 
@@ -28,6 +29,19 @@ PROBE_NAME = "gram_probe"
 #: The slot counter of a slotted probe (only during a
 #: ``value_grad_and_gram`` pass, which adds and removes it).
 SLOT_NAME = "gram_slot"
+
+
+def _read(shape=None, dtype=None, init=None):
+  """The current module's probe as its state holds it (created by
+  ``hk.get_state`` where absent): the custom state getters are not applied.
+  A mixed-precision policy's getter (``hk.mixed_precision.set_policy``
+  casts a module's state too) would hand the op a probe in the policy's
+  compute dtype, and the Gram, cast to the probe's dtype, would be rounded
+  to it: bfloat16's ``2^-9``, inf above float16's 65504. The op ignores
+  the probe's value; only its dtype, the Gram's, would change."""
+  if hkc.stored_state(PROBE_NAME) is None:
+    hk.get_state(PROBE_NAME, shape, dtype, init=init)
+  return hkc.stored_state(PROBE_NAME)
 
 
 def probe_dtype(*dtypes) -> jnp.dtype:
@@ -55,8 +69,7 @@ def module_probe(x: jax.Array, mode: str, num_params: int,
   # Under hk.transform (no state) Haiku itself raises NonEmptyStateError
   # after the function returns, telling the user to use
   # hk.transform_with_state.
-  return hk.get_state(PROBE_NAME, shape, probe_dtype(*dtypes),
-                      init=jnp.zeros)
+  return _read(shape, probe_dtype(*dtypes), init=jnp.zeros)
 
 
 def part(kind: str, parts) -> jax.Array:
@@ -73,7 +86,7 @@ def part(kind: str, parts) -> jax.Array:
   """
   for i, (k, _) in enumerate(parts):
     if k == kind:
-      return hk.get_state(PROBE_NAME)[i]
+      return _read()[i]
   raise ValueError(
       f"gram_haiku: internal error: a {kind!r} application of a module whose "
       f"probe was planned for the applications {[k for k, _ in parts]}.")
@@ -88,7 +101,7 @@ def next_slot(reads: Optional[list]) -> jax.Array:
   appended to ``reads`` (two applications reading the same one would share
   a slot).
   """
-  stack = hk.get_state(PROBE_NAME)
+  stack = _read()
   slot = hk.get_state(SLOT_NAME)
   if reads is not None:
     reads.append(slot)
