@@ -1462,3 +1462,50 @@ def test_a_loose_example_leaves_the_others_clip_factors_alone(kind, strategy,
     moved = np.linalg.norm((np.asarray(c1, np.float64) -
                             np.asarray(c0, np.float64)) @ g)
     assert moved <= c * (1 + 1e-6), (o, moved / c)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_a_low_precision_input_to_a_float32_norm_is_bounded_as_haiku_runs_it(
+    kind):
+  """A bfloat16 input to a norm with float32 parameters (activations cast
+  down, no policy): Haiku computes ``(scale * rsqrt(var + eps)) * (x -
+  mean)`` (``x * scale * rsqrt(ms + eps)``), the bfloat16 ``rsqrt`` and
+  ``x - mean`` promoted to float32 by the scale. The tracked layer formed
+  ``xhat = rsqrt(.) * (x - mean)`` in bfloat16 first, rounding it (2^-9)
+  before the scale: its loss was not Haiku's, and its clip norms, bounds
+  of that rounded model's gradient, fell up to 0.2% below the float64
+  norm of the gradient of the model as the user runs it (``vmap(grad)`` of
+  the plain model: its bfloat16 statistics as run, its float32 products
+  in float32)."""
+  rng = np.random.RandomState(0)
+  b, t, n = 6, 4, 16
+  x = jnp.asarray(rng.normal(size=(b, t, n)) * 3 + 1, jnp.bfloat16)
+  v = rng.normal(size=(b, t, n)).astype(np.float32)
+
+  def body(x):
+    if kind == "layer_norm":
+      return hk.LayerNorm(-1, True, False, name="layer")(x)
+    return hk.RMSNorm(-1, name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track():
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(1), x, v)
+  assert params["layer"]["scale"].dtype == jnp.bfloat16
+  # float32 parameters, as a float32 master copy would be.
+  params = {"layer": {"scale": jnp.asarray(
+      1 + rng.normal(size=(n,)) * 0.3, jnp.float32)}}
+  plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, C))(
+      params, state, None, x, v)
+  # The plain model's per-example gradients (bfloat16 input and norm
+  # statistics as run, the float32 products in float32), to float32
+  # rounding.
+  true = np.linalg.norm(per_example_grads(
+      lambda p, x, v: plain.apply(p, None, x, v), params, x, v), axis=1)
+  got = np.asarray(aux.grad_norms, np.float64)
+  # (The reference's own float32 rounding is below 1e-6 of it.)
+  assert np.all(got >= true * (1 - 1e-6)), got / true
+  np.testing.assert_allclose(f.apply(params, state, None, x, v)[0],
+                             plain.apply(params, None, x, v), rtol=1e-6)

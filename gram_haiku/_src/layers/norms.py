@@ -11,10 +11,12 @@ normalisation's own gradient reaches the input as it does in Haiku.
   is LayerNorm's, so the interceptor reports ``orig_class = hk.LayerNorm``):
   Haiku computes ``(scale * rsqrt(var + eps)) * (x - mean) + offset``; the
   tracked layer computes ``(rsqrt(var + eps) * (x - mean)) * scale +
-  offset``: equal up to float rounding. Without a ``scale`` parameter the
-  output is bit-identical.
+  offset``: equal up to float rounding (``xhat`` formed in the dtype the
+  scale promotes it to, as Haiku's product is). Without a ``scale``
+  parameter the output is bit-identical.
 * ``hk.RMSNorm``: Haiku computes ``x * scale * rsqrt(ms + eps)``; the
-  tracked layer ``(x * rsqrt(ms + eps)) * scale`` (float rounding).
+  tracked layer ``(x * rsqrt(ms + eps)) * scale`` (float rounding; the
+  product in the scale's wider dtype, as Haiku's).
 * ``hk.GroupNorm``: the same operations in the same order (bit-identical).
 * ``hk.Bias``: the same operations (bit-identical); ``multiplier`` must be
   None or a static scalar.
@@ -53,6 +55,15 @@ def check_call_time_params(module, scale, offset):
   if module.create_offset and offset is not None:
     raise ValueError(
         "Cannot pass `offset` at call time if `create_offset=True`.")
+
+
+def _promoted(a, scale):
+  """``a`` in the dtype of its product with ``scale``: Haiku multiplies the
+  scale in before the normalised input is formed, so a wider scale (float32
+  parameters, a bfloat16 input) promotes the normalisation's terms first;
+  forming ``xhat`` in the input's dtype would round it (2^-9 in bfloat16),
+  a model other than Haiku's."""
+  return a.astype(jnp.result_type(a, scale))
 
 
 def _param_shape(param_axis, inputs):
@@ -117,7 +128,7 @@ def layer_norm(call, module: hk.LayerNorm, inputs, scale=None,
     if offset_p is None:
       return xhat + offset
     return _affine(call, xhat, None, offset_p)
-  xhat = rinv * centred
+  xhat = _promoted(rinv, scale_p) * _promoted(centred, scale_p)
   if offset_p is None:
     return _affine(call, xhat, scale_p, None) + offset
   return _affine(call, xhat, scale_p, offset_p)
@@ -140,7 +151,8 @@ def rms_norm(call, module: hk.RMSNorm, inputs):
   rinv = jax.lax.rsqrt(mean_squared + module.eps)
   if scale is None:
     return inputs * 1. * rinv  # Exactly Haiku's.
-  return _affine(call, inputs * rinv, scale, None)
+  return _affine(call, _promoted(inputs, scale) * _promoted(rinv, scale),
+                 scale, None)
 
 
 @register_layer(hk.GroupNorm)
