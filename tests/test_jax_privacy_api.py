@@ -480,6 +480,12 @@ def test_refused_options_name_the_equivalent():
                             rescale_to_unit_norm=True)
   with pytest.raises(ValueError, match="not both"):
     make(full_aux=True, return_grad_norms=True)
+  # The positional clip norm (the earlier form) is full_aux=True too: the
+  # error says so, and how to ask for jax-privacy's aux (it said
+  # "full_aux=True returns ..." to a call that never passed full_aux).
+  with pytest.raises(ValueError, match=r"clipped_grad\(apply, C\).*\n.*"
+                     "l2_clip_norm=C"):
+    gram_haiku.clipped_grad(f.apply, 1.0, return_grad_norms=True)
   with pytest.raises(TypeError, match="l2_clip_norm"):
     gram_haiku.clipped_grad(f.apply)
   with pytest.raises(ValueError, match="must be a positive"):

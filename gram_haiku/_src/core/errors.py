@@ -970,11 +970,14 @@ JAXP_TRACED_PER_LAYER = (
     "clipping='all-layer', which takes a traced l2_clip_norm under jit.")
 
 JAXP_FULL_AUX_WITH = (
-    "gram_haiku.clipped_grad: full_aux=True returns (grads, ClippedGradAux), "
-    "whose fields are the whole batch's value and aux and the per-example "
-    "grad_norms; {given} ask for jax-privacy's AuxiliaryOutput instead.\n"
+    "gram_haiku.clipped_grad: full_aux=True (also the earlier form "
+    "clipped_grad(apply, C), the clip norm passed positionally) returns "
+    "(grads, ClippedGradAux), whose fields are the whole batch's value and "
+    "aux and the per-example grad_norms; {given} ask for jax-privacy's "
+    "AuxiliaryOutput instead.\n"
     "What to do: pass either full_aux=True or "
-    "return_values=/return_grad_norms=, not both.")
+    "return_values=/return_grad_norms= with l2_clip_norm=C by keyword, not "
+    "both.")
 
 GETTER_NOT_BOUNDED = (
     "gram_haiku.clipped_grad: module {module!r} reads its parameters "
