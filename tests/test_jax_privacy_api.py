@@ -25,6 +25,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src.core import errors
+from gram_haiku._src.core.reference import per_example_grads
 
 jp_clipping = pytest.importorskip("jax_privacy.clipping")
 
@@ -379,6 +380,82 @@ def test_default_batch_arguments_and_dtype():
         batch_argnums=(3, 4)))(params, state, None, x, y)
     _assert_same(got, want, rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5,
                  atol=1e-2 if dtype == jnp.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("strategy,clipping", [
+    ("ghost", "all-layer"), ("materialize", "all-layer"),
+    ("ghost", "per-layer")])
+def test_a_float16_models_sum_in_float32_does_not_overflow(strategy,
+                                                            clipping):
+  """jax-privacy casts each per-example gradient to ``dtype`` before the
+  sum, so ``dtype=float32`` keeps a float16 model's sum over the batch
+  from overflowing. The re-contraction ran the layer's VJP in float16 and
+  cast the result up: every weight entry was inf (64 examples, each
+  clipped to C = 1e4, summing to 1.2e5 > 65504) where jax-privacy gives
+  1.2e5. Against the float64 sum of the exact per-example gradients
+  ``x_i^T v_i`` (a linear loss, inputs exact in float16)."""
+  rng = np.random.RandomState(0)
+  b, c = 64, 1e4
+  x = jnp.asarray(np.abs(rng.normal(size=(b, 2, 6))) * 30 + 30, jnp.float16)
+  v = jnp.asarray(rng.normal(size=(b, 2, 5)) * 2 + 20, jnp.float16)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      out = hk.Linear(5, with_bias=False, name="layer")(x)
+    return jnp.sum((out * v).astype(jnp.float32))
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), x, v)
+  params = jax.tree.map(lambda a: a.astype(jnp.float16), params)
+  got = _jit(gram_haiku.clipped_grad(f.apply, l2_clip_norm=c, clipping=clipping,
+                                     dtype=jnp.float32))(
+                                         params, state, None, x, v)
+  g = np.einsum("btn,btm->bnm", np.asarray(x, np.float64),
+                np.asarray(v, np.float64))
+  norms = np.sqrt((g ** 2).sum((1, 2)))
+  want = (np.minimum(1, c / norms)[:, None, None] * g).sum(0)
+  assert np.abs(want).max() > 65504
+  assert got["layer"]["w"].dtype == jnp.float32
+  np.testing.assert_allclose(got["layer"]["w"], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["all-layer", "per-layer"])
+def test_a_float16_tied_embeddings_sum_in_float32_does_not_overflow(
+    clipping):
+  """As above, for an embedding tied to the output layer
+  (:func:`gram_haiku.unembed`), whose two applications keep factors of
+  their own (``PARTS``): their re-contractions ran in float16 too (the
+  sum's entries reach 4.6e5). Against the float64 per-example gradients
+  weighted by the step's own clip factors."""
+  rng = np.random.RandomState(0)
+  b, c = 64, 3e4
+  ids = jnp.asarray(rng.randint(0, 7, size=(b, 3)), jnp.int32)
+  y = jnp.asarray(rng.normal(size=(b, 3, 7)) * 50 + 200, jnp.float16)
+
+  def body(ids, y):
+    e = hk.Embed(7, 6, name="embed")
+    return jnp.sum((gram_haiku.unembed(e, e(ids)) * y).astype(jnp.float32))
+
+  def loss_fn(ids, y):
+    with gram_haiku.track():
+      return body(ids, y)
+  f = hk.transform_with_state(loss_fn)
+  params, state = f.init(jax.random.PRNGKey(0), ids, y)
+  params = jax.tree.map(lambda a: (a * 30).astype(jnp.float16), params)
+  got, aux = _jit(gram_haiku.clipped_grad(
+      f.apply, c, clipping=clipping, dtype=jnp.float32))(
+          params, state, None, ids, y)
+  plain = hk.transform(body)
+  with jax.enable_x64(True):
+    grads = np.asarray(per_example_grads(
+        lambda p, i, yy: plain.apply(p, None, i, yy),
+        jax.tree.map(lambda a: np.asarray(a, np.float64), params),
+        np.asarray(ids), np.asarray(y, np.float64)), np.float64)
+  (weights,) = aux.weights.values()
+  want = (np.asarray(weights, np.float64)[:, None] * grads).sum(0)
+  assert np.abs(want).max() > 65504
+  # float32 sums of 192 products each (the reference's float32 row).
+  np.testing.assert_allclose(np.ravel(got["embed"]["embeddings"]), want,
+                             rtol=1e-4, atol=3e-5 * np.abs(want).max())
 
 
 def test_huge_norm_example_moves_the_sum_by_at_most_c():

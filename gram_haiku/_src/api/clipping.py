@@ -490,7 +490,10 @@ def clipped_grad(fun: Callable[..., Any], argnums: Any = _UNSET,
     nan_safe: accepted; an example whose gradient is not finite always gets
       weight 0 (jax-privacy's ``nan_safe=True`` zeroes its non-finite
       entries instead; both keep the bound).
-    dtype: the dtype of the clipped sum (None: the parameters').
+    dtype: the dtype of the clipped sum (None: the parameters'); a wider
+      one is summed in, not cast to after the sum (as jax-privacy casts
+      each per-example gradient): float16 parameters' sum in float32
+      neither overflows nor is rounded to float16.
     full_aux: return ``(grads, ClippedGradAux)`` (this library's richer
       aux: the whole batch's value and aux, the norms, the fraction
       clipped, the weights, the Grams, the new Haiku state) in place of
@@ -800,7 +803,7 @@ def _clip_pass(s: _Setup, pass_example_axes, params, state, rng, args,
   mask = _padding_weights(is_padding_example)
   kw = dict(fn_name="clipped_grad", needs="norms", has_aux=s.has_aux,
             axes=s.axes, frozen=s.frozen, example_weights=mask, privacy=True,
-            example_axes=pass_example_axes)
+            example_axes=pass_example_axes, dtype=s.out_dtype)
   if s.per_layer:
     r = reweight.run(s.apply_fn, params, state, rng, args, kwargs,
                      clips=functools.partial(_layer_clips, s), **kw)

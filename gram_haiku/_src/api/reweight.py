@@ -231,7 +231,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
         example_weights: Optional[jax.Array] = None,
         privacy: bool = False, example_axes=None,
         cross_rows: Optional[int] = None,
-        unit_rows: bool = False) -> PassResult:
+        unit_rows: bool = False, dtype=None) -> PassResult:
   """One reweighted pass (see the module docstring): the pass pipeline
   (:mod:`gram_haiku._src.passes.pass_pipeline`) with a re-contracting objective.
 
@@ -246,7 +246,9 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
   first ``cross_rows`` examples and 0 on the others, whatever the Grams
   (a cross pass without clipping): where a block is formed from
   materialised per-example gradients, their sum is the update (no
-  re-contraction of those factors).
+  re-contraction of those factors). ``dtype``: the summed gradient's
+  dtype (None: the parameters'), formed without rounding to the
+  parameters' dtype first.
   """
   frozen_names = frozen_leaves(frozen, params)
   t = pipeline.trace(apply_fn, has_aux, params, state, rng, args, kwargs,
@@ -262,7 +264,8 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
                                  upper_bound=privacy,
                                  frozen=frozenset(frozen_names),
                                  parts=cross_rows is None,
-                                 blocks=cross_rows is not None)
+                                 blocks=cross_rows is not None,
+                                 sum_dtype=dtype)
   t, live = pipeline.participants(t, objective, params)
   if clips is not None:
     objective = objective.with_clips(clips({
@@ -289,7 +292,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
       for summed in (False, True)))
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip,
-                              rows=cross_rows, known=known)
+                              rows=cross_rows, known=known, dtype=dtype)
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},

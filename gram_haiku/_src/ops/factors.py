@@ -66,7 +66,7 @@ def scale_examples(a, c, example_dim: int):
 
 
 def reweighted_param_grads(op, x, g, params, c, wanted,
-                           mask_inputs: bool = True) -> dict:
+                           mask_inputs: bool = True, dtype=None) -> dict:
   """``{i: sum_e c_e g_e}`` for the parameters ``params[i]``, ``i`` in
   ``wanted``: the layer's own weight VJP with its output cotangent scaled
   per example (exact for every rule: a per-example gradient is linear in
@@ -77,10 +77,18 @@ def reweighted_param_grads(op, x, g, params, c, wanted,
   padded row may hold anything, even NaN, and ``NaN * 0`` is NaN), at the
   cost of a masked copy of ``x``; without padding every row is a real
   example, whose input is what ``jax.grad`` would see as well.
+  ``dtype``: the sums' dtype where wider than the layer's (a float16
+  layer's clipped sum asked for in float32): the VJP then runs on ``x``
+  and the parameters cast up to it, so that the sum over the examples is
+  neither rounded to the layer's dtype nor overflows there.
   """
   e = op.example_axis.resolved_position()
   gs = scale_examples(g.astype(op.accumulation_dtype()), c, e)
   if mask_inputs and kernels.is_float(x.dtype):
     x = scale_examples(x, (c != 0).astype(x.dtype), e)
+  if dtype is not None:
+    up = lambda a: (a.astype(jnp.promote_types(a.dtype, dtype))
+                    if a is not None and kernels.is_float(a.dtype) else a)
+    x, params = up(x), [up(p) for p in params]
   cts = op.forward_vjp(x, params, gs, False, list(wanted))
   return dict(zip(wanted, cts))

@@ -200,7 +200,8 @@ def sum_over_devices(v, axes: tuple[str, ...], like) -> jax.Array:
 
 
 def recontract_factors(op, x, g, params, c, mask_inputs: bool,
-                       rows: Optional[tuple[int, int]] = None) -> dict:
+                       rows: Optional[tuple[int, int]] = None,
+                       dtype=None) -> dict:
   """``{k: sum_i c_i g_i}`` for each present parameter operand ``k`` that is
   not frozen (``Plan.frozen``), from the factors ``(x, g)`` of one
   application; ``mask_inputs``: rows with ``c_i = 0`` may hold anything
@@ -209,7 +210,9 @@ def recontract_factors(op, x, g, params, c, mask_inputs: bool,
   ``rows``: ``(start, stop)``, the only examples whose ``c_i`` may be
   non-zero (a cross pass's training examples, or its queries): the
   re-contraction runs on those rows alone, the others' cost saved (the
-  factors of one application: their examples' axis is the op's)."""
+  factors of one application: their examples' axis is the op's).
+  ``dtype``: the sums' dtype, where wider than the layer's
+  (:func:`~gram_haiku._src.ops.factors.reweighted_param_grads`)."""
   if rows is not None:
     e = op.example_axis.resolved_position()
     start, stop = rows
@@ -219,7 +222,7 @@ def recontract_factors(op, x, g, params, c, mask_inputs: bool,
   wanted = [k for k, p in enumerate(params)
             if p is not None and k not in (op.plan.frozen or ())]
   return factors.reweighted_param_grads(op, x, g, params, c, wanted,
-                                        mask_inputs)
+                                        mask_inputs, dtype)
 
 
 def recontract_per_example(op, f, c) -> dict:
@@ -241,9 +244,12 @@ def recontract_per_example(op, f, c) -> dict:
   return out
 
 
-def to_leaf(ct, leaf):
-  """A cotangent in a parameter leaf's shape and dtype, summed over the mesh
-  axes the leaf is invariant along (``shard_map``: replicated parameters get
-  every device's share, as JAX's own AD gives them)."""
+def to_leaf(ct, leaf, dtype=None):
+  """A cotangent in a parameter leaf's shape and dtype (``dtype`` where
+  given: the sum's, so that a float16 leaf's float32 sum is not rounded
+  to float16 first, nor overflows there), summed over the mesh axes the
+  leaf is invariant along (``shard_map``: replicated parameters get every
+  device's share, as JAX's own AD gives them)."""
   ct = hx.reduce_to_type_of(ct, leaf)
-  return jnp.reshape(ct, leaf.shape).astype(leaf.dtype)
+  return jnp.reshape(ct, leaf.shape).astype(
+      leaf.dtype if dtype is None else dtype)

@@ -117,12 +117,13 @@ def sq_norms(opened, upper_bound: bool) -> jax.Array:
   return jnp.minimum(bound, jnp.square(roots) * (1 + 4 * (n + 2) * u))
 
 
-def recontract(opened, c, padded: bool) -> dict:
+def recontract(opened, c, padded: bool, dtype=None) -> dict:
   """``{k: sum_i c_i g_i}`` per parameter operand ``k``: the sum of the
   parts' re-contractions (:func:`~gram_haiku._src.passes.bookkeeping
-  .recontract_factors`)."""
+  .recontract_factors`, in ``dtype`` where wider than the layer's)."""
   out = {}
   for o in opened:
-    for k, ct in bk.recontract_factors(*o, c, padded).items():
+    for k, ct in bk.recontract_factors(*o, c, padded,
+                                       dtype=dtype).items():
       out[k] = out[k] + ct if k in out else ct
   return out

@@ -26,6 +26,7 @@ sees while the pass is traced comes back in a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Mapping, Optional, Sequence
 
@@ -111,6 +112,13 @@ _OWN_NDIM = {**plan_lib.PROBE_NDIM, Store.SLOTS: 2, Store.PARTS: 2}
 _OF_FACTORS = frozenset({Store.FACTORS, Store.SLOTS})
 
 
+def _narrower(op, dtype) -> bool:
+  """Whether a float parameter of ``op`` is narrower than ``dtype``."""
+  return dtype is not None and any(
+      a is not None and kernels.is_float(a.dtype) and
+      jnp.promote_types(a.dtype, dtype) != a.dtype for a in op.param_avals)
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """What a pass is for.
@@ -142,6 +150,11 @@ class Objective:
       known once :func:`participants` has said which do, see
       :meth:`with_clips`); empty for one weight vector for all modules
       (all-layer clipping, reweighting).
+    sum_dtype: the re-contracted sum's dtype (``clipped_grad``'s
+      ``dtype``), or None for the parameters'. A module clipped per layer
+      whose parameters are narrower keeps factors (never ``CLIP``, whose
+      sum is the backward rule's cotangent, in the parameters' dtype: a
+      float16 layer's sum would overflow there).
   """
   recontract: bool = False
   needs: Optional[str] = None
@@ -150,6 +163,7 @@ class Objective:
   clips: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   parts: bool = True
   blocks: bool = False
+  sum_dtype: Any = None
 
   def with_clips(self, clips: Mapping[str, Any]) -> "Objective":
     """This objective, clipping each module of ``clips`` per layer."""
@@ -350,7 +364,8 @@ def _store_of(t: TracedLoss, m: str, objective: Objective, live, slotted,
     # Several applications (also alternatives, e.g. hk.cond branches): each
     # has its own input layout, and only per-example gradients add up.
     return Store.PER_EXAMPLE
-  if m in objective.clips and not objective.blocks:
+  if (m in objective.clips and not objective.blocks and
+      not _narrower(op, objective.sum_dtype)):
     return Store.CLIP
   if not set(op.plan.frozen) <= set(op.droppable):
     # After the pass only the parameter leaves are known, not the values
@@ -874,7 +889,8 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
 def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                opened, weights: Mapping[str, jax.Array], padded: bool,
                skip=frozenset(), rows: Optional[int] = None,
-               known: Optional[Mapping[str, dict]] = None) -> list:
+               known: Optional[Mapping[str, dict]] = None,
+               dtype=None) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers), from the stores and
   each module's weights ``c``; ``CLIP`` modules' from the pass itself.
@@ -882,10 +898,16 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
   ``rows``: only the first ``rows`` examples have non-zero weights (a
   cross pass's training examples): factors are re-contracted on them.
   ``known``: module -> ``{operand: its sum_i c_i g_i}`` formed already
-  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's gradients are NaN unless every slot was written."""
-  grads = [jnp.zeros_like(l) for l in leaves]
+  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's gradients are NaN unless every slot was written.
+  ``dtype``: the sums' dtype (None: each leaf's): the re-contractions,
+  formed in the accumulation dtype, are cast to it and added in it
+  (jax-privacy's ``dtype``: a float16 model's sum over a batch may
+  overflow float16)."""
+  to_leaf = functools.partial(bk.to_leaf, dtype=dtype)
+  grads = [jnp.zeros(l.shape, l.dtype if dtype is None else dtype)
+           for l in leaves]
   for k, ct in p.param_grads.items():
-    grads[k] = ct  # Clipped inside the backward rule.
+    grads[k] = ct.astype(grads[k].dtype)  # Clipped inside the backward rule.
   for m, store in sorted(p.stores.items()):
     op, idx = t.found.ops.get(m), t.found.param_leaves.get(m)
     if m in p.program:  # A program-level rule's per-example gradients.
@@ -894,29 +916,30 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
         c = weights[m].astype(f.dtype)
         if padded:  # (rows of weight 0 may hold anything)
           f = jnp.where((c != 0)[:, None], f, 0)
-        grads[k] = grads[k] + bk.to_leaf(c @ f, leaves[k])
+        grads[k] = grads[k] + to_leaf(c @ f, leaves[k])
       continue
     if m in p.program_factors:  # A linear site's factors.
       k, _, flip = p.program_factors[m]
       if k not in skip:
         ct = bk.recontract_factors(
             *opened[m], weights[m], padded,
-            None if rows is None else (0, rows))[0]
-        grads[k] = grads[k] + bk.to_leaf(ct.T if flip else ct, leaves[k])
+            None if rows is None else (0, rows), dtype)[0]
+        grads[k] = grads[k] + to_leaf(ct.T if flip else ct, leaves[k])
       continue
     if store == Store.PARTS:  # (weights beyond `rows` are zero)
-      cts = parts_lib.recontract(opened[m], weights[m], padded)
+      cts = parts_lib.recontract(opened[m], weights[m], padded, dtype)
     elif known is not None and m in known:
       cts = known[m]
     elif store in _OF_FACTORS:
       cts = bk.recontract_factors(
           *opened[m], weights[m], padded,
-          None if rows is None or store != Store.FACTORS else (0, rows))
+          None if rows is None or store != Store.FACTORS else (0, rows),
+          dtype)
       if store == Store.FACTORS and _is_standardised(t, m):
         for k, ct in standardised.pull_back_sum(
             op, t.found.pullbacks[m], cts, leaves).items():
           if k not in skip:
-            grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
+            grads[k] = grads[k] + to_leaf(ct, leaves[k])
         continue
     elif store == Store.PER_EXAMPLE:
       g = _split_slack(p.cotangents[m], objective.upper_bound)[0]
@@ -928,13 +951,13 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                   reparam.summed(op, pb, cts, leaves, m))
         for k, ct in pulled.items():
           if k not in skip:
-            grads[k] = grads[k] + bk.to_leaf(ct, leaves[k])
+            grads[k] = grads[k] + to_leaf(ct, leaves[k])
         continue
     else:
       continue
     for k, ct in cts.items():
       if idx[k] is not None:
-        grads[idx[k]] = grads[idx[k]] + bk.to_leaf(ct, leaves[idx[k]])
+        grads[idx[k]] = grads[idx[k]] + to_leaf(ct, leaves[idx[k]])
   for m in p.slotted:  # NaN, never a sum missing some applications.
     for k in t.found.param_leaves[m]:
       if k is not None:
