@@ -1388,7 +1388,6 @@ def test_a_getter_whose_vjp_underflows_keeps_a_sound_bound(name):
   assert np.all(np.asarray(weights, np.float64) * true <= c * (1 + 1e-6))
 
 
-
 def _offset_examples(kind, rng, t, n):
   """``(body, example)``: a layer and ``example(o) -> (inputs, v)``, one
   example whose gradient of ``sum(body(inputs) * v)`` does not depend on
