@@ -128,7 +128,7 @@ SAMPLED_SWEEPS = {
     # Bare weights inside checkpoint, cond and scan: one model of each (the
     # nested ones, a checkpoint in a scan and hk.dynamic_unroll, thorough).
     "tests/test_program_rules_calls.py::"
-    "test_sites_inside_calls_are_the_reference": 4,
+    "test_sites_inside_calls_are_the_reference": 2,
     # The Pallas conv kernel in interpret mode (slow on the CPU; no platform
     # takes it by default): one case in eight against float64, one data
     # format of the tracked CNN.
