@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from gram_haiku._src.compute import kernels
+from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.compute.plan import Plan
 from gram_haiku._src.ops import linear as linear_lib
 from gram_haiku._src.ops import op as op_lib
@@ -134,9 +135,26 @@ def _unbounded_norms(x, g, params, example_dim, mode, wanted, cfg):
       x, g, params, example_dim, mode, wanted, cfg.replace(upper_bound=False))
 
 
+def _batch_wide_fallback(x, g, params, example_dim, mode, wanted, cfg):
+  """Sound norm bounds chosen for the whole batch: where any example's
+  ghost bound is loose, every example takes the materialised bound (the
+  switch gram_haiku's own kernels made before they chose per example),
+  so one example changes the others' bounds and clip factors."""
+  value, provided = linear_lib.probe_cotangent_and_grads(
+      x, g, params, example_dim, mode, wanted, cfg)
+  if mode != "norms" or not cfg.upper_bound or params[0] is None:
+    return value, provided
+  xm, gm = kernels.linear_factors(x, g, example_dim)
+  by = lambda method: kernels.linear_sq_norms(
+      xm, gm, with_bias=params[1] is not None, method=method, cfg=cfg)
+  _, loose = norm_bounds.ghost(*kernels.ghost_sq_norms(xm, gm, cfg, True))
+  return jnp.where(jnp.any(loose), by("materialize"), by("ghost")), provided
+
+
 KEEPS_FROZEN_TERMS = _with_fused(_keeps_frozen_terms)
 FREEZES_EVERYTHING = _with_fused(_freezes_everything)
 UNBOUNDED_NORMS = _with_fused(_unbounded_norms)
+BATCH_WIDE_FALLBACK = _with_fused(_batch_wide_fallback)
 
 
 def test_wrong_cotangent_dtype_fails_parity():
@@ -264,3 +282,14 @@ def test_norms_without_their_rounding_bound_fail_bounds():
     checks.check_norm_bounds(spec, "cancelling", "norms")
   checks.check_norm_bounds(spec, "ordinary", "per_example")
   checks.check_norm_bounds(_spec(), "cancelling", "norms")
+
+
+def test_a_batch_wide_fallback_fails_bounds():
+  """Bounds that are sound but chosen for the whole batch (the others'
+  switched with example 0's cancelling inputs) fail the bounds family:
+  one example must not change another's clip factor."""
+  spec = _spec(BATCH_WIDE_FALLBACK)
+  with pytest.raises(AssertionError, match="other examples"):
+    checks.check_norm_bounds(spec, "cancelling", "norms")
+  checks.check_norm_bounds(spec, "ordinary", "norms")
+  checks.check_norm_bounds(_spec(), "cancelling", "per_example")

@@ -689,44 +689,63 @@ def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
   smaller norm lets the example in unclipped. The loss is linear in the
   op's output (``sum(out * v)``, ``v`` drawn, equal at example 0's first
   two positions), so the reference gradient is the exact one of the
-  cotangents the op sees."""
+  cotangents the op sees. With ``case="cancelling"``, under the default
+  strategy and ``strategy="ghost"`` (whose norms cancel), the other
+  examples' bounds must also equal those of the same batch without
+  example 0's offset: a fallback (a tighter bound where one is loose)
+  chosen for the whole batch let one example change every other
+  example's clip factor."""
   params, x = make_problem(spec, (B,) + WITHIN[:1], seed=seed)
   if case == "cancelling" and not jnp.issubdtype(x.dtype, jnp.floating):
     raise NotApplicable("the op's input is not floating-point")
   out = jax.eval_shape(lambda: spec.plain(params, x[0]))
-  plan = gram_haiku.Plan.make(mode=mode, example_axis=0).replace(
-      upper_bound=True)
+  strategies = ("auto", "ghost") if case == "cancelling" else ("auto",)
+  plans = [gram_haiku.Plan.make(mode=mode, strategy=s, example_axis=0
+                                ).replace(upper_bound=True)
+           for s in strategies]
   width = _num_params(params) + 1
   probe = _probe((B,) if mode == "norms" else (B, width))
 
   def run(probe, x):
     """The inputs, the reference rows ``F`` and the op's squared norm
-    bounds, in one program."""
+    bounds, in one program; and the bounds without the offset."""
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
+                          jnp.float32)
+    v = v.at[0, 1].set(v[0, 0])
+
+    def bounds(x, plan):
+      def loss(probe):
+        out = spec.apply(params, probe, x, plan=plan)
+        return jnp.sum(out.astype(jnp.float32) * v)
+      got = jax.grad(loss)(probe)
+      if mode == "norms":
+        return got
+      return testing.squared_norm_bounds(got[:, :-1], got[:, -1])
+    plain = [bounds(x, plan) for plan in plans]
     if case == "cancelling":
       a = 1e3 * jnp.max(jnp.abs(x)) * jax.random.normal(
           jax.random.PRNGKey(seed + 7), x.shape[2:], x.dtype)
       x = x.at[0, 0].add(a).at[0, 1].add(-a)
-    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (B,) + out.shape,
-                          jnp.float32)
-    v = v.at[0, 1].set(v[0, 0])
     f = testing.per_example_grads(
         lambda p, xi, vi: jnp.sum(spec.plain(p, xi).astype(jnp.float32) * vi),
         params, x, v, upcast=True)
+    return f, [bounds(x, plan) for plan in plans], plain
+  f, sqs, plains = jax.jit(run)(probe, x)
+  true = np.sqrt(np.sum(np.asarray(f, np.float64) ** 2, axis=1))
+  for strategy, sq, plain in zip(strategies, sqs, plains):
+    _check_bounds(spec, f"{case} inputs, mode={mode!r}, strategy="
+                  f"{strategy!r}", np.asarray(sq, np.float64), true,
+                  np.asarray(plain, np.float64))
 
-    def loss(probe):
-      out = spec.apply(params, probe, x, plan=plan)
-      return jnp.sum(out.astype(jnp.float32) * v)
-    got = jax.grad(loss)(probe)
-    if mode == "norms":
-      return f, got
-    return f, testing.squared_norm_bounds(got[:, :-1], got[:, -1])
-  f, sq = jax.jit(run)(probe, x)
-  f, sq = np.asarray(f, np.float64), np.asarray(sq, np.float64)
-  true = np.sqrt(np.sum(f * f, axis=1))
+
+def _check_bounds(spec: OpSpec, what: str, sq, true, plain):
+  """:func:`check_norm_bounds`' assertions: the squared norm bounds ``sq``
+  never below ``true ** 2``, and the other examples' equal to ``plain``,
+  those of the batch without example 0's offset."""
   low = np.flatnonzero(np.sqrt(np.maximum(sq, 0)) < true * (1 - 1e-9))
   if low.size:
     raise AssertionError(
-        f"{spec.name} ({case} inputs, mode={mode!r}): in a clipping pass "
+        f"{spec.name} ({what}): in a clipping pass "
         f"(cfg.upper_bound) the norm bounds of examples {low.tolist()} are "
         f"below the float64 truth: {np.sqrt(sq[low])} < {true[low]}. A clip "
         "factor from such a norm lets the example in unclipped.\nWhat to "
@@ -736,6 +755,20 @@ def check_norm_bounds(spec: OpSpec, case: str, mode: str, seed=0):
         "norm), and give Rule.per_example_error; or leave sq_norms out: "
         "the norms are then formed from the per-example gradients with "
         "their rounding bound.")
+  moved = np.flatnonzero(sq[1:] != plain[1:]) + 1
+  if moved.size:
+    raise AssertionError(
+        f"{spec.name} ({what}): in a clipping pass "
+        f"the norm bounds of other examples {moved.tolist()} changed with "
+        f"example 0's inputs: {np.sqrt(sq[moved])} against "
+        f"{np.sqrt(plain[moved])} without its offset. Each example's clip "
+        "factor must depend on that example alone: a switch made for the "
+        "whole batch (where any example's bound is loose, every example "
+        "takes a tighter one) lets one example change every other's clip "
+        "factor, and the clipped sum moves by more than C.\nWhat to do: "
+        "choose per example (jnp.where on the example's own flag, as "
+        "gram_haiku._src.compute.kernels.loose_fallback does), never by "
+        "lax.cond or jnp.any over the batch.")
 
 
 TRANSFORM_CHECKS = {
