@@ -805,12 +805,14 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
   elif x.shape[1] == 1:
     out = ghost_sq_norms(x, d, cfg)
   else:
-    # The best estimate: where a ghost norm cancels (see
-    # :mod:`gram_haiku._src.compute.norm_bounds`), the materialised norms.
+    # The best estimate: where an example's ghost norm cancels (see
+    # :mod:`gram_haiku._src.compute.norm_bounds`), its materialised norm
+    # (per example: no norm depends on another example's cancelling).
     value, slack = ghost_sq_norms(x, d, cfg, True)
-    out = lax.cond(jnp.any(norm_bounds.ghost(value, slack)[1]),
-                   lambda: _materialized_sq_norms_blocked(x, d, cfg),
-                   lambda: value)
+    out = loose_fallback(norm_bounds.ghost(value, slack)[1],
+                         lambda x, d: _materialized_sq_norms_blocked(x, d,
+                                                                     cfg),
+                         value, (x, d))
   if with_bias:
     out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
   return out
@@ -898,22 +900,24 @@ def run_if(pred: jax.Array, fn, otherwise: jax.Array,
   return lax.fori_loop(0, pred.astype(jnp.int32), body, otherwise)
 
 
-
 def loose_fallback(loose: jax.Array, fn, bound: jax.Array,
                    operands: tuple = ()) -> jax.Array:
-  """Each example's bound: ``fn(*operands)`` (a tighter fallback, ``[B]``)
-  where ``loose: bool[B]``, else its ``bound: [B]``; ``fn`` runs (by
+  """Each example's value: ``fn(*operands)`` (the fallback, ``[B]``: a
+  tighter bound, or a norm that does not cancel) where ``loose: bool[B]``,
+  else its ``bound: [B]`` (a ghost bound or norm); ``fn`` runs (by
   :func:`run_if`) only where some example is loose.
 
-  Per example, never for the whole batch: an example's clip factor must
-  depend on that example alone. A batch-wide switch let one example whose
-  ghost norm cancels change every other example's bound (from its ghost
-  bound, up to ``sqrt(1 + LOOSE)`` above its norm, to the tighter
-  fallback), so adding it moved the clipped sum by more than ``C`` (up to
-  1.86 C with 31 other examples; ``tests/test_clip_bound.py``)."""
+  Per example, never for the whole batch: an example's clip factor (and
+  its reported norm) must depend on that example alone. A batch-wide
+  switch let one example whose ghost norm cancels change every other
+  example's bound (from its ghost bound, up to ``sqrt(1 + LOOSE)`` above
+  its norm, to the tighter fallback), so adding it moved the clipped sum by
+  more than ``C`` (up to 1.86 C with 31 other examples;
+  ``tests/test_clip_bound.py``)."""
   def pick(loose_, bound_, *ops):
     return jnp.where(loose_, fn(*ops).astype(bound_.dtype), bound_)
   return run_if(jnp.any(loose), pick, bound, (loose, bound, *operands))
+
 
 #: The memory a fallback from cancelling ghost norms to materialised ones
 #: forms at once (blocks of examples): it runs rarely, so it is kept small,

@@ -429,8 +429,10 @@ def sq_norms(ids, g, params, example_dim: int, cfg: KernelConfig, *,
     return _sq_norm_bounds(key, weight, d, method, cfg)
   if method == "ghost":
     value = ghost_sq_norms(key, weight, d, cfg)
-    return lax.cond(jnp.any(_loose(key, weight, d, cfg, value)),
-                    lambda: segment_sq_norms(key, weight, d), lambda: value)
+    # Per example (kernels.loose_fallback): no example's norm depends on
+    # whether another's ghost norm cancels.
+    return kernels.loose_fallback(_loose(key, weight, d, cfg, value),
+                                  segment_sq_norms, value, (key, weight, d))
   return segment_sq_norms(key, weight, d)
 
 
