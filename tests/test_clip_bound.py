@@ -1430,6 +1430,23 @@ def _offset_examples(kind, rng, t, n):
   return body, lambda o: ((o * a + e).astype(np.float32), v)
 
 
+def _offset_model(kind, strategy, n, b, seed, t=4):
+  """``(body, example, batch, f, params, state)``: :func:`_offset_examples`
+  tracked with ``strategy`` in ``f = hk.transform_with_state`` of
+  ``sum(body(x) * v)``, ``batch(ex)``: ``b`` copies of an example."""
+  body, example = _offset_examples(kind, np.random.RandomState(seed), t, n)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      out = body(x)
+    return jnp.sum(out * v)
+  f = hk.transform_with_state(loss_fn)
+  batch = lambda ex: tuple(np.broadcast_to(u, (b,) + u.shape).copy()
+                           for u in ex)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch(example(1)))
+  return body, example, batch, f, params, state
+
+
 @pytest.mark.parametrize("kind,strategy,n", [
     ("linear", "ghost", 8), ("linear", "auto", 64), ("conv", "ghost", 8),
     ("embed", "ghost", 6), ("standardised", "ghost", 0)])
@@ -1451,18 +1468,9 @@ def test_a_loose_example_leaves_the_others_clip_factors_alone(kind, strategy,
   factors of the two batches applied to the reference ``g_i``, for others
   at every offset between tight and loose. The removed example's row is
   padding holding another example's data, as a padded batch does."""
-  rng = np.random.RandomState(0)
-  b, t, c = 32, 4, 0.5
-  body, example = _offset_examples(kind, rng, t, n)
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy=strategy):
-      out = body(x)
-    return jnp.sum(out * v)
-  f = hk.transform_with_state(loss_fn)
-  batch = lambda ex: tuple(np.broadcast_to(u, (b,) + u.shape).copy()
-                           for u in ex)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch(example(1)))
+  b, c = 32, 0.5
+  body, example, batch, f, params, state = _offset_model(kind, strategy, n,
+                                                         b, seed=0)
   step = jax.jit(gram_haiku.clipped_grad(f.apply, c))
   adversary = example(1e4)  # Loose.
   removed = np.arange(b) == b - 1
@@ -1495,18 +1503,8 @@ def test_a_loose_example_leaves_the_others_reported_norms_alone(kind, n):
   within their own error, but a weight function clipping by them would
   couple the examples.) The cancelling example's norm is the float64
   one's to float32 tolerance."""
-  rng = np.random.RandomState(1)
-  b, t = 16, 4
-  body, example = _offset_examples(kind, rng, t, n)
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy="ghost"):
-      out = body(x)
-    return jnp.sum(out * v)
-  f = hk.transform_with_state(loss_fn)
-  batch = lambda ex: tuple(np.broadcast_to(u, (b,) + u.shape).copy()
-                           for u in ex)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(0), *batch(example(1)))
+  body, example, batch, f, params, state = _offset_model(kind, "ghost", n,
+                                                         16, seed=1)
   step = jax.jit(gram_haiku.reweighted_grad(
       f.apply, lambda grams: jnp.ones_like(grams.sq_norms)))
   others = batch(example(30.0))
