@@ -75,6 +75,7 @@ import numpy as np
 
 from gram_haiku._src.analysis import interpreter
 from gram_haiku._src.compat import hijax_compat as hx
+from gram_haiku._src.compute import norm_bounds
 
 
 class _Lin:
@@ -563,6 +564,26 @@ def bound(fun: Callable[..., Any], *args: Any):
   flushed to zero."""
   l, n, precision, _, why = bound_and_flushed(fun, *args)
   return l, n, precision, why
+
+
+def pulled_back_error(vjp: Callable[..., Any], cts, rows: jax.Array,
+                      err: Optional[jax.Array] = None):
+  """``([B] bound, None)`` or ``(None, why)``: the error of pulling each
+  example's row ``rows[i]`` (``[B, P]``, the stored values ``f_i``) back by
+  the linear ``vjp`` in floating point, against the exact pull-back of the
+  exact ``w_i`` (``|f_i - w_i| <= err_i``, ``err: [B]``; ``None``: the rows
+  are exact): ``(L r + E) |f_i| + A + L (1 + r) err_i``, with :func:`
+  bound_and_flushed`'s ``L, A, E`` read from ``vjp(*cts)`` (``cts``: one
+  example's cotangents, values unused) and ``r`` its rounding bound
+  (:func:`gram_haiku._src.compute.norm_bounds.dot_error`)."""
+  l, n, precision, (a, e), why = bound_and_flushed(vjp, cts)
+  if why:
+    return None, why
+  r = norm_bounds.dot_error(n, rows.dtype, precision)
+  out = (l * r + e) * norm_bounds.row_norms(rows) + a
+  if err is not None:  # |J^T (f - w)| <= L |f - w|, and J^T's own rounding
+    out = out + l * (1 + r) * err.astype(out.dtype)
+  return out, None
 
 
 def bound_and_flushed(fun: Callable[..., Any], *args: Any):

@@ -351,8 +351,9 @@ def per_example_error(op, pb, f, leaves: Sequence[Any], err, module: str):
   of :func:`per_example`'s rows against the pull-back of the exact
   per-example gradients ``w_i``, from the stored gradients ``f: [B, P']``
   and their rounding bound ``err: [B]`` (``|f_i - w_i| <= err_i``):
-  ``L (err_i + r |f_i|) + E |f_i| + A``, ``L >= |J^T|``, ``r`` the VJP's
-  relative rounding and ``A``, ``E`` what its results flushed to zero add
+  ``(L r + E) |f_i| + A + L (1 + r) err_i``, ``L >= |J^T|``, ``r`` the
+  VJP's relative rounding and ``A``, ``E`` what its results flushed to zero
+  add (:func:`gram_haiku._src.analysis.linear_bound.pulled_back_error`)
   (a VJP through factors ``1e-19 1e-19 1e19 1e19`` flushes ``f 1e-38``,
   or, folded by XLA, ``f 0``), read from its program (:mod:`gram_haiku._src.analysis.linear_bound`).
 
@@ -363,12 +364,10 @@ def per_example_error(op, pb, f, leaves: Sequence[Any], err, module: str):
   acc = f.dtype
   vjp, avals = _operands(op, pb, leaves, acc, f)
   cts = [hx.vary_like(jnp.zeros(a.shape, acc), f) for a in avals]
-  l, n, precision, (a, e), why = linear_bound.bound_and_flushed(vjp, cts)
+  out, why = linear_bound.pulled_back_error(vjp, cts, f, err)
   if why:
     raise ValueError(errors.GETTER_NOT_BOUNDED.format(module=module, why=why))
-  r = norm_bounds.dot_error(n, acc, precision)
-  fn = norm_bounds.row_norms(f)
-  return l * (err.astype(jnp.float32) + r * fn) + e * fn + a
+  return out
 
 
 def summed(op, pb, cts: Mapping[int, Any], leaves: Sequence[Any],

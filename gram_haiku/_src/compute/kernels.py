@@ -810,9 +810,8 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
     # (per example: no norm depends on another example's cancelling).
     value, slack = ghost_sq_norms(x, d, cfg, True)
     out = loose_fallback(norm_bounds.ghost(value, slack)[1],
-                         lambda x, d: _materialized_sq_norms_blocked(x, d,
-                                                                     cfg),
-                         value, (x, d))
+                         functools.partial(_materialized_sq_norms_blocked,
+                                           cfg=cfg), value, (x, d))
   if with_bias:
     out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
   return out

@@ -280,10 +280,16 @@ def norms_of_sq_sums(sq: jax.Array, n) -> jax.Array:
   sums flushed to zero (a row of entries near ``1e-21`` has squares below
   float32's ``tiny``: its norm is then bounded by ``sqrt(2 n tiny)``,
   about ``1.5e-19 sqrt(n)``, not by 0)."""
-  tiny = fractions.Fraction(float(jnp.finfo(sq.dtype).tiny))
-  flushed = (_rounded_up(2 * tiny * int(n), sq.dtype) if _static(n)
-             else 2 * float(tiny) * count(n, sq.dtype))
-  return jnp.sqrt((sq + flushed) * _sum_rounding(n, sq.dtype))
+  return jnp.sqrt((sq + _flushed_squares(n, sq.dtype)) *
+                  _sum_rounding(n, sq.dtype))
+
+
+def _flushed_squares(n, dtype):
+  """``2 n tiny`` rounded up: the most that a sum of ``n`` squares in
+  ``dtype`` loses to squares and partial sums flushed to zero."""
+  tiny = fractions.Fraction(float(jnp.finfo(dtype).tiny))
+  return (_rounded_up(2 * tiny * int(n), dtype) if _static(n)
+          else 2 * float(tiny) * count(n, dtype))
 
 
 def _sum_rounding(n, dtype):
@@ -622,10 +628,7 @@ def of_sq_sums(sq: jax.Array, p, dtype, err=None) -> jax.Array:
   partial sums flushed to zero, as :func:`norms_of_sq_sums` (a getter's
   pull-back ``1e-30 f`` has rows whose squares all flush: its bound was
   0)."""
-  tiny = fractions.Fraction(float(jnp.finfo(sq.dtype).tiny))
-  flushed = (_rounded_up(2 * tiny * int(p), sq.dtype) if _static(p)
-             else 2 * float(tiny) * count(p, sq.dtype))
-  value = stored(sq + flushed, squares_rel(p, dtype))
+  value = stored(sq + _flushed_squares(p, sq.dtype), squares_rel(p, dtype))
   if err is None:
     return value
   return jnp.square(jnp.sqrt(value) + err.astype(value.dtype))

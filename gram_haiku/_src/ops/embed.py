@@ -479,7 +479,8 @@ def _sq_norm_bounds(key, weight, d, method: str, cfg: KernelConfig):
   """Sound upper bounds of the diagonal of (E)
   (:mod:`gram_haiku._src.compute.norm_bounds`), with ``tri = sum_t sqrt(w_t)
   |d_t|``: the ghost value plus ``2 (e_D + e_{T^2}) tri^2`` where that is
-  tight for every example, else the segment sums' bound: each summed row
+  tight, else (that example's, :func:`kernels.loose_fallback`) the segment
+  sums' bound: each summed row
   is off by at most ``e_T`` times the sum of its positions' ``|d_t|``;
   plus the allowance for results flushed to zero
   (:func:`gram_haiku._src.compute.norm_bounds.underflow_slack`)."""

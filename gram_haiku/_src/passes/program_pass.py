@@ -249,18 +249,13 @@ def _per_example(site, inputs, fn, leaves, dz, upper_bound: bool,
   out = {k: g.astype(acc) for k, g in zip(site.leaves, grads)}
   if not upper_bound:
     return out, None
-  l, n, precision, (a, e), why = linear_bound.bound_and_flushed(
-      vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct))
+  rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
+  bound, why = linear_bound.pulled_back_error(
+      vjp, hx.vary_like(jnp.zeros(ct.shape[1:], acc), ct), rows, site_error)
   if why:
     raise ValueError(errors.PROGRAM_PREFIX_NOT_BOUNDED.format(
         params=", ".join(repr(n) for n in names or site.leaves),
         primitive=site.eqn.primitive.name, line=site.line, why=why))
-  r = norm_bounds.dot_error(n, acc, precision)
-  rows = ct.reshape((ct.shape[0], math.prod(ct.shape[1:])))
-  norms = norm_bounds.row_norms(rows)
-  bound = (l * r + e) * norms + a  # (a, e: flushed results)
-  if site_error is not None:  # |J^T e| <= l |e|, and J^T's own rounding
-    bound = bound + l * (1 + r) * site_error.astype(bound.dtype)
   return out, bound
 
 
