@@ -292,7 +292,7 @@ def run(apply_fn, params, state, rng, args, kwargs, *, fn_name: str,
       for summed in (False, True)))
   grads = pipeline.recontract(t, p, objective, leaves, opened, weights,
                               example_weights is not None or privacy, skip,
-                              rows=cross_rows, known=known, dtype=dtype)
+                              rows=cross_rows, known=known)
   return PassResult(value, p.state,
                     jax.tree_util.tree_unflatten(treedef, grads), grams,
                     weights, {m: p.stores[m] for m in kept},

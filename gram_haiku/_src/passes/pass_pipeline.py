@@ -889,8 +889,7 @@ def read_grams(t: TracedLoss, p: Pass, objective: Objective, leaves,
 def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
                opened, weights: Mapping[str, jax.Array], padded: bool,
                skip=frozenset(), rows: Optional[int] = None,
-               known: Optional[Mapping[str, dict]] = None,
-               dtype=None) -> list:
+               known: Optional[Mapping[str, dict]] = None) -> list:
   """Every parameter leaf's ``sum_i c_i g_i`` (zero for frozen ones, and for
   the frozen leaves ``skip`` of reparametrised layers), from the stores and
   each module's weights ``c``; ``CLIP`` modules' from the pass itself.
@@ -898,11 +897,12 @@ def recontract(t: TracedLoss, p: Pass, objective: Objective, leaves,
   ``rows``: only the first ``rows`` examples have non-zero weights (a
   cross pass's training examples): factors are re-contracted on them.
   ``known``: module -> ``{operand: its sum_i c_i g_i}`` formed already
-  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's gradients are NaN unless every slot was written.
-  ``dtype``: the sums' dtype (None: each leaf's): the re-contractions,
-  formed in the accumulation dtype, are cast to it and added in it
-  (jax-privacy's ``dtype``: a float16 model's sum over a batch may
-  overflow float16)."""
+  (:func:`read_cross`'s ``row_sums``), used as it is. A slotted module's
+  gradients are NaN unless every slot was written. The sums are in
+  ``objective.sum_dtype`` (None: each leaf's): the re-contractions, formed
+  in the accumulation dtype, are cast to it and added in it (jax-privacy's
+  ``dtype``: a float16 model's sum over a batch may overflow float16)."""
+  dtype = objective.sum_dtype
   to_leaf = functools.partial(bk.to_leaf, dtype=dtype)
   grads = [jnp.zeros(l.shape, l.dtype if dtype is None else dtype)
            for l in leaves]
