@@ -324,6 +324,57 @@ def case_clipped(clipping, entry_name):
   return {}
 
 
+def case_loose_gram():
+  """The full Gram with ``mesh=`` (8 devices, 2 examples each) where one
+  example's ghost norm cancels (a linear layer's inputs on a large offset,
+  its cotangents summing to 0 over the positions): its row and column are
+  the materialised Gram's, whichever device holds the others, so every
+  other entry is bit for bit the Gram without it (the flags gathered over
+  the devices; a batch-wide switch moved them), and the whole Gram is the
+  float64 one's."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+
+  rng = np.random.RandomState(3)
+  t, n, m = 4, 8, 4
+  a, e = rng.normal(size=n), rng.normal(size=(B, t, n))
+  v = rng.normal(size=(B, t, m))
+  v = (v - v.mean(1, keepdims=True)).astype(np.float32)
+
+  def body(x):
+    return hk.Linear(m, name="layer")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="ghost"):
+      out = body(x)
+    return jnp.sum(out * v)
+  tracked = hk.transform_with_state(loss_fn)
+  offsets = np.full((B, 1, 1), 1.0)
+  x = (offsets * a + e).astype(np.float32)
+  params, state = tracked.init(jax.random.PRNGKey(0), x, v)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  step = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply, mesh=mesh))
+  loose = 5  # On the third device.
+  both = x.copy()
+  both[loose] = (3e3 * a + e[loose]).astype(np.float32)
+  with_it = np.asarray(step(params, state, None, both, v)[-1].total)
+  without = np.asarray(step(params, state, None, x, v)[-1].total)
+  keep = np.arange(B) != loose
+  np.testing.assert_array_equal(with_it[keep][:, keep],
+                                without[keep][:, keep])
+  # F in float64: each example's bias and kernel gradients.
+  x64, v64 = both.astype(np.float64), v.astype(np.float64)
+  f = np.concatenate([v64.sum(1), np.einsum("btn,btm->bnm", x64,
+                                            v64).reshape(B, -1)], 1)
+  norms = np.sqrt((f * f).sum(1))
+  np.testing.assert_array_less(np.abs(with_it - f @ f.T),
+                               1e-4 * np.outer(norms, norms))
+
+
 def case_cross_gram():
   """``cross_gram`` with the examples and the queries split over the mesh:
   under ``shard_map`` (``mesh_axes="data"``: this device's rows of the
@@ -1019,6 +1070,7 @@ def cases(everything: bool):
                 case_reparam_mesh_blocked))
   out.append(("fused_rule/shard_map", case_fused_rule_sharded))
   out.append(("cross_gram/MLP", case_cross_gram))
+  out.append(("loose_gram/linear", case_loose_gram))
   for clipping in ("all-layer", "per-layer"):
     for name in ("MLP", "tied-LM") if everything or clipping == "all-layer" \
         else ("MLP",):

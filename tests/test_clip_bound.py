@@ -1519,6 +1519,35 @@ def test_a_loose_example_leaves_the_others_reported_norms_alone(kind, n):
   np.testing.assert_allclose(float(with_it.sq_norms[-1]), true, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind,n", [("linear", 8), ("conv", 8),
+                                    ("embed", 6)])
+def test_a_loose_example_leaves_the_others_gram_entries_alone(kind, n):
+  """The full Gram (``value_grad_and_gram``): where one example's ghost
+  norm cancels, its row and column are the materialised (segment) Gram's
+  and every other entry stays the ghost Gram's, bit for bit what it is
+  without that example in the batch. (A batch-wide switch moved them by up
+  to 1.2e-3 relative.) The cancelling example's row is the float64 one's to
+  float32 tolerance, relative to the norms it pairs."""
+  body, example, batch, f, params, state = _offset_model(kind, "ghost", n,
+                                                         16, seed=1)
+  step = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
+  others = batch(example(30.0))
+  both = tuple(u.copy() for u in others)
+  for u, w in zip(both, example(3e3)):  # Loose.
+    u[-1] = w
+  with_it = np.asarray(step(params, state, None, *both)[-1].total)
+  without = np.asarray(step(params, state, None, *others)[-1].total)
+  np.testing.assert_array_equal(with_it[:-1, :-1], without[:-1, :-1])
+  grads = _reference(body, params, *both)
+  grads = grads.reshape(grads.shape[0], -1)
+  true = grads @ grads[-1]
+  norms = np.sqrt(np.sum(grads ** 2, 1))
+  np.testing.assert_array_less(np.abs(with_it[-1] - true),
+                               1e-4 * norms * norms[-1])
+  np.testing.assert_array_less(np.abs(with_it[:, -1] - true),
+                               1e-4 * norms * norms[-1])
+
+
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 def test_a_low_precision_input_to_a_float32_norm_is_bounded_as_haiku_runs_it(
     kind):

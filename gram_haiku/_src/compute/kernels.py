@@ -709,11 +709,11 @@ def linear_gram(x: jax.Array, d: jax.Array, *, with_bias: bool, method: str,
     gram = materialized_gram(x, d, cfg)
   elif _materialized_fits(x, d, cfg):
     # Where some example's ghost norm cancels (its rounding bound over
-    # LOOSE of its value), its row of the ghost Gram is noise: the
-    # materialised Gram instead (one branch on every device).
-    gram = lax.cond(_ghost_cancels(x, d, cfg),
-                    lambda: materialized_gram(x, d, cfg),
-                    lambda: ghost_gram(x, d, cfg))
+    # LOOSE of its value), its row and column of the ghost Gram are noise:
+    # the materialised Gram's entries there.
+    loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1]
+    gram = loose_entries(loose, lambda: materialized_gram(x, d, cfg),
+                         ghost_gram(x, d, cfg), cfg)
   else:
     gram = ghost_gram(x, d, cfg)
   if with_bias:
@@ -868,11 +868,22 @@ def any_example(flags: jax.Array, cfg: KernelConfig) -> jax.Array:
   return out
 
 
-def _ghost_cancels(x, d, cfg: KernelConfig) -> jax.Array:
-  """Whether any example's ghost norm is loose
-  (:func:`gram_haiku._src.compute.norm_bounds.ghost`), on any device."""
-  return any_example(
-      norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[1], cfg)
+def loose_entries(loose: jax.Array, fallback, gram: jax.Array,
+                  cfg: KernelConfig) -> jax.Array:
+  """The Gram ``gram`` (``(b, B)``: :meth:`KernelConfig.rows` against
+  :meth:`KernelConfig.columns`) with each entry whose row or column example
+  is ``loose`` (``bool[b]``, this device's examples: its ghost norm
+  cancels) taken from ``fallback()`` (the same block by a method that does
+  not cancel); ``fallback`` runs only where some example, on any device,
+  is loose (one branch on every device).
+
+  Per entry, never for the whole Gram, as :func:`loose_fallback` per
+  example: an entry between two examples whose ghost products do not
+  cancel must not depend on whether a third example's do."""
+  def replaced():  # (the columns' flags gathered only where it runs)
+    pair = cfg.rows(loose)[:, None] | cfg.columns(loose)[None, :]
+    return jnp.where(pair, fallback().astype(gram.dtype), gram)
+  return lax.cond(any_example(loose, cfg), replaced, lambda: gram)
 
 
 def run_if(pred: jax.Array, fn, otherwise: jax.Array,

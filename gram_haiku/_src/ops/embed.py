@@ -398,12 +398,12 @@ def gram(ids, g, params, example_dim: int, cfg: KernelConfig, *,
                               lookup_style=lookup_style,
                               scalar_ids=scalar_ids)
   if method == "ghost":
-    # Where some example's ghost norm cancels (a key at several positions
-    # with large, nearly opposite cotangents), the segment sums instead
-    # (one branch on every device).
-    loose = kernels.any_example(_loose(key, weight, d, cfg), cfg)
-    return lax.cond(loose, lambda: segment_gram(key, weight, d, cfg),
-                    lambda: ghost_gram(key, weight, d, cfg))
+    # Where an example's ghost norm cancels (a key at several positions
+    # with large, nearly opposite cotangents), its entries from the segment
+    # sums instead.
+    return kernels.loose_entries(_loose(key, weight, d, cfg),
+                                 lambda: segment_gram(key, weight, d, cfg),
+                                 ghost_gram(key, weight, d, cfg), cfg)
   if method == "dense":
     w = _key_weights(num_keys, embeddings.shape[0], lookup_style, ids.dtype,
                      acc)
