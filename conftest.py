@@ -84,18 +84,24 @@ OPTION_VALUES = 2
 FULL_FILES = ("tests/test_clip_bound.py", "tests/test_cases.py",
               "tests/test_docs.py")
 SAMPLED_SWEEPS = {
-    "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 12,
+    "tests/test_export.py::test_every_layer_exports_with_a_symbolic_batch": 24,
     "tests/test_export.py::"
     "test_forced_methods_and_blocks_export_with_a_symbolic_batch": 6,
     "tests/test_export.py::test_a_symbolic_sequence_length_exports": 6,
     "tests/test_precision.py::test_every_kernel_takes_the_requested_precision":
         10,
+    # The symmetric blocks of every layer: the layers' rules are each run
+    # whole by test_composites; the heavy ResNet-GroupNorm (GroupNorm and
+    # Conv2D, each a layer of the sweep) thorough (4 CPU-s).
     "tests/test_symmetric.py::"
-    "test_every_layer_from_blocks_matches_the_reference": 8,
+    "test_every_layer_from_blocks_matches_the_reference": 16,
     "tests/test_reparam.py::test_reparametrised_layer_is_exact": 12,
     "tests/test_norms.py::test_every_module_and_flag_x64": 6,
     "tests/test_rules.py::test_conv_rule": 6,
-    "tests/test_composites.py::test_layer_matches_reference": 6,
+    # Every layer and layout through its composite rule: one case in twelve
+    # (1.7 CPU-s moved; every layer's rule also runs in the conformance
+    # suite's families and in test_symmetric).
+    "tests/test_composites.py::test_layer_matches_reference": 12,
     "tests/test_reweight.py::test_all_layer_clipping_matches_reference": 4,
     "tests/test_rules.py::test_embed_rule": 4,
     "tests/test_rules.py::test_linear_rule": 4,
@@ -105,9 +111,11 @@ SAMPLED_SWEEPS = {
     # The refusals without jit, one model in four (each runs under jit as a
     # row of tests/interpreter_corpus.py).
     "tests/test_example_flow.py::test_refused_at_any_size": 4,
-    # The interpreter's red-team corpus, one row in twelve (its rows replaced
-    # the special-case tests that checked no more than a verdict).
-    "tests/test_interpreter_corpus.py::test_corpus_row": 12,
+    # The interpreter's red-team corpus, one row in twenty-four (its rows
+    # replaced the special-case tests that checked no more than a verdict;
+    # each row is one verdict of the same interpreter, 2026-12-07: 3 CPU-s
+    # of rows moved to the thorough env).
+    "tests/test_interpreter_corpus.py::test_corpus_row": 24,
     "tests/test_example_flow.py::test_example_axes_say_where_the_examples_are":
         4,
     "tests/test_example_flow.py::"
@@ -137,10 +145,12 @@ SAMPLED_SWEEPS = {
     "tests/test_pallas_conv.py::"
     "test_the_patch_free_triangle_is_the_patch_triangle": 4,
     # The model zoos (each model a few seconds of compiles): one
-    # model in four; the clipping case of each kind and mode, one in four.
+    # model in four; the clipping case of each kind and mode, one in four;
+    # the Haiku zoo's jax-privacy clipping one model in eight (the decoder:
+    # the mixer's layers are the decoder's, 2 CPU-s).
     "tests/test_flax_zoo.py::test_linen_model_is_the_haiku_gram": 4,
     "tests/test_flax_zoo.py::test_nnx_model_is_the_haiku_gram": 4,
-    "tests/test_model_zoo.py::test_a_covered_model_clips_like_jax_privacy": 4,
+    "tests/test_model_zoo.py::test_a_covered_model_clips_like_jax_privacy": 8,
     "tests/test_model_zoo.py::test_a_covered_model_gives_the_reference_gram":
         4,
     "tests/test_model_zoo.py::"
@@ -150,6 +160,14 @@ SAMPLED_SWEEPS = {
     # workers, whose messages must not repeat) by default.
     "tests/test_conformance_plugin.py::"
     "test_an_unknown_op_is_one_message_saying_how_to_register": 3,
+    # The sharded cases: every case of the default list of
+    # tests/distributed_cases.py (cases(everything=False), which its one
+    # runner computes whole; that list says what --all adds), each reported.
+    "tests/test_distributed.py::test_sharded_case": 1,
+    # The plain-JAX decoder with its own output layer (the tied one, whose
+    # table is read by a gather and a transposed matmul: the Haiku tied LM
+    # of test_coverage.test_tied_embedding_raw_matmul_adds_up).
+    "tests/test_flax_zoo.py::test_plain_jax_gpt_is_the_haiku_gram": 2,
 }
 
 
@@ -172,6 +190,45 @@ THOROUGH_ONLY = (
     "tests/test_benchmark_profile.py::test_profile_smoke",
     "tests/test_conformance_plugin.py::"
     "test_the_cli_finds_the_conftest_and_a_third_party_family",
+    # The plain-JAX MLP-Mixer (6.5 CPU-s): linear, LayerNorm and gelu over
+    # a sequence through gram_haiku.functional, as the plain-JAX GPT kept
+    # by default (its Haiku model: test_model_zoo's mlp_mixer).
+    "tests/test_flax_zoo.py::test_plain_jax_mixer_is_the_haiku_gram",
+    # The plain-JAX two-tower model (2.2): linear layers through
+    # gram_haiku.functional (the plain-JAX GPT) and a bare scalar parameter
+    # broadcast (test_program_rules.
+    # test_a_bare_parameter_broadcast_gives_the_reference_gram).
+    "tests/test_flax_zoo.py::test_plain_jax_two_tower_is_the_haiku_gram",
+    # The plain-JAX LSTM in a lax.scan (4.6): a parameter carried through a
+    # scan under the program rules (test_program_rules_calls.
+    # test_the_constants_of_a_loop_with_a_carried_parameter_are_exact and
+    # test_scan_per_layer_clipping_is_the_reference).
+    "tests/test_flax_zoo.py::test_plain_jax_lstm_is_the_haiku_gram",
+    # The demo through the CLI at 3 steps (3.2): run_demo itself is
+    # test_demo_runs_and_writes_outputs (the README's demo), the CLI's
+    # demo command test_cli_unwritable_out_is_a_clear_error.
+    "tests/test_demo.py::test_cli_demo_small",
+    # The benchmarks' real suite from its CLI (8.6) and the Pallas ghost
+    # kernel's benchmark (2.1): benchmark tools; the runner's checks
+    # against the references are test_benchmarks.
+    # test_small_models_are_checked_against_naive and
+    # test_runner_writes_json_table_and_plot, the kernel
+    # test_pallas_ghost.test_gram_matches_float64_and_the_xla_path.
+    "tests/test_benchmarks.py::test_real_suite_smoke",
+    "tests/test_pallas_ghost.py::test_benchmark_smoke",
+    # Three of the absltest mixin's methods on the example op (3.1): the
+    # same checks of the same op run as gram_haiku/conformance/
+    # test_conformance.py's example_scaled_linear items (conftest.py
+    # registers it), and the mixin itself as ScaledLinearTest.
+    # test_transforms.
+    "tests/test_conformance_example.py::test_vmap_depth_invariance",
+    "tests/test_conformance_example.py::test_norm_bounds",
+    "tests/test_conformance_example.py::test_backward_parity",
+    # The Hessian of a tracked loss (2.5): forward-over-reverse through
+    # tracked layers, as test_reliability.
+    # test_forward_mode_through_tracked_layers_is_exact_or_refused and
+    # test_linearize_of_a_tracked_loss.
+    "tests/test_reliability.py::test_hessian_of_a_tracked_loss_still_works",
 )
 
 
