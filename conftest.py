@@ -178,7 +178,7 @@ SAMPLED_SWEEPS = {
 # test_program_rules.test_a_bare_weight_contracted_or_indexed_is_exact); the
 # Haiku suite's bias tests (tox -e haiku-suite runs Haiku's whole suite);
 # the benchmarks' per-layer convolution kernels and profiler (benchmark
-# tools; test_real_suite_smoke runs the suite the docs' tables come from);
+# tools; test_small_models_are_checked_against_naive runs their runner);
 # the conformance CLI's third-party run (CI's .ci/third_party.sh runs it
 # from a built wheel).
 THOROUGH_ONLY = (
