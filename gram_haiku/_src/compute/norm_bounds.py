@@ -246,8 +246,9 @@ def _exact_u(dtype) -> fractions.Fraction:
 def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
   """``[B]``: the absolute allowance, in squared-norm units, for
   intermediate results flushed to zero in a linear map's bound (G) or (M)
-  over ``T`` positions, ``N`` inputs and ``M`` outputs, from each
-  example's largest input ``mx`` and cotangent ``md`` entries. With a
+  over ``T`` positions, ``N`` inputs and ``M`` outputs, from upper bounds
+  ``mx`` and ``md`` of each example's largest input and cotangent entries
+  (its largest row norms: :func:`row_norms`). With a
   flushed result off by at most ``tiny``: a kernel entry ``x_t . x_s`` by
   ``2 N tiny`` (its products and partial sums), so a product of kernel
   entries by ``2 N tiny |kd| + 2 M tiny |kx| + tiny <= 2 N M tiny (mx^2 +
