@@ -984,9 +984,10 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   # from each example's largest row norms, bounds of its largest input and
   # cotangent entries: the ghost bound's and the triangle's own row norms
   # (the same expressions, one read of x and d where XLA merges them; the
-  # largest entries were two more reads, 7% of a ViT's clipping step on a
-  # TPU). An overflow met by a flushed zero (inf * 0) is an inf bound, not
-  # NaN, unless the example's inputs or cotangents hold a NaN.
+  # largest entries were two more reads: the ViT's clipping step on a TPU
+  # v5e took 18.59 against 18.68 ms at B = 128, 2026-12-07). An overflow
+  # met by a flushed zero (inf * 0) is an inf bound, not NaN, unless the
+  # example's inputs or cotangents hold a NaN.
   mx = jnp.max(norm_bounds.row_norms(x.astype(acc)), axis=1, initial=0)
   md = jnp.max(norm_bounds.row_norms(d), axis=1, initial=0)
   out = out + norm_bounds.underflow_slack(t, n, m, mx, md)
