@@ -1324,6 +1324,52 @@ def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
   assert np.all(got[1:] <= true[1:] * (1 + 1e-3)), got / true
 
 
+@pytest.mark.parametrize("kind,strategy", [
+    ("linear", "ghost"), ("linear", "materialize"),
+    ("conv", "ghost"), ("conv", "materialize"),
+])
+def test_huge_inputs_with_tiny_cotangents_keep_a_finite_bound(kind,
+                                                              strategy):
+  """An example with inputs of ``1e18`` and cotangents near ``1e-18``: its
+  gradient (about 10) and every intermediate of its bound are
+  representable in float32, so its bound must be finite (the example is
+  clipped, not dropped) and at or above the float64 norm. The underflow
+  allowance ``8 T^2 tiny ((N M + N + M) |x|^2 + 1)`` from the largest row
+  norms (``|x|^2`` about ``N 1e36``) overflowed in its intermediate
+  ``(N M + N + M) |x|^2`` (``2.4e39`` for a 16-input linear layer, ``1.7e39``
+  for a conv's 18-wide patches) while the allowance itself is about
+  ``1e3``: the bound was inf (weight 0; finite from the largest entries
+  before 2026-12-07)."""
+  rng = np.random.RandomState(7)
+  b, t = 3, 4
+  n = 16 if kind == "linear" else 6
+  x = rng.normal(size=(b, t, n)).astype(np.float32)
+  x[0] = np.sign(x[0]) * 1e18
+  body = {"linear": lambda x: hk.Linear(8, with_bias=False,
+                                        name="layer")(x),
+          "conv": lambda x: hk.Conv1D(4, 3, with_bias=False,
+                                      name="layer")(x)}[kind]
+  plain = hk.transform(body)
+  out = jax.eval_shape(
+      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
+      None, x)
+  v = rng.normal(size=out.shape).astype(np.float32)
+  v[0] *= 1e-18
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
+      params, state, None, x, v)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
+  got = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(np.isfinite(got)), got / true
+  assert np.all(got >= true), got / true
+  assert np.all(got[1:] <= true[1:] * (1 + 1e-3)), got / true
+
+
 def test_row_norms_of_tiny_rows_are_bounded_from_above():
   """A row whose squares flush to zero (entries near ``1e-21``) gets a norm
   bounded from above (``sqrt(2 n tiny)``), not 0; an ordinary row's norm

@@ -258,13 +258,16 @@ def underflow_slack(t, n, m, mx: jax.Array, md: jax.Array) -> jax.Array:
   sqrt(N M) mx md``). So ``8 T^2 tiny ((N M + N + M)(mx^2 + md^2) + 1)``:
   negligible on ordinary data, and large (or inf) exactly for an example
   whose tiny inputs meet huge cotangents, which is then clipped harder."""
+  # The tiny factor first: ``(N M + N + M) sq`` alone overflowed (to an
+  # inf bound) for row norms near 1e18 whose allowance is about 1e3.
   tiny = fractions.Fraction(float(jnp.finfo(mx.dtype).tiny))
   sq = jnp.square(mx) + jnp.square(md)
   if _static(t, n, m):
-    return _rounded_up(8 * tiny * t * t, mx.dtype) * (
-        _rounded_up(n * m + n + m, mx.dtype) * sq + 1)
+    return (_rounded_up(8 * tiny * t * t * (n * m + n + m), mx.dtype) * sq +
+            _rounded_up(8 * tiny * t * t, mx.dtype))
   n, m, t = (count(k, mx.dtype) for k in (n, m, t))
-  return 8 * float(tiny) * jnp.square(t) * ((n * m + n + m) * sq + 1)
+  scale = 8 * float(tiny) * jnp.square(t)
+  return scale * (n * m + n + m) * sq + scale
 
 
 def row_norms(a: jax.Array) -> jax.Array:
