@@ -300,6 +300,12 @@ def case_clipped(clipping, entry_name):
     want_fraction = np.mean(norms > c_norm)
   else:
     groups = reference.column_groups(params)
+    # C_l = C / sqrt(L): the median over the examples of their largest
+    # layer norm, so that about half are clipped in some layer (the
+    # all-layer median clipped every example of the tied LM in some layer).
+    largest = np.max([np.sqrt((f[:, cols] ** 2).sum(1))
+                      for cols in groups.values()], axis=0)
+    c_norm = float(np.median(largest)) * math.sqrt(len(groups))
     flat = np.zeros(f.shape[1])
     clipped_any = np.zeros(f.shape[0], bool)
     for cols in groups.values():
