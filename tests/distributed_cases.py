@@ -580,6 +580,52 @@ def case_jit(axis_type_name, entry_name):
   return {"spec": str(spec)}
 
 
+def case_gru_step_explicit():
+  """One tracked ``hk.GRU`` step under a mesh with an Explicit axis: the
+  inputs' rows sharded over the examples, the state replicated (its
+  initial state). The layer joins the two in one array; that
+  concatenation failed (ShardingTypeError) where ``hk.GRU``'s sum of two
+  products runs. The Gram is the float64 one's, laid out by rows."""
+  import haiku as hk  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import gram_haiku  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import assert_gram_close  # pylint: disable=g-import-not-at-top
+  from gram_haiku._src.core.reference import per_example_grads  # pylint: disable=g-import-not-at-top
+
+  def make(tracked):
+    def loss(x):
+      core = hk.GRU(4, name="gru")
+      state = core.initial_state(x.shape[0])
+      if tracked:
+        with gram_haiku.track():
+          out, _ = core(x, state)
+      else:
+        out, _ = core(x, state)
+      return jnp.sum(jnp.tanh(out) ** 2)
+    return hk.transform_with_state(loss)
+  x = jax.random.normal(jax.random.PRNGKey(0), (B, 3))
+  plain, tracked = make(False), make(True)
+  params, plain_state = plain.init(jax.random.PRNGKey(1), x)
+  _, state = tracked.init(jax.random.PRNGKey(1), x)
+  f = np.asarray(per_example_grads(
+      lambda p, x: plain.apply(p, plain_state, None, x)[0], params, x),
+                 np.float64)
+  mesh = jax.make_mesh((N_DEVICES,), ("data",),
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+  with set_mesh(mesh):
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(tracked.apply))(
+        params, state, None, xs)
+  assert_gram_close(grams.total, f @ f.T)
+  spec = getattr(grams.total.sharding, "spec", None)
+  assert tuple(spec) == ("data", None), f"Gram sharded as {spec}"
+  return {}
+
+
 def case_jit_mixed_modes():
   """Explicit mesh, a full-Gram layer and a norms-only one: each result is
   laid out by rows like the examples (``P("data", None)``, ``P("data")``)."""
@@ -1067,10 +1113,12 @@ def cases(everything: bool):
         "MLP", "explicit", check_vma=False)))
   out.append(("collectives", case_norms_and_collectives))
   for axis_type in ("Auto", "Explicit"):
-    for name in (JIT_ENTRIES + ("GRU-dynamic", "ResNet-GroupNorm")
+    for name in (JIT_ENTRIES + ("GRU-dynamic", "GRU-static",
+                                "ResNet-GroupNorm")
                  if everything else JIT_ENTRIES[:1]):
       out.append((f"jit/{axis_type}/{name}",
                   lambda a=axis_type, n=name: case_jit(a, n)))
+  out.append(("jit/Explicit/GRU-step", case_gru_step_explicit))
   out.append(("errors", case_errors))
   out.append(("mesh_argument/transforms", case_mesh_argument))
   out.append(("mesh_argument/errors", case_mesh_argument_errors))

@@ -17,6 +17,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from gram_haiku._src.compute import explicit_mesh
 from gram_haiku._src.frontend.registry import register_layer
 from gram_haiku._src.rules.rule import Rule
 
@@ -59,6 +60,13 @@ def gru(call, module: hk.GRU, inputs, state):
   # bfloat16 inputs gives a float32 output): both are concatenated in the
   # wider dtype, which holds each exactly, and cast back in the cell.
   wide = jnp.result_type(inputs.dtype, state.dtype)
+  # Under a mesh with Explicit axes the state (a replicated initial state)
+  # may be laid out unlike the inputs (rows over the examples' axis), and
+  # a concatenation needs one layout: the state takes the inputs' rows, as
+  # hk.GRU's sum of the two products does.
+  if inputs.ndim == state.ndim:
+    state = explicit_mesh.reshard_like(
+        state, explicit_mesh.rows_sharding(inputs, state.ndim))
   xh = jnp.concatenate([inputs.astype(wide), state.astype(wide)], axis=-1)
   dtypes = (inputs.dtype, state.dtype)
   rule = Rule(forward=functools.partial(gru_cell, input_size=input_size,
