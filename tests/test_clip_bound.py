@@ -1276,6 +1276,38 @@ def test_a_standardised_bound_counts_the_rounding_of_its_channel_sums(
   assert np.all(np.concatenate(ratios) >= 1), ratios
 
 
+def _extreme_example_norms(kind, strategy, t, n, x_scale, v_scale,
+                           sign=False, width=5):
+  """``(bounds, float64 norms)`` of ``clipped_grad(C=0.01)`` on 3 examples
+  of a bias-free ``Linear`` (``width`` outputs) or ``Conv1D`` of
+  ``sum(body(x) * v)`` (``x: (3, t, n)``), example
+  0's inputs scaled by ``x_scale`` (``sign``: set to ``sign(x) x_scale``)
+  and its cotangents by ``v_scale``."""
+  rng = np.random.RandomState(7)
+  x = rng.normal(size=(3, t, n)).astype(np.float32)
+  x[0] = np.sign(x[0]) * x_scale if sign else x[0] * x_scale
+  body = {"linear": lambda x: hk.Linear(width, with_bias=False,
+                                        name="layer")(x),
+          "conv": lambda x: hk.Conv1D(4, 3, with_bias=False,
+                                      name="layer")(x)}[kind]
+  plain = hk.transform(body)
+  out = jax.eval_shape(
+      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
+      None, x)
+  v = rng.normal(size=out.shape).astype(np.float32)
+  v[0] *= v_scale
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy=strategy):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
+      params, state, None, x, v)
+  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
+  return np.asarray(aux.grad_norms, np.float64), true
+
+
 # Every kind whose per-example gradient is bilinear in its input and its
 # cotangent, at one position and at several, under both strategies.
 @pytest.mark.parametrize("kind,t,strategy", [
@@ -1294,32 +1326,10 @@ def test_tiny_inputs_with_huge_cotangents_keep_a_sound_bound(kind, t,
   underflow): it is above the float64 norm for that example (here inf,
   its squared cotangents overflowing: weight 0) and within 1e-3 of it for
   the others."""
-  rng = np.random.RandomState(7)
-  b = 3
-  x = rng.normal(size=(b, t, 6)).astype(np.float32)
-  x[0] *= 1e-21
   # No bias: its gradient, sum_t d_t, would be 1e19 itself (and its bound
   # inf, which is sound: the example gets weight 0).
-  body = {"linear": _linear(False),
-          "conv": lambda x: hk.Conv1D(4, 3, with_bias=False,
-                                      name="layer")(x)}[kind]
-  plain = hk.transform(body)
-  out = jax.eval_shape(
-      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
-      None, x)
-  v = rng.normal(size=out.shape).astype(np.float32)
-  v[0] *= 1e19
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy=strategy):
-      return jnp.sum(body(x) * v)
-  f = hk.transform_with_state(loss_fn)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
-  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
-      params, state, None, x, v)
-  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
+  got, true = _extreme_example_norms(kind, strategy, t, 6, 1e-21, 1e19)
   assert true[0] > 0.01  # the example the bound must catch
-  got = np.asarray(aux.grad_norms, np.float64)
   assert np.all(got >= true), got / true
   assert np.all(got[1:] <= true[1:] * (1 + 1e-3)), got / true
 
@@ -1340,31 +1350,9 @@ def test_huge_inputs_with_tiny_cotangents_keep_a_finite_bound(kind,
   for a conv's 18-wide patches) while the allowance itself is about
   ``1e3``: the bound was inf (weight 0; finite from the largest entries
   before 2026-12-07)."""
-  rng = np.random.RandomState(7)
-  b, t = 3, 4
-  n = 16 if kind == "linear" else 6
-  x = rng.normal(size=(b, t, n)).astype(np.float32)
-  x[0] = np.sign(x[0]) * 1e18
-  body = {"linear": lambda x: hk.Linear(8, with_bias=False,
-                                        name="layer")(x),
-          "conv": lambda x: hk.Conv1D(4, 3, with_bias=False,
-                                      name="layer")(x)}[kind]
-  plain = hk.transform(body)
-  out = jax.eval_shape(
-      plain.apply, jax.eval_shape(plain.init, jax.random.PRNGKey(0), x),
-      None, x)
-  v = rng.normal(size=out.shape).astype(np.float32)
-  v[0] *= 1e-18
-
-  def loss_fn(x, v):
-    with gram_haiku.track(strategy=strategy):
-      return jnp.sum(body(x) * v)
-  f = hk.transform_with_state(loss_fn)
-  params, state = jax.jit(f.init)(jax.random.PRNGKey(1), x, v)
-  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 0.01))(
-      params, state, None, x, v)
-  true = np.linalg.norm(_reference(body, params, x, v), axis=1)
-  got = np.asarray(aux.grad_norms, np.float64)
+  got, true = _extreme_example_norms(kind, strategy, 4,
+                                     16 if kind == "linear" else 6, 1e18,
+                                     1e-18, sign=True, width=8)
   assert np.all(np.isfinite(got)), got / true
   assert np.all(got >= true), got / true
   assert np.all(got[1:] <= true[1:] * (1 + 1e-3)), got / true
