@@ -1481,6 +1481,15 @@ def _offset_model(kind, strategy, n, b, seed, t=4):
   return body, example, batch, f, params, state
 
 
+def _with_last(batch, example):
+  """A copy of ``batch`` (a tuple of arrays, example axis 0) whose last
+  example is ``example``'s (one entry per array)."""
+  out = tuple(u.copy() for u in batch)
+  for u, w in zip(out, example):
+    u[-1] = w
+  return out
+
+
 @pytest.mark.parametrize("kind,strategy,n", [
     ("linear", "ghost", 8), ("linear", "auto", 64), ("conv", "ghost", 8),
     ("embed", "ghost", 6), ("standardised", "ghost", 0)])
@@ -1511,9 +1520,7 @@ def test_a_loose_example_leaves_the_others_clip_factors_alone(kind, strategy,
   # (A standardised conv's others are loose themselves from about o = 60.)
   for o in np.geomspace(10, 100 if kind == "standardised" else 1000, 13):
     others = batch(example(o))
-    both = tuple(u.copy() for u in others)
-    for u, w in zip(both, adversary):
-      u[-1] = w
+    both = _with_last(others, adversary)
     _, with_it = step(params, state, None, *both)
     _, without = step(params, state, None, *others,
                       is_padding_example=removed)
@@ -1542,9 +1549,7 @@ def test_a_loose_example_leaves_the_others_reported_norms_alone(kind, n):
   step = jax.jit(gram_haiku.reweighted_grad(
       f.apply, lambda grams: jnp.ones_like(grams.sq_norms)))
   others = batch(example(30.0))
-  both = tuple(u.copy() for u in others)
-  for u, w in zip(both, example(3e3)):  # Loose.
-    u[-1] = w
+  both = _with_last(others, example(3e3))  # Loose.
   _, _, with_it, _ = step(params, state, None, *both)
   _, _, without, _ = step(params, state, None, *others)
   np.testing.assert_array_equal(np.asarray(with_it.sq_norms)[:-1],
@@ -1566,9 +1571,7 @@ def test_a_loose_example_leaves_the_others_gram_entries_alone(kind, n):
                                                          16, seed=1)
   step = jax.jit(gram_haiku.value_grad_and_gram(f.apply))
   others = batch(example(30.0))
-  both = tuple(u.copy() for u in others)
-  for u, w in zip(both, example(3e3)):  # Loose.
-    u[-1] = w
+  both = _with_last(others, example(3e3))  # Loose.
   with_it = np.asarray(step(params, state, None, *both)[-1].total)
   without = np.asarray(step(params, state, None, *others)[-1].total)
   np.testing.assert_array_equal(with_it[:-1, :-1], without[:-1, :-1])
