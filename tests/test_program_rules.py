@@ -478,10 +478,9 @@ def _kernel_per_example_net(x, y):
                  axis=-1)
 
 
-#: In this order, the default budget's sampling (conftest.SAMPLED_SWEEPS)
-#: keeps every other: shared, mixer, in_jit_calls, conv (the others have
-#: rows of tests/interpreter_corpus.py: bare_weight_first_in_einsum,
-#: bare_weight_matmul, bare_table_gather).
+#: The default budget runs the first (conftest.py), the thorough env all;
+#: three are also rows of tests/interpreter_corpus.py
+#: (bare_weight_first_in_einsum, bare_weight_matmul, bare_table_gather).
 _PER_EXAMPLE_NETS = {
     "shared": (_shared_net, {"~/w": "program: broadcast, dot_general"}),
     "weight_first": (_weight_first_net, {"~/w": "program: dot_general"}),

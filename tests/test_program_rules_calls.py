@@ -171,8 +171,7 @@ def _setup(name, dtype):
   return loss, _params(dtype, keys), (x, y)
 
 
-# (Sampled one in two by default, conftest.SAMPLED_SWEEPS: the kept ones,
-# 0, 2 and 4, are one of each rule.)
+# (The default budget runs the first, conftest.py; the thorough env all.)
 CASES = ["checkpoint", "scan_of_checkpoint", "cond", "hk_dynamic_unroll",
          "scan"]
 
