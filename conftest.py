@@ -86,21 +86,21 @@ gc.set_threshold(50_000, 50, 100)
 # out. The nightly conformance-thorough env (CONFORMANCE_THOROUGH=1 /
 # --conformance-thorough) runs every case of every function. (The
 # conformance suite's ops are sampled by its own plugin.)
-# Files whose sweeps all run every case by default: the clip bound's
-# attacks (a privacy bug there is silent), the real cases of shared/cases
-# and the checks of every documentation page.
-FULL_FILES = ("tests/test_clip_bound.py", "tests/test_cases.py",
-              "tests/test_docs.py")
+# Files whose sweeps all run every case by default: the real cases of
+# shared/cases and the checks of every documentation page.
+FULL_FILES = ("tests/test_cases.py", "tests/test_docs.py")
 # Sweeps elsewhere that run every case: the sharded cases of
 # tests/distributed_cases.py' default list (cases(everything=False), which
 # its one runner computes whole, each case reported; --all adds the rest).
 EVERY_CASE = ("tests/test_distributed.py::test_sharded_case",)
-# Sweeps that keep one case in k: the cancelling attacks of the clip bound
-# (one layer in two), and the interpreter's red-team corpus (one row in
-# twenty-four: each row one verdict of the same interpreter, the rows of
-# refused programs among them).
+# Sweeps that keep one case in k (a key a file: each of its sweeps): the
+# clip bound's attacks, every other layer or input of each (and of the
+# cancelling attack one in four), first included; the interpreter's
+# red-team corpus, one row in twenty-four (each row one verdict of the same
+# interpreter, the rows of refused programs among them).
 SAMPLED_SWEEPS = {
-    "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 2,
+    "tests/test_clip_bound.py": 2,
+    "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 4,
     "tests/test_interpreter_corpus.py::test_corpus_row": 24,
 }
 
@@ -128,8 +128,9 @@ def _sampled(items):
     groups.setdefault(_key(item), []).append(item)
   keep = set()
   for key, group in groups.items():
-    if key in SAMPLED_SWEEPS:
-      kept = group[::SAMPLED_SWEEPS[key]]
+    every = SAMPLED_SWEEPS.get(key, SAMPLED_SWEEPS.get(key.split("::")[0]))
+    if every:
+      kept = group[::every]
     elif key in EVERY_CASE or key.split("::")[0] in FULL_FILES:
       kept = group
     else:

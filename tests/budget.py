@@ -51,9 +51,7 @@ ALWAYS = (
     "tests/test_benchmarks.py::test_real_suite_smoke",
     "tests/test_pallas_conv.py::test_matches_float64_and_the_patch_path",
     "tests/test_pallas_ghost.py::test_gram_matches_float64_and_the_xla_path",
-    # A whole model, Haiku and plain JAX, against vmap(grad) and
-    # jax-privacy.
-    "tests/test_flax_zoo.py::test_plain_jax_gpt_is_the_haiku_gram",
+    # A whole model against vmap(grad) and jax-privacy.
     "tests/test_model_zoo.py::test_a_covered_model_gives_the_reference_gram",
     "tests/test_model_zoo.py::test_a_covered_model_clips_like_jax_privacy",
     "tests/test_jax_privacy_api.py::"
@@ -63,7 +61,7 @@ SOUNDNESS = re.compile(
     r"refus|sound|nan_|non_finite|huge|cancel|underflow|overflow|leak|"
     r"adversar|bound|at_most|coupled|cross_example|not_held|corpus|"
     r"rule_removed|tied|twice|cross_terms", re.I)
-CHEAP_S = 0.5
+CHEAP_S = 0.25
 
 
 def function_key(test_id: str) -> str:
@@ -149,8 +147,10 @@ def main(argv=None) -> int:
       for context in contexts:
         if context:
           lines_of[context.rsplit("|", 1)[0]].add((path, line))
-  left = choose(lines_of, seconds)
   hand, _ = read_list()
+  by_hand = keys(generated=False)
+  left = [i for i in choose(lines_of, seconds)
+          if function_key(i) not in by_hand]
   with open(LIST, "w") as f:
     for line in hand:
       f.write(line + "\n")
