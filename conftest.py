@@ -182,5 +182,6 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(
         "gram_haiku: the default budget ran every test function once (a "
         "parametrised sweep its first case; every case of conftest."
-        "FULL_FILES and EVERY_CASE; the rest are in the deselected count); "
-        "tox -e conformance-thorough runs them all.")
+        "FULL_FILES and EVERY_CASE, one in k of SAMPLED_SWEEPS), none of "
+        "tests/thorough_only.txt (in the deselected count); tox -e "
+        "conformance-thorough runs them all.")
