@@ -94,8 +94,11 @@ FULL_FILES = ("tests/test_cases.py", "tests/test_docs.py")
 # its one runner computes whole, each case reported; --all adds the rest).
 EVERY_CASE = ("tests/test_distributed.py::test_sharded_case",)
 # Sweeps that keep one case in k (a key a file: each of its sweeps): the
-# clip bound's attacks, every other layer or input of each (and of the
-# cancelling attack one in four), first included; the interpreter's
+# clip bound's attacks, every other case of each in order of collection
+# (of the cancelling attack one in four), first included: a sweep whose
+# list alternates two strategies or modes runs the first of them only
+# (the tiny- and huge-input attacks ghost, not materialize; the reported
+# Gram its gram mode, not norms); the interpreter's
 # red-team corpus, one row in twenty-four (each row one verdict of the same
 # interpreter, the rows of refused programs among them).
 SAMPLED_SWEEPS = {
@@ -125,9 +128,12 @@ def _sampled(items):
     callspec = getattr(item, "callspec", None)
     if callspec is None or "conformance_op" in callspec.params:
       continue
-    groups.setdefault(_key(item), []).append(item)
+    # A sweep is a function of its module or class: two classes' methods
+    # of one name (a mixin's) keep a case each.
+    groups.setdefault((item.parent.nodeid, _key(item)), []).append(item)
   keep = set()
-  for key, group in groups.items():
+  for group in groups.values():
+    key = _key(group[0])
     every = SAMPLED_SWEEPS.get(key, SAMPLED_SWEEPS.get(key.split("::")[0]))
     if every:
       kept = group[::every]
@@ -156,10 +162,13 @@ def pytest_cmdline_main(config):
     option.dist = "worksteal"
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
   """Leaves out :data:`THOROUGH_ONLY` and samples the parametrised sweeps
   (:func:`_sampled`) outside the thorough budget; the deselected count says
-  how many cases it left out."""
+  how many cases it left out. Runs after ``-k``/``-m`` have deselected
+  theirs: ``-k`` naming a sweep's later case runs that case (sampled first,
+  the sweep would keep its first case, which ``-k`` then left out)."""
   if _plugin.thorough():
     return
   keep, drop = [], []
