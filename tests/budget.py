@@ -100,17 +100,33 @@ def choose(lines_of, seconds):
   def always(i):
     return (i.startswith(ALWAYS_FILES) or function_key(i) in ALWAYS or
             SOUNDNESS.search(i) or seconds.get(i, 0.0) < CHEAP_S)
-  kept = [i for i in lines_of if always(i)]
+  ids = sorted(lines_of)  # coverage.py's order of contexts varies by run
+  kept = [i for i in ids if always(i)]
   covered = set().union(*(lines_of[i] for i in kept)) if kept else set()
-  rest = [i for i in lines_of if not always(i)]
+  rest = [i for i in ids if not always(i)]
   while True:
     gain = {i: len(lines_of[i] - covered) / max(seconds.get(i, 0.0), 0.05)
             for i in rest if lines_of[i] - covered}
     if not gain:
-      return sorted(rest, key=lambda i: -seconds.get(i, 0.0))
-    best = max(gain, key=gain.get)
+      return sorted(rest, key=lambda i: (-seconds.get(i, 0.0), i))
+    best = max(gain, key=gain.get)  # of equal gains, the first id
     covered |= lines_of[best]
     rest.remove(best)
+
+
+def left_out(lines_of, seconds, by_hand=()):
+  """The test functions (``file::function``) to list: those all of whose
+  ids :func:`choose` leaves out (conftest.py leaves out a function's every
+  case and every class's method of its name), the hand-listed ones
+  excepted, slowest first."""
+  chosen = choose(lines_of, seconds)
+  kept = {function_key(i) for i in set(lines_of) - set(chosen)}
+  out = {}
+  for i in chosen:
+    key = function_key(i)
+    if key not in kept and key not in by_hand:
+      out[key] = out.get(key, 0.0) + seconds.get(i, 0.0)
+  return sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def main(argv=None) -> int:
@@ -123,7 +139,11 @@ def main(argv=None) -> int:
   parser.add_argument("--durations", default=os.path.join(
       ROOT, ".budget_durations.log"), help="pytest --durations=0 output")
   args = parser.parse_args(argv)
-  import coverage  # pylint: disable=g-import-not-at-top
+  try:
+    import coverage  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    parser.exit(2, "tests.budget: needs coverage.py and pytest-cov (pip "
+                "install coverage pytest-cov)\n")
   if not args.no_run:
     env = dict(os.environ, GRAM_HAIKU_BUDGET_ALL="1")
     with open(args.durations, "w") as out:
@@ -139,6 +159,8 @@ def main(argv=None) -> int:
       m = re.match(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S+)", line)
       if m:
         seconds[m.group(2)] += float(m.group(1))
+  if not os.path.exists(args.data):
+    parser.exit(2, f"tests.budget: no coverage data {args.data}\n")
   data = coverage.CoverageData(args.data)
   data.read()
   lines_of = collections.defaultdict(set)
@@ -147,18 +169,20 @@ def main(argv=None) -> int:
       for context in contexts:
         if context:
           lines_of[context.rsplit("|", 1)[0]].add((path, line))
-  hand, _ = read_list()
-  by_hand = keys(generated=False)
-  left = [i for i in choose(lines_of, seconds)
-          if function_key(i) not in by_hand]
+  if not lines_of or not seconds:
+    parser.exit(2, f"tests.budget: no per-test contexts in {args.data} or "
+                f"no durations in {args.durations} (the list is left as it "
+                "is)\n")
+  hand, _ = read_list(LIST)
+  left = left_out(lines_of, seconds, keys(LIST, generated=False))
   with open(LIST, "w") as f:
     for line in hand:
       f.write(line + "\n")
     f.write(f"{MARK}: lines of gram_haiku that the default budget's other "
             "tests run; seconds cold on 2 cores)\n")
-    for test_id in left:
-      f.write(f"{function_key(test_id)}  # {seconds.get(test_id, 0.0):.1f}\n")
-  print(f"{len(left)} test functions ({sum(seconds[i] for i in left):.0f} s) "
+    for key, secs in left:
+      f.write(f"{key}  # {secs:.1f}\n")
+  print(f"{len(left)} test functions ({sum(s for _, s in left):.0f} s) "
         f"written to {os.path.relpath(LIST, ROOT)}")
   return 0
 

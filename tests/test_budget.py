@@ -3,19 +3,31 @@
 import importlib
 import inspect
 import os
+import sys
+import types
+import unittest
 
+import conftest
+import pytest
 from tests import budget
 
 ROOT = budget.ROOT
 
 
 def _functions(path):
-  """The names of the test functions of a test module and of the methods
-  of its classes (inherited ones included: a mixin's tests)."""
+  """The names pytest collects as tests in a test module: its functions
+  named ``test*`` and the ``test*`` methods (inherited ones included: a
+  mixin's tests) of its classes named ``Test*`` and of its
+  ``unittest.TestCase`` classes. A module, class or constant whose name
+  starts with ``test`` (``from gram_haiku.conformance import testing``) is
+  no test: listed, it would leave nothing out."""
   module = importlib.import_module(path[:-len(".py")].replace("/", "."))
-  names = {n for n in dir(module) if n.startswith("test")}
-  for _, cls in inspect.getmembers(module, inspect.isclass):
-    names.update(n for n in dir(cls) if n.startswith("test"))
+  names = {n for n, obj in inspect.getmembers(module, inspect.isfunction)
+           if n.startswith("test")}
+  for name, cls in inspect.getmembers(module, inspect.isclass):
+    if name.startswith("Test") or issubclass(cls, unittest.TestCase):
+      names.update(n for n, _ in inspect.getmembers(cls, inspect.isfunction)
+                   if n.startswith("test"))
   return names
 
 
@@ -27,6 +39,8 @@ def test_every_listed_test_exists():
     path, name = key.split("::")
     if not os.path.exists(os.path.join(ROOT, path)):
       missing.append(f"{key}: no file {path}")
+    elif not os.path.basename(path).startswith("test_"):
+      missing.append(f"{key}: {path} is no test file pytest collects")
     elif name not in _functions(path):
       missing.append(f"{key}: no test {name} in {path}")
   assert not missing, "\n".join(missing)
@@ -74,3 +88,74 @@ def test_the_generated_section_is_rewritten_and_the_hand_one_kept(tmp_path):
   assert budget.keys(str(path)) == {"tests/a.py::test_x",
                                     "tests/a.py::test_y"}
   assert budget.keys(str(path), generated=False) == {"tests/a.py::test_x"}
+
+
+def test_only_a_collected_test_counts_as_listed():
+  names = _functions("tests/test_conformance_example.py")
+  # A module-level test, a mixin's inherited method, a TestCase's own one.
+  assert {"test_example_is_exact", "test_transforms",
+          "test_a_family_that_checks_nothing_fails"} <= names
+  # The conformance testing module imported there, and a method of a class
+  # pytest does not collect (defined inside a test), are no tests.
+  assert "testing" not in names and "test_nothing" not in names
+
+
+def _item(nodeid, **params):
+  parent, name = nodeid.split("[")[0].rsplit("::", 1)
+  return types.SimpleNamespace(
+      nodeid=nodeid, originalname=name,
+      parent=types.SimpleNamespace(nodeid=parent),
+      callspec=types.SimpleNamespace(params=params))
+
+
+def test_each_sweep_keeps_its_first_case():
+  items = [_item("tests/test_a.py::A::test_m[1]", n=1),
+           _item("tests/test_a.py::A::test_m[2]", n=2),
+           _item("tests/test_a.py::B::test_m[1]", n=1),
+           _item("tests/test_a.py::B::test_m[2]", n=2),
+           _item("tests/test_a.py::test_m[1]", n=1),
+           _item("tests/test_a.py::test_m[2]", n=2),
+           _item("tests/test_a.py::test_op[x]", conformance_op="x")]
+  keep, grouped = conftest._sampled(items)  # pylint: disable=protected-access
+  # Two classes' methods of one name, and the module's function of that
+  # name, are three sweeps: each runs its first case. The conformance
+  # suite's items are its plugin's.
+  assert [i.nodeid for i in items if id(i) in keep] == [
+      "tests/test_a.py::A::test_m[1]", "tests/test_a.py::B::test_m[1]",
+      "tests/test_a.py::test_m[1]"]
+  assert grouped == {id(i) for i in items[:6]}
+
+
+def test_a_function_with_a_case_kept_is_not_listed():
+  lines = {"tests/t.py::test_big": {("m", 1), ("m", 2)},
+           "tests/t.py::test_f[a]": {("m", 1), ("m", 2)},
+           "tests/t.py::test_f[b]": {("m", 3)},
+           "tests/t.py::A::test_g": {("m", 1)},
+           "tests/t.py::B::test_g": {("m", 4)},
+           "tests/t.py::test_h": {("m", 2)}}
+  seconds = dict.fromkeys(lines, 1.0)
+  # test_big runs test_f[a]'s lines (of equal gains the first id is kept,
+  # whatever the order of the contexts), A's test_g's, and test_h's; but
+  # the list leaves out a function's every case and both classes' test_g.
+  for order in (lines, dict(reversed(lines.items()))):
+    assert budget.choose(order, seconds) == [
+        "tests/t.py::A::test_g", "tests/t.py::test_f[a]", "tests/t.py::test_h"]
+  assert budget.left_out(lines, seconds) == [("tests/t.py::test_h", 1.0)]
+  assert budget.left_out(lines, seconds, {"tests/t.py::test_h"}) == []
+
+
+def test_a_missing_input_leaves_the_list_as_it_is(tmp_path, monkeypatch):
+  listed = tmp_path / "list.txt"
+  listed.write_text(f"# why\ntests/a.py::test_x\n{budget.MARK})\n")
+  monkeypatch.setattr(budget, "LIST", str(listed))
+  durations = tmp_path / "durations.log"
+  durations.write_text("1.00s call     tests/a.py::test_y\n")
+  argv = ["--no-run", "--data", str(tmp_path / "none"),
+          "--durations", str(durations)]
+  with pytest.raises(SystemExit, match="2"):
+    budget.main(argv)
+  # No coverage.py: one line saying what to install, not a traceback.
+  monkeypatch.setitem(sys.modules, "coverage", None)
+  with pytest.raises(SystemExit, match="2"):
+    budget.main(argv)
+  assert listed.read_text() == f"# why\ntests/a.py::test_x\n{budget.MARK})\n"
