@@ -129,6 +129,19 @@ def left_out(lines_of, seconds, by_hand=()):
   return sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def read_durations(path):
+  """Seconds of each test id (setup, call and teardown) in the output of
+  ``pytest --durations=0`` (an id may hold spaces: its parameters')."""
+  seconds = collections.Counter()
+  with open(path) as f:
+    for line in f:
+      m = re.match(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S.*?)\s*$",
+                   line)
+      if m:
+        seconds[m.group(2)] += float(m.group(1))
+  return seconds
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--data", default=os.path.join(ROOT, ".coverage"),
@@ -153,12 +166,7 @@ def main(argv=None) -> int:
            "--cov=gram_haiku", "--cov-context=test", "--cov-report=",
            f"--cov-config={os.devnull}"],
           cwd=ROOT, env=env, stdout=out, check=False)
-  seconds = collections.Counter()
-  with open(args.durations) as f:
-    for line in f:
-      m = re.match(r"^([0-9.]+)s (?:call|setup|teardown)\s+(\S+)", line)
-      if m:
-        seconds[m.group(2)] += float(m.group(1))
+  seconds = read_durations(args.durations)
   if not os.path.exists(args.data):
     parser.exit(2, f"tests.budget: no coverage data {args.data}\n")
   data = coverage.CoverageData(args.data)

@@ -159,3 +159,30 @@ def test_a_missing_input_leaves_the_list_as_it_is(tmp_path, monkeypatch):
   with pytest.raises(SystemExit, match="2"):
     budget.main(argv)
   assert listed.read_text() == f"# why\ntests/a.py::test_x\n{budget.MARK})\n"
+
+
+def test_durations_are_read_whole_ids(tmp_path):
+  log = tmp_path / "durations.log"
+  log.write_text(
+      "===== slowest durations =====\n"
+      "0.71s call     tests/a.py::test_x[pad0-shape \\\\(8,\\\\).*7 examples]\n"
+      "0.44s call     tests/a.py::test_y[sum / B]\n"
+      "0.10s setup    tests/a.py::test_y[sum / B]\n"
+      "(12 durations < 0.005s hidden.  Use -vv to show these durations.)\n")
+  assert budget.read_durations(str(log)) == {
+      "tests/a.py::test_x[pad0-shape \\\\(8,\\\\).*7 examples]": 0.71,
+      "tests/a.py::test_y[sum / B]": 0.44 + 0.10}
+
+
+def test_every_sweep_key_names_a_test():
+  """A renamed sweep of conftest.py's FULL_FILES, EVERY_CASE or
+  SAMPLED_SWEEPS would silently fall back to its first case."""
+  missing = []
+  for key in (*conftest.SAMPLED_SWEEPS, *conftest.EVERY_CASE,
+              *conftest.FULL_FILES):
+    path, _, name = key.partition("::")
+    if not os.path.exists(os.path.join(ROOT, path)):
+      missing.append(f"{key}: no file {path}")
+    elif name and name not in _functions(path):
+      missing.append(f"{key}: no test {name} in {path}")
+  assert not missing, "\n".join(missing)
