@@ -93,14 +93,13 @@ FULL_FILES = ("tests/test_cases.py", "tests/test_docs.py")
 # tests/distributed_cases.py' default list (cases(everything=False), which
 # its one runner computes whole, each case reported; --all adds the rest).
 EVERY_CASE = ("tests/test_distributed.py::test_sharded_case",)
-# Sweeps that keep one case in k (a key a file: each of its sweeps): the
-# clip bound's attacks, every other case of each in order of collection
-# (of the cancelling attack one in four), first included: a sweep whose
-# list alternates two strategies or modes runs the first of them only
-# (the tiny- and huge-input attacks ghost, not materialize; the reported
-# Gram its gram mode, not norms); the interpreter's
-# red-team corpus, one row in twenty-four (each row one verdict of the same
-# interpreter, the rows of refused programs among them).
+# Sweeps that keep one case in k (a key a file: each of its sweeps), first
+# included, and where a sweep crosses parameters each value of each at
+# least once: the clip bound's attacks, every other case of each in order
+# of collection (of the cancelling attack one in four) with every layer,
+# strategy and mode; the interpreter's red-team corpus, one row in
+# twenty-four (each row one verdict of the same interpreter, the rows of
+# refused programs among them).
 SAMPLED_SWEEPS = {
     "tests/test_clip_bound.py": 2,
     "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 4,
@@ -121,7 +120,9 @@ def _sampled(items):
   """The items of the parametrised sweeps to keep in the default budget,
   and all the sweeps' items: each function's first case (in order of
   collection), every case of :data:`FULL_FILES` and :data:`EVERY_CASE`,
-  one in ``k`` of :data:`SAMPLED_SWEEPS`. The conformance suite's items
+  one in ``k`` of :data:`SAMPLED_SWEEPS` and, in those that cross
+  parameters, each value of each at least once. The conformance suite's
+  items
   (sampled by its plugin) are left alone."""
   groups = {}
   for item in items:
@@ -137,6 +138,16 @@ def _sampled(items):
     every = SAMPLED_SWEEPS.get(key, SAMPLED_SWEEPS.get(key.split("::")[0]))
     if every:
       kept = group[::every]
+      # and, where the sweep crosses parameters, each value of each at
+      # least once (a strategy, a mode or a layer that alternates with
+      # another in the sweep's order).
+      held = {(n, repr(v)) for item in kept
+              for n, v in item.callspec.params.items()}
+      for item in group if len(group[0].callspec.params) > 1 else ():
+        values = {(n, repr(v)) for n, v in item.callspec.params.items()}
+        if not values <= held:
+          kept.append(item)
+          held |= values
     elif key in EVERY_CASE or key.split("::")[0] in FULL_FILES:
       kept = group
     else:
