@@ -94,8 +94,8 @@ FULL_FILES = ("tests/test_cases.py", "tests/test_docs.py")
 # its one runner computes whole, each case reported; --all adds the rest).
 EVERY_CASE = ("tests/test_distributed.py::test_sharded_case",)
 # Sweeps that keep one case in k (a key a file: each of its sweeps), first
-# included, and where a sweep crosses parameters each value of each at
-# least once: the clip bound's attacks, every other case of each in order
+# included, and where a sweep crosses parameters or has two cases each
+# value of each at least once: the clip bound's attacks, every other case of each in order
 # of collection (of the cancelling attack one in four) with every layer,
 # strategy and mode; the interpreter's red-team corpus, one row in
 # twenty-four (each row one verdict of the same interpreter, the rows of
@@ -121,7 +121,7 @@ def _sampled(items):
   and all the sweeps' items: each function's first case (in order of
   collection), every case of :data:`FULL_FILES` and :data:`EVERY_CASE`,
   one in ``k`` of :data:`SAMPLED_SWEEPS` and, in those that cross
-  parameters, each value of each at least once. The conformance suite's
+  parameters or have two cases, each value of each at least once. The conformance suite's
   items
   (sampled by its plugin) are left alone."""
   groups = {}
@@ -138,12 +138,13 @@ def _sampled(items):
     every = SAMPLED_SWEEPS.get(key, SAMPLED_SWEEPS.get(key.split("::")[0]))
     if every:
       kept = group[::every]
-      # and, where the sweep crosses parameters, each value of each at
-      # least once (a strategy, a mode or a layer that alternates with
-      # another in the sweep's order).
+      # and, where the sweep crosses parameters or has two cases, each
+      # value of each at least once (a strategy, a mode or a layer that
+      # alternates with another in the sweep's order).
       held = {(n, repr(v)) for item in kept
               for n, v in item.callspec.params.items()}
-      for item in group if len(group[0].callspec.params) > 1 else ():
+      crossed = len(group[0].callspec.params) > 1 or len(group) <= 2
+      for item in group if crossed else ():
         values = {(n, repr(v)) for n, v in item.callspec.params.items()}
         if not values <= held:
           kept.append(item)

@@ -1630,3 +1630,118 @@ def test_a_low_precision_input_to_a_float32_norm_is_bounded_as_haiku_runs_it(
   assert np.all(got >= true * (1 - 1e-6)), got / true
   np.testing.assert_allclose(f.apply(params, state, None, x, v)[0],
                              plain.apply(params, None, x, v), rtol=1e-6)
+
+
+def _as_on_a_tpu(monkeypatch):
+  """Every rounding bound of norm_bounds as a program compiled for a TPU
+  counts it (bfloat16 passes below ``HIGHEST``), on any platform."""
+  monkeypatch.setattr(norm_bounds, "dot_error",
+                      _accelerator_dot_error(norm_bounds.dot_error))
+  per_platform = norm_bounds.per_platform
+  monkeypatch.setattr(norm_bounds, "per_platform",
+                      lambda value, dtype=jnp.float32: per_platform(
+                          lambda p: value("tpu"), dtype))
+
+
+def _long_sequence_linear(cancel: bool, mode: str):
+  """``(f, body, params, state, x, v, true)``: one tracked bias-free
+  linear layer over ``T = 64`` positions with the ghost strategy at the
+  default precision; ``cancel``: the last example's positions cancel in
+  pairs. ``true``: float64 per-example gradient norms."""
+  def body(x):
+    return hk.Linear(8, with_bias=False, name="out")(x)
+
+  def loss_fn(x, v):
+    with gram_haiku.track(strategy="ghost", gram_precision="default",
+                          mode=mode):
+      return jnp.sum(body(x) * v)
+  f = hk.transform_with_state(loss_fn)
+  rng = np.random.RandomState(7)
+  b, t = 4, 64
+  x = rng.normal(size=(b, t, 16)).astype(np.float32)
+  v = rng.normal(size=(b, t, 8)).astype(np.float32)
+  if cancel:  # the last example: positions in opposite pairs, equal inputs
+    x[-1, 1::2] = x[-1, ::2]
+    v[-1, 1::2] = -v[-1, ::2] * (1 + 1e-6)
+  params, state = f.init(jax.random.PRNGKey(0), x, v)
+  wide = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  true = np.linalg.norm(jax.vmap(lambda xi, vi: jnp.ravel(jax.grad(
+      lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
+                        vi[None]))(wide)["out"]["w"]))(
+                            np.float64(x), np.float64(v)), axis=1)
+  return f, params, state, x, v, true
+
+
+def _spy(module, name, monkeypatch, record) -> list:
+  """A list that gets ``record(out)`` of each run of ``module.name``."""
+  seen, fn = [], getattr(module, name)
+
+  def spy(*args, **kwargs):
+    out = fn(*args, **kwargs)
+    jax.debug.callback(lambda o: seen.append(record(o)), out)
+    return out
+  monkeypatch.setattr(module, name, spy)
+  return seen
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_ghost_norms_loose_below_highest_are_bounded_at_highest_first(
+    cancel, monkeypatch):
+  """Below ``HIGHEST`` a TPU counts ``2^-7`` of each product, which made a
+  long sequence's ghost norm bounds loose for every example (a GPT's output
+  layer at ``T = 256``: the clipping step 2.7x plain instead of 1.8x, its
+  per-example gradients materialised one example at a time). Each loose
+  example's bound is then its ghost bound at ``HIGHEST``; only an example
+  whose products cancel there too (``cancel``: the last example's
+  positions cancel) is materialised. Every clip norm stays at or above the
+  float64 norm, each example's from its own data."""
+  _as_on_a_tpu(monkeypatch)
+  loose_seen = _spy(norm_bounds, "ghost", monkeypatch,
+                    lambda out: np.asarray(out[1]))
+  materialised = _spy(norm_bounds, "materialized", monkeypatch,
+                      lambda out: out.shape)
+  f, params, state, x, v, true = _long_sequence_linear(cancel, "gram")
+  b = x.shape[0]
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
+      params, state, None, x, v)
+  jax.effects_barrier()
+  got = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(got >= true), got / true
+  # Below HIGHEST every example was loose; at HIGHEST only the cancelling
+  # one, which alone was materialised.
+  assert len(loose_seen) == 2, loose_seen
+  assert loose_seen[0].all(), loose_seen
+  np.testing.assert_array_equal(loose_seen[1], np.arange(b) == b - 1
+                                if cancel else np.zeros(b, bool))
+  assert bool(materialised) == cancel
+  ok = np.arange(b) < b - 1 if cancel else np.ones(b, bool)
+  np.testing.assert_allclose(got[ok], true[ok], rtol=2e-2)
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_reported_ghost_norms_loose_below_highest_are_taken_at_highest_first(
+    cancel, monkeypatch):
+  """The reported norms (``mode="norms"``: the best estimate, no bound)
+  likewise: where the ghost norms at the default precision are loose, the
+  ghost norm at ``HIGHEST`` where that is tight, the materialised norm of
+  an example whose products cancel there too. Each within float32
+  rounding of the float64 norm."""
+  _as_on_a_tpu(monkeypatch)
+  materialised = _spy(kernels, "_materialized_sq_norms_blocked", monkeypatch,
+                      lambda out: out.shape)
+  f, params, state, x, v, true = _long_sequence_linear(cancel, "norms")
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, v)
+  jax.effects_barrier()
+  got = np.asarray(grams.norms, np.float64)
+  assert bool(materialised) == cancel
+  ok = np.arange(len(got)) < len(got) - 1 if cancel else slice(None)
+  np.testing.assert_allclose(got[ok], true[ok], rtol=1e-4)
+  if cancel:  # within float32's rounding of its per-example gradient,
+    # whose entries cancel to 1e-6: |fl(g) - g| <= T u sum_t |x_t| |v_t|
+    # entrywise (the squares and the root add a few u more).
+    t = x.shape[1]
+    err = t * 2.0 ** -24 * np.linalg.norm(np.einsum(
+        "tn,tm->nm", np.abs(np.float64(x[-1])), np.abs(np.float64(v[-1]))))
+    assert abs(got[-1] - true[-1]) <= 1.01 * err + 1e-6 * true[-1], (
+        got[-1], true[-1], err)
