@@ -1112,7 +1112,9 @@ def cases(everything: bool):
     out.append(("no_check_vma/MLP", lambda: case_shard_map(
         "MLP", "explicit", check_vma=False)))
   out.append(("collectives", case_norms_and_collectives))
-  for axis_type in ("Auto", "Explicit"):
+  # By default the MLP under an Auto mesh (the Explicit mesh's jit path:
+  # jit/Explicit/mixed-modes and jit/Explicit/GRU-step).
+  for axis_type in ("Auto", "Explicit") if everything else ("Auto",):
     for name in (JIT_ENTRIES + ("GRU-dynamic", "GRU-static",
                                 "ResNet-GroupNorm")
                  if everything else JIT_ENTRIES[:1]):
