@@ -1131,12 +1131,19 @@ def cases(everything: bool):
     out.append(("mesh_argument/reparametrised", case_reparam_mesh))
     out.append(("mesh_argument/reparametrised/blocked",
                 case_reparam_mesh_blocked))
-  out.append(("fused_rule/shard_map", case_fused_rule_sharded))
+  if everything:
+    # (The fused rule under shard_map: shard_map/MLP/explicit runs the same
+    # rows-and-columns path with the built-in rules, tests/test_rules.py
+    # the fused rule on one device.)
+    out.append(("fused_rule/shard_map", case_fused_rule_sharded))
   out.append(("cross_gram/MLP", case_cross_gram))
   out.append(("loose_gram/linear", case_loose_gram))
-  # The tied LM clipped with --all (clipped/all-layer/MLP runs the same
-  # clipped_grad(mesh_axes=) path).
-  for clipping in ("all-layer", "per-layer"):
+  # The tied LM clipped, and per-layer clipping, with --all
+  # (clipped/all-layer/MLP runs the same clipped_grad(mesh_axes=) path;
+  # per-layer clipping's split of the threshold is the single-device one
+  # of tests/test_reweight.py).
+  for clipping in ("all-layer", "per-layer") if everything else (
+      "all-layer",):
     for name in ("MLP", "tied-LM") if everything else ("MLP",):
       out.append((f"clipped/{clipping}/{name}",
                    lambda c=clipping, n=name: case_clipped(c, n)))
