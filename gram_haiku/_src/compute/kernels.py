@@ -809,12 +809,10 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
     # :mod:`gram_haiku._src.compute.norm_bounds`), its materialised norm
     # (per example: no norm depends on another example's cancelling).
     # (Below HIGHEST, the ghost value at HIGHEST first where that is tight:
-    # _ghost_at_highest_first.)
+    # _below_highest_first.)
     value, slack = ghost_sq_norms(x, d, cfg, True)
-    fallback = functools.partial(_materialized_sq_norms_blocked, cfg=cfg)
-    if cfg.precision != lax.Precision.HIGHEST:
-      fallback = functools.partial(_ghost_at_highest_first, fallback, cfg,
-                                   bounds=False)
+    fallback = _below_highest_first(functools.partial(
+        _materialized_sq_norms_blocked, cfg=cfg), cfg, bounds=False)
     out = loose_fallback(norm_bounds.ghost(value, slack)[1], fallback, value,
                          (x, d))
   if with_bias:
@@ -953,6 +951,16 @@ def _materialized_sq_norms_blocked(x, d, cfg: KernelConfig) -> jax.Array:
       (x, d))
 
 
+def _below_highest_first(materialised, cfg: KernelConfig, *, bounds: bool):
+  """The fallback ``(x, d) -> [B]`` of loose ghost norms (``bounds``: their
+  upper bounds; else their values): ``materialised`` at ``HIGHEST``, else
+  :func:`_ghost_at_highest_first` of it."""
+  if cfg.precision == lax.Precision.HIGHEST:
+    return materialised
+  return functools.partial(_ghost_at_highest_first, materialised, cfg,
+                           bounds=bounds)
+
+
 def _ghost_at_highest_first(materialised, cfg: KernelConfig, x, d, *,
                             bounds: bool = True):
   """The fallback of ghost norms formed below ``HIGHEST`` (a TPU's
@@ -975,7 +983,7 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   """Sound upper bounds of the squared norms of :func:`linear_sq_norms`
   (:mod:`gram_haiku._src.compute.norm_bounds`): each example's ghost value
   plus its rounding bound (G) where that is tight, else (below
-  ``HIGHEST``, :func:`_ghost_at_highest_first`) the same at ``HIGHEST``
+  ``HIGHEST``, :func:`_below_highest_first`) the same at ``HIGHEST``
   where that is, else its materialised bound (M), formed in blocks of
   examples within the memory budget."""
   b, t, n = x.shape
@@ -1001,10 +1009,9 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   else:
     bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
     # The fallback (rare: cancelling examples) in small blocks.
-    fallback = functools.partial(
-        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES))
-    if cfg.precision != lax.Precision.HIGHEST:
-      fallback = functools.partial(_ghost_at_highest_first, fallback, cfg)
+    fallback = _below_highest_first(functools.partial(
+        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), cfg,
+                                    bounds=True)
     out = loose_fallback(loose, fallback, bound, (x, d))
   # Intermediates flushed to zero (norm_bounds' docstring: underflow),
   # from each example's largest row norms, bounds of its largest input and
