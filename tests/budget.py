@@ -23,8 +23,8 @@ It writes the rest to ``tests/thorough_only.txt`` below its hand-written
 section (entries chosen for a stated reason, kept as they are). Run it
 after adding many tests or when the budget is exceeded::
 
-  pip install coverage pytest-cov
-  python -m tests.budget            # about 10 minutes on 2 cores
+  tox -e budget                     # about 10 minutes on 2 cores
+  # or: pip install coverage pytest-cov && python -m tests.budget
 
 It runs the default budget itself under ``GRAM_HAIKU_BUDGET_ALL=1`` (the
 generated section ignored), so a test once left out can come back.
