@@ -629,12 +629,15 @@ def test_a_standardised_conv_bound_is_tight_under_an_accelerators_rounding(
   x = np.maximum(rng.normal(size=(b, 6, 6, 16)), 0).astype(np.float32)
   v = rng.normal(size=(b, 6, 6, 8)).astype(np.float32)
   params, state = f.init(jax.random.PRNGKey(0), x, v)
-  wide = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-  true = np.linalg.norm(jax.vmap(lambda xi, vi: jnp.concatenate([
-      jnp.ravel(g) for g in jax.tree.leaves(jax.grad(
-          lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
-                            vi[None]))(wide))]))(
-                                np.float64(x), np.float64(v)), axis=1)
+  with jax.enable_x64(True):  # (else the float64 arrays become float32)
+    wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    true = np.linalg.norm(np.asarray(jax.vmap(lambda xi, vi: jnp.concatenate([
+        jnp.ravel(g) for g in jax.tree.leaves(jax.grad(
+            lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
+                              vi[None]))(wide))]))(
+                                  jnp.asarray(x, jnp.float64),
+                                  jnp.asarray(v, jnp.float64))), axis=1)
+  assert true.dtype == np.float64
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
       params, state, None, x, v)
   jax.effects_barrier()
@@ -1664,11 +1667,16 @@ def _long_sequence_linear(cancel: bool, mode: str):
     x[-1, 1::2] = x[-1, ::2]
     v[-1, 1::2] = -v[-1, ::2] * (1 + 1e-6)
   params, state = f.init(jax.random.PRNGKey(0), x, v)
-  wide = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-  true = np.linalg.norm(jax.vmap(lambda xi, vi: jnp.ravel(jax.grad(
-      lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
-                        vi[None]))(wide)["out"]["w"]))(
-                            np.float64(x), np.float64(v)), axis=1)
+  # (in float64: without x64 the float64 arrays became float32, and the
+  # cancelling example's reference norm was 1e-3 below its float64 norm)
+  with jax.enable_x64(True):
+    wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+    true = np.linalg.norm(np.asarray(jax.vmap(lambda xi, vi: jnp.ravel(
+        jax.grad(lambda p: jnp.sum(hk.transform(body).apply(
+            p, None, xi[None]) * vi[None]))(wide)["out"]["w"]))(
+                jnp.asarray(x, jnp.float64), jnp.asarray(v, jnp.float64))),
+                          axis=1)
+  assert true.dtype == np.float64
   return f, params, state, x, v, true
 
 
