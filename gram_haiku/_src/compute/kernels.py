@@ -940,15 +940,17 @@ FALLBACK_BYTES = 1 << 21
 
 def _materialized_sq_norms_blocked(x, d, cfg: KernelConfig) -> jax.Array:
   """:func:`materialized_sq_norms` in blocks of examples of at most
-  :data:`FALLBACK_BYTES` (the fallback where ghost norms cancel)."""
+  :data:`FALLBACK_BYTES` (the fallback where ghost norms cancel), at
+  ``HIGHEST`` (rare, and where the products cancel the precision that
+  keeps them)."""
   n, m = x.shape[-1], d.shape[-1]
   itemsize = jnp.dtype(d.dtype).itemsize
   budget = min(cfg.memory_budget_bytes, FALLBACK_BYTES)
   per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
   rows = max(1, budget // max(per_row, 1))
   return map_row_slices(
-      lambda xi, di: materialized_sq_norms(xi, di, cfg.precision), rows,
-      (x, d))
+      lambda xi, di: materialized_sq_norms(xi, di, lax.Precision.HIGHEST),
+      rows, (x, d))
 
 
 def _below_highest_first(materialised, cfg: KernelConfig, *, bounds: bool):
@@ -991,27 +993,30 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   acc = d.dtype
   itemsize = jnp.dtype(acc).itemsize
 
-  def materialised(budget: int, x, d):
+  def materialised(budget: int, precision, x, d):
     per_row = cost_model.size_hint(n) * cost_model.size_hint(m) * itemsize
     rows = max(1, budget // max(per_row, 1))
     value = map_row_slices(
         lambda xi, di: norm_bounds.sum_of_squares(jnp.einsum(
-            "itn,itm->inm", xi, di, precision=cfg.precision)), rows, (x, d))
+            "itn,itm->inm", xi, di, precision=precision)), rows, (x, d))
     return norm_bounds.materialized(
         value, norm_bounds.squares_rel(n * m, acc), norm_bounds.triangle(x, d),
-        t, acc, cfg.precision)
+        t, acc, precision)
 
   if method != "ghost":
-    out = materialised(cfg.memory_budget_bytes, x, d)
+    out = materialised(cfg.memory_budget_bytes, cfg.precision, x, d)
   elif isinstance(t, int) and t == 1:
     # One position: nothing cancels, the ghost bound is tight.
     out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
   else:
     bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
-    # The fallback (rare: cancelling examples) in small blocks.
+    # The fallback (rare: cancelling examples) in small blocks, at HIGHEST
+    # (its bound counts each product's rounding against the unsigned sum
+    # over positions: below HIGHEST a TPU's 2^-7 of it put a cancelling
+    # example's bound 1e3 to 1e5 times above its norm).
     fallback = _below_highest_first(functools.partial(
-        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES)), cfg,
-                                    bounds=True)
+        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES),
+        lax.Precision.HIGHEST), cfg, bounds=True)
     out = loose_fallback(loose, fallback, bound, (x, d))
   # Intermediates flushed to zero (norm_bounds' docstring: underflow),
   # from each example's largest row norms, bounds of its largest input and
