@@ -90,16 +90,16 @@ gc.set_threshold(50_000, 50, 100)
 # shared/cases and the checks of every documentation page.
 FULL_FILES = ("tests/test_cases.py", "tests/test_docs.py")
 # Sweeps elsewhere that run every case: the sharded cases of
-# tests/distributed_cases.py' default list (cases(everything=False), which
+# tests/distributed_cases.py's default list (cases(everything=False), which
 # its one runner computes whole, each case reported; --all adds the rest).
 EVERY_CASE = ("tests/test_distributed.py::test_sharded_case",)
 # Sweeps that keep one case in k (a key a file: each of its sweeps), first
 # included, and where a sweep crosses parameters or has two cases each
-# value of each at least once: the clip bound's attacks, every other case of each in order
-# of collection (of the cancelling attack one in four) with every layer,
-# strategy and mode; the interpreter's red-team corpus, one row in
-# twenty-four (each row one verdict of the same interpreter, the rows of
-# refused programs among them).
+# value of each at least once: the clip bound's attacks, every other case
+# of each in order of collection (of the cancelling attack one in four)
+# with every layer, strategy and mode; the interpreter's red-team corpus,
+# one row in twenty-four (each row one verdict of the same interpreter,
+# the rows of refused programs among them).
 SAMPLED_SWEEPS = {
     "tests/test_clip_bound.py": 2,
     "tests/test_clip_bound.py::test_a_cancelling_example_is_clipped": 4,
@@ -121,9 +121,8 @@ def _sampled(items):
   and all the sweeps' items: each function's first case (in order of
   collection), every case of :data:`FULL_FILES` and :data:`EVERY_CASE`,
   one in ``k`` of :data:`SAMPLED_SWEEPS` and, in those that cross
-  parameters or have two cases, each value of each at least once. The conformance suite's
-  items
-  (sampled by its plugin) are left alone."""
+  parameters or have two cases, each value of each at least once. The
+  conformance suite's items (sampled by its plugin) are left alone."""
   groups = {}
   for item in items:
     callspec = getattr(item, "callspec", None)
