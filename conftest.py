@@ -157,8 +157,9 @@ def _sampled(items):
 
 
 def _key(item):
-  """``file::function`` of a test item."""
-  return f"{item.nodeid.split('::')[0]}::{getattr(item, 'originalname', '')}"
+  """``file::function`` of a test item (:func:`tests.budget.function_key`,
+  the keys of tests/thorough_only.txt)."""
+  return budget.function_key(item.nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)

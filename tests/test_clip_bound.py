@@ -462,14 +462,19 @@ def _spy_on_looseness(standardised, monkeypatch) -> list:
   """A list that records, per run of the standardised closed form's bound
   (:func:`standardised._bound`), whether it was loose for any example
   (the exact fallback then runs)."""
-  seen = []
-  bound = standardised._bound
+  return _spy(standardised, "_bound", monkeypatch,
+              lambda out: bool(np.any(out[1])))
 
-  def spy(*args):
-    value, loose = bound(*args)
-    jax.debug.callback(lambda l: seen.append(bool(np.any(l))), loose)
-    return value, loose
-  monkeypatch.setattr(standardised, "_bound", spy)
+
+def _spy(module, name, monkeypatch, record) -> list:
+  """A list that gets ``record(out)`` of each run of ``module.name``."""
+  seen, fn = [], getattr(module, name)
+
+  def spy(*args, **kwargs):
+    out = fn(*args, **kwargs)
+    jax.debug.callback(lambda o: seen.append(record(o)), out)
+    return out
+  monkeypatch.setattr(module, name, spy)
   return seen
 
 
@@ -629,15 +634,7 @@ def test_a_standardised_conv_bound_is_tight_under_an_accelerators_rounding(
   x = np.maximum(rng.normal(size=(b, 6, 6, 16)), 0).astype(np.float32)
   v = rng.normal(size=(b, 6, 6, 8)).astype(np.float32)
   params, state = f.init(jax.random.PRNGKey(0), x, v)
-  with jax.enable_x64(True):  # (else the float64 arrays become float32)
-    wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
-    true = np.linalg.norm(np.asarray(jax.vmap(lambda xi, vi: jnp.concatenate([
-        jnp.ravel(g) for g in jax.tree.leaves(jax.grad(
-            lambda p: jnp.sum(hk.transform(body).apply(p, None, xi[None]) *
-                              vi[None]))(wide))]))(
-                                  jnp.asarray(x, jnp.float64),
-                                  jnp.asarray(v, jnp.float64))), axis=1)
-  assert true.dtype == np.float64
+  true = _float64_norms(body, params, x, v)
   _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
       params, state, None, x, v)
   jax.effects_barrier()
@@ -1667,29 +1664,22 @@ def _long_sequence_linear(cancel: bool, mode: str):
     x[-1, 1::2] = x[-1, ::2]
     v[-1, 1::2] = -v[-1, ::2] * (1 + 1e-6)
   params, state = f.init(jax.random.PRNGKey(0), x, v)
-  # (in float64: without x64 the float64 arrays became float32, and the
-  # cancelling example's reference norm was 1e-3 below its float64 norm)
+  return f, params, state, x, v, _float64_norms(body, params, x, v)
+
+
+def _float64_norms(body, params, x, v) -> np.ndarray:
+  """The float64 per-example gradient norms of ``sum(body(x) * v)``
+  (:func:`per_example_grads` under x64: without it float64 arrays become
+  float32, and a cancelling example's norm was 1e-3 below its float64
+  one)."""
   with jax.enable_x64(True):
     wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
-    true = np.linalg.norm(np.asarray(jax.vmap(lambda xi, vi: jnp.ravel(
-        jax.grad(lambda p: jnp.sum(hk.transform(body).apply(
-            p, None, xi[None]) * vi[None]))(wide)["out"]["w"]))(
-                jnp.asarray(x, jnp.float64), jnp.asarray(v, jnp.float64))),
-                          axis=1)
-  assert true.dtype == np.float64
-  return f, params, state, x, v, true
-
-
-def _spy(module, name, monkeypatch, record) -> list:
-  """A list that gets ``record(out)`` of each run of ``module.name``."""
-  seen, fn = [], getattr(module, name)
-
-  def spy(*args, **kwargs):
-    out = fn(*args, **kwargs)
-    jax.debug.callback(lambda o: seen.append(record(o)), out)
-    return out
-  monkeypatch.setattr(module, name, spy)
-  return seen
+    g = per_example_grads(
+        lambda p, xi, vi: jnp.sum(hk.transform(body).apply(p, None, xi) * vi),
+        wide, jnp.asarray(x, jnp.float64), jnp.asarray(v, jnp.float64))
+    out = np.linalg.norm(np.asarray(g), axis=1)
+  assert out.dtype == np.float64
+  return out
 
 
 @pytest.mark.parametrize("cancel", [False, True])

@@ -9,13 +9,13 @@ within float32 rounding where nothing cancels."""
 
 import haiku as hk
 import jax
-from jax import flatten_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import gram_haiku
 from tests.test_clip_bound import _as_on_a_tpu
+from tests.test_clip_bound import _float64_norms
 
 
 def _body(layers: int, with_bias: bool, width: int = 8):
@@ -42,14 +42,7 @@ def _setup(x, v, layers=1, with_bias=False, param_dtype=jnp.float32,
   f = hk.transform_with_state(loss_fn)
   params, state = f.init(jax.random.PRNGKey(0), x, v)
   params = jax.tree.map(lambda a: a.astype(param_dtype), params)
-  plain = hk.transform(lambda x, v: jnp.sum(body(x) * v))
-  with jax.enable_x64(True):
-    wide = jax.tree.map(lambda a: jnp.asarray(np.float64(a)), params)
-    g = jax.vmap(lambda xi, vi: flatten_util.ravel_pytree(jax.grad(
-        lambda p: plain.apply(p, None, xi[None], vi[None]))(wide))[0])(
-            jnp.asarray(np.float64(np.asarray(x, np.float32))),
-            jnp.asarray(np.float64(v)))
-    true = np.linalg.norm(np.asarray(g), axis=1)
+  true = _float64_norms(body, params, np.asarray(x, np.float32), v)
   return f, params, state, true
 
 
