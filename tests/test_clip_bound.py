@@ -1749,3 +1749,33 @@ def test_reported_ghost_norms_loose_below_highest_are_taken_at_highest_first(
         "tn,tm->nm", np.abs(np.float64(x[-1])), np.abs(np.float64(v[-1]))))
     assert abs(got[-1] - true[-1]) <= 1.01 * err + 1e-6 * true[-1], (
         got[-1], true[-1], err)
+
+
+def test_a_tpu_forms_long_sequences_ghost_norms_at_highest_at_once():
+  """Below ``HIGHEST``, a program lowered for a TPU forms the ghost norms
+  of a sequence of at least ``kernels.HIGHEST_FIRST_POSITIONS`` positions
+  at ``HIGHEST`` at once (its bfloat16 passes leave every example of a
+  long sequence loose, and the retry at ``HIGHEST`` then ran on every
+  step); a shorter sequence, and the CPU's program, form them at the
+  default precision first. Bounds and reported norms alike; lowering
+  needs no TPU."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  long_t = kernels.HIGHEST_FIRST_POSITIONS
+  for t in (long_t // 2, long_t):
+    for upper_bound in (True, False):
+      cfg = kernels.KernelConfig(precision=jax.lax.Precision.DEFAULT,
+                                 upper_bound=upper_bound)
+      x = jax.ShapeDtypeStruct((4, t, 8), jnp.float32)
+      d = jax.ShapeDtypeStruct((4, t, 3), jnp.float32)
+      fn = jax.jit(lambda x, d, cfg=cfg: kernels.linear_sq_norms(
+          x, d, with_bias=False, method="ghost", cfg=cfg))
+      for platform in ("cpu", "tpu"):
+        text = fn.trace(x, d).lower(lowering_platforms=(platform,)).as_text()
+        precisions = collections.Counter(
+            re.findall(r"dot_general.*precision = \[(\w+),", text))
+        at_once = platform == "tpu" and t >= long_t
+        where = (t, upper_bound, platform, dict(precisions))
+        # (the fallbacks' products at HIGHEST in every program)
+        assert precisions["HIGHEST"] > 0, where
+        assert (precisions["DEFAULT"] == 0) == at_once, where
