@@ -147,19 +147,25 @@ def test_default_budget_runs_every_family_on_every_op(n_ops, n_cases):
   ops = [f"op{i}" for i in range(n_ops)]
   items = [_Item("test_f", "vmap", op, case) for op in ops
            for case in range(n_cases)]
+  # A second function of the same family (a row of the table is a family).
+  items += [_Item("test_g", "vmap", op, c) for op in ops for c in range(4)]
   items += [_Item("test_s", "sharded", op, c) for op in ops for c in range(3)]
   keep, drop = plugin.sample_items(items, ops)
   assert len(keep) + len(drop) == len(items)
   kept = {(i.originalname, i.callspec.params["conformance_op"].name,
            i.callspec.params["case"]) for i in keep}
   for op in ops:  # every op runs the family
-    assert any(k[0] == "test_f" and k[1] == op for k in kept), op
+    assert any(k[0] in ("test_f", "test_g") and k[1] == op for k in kept), op
     # The sharded family is sampled too (its runner runs the kept pairs).
     assert any(k[0] == "test_s" and k[1] == op for k in kept), op
-  for name, cases in (("test_f", n_cases), ("test_s", 3)):
+  for name, cases in (("test_f", n_cases), ("test_g", 4), ("test_s", 3)):
     for case in range(cases):  # every case runs on enough ops
       on = sum(1 for k in kept if k[0] == name and k[2] == case)
       assert on >= min(n_ops, plugin.OPS_PER_CASE), (name, case, on)
+  # The family's two functions share the ops: about one item per op or per
+  # case, whichever is more, not one per op and function.
+  family = sum(1 for k in kept if k[0] in ("test_f", "test_g"))
+  assert family <= max(n_ops, n_cases + 4) + plugin.OPS_PER_CASE, family
   if n_ops <= plugin.OPS_PER_CASE:
     assert not drop
 

@@ -234,7 +234,8 @@ def pytest_terminal_summary(terminalreporter):
 
 #: In the default budget, each case of a family (a dtype, a layout, a
 #: transform) runs on about this many of the selected built-in ops, spread
-#: so that every op still runs every family; ``--conformance-thorough`` runs
+#: so that every op still runs every family (a row of the table: at least
+#: one case of one of the family's test functions); ``--conformance-thorough`` runs
 #: every (op, case) pair. With fewer than twice this many built-in ops
 #: selected, every pair runs. A third party's ops are never sampled: every
 #: case of theirs runs (see :func:`gram_haiku.conformance.registry.is_builtin`).
@@ -257,14 +258,16 @@ def sample_items(items, op_names):
   """The items of the default budget, and the deselected rest.
 
   Only the ops ``op_names`` (the selected built-in ops) are sampled: an
-  item of any other op is kept. Among the tests of one function, op ``i``
-  (in registration order) runs
-  its ``r``-th applicable case when ``(i + r) % stride == 0``, with
-  ``stride = min(n_ops // OPS_PER_CASE, n)`` and ``n`` the op's number of
-  applicable cases: every op runs at least one applicable case of every
-  function, and the cases are spread evenly over the ops (each on about
-  ``n_ops / stride`` of them). Cases known not to apply (a parity dtype the
-  op cannot take) are deselected.
+  item of any other op is kept. Among the tests of one family (a row of
+  the summary table: the ``vmap`` family's two test functions, say), op
+  ``i`` (in registration order) runs its ``r``-th applicable case (a test
+  function and its parameters, in collection order) when
+  ``(i + r) % stride == 0``, with ``stride = min(n_ops // OPS_PER_CASE,
+  n)`` and ``n`` the op's number of applicable cases of the family: every
+  op runs at least one applicable case of every family, and every case
+  runs on about ``n_ops / stride`` of the ops (at least one where
+  ``n_ops >= n``). Cases known not to apply (a parity dtype the op cannot
+  take) are deselected.
   """
   stride = len(op_names) // OPS_PER_CASE
   if stride <= 1:
@@ -279,7 +282,7 @@ def sample_items(items, op_names):
         or not _applies(item)):
       continue
     per_op = rank.setdefault(
-        (item.originalname, callspec.params["conformance_op"].name), {})
+        (family.args[0], callspec.params["conformance_op"].name), {})
     per_op.setdefault(_case_key(item), len(per_op))
   keep, drop = [], []
   for item in items:
@@ -288,8 +291,9 @@ def sample_items(items, op_names):
       keep.append(item)
       continue
     op = callspec.params["conformance_op"].name
-    per_op = rank.get((item.originalname, op))
     family = item.get_closest_marker("conformance_family")
+    per_op = (rank.get((family.args[0], op)) if family is not None
+              else None)
     if op not in op_index or (family is not None and
                               family.args[0] in UNSAMPLED_FAMILIES):
       keep.append(item)
