@@ -1753,7 +1753,8 @@ def test_reported_ghost_norms_loose_below_highest_are_taken_at_highest_first(
 
 def test_a_tpu_forms_long_sequences_ghost_norms_at_highest_at_once():
   """Below ``HIGHEST``, a program lowered for a TPU forms the ghost norms
-  of a sequence of at least ``kernels.HIGHEST_FIRST_POSITIONS`` positions
+  of a sequence of at least ``cost_model.HIGHEST_FIRST_POSITIONS["tpu"]``
+  positions
   at ``HIGHEST`` at once (its bfloat16 passes leave every example of a
   long sequence loose, and the retry at ``HIGHEST`` then ran on every
   step); a shorter sequence, and the CPU's program, form them at the
@@ -1761,7 +1762,9 @@ def test_a_tpu_forms_long_sequences_ghost_norms_at_highest_at_once():
   needs no TPU."""
   import collections  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
-  long_t = kernels.HIGHEST_FIRST_POSITIONS
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
+  long_t = cost_model.HIGHEST_FIRST_POSITIONS["tpu"]
+  assert "cpu" not in cost_model.HIGHEST_FIRST_POSITIONS
   for t in (long_t // 2, long_t):
     for upper_bound in (True, False):
       cfg = kernels.KernelConfig(precision=jax.lax.Precision.DEFAULT,

@@ -146,6 +146,33 @@ def pallas_ghost_gram_platforms(x, d, spread: bool) -> tuple[str, ...]:
   return tuple(PALLAS_GHOST_GRAM)
 
 
+#: Per platform, the sequence length from which the ghost norms of a
+#: linear map, asked for below ``HIGHEST``, are formed at ``HIGHEST`` at
+#: once. Below ``HIGHEST`` a TPU's bfloat16 passes count ``2^-7`` of each
+#: product against the unsigned sum over ``T^2`` pairs of positions, so
+#: over a long sequence every example's ghost bound was loose and every
+#: step formed the norms twice (at the default precision, then at
+#: ``HIGHEST``: ``kernels._below_highest_first``). Measured on one TPU v5e
+#: chip, the clipping step at ``gram_precision="default"`` (2026-12-07,
+#: device time, ``benchmarks/results/tpu_default_precision/
+#: highest_first_ab.json``): GPT-style decoder (``T = 256``, B = 16)
+#: 39.6 ms default first, 30.7 ms at ``HIGHEST`` at once; ViT-S/4
+#: (``T = 65``, B = 128) 16.2 ms default first, 18.4 ms at ``HIGHEST`` at
+#: once (its layers' bounds were tight at the default precision). Not
+#: measured on a GPU, so no entry: default first there.
+HIGHEST_FIRST_POSITIONS = {"tpu": 128}
+
+
+def highest_first_platforms(t) -> tuple[str, ...]:
+  """The platforms of :data:`HIGHEST_FIRST_POSITIONS` on which the ghost
+  norms over ``t`` positions are formed at ``HIGHEST`` at once (``()`` for
+  a symbolic ``t``: default first everywhere)."""
+  if not isinstance(t, int):
+    return ()
+  return tuple(p for p, least in HIGHEST_FIRST_POSITIONS.items()
+               if t >= least)
+
+
 def size_hint(n) -> int:
   """``n``, or :data:`SYMBOLIC_SIZE` for a symbolic size (``jax.export``),
   which cannot be compared with a number."""

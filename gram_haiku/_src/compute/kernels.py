@@ -955,30 +955,18 @@ def _materialized_sq_norms_blocked(x, d, cfg: KernelConfig) -> jax.Array:
       rows, (x, d))
 
 
-#: On a TPU below ``HIGHEST``, the ghost norms of a sequence of at least
-#: this many positions are formed at ``HIGHEST`` at once: the bfloat16
-#: passes count ``2^-7`` of each product against the unsigned sum over
-#: ``T^2`` pairs of positions, so at a GPT's ``T = 256`` every example was
-#: loose and every step formed them twice (:func:`_below_highest_first`).
-#: Measured on a TPU v5e, the clipping step at default precision
-#: (2026-12-07): GPT (``T = 256``, B = 16) 39.6 ms default first, 30.7 ms
-#: at ``HIGHEST`` at once; ViT (``T = 65``, B = 128) 16.2 ms default first,
-#: 18.4 ms at ``HIGHEST`` (its layers' bounds were tight at default).
-HIGHEST_FIRST_POSITIONS = 128
-
-
 def _sequence_ghost_precision(fn, cfg: KernelConfig, t) -> jax.Array:
   """``fn(cfg)``, the ghost norms of a sequence of ``t`` positions at
-  ``cfg``'s precision, except on a TPU below ``HIGHEST`` from
-  :data:`HIGHEST_FIRST_POSITIONS` positions, where ``fn`` gets ``cfg`` at
-  ``HIGHEST`` (``lax.platform_dependent``: chosen when lowering, the CPU's
-  and a GPU's programs unchanged)."""
-  if (cfg.precision == lax.Precision.HIGHEST or not isinstance(t, int)
-      or t < HIGHEST_FIRST_POSITIONS):
+  ``cfg``'s precision, except where ``cfg`` is below ``HIGHEST`` on the
+  platforms of :func:`cost_model.highest_first_platforms`, which get
+  ``fn`` of ``cfg`` at ``HIGHEST`` (``lax.platform_dependent``: chosen
+  when lowering, the other platforms' programs unchanged)."""
+  platforms = cost_model.highest_first_platforms(t)
+  if cfg.precision == lax.Precision.HIGHEST or not platforms:
     return fn(cfg)
   high = dataclasses.replace(cfg, precision=lax.Precision.HIGHEST)
-  return lax.platform_dependent(tpu=lambda: fn(high),
-                                default=lambda: fn(cfg))
+  return lax.platform_dependent(default=lambda: fn(cfg),
+                                **{p: lambda: fn(high) for p in platforms})
 
 
 def _below_highest_first(materialised, cfg: KernelConfig, *, bounds: bool):
