@@ -76,6 +76,16 @@ def test_a_test_whose_lines_others_run_is_left_out():
   assert budget.choose(lines, seconds) == ["tests/test_a.py::test_part[x]"]
   assert budget.function_key("tests/test_a.py::Case::test_m[1-2]") == (
       "tests/test_a.py::test_m")
+  # With a time budget: test_big (3 lines in 1.5 s) is picked first, and
+  # past its 1.5 s test_own's own line is left to the thorough env; the
+  # always-kept tests' seconds do not count.
+  assert budget.choose(lines, seconds, keep_s=1.0) == [
+      "tests/test_a.py::test_own", "tests/test_a.py::test_part[x]"]
+  assert budget.choose(lines, seconds, keep_s=2.0) == [
+      "tests/test_a.py::test_part[x]"]
+  assert budget.choose(lines, seconds, keep_s=0.0) == [
+      "tests/test_a.py::test_big", "tests/test_a.py::test_own",
+      "tests/test_a.py::test_part[x]"]
 
 
 def test_the_generated_section_is_rewritten_and_the_hand_one_kept(tmp_path):
