@@ -1782,3 +1782,40 @@ def test_a_tpu_forms_long_sequences_ghost_norms_at_highest_at_once():
         # (the fallbacks' products at HIGHEST in every program)
         assert precisions["HIGHEST"] > 0, where
         assert (precisions["DEFAULT"] == 0) == at_once, where
+
+
+@pytest.mark.parametrize("cancel", [True, False])
+def test_a_tpu_programs_long_sequence_norms_at_highest_at_once_are_sound(
+    cancel, monkeypatch):
+  """The branch a TPU's program takes for a long sequence below
+  ``HIGHEST`` (the ghost norms at ``HIGHEST`` at once), run on this CPU
+  with a TPU's rounding counted (``_as_on_a_tpu``; the CPU given the TPU's
+  entry of ``cost_model.HIGHEST_FIRST_POSITIONS``): one ghost pass, loose
+  only where an example's products cancel (that example alone
+  materialised); every clip norm at or above the float64 norm, the others
+  within 2% of it; the reported norms within float32 rounding of it."""
+  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
+  _as_on_a_tpu(monkeypatch)
+  monkeypatch.setitem(cost_model.HIGHEST_FIRST_POSITIONS, "cpu", 64)
+  loose_seen = _spy(norm_bounds, "ghost", monkeypatch,
+                    lambda out: np.asarray(out[1]))
+  f, params, state, x, v, true = _long_sequence_linear(cancel, "gram")
+  b = x.shape[0]
+  last = np.arange(b) == b - 1 if cancel else np.zeros(b, bool)
+  _, aux = jax.jit(gram_haiku.clipped_grad(f.apply, 1e9))(
+      params, state, None, x, v)
+  jax.effects_barrier()
+  got = np.asarray(aux.grad_norms, np.float64)
+  assert np.all(got >= true), got / true
+  np.testing.assert_allclose(got[~last], true[~last], rtol=2e-2)
+  assert len(loose_seen) == 1, loose_seen  # (at HIGHEST only)
+  np.testing.assert_array_equal(loose_seen[0], last)
+  loose_seen.clear()
+  f, params, state, x, v, true = _long_sequence_linear(cancel, "norms")
+  _, _, grams = jax.jit(gram_haiku.value_grad_and_gram(f.apply))(
+      params, state, None, x, v)
+  jax.effects_barrier()
+  assert len(loose_seen) == 1, loose_seen
+  np.testing.assert_array_equal(loose_seen[0], last)
+  np.testing.assert_allclose(np.asarray(grams.norms, np.float64)[~last],
+                             true[~last], rtol=1e-4)
