@@ -14,6 +14,9 @@ clip functions, all-layer and per-layer; and in a hypothesis search over
 such inputs (a small budget here, a large one in ``conformance-thorough``).
 """
 
+import collections
+import re
+
 import haiku as hk
 import hypothesis
 from hypothesis import strategies as st
@@ -24,6 +27,7 @@ import pytest
 
 import gram_haiku
 from gram_haiku._src.analysis import linear_bound
+from gram_haiku._src.compute import cost_model
 from gram_haiku._src.compute import kernels
 from gram_haiku._src.compute import norm_bounds
 from gram_haiku._src.core.reference import assert_sound_norms
@@ -1760,9 +1764,6 @@ def test_a_tpu_forms_long_sequences_ghost_norms_at_highest_at_once():
   step); a shorter sequence, and the CPU's program, form them at the
   default precision first. Bounds and reported norms alike; lowering
   needs no TPU."""
-  import collections  # pylint: disable=g-import-not-at-top
-  import re  # pylint: disable=g-import-not-at-top
-  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   long_t = cost_model.HIGHEST_FIRST_POSITIONS["tpu"]
   assert "cpu" not in cost_model.HIGHEST_FIRST_POSITIONS
   for t in (long_t // 2, long_t):
@@ -1794,7 +1795,6 @@ def test_a_tpu_programs_long_sequence_norms_at_highest_at_once_are_sound(
   only where an example's products cancel (that example alone
   materialised); every clip norm at or above the float64 norm, the others
   within 2% of it; the reported norms within float32 rounding of it."""
-  from gram_haiku._src.compute import cost_model  # pylint: disable=g-import-not-at-top
   _as_on_a_tpu(monkeypatch)
   monkeypatch.setitem(cost_model.HIGHEST_FIRST_POSITIONS, "cpu", 64)
   loose_seen = _spy(norm_bounds, "ghost", monkeypatch,

@@ -235,9 +235,9 @@ def pytest_terminal_summary(terminalreporter):
 #: In the default budget, each case of a family (a dtype, a layout, a
 #: transform) runs on about this many of the selected built-in ops, spread
 #: so that every op still runs every family (a row of the table: at least
-#: one case of one of the family's test functions); ``--conformance-thorough`` runs
-#: every (op, case) pair. With fewer than twice this many built-in ops
-#: selected, every pair runs. A third party's ops are never sampled: every
+#: one case of one of the family's test functions);
+#: ``--conformance-thorough`` runs every (op, case) pair. With fewer than
+#: twice this many built-in ops selected, every pair runs. A third party's ops are never sampled: every
 #: case of theirs runs (see :func:`gram_haiku.conformance.registry.is_builtin`).
 OPS_PER_CASE = 1
 #: Families never sampled (every case of every op runs). The sharded
@@ -265,9 +265,8 @@ def sample_items(items, op_names):
   ``(i + r) % stride == 0``, with ``stride = min(n_ops // OPS_PER_CASE,
   n)`` and ``n`` the op's number of applicable cases of the family: every
   op runs at least one applicable case of every family, and every case
-  runs on about ``n_ops / stride`` of the ops (at least one where
-  ``n_ops >= n``). Cases known not to apply (a parity dtype the op cannot
-  take) are deselected.
+  runs on about ``n_ops / stride`` of the ops, at least one. Cases known
+  not to apply (a parity dtype the op cannot take) are deselected.
   """
   stride = len(op_names) // OPS_PER_CASE
   if stride <= 1:
