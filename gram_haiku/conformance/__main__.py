@@ -78,8 +78,9 @@ class SummaryCollector:
     if total:
       lines.append(
           f"{total} cases deselected by the default budget, in the rows "
-          "marked (sampled): only the built-in ops are sampled (CI and the "
-          "nightly run check all of their cases); --thorough runs them all.")
+          "marked (sampled): only the built-in ops are sampled (gram_haiku's "
+          "nightly run, tox -e conformance-thorough, checks all of their "
+          "cases); --thorough runs them all.")
     else:
       lines.append("0 cases deselected: every case of every row ran.")
     return "\n".join(lines)

@@ -118,9 +118,9 @@ def registering_modules(names) -> list[str]:
 def is_builtin(spec: OpSpec) -> bool:
   """Whether ``spec`` ships with gram_haiku (its functions are defined in
   gram_haiku's own modules, as the built-in ops and the documented example
-  are). The default budget samples the cases of these alone: CI and the
-  nightly run check every case of them, and a third party's op runs every
-  case of every family."""
+  are). The default budget (CI's) samples the cases of these alone: the
+  nightly run (``tox -e conformance-thorough``) checks every case of them,
+  and a third party's op runs every case of every family."""
   return all(
       (getattr(fn, "__module__", None) or "").startswith("gram_haiku.")
       for fn in (spec.make_params, spec.make_example, spec.apply, spec.plain))
