@@ -168,8 +168,9 @@ def main(argv=None) -> int:
   parser.add_argument("--durations", default=os.path.join(
       ROOT, ".budget_durations.log"), help="pytest --durations=0 output")
   parser.add_argument("--keep-s", type=float, default=KEEP_S,
-                      help="seconds (cold, 2 cores) of the tests kept for "
-                      "lines no always-kept test runs; past them the "
+                      help="seconds (as this tool's run measures them) of "
+                      "the tests kept for lines no always-kept test runs; "
+                      "past them the "
                       "greedy pick leaves the rest to the thorough env "
                       "(default %(default)s; a negative value: no limit)")
   args = parser.parse_args(argv)
