@@ -152,7 +152,7 @@ def pallas_ghost_gram_platforms(x, d, spread: bool) -> tuple[str, ...]:
 #: product against the unsigned sum over ``T^2`` pairs of positions, so
 #: over a long sequence every example's ghost bound was loose and every
 #: step formed the norms twice (at the default precision, then at
-#: ``HIGHEST``: ``kernels._below_highest_first``). Measured on one TPU v5e
+#: ``HIGHEST``: ``kernels._ghost_or_fallback``). Measured on one TPU v5e
 #: chip, the clipping step at ``gram_precision="default"`` (2026-12-07,
 #: device time, ``benchmarks/results/tpu_default_precision/
 #: highest_first_ab.json``): GPT-style decoder (``T = 256``, B = 16)

@@ -808,15 +808,10 @@ def linear_sq_norms(x: jax.Array, d: jax.Array, *, with_bias: bool,
     # The best estimate: where an example's ghost norm cancels (see
     # :mod:`gram_haiku._src.compute.norm_bounds`), its materialised norm
     # (per example: no norm depends on another example's cancelling).
-    # (Below HIGHEST, the ghost value at HIGHEST first where that is tight:
-    # _below_highest_first.)
-    def ghost(cfg):
-      value, slack = ghost_sq_norms(x, d, cfg, True)
-      fallback = _below_highest_first(functools.partial(
-          _materialized_sq_norms_blocked, cfg=cfg), cfg, bounds=False)
-      return loose_fallback(norm_bounds.ghost(value, slack)[1], fallback,
-                            value, (x, d))
-    out = _sequence_ghost_precision(ghost, cfg, x.shape[1])
+    fallback = functools.partial(_materialized_sq_norms_blocked, cfg=cfg)
+    out = _sequence_ghost_precision(
+        lambda c: _ghost_or_fallback(x, d, c, fallback, bounds=False), cfg,
+        x.shape[1])
   if with_bias:
     out = out + jnp.sum(d.sum(axis=1) ** 2, axis=-1)
   return out
@@ -969,31 +964,26 @@ def _sequence_ghost_precision(fn, cfg: KernelConfig, t) -> jax.Array:
                                 **{p: lambda: fn(high) for p in platforms})
 
 
-def _below_highest_first(materialised, cfg: KernelConfig, *, bounds: bool):
-  """The fallback ``(x, d) -> [B]`` of loose ghost norms (``bounds``: their
-  upper bounds; else their values): ``materialised`` at ``HIGHEST``, else
-  :func:`_ghost_at_highest_first` of it."""
-  if cfg.precision == lax.Precision.HIGHEST:
-    return materialised
-  return functools.partial(_ghost_at_highest_first, materialised, cfg,
-                           bounds=bounds)
-
-
-def _ghost_at_highest_first(materialised, cfg: KernelConfig, x, d, *,
-                            bounds: bool = True):
-  """The fallback of ghost norms formed below ``HIGHEST`` (a TPU's
-  bfloat16 passes count ``2^-7`` of each product: at ``T = 256`` a GPT's
-  output layer was loose for every example, and materialising its
-  per-example gradients one example at a time made the clipping step
-  2.7x a plain step instead of 1.8x, 2026-12-07): each example's ghost
-  bound (``bounds``; else its value) at ``HIGHEST`` where that is tight,
-  else (its products cancel) ``materialised(x, d)``'s. Per example, as
-  :func:`loose_fallback`: each example's value is from its own data."""
-  high = dataclasses.replace(cfg, precision=lax.Precision.HIGHEST)
-  value, slack = ghost_sq_norms(x, d, high, True)
+def _ghost_or_fallback(x, d, cfg: KernelConfig, materialised, *,
+                       bounds: bool) -> jax.Array:
+  """Each example's ghost bound (``bounds``; else its ghost value) at
+  ``cfg``'s precision where that is tight; else, below ``HIGHEST``, the
+  same at ``HIGHEST`` (a TPU's bfloat16 passes count ``2^-7`` of each
+  product: at ``T = 256`` a GPT's output layer was loose for every
+  example, and materialising its per-example gradients one example at a
+  time made the clipping step 2.7x a plain step instead of 1.8x,
+  2026-12-07); else (its products cancel) ``materialised(x, d)``'s:
+  ``[B]``. Per example, as :func:`loose_fallback`: each example's value
+  is from its own data, and each fallback runs only where some example
+  is loose."""
+  value, slack = ghost_sq_norms(x, d, cfg, True)
   bound, loose = norm_bounds.ghost(value, slack)
-  return loose_fallback(loose, materialised, bound if bounds else value,
-                        (x, d))
+  fallback = materialised
+  if cfg.precision != lax.Precision.HIGHEST:
+    high = dataclasses.replace(cfg, precision=lax.Precision.HIGHEST)
+    fallback = lambda x, d: _ghost_or_fallback(x, d, high, materialised,
+                                               bounds=bounds)
+  return loose_fallback(loose, fallback, bound if bounds else value, (x, d))
 
 
 def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
@@ -1001,7 +991,7 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
   """Sound upper bounds of the squared norms of :func:`linear_sq_norms`
   (:mod:`gram_haiku._src.compute.norm_bounds`): each example's ghost value
   plus its rounding bound (G) where that is tight, else (below
-  ``HIGHEST``, :func:`_below_highest_first`) the same at ``HIGHEST``
+  ``HIGHEST``, :func:`_ghost_or_fallback`) the same at ``HIGHEST``
   where that is, else its materialised bound (M), formed in blocks of
   examples within the memory budget."""
   b, t, n = x.shape
@@ -1019,24 +1009,21 @@ def _bounded_linear_sq_norms(x, d, with_bias: bool, method: str,
         value, norm_bounds.squares_rel(n * m, acc), norm_bounds.triangle(x, d),
         t, acc, precision)
 
-  def ghost(cfg):
-    bound, loose = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))
-    # The fallback (rare: cancelling examples) in small blocks, at HIGHEST
-    # (its bound counts each product's rounding against the unsigned sum
-    # over positions: below HIGHEST a TPU's 2^-7 of it put a cancelling
-    # example's bound 1e3 to 1e5 times above its norm).
-    fallback = _below_highest_first(functools.partial(
-        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES),
-        lax.Precision.HIGHEST), cfg, bounds=True)
-    return loose_fallback(loose, fallback, bound, (x, d))
-
   if method != "ghost":
     out = materialised(cfg.memory_budget_bytes, cfg.precision, x, d)
   elif isinstance(t, int) and t == 1:
     # One position: nothing cancels, the ghost bound is tight.
     out = norm_bounds.ghost(*ghost_sq_norms(x, d, cfg, True))[0]
   else:
-    out = _sequence_ghost_precision(ghost, cfg, t)
+    # The fallback (rare: cancelling examples) in small blocks, at HIGHEST
+    # (its bound counts each product's rounding against the unsigned sum
+    # over positions: below HIGHEST a TPU's 2^-7 of it put a cancelling
+    # example's bound 1e3 to 1e5 times above its norm).
+    fallback = functools.partial(
+        materialised, min(cfg.memory_budget_bytes, FALLBACK_BYTES),
+        lax.Precision.HIGHEST)
+    out = _sequence_ghost_precision(
+        lambda c: _ghost_or_fallback(x, d, c, fallback, bounds=True), cfg, t)
   # Intermediates flushed to zero (norm_bounds' docstring: underflow),
   # from each example's largest row norms, bounds of its largest input and
   # cotangent entries: the ghost bound's and the triangle's own row norms
