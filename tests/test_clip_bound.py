@@ -1672,18 +1672,9 @@ def _long_sequence_linear(cancel: bool, mode: str):
 
 
 def _float64_norms(body, params, x, v) -> np.ndarray:
-  """The float64 per-example gradient norms of ``sum(body(x) * v)``
-  (:func:`per_example_grads` under x64: without it float64 arrays become
-  float32, and a cancelling example's norm was 1e-3 below its float64
-  one)."""
-  with jax.enable_x64(True):
-    wide = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
-    g = per_example_grads(
-        lambda p, xi, vi: jnp.sum(hk.transform(body).apply(p, None, xi) * vi),
-        wide, jnp.asarray(x, jnp.float64), jnp.asarray(v, jnp.float64))
-    out = np.linalg.norm(np.asarray(g), axis=1)
-  assert out.dtype == np.float64
-  return out
+  """The float64 per-example gradient norms of ``sum(body(x) * v)``: the
+  row norms of :func:`_reference`."""
+  return np.linalg.norm(_reference(body, params, x, v), axis=1)
 
 
 @pytest.mark.parametrize("cancel", [False, True])
